@@ -1,0 +1,49 @@
+# Smallem. `make install` then `make run` (generation) or `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch that lies on disk; GPU users: see README.
+TORCH ?= torch==2.13.0
+# Training budgets in seconds (make checkpoints: about 80 minutes on 2 cores).
+TARGET_S ?= 3300
+MTP_S ?= 420
+DRAFT2_S ?= 480
+DRAFT4_S ?= 600
+
+.PHONY: install run test lint data checkpoints bench clean
+
+$(BIN)/smallem: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(BIN)/smallem
+
+run: install
+	$(BIN)/smallem generate "And God said" --max-new-tokens 100
+
+test: install
+	$(BIN)/ruff check smallem_cli tests
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check smallem_cli tests
+
+data: install
+	$(BIN)/smallem data --out data
+
+# Rebuild the whole shipped family from the corpus. Resumable: rerun after an interruption.
+checkpoints: data
+	$(BIN)/smallem train tokenizer
+	$(BIN)/smallem train target --preset target --budget $(TARGET_S)
+	$(BIN)/smallem train mtp --init checkpoints/mtp.safetensors --budget $(MTP_S)
+	$(BIN)/smallem train draft --preset draft-2l --budget $(DRAFT2_S)
+	$(BIN)/smallem train draft --preset draft-4l --budget $(DRAFT4_S)
+
+bench: install
+	$(BIN)/smallem bench
+
+clean:
+	rm -rf $(VENV) runs data

@@ -1,0 +1,121 @@
+"""Paged KV cache: one slab of pages per layer, a plain-Python page allocator.
+
+A sequence owns a page table (a list of page indices) and a length. Appending takes
+pages from the shared free list as needed; `keep(n)` shortens the sequence to n tokens
+and gives the emptied pages back. Rolling back a rejected speculation is therefore a
+list truncation: no tensor is touched, stale K/V past the length are simply never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """The pool has no free page left for an append."""
+
+
+@dataclass
+class Step:
+    """Where one forward pass of T new tokens reads and writes, shared by every layer."""
+
+    start: int  # position of the first new token
+    length: int  # start + T: keys visible after the write
+    slots: torch.Tensor  # [T] long: flat slot (page * page_size + offset) of each new token
+    pages: torch.Tensor  # [ceil(length / page_size)] long: the sequence's pages, in order
+    bias: torch.Tensor | None  # [T, length] causal mask as 0 / -inf, None when T == 1 (all visible)
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        n_pages: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if n_pages < 1 or page_size < 1:
+            raise ValueError("a cache needs at least one page of at least one slot")
+        self.page_size = page_size
+        self.n_pages = n_pages
+        self.device = torch.device(device)
+        # One K/V slab per layer: [layer, page, slot in page, K or V, kv head, head dim].
+        # K and V of a token sit together, so one index_copy_ writes both.
+        self.kv = torch.zeros((n_layers, n_pages, page_size, 2, n_kv_heads, head_dim), dtype=dtype, device=self.device)
+        self.free: list[int] = list(range(n_pages - 1, -1, -1))  # a stack: pop() is O(1)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self._next_id = 0
+        # Device copy of each page table, rebuilt only when the table changes.
+        self._table_tensors: dict[int, torch.Tensor] = {}
+
+    # --- allocator -------------------------------------------------------------------
+    def new_sequence(self) -> int:
+        seq = self._next_id
+        self._next_id += 1
+        self.tables[seq] = []
+        self.lengths[seq] = 0
+        return seq
+
+    def release(self, seq: int) -> None:
+        """Forget a sequence and return all its pages."""
+        self.keep(seq, 0)
+        del self.tables[seq], self.lengths[seq]
+        self._table_tensors.pop(seq, None)
+
+    def length(self, seq: int) -> int:
+        return self.lengths[seq]
+
+    def pages_used(self) -> int:
+        return sum(len(t) for t in self.tables.values())
+
+    def append(self, seq: int, n: int) -> Step:
+        """Grow `seq` by n tokens, taking pages as needed; say where they go."""
+        table, start = self.tables[seq], self.lengths[seq]
+        length = start + n
+        need = -(-length // self.page_size) - len(table)
+        if need > len(self.free):
+            # Checked before taking anything, so a failed append changes nothing.
+            raise CacheFullError(f"KV cache is full: {need} more pages needed, {len(self.free)} free of {self.n_pages}")
+        if need > 0:
+            table.extend(self.free.pop() for _ in range(need))
+            self._table_tensors.pop(seq, None)
+        self.lengths[seq] = length
+        pages = self._table_tensors.get(seq)
+        if pages is None:
+            pages = torch.tensor(table, dtype=torch.long, device=self.device)
+            self._table_tensors[seq] = pages
+        ps = self.page_size
+        slots = [table[p // ps] * ps + p % ps for p in range(start, length)]
+        bias = None
+        if n > 1:
+            pos = torch.arange(length, device=self.device)
+            bias = torch.zeros(n, length, dtype=self.kv.dtype, device=self.device)
+            bias.masked_fill_(pos[None, :] > pos[start:, None], float("-inf"))
+        return Step(start, length, torch.tensor(slots, dtype=torch.long, device=self.device), pages, bias)
+
+    def keep(self, seq: int, n: int) -> None:
+        """Roll `seq` back to its first n tokens; emptied pages return to the pool."""
+        table = self.tables[seq]
+        if not 0 <= n <= self.lengths[seq]:
+            raise ValueError(f"cannot keep {n} tokens of a sequence of {self.lengths[seq]}")
+        self.lengths[seq] = n
+        n_pages = -(-n // self.page_size)
+        if n_pages < len(table):
+            self.free.extend(reversed(table[n_pages:]))
+            del table[n_pages:]
+            self._table_tensors.pop(seq, None)
+
+    # --- tensors ---------------------------------------------------------------------
+    def write(self, layer: int, step: Step, kv: torch.Tensor) -> None:
+        """Store K/V of the new tokens. kv: [T, 2, kv heads, head dim]."""
+        self.kv[layer].view(-1, *kv.shape[1:]).index_copy_(0, step.slots, kv)
+
+    def read(self, layer: int, step: Step) -> torch.Tensor:
+        """K/V of every visible position, in order: [length, 2, kv heads, head dim]."""
+        return self.kv[layer].index_select(0, step.pages).flatten(0, 1)[: step.length]

@@ -1,0 +1,125 @@
+"""Checkpoints: safetensors files, 16-bit on disk, config and facts in the metadata.
+
+A file holds one model: `kind` is "model" (a target or a draft, Llama parameter names)
+or "mtp" (an MTP module, which needs its target). The metadata also records the
+tokenizer's fingerprint, so a proposer trained with another tokenizer is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .model import MTPModule, Transformer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not fit what it is used for."""
+
+
+def tokenizer_fingerprint(tokenizer_json: str | Path) -> str:
+    """A short hash of the tokenizer's vocabulary: equal fingerprints, same token ids."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab(with_added_tokens=True)
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+
+
+def save(
+    path: str | Path,
+    model: Transformer | MTPModule,
+    *,
+    tokenizer: str = "",
+    facts: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float16,
+) -> None:
+    """Write atomically (temp file, then rename), so an interrupted save leaves the old file whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    meta = {
+        "format": "smallem",
+        "kind": "mtp" if isinstance(model, MTPModule) else "model",
+        "config": model.cfg.to_json(),
+        "tokenizer": tokenizer,
+        "facts": json.dumps(facts or {}, sort_keys=True),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a smallem file, or a CheckpointError saying why not."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    if meta.get("format") != "smallem":
+        raise CheckpointError(f"{path} is not a smallem checkpoint (no smallem metadata)")
+    return tensors, meta
+
+
+def facts(meta: dict[str, str]) -> dict[str, Any]:
+    return json.loads(meta.get("facts", "{}"))
+
+
+def config_of(meta: dict[str, str], path: str | Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_json(meta["config"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: bad config in metadata: {e}") from None
+
+
+def _build(model: Transformer | MTPModule, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"{path}: tensors do not match its config (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
+    for k, v in expected.items():
+        if tensors[k].shape != v.shape:
+            raise CheckpointError(f"{path}: {k} has shape {tuple(tensors[k].shape)}, config says {tuple(v.shape)}")
+    model.load_state_dict({k: v.float() for k, v in tensors.items()})
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise CheckpointError(f"{path}: weights contain NaN or infinity")
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, dict[str, str]]:
+    tensors, meta = read(path)
+    if meta.get("kind") != "model":
+        raise CheckpointError(f"{path} holds a {meta.get('kind')} module, not a model")
+    cfg = config_of(meta, path)
+    model = Transformer(cfg)
+    _build(model, tensors, Path(path))
+    return model.to(device).eval(), meta
+
+
+def load_mtp(
+    path: str | Path, target: Transformer, device: torch.device | str = "cpu"
+) -> tuple[MTPModule, dict[str, str]]:
+    tensors, meta = read(path)
+    if meta.get("kind") != "mtp":
+        raise CheckpointError(f"{path} holds a {meta.get('kind')}, not an MTP module")
+    cfg = config_of(meta, path)
+    if cfg.dim != target.cfg.dim or cfg.vocab_size != target.cfg.vocab_size:
+        raise CheckpointError(f"{path}: MTP module of width {cfg.dim} does not fit a target of width {target.cfg.dim}")
+    mtp = MTPModule(cfg)
+    _build(mtp, tensors, Path(path))
+    return mtp.to(device).eval(), meta

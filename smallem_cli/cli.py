@@ -1,0 +1,313 @@
+"""The `smallem` command: parse, load, call, print. Library modules never print."""
+
+from __future__ import annotations
+
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from . import defaults as D
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Generate text from small language models with speculative decoding.",
+)
+err = Console(stderr=True)
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line on stderr, exit 2."""
+
+
+def fail(msg: str, code: int = 2) -> typer.Exit:
+    err.print(f"[red]error:[/red] {msg}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+# --- data and training ------------------------------------------------------------------
+@app.command()
+def data(
+    files: Annotated[list[Path] | None, typer.Argument(help="UTF-8 text files (default: the KJV Bible)")] = None,
+    out: Annotated[Path, typer.Option(help="output folder")] = D.DATA_DIR,
+) -> None:
+    """Build the corpus and its deterministic train/validation split."""
+    from . import data as corpus
+
+    try:
+        chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
+    except (OSError, UnicodeDecodeError, RuntimeError) as e:
+        raise fail(str(e)) from None
+    train_path, val_path = corpus.write_corpus(out, chunks)
+    err.print(
+        f"{len(chunks)} chunks -> {train_path} ({train_path.stat().st_size} bytes), "
+        f"{val_path} ({val_path.stat().st_size} bytes)"
+    )
+
+
+class Kind(str, Enum):
+    tokenizer = "tokenizer"
+    target = "target"
+    draft = "draft"
+    mtp = "mtp"
+
+
+@app.command()
+def train(
+    kind: Annotated[Kind, typer.Argument(help="what to train")],
+    data_dir: Annotated[
+        Path, typer.Option("--data", help="folder with train.txt and val.txt (smallem data)")
+    ] = D.DATA_DIR,
+    preset: Annotated[str | None, typer.Option(help="model preset (target, draft-2l, draft-4l, ...)")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="output checkpoint (default: checkpoints/<preset>.safetensors)")
+    ] = None,
+    tokenizer: Annotated[Path, typer.Option(help="tokenizer.json")] = D.TOKENIZER,
+    target: Annotated[Path, typer.Option(help="target checkpoint (for mtp)")] = D.TARGET,
+    init: Annotated[Path | None, typer.Option(help="start the MTP module from this file")] = None,
+    budget: Annotated[float, typer.Option(help="training seconds")] = 600.0,
+    run_dir: Annotated[Path | None, typer.Option(help="resume state folder (default: runs/<name>)")] = None,
+    seed: Annotated[int, typer.Option()] = 1234,
+    lr: Annotated[float, typer.Option()] = 2e-3,
+    batch_size: Annotated[int, typer.Option()] = 16,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+) -> None:
+    """Train the tokenizer, a target (with its MTP module), a draft, or an MTP module."""
+    import torch
+
+    from . import checkpoint
+    from . import data as corpus
+    from . import train as tr
+    from .config import PRESETS
+    from .tokenizer import train_tokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    train_txt, val_txt = data_dir / "train.txt", data_dir / "val.txt"
+    if not train_txt.is_file() or not val_txt.is_file():
+        raise fail(f"no corpus in {data_dir}: run `smallem data` (or `make data`) first")
+    if kind is Kind.tokenizer:
+        train_tokenizer(train_txt, tokenizer)
+        err.print(f"tokenizer -> {tokenizer}")
+        return
+    if not tokenizer.is_file():
+        raise fail(f"tokenizer not found: {tokenizer} (run `smallem train tokenizer`)")
+    train_ids = corpus.token_file(tokenizer, train_txt)
+    val_ids = corpus.token_file(tokenizer, val_txt)
+    settings = tr.TrainSettings(budget_s=budget, seed=seed, lr=lr, batch_size=batch_size)
+    name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp"}[kind.value]
+    run = run_dir or Path("runs") / name
+    report = _progress_printer(name)
+    try:
+        if kind is Kind.mtp:
+            tgt, _ = checkpoint.load_model(target)
+            start = checkpoint.load_mtp(init, tgt)[0] if init else None
+            mtp, facts = tr.train_mtp(tgt, train_ids, val_ids, settings, run, report, start)
+            dest = out or D.MTP
+            facts |= {"trained": "distilled from the frozen target" + (f", starting from {init.name}" if init else "")}
+            tr.save_family_member(dest, mtp, tokenizer, facts)
+        else:
+            if name not in PRESETS:
+                raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+            cfg = PRESETS[name]
+            if cfg.vocab_size != (vs := len(corpus_vocab(tokenizer))):
+                raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
+            model, mtp, facts = tr.train_model(cfg, train_ids, val_ids, settings, run, report)
+            dest = out or D.CHECKPOINTS / f"{name}.safetensors"
+            mtp_facts = {k: v for k, v in facts.items() if not k.startswith("val")}
+            facts = {k: v for k, v in facts.items() if not k.startswith("mtp_")}
+            tr.save_family_member(dest, model, tokenizer, facts)
+            if mtp is not None:
+                tr.save_family_member(
+                    dest.with_name("mtp.safetensors"),
+                    mtp,
+                    tokenizer,
+                    mtp_facts | {"trained": f"jointly with {dest.name}"},
+                )
+    except checkpoint.CheckpointError as e:
+        raise fail(str(e)) from None
+    err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}")
+
+
+def corpus_vocab(tokenizer: Path) -> dict[str, int]:
+    from .tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer).get_vocab(with_added_tokens=True)
+
+
+def _progress_printer(name: str):  # type: ignore[no-untyped-def]
+    """A rich progress bar on a terminal; a plain line every 30 s in a log file."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .train import Progress as P
+
+    if err.is_terminal:
+        bar = Progress(
+            TextColumn(f"{name}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err
+        )
+        bar.start()
+        task = bar.add_task(name, total=1.0, info="")
+
+        def show(p: P) -> None:
+            info = f"step {p.step} loss {p.loss:.3f} {p.tokens_per_s:,.0f} tok/s"
+            if p.val_loss is not None:
+                info += f" val {p.val_loss:.3f}"
+            bar.update(task, completed=min(1.0, p.elapsed_s / p.budget_s), info=info)
+            if p.elapsed_s >= p.budget_s:
+                bar.stop()
+
+        return show
+    last = [0.0]
+
+    def log(p: P) -> None:
+        if time.monotonic() - last[0] >= 30 or p.elapsed_s >= p.budget_s:
+            last[0] = time.monotonic()
+            val = f" val {p.val_loss:.3f}" if p.val_loss is not None else ""
+            extra = "".join(f" {k} {v:.3f}" for k, v in p.extra.items())
+            eta = max(0.0, p.budget_s - p.elapsed_s)
+            print(
+                f"{name} step {p.step} loss {p.loss:.3f}{extra}{val} {p.tokens_per_s:,.0f} tok/s "
+                f"seen {p.tokens_seen:,} eta {eta:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return log
+
+
+# --- generation -------------------------------------------------------------------------
+def read_prompt(prompt: str | None) -> str:
+    """The prompt argument, or stdin for `-` or for no argument on a pipe."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and sys.stdin.isatty():
+        raise UsageError("no prompt: give one as an argument, or pipe it on stdin")
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"stdin is not valid UTF-8 (byte {e.start})") from None
+
+
+def check_sampling(k: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not 1 <= k <= D.MAX_K:
+        raise UsageError(f"k must be between 1 and {D.MAX_K}, got {k}")
+    if not temperature >= 0:
+        raise UsageError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UsageError(f"top-k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UsageError(f"top-p must be in (0, 1], got {top_p}")
+
+
+class TextStream:
+    """Decodes a growing token list and writes only the new, complete characters."""
+
+    def __init__(self, tokenizer, out) -> None:  # type: ignore[no-untyped-def]
+        self.tok, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def push(self, ids: list[int], final: bool = False) -> None:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids)
+        end = len(text) if final else len(text.rstrip("\ufffd"))  # hold back a split UTF-8 character
+        if end > self.printed:
+            self.out.write(text[self.printed : end])
+            self.out.flush()
+            self.printed = end
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,
+    target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
+    proposer: Annotated[str, typer.Option(help="none | draft-2l | draft-4l | mtp | PATH")] = D.PROPOSER,
+    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round [default: per proposer]")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = D.TEMPERATURE,
+    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
+    seed: Annotated[int, typer.Option()] = D.SEED,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = D.DEVICE,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
+) -> None:
+    """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
+    import json
+
+    from . import family
+    from .checkpoint import CheckpointError
+    from .generate import Sampling, Stats, stream
+    from .hf import HFFormatError
+    from .tokenizer import load_tokenizer
+
+    try:
+        kk = 0 if proposer == "none" else k if k is not None else D.K.get(proposer, D.K_OTHER)
+        if proposer != "none":
+            check_sampling(kk, temperature, top_k, top_p)
+        else:
+            check_sampling(1, temperature, top_k, top_p)
+        if max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        text = read_prompt(prompt)
+        if not text.strip():
+            raise UsageError("the prompt is empty")
+        dev = family.pick_device(device)
+        tgt = family.load_target(target, dev, tokenizer)
+        make_proposer = family.load_proposer(proposer, tgt, dev)
+        tok = load_tokenizer(tgt.tokenizer)
+        ids = tok.encode(text).ids
+        ctx = tgt.model.cfg.max_seq_len
+        if len(ids) + max_new_tokens + kk + 1 > ctx:
+            raise UsageError(
+                f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} + k+1 exceeds "
+                f"the model's context of {ctx} tokens"
+            )
+    except (UsageError, ValueError, CheckpointError, HFFormatError, OSError) as e:
+        raise fail(str(e)) from None
+
+    sampling = Sampling(temperature, top_k, top_p, seed)
+    stats = Stats(proposer, kk)
+    eot = tok.token_to_id("<|endoftext|>")
+    out = TextStream(tok, sys.stdout if not json_out else _Discard())
+    try:
+        for chunk in stream(
+            tgt.model, make_proposer(len(ids) + max_new_tokens + kk + 1), ids, max_new_tokens, kk, sampling, eot, stats
+        ):
+            out.push(chunk)
+        out.push([], final=True)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        err.print("\ninterrupted", highlight=False)
+        raise typer.Exit(130) from None
+    if json_out:
+        print(json.dumps({"text": tok.decode(out.ids), "tokens": out.ids, "stats": stats.as_dict()}))
+    else:
+        print()
+    if not quiet:
+        err.print(
+            f"{stats.new_tokens} tokens in {stats.elapsed_s:.2f} s: {stats.tokens_per_s:.1f} tok/s, "
+            f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass "
+            f"({stats.proposer}, k={stats.k})",
+            highlight=False,
+        )
+
+
+class _Discard:
+    def write(self, _: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def main() -> None:
+    app()

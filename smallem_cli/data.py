@@ -1,0 +1,106 @@
+"""Corpus, split and token files.
+
+The default corpus is the King James Bible from Debian's `bible-kjv` package. Verse
+references are stripped; each chapter is one document. The split is deterministic and
+by whole chapters: every 20th chapter (about 5% of the text) is held out for
+validation, so no verse is in both halves. Any UTF-8 text files work as well: each file
+is then split into paragraph chunks the same way.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+EOT = "<|endoftext|>"
+HOLDOUT_EVERY = 20  # one chunk in 20 goes to validation: about 5%
+_REF = re.compile(r"^([1-3]?[A-Za-z]+)(\d+):(\d+) (.*)$")
+
+
+def kjv_chapters() -> list[str]:
+    """All 1,189 chapters of the KJV as plain text, one verse a line, references stripped."""
+    if shutil.which("bible") is None:
+        raise RuntimeError("the `bible` command is missing: install Debian's bible-kjv package")
+    out = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True).stdout
+    chapters: list[list[str]] = []
+    current = None
+    for line in out.splitlines():
+        m = _REF.match(line)
+        if m is None:
+            if line.strip() and chapters:  # a wrapped verse continues the previous line
+                chapters[-1][-1] += " " + line.strip()
+            continue
+        book_chapter = (m.group(1), m.group(2))
+        if book_chapter != current:
+            chapters.append([])
+            current = book_chapter
+        chapters[-1].append(m.group(4).strip())
+    return ["\n".join(v) + "\n" for v in chapters]
+
+
+def text_chunks(paths: list[Path]) -> list[str]:
+    """User corpora: split each UTF-8 file on blank lines into chunks of about 4 KB."""
+    chunks: list[str] = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        buf = ""
+        for para in re.split(r"\n\s*\n", text):
+            buf += para.strip() + "\n\n"
+            if len(buf) >= 4096:
+                chunks.append(buf)
+                buf = ""
+        if buf.strip():
+            chunks.append(buf)
+    return chunks
+
+
+def split(chunks: list[str]) -> tuple[list[str], list[str]]:
+    """Deterministic split by whole chunks: (train, validation)."""
+    train = [c for i, c in enumerate(chunks) if i % HOLDOUT_EVERY != HOLDOUT_EVERY // 2]
+    val = [c for i, c in enumerate(chunks) if i % HOLDOUT_EVERY == HOLDOUT_EVERY // 2]
+    return train, val
+
+
+def write_corpus(out_dir: Path, chunks: list[str]) -> tuple[Path, Path]:
+    """Write train.txt and val.txt, chunks separated by the end-of-text marker."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train, val = split(chunks)
+    paths = out_dir / "train.txt", out_dir / "val.txt"
+    for path, part in zip(paths, (train, val), strict=True):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(EOT.join(part), encoding="utf-8")
+        tmp.replace(path)
+    return paths
+
+
+def read_documents(path: Path) -> list[str]:
+    return [d for d in path.read_text(encoding="utf-8").split(EOT) if d]
+
+
+def encode_file(tokenizer_json: Path, text_path: Path) -> np.ndarray:
+    """Token ids of a corpus file as uint16, each document followed by end-of-text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    eot = tok.token_to_id(EOT)
+    ids: list[int] = []
+    for enc in tok.encode_batch(read_documents(text_path)):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def token_file(tokenizer_json: Path, text_path: Path) -> np.ndarray:
+    """Encoded ids, cached beside the text as .bin (rebuilt when older than its inputs)."""
+    bin_path = text_path.with_suffix(".bin")
+    newest = max(text_path.stat().st_mtime, tokenizer_json.stat().st_mtime)
+    if not bin_path.exists() or bin_path.stat().st_mtime < newest:
+        ids = encode_file(tokenizer_json, text_path)
+        tmp = bin_path.with_name(bin_path.name + ".tmp")
+        ids.tofile(tmp)
+        tmp.replace(bin_path)
+    return np.fromfile(bin_path, dtype=np.uint16)

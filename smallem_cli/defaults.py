@@ -1,0 +1,20 @@
+"""Every default of the command line, declared once."""
+
+from pathlib import Path
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+DATA_DIR = Path("data")
+TOKENIZER = CHECKPOINTS / "tokenizer.json"
+TARGET = CHECKPOINTS / "target.safetensors"
+MTP = CHECKPOINTS / "mtp.safetensors"
+PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "kjv-val-32.txt"
+
+PROPOSER = "mtp"
+# Default k per proposer: the best measured by `smallem bench --sweep-k` on the shipped family.
+K = {"none": 0, "draft-2l": 3, "draft-4l": 3, "mtp": 2}
+K_OTHER = 3  # a proposer given by path
+MAX_K = 16
+MAX_NEW_TOKENS = 200
+TEMPERATURE = 0.0
+SEED = 0
+DEVICE = "auto"

@@ -1,0 +1,98 @@
+"""Finding and loading a target and its proposer, by name or path.
+
+A target is a smallem checkpoint (its tokenizer.json beside it) or a Hugging Face Llama
+folder. A proposer is `none`, a shipped name (`draft-2l`, `draft-4l`, `mtp`, looked up
+beside the target), or a path to a smallem draft, a smallem MTP module, or an HF folder.
+A proposer must share the target's tokenizer: fingerprints of the two vocabularies are
+compared, and a mismatch is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, hf
+from .checkpoint import CheckpointError
+from .model import Transformer
+from .proposers import DraftProposer, MTPProposer, NoProposer, Proposer
+
+SHIPPED_PROPOSERS = ("none", "draft-2l", "draft-4l", "mtp")
+
+
+@dataclass
+class Target:
+    model: Transformer
+    tokenizer: Path
+    fingerprint: str
+    path: Path
+
+
+def load_target(path: Path, device: torch.device, tokenizer: Path | None = None) -> Target:
+    """A smallem checkpoint or an HF Llama folder, packed for inference on `device`."""
+    if hf.is_hf_dir(path):
+        model, fp = hf.load_hf(path, device)
+        return Target(model.pack(), tokenizer or path / "tokenizer.json", fp, path)
+    model, meta = checkpoint.load_model(path, device)
+    tok = tokenizer or path.parent / "tokenizer.json"
+    if not tok.is_file():
+        raise CheckpointError(f"tokenizer not found: {tok}")
+    fp = checkpoint.tokenizer_fingerprint(tok)
+    if meta.get("tokenizer") and meta["tokenizer"] != fp:
+        raise CheckpointError(f"{path} was trained with another tokenizer than {tok}")
+    return Target(model.pack(), tok, fp, path)
+
+
+ProposerFactory = Callable[[int], Proposer]  # max tokens of the sequence -> a fresh proposer
+
+
+def load_proposer(spec: str, target: Target, device: torch.device) -> ProposerFactory:
+    """`spec` -> a factory of proposers (each generation gets its own caches)."""
+    if spec == "none":
+        return lambda _: NoProposer()
+    path = target.path.parent / f"{spec}.safetensors" if spec in SHIPPED_PROPOSERS else Path(spec)
+    name = spec if spec in SHIPPED_PROPOSERS else path.stem
+    if hf.is_hf_dir(path):
+        draft, fp = hf.load_hf(path, device)
+        _same_vocab(target, fp, draft.cfg.vocab_size, path)
+        draft.pack()
+        return lambda n: DraftProposer(draft, n, name)
+    _, meta = checkpoint.read(path)
+    _same_vocab(target, meta.get("tokenizer", ""), checkpoint.config_of(meta, path).vocab_size, path)
+    if meta.get("kind") == "mtp":
+        mtp, _ = checkpoint.load_mtp(path, target.model, device)
+        mtp.pack()
+        return lambda n: MTPProposer(target.model, mtp, n)
+    draft, _ = checkpoint.load_model(path, device)
+    draft.pack()
+    return lambda n: DraftProposer(draft, n, name)
+
+
+def _same_vocab(target: Target, fingerprint: str, vocab_size: int, path: Path) -> None:
+    if vocab_size != target.model.cfg.vocab_size or (fingerprint and fingerprint != target.fingerprint):
+        raise CheckpointError(
+            f"proposer {path} does not share the target's tokenizer "
+            f"(vocabulary {vocab_size} vs {target.model.cfg.vocab_size}, fingerprint {fingerprint or '?'} "
+            f"vs {target.fingerprint})"
+        )
+
+
+def pick_device(name: str) -> torch.device:
+    """auto | cpu | cuda | cuda:N -> a device that exists, or ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}: use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("CUDA was asked for, but this machine has no usable CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"no such CUDA device: {name} ({torch.cuda.device_count()} present)")
+    return dev

@@ -1,0 +1,202 @@
+"""The speculative loop: prefill, then rounds of propose -> verify pass -> verify -> roll back.
+
+    prefill      the prompt goes through the target (and the proposer); the target's last
+                 logits give the first new token, `last`.
+    round        the proposer guesses d_1..d_k; one target pass reads [last, d_1..d_k]
+                 and scores k+1 positions; verification keeps n guesses and adds one
+                 token of the target's; both caches roll back to what was kept.
+
+The target's cache always holds every token but `last`. One host sync per round: the
+verdict (n and the emitted tokens) comes back to decide the rollback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from .cache import PagedKVCache
+from .model import Transformer
+from .proposers import Proposer
+from .verify import greedy_pick, sample, verify_greedy, verify_sample, warp
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Stats:
+    proposer: str
+    k: int
+    new_tokens: int = 0
+    passes: int = 0  # target verify passes (the prefill not counted)
+    proposed: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # rounds whose i-th guess was kept
+    prefill_s: float = 0.0
+    elapsed_s: float = 0.0  # prefill included
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.new_tokens / max(1, self.passes + 1)  # the prefill pass yields a token too
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "proposer": self.proposer,
+            "k": self.k,
+            "new_tokens": self.new_tokens,
+            "target_passes": self.passes,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_pass": round(self.tokens_per_pass, 3),
+            "accepted_at": self.accepted_at,
+            "prefill_s": round(self.prefill_s, 4),
+            "elapsed_s": round(self.elapsed_s, 4),
+        }
+
+
+def cache_pages(n_tokens: int, page_size: int = 16) -> int:
+    return -(-n_tokens // page_size) + 1
+
+
+def prefill(
+    target: Transformer, cache: PagedKVCache, seq: int, prompt: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt [P] through the target -> (logits of the last position [1, V], hidden [P, d])."""
+    return target(prompt, cache, seq, last_only=True)
+
+
+def speculative_step(
+    target: Transformer,
+    cache: PagedKVCache,
+    seq: int,
+    proposer: Proposer,
+    last: torch.Tensor,
+    k: int,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One round, up to the verdict: -> (n [1], out [1, k+1], hidden [k+1, d]). No host sync."""
+    w = (
+        None
+        if sampling.greedy
+        else partial(warp, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    )
+    drafts, q = proposer.propose(k, w, generator)  # [k], [k, V] or None
+    logits, hidden = target(torch.cat([last, drafts]), cache, seq)  # [k+1, V], [k+1, d]
+    if w is None:
+        n, out = verify_greedy(drafts[None], logits[None])
+    else:
+        p = w(logits)
+        q = q if q is not None else p[:0]
+        n, out = verify_sample(drafts[None], q[None], p[None], generator)
+    return n, out, hidden
+
+
+def stream(
+    target: Transformer,
+    proposer: Proposer,
+    prompt: list[int],
+    max_new_tokens: int,
+    k: int,
+    sampling: Sampling = Sampling(),
+    stop_token: int | None = None,
+    stats: Stats | None = None,
+    page_size: int = 16,
+) -> Iterator[list[int]]:
+    """Generate, yielding the tokens of each round as soon as they are verified.
+
+    `stats` (if given) is updated in place, so it is valid even if the caller stops early.
+    The stop token ends generation and is not yielded.
+    """
+    device = target.embed_tokens.weight.device
+    st = stats if stats is not None else Stats(proposer.name, k)
+    gen = torch.Generator(device=device).manual_seed(sampling.seed)
+    cache = target.new_cache(cache_pages(len(prompt) + max_new_tokens + k + 1, page_size), page_size)
+    seq = cache.new_sequence()
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor(prompt, dtype=torch.long, device=device)
+            logits, hidden = prefill(target, cache, seq, ids)
+            if sampling.greedy:
+                last = greedy_pick(logits)
+            else:
+                last = sample(warp(logits, sampling.temperature, sampling.top_k, sampling.top_p), gen)
+            proposer.start(ids, last, hidden)
+            first = int(last.item())
+            st.prefill_s = time.perf_counter() - t0
+            if first == stop_token:
+                return
+            st.new_tokens = 1
+            st.elapsed_s = time.perf_counter() - t0
+            yield [first]
+            if k > 0:
+                st.accepted_at = [0] * k
+            while st.new_tokens < max_new_tokens:
+                n_t, out, hidden = speculative_step(target, cache, seq, proposer, last, k, sampling, gen)
+                verdict = torch.cat([n_t, out[0]]).tolist()  # the round's one host sync
+                n = verdict[0]
+                emitted = verdict[1 : n + 2]
+                start = cache.length(seq) - (k + 1)
+                cache.keep(seq, start + n + 1)  # rollback: [last, d_1..d_n] stay
+                proposer.accept(n, out[0, : n + 1], hidden[: n + 1])
+                last = out[0, n : n + 1]
+                st.passes += 1
+                st.proposed += k
+                st.accepted += n
+                for i in range(n):
+                    st.accepted_at[i] += 1
+                if stop_token is not None and stop_token in emitted:
+                    emitted = emitted[: emitted.index(stop_token)]
+                    max_new = st.new_tokens + len(emitted)
+                else:
+                    max_new = max_new_tokens
+                emitted = emitted[: max(0, min(max_new, max_new_tokens) - st.new_tokens)]
+                st.new_tokens += len(emitted)
+                st.elapsed_s = time.perf_counter() - t0
+                if emitted:
+                    yield emitted
+                if max_new < max_new_tokens:
+                    return
+    finally:
+        proposer.release()
+        cache.release(seq)
+
+
+def generate(
+    target: Transformer,
+    proposer: Proposer,
+    prompt: list[int],
+    max_new_tokens: int,
+    k: int,
+    sampling: Sampling = Sampling(),
+    stop_token: int | None = None,
+) -> tuple[list[int], Stats]:
+    """All new tokens at once, with their statistics."""
+    stats = Stats(proposer.name, k)
+    out: list[int] = []
+    for chunk in stream(target, proposer, prompt, max_new_tokens, k, sampling, stop_token, stats):
+        out.extend(chunk)
+    return out, stats

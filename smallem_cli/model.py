@@ -1,0 +1,279 @@
+"""A Llama-style decoder (RMSNorm, rotary positions, SwiGLU) and the MTP module.
+
+One code path serves training and inference:
+- training calls `Transformer.hidden(tokens)` over whole [B, T] batches, causal attention;
+- inference calls `Transformer.forward(tokens, cache, seq)` over T new tokens of one
+  sequence at any position (a prefill, or the k+1 tokens of a verify pass); K/V go
+  through the paged cache.
+
+Parameter names follow Hugging Face's Llama, so export is a renaming. For inference,
+`pack()` lays the projections out as [in, out] matrices fused per block (QKV, gate|up):
+on CPU, `x @ W_t` with a pre-transposed weight keeps a verify pass over k+1 rows as cheap
+as one row, where `F.linear` falls into a slow small-M path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import PagedKVCache, Step
+from .config import ModelConfig
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_seq_len, head_dim], Llama's non-interleaved (rotate-half) layout."""
+    exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim
+    inv = 1.0 / cfg.rope_theta**exps
+    ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; cos, sin: [T, D] for the tokens' positions."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotate_half_matrix(n_heads: int, head_dim: int) -> torch.Tensor:
+    """R with (x @ R) == rotate_half(x) per head, block-diagonal over n_heads: [n*D, n*D]."""
+    half = head_dim // 2
+    r = torch.zeros(head_dim, head_dim)
+    r[torch.arange(half) + half, torch.arange(half)] = -1.0
+    r[torch.arange(half), torch.arange(half) + half] = 1.0
+    return torch.block_diag(*[r] * n_heads)
+
+
+class Block(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, with Llama's parameter names.
+
+    `forward` is the training path (whole sequences, causal). `decode` is the inference
+    path over the paged cache, on packed weights: on a small model every op costs a few
+    microseconds of dispatch whatever its size, so it folds what it can into the weights.
+    - rotary: rope(q) = q*cos + rotate_half(q)*sin, and rotate_half is a [D, D] matmul,
+      so three ops rope every head of q, k and v at once (v with cos = 1, sin = 0). (Folding
+      rotate_half into Wqkv saves two ops but doubles the weights a pass reads: a loss,
+      since the target's decode step is bound by memory traffic.)
+    - RMSNorm weights are folded into the matmul that follows;
+    - the 1/sqrt(head_dim) attention scale is folded into Wq;
+    - QKV and gate|up are single [in, out] matmuls; residual adds ride on addmm.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.dim, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.eps = cfg.norm_eps
+        self.input_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.gate_proj = nn.Linear(d, cfg.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(d, cfg.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.hidden_dim, d, bias=False)
+        self.packed: dict[str, torch.Tensor] | None = None
+
+    def pack(self) -> None:
+        """Build the inference weights (the parameters stay as they are, for export)."""
+        D = self.head_dim
+        with torch.no_grad():
+            ln1 = self.input_layernorm.weight[:, None]  # norm weights fold into the next matmul
+            ln2 = self.post_attention_layernorm.weight[:, None]
+            wq = self.q_proj.weight.t() * ln1 / D**0.5  # [d, H*D], attention scale folded in
+            wk, wv = self.k_proj.weight.t() * ln1, self.v_proj.weight.t() * ln1  # [d, Hkv*D]
+            self.packed = {
+                "qkv": torch.cat([wq, wk, wv], dim=1).contiguous(),  # [d, (H+2Hkv)*D]
+                "rot": rotate_half_matrix(1, D).to(wq),  # [D, D]
+                "o": self.o_proj.weight.t().contiguous(),  # [H*D, d]
+                "gu": (torch.cat([self.gate_proj.weight, self.up_proj.weight]).t() * ln2).contiguous(),  # [d, 2F]
+                "down": self.down_proj.weight.t().contiguous(),  # [F, d]
+            }
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training: x [B, T, dim] -> [B, T, dim], causal attention over the whole sequence."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        h = self.input_layernorm(x)
+        q = apply_rope(self.q_proj(h).view(B, T, H, D), cos, sin)
+        k = apply_rope(self.k_proj(h).view(B, T, Hkv, D), cos, sin)
+        v = self.v_proj(h).view(B, T, Hkv, D)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=H != Hkv
+        )
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, H * D))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def decode(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache, layer: int, step: Step
+    ) -> torch.Tensor:
+        """Inference: x [T, dim] of new tokens -> [T, dim]; cos, sin: [T, (H+2Hkv)*D] packed tables."""
+        p = self.packed
+        assert p is not None, "call pack() before decoding"
+        T = x.shape[0]
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        G = H // Hkv  # query heads per kv head
+        y = unit_rms(x, self.eps) @ p["qkv"]  # [T, (H+2Hkv)*D]
+        # rope(y) = y*cos + rotate_half(y)*sin, every head at once; v columns have cos 1, sin 0.
+        qkv = torch.addcmul(y * cos, (y.view(-1, D) @ p["rot"]).view(T, -1), sin)
+        cache.write(layer, step, qkv[:, H * D :].view(T, 2, Hkv, D))
+        kv = cache.read(layer, step)  # [S, 2, Hkv, D]
+        # Attention by hand: SDPA's CPU fallback for masks and groups costs several times more.
+        # Query heads h = j*G + g share kv head j: batch over kv heads, rows (g, t).
+        q = qkv[:, : H * D].view(T, Hkv, G, D)
+        q = q.view(Hkv, G, D) if T == 1 else q.permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
+        s = torch.bmm(q, kv[:, 0].permute(1, 2, 0))  # [Hkv, G*T, S]
+        if step.bias is not None:
+            s = (s.view(Hkv, G, T, -1) + step.bias).view(Hkv, G * T, -1)
+        o = torch.bmm(torch.softmax(s, dim=-1), kv[:, 1].transpose(0, 1))  # [Hkv, G*T, D]
+        att = o.view(1, H * D) if T == 1 else o.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
+        x = torch.addmm(x, att, p["o"])
+        gu = unit_rms(x, self.eps) @ p["gu"]  # [T, 2F]
+        f = gu.shape[-1] // 2
+        return torch.addmm(x, F.silu(gu[:, :f]) * gu[:, f:], p["down"])
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim: RMSNorm whose weight is folded into the next matmul.
+
+    Four ops where F.rms_norm's CPU composite costs about seven.
+    """
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x * torch.rsqrt(torch.addcmul(torch.full_like(n, eps), n, n, value=1.0 / x.shape[-1]))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.head_t: torch.Tensor | None = None  # [dim, vocab], set by pack()
+        self.rope_packed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def init_weights(self, seed: int = 0) -> None:
+        """GPT-2 style init; residual projections scaled down with depth."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+                std = 0.02 / (2 * self.cfg.n_layers) ** 0.5 if residual else 0.02
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def pack(self) -> Transformer:
+        """Prepare for inference: packed block weights, transposed head, per-column rope tables."""
+        for blk in self.layers:
+            blk.pack()  # type: ignore[operator]
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.head_t = (w.detach().t() * self.norm.weight.detach()[:, None]).contiguous()  # final norm folded in
+        self.rope_packed = packed_rope(self.cfg, self.cos, self.sin)
+        return self
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head: [..., dim] -> [..., vocab]. The MTP module shares it."""
+        if self.head_t is not None:
+            return unit_rms(h, self.cfg.norm_eps) @ self.head_t
+        return F.linear(self.norm(h), self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Training trunk: tokens [B, T] -> final hidden states [B, T, dim] (before the final norm)."""
+        T = tokens.shape[1]
+        x = self.embed_tokens(tokens)
+        for blk in self.layers:
+            x = blk(x, self.cos[:T], self.sin[:T])
+        return x
+
+    def forward(
+        self, tokens: torch.Tensor, cache: PagedKVCache, seq: int, last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """T new tokens of sequence `seq` (tokens: [T]) -> logits [T or 1, vocab], hidden [T, dim].
+
+        The tokens are appended to the cache; the caller rolls back with `cache.keep`.
+        `last_only` computes the head for the last position alone (a prefill needs no more).
+        """
+        if self.rope_packed is None:
+            self.pack()
+        assert self.rope_packed is not None
+        step = cache.append(seq, tokens.shape[0])
+        cos, sin = (t[step.start : step.length] for t in self.rope_packed)
+        x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
+        for i, blk in enumerate(self.layers):
+            x = blk.decode(x, cos, sin, cache, i, step)  # type: ignore[operator]
+        return self.logits(x[-1:] if last_only else x), x
+
+    def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
+        c = self.cfg
+        return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, n_pages, page_size, self.cos.dtype, self.cos.device)
+
+
+def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables matching a packed QKV row: [max_seq_len, (H+2Hkv)*D]; v columns get cos 1, sin 0."""
+    qk = cfg.n_heads + cfg.n_kv_heads
+    ones, zeros = torch.ones_like(cos), torch.zeros_like(sin)
+    cos_p = torch.cat([cos.repeat(1, qk), ones.repeat(1, cfg.n_kv_heads)], dim=1).contiguous()
+    sin_p = torch.cat([sin.repeat(1, qk), zeros.repeat(1, cfg.n_kv_heads)], dim=1).contiguous()
+    return cos_p, sin_p
+
+
+class MTPModule(nn.Module):
+    """DeepSeek-V3 multi-token prediction: from h_i and token i+1, predict token i+2.
+
+    norm(h_i) ‖ norm(embed(t_{i+1})) -> linear 2d->d -> one block (own attention, own
+    one-layer cache) -> the target's final norm and head. Embedding and head are the
+    target's, so this module holds only the norms, the projection and the block.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg)
+        self.proj_t: torch.Tensor | None = None
+
+    def pack(self) -> MTPModule:
+        self.block.pack()
+        w = torch.cat([self.hnorm.weight, self.enorm.weight]).detach()[:, None]  # norms fold in
+        self.proj_t = (self.eh_proj.weight.detach().t() * w).contiguous()  # [2d, d]
+        return self
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training: h, e [B, T, dim] (hidden at i, embedding of token i+1) -> hidden [B, T, dim] for token i+2."""
+        x = self.eh_proj(torch.cat([self.hnorm(h), self.enorm(e)], dim=-1))
+        return self.block(x, cos, sin)
+
+    def decode(
+        self, h: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache, step: Step
+    ) -> torch.Tensor:
+        """Inference: h, e [T, dim] -> [T, dim], through the module's own one-layer cache."""
+        assert self.proj_t is not None, "call pack() before decoding"
+        eps = self.cfg.norm_eps
+        x = torch.cat([unit_rms(h, eps), unit_rms(e, eps)], dim=-1) @ self.proj_t
+        return self.block.decode(x, cos, sin, cache, 0, step)
+
+    def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
+        c = self.cfg
+        dev = self.eh_proj.weight.device
+        return PagedKVCache(1, c.n_kv_heads, c.head_dim, n_pages, page_size, torch.float32, dev)

@@ -1,0 +1,164 @@
+"""Proposers: whatever guesses the next k tokens. Verification never knows which one it got.
+
+The protocol, in the loop's order:
+- `start(prompt, first, hidden)`: after the target's prefill. `first` is the token the
+  prefill produced; `hidden` are the target's hidden states over the prompt.
+- `propose(k, warp, generator)`: k guesses that continue the sequence, as a long [k]
+  tensor, plus (when sampling) the distributions q [k, V] they were drawn from.
+- `accept(n, emitted, hidden)`: the round kept n guesses and emitted n+1 tokens
+  (`emitted`, [n+1]: the kept guesses, then the target's own token); `hidden` [n+1, d]
+  are the target's states at the positions that were fed, [last, d_1 .. d_n].
+  The proposer rolls its own cache back to what is still true.
+
+Nothing here synchronises with the device: guesses stay tensors and feed the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from .model import MTPModule, Transformer
+from .verify import greedy_pick, sample
+
+Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
+
+
+class Proposer(Protocol):
+    name: str
+
+    def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None: ...
+
+    def propose(
+        self, k: int, warp: Warp | None, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None: ...
+
+    def release(self) -> None: ...
+
+
+def _pick(
+    logits: torch.Tensor, warp: Warp | None, gen: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [1, V] -> (token [1], q [1, V] or None when greedy)."""
+    if warp is None:
+        return greedy_pick(logits), None
+    q = warp(logits)
+    return sample(q, gen), q
+
+
+def _collect(tokens: list[torch.Tensor], qs: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    q = None if qs[0] is None else torch.cat(qs)  # type: ignore[arg-type]
+    return torch.cat(tokens), q
+
+
+class NoProposer:
+    """The target alone, through the same loop: zero guesses, one token per pass."""
+
+    name = "none"
+
+    def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._empty = prompt[:0]
+
+    def propose(
+        self, k: int, warp: Warp | None, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._empty, None
+
+    def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class DraftProposer:
+    """A small model with the target's tokenizer, its own paged cache and rollback."""
+
+    def __init__(self, model: Transformer, max_tokens: int, name: str = "draft", page_size: int = 16) -> None:
+        self.model, self.name = model, name
+        self.cache = model.new_cache(-(-max_tokens // page_size) + 1, page_size)
+        self.seq = self.cache.new_sequence()
+        self.pending = torch.empty(0, dtype=torch.long)  # sequence tokens not yet fed to the draft
+        self.fed_guesses = 0
+
+    def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.model(prompt, self.cache, self.seq, last_only=True)  # prefill the draft's cache
+        self.pending = first
+
+    def propose(
+        self, k: int, warp: Warp | None, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens, qs = [], []
+        x = self.pending  # catch up (1 or 2 tokens), then one guess at a time
+        for _ in range(k):
+            logits, _ = self.model(x, self.cache, self.seq, last_only=True)
+            x, q = _pick(logits, warp, generator)
+            tokens.append(x)
+            qs.append(q)
+        self.fed_guesses = k - 1  # the last guess was never fed
+        return _collect(tokens, qs)
+
+    def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        # The cache holds [.., last, d_1 .. d_{k-1}]; keep what the target confirmed:
+        # the seed's draft.keep(min(len(draft), start + accepted)).
+        kept = min(n, self.fed_guesses)
+        self.cache.keep(self.seq, self.cache.length(self.seq) - self.fed_guesses + kept)
+        self.pending = emitted[kept:]  # d_k if all k were kept, then the target's token
+
+    def release(self) -> None:
+        self.cache.release(self.seq)
+
+
+class MTPProposer:
+    """DeepSeek-V3's MTP module as proposer: from the target's h_i and token i+1, guess i+2.
+
+    Its block has a one-layer cache of its own. Guesses past the first chain on the
+    module's own output state instead of the target's; those cache entries are dropped
+    once the target has computed the real states for their positions.
+    """
+
+    name = "mtp"
+
+    def __init__(self, target: Transformer, mtp: MTPModule, max_tokens: int, page_size: int = 16) -> None:
+        self.target, self.mtp = target, mtp
+        self.cache = mtp.new_cache(-(-max_tokens // page_size) + 1, page_size)
+        self.seq = self.cache.new_sequence()
+        self.true_len = 0  # cache entries computed from the target's own states
+        self.pending_h = torch.empty(0)  # [m, d] target states not yet fed
+        self.pending_next = torch.empty(0, dtype=torch.long)  # [m] the token after each
+
+    def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.pending_h = hidden  # h_0 .. h_{P-1}
+        self.pending_next = torch.cat([prompt[1:], first])  # x_1 .. x_P
+
+    def _step(self, h: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+        step = self.cache.append(self.seq, h.shape[0])
+        assert self.target.rope_packed is not None
+        cos, sin = (t[step.start : step.length] for t in self.target.rope_packed)
+        e = torch.nn.functional.embedding(nxt, self.target.embed_tokens.weight)
+        return self.mtp.decode(h, e, cos, sin, self.cache, step)  # [T, d]
+
+    def propose(
+        self, k: int, warp: Warp | None, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self._step(self.pending_h, self.pending_next)  # catch up on the true states
+        self.true_len = self.cache.length(self.seq)
+        tokens, qs = [], []
+        for i in range(k):
+            if i:
+                out = self._step(out[-1:], tokens[-1])  # chain on the module's own state
+            x, q = _pick(self.target.logits(out[-1:]), warp, generator)
+            tokens.append(x)
+            qs.append(q)
+        return _collect(tokens, qs)
+
+    def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.cache.keep(self.seq, self.true_len)  # drop the chained guesses
+        self.pending_h, self.pending_next = hidden, emitted  # pairs (h_j, x_{j+1})
+
+    def release(self) -> None:
+        self.cache.release(self.seq)

@@ -1,0 +1,270 @@
+"""Training: a target (with its MTP module, jointly), a draft, or an MTP module alone.
+
+- Batches are random windows of the token stream, drawn from a generator seeded by
+  (seed, step), so a resumed run draws the batches it would have drawn.
+- The budget is wall-clock seconds of training; the learning rate follows it (warm-up,
+  then cosine to 10%), so a resumed run continues the same schedule.
+- Every `save_every` seconds the full state (weights, optimizer, step, time) goes to
+  `run_dir/state.pt`; a rerun with the same run_dir resumes from it.
+- The target and its MTP module train jointly (DeepSeek-V3's MTP loss, weight
+  `mtp_weight`): the trunk then learns to carry next-next-token information in h_i,
+  which is what the module reads when it proposes. `train_mtp` instead fits a module
+  to a frozen target, distilling the target's own next-token distribution.
+
+Library code: progress goes to the `on_progress` callback, never to stdout.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint
+from .config import ModelConfig
+from .model import MTPModule, Transformer
+
+
+@dataclass
+class TrainSettings:
+    budget_s: float = 600.0
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 2e-3
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    mtp_weight: float = 0.3
+    seed: int = 1234
+    save_every_s: float = 120.0
+    eval_every_s: float = 300.0
+
+
+@dataclass
+class Progress:
+    step: int
+    elapsed_s: float
+    budget_s: float
+    loss: float
+    tokens_per_s: float
+    tokens_seen: int
+    val_loss: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+def batch(ids: np.ndarray, settings: TrainSettings, step: int) -> torch.Tensor:
+    """[B, T+2] windows: inputs and the next two tokens of each position (for MTP)."""
+    rng = np.random.default_rng((settings.seed, step))
+    starts = rng.integers(0, len(ids) - settings.seq_len - 2, size=settings.batch_size)
+    return torch.from_numpy(np.stack([ids[s : s + settings.seq_len + 2] for s in starts]).astype(np.int64))
+
+
+def lr_at(settings: TrainSettings, step: int, elapsed: float) -> float:
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    frac = min(1.0, elapsed / settings.budget_s)
+    lo = settings.min_lr_frac
+    return settings.lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def lm_loss(model: Transformer, x: torch.Tensor, mtp: MTPModule | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: [B, T+2]. Next-token loss on positions 0..T-1, and the MTP loss (token i+2 from h_i, token i+1)."""
+    inp, tgt, tgt2 = x[:, :-2], x[:, 1:-1], x[:, 2:]
+    h = model.hidden(inp)  # [B, T, d]
+    loss = F.cross_entropy(model.logits(h).flatten(0, 1), tgt.flatten())
+    if mtp is None:
+        return loss, None
+    T = h.shape[1]
+    hm = mtp(h, model.embed_tokens(tgt), model.cos[:T], model.sin[:T])
+    return loss, F.cross_entropy(model.logits(hm).flatten(0, 1), tgt2.flatten())
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, ids: np.ndarray, seq_len: int = 256, mtp: MTPModule | None = None) -> dict[str, float]:
+    """Mean next-token loss (nats/token) over the whole validation stream, in windows.
+
+    With an MTP module, also its loss and its agreement with the target's argmax.
+    """
+    model.eval()
+    total, n, mtp_total, agree = 0.0, 0, 0.0, 0
+    for s in range(0, len(ids) - seq_len - 2, seq_len):
+        x = torch.from_numpy(ids[s : s + seq_len + 2].astype(np.int64))[None]
+        h = model.hidden(x[:, :-2])
+        logits = model.logits(h)
+        total += F.cross_entropy(logits[0], x[0, 1:-1], reduction="sum").item()
+        n += seq_len
+        if mtp is not None:
+            lm = model.logits(mtp(h, model.embed_tokens(x[:, 1:-1]), model.cos[:seq_len], model.sin[:seq_len]))
+            mtp_total += F.cross_entropy(lm[0, :-1], x[0, 2:-1], reduction="sum").item()
+            # MTP at i guesses token i+2; the target's own guess for it is its argmax at i+1.
+            agree += (lm[0, :-1].argmax(-1) == logits[0, 1:].argmax(-1)).sum().item()
+    out = {"val_loss": total / n}
+    if mtp is not None:
+        out |= {"mtp_val_loss": mtp_total / (n - n // seq_len), "mtp_agreement": agree / (n - n // seq_len)}
+    return out
+
+
+def _train_loop(
+    params: list[torch.nn.Parameter],
+    loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+    modules: dict[str, torch.nn.Module],
+    train_ids: np.ndarray,
+    settings: TrainSettings,
+    run_dir: Path,
+    on_progress: ProgressFn | None,
+    eval_fn: Callable[[], float] | None,
+) -> dict[str, Any]:
+    """Shared optimisation loop with resume; returns the training facts."""
+    torch.manual_seed(settings.seed)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+        fused=False,
+    )
+    state_path = run_dir / "state.pt"
+    step, elapsed, tokens = 0, 0.0, 0
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        for name, mod in modules.items():
+            mod.load_state_dict(st["modules"][name])
+        opt.load_state_dict(st["opt"])
+        step, elapsed, tokens = st["step"], st["elapsed"], st["tokens"]
+
+    def save_state() -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = state_path.with_name("state.pt.tmp")
+        torch.save(
+            {
+                "modules": {k: m.state_dict() for k, m in modules.items()},
+                "opt": opt.state_dict(),
+                "step": step,
+                "elapsed": elapsed,
+                "tokens": tokens,
+            },
+            tmp,
+        )
+        tmp.replace(state_path)
+
+    last_save = last_eval = elapsed
+    val_loss = None
+    t_prev = time.perf_counter()
+    while elapsed < settings.budget_s:
+        for m in modules.values():
+            m.train()
+        x = batch(train_ids, settings, step)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(settings, step, elapsed)
+        loss, extra = loss_fn(x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        tokens += x.shape[0] * (x.shape[1] - 2)
+        now = time.perf_counter()
+        dt, t_prev = now - t_prev, now
+        elapsed += dt
+        if eval_fn is not None and elapsed - last_eval >= settings.eval_every_s:
+            val_loss = eval_fn()
+            last_eval = elapsed
+            t_prev = time.perf_counter()  # evaluation time is not training time
+        if elapsed - last_save >= settings.save_every_s:
+            save_state()
+            last_save = elapsed
+            t_prev = time.perf_counter()
+        if on_progress is not None:
+            on_progress(
+                Progress(
+                    step, elapsed, settings.budget_s, loss.item(), x.numel() / max(dt, 1e-9), tokens, val_loss, extra
+                )
+            )
+    save_state()
+    return {
+        "steps": step,
+        "tokens_seen": tokens,
+        "train_seconds": round(elapsed, 1),
+        "batch_size": settings.batch_size,
+        "seq_len": settings.seq_len,
+        "lr": settings.lr,
+        "seed": settings.seed,
+    }
+
+
+def train_model(
+    cfg: ModelConfig,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    settings: TrainSettings,
+    run_dir: Path,
+    on_progress: ProgressFn | None = None,
+) -> tuple[Transformer, MTPModule | None, dict[str, Any]]:
+    """Train a model from scratch (a target with `cfg.mtp` gets its MTP module jointly)."""
+    model = Transformer(cfg)
+    model.init_weights(settings.seed)
+    mtp = MTPModule(cfg) if cfg.mtp else None
+    modules: dict[str, torch.nn.Module] = {"model": model}
+    params = list(model.parameters())
+    if mtp is not None:
+        modules["mtp"] = mtp
+        params += list(mtp.parameters())
+
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        main, aux = lm_loss(model, x, mtp)
+        if aux is None:
+            return main, {}
+        return main + settings.mtp_weight * aux, {"mtp_loss": aux.item()}
+
+    def eval_fn() -> float:
+        return evaluate(model, val_ids, settings.seq_len)["val_loss"]
+
+    facts = _train_loop(params, loss_fn, modules, train_ids, settings, run_dir, on_progress, eval_fn)
+    facts |= evaluate(model, val_ids, settings.seq_len, mtp)
+    return model, mtp, facts
+
+
+def train_mtp(
+    target: Transformer,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    settings: TrainSettings,
+    run_dir: Path,
+    on_progress: ProgressFn | None = None,
+    init: MTPModule | None = None,
+) -> tuple[MTPModule, dict[str, Any]]:
+    """Fit an MTP module to a frozen target by distillation: match the target's
+    distribution for token i+2 (its logits at i+1), from h_i and the true token i+1."""
+    target.requires_grad_(False)
+    target.eval()
+    mtp = init if init is not None else MTPModule(target.cfg)
+    T = settings.seq_len
+
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        inp = x[:, :-2]
+        with torch.no_grad():
+            h = target.hidden(inp)
+            teacher = F.log_softmax(target.logits(h[:, 1:]), dim=-1)  # target's view of token i+2
+        hm = mtp(h[:, :-1], target.embed_tokens(inp[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
+        student = F.log_softmax(target.logits(hm), dim=-1)
+        kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+        return kl, {}
+
+    facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
+    facts |= evaluate(target, val_ids, settings.seq_len, mtp)
+    return mtp, facts
+
+
+def save_family_member(path: Path, model: Transformer | MTPModule, tokenizer_json: Path, facts: dict[str, Any]) -> None:
+    checkpoint.save(path, model, tokenizer=checkpoint.tokenizer_fingerprint(tokenizer_json), facts=facts)

@@ -1,0 +1,120 @@
+"""Speculative-decoding verification: pure tensor functions, batched over B rows.
+
+A proposer (draft model or MTP module) guesses k tokens; the target scores all k+1
+positions in one pass; these functions decide how many guesses to keep and which token
+comes next. `verify_sample` is the rejection scheme of Leviathan et al. / Chen et al.:
+its output tokens are distributed exactly as if drawn from the (warped) target one at a
+time, whatever the proposer, so speed never costs quality. `verify_greedy` is its
+temperature-0 limit.
+
+Everything stays on the device: no `.item()`, no Python branch on a tensor value, every
+random draw through the caller's `torch.Generator`. A CUDA generation loop therefore
+queues a whole verify step without waiting for the GPU, and a seeded generator replays
+a run exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def warp(logits: Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Sampling distribution [..., V] float32 from logits [..., V]: temperature, top-k, top-p.
+
+    top-k keeps exactly the k largest logits (topk breaks ties); top-p then keeps the
+    smallest set of most probable tokens whose mass reaches top_p (at least the top token).
+    None, top_k >= V or top_p >= 1 turn a filter off. Target and proposer must be warped
+    alike: verification is exact for the warped target distribution.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (use greedy decoding for 0), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    x = logits.float() / temperature  # [..., V]
+    if top_k is not None and top_k < x.shape[-1]:
+        top = torch.topk(x, top_k, dim=-1).indices  # [..., top_k]
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, top, True)  # [..., V]
+        x = x.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(x, dim=-1)  # [..., V]
+    if top_p is not None and top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V] each
+        # [..., V] mass of the more probable tokens (an exclusive cumsum, no cancellation)
+        before = F.pad(sorted_p.cumsum(dim=-1)[..., :-1], (1, 0))
+        drop_sorted = before >= top_p  # [..., V]
+        drop_sorted[..., 0] = False  # the top token always stays
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [..., V] vocabulary order
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of probs [..., V] -> long [...], without a host sync.
+
+    Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability
+    p_i / sum(p), so rows need not be normalised; a zero-probability token scores 0 and can
+    never win against a positive one.
+    """
+    e = torch.empty_like(probs).exponential_(1, generator=generator)  # [..., V]
+    e = e.clamp_min_(torch.finfo(e.dtype).tiny)  # an exact 0 would give 0/0 = NaN, which argmax picks
+    return (probs / e).argmax(dim=-1)
+
+
+def greedy_pick(logits: Tensor) -> Tensor:
+    """Most likely token: logits [..., V] -> long [...]."""
+    return logits.argmax(dim=-1)
+
+
+def _leading_true(mask: Tensor) -> Tensor:
+    """Length of the leading run of True in each row: bool [B, k] -> long [B]."""
+    return mask.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def verify_greedy(drafts: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Greedy verification: drafts long [B, k], target_logits [B, k+1, V] -> (n [B], out [B, k+1]).
+
+    n counts the leading drafts equal to the target's argmax; out[:, :n+1] are the tokens
+    this pass yields: the n accepted drafts, then the target's argmax at position n (the
+    correction, or the bonus token when n == k). out[:, n+1:] holds the target's argmax
+    tokens, which the caller must ignore.
+    """
+    k = drafts.shape[1]
+    best = target_logits.argmax(dim=-1)  # [B, k+1]
+    n = _leading_true(drafts == best[:, :k])  # [B]
+    # Accepted drafts equal the argmax, so the argmax row already is the output.
+    return n, best
+
+
+def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Exact speculative sampling -> (n [B], out [B, k+1]), laid out as in `verify_greedy`.
+
+    drafts: long [B, k], drawn from the proposer's probabilities q [B, k, V];
+    p: [B, k+1, V], the target's probabilities at the k+1 positions (same warp as q).
+    Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+    rejection n the next token is drawn from max(0, p_n - q_n), renormalised (from p_n if
+    that is all zero, which happens only when p_n == q_n up to rounding); when all k are
+    accepted it is a bonus draw from p_k. out[:, n+1:] holds drafts, to be ignored.
+    """
+    B, k = drafts.shape
+    V = p.shape[-1]
+    idx = drafts.unsqueeze(-1)  # [B, k, 1]
+    q_x = q.gather(-1, idx).squeeze(-1).float()  # [B, k]
+    p_x = p[:, :k].gather(-1, idx).squeeze(-1).float()  # [B, k]
+    u = torch.rand(B, k, generator=generator, device=p.device)  # [B, k] in [0, 1)
+    n = _leading_true(u * q_x < p_x)  # [B]
+
+    # The distributions at position n; q gets a zero row for the bonus position k.
+    q_pad = torch.cat([q, q.new_zeros(B, 1, V)], dim=1)  # [B, k+1, V]
+    at_n = n.view(B, 1, 1).expand(B, 1, V)  # [B, 1, V]
+    p_n = p.gather(1, at_n).squeeze(1).float()  # [B, V]
+    q_n = q_pad.gather(1, at_n).squeeze(1).float()  # [B, V]
+    residual = (p_n - q_n).clamp_min(0.0)  # [B, V]
+    has_mass = residual.sum(dim=-1, keepdim=True) > 0  # [B, 1]
+    # `sample` needs no normalisation: the exponential race is scale-free per row.
+    nxt = sample(torch.where(has_mass, residual, p_n), generator)  # [B]
+
+    out = torch.cat([drafts, nxt.unsqueeze(1)], dim=1)  # [B, k+1]
+    out.scatter_(1, n.unsqueeze(1), nxt.unsqueeze(1))  # out[:, n] = next token
+    return n, out
