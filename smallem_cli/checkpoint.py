@@ -38,6 +38,7 @@ def save(
     *,
     tokenizer: str = "",
     facts: dict[str, Any] | None = None,
+    vocab_rank: list[int] | None = None,
     dtype: torch.dtype = torch.float16,
 ) -> None:
     """Write atomically (temp file, then rename), so an interrupted save leaves the old file whole."""
@@ -51,6 +52,8 @@ def save(
         "tokenizer": tokenizer,
         "facts": json.dumps(facts or {}, sort_keys=True),
     }
+    if vocab_rank is not None:  # token ids, most frequent in the training text first
+        meta["vocab_rank"] = json.dumps(vocab_rank)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)
@@ -76,6 +79,12 @@ def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 def facts(meta: dict[str, str]) -> dict[str, Any]:
     return json.loads(meta.get("facts", "{}"))
+
+
+def vocab_rank(meta: dict[str, str]) -> list[int] | None:
+    """Token ids by training frequency, if the file records them (proposers use the head's top rows)."""
+    raw = meta.get("vocab_rank")
+    return None if raw is None else [int(i) for i in json.loads(raw)]
 
 
 def config_of(meta: dict[str, str], path: str | Path) -> ModelConfig:

@@ -19,7 +19,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Generate text from small language models with speculative decoding.",
 )
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
+# Tables go to stdout; wide enough to stay readable when piped to a file.
+tables = Console(width=None if sys.stdout.isatty() else 200)
 
 
 class UsageError(Exception):
@@ -111,7 +113,7 @@ def train(
             mtp, facts = tr.train_mtp(tgt, train_ids, val_ids, settings, run, report, start)
             dest = out or D.MTP
             facts |= {"trained": "distilled from the frozen target" + (f", starting from {init.name}" if init else "")}
-            tr.save_family_member(dest, mtp, tokenizer, facts)
+            tr.save_family_member(dest, mtp, tokenizer, facts, train_ids)
         else:
             if name not in PRESETS:
                 raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
@@ -122,13 +124,14 @@ def train(
             dest = out or D.CHECKPOINTS / f"{name}.safetensors"
             mtp_facts = {k: v for k, v in facts.items() if not k.startswith("val")}
             facts = {k: v for k, v in facts.items() if not k.startswith("mtp_")}
-            tr.save_family_member(dest, model, tokenizer, facts)
+            tr.save_family_member(dest, model, tokenizer, facts, train_ids)
             if mtp is not None:
                 tr.save_family_member(
                     dest.with_name("mtp.safetensors"),
                     mtp,
                     tokenizer,
                     mtp_facts | {"trained": f"jointly with {dest.name}"},
+                    train_ids,
                 )
     except checkpoint.CheckpointError as e:
         raise fail(str(e)) from None
@@ -179,6 +182,189 @@ def _progress_printer(name: str):  # type: ignore[no-untyped-def]
             )
 
     return log
+
+
+# --- evaluation ---------------------------------------------------------------------------
+@app.command("eval")
+def eval_cmd(
+    target: Annotated[Path, typer.Option(help="target checkpoint")] = D.TARGET,
+    data_dir: Annotated[Path, typer.Option("--data", help="folder with val.txt")] = D.DATA_DIR,
+    drafts: Annotated[list[str] | None, typer.Option("--draft", help="draft names or paths")] = None,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Validation loss (nats/byte) of each checkpoint, and each proposer's agreement with the target."""
+    import json
+
+    from rich.table import Table
+
+    from . import checkpoint, family
+    from . import data as corpus
+    from .evaluate import evaluate_family
+
+    val_txt = data_dir / "val.txt"
+    if not val_txt.is_file():
+        raise fail(f"no validation text in {data_dir}: run `smallem data` (or `make data`) first")
+    try:
+        tgt = family.load_target(target, torch_device("cpu"))
+        names = (
+            drafts
+            if drafts is not None
+            else [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
+        )
+        models = {}
+        for n in names:
+            path = target.parent / f"{n}.safetensors" if n in family.SHIPPED_PROPOSERS else Path(n)
+            models[Path(n).stem], _ = checkpoint.load_model(path)
+        mtp_path = target.parent / "mtp.safetensors"
+        mtp = checkpoint.load_mtp(mtp_path, tgt.model)[0] if mtp_path.exists() else None
+    except (checkpoint.CheckpointError, ValueError, OSError) as e:
+        raise fail(str(e)) from None
+    ids = corpus.token_file(tgt.tokenizer, val_txt)
+    n_bytes = sum(len(d.encode("utf-8")) for d in corpus.read_documents(val_txt))
+    reports = evaluate_family(tgt.model, ids, n_bytes, models, mtp)
+    if json_out:
+        print(json.dumps({"val_tokens": len(ids), "val_bytes": n_bytes, "models": [r.__dict__ for r in reports]}))
+        return
+    table = Table(title=f"validation: {len(ids):,} tokens, {n_bytes:,} bytes")
+    for col in ("model", "nats/token", "nats/byte", "agreement with target"):
+        table.add_column(col, justify="right")
+    for r in reports:
+        agree = "" if r.agreement is None else f"{r.agreement:.3f}"
+        table.add_row(r.name, f"{r.nats_per_token:.3f}", f"{r.nats_per_byte:.3f}", agree)
+    tables.print(table)
+
+
+def torch_device(name: str):  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.device(name)
+
+
+@app.command()
+def prompts(
+    data_dir: Annotated[Path, typer.Option("--data", help="folder with val.txt")] = D.DATA_DIR,
+    tokenizer: Annotated[Path, typer.Option(help="tokenizer.json")] = D.TOKENIZER,
+    out: Annotated[Path, typer.Option(help="output file")] = D.PROMPTS,
+    count: Annotated[int, typer.Option()] = 8,
+    length: Annotated[int, typer.Option(help="tokens per prompt")] = 32,
+) -> None:
+    """Write the benchmark prompts: COUNT prompts of LENGTH tokens from the validation text."""
+    from . import bench
+
+    val_txt = data_dir / "val.txt"
+    if not val_txt.is_file():
+        raise fail(f"no validation text in {data_dir}: run `smallem data` (or `make data`) first")
+    bench.write_prompts(val_txt, tokenizer, out, count, length)
+    err.print(f"{count} prompts of {length} tokens -> {out}")
+
+
+# --- benchmark ----------------------------------------------------------------------------
+def parse_ks(text: str) -> list[int]:
+    """'2', '1,3,5' or '1..6' -> sorted k values."""
+    try:
+        if ".." in text:
+            lo, hi = text.split("..")
+            ks = list(range(int(lo), int(hi) + 1))
+        else:
+            ks = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"bad k list {text!r}: use 2, 1,3,5 or 1..6") from None
+    if not ks or not all(1 <= k <= D.MAX_K for k in ks):
+        raise UsageError(f"k values must be between 1 and {D.MAX_K}: {text!r}")
+    return sorted(set(ks))
+
+
+@app.command()
+def bench(
+    target: Annotated[Path, typer.Option(help="target checkpoint")] = D.TARGET,
+    proposers: Annotated[str, typer.Option(help="comma-separated proposers")] = "draft-2l,draft-4l,mtp",
+    k: Annotated[str | None, typer.Option("-k", "--k", help="extra k values, e.g. 1,4")] = None,
+    sweep_k: Annotated[str | None, typer.Option("--sweep-k", help="e.g. 1..6: every k for every proposer")] = None,
+    modes: Annotated[str, typer.Option(help="greedy,sample")] = "greedy,sample",
+    prompts_file: Annotated[Path, typer.Option("--prompts")] = D.PROMPTS,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
+    repeats: Annotated[int, typer.Option(help="timed runs per configuration (median)")] = 3,
+    temperature: Annotated[float, typer.Option(help="for the sample mode")] = 1.0,
+    device: Annotated[str, typer.Option()] = D.DEVICE,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    proposer_vocab: Annotated[
+        int, typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all)")
+    ] = D.PROPOSER_VOCAB,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+    plot_file: Annotated[Path | None, typer.Option("--plot", help="PNG of speed-up against k")] = None,
+    peer: Annotated[str | None, typer.Option(help="'hf': time transformers side by side")] = None,
+) -> None:
+    """The seed's measurement table: tokens/s, speed-up, acceptance, cost model."""
+    import json
+
+    import torch
+
+    from . import bench as B
+    from . import family
+    from .checkpoint import CheckpointError
+
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        names = [p for p in proposers.split(",") if p]
+        extra = parse_ks(k) if k else []
+        sweep = parse_ks(sweep_k) if sweep_k else []
+        mode_list = [m for m in modes.split(",") if m]
+        if not set(mode_list) <= {"greedy", "sample"} or not mode_list:
+            raise UsageError(f"modes must be greedy and/or sample, got {modes!r}")
+        if repeats < 1 or max_new_tokens < 1:
+            raise UsageError("--repeats and --max-new-tokens must be >= 1")
+        if peer not in (None, "hf"):
+            raise UsageError(f"unknown peer {peer!r}: only 'hf' is supported")
+        if not prompts_file.is_file():
+            raise UsageError(f"prompts file not found: {prompts_file} (run `smallem prompts`)")
+        prompt_ids = B.read_prompts(prompts_file)
+        dev = family.pick_device(device)
+        tgt = family.load_target(target, dev)
+        factories = {n: family.load_proposer(n, tgt, dev, proposer_vocab) for n in names}
+    except (UsageError, ValueError, CheckpointError, OSError) as e:
+        raise fail(str(e)) from None
+    ks = {n: sweep or sorted({D.K.get(n, D.K_OTHER), *extra}) for n in names}
+    plan = B.Plan(factories, ks, mode_list, max_new_tokens, repeats, temperature)
+    total = len(mode_list) * (1 + sum(len(v) for v in ks.values()))
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("bench", total=total)
+
+        def step(label: str) -> None:
+            bar.update(task, advance=1, description=label)
+
+        rows = B.run_bench(tgt.model, prompt_ids, plan, step)
+    peer_rows = B.hf_peer(tgt, target.parent, prompt_ids, max_new_tokens, rows) if peer else []
+    if plot_file:
+        try:
+            B.plot(rows, plot_file)
+        except ImportError:
+            raise fail("--plot needs matplotlib: pip install 'smallem[plot]'") from None
+    if json_out:
+        print(
+            json.dumps(
+                {
+                    "device": str(dev),
+                    "threads": torch.get_num_threads(),
+                    "prompts": len(prompt_ids),
+                    "max_new_tokens": max_new_tokens,
+                    "repeats": repeats,
+                    "rows": [r.__dict__ for r in rows],
+                    "peer": peer_rows,
+                }
+            )
+        )
+    else:
+        tables.print(B.table(rows, len(prompt_ids), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
+        if sweep:
+            tables.print(B.sweep_table(rows))
+        if peer_rows:
+            tables.print(B.peer_table(peer_rows))
+    bad = [r for r in rows if r.identical is not None and not r.identical.startswith(f"{len(prompt_ids)}/")]
+    if bad:
+        raise fail("greedy identity FAILED: " + ", ".join(f"{r.proposer} k={r.k}: {r.identical}" for r in bad), 1)
 
 
 # --- generation -------------------------------------------------------------------------
@@ -237,6 +423,9 @@ def generate(
     seed: Annotated[int, typer.Option()] = D.SEED,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = D.DEVICE,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")] = None,
+    proposer_vocab: Annotated[
+        int, typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all)")
+    ] = D.PROPOSER_VOCAB,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
 ) -> None:
@@ -262,7 +451,9 @@ def generate(
             raise UsageError("the prompt is empty")
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev, tokenizer)
-        make_proposer = family.load_proposer(proposer, tgt, dev)
+        if proposer_vocab < 0:
+            raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")
+        make_proposer = family.load_proposer(proposer, tgt, dev, proposer_vocab)
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
         ctx = tgt.model.cfg.max_seq_len

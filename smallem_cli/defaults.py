@@ -7,7 +7,7 @@ DATA_DIR = Path("data")
 TOKENIZER = CHECKPOINTS / "tokenizer.json"
 TARGET = CHECKPOINTS / "target.safetensors"
 MTP = CHECKPOINTS / "mtp.safetensors"
-PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "kjv-val-32.txt"
+PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "kjv-val-32.jsonl"
 
 PROPOSER = "mtp"
 # Default k per proposer: the best measured by `smallem bench --sweep-k` on the shipped family.
@@ -18,3 +18,5 @@ MAX_NEW_TOKENS = 200
 TEMPERATURE = 0.0
 SEED = 0
 DEVICE = "auto"
+# A proposer's head keeps the rows of this many most frequent tokens (0: all of them).
+PROPOSER_VOCAB = 2048

@@ -18,7 +18,7 @@ import torch
 from . import checkpoint, hf
 from .checkpoint import CheckpointError
 from .model import Transformer
-from .proposers import DraftProposer, MTPProposer, NoProposer, Proposer
+from .proposers import DraftProposer, Head, MTPProposer, NoProposer, Proposer
 
 SHIPPED_PROPOSERS = ("none", "draft-2l", "draft-4l", "mtp")
 
@@ -49,8 +49,12 @@ def load_target(path: Path, device: torch.device, tokenizer: Path | None = None)
 ProposerFactory = Callable[[int], Proposer]  # max tokens of the sequence -> a fresh proposer
 
 
-def load_proposer(spec: str, target: Target, device: torch.device) -> ProposerFactory:
-    """`spec` -> a factory of proposers (each generation gets its own caches)."""
+def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 0) -> ProposerFactory:
+    """`spec` -> a factory of proposers (each generation gets its own caches).
+
+    vocab > 0 cuts the proposer's head to the `vocab` most frequent training tokens, where
+    the checkpoint records them (see proposers.Head); 0 keeps the whole head.
+    """
     if spec == "none":
         return lambda _: NoProposer()
     path = target.path.parent / f"{spec}.safetensors" if spec in SHIPPED_PROPOSERS else Path(spec)
@@ -61,14 +65,18 @@ def load_proposer(spec: str, target: Target, device: torch.device) -> ProposerFa
         draft.pack()
         return lambda n: DraftProposer(draft, n, name)
     _, meta = checkpoint.read(path)
+    rank = checkpoint.vocab_rank(meta)
+    ids = torch.tensor(rank[:vocab], device=device) if vocab and rank else None
     _same_vocab(target, meta.get("tokenizer", ""), checkpoint.config_of(meta, path).vocab_size, path)
     if meta.get("kind") == "mtp":
         mtp, _ = checkpoint.load_mtp(path, target.model, device)
         mtp.pack()
-        return lambda n: MTPProposer(target.model, mtp, n)
+        mtp_head = Head(target.model, ids)
+        return lambda n: MTPProposer(target.model, mtp, n, mtp_head)
     draft, _ = checkpoint.load_model(path, device)
     draft.pack()
-    return lambda n: DraftProposer(draft, n, name)
+    head = Head(draft, ids)
+    return lambda n: DraftProposer(draft, n, name, head)
 
 
 def _same_vocab(target: Target, fingerprint: str, vocab_size: int, path: Path) -> None:

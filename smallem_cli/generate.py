@@ -42,7 +42,7 @@ class Stats:
     proposer: str
     k: int
     new_tokens: int = 0
-    passes: int = 0  # target verify passes (the prefill not counted)
+    passes: int = 0  # target passes that yielded tokens: the prefill, then one per round
     proposed: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # rounds whose i-th guess was kept
@@ -59,7 +59,7 @@ class Stats:
 
     @property
     def tokens_per_pass(self) -> float:
-        return self.new_tokens / max(1, self.passes + 1)  # the prefill pass yields a token too
+        return self.new_tokens / max(1, self.passes)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -149,7 +149,7 @@ def stream(
             st.prefill_s = time.perf_counter() - t0
             if first == stop_token:
                 return
-            st.new_tokens = 1
+            st.new_tokens = st.passes = 1
             st.elapsed_s = time.perf_counter() - t0
             yield [first]
             if k > 0:

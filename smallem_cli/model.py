@@ -205,12 +205,13 @@ class Transformer(nn.Module):
         return x
 
     def forward(
-        self, tokens: torch.Tensor, cache: PagedKVCache, seq: int, last_only: bool = False
+        self, tokens: torch.Tensor, cache: PagedKVCache, seq: int, last_only: bool = False, head: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """T new tokens of sequence `seq` (tokens: [T]) -> logits [T or 1, vocab], hidden [T, dim].
 
         The tokens are appended to the cache; the caller rolls back with `cache.keep`.
-        `last_only` computes the head for the last position alone (a prefill needs no more).
+        `last_only` computes the head for the last position alone (a prefill needs no more);
+        `head=False` skips it (logits come back empty) for callers with a head of their own.
         """
         if self.rope_packed is None:
             self.pack()
@@ -220,6 +221,8 @@ class Transformer(nn.Module):
         x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
         for i, blk in enumerate(self.layers):
             x = blk.decode(x, cos, sin, cache, i, step)  # type: ignore[operator]
+        if not head:
+            return x[:0], x
         return self.logits(x[-1:] if last_only else x), x
 
     def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:

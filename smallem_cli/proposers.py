@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from .model import MTPModule, Transformer
-from .verify import greedy_pick, sample
+from .model import MTPModule, Transformer, unit_rms
+from .verify import sample
 
 Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
 
@@ -40,14 +40,33 @@ class Proposer(Protocol):
     def release(self) -> None: ...
 
 
-def _pick(
-    logits: torch.Tensor, warp: Warp | None, gen: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [1, V] -> (token [1], q [1, V] or None when greedy)."""
-    if warp is None:
-        return greedy_pick(logits), None
-    q = warp(logits)
-    return sample(q, gen), q
+class Head:
+    """The output head a proposer guesses with: the model's own, or only its rows for the
+    `vocab` most frequent tokens (FR-Spec's trick). On a small model the head is the
+    biggest matrix a step reads, and a guess needs no exactness: verification makes the
+    output exact whatever the proposer computes, so a cut head trades a few rejected
+    guesses for a cheaper step. The distribution q is then zero outside the cut.
+    """
+
+    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None) -> None:
+        assert model.head_t is not None, "pack() the model first"
+        self.eps, self.size = model.cfg.norm_eps, model.cfg.vocab_size
+        self.ids = vocab
+        self.w = model.head_t if vocab is None else model.head_t[:, vocab].contiguous()  # [d, V or N]
+
+    def pick(
+        self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden state h [1, d] -> (token [1], q [1, V] or None when greedy)."""
+        logits = unit_rms(h, self.eps) @ self.w  # [1, V or N]
+        if warp is None:
+            i = logits.argmax(-1)
+            return (i if self.ids is None else self.ids[i]), None
+        q = warp(logits)
+        i = sample(q, gen)
+        if self.ids is None:
+            return i, q
+        return self.ids[i], q.new_zeros(1, self.size).index_copy_(1, self.ids, q)
 
 
 def _collect(tokens: list[torch.Tensor], qs: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,8 +97,11 @@ class NoProposer:
 class DraftProposer:
     """A small model with the target's tokenizer, its own paged cache and rollback."""
 
-    def __init__(self, model: Transformer, max_tokens: int, name: str = "draft", page_size: int = 16) -> None:
+    def __init__(
+        self, model: Transformer, max_tokens: int, name: str = "draft", head: Head | None = None, page_size: int = 16
+    ) -> None:
         self.model, self.name = model, name
+        self.head = head or Head(model)
         self.cache = model.new_cache(-(-max_tokens // page_size) + 1, page_size)
         self.seq = self.cache.new_sequence()
         self.pending = torch.empty(0, dtype=torch.long)  # sequence tokens not yet fed to the draft
@@ -95,8 +117,8 @@ class DraftProposer:
         tokens, qs = [], []
         x = self.pending  # catch up (1 or 2 tokens), then one guess at a time
         for _ in range(k):
-            logits, _ = self.model(x, self.cache, self.seq, last_only=True)
-            x, q = _pick(logits, warp, generator)
+            _, h = self.model(x, self.cache, self.seq, head=False)
+            x, q = self.head.pick(h[-1:], warp, generator)
             tokens.append(x)
             qs.append(q)
         self.fed_guesses = k - 1  # the last guess was never fed
@@ -123,8 +145,11 @@ class MTPProposer:
 
     name = "mtp"
 
-    def __init__(self, target: Transformer, mtp: MTPModule, max_tokens: int, page_size: int = 16) -> None:
+    def __init__(
+        self, target: Transformer, mtp: MTPModule, max_tokens: int, head: Head | None = None, page_size: int = 16
+    ) -> None:
         self.target, self.mtp = target, mtp
+        self.head = head or Head(target)  # the target's head, shared
         self.cache = mtp.new_cache(-(-max_tokens // page_size) + 1, page_size)
         self.seq = self.cache.new_sequence()
         self.true_len = 0  # cache entries computed from the target's own states
@@ -135,7 +160,8 @@ class MTPProposer:
         self.pending_h = hidden  # h_0 .. h_{P-1}
         self.pending_next = torch.cat([prompt[1:], first])  # x_1 .. x_P
 
-    def _step(self, h: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+    def step(self, h: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+        """Feed pairs (h_j, x_{j+1}) [T, d], [T] through the module -> its states [T, d]."""
         step = self.cache.append(self.seq, h.shape[0])
         assert self.target.rope_packed is not None
         cos, sin = (t[step.start : step.length] for t in self.target.rope_packed)
@@ -145,13 +171,13 @@ class MTPProposer:
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self._step(self.pending_h, self.pending_next)  # catch up on the true states
+        out = self.step(self.pending_h, self.pending_next)  # catch up on the true states
         self.true_len = self.cache.length(self.seq)
         tokens, qs = [], []
         for i in range(k):
             if i:
-                out = self._step(out[-1:], tokens[-1])  # chain on the module's own state
-            x, q = _pick(self.target.logits(out[-1:]), warp, generator)
+                out = self.step(out[-1:], tokens[-1])  # chain on the module's own state
+            x, q = self.head.pick(out[-1:], warp, generator)
             tokens.append(x)
             qs.append(q)
         return _collect(tokens, qs)

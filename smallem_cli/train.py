@@ -266,5 +266,18 @@ def train_mtp(
     return mtp, facts
 
 
-def save_family_member(path: Path, model: Transformer | MTPModule, tokenizer_json: Path, facts: dict[str, Any]) -> None:
-    checkpoint.save(path, model, tokenizer=checkpoint.tokenizer_fingerprint(tokenizer_json), facts=facts)
+RANKED_TOKENS = 4096  # how many of the most frequent training tokens a checkpoint lists
+
+
+def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
+    """Token ids ordered by their count in the training stream, most frequent first."""
+    counts = np.bincount(train_ids, minlength=vocab_size)
+    return np.argsort(-counts, kind="stable")[:RANKED_TOKENS].tolist()
+
+
+def save_family_member(
+    path: Path, model: Transformer | MTPModule, tokenizer_json: Path, facts: dict[str, Any], train_ids: np.ndarray
+) -> None:
+    fp = checkpoint.tokenizer_fingerprint(tokenizer_json)
+    rank = vocab_rank(train_ids, model.cfg.vocab_size)
+    checkpoint.save(path, model, tokenizer=fp, facts=facts, vocab_rank=rank)

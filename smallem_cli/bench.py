@@ -1,0 +1,398 @@
+"""Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each).
+
+Every row is timed in the same run as the target alone, so speed-ups are ratios of
+measurements taken side by side on the same (noisy, shared) machine. The proposer cost c
+and the verify cost v are read with a stopwatch around the forwards, and fed to the
+seed's cost model to predict each speed-up; measured / predicted tells how much the loop
+loses to host work that the model does not count.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.table import Table
+from tokenizers import Tokenizer
+
+from .data import read_documents
+from .family import ProposerFactory, Target
+from .generate import Sampling, Stats, cache_pages, generate
+from .model import Transformer
+from .proposers import DraftProposer, MTPProposer, NoProposer
+
+
+def write_prompts(val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32) -> None:
+    """COUNT prompts of exactly LENGTH tokens: the opening of COUNT evenly spaced validation chunks.
+
+    One JSON object a line: the token ids (what the benchmark feeds) and their text.
+    """
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    docs = [d for d in read_documents(val_txt) if len(tok.encode(d).ids) > length]
+    if len(docs) < count:
+        raise ValueError(f"only {len(docs)} validation chunks are longer than {length} tokens")
+    step = len(docs) / count
+    lines = []
+    for i in range(count):
+        ids = tok.encode(docs[int(i * step)]).ids[:length]
+        lines.append(json.dumps({"tokens": ids, "text": tok.decode(ids)}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def read_prompts(path: Path) -> list[list[int]]:
+    return [json.loads(line)["tokens"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# --- measurement ---------------------------------------------------------------------------
+@dataclass
+class Row:
+    proposer: str
+    k: int
+    mode: str  # "greedy" or "sample"
+    tokens_per_s: float
+    speedup: float  # over the target alone, same mode, same run
+    acceptance_rate: float
+    tokens_per_pass: float
+    accepted_at: list[float]  # rate at which the i-th proposal was kept
+    cost_c: float  # proposer cost per proposed token, in one-token target passes
+    cost_v: float  # a verify pass over k+1 tokens, in one-token target passes
+    predicted_speedup: float
+    measured_over_predicted: float
+    identical: str | None  # "8/8" for greedy rows
+    runs: int
+    tokens_per_s_runs: list[float] = field(default_factory=list)
+
+
+def _timed(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of fn() over reps calls (after two warm-up calls)."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def forward_costs(
+    target: Transformer,
+    proposers: dict[str, ProposerFactory],
+    ks: list[int],
+    prompt: list[int],
+    context: int = 132,
+    reps: int = 60,
+) -> tuple[dict[str, float], dict[int, float], float]:
+    """Stopwatch around the forwards, at a typical context length.
+
+    -> (c per proposer: one proposal step in target passes, v(k) per k: a pass over k+1
+    tokens in target passes, the seconds of a one-token target pass).
+    """
+    dev = target.embed_tokens.weight.device
+    ids = torch.tensor((prompt * (context // len(prompt) + 1))[:context], device=dev)
+    cache = target.new_cache(cache_pages(context + max(ks) + 2))
+    seq = cache.new_sequence()
+    _, hidden = target(ids, cache, seq)
+
+    def target_pass(t: int) -> Callable[[], object]:
+        def run() -> object:
+            out = target(ids[:t], cache, seq)
+            cache.keep(seq, context)
+            return out
+
+        return run
+
+    one = _timed(target_pass(1), reps)
+    v = {k: _timed(target_pass(k + 1), reps) / one for k in ks}
+    c: dict[str, float] = {}
+    for name, make in proposers.items():
+        p = make(context + 4)
+        p.start(ids, ids[-1:], hidden)
+        if isinstance(p, MTPProposer):
+            p.propose(1, None, None)  # fills its cache with the true states
+            n = p.cache.length(p.seq)
+
+            def run(p: MTPProposer = p, n: int = n) -> object:
+                out = p.head.pick(p.step(hidden[-1:], ids[-1:]), None, None)
+                p.cache.keep(p.seq, n)
+                return out
+        elif isinstance(p, DraftProposer):
+
+            def run(p: DraftProposer = p) -> object:
+                out = p.head.pick(p.model(ids[-1:], p.cache, p.seq, head=False)[1], None, None)
+                p.cache.keep(p.seq, context)
+                return out
+        else:
+            continue
+        c[name] = _timed(run, reps) / one
+        p.release()
+    cache.release(seq)
+    return c, v, one
+
+
+def run_config(
+    target: Transformer,
+    make: ProposerFactory,
+    prompts: list[list[int]],
+    max_new: int,
+    k: int,
+    sampling: Sampling,
+) -> tuple[float, Stats, list[list[int]]]:
+    """All prompts once -> (tokens/s over the lot, summed stats, outputs)."""
+    total = Stats(make(1).name, k, accepted_at=[0] * k)
+    outs = []
+    for i, prompt in enumerate(prompts):
+        s = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + i)
+        out, st = generate(target, make(len(prompt) + max_new + k + 1), prompt, max_new, k, s)
+        outs.append(out)
+        total.new_tokens += st.new_tokens
+        total.passes += st.passes
+        total.proposed += st.proposed
+        total.accepted += st.accepted
+        total.elapsed_s += st.elapsed_s
+        for j, a in enumerate(st.accepted_at):
+            total.accepted_at[j] += a
+    return total.new_tokens / total.elapsed_s, total, outs
+
+
+def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
+    """The seed's cost model: a round yields (1-α^(k+1))/(1-α) tokens for k·c + v passes."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + v)
+
+
+@dataclass
+class Plan:
+    proposers: dict[str, ProposerFactory]
+    ks: dict[str, list[int]]  # k values per proposer
+    modes: list[str]  # "greedy", "sample"
+    max_new: int = 200
+    repeats: int = 3
+    temperature: float = 1.0
+    seed: int = 0
+
+
+def run_bench(
+    target: Transformer, prompts: list[list[int]], plan: Plan, progress: Callable[[str], None] | None = None
+) -> list[Row]:
+    """Every configuration of the plan, the target alone first, timed in the same run."""
+    all_ks = sorted({k for ks in plan.ks.values() for k in ks})
+    c, v, _ = forward_costs(target, plan.proposers, all_ks, prompts[0])
+    none: ProposerFactory = lambda _: NoProposer()  # noqa: E731
+    rows: list[Row] = []
+    for mode in plan.modes:
+        sampling = Sampling(0.0 if mode == "greedy" else plan.temperature, seed=plan.seed)
+        configs = [("none", none, 0)] + [(n, f, k) for n, f in plan.proposers.items() for k in plan.ks[n]]
+        base_tps, base_outs = 0.0, None
+        for name, make, k in configs:
+            if progress:
+                progress(f"{mode} {name} k={k}")
+            generate(target, make(64), prompts[0][:16], 16, k, sampling)  # warm-up
+            runs = [run_config(target, make, prompts, plan.max_new, k, sampling) for _ in range(plan.repeats)]
+            tps_runs = [r[0] for r in runs]
+            tps = statistics.median(tps_runs)
+            _, st, outs = runs[0]
+            if name == "none":
+                base_tps, base_outs = tps, outs
+            alpha = st.acceptance_rate
+            cc = c.get(name, 0.0)
+            vv = v.get(k, 1.0) if k else 1.0
+            pred = predicted_speedup(alpha, k, cc, vv)
+            speed = tps / base_tps
+            identical = None
+            if mode == "greedy" and base_outs is not None:
+                same = sum(a == b for a, b in zip(outs, base_outs, strict=True))
+                identical = f"{same}/{len(outs)}"
+            rounds = st.passes - len(prompts)  # prefill passes excluded
+            rows.append(
+                Row(
+                    name,
+                    k,
+                    mode,
+                    tps,
+                    speed,
+                    alpha,
+                    st.tokens_per_pass,
+                    [a / max(1, rounds) for a in st.accepted_at],
+                    cc,
+                    vv,
+                    pred,
+                    speed / pred,
+                    identical,
+                    plan.repeats,
+                    tps_runs,
+                )
+            )
+    return rows
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Speed-up against k for each proposer and mode (needs matplotlib: pip install smallem[plot])."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in sorted({r.mode for r in rows}):
+        for name in sorted({r.proposer for r in rows if r.proposer != "none"}):
+            pts = sorted((r.k, r.speedup) for r in rows if r.proposer == name and r.mode == mode)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=f"{name} ({mode})")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("k (proposals per round)")
+    ax.set_ylabel("speed-up over the target alone")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --- presentation --------------------------------------------------------------------------
+def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: str, threads: int) -> Table:
+    t = Table(
+        title=f"{n_prompts} prompts x {max_new} new tokens, median of {repeats} runs, {device}, {threads} threads"
+    )
+    cols = (
+        "mode",
+        "proposer",
+        "k",
+        "tok/s",
+        "speed-up",
+        "α",
+        "tok/pass",
+        "per position",
+        "c",
+        "v",
+        "predicted",
+        "meas/pred",
+        "identical",
+    )
+    for col in cols:
+        t.add_column(col, justify="right")
+    for r in rows:
+        per = " ".join(f"{a:.2f}" for a in r.accepted_at)
+        t.add_row(
+            r.mode,
+            r.proposer,
+            str(r.k),
+            f"{r.tokens_per_s:.1f}",
+            f"×{r.speedup:.2f}",
+            f"{r.acceptance_rate:.3f}",
+            f"{r.tokens_per_pass:.2f}",
+            per,
+            f"{r.cost_c:.3f}",
+            f"{r.cost_v:.2f}",
+            f"×{r.predicted_speedup:.2f}",
+            f"{r.measured_over_predicted:.2f}",
+            r.identical or "",
+        )
+    return t
+
+
+def sweep_table(rows: list[Row]) -> Table:
+    ks = sorted({r.k for r in rows if r.k})
+    t = Table(title="k sweep: speed-up (acceptance)")
+    t.add_column("mode / proposer")
+    for k in ks:
+        t.add_column(f"k={k}", justify="right")
+    for mode in dict.fromkeys(r.mode for r in rows):
+        for name in dict.fromkeys(r.proposer for r in rows if r.proposer != "none"):
+            cells = {
+                r.k: f"×{r.speedup:.2f} ({r.acceptance_rate:.2f})"
+                for r in rows
+                if r.mode == mode and r.proposer == name
+            }
+            t.add_row(f"{mode} {name}", *[cells.get(k, "") for k in ks])
+    return t
+
+
+# --- a peer side by side -------------------------------------------------------------------
+def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: int, rows: list[Row]) -> list[dict]:
+    """transformers' generate() (target alone) and assisted generation (draft-2l), same
+    weights, prompts and token counts, timed here; greedy outputs checked against ours."""
+    import tempfile
+
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("--peer hf needs transformers: pip install 'smallem[hf]'") from None
+    from .hf import export_hf
+
+    def ours(name: str, k: int) -> float:
+        return next(r.tokens_per_s for r in rows if r.proposer == name and r.k == k and r.mode == "greedy")
+
+    out: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {}
+        for name in ("target", "draft-2l"):
+            dirs[name] = Path(tmp) / name
+            export_hf(ckpt_dir / f"{name}.safetensors", dirs[name], target.tokenizer)
+        models = {}
+        for name, d in dirs.items():
+            m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            m.generation_config.eos_token_id = None  # run the full token count, as we do
+            m.generation_config.pad_token_id = 0
+            models[name] = m
+        dev = target.model.embed_tokens.weight.device
+        for m in models.values():
+            m.to(dev)
+        ref = {i: generate(target.model, NoProposer(), p, max_new, 0)[0] for i, p in enumerate(prompts)}
+        for label, kwargs, ours_tps in (
+            ("transformers generate()", {}, ours("none", 0)),
+            ("transformers assisted (draft-2l)", {"assistant_model": models["draft-2l"]}, None),
+        ):
+            tokens, secs, same = 0, 0.0, 0
+            with torch.inference_mode():
+                warm = torch.tensor([prompts[0]], device=dev)
+                models["target"].generate(warm, do_sample=False, max_new_tokens=8, **kwargs)
+                for i, p in enumerate(prompts):
+                    ids = torch.tensor([p], device=dev)
+                    t0 = time.perf_counter()
+                    res = models["target"].generate(ids, do_sample=False, max_new_tokens=max_new, **kwargs)
+                    sync()
+                    secs += time.perf_counter() - t0
+                    new = res[0, len(p) :].tolist()
+                    tokens += len(new)
+                    same += new == ref[i]
+            hf_tps = tokens / secs
+            if ours_tps is None:
+                k = next((r.k for r in rows if r.proposer == "draft-2l" and r.mode == "greedy"), None)
+                ours_tps = ours("draft-2l", k) if k is not None else float("nan")
+            out.append(
+                {
+                    "peer": label,
+                    "tokens_per_s": hf_tps,
+                    "ours_tokens_per_s": ours_tps,
+                    "ours_over_peer": ours_tps / hf_tps,
+                    "identical": f"{same}/{len(prompts)}",
+                }
+            )
+    return out
+
+
+def peer_table(peer_rows: list[dict]) -> Table:
+    t = Table(title="side by side with transformers (greedy, same weights and prompts)")
+    for col in ("peer", "peer tok/s", "ours tok/s", "ours / peer", "identical to ours"):
+        t.add_column(col, justify="right")
+    for r in peer_rows:
+        t.add_row(
+            r["peer"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['ours_tokens_per_s']:.1f}",
+            f"×{r['ours_over_peer']:.2f}",
+            r["identical"],
+        )
+    return t

@@ -1,0 +1,78 @@
+"""Evaluation on the validation split: loss in nats per byte, and proposer agreement.
+
+Agreement is what greedy acceptance measures: how often a proposer's argmax equals the
+target's own argmax for the same position. A draft sees the same context as the target;
+the MTP module is fed the true token i+1 and its guess for i+2 is compared with the
+target's argmax at i+2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .model import MTPModule, Transformer
+
+
+@dataclass
+class Report:
+    name: str
+    nats_per_token: float
+    nats_per_byte: float
+    agreement: float | None = None  # with the target's argmax, for proposers
+
+
+def windows(ids: np.ndarray, seq_len: int) -> list[torch.Tensor]:
+    """Non-overlapping [1, seq_len + 1] windows covering the stream (last one shorter)."""
+    out = []
+    for s in range(0, len(ids) - 1, seq_len):
+        w = ids[s : s + seq_len + 1]
+        if len(w) >= 2:
+            out.append(torch.from_numpy(w.astype(np.int64))[None])
+    return out
+
+
+@torch.no_grad()
+def evaluate_family(
+    target: Transformer,
+    val_ids: np.ndarray,
+    n_bytes: int,
+    drafts: dict[str, Transformer],
+    mtp: MTPModule | None,
+    seq_len: int = 256,
+) -> list[Report]:
+    """Loss of each model over the whole stream, and each proposer's agreement with the target."""
+    models = {"target": target, **drafts}
+    nats = dict.fromkeys(models, 0.0)
+    agree = dict.fromkeys([*drafts, "mtp"], 0)
+    n_tok = n_mtp = 0
+    mtp_nats = 0.0
+    for w in windows(val_ids, seq_len):
+        x, y = w[:, :-1], w[:, 1:]
+        T = x.shape[1]
+        h = target.hidden(x)
+        t_logits = target.logits(h)[0]  # [T, V]
+        t_best = t_logits.argmax(-1)
+        nats["target"] += F.cross_entropy(t_logits, y[0], reduction="sum").item()
+        for name, d in drafts.items():
+            logits = d.logits(d.hidden(x))[0]
+            nats[name] += F.cross_entropy(logits, y[0], reduction="sum").item()
+            agree[name] += (logits.argmax(-1) == t_best).sum().item()
+        n_tok += T
+        if mtp is not None and T >= 2:
+            # position i: h_i and token i+1 -> token i+2, compared with the target's argmax at i+1
+            hm = mtp(h[:, :-1], target.embed_tokens(x[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
+            m_logits = target.logits(hm)[0]  # [T-1, V]
+            mtp_nats += F.cross_entropy(m_logits, y[0, 1:], reduction="sum").item()
+            agree["mtp"] += (m_logits.argmax(-1) == t_best[1:]).sum().item()
+            n_mtp += T - 1
+    per_byte = n_tok / n_bytes  # tokens per byte of the stream
+    reports = [Report(name, nats[name] / n_tok, nats[name] / n_tok * per_byte) for name in models]
+    for r in reports[1:]:
+        r.agreement = agree[r.name] / n_tok
+    if mtp is not None:
+        reports.append(Report("mtp", mtp_nats / n_mtp, mtp_nats / n_mtp * per_byte, agree["mtp"] / n_mtp))
+    return reports
