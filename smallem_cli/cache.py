@@ -25,6 +25,7 @@ class Step:
     length: int  # start + T: keys visible after the write
     slots: torch.Tensor  # [T] long: flat slot (page * page_size + offset) of each new token
     pages: torch.Tensor  # [ceil(length / page_size)] long: the sequence's pages, in order
+    first_page: int | None  # set when the pages are consecutive in the pool: reads are then views
     bias: torch.Tensor | None  # [T, length] causal mask as 0 / -inf, None when T == 1 (all visible)
 
 
@@ -51,8 +52,9 @@ class PagedKVCache:
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._next_id = 0
-        # Device copy of each page table, rebuilt only when the table changes.
-        self._table_tensors: dict[int, torch.Tensor] = {}
+        # Device copy of each page table (and its first page if the pages are consecutive),
+        # rebuilt only when the table changes.
+        self._table_tensors: dict[int, tuple[torch.Tensor, int | None]] = {}
 
     # --- allocator -------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -86,10 +88,12 @@ class PagedKVCache:
             table.extend(self.free.pop() for _ in range(need))
             self._table_tensors.pop(seq, None)
         self.lengths[seq] = length
-        pages = self._table_tensors.get(seq)
-        if pages is None:
-            pages = torch.tensor(table, dtype=torch.long, device=self.device)
-            self._table_tensors[seq] = pages
+        cached = self._table_tensors.get(seq)
+        if cached is None:
+            consecutive = table[-1] - table[0] == len(table) - 1 and table == sorted(table)
+            cached = torch.tensor(table, dtype=torch.long, device=self.device), table[0] if consecutive else None
+            self._table_tensors[seq] = cached
+        pages, first = cached
         ps = self.page_size
         slots = [table[p // ps] * ps + p % ps for p in range(start, length)]
         bias = None
@@ -97,7 +101,7 @@ class PagedKVCache:
             pos = torch.arange(length, device=self.device)
             bias = torch.zeros(n, length, dtype=self.kv.dtype, device=self.device)
             bias.masked_fill_(pos[None, :] > pos[start:, None], float("-inf"))
-        return Step(start, length, torch.tensor(slots, dtype=torch.long, device=self.device), pages, bias)
+        return Step(start, length, torch.tensor(slots, dtype=torch.long, device=self.device), pages, first, bias)
 
     def keep(self, seq: int, n: int) -> None:
         """Roll `seq` back to its first n tokens; emptied pages return to the pool."""
@@ -117,5 +121,11 @@ class PagedKVCache:
         self.kv[layer].view(-1, *kv.shape[1:]).index_copy_(0, step.slots, kv)
 
     def read(self, layer: int, step: Step) -> torch.Tensor:
-        """K/V of every visible position, in order: [length, 2, kv heads, head dim]."""
+        """K/V of every visible position, in order: [length, 2, kv heads, head dim].
+
+        A view of the slab when the sequence's pages are consecutive (the usual case for a
+        sequence alone in its pool: the free list hands pages out in order); else a gather.
+        """
+        if step.first_page is not None:
+            return self.kv[layer, step.first_page : step.first_page + len(step.pages)].flatten(0, 1)[: step.length]
         return self.kv[layer].index_select(0, step.pages).flatten(0, 1)[: step.length]

@@ -367,6 +367,24 @@ def bench(
         raise fail("greedy identity FAILED: " + ", ".join(f"{r.proposer} k={r.k}: {r.identical}" for r in bad), 1)
 
 
+# --- Hugging Face export -------------------------------------------------------------------
+@app.command()
+def export(
+    checkpoint_path: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="a smallem model checkpoint")],
+    outdir: Annotated[Path, typer.Argument(help="output folder (LlamaForCausalLM)")],
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the checkpoint]")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace a non-empty OUTDIR")] = False,
+) -> None:
+    """Write a checkpoint in the Hugging Face Llama format (config.json, model.safetensors, tokenizer)."""
+    from .checkpoint import CheckpointError
+    from .hf import HFFormatError, export_hf
+
+    try:
+        export_hf(checkpoint_path, outdir, tokenizer or checkpoint_path.parent / "tokenizer.json", overwrite=overwrite)
+    except (CheckpointError, HFFormatError, OSError, ValueError) as e:
+        raise fail(str(e)) from None
+    err.print(f"{checkpoint_path} -> {outdir}")
+
 # --- generation -------------------------------------------------------------------------
 def read_prompt(prompt: str | None) -> str:
     """The prompt argument, or stdin for `-` or for no argument on a pipe."""
