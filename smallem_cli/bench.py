@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
-from tokenizers import Tokenizer
 
 from .data import read_documents
 from .family import ProposerFactory, Target
 from .generate import Sampling, Stats, cache_pages, generate
 from .model import Transformer
 from .proposers import DraftProposer, MTPProposer, NoProposer
+from .tokenizer import load_tokenizer
 
 
 def write_prompts(val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32) -> None:
@@ -32,7 +32,7 @@ def write_prompts(val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8
 
     One JSON object a line: the token ids (what the benchmark feeds) and their text.
     """
-    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok = load_tokenizer(tokenizer_json)
     docs = [d for d in read_documents(val_txt) if len(tok.encode(d).ids) > length]
     if len(docs) < count:
         raise ValueError(f"only {len(docs)} validation chunks are longer than {length} tokens")

@@ -90,7 +90,7 @@ class PagedKVCache:
         self.lengths[seq] = length
         cached = self._table_tensors.get(seq)
         if cached is None:
-            consecutive = table[-1] - table[0] == len(table) - 1 and table == sorted(table)
+            consecutive = bool(table) and table[-1] - table[0] == len(table) - 1 and table == sorted(table)
             cached = torch.tensor(table, dtype=torch.long, device=self.device), table[0] if consecutive else None
             self._table_tensors[seq] = cached
         pages, first = cached

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
 from .model import MTPModule, Transformer
+from .tokenizer import load_tokenizer
 
 
 class CheckpointError(ValueError):
@@ -26,9 +27,7 @@ class CheckpointError(ValueError):
 
 def tokenizer_fingerprint(tokenizer_json: str | Path) -> str:
     """A short hash of the tokenizer's vocabulary: equal fingerprints, same token ids."""
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab(with_added_tokens=True)
+    vocab = load_tokenizer(tokenizer_json).get_vocab(with_added_tokens=True)
     return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
 
 
@@ -127,8 +126,14 @@ def load_mtp(
     if meta.get("kind") != "mtp":
         raise CheckpointError(f"{path} holds a {meta.get('kind')}, not an MTP module")
     cfg = config_of(meta, path)
-    if cfg.dim != target.cfg.dim or cfg.vocab_size != target.cfg.vocab_size:
-        raise CheckpointError(f"{path}: MTP module of width {cfg.dim} does not fit a target of width {target.cfg.dim}")
+    shared = ("dim", "vocab_size", "n_heads", "n_kv_heads", "rope_theta", "max_seq_len")
+    differ = [
+        f"{f} {getattr(cfg, f)} vs {getattr(target.cfg, f)}"
+        for f in shared
+        if getattr(cfg, f) != getattr(target.cfg, f)
+    ]
+    if differ:  # the module reads the target's states, embedding, head and rotary tables
+        raise CheckpointError(f"{path}: MTP module does not fit the target ({', '.join(differ)})")
     mtp = MTPModule(cfg)
     _build(mtp, tensors, Path(path))
     return mtp.to(device).eval(), meta

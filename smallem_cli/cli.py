@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from . import defaults as D
 
@@ -29,7 +30,7 @@ class UsageError(Exception):
 
 
 def fail(msg: str, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {msg}", highlight=False, soft_wrap=True)
+    err.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -384,6 +385,7 @@ def export(
     except (CheckpointError, HFFormatError, OSError, ValueError) as e:
         raise fail(str(e)) from None
     err.print(f"{checkpoint_path} -> {outdir}")
+
 
 # --- generation -------------------------------------------------------------------------
 def read_prompt(prompt: str | None) -> str:

@@ -83,9 +83,9 @@ def read_documents(path: Path) -> list[str]:
 
 def encode_file(tokenizer_json: Path, text_path: Path) -> np.ndarray:
     """Token ids of a corpus file as uint16, each document followed by end-of-text."""
-    from tokenizers import Tokenizer
+    from .tokenizer import load_tokenizer
 
-    tok = Tokenizer.from_file(str(tokenizer_json))
+    tok = load_tokenizer(tokenizer_json)
     eot = tok.token_to_id(EOT)
     ids: list[int] = []
     for enc in tok.encode_batch(read_documents(text_path)):

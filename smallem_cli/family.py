@@ -62,6 +62,7 @@ def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 
     if hf.is_hf_dir(path):
         draft, fp = hf.load_hf(path, device)
         _same_vocab(target, fp, draft.cfg.vocab_size, path)
+        _fits(target, draft, path)
         draft.pack()
         return lambda n: DraftProposer(draft, n, name)
     _, meta = checkpoint.read(path)
@@ -74,9 +75,18 @@ def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 
         mtp_head = Head(target.model, ids)
         return lambda n: MTPProposer(target.model, mtp, n, mtp_head)
     draft, _ = checkpoint.load_model(path, device)
+    _fits(target, draft, path)
     draft.pack()
     head = Head(draft, ids)
     return lambda n: DraftProposer(draft, n, name, head)
+
+
+def _fits(target: Target, draft: Transformer, path: Path) -> None:
+    if draft.cfg.max_seq_len < target.model.cfg.max_seq_len:
+        raise CheckpointError(
+            f"proposer {path} has a context of {draft.cfg.max_seq_len} tokens, "
+            f"shorter than the target's {target.model.cfg.max_seq_len}"
+        )
 
 
 def _same_vocab(target: Target, fingerprint: str, vocab_size: int, path: Path) -> None:

@@ -135,6 +135,8 @@ def stream(
     gen = torch.Generator(device=device).manual_seed(sampling.seed)
     cache = target.new_cache(cache_pages(len(prompt) + max_new_tokens + k + 1, page_size), page_size)
     seq = cache.new_sequence()
+    if max_new_tokens < 1:
+        return
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():

@@ -26,6 +26,7 @@ from . import checkpoint
 from .config import ModelConfig
 from .data import EOT
 from .model import Transformer
+from .tokenizer import TokenizerError, load_tokenizer
 
 
 class HFFormatError(ValueError):
@@ -143,7 +144,10 @@ def _tokenizer(path: Path, vocab_size: int) -> Tokenizer:
     """The tokenizer at `path`, checked to fit the model: an id past the embedding would crash a lookup."""
     if not path.is_file():
         raise HFFormatError(f"tokenizer.json not found: {path}")
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = load_tokenizer(path)
+    except TokenizerError as e:
+        raise HFFormatError(str(e)) from None
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= vocab_size:
         raise HFFormatError(f"{path}: token id {top} does not fit vocab_size {vocab_size}")

@@ -27,5 +27,14 @@ def train_tokenizer(text_path: Path, out: Path, vocab_size: int = 8192) -> Token
     return tok
 
 
-def load_tokenizer(path: Path) -> Tokenizer:
-    return Tokenizer.from_file(str(path))
+class TokenizerError(ValueError):
+    """A tokenizer file that is missing or unreadable."""
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    if not Path(path).is_file():
+        raise TokenizerError(f"tokenizer not found: {path}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise TokenizerError(f"cannot read tokenizer {path}: {e}") from None

@@ -354,6 +354,49 @@ def test_interrupted_export_leaves_the_old_folder(tmp_path: Path, tok_path: Path
 
 
 # --- speculative generation ------------------------------------------------------------------
-# PLACEHOLDER: once smallem_cli/generate.py exists, add a test here that loads an HF target and a
-# tiny HF draft (same tokenizer) with load_hf, runs them through smallem's speculative generation
-# loop (greedy), and checks the tokens equal transformers' generate(do_sample=False) on the target.
+def test_speculative_generation_matches_transformers_generate(tmp_path: Path, tok_path: Path) -> None:
+    """An HF target with two HF drafts of its vocabulary, through smallem's speculative loop (greedy):
+    the tokens are transformers' greedy ones, whatever the draft and k."""
+    from smallem_cli.generate import generate
+    from smallem_cli.proposers import DraftProposer
+
+    hf = hf_llama(2, False, 5000.0)
+    # Draft 1: the target's first layer alone (its embeddings, norm and head): agrees often, not always.
+    cut_cfg = copy.deepcopy(hf.config)
+    cut_cfg.num_hidden_layers = 1
+    cut = transformers.LlamaForCausalLM(cut_cfg).eval()
+    cut.load_state_dict({k: v for k, v in hf.state_dict().items() if ".layers.1." not in k})
+    # Draft 2: narrower, one layer, multi-head, its own random weights.
+    torch.manual_seed(7)
+    narrow = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            intermediate_size=32, max_position_embeddings=128, tie_word_embeddings=True,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        )
+    ).eval()  # fmt: skip
+    folders = {}
+    for name, model in (("target", hf), ("cut", cut), ("narrow", narrow)):
+        folders[name] = tmp_path / name
+        model.save_pretrained(folders[name])
+        (folders[name] / "tokenizer.json").write_bytes(tok_path.read_bytes())
+
+    target, fp = load_hf(folders["target"])
+    target.pack()
+    prompt = tokens(12, seed=2)
+    with torch.no_grad():
+        ref = hf.generate(
+            prompt[None], attention_mask=torch.ones(1, 12, dtype=torch.long), do_sample=False, max_new_tokens=50
+        )[0, 12:].tolist()
+    assert len(ref) == 50 and len(set(ref)) > 10
+    rates = {}
+    for name in ("cut", "narrow"):
+        draft, draft_fp = load_hf(folders[name])
+        assert draft_fp == fp and draft.cfg.vocab_size == VOCAB and draft.cfg.n_layers == 1
+        draft.pack()
+        for k in (1, 3):
+            out, stats = generate(target, DraftProposer(draft, 200), prompt.tolist(), 50, k)
+            assert out == ref, (name, k)
+            assert stats.new_tokens == 50 and stats.proposed > 0
+            rates[name, k] = stats.acceptance_rate
+    assert rates["cut", 1] > 0 and rates["cut", 3] > 0  # the cut draft's guesses are kept sometimes
