@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import defaults as D
+from .console import TextStream, progress_printer
 
 app = typer.Typer(
     add_completion=False,
@@ -106,7 +106,7 @@ def train(
     settings = tr.TrainSettings(budget_s=budget, seed=seed, lr=lr, batch_size=batch_size)
     name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp"}[kind.value]
     run = run_dir or Path("runs") / name
-    report = _progress_printer(name)
+    report = progress_printer(name, err)
     try:
         if kind is Kind.mtp:
             tgt, _ = checkpoint.load_model(target)
@@ -145,46 +145,6 @@ def corpus_vocab(tokenizer: Path) -> dict[str, int]:
     return load_tokenizer(tokenizer).get_vocab(with_added_tokens=True)
 
 
-def _progress_printer(name: str):  # type: ignore[no-untyped-def]
-    """A rich progress bar on a terminal; a plain line every 30 s in a log file."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from .train import Progress as P
-
-    if err.is_terminal:
-        bar = Progress(
-            TextColumn(f"{name}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err
-        )
-        bar.start()
-        task = bar.add_task(name, total=1.0, info="")
-
-        def show(p: P) -> None:
-            info = f"step {p.step} loss {p.loss:.3f} {p.tokens_per_s:,.0f} tok/s"
-            if p.val_loss is not None:
-                info += f" val {p.val_loss:.3f}"
-            bar.update(task, completed=min(1.0, p.elapsed_s / p.budget_s), info=info)
-            if p.elapsed_s >= p.budget_s:
-                bar.stop()
-
-        return show
-    last = [0.0]
-
-    def log(p: P) -> None:
-        if time.monotonic() - last[0] >= 30 or p.elapsed_s >= p.budget_s:
-            last[0] = time.monotonic()
-            val = f" val {p.val_loss:.3f}" if p.val_loss is not None else ""
-            extra = "".join(f" {k} {v:.3f}" for k, v in p.extra.items())
-            eta = max(0.0, p.budget_s - p.elapsed_s)
-            print(
-                f"{name} step {p.step} loss {p.loss:.3f}{extra}{val} {p.tokens_per_s:,.0f} tok/s "
-                f"seen {p.tokens_seen:,} eta {eta:.0f}s",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    return log
-
-
 # --- evaluation ---------------------------------------------------------------------------
 @app.command("eval")
 def eval_cmd(
@@ -206,7 +166,7 @@ def eval_cmd(
     if not val_txt.is_file():
         raise fail(f"no validation text in {data_dir}: run `smallem data` (or `make data`) first")
     try:
-        tgt = family.load_target(target, torch_device("cpu"))
+        tgt = family.load_target(target, family.pick_device("cpu"))
         names = (
             drafts
             if drafts is not None
@@ -233,12 +193,6 @@ def eval_cmd(
         agree = "" if r.agreement is None else f"{r.agreement:.3f}"
         table.add_row(r.name, f"{r.nats_per_token:.3f}", f"{r.nats_per_byte:.3f}", agree)
     tables.print(table)
-
-
-def torch_device(name: str):  # type: ignore[no-untyped-def]
-    import torch
-
-    return torch.device(name)
 
 
 @app.command()
@@ -412,24 +366,6 @@ def check_sampling(k: int, temperature: float, top_k: int | None, top_p: float |
         raise UsageError(f"top-p must be in (0, 1], got {top_p}")
 
 
-class TextStream:
-    """Decodes a growing token list and writes only the new, complete characters."""
-
-    def __init__(self, tokenizer, out) -> None:  # type: ignore[no-untyped-def]
-        self.tok, self.out = tokenizer, out
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def push(self, ids: list[int], final: bool = False) -> None:
-        self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        end = len(text) if final else len(text.rstrip("\ufffd"))  # hold back a split UTF-8 character
-        if end > self.printed:
-            self.out.write(text[self.printed : end])
-            self.out.flush()
-            self.printed = end
-
-
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,
@@ -488,7 +424,7 @@ def generate(
     sampling = Sampling(temperature, top_k, top_p, seed)
     stats = Stats(proposer, kk)
     eot = tok.token_to_id("<|endoftext|>")
-    out = TextStream(tok, sys.stdout if not json_out else _Discard())
+    out = TextStream(tok, None if json_out else sys.stdout)
     try:
         for chunk in stream(
             tgt.model, make_proposer(len(ids) + max_new_tokens + kk + 1), ids, max_new_tokens, kk, sampling, eot, stats
@@ -510,14 +446,6 @@ def generate(
             f"({stats.proposer}, k={stats.k})",
             highlight=False,
         )
-
-
-class _Discard:
-    def write(self, _: str) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
 
 
 def main() -> None:

@@ -1,0 +1,71 @@
+"""Terminal helpers for the CLI: a training progress display and a streaming text writer."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from rich.console import Console
+from tokenizers import Tokenizer
+
+from .train import Progress as P
+from .train import ProgressFn
+
+
+def progress_printer(name: str, err: Console) -> ProgressFn:
+    """A rich progress bar on a terminal; a plain line every 30 s in a log file."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if err.is_terminal:
+        bar = Progress(
+            TextColumn(f"{name}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err
+        )
+        bar.start()
+        task = bar.add_task(name, total=1.0, info="")
+
+        def show(p: P) -> None:
+            info = f"step {p.step} loss {p.loss:.3f} {p.tokens_per_s:,.0f} tok/s"
+            if p.val_loss is not None:
+                info += f" val {p.val_loss:.3f}"
+            bar.update(task, completed=min(1.0, p.elapsed_s / p.budget_s), info=info)
+            if p.elapsed_s >= p.budget_s:
+                bar.stop()
+
+        return show
+    last = [0.0]
+
+    def log(p: P) -> None:
+        if time.monotonic() - last[0] >= 30 or p.elapsed_s >= p.budget_s:
+            last[0] = time.monotonic()
+            val = f" val {p.val_loss:.3f}" if p.val_loss is not None else ""
+            extra = "".join(f" {k} {v:.3f}" for k, v in p.extra.items())
+            eta = max(0.0, p.budget_s - p.elapsed_s)
+            print(
+                f"{name} step {p.step} loss {p.loss:.3f}{extra}{val} {p.tokens_per_s:,.0f} tok/s "
+                f"seen {p.tokens_seen:,} eta {eta:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return log
+
+
+class TextStream:
+    """Decodes a growing token list and writes only the new, complete characters."""
+
+    def __init__(self, tokenizer: Tokenizer, out: TextIO | None) -> None:
+        self.tok, self.out = tokenizer, out  # out None: keep the tokens, write nothing
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def push(self, ids: list[int], final: bool = False) -> None:
+        self.ids.extend(ids)
+        if self.out is None:
+            return
+        text = self.tok.decode(self.ids)
+        end = len(text) if final else len(text.rstrip("\ufffd"))  # hold back a split UTF-8 character
+        if end > self.printed:
+            self.out.write(text[self.printed : end])
+            self.out.flush()
+            self.printed = end
