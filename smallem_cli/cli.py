@@ -80,6 +80,9 @@ def train(
     lr: Annotated[float, typer.Option()] = 2e-3,
     batch_size: Annotated[int, typer.Option()] = 16,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    text: Annotated[
+        list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data first)")
+    ] = None,
 ) -> None:
     """Train the tokenizer, a target (with its MTP module), a draft, or an MTP module."""
     import torch
@@ -92,6 +95,11 @@ def train(
 
     if threads:
         torch.set_num_threads(threads)
+    if text:  # the user's own corpus: build its split where --data points
+        try:
+            corpus.write_corpus(data_dir, corpus.text_chunks(text))
+        except (OSError, UnicodeDecodeError) as e:
+            raise fail(f"cannot read the training text: {e}") from None
     train_txt, val_txt = data_dir / "train.txt", data_dir / "val.txt"
     if not train_txt.is_file() or not val_txt.is_file():
         raise fail(f"no corpus in {data_dir}: run `smallem data` (or `make data`) first")
