@@ -1,0 +1,100 @@
+"""The benchmark's machinery on the tiny on-disk family (timings themselves are never asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Family
+from typer.testing import CliRunner
+
+from smallem_cli import bench
+from smallem_cli import family as fam
+from smallem_cli.cli import app
+
+
+def test_cost_model_matches_the_seed() -> None:
+    # the seed: draft-2l at k=2, c = 0.31, v = 1.05: 2.17 tokens for ~1.67 passes, about x1.30
+    alpha = 0.68
+    tokens = (1 - alpha**3) / (1 - alpha)
+    assert bench.predicted_speedup(alpha, 2, 0.31, 1.05) == pytest.approx(tokens / (2 * 0.31 + 1.05))
+    assert bench.predicted_speedup(1.0, 3, 0.0, 1.0) == pytest.approx(4.0)  # all kept, free proposer
+    assert bench.predicted_speedup(0.0, 2, 0.2, 1.0) == pytest.approx(1 / 1.4)  # nothing kept: pure cost
+
+
+def test_prompts_file_round_trips(family: Family, tmp_path: Path) -> None:
+    val = tmp_path / "val.txt"
+    val.write_text("<|endoftext|>".join(["In the beginning was the word and the word was good. " * 4] * 10))
+    out = tmp_path / "p.jsonl"
+    bench.write_prompts(val, family.tokenizer, out, count=3, length=12)
+    prompts = bench.read_prompts(out)
+    assert len(prompts) == 3 and all(len(p) == 12 for p in prompts)
+    with pytest.raises(ValueError):
+        bench.write_prompts(val, family.tokenizer, out, count=30, length=12)
+
+
+def test_run_bench_rows_and_identity(family: Family) -> None:
+    dev = torch.device("cpu")
+    target = fam.load_target(family.target, dev)
+    factories = {n: fam.load_proposer(n, target, dev, 0) for n in ("draft-2l", "mtp")}
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
+    plan = bench.Plan(factories, {"draft-2l": [1, 3], "mtp": [2]}, ["greedy", "sample"], max_new=24, repeats=2)
+    rows = bench.run_bench(target.model, prompts, plan)
+    assert [(r.mode, r.proposer, r.k) for r in rows] == [
+        (m, p, k) for m in ("greedy", "sample") for p, k in (("none", 0), ("draft-2l", 1), ("draft-2l", 3), ("mtp", 2))
+    ]
+    for r in rows:
+        assert r.tokens_per_s > 0 and len(r.tokens_per_s_runs) == 2
+        assert 0 <= r.acceptance_rate <= 1 and len(r.accepted_at) == r.k
+        assert r.identical == ("2/2" if r.mode == "greedy" else None)
+        if r.proposer == "none":
+            assert r.speedup == 1.0 and r.tokens_per_pass == 1.0
+        else:
+            assert r.cost_c > 0 and r.cost_v > 0
+            assert r.predicted_speedup == pytest.approx(
+                bench.predicted_speedup(r.acceptance_rate, r.k, r.cost_c, r.cost_v)
+            )
+            # per-position acceptance cannot rise with the position: a later guess needs the earlier ones
+            assert all(a >= b for a, b in zip(r.accepted_at, r.accepted_at[1:], strict=False))
+
+
+def test_bench_command_json(family: Family, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"tokens": list(range(5 + i, 17 + i)), "text": ""}) for i in range(2)))
+    args = [
+        "bench",
+        "--target",
+        str(family.target),
+        "--proposers",
+        "draft-2l,mtp",
+        "--prompts",
+        str(prompts),
+        "-n",
+        "16",
+        "--repeats",
+        "1",
+        "--sweep-k",
+        "1..2",
+        "--modes",
+        "greedy",
+        "--json",
+    ]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    keys = {
+        "proposer",
+        "k",
+        "mode",
+        "tokens_per_s",
+        "speedup",
+        "acceptance_rate",
+        "tokens_per_pass",
+        "predicted_speedup",
+        "identical",
+    }
+    assert keys <= set(out["rows"][0]) and len(out["rows"]) == 5
+    bad = CliRunner().invoke(app, ["bench", "--target", str(family.target), "--sweep-k", "0..3"])
+    assert bad.exit_code != 0 and "k values" in bad.stderr
