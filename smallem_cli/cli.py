@@ -180,26 +180,41 @@ def eval_cmd(
             if drafts is not None
             else [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
         )
-        models = {}
+        models, facts = {}, {"target": checkpoint.facts(checkpoint.read(target)[1])}
         for n in names:
             path = target.parent / f"{n}.safetensors" if n in family.SHIPPED_PROPOSERS else Path(n)
-            models[Path(n).stem], _ = checkpoint.load_model(path)
+            models[Path(n).stem], meta = checkpoint.load_model(path)
+            facts[Path(n).stem] = checkpoint.facts(meta)
         mtp_path = target.parent / "mtp.safetensors"
-        mtp = checkpoint.load_mtp(mtp_path, tgt.model)[0] if mtp_path.exists() else None
+        mtp = None
+        if mtp_path.exists():
+            mtp, meta = checkpoint.load_mtp(mtp_path, tgt.model)
+            facts["mtp"] = checkpoint.facts(meta)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         raise fail(str(e)) from None
     ids = corpus.token_file(tgt.tokenizer, val_txt)
     n_bytes = sum(len(d.encode("utf-8")) for d in corpus.read_documents(val_txt))
     reports = evaluate_family(tgt.model, ids, n_bytes, models, mtp)
     if json_out:
-        print(json.dumps({"val_tokens": len(ids), "val_bytes": n_bytes, "models": [r.__dict__ for r in reports]}))
+        rows = [r.__dict__ | {"training": facts.get(r.name, {})} for r in reports]
+        print(json.dumps({"val_tokens": len(ids), "val_bytes": n_bytes, "models": rows}))
         return
     table = Table(title=f"validation: {len(ids):,} tokens, {n_bytes:,} bytes")
-    for col in ("model", "nats/token", "nats/byte", "agreement with target"):
+    for col in ("model", "nats/token", "nats/byte", "agreement with target", "steps", "tokens seen", "trained for"):
         table.add_column(col, justify="right")
     for r in reports:
         agree = "" if r.agreement is None else f"{r.agreement:.3f}"
-        table.add_row(r.name, f"{r.nats_per_token:.3f}", f"{r.nats_per_byte:.3f}", agree)
+        f = facts.get(r.name, {})
+        seconds = f"{f['train_seconds']:.0f} s" if "train_seconds" in f else ""
+        table.add_row(
+            r.name,
+            f"{r.nats_per_token:.3f}",
+            f"{r.nats_per_byte:.3f}",
+            agree,
+            str(f.get("steps", "")),
+            f"{f['tokens_seen']:,}" if "tokens_seen" in f else "",
+            seconds,
+        )
     tables.print(table)
 
 
