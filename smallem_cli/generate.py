@@ -130,13 +130,13 @@ def stream(
     `stats` (if given) is updated in place, so it is valid even if the caller stops early.
     The stop token ends generation and is not yielded.
     """
+    if max_new_tokens < 1:
+        return
     device = target.embed_tokens.weight.device
     st = stats if stats is not None else Stats(proposer.name, k)
     gen = torch.Generator(device=device).manual_seed(sampling.seed)
     cache = target.new_cache(cache_pages(len(prompt) + max_new_tokens + k + 1, page_size), page_size)
     seq = cache.new_sequence()
-    if max_new_tokens < 1:
-        return
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
@@ -170,17 +170,15 @@ def stream(
                 st.accepted += n
                 for i in range(n):
                     st.accepted_at[i] += 1
-                if stop_token is not None and stop_token in emitted:
+                stop = stop_token in emitted
+                if stop:
                     emitted = emitted[: emitted.index(stop_token)]
-                    max_new = st.new_tokens + len(emitted)
-                else:
-                    max_new = max_new_tokens
-                emitted = emitted[: max(0, min(max_new, max_new_tokens) - st.new_tokens)]
+                emitted = emitted[: max_new_tokens - st.new_tokens]  # a round may overshoot the limit
                 st.new_tokens += len(emitted)
                 st.elapsed_s = time.perf_counter() - t0
                 if emitted:
                     yield emitted
-                if max_new < max_new_tokens:
+                if stop:
                     return
     finally:
         proposer.release()
