@@ -2,8 +2,8 @@
 
 Every row is timed in the same run as the target alone, so speed-ups are ratios of
 measurements taken side by side on the same (noisy, shared) machine. The proposer cost c
-and the verify cost v are read with a stopwatch around the forwards, and fed to the
-seed's cost model to predict each speed-up; measured / predicted tells how much the loop
+and the verify cost v are read with a stopwatch around the forwards, and fed with the
+conditional acceptance α to the seed's cost model to predict each speed-up; measured / predicted tells how much the loop
 loses to host work that the model does not count.
 """
 
@@ -60,6 +60,7 @@ class Row:
     acceptance_rate: float
     tokens_per_pass: float
     accepted_at: list[float]  # rate at which the i-th proposal was kept
+    alpha_model: float  # α of the cost model: P(a guess is kept | the guesses before it were)
     cost_c: float  # proposer cost per proposed token, in one-token target passes
     cost_v: float  # a verify pass over k+1 tokens, in one-token target passes
     predicted_speedup: float
@@ -168,6 +169,17 @@ def run_config(
     return total.new_tokens / total.elapsed_s, total, outs
 
 
+def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
+    """The cost model's α: each guess kept with probability α once the ones before it were.
+
+    accepted / proposed understates it for k > 1, since guesses after a rejection count as
+    proposed but were never in play; here only the guesses that were reached count (the
+    first of every round, the i-th when the i-1 before it were kept).
+    """
+    reached = rounds + sum(accepted_at[:-1])
+    return sum(accepted_at) / reached if reached else 0.0
+
+
 def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
     """The seed's cost model: a round yields (1-α^(k+1))/(1-α) tokens for k·c + v passes."""
     tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -207,7 +219,8 @@ def run_bench(
             _, st, outs = runs[0]
             if name == "none":
                 base_tps, base_outs = tps, outs
-            alpha = st.acceptance_rate
+            rounds = st.passes - len(prompts)  # prefill passes excluded
+            alpha = conditional_alpha(st.accepted_at, rounds)
             cc = c.get(name, 0.0)
             vv = v.get(k, 1.0) if k else 1.0
             pred = predicted_speedup(alpha, k, cc, vv)
@@ -216,7 +229,6 @@ def run_bench(
             if mode == "greedy" and base_outs is not None:
                 same = sum(a == b for a, b in zip(outs, base_outs, strict=True))
                 identical = f"{same}/{len(outs)}"
-            rounds = st.passes - len(prompts)  # prefill passes excluded
             rows.append(
                 Row(
                     name,
@@ -224,9 +236,10 @@ def run_bench(
                     mode,
                     tps,
                     speed,
-                    alpha,
+                    st.acceptance_rate,
                     st.tokens_per_pass,
                     [a / max(1, rounds) for a in st.accepted_at],
+                    alpha,
                     cc,
                     vv,
                     pred,
@@ -272,6 +285,7 @@ def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: s
         "tok/s",
         "speed-up",
         "α",
+        "α model",
         "tok/pass",
         "per position",
         "c",
@@ -291,6 +305,7 @@ def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: s
             f"{r.tokens_per_s:.1f}",
             f"×{r.speedup:.2f}",
             f"{r.acceptance_rate:.3f}",
+            f"{r.alpha_model:.3f}",
             f"{r.tokens_per_pass:.2f}",
             per,
             f"{r.cost_c:.3f}",

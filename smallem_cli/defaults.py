@@ -11,7 +11,7 @@ PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "kjv-val-32.jsonl
 
 PROPOSER = "mtp"
 # Default k per proposer: the best measured by `smallem bench --sweep-k` on the shipped family.
-K = {"none": 0, "draft-2l": 3, "draft-4l": 3, "mtp": 2}
+K = {"none": 0, "draft-2l": 2, "draft-4l": 2, "mtp": 3}
 K_OTHER = 3  # a proposer given by path
 MAX_K = 16
 MAX_NEW_TOKENS = 200

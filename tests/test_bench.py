@@ -22,6 +22,9 @@ def test_cost_model_matches_the_seed() -> None:
     assert bench.predicted_speedup(alpha, 2, 0.31, 1.05) == pytest.approx(tokens / (2 * 0.31 + 1.05))
     assert bench.predicted_speedup(1.0, 3, 0.0, 1.0) == pytest.approx(4.0)  # all kept, free proposer
     assert bench.predicted_speedup(0.0, 2, 0.2, 1.0) == pytest.approx(1 / 1.4)  # nothing kept: pure cost
+    # 10 rounds of k=2: the first guess kept 6 times, both 3 times -> 16 guesses in play, 9 kept
+    assert bench.conditional_alpha([6, 3], 10) == pytest.approx(9 / 16)
+    assert bench.conditional_alpha([10, 10], 10) == 1.0
 
 
 def test_prompts_file_round_trips(family: Family, tmp_path: Path) -> None:
@@ -54,7 +57,7 @@ def test_run_bench_rows_and_identity(family: Family) -> None:
         else:
             assert r.cost_c > 0 and r.cost_v > 0
             assert r.predicted_speedup == pytest.approx(
-                bench.predicted_speedup(r.acceptance_rate, r.k, r.cost_c, r.cost_v)
+                bench.predicted_speedup(r.alpha_model, r.k, r.cost_c, r.cost_v)
             )
             # per-position acceptance cannot rise with the position: a later guess needs the earlier ones
             assert all(a >= b for a, b in zip(r.accepted_at, r.accepted_at[1:], strict=False))
