@@ -20,6 +20,7 @@ import torch
 from rich.table import Table
 
 from .data import read_documents
+from .defaults import K as DEFAULT_K
 from .family import ProposerFactory, Target
 from .generate import Sampling, Stats, cache_pages, generate
 from .model import Transformer
@@ -200,7 +201,11 @@ class Plan:
 def run_bench(
     target: Transformer, prompts: list[list[int]], plan: Plan, progress: Callable[[str], None] | None = None
 ) -> list[Row]:
-    """Every configuration of the plan, the target alone first, timed in the same run."""
+    """Every configuration of the plan, the target alone first, timed in the same run.
+
+    The timed runs go round-robin (every configuration once, then again), so that a slow
+    spell of a shared machine falls on all configurations alike rather than on one.
+    """
     all_ks = sorted({k for ks in plan.ks.values() for k in ks})
     c, v, _ = forward_costs(target, plan.proposers, all_ks, prompts[0])
     none: ProposerFactory = lambda _: NoProposer()  # noqa: E731
@@ -208,12 +213,16 @@ def run_bench(
     for mode in plan.modes:
         sampling = Sampling(0.0 if mode == "greedy" else plan.temperature, seed=plan.seed)
         configs = [("none", none, 0)] + [(n, f, k) for n, f in plan.proposers.items() for k in plan.ks[n]]
-        base_tps, base_outs = 0.0, None
-        for name, make, k in configs:
-            if progress:
-                progress(f"{mode} {name} k={k}")
+        for _, make, k in configs:
             generate(target, make(64), prompts[0][:16], 16, k, sampling)  # warm-up
-            runs = [run_config(target, make, prompts, plan.max_new, k, sampling) for _ in range(plan.repeats)]
+        all_runs: list[list[tuple[float, Stats, list[list[int]]]]] = [[] for _ in configs]
+        for rep in range(plan.repeats):
+            for i, (name, make, k) in enumerate(configs):
+                if progress:
+                    progress(f"{mode} {name} k={k} (run {rep + 1}/{plan.repeats})")
+                all_runs[i].append(run_config(target, make, prompts, plan.max_new, k, sampling))
+        base_tps, base_outs = 0.0, None
+        for (name, _, k), runs in zip(configs, all_runs, strict=True):
             tps_runs = [r[0] for r in runs]
             tps = statistics.median(tps_runs)
             _, st, outs = runs[0]
@@ -347,7 +356,8 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     from .hf import export_hf
 
     def ours(name: str, k: int) -> float:
-        return next(r.tokens_per_s for r in rows if r.proposer == name and r.k == k and r.mode == "greedy")
+        found = [r.tokens_per_s for r in rows if r.proposer == name and r.k == k and r.mode == "greedy"]
+        return found[0] if found else float("nan")
 
     out: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -383,9 +393,8 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
                     tokens += len(new)
                     same += new == ref[i]
             hf_tps = tokens / secs
-            if ours_tps is None:
-                k = next((r.k for r in rows if r.proposer == "draft-2l" and r.mode == "greedy"), None)
-                ours_tps = ours("draft-2l", k) if k is not None else float("nan")
+            if ours_tps is None:  # our draft-2l run at its default k
+                ours_tps = ours("draft-2l", DEFAULT_K["draft-2l"])
             out.append(
                 {
                     "peer": label,

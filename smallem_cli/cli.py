@@ -304,7 +304,7 @@ def bench(
         raise fail(str(e)) from None
     ks = {n: sweep or sorted({D.K.get(n, D.K_OTHER), *extra}) for n in names}
     plan = B.Plan(factories, ks, mode_list, max_new_tokens, repeats, temperature)
-    total = len(mode_list) * (1 + sum(len(v) for v in ks.values()))
+    total = len(mode_list) * (1 + sum(len(v) for v in ks.values())) * repeats
     from rich.progress import Progress
 
     with Progress(console=err, transient=True) as bar:
