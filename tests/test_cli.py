@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from smallem_cli import checkpoint, cli
+from smallem_cli import defaults as D
 from smallem_cli.cli import app
 from smallem_cli.config import ModelConfig
 
@@ -139,7 +140,10 @@ def test_proposers_give_the_same_greedy_text(family: Family) -> None:
 
 
 def test_default_k_per_proposer(family: Family) -> None:
-    for proposer, k in (("none", 0), ("draft-2l", 3), ("mtp", 2), (str(family.draft), 3)):
+    # the defaults are declared once, in smallem_cli/defaults.py
+    cases = (("none", 0), ("draft-2l", D.K["draft-2l"]), ("mtp", D.K["mtp"]), (str(family.draft), D.K_OTHER))
+    assert D.K["none"] == 0 and all(k >= 1 for _, k in cases[1:])
+    for proposer, k in cases:
         assert as_json(generate(family, "--proposer", proposer, "-n", "5", "-q", "--json"))["stats"]["k"] == k
 
 
@@ -180,7 +184,7 @@ def test_sampling_is_seeded(family: Family) -> None:
 def test_context_edge(family: Family) -> None:
     """prompt + max-new-tokens + k + 1 may reach the context (256) exactly, not pass it."""
     n_prompt = len(Tokenizer.from_file(str(family.tokenizer)).encode(PROMPT).ids)
-    n = FAMILY_CFG.max_seq_len - n_prompt - 3  # mtp's default k is 2
+    n = FAMILY_CFG.max_seq_len - n_prompt - (D.K["mtp"] + 1)  # room for mtp's verify pass at its default k
     ref = ok(generate(family, "--proposer", "none", "-n", str(n), "-q")).stdout
     data = as_json(generate(family, "--proposer", "mtp", "-n", str(n), "-q", "--json"))
     assert data["text"] + "\n" == ref and len(data["tokens"]) == n
