@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
@@ -58,21 +58,28 @@ def save(
     tmp.replace(path)
 
 
-def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and metadata of a smallem file, or a CheckpointError saying why not."""
+def read_meta(path: str | Path) -> dict[str, str]:
+    """A smallem file's metadata alone (its header: no tensor is loaded), or a CheckpointError."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
-        tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
     if meta.get("format") != "smallem":
         raise CheckpointError(f"{path} is not a smallem checkpoint (no smallem metadata)")
+    return meta
+
+
+def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a smallem file, or a CheckpointError saying why not."""
+    meta = read_meta(path)
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
     return tensors, meta
 
 

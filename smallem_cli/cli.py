@@ -180,7 +180,7 @@ def eval_cmd(
             if drafts is not None
             else [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
         )
-        models, facts = {}, {"target": checkpoint.facts(checkpoint.read(target)[1])}
+        models, facts = {}, {"target": checkpoint.facts(checkpoint.read_meta(target))}
         for n in names:
             path = target.parent / f"{n}.safetensors" if n in family.SHIPPED_PROPOSERS else Path(n)
             models[Path(n).stem], meta = checkpoint.load_model(path)

@@ -65,7 +65,7 @@ def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 
         _fits(target, draft, path)
         draft.pack()
         return lambda n: DraftProposer(draft, n, name)
-    _, meta = checkpoint.read(path)
+    meta = checkpoint.read_meta(path)  # the tensors load once, below
     rank = checkpoint.vocab_rank(meta)
     ids = torch.tensor(rank[:vocab], device=device) if vocab and rank else None
     _same_vocab(target, meta.get("tokenizer", ""), checkpoint.config_of(meta, path).vocab_size, path)

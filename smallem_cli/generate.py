@@ -21,7 +21,7 @@ import torch
 
 from .cache import PagedKVCache
 from .model import Transformer
-from .proposers import Proposer
+from .proposers import Proposer, Warp
 from .verify import greedy_pick, sample, verify_greedy, verify_sample, warp
 
 
@@ -35,6 +35,12 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def warp(self) -> Warp | None:
+        """logits -> the distribution target and proposer both draw from; None when greedy."""
+        if self.greedy:
+            return None
+        return partial(warp, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 
 @dataclass
@@ -94,15 +100,13 @@ def speculative_step(
     proposer: Proposer,
     last: torch.Tensor,
     k: int,
-    sampling: Sampling,
+    w: Warp | None,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One round, up to the verdict: -> (n [1], out [1, k+1], hidden [k+1, d]). No host sync."""
-    w = (
-        None
-        if sampling.greedy
-        else partial(warp, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-    )
+    """One round, up to the verdict: -> (n [1], out [1, k+1], hidden [k+1, d]). No host sync.
+
+    `w` is the sampling warp (`Sampling.warp()`), None for greedy verification.
+    """
     drafts, q = proposer.propose(k, w, generator)  # [k], [k, V] or None
     logits, hidden = target(torch.cat([last, drafts]), cache, seq)  # [k+1, V], [k+1, d]
     if w is None:
@@ -142,10 +146,8 @@ def stream(
         with torch.inference_mode():
             ids = torch.tensor(prompt, dtype=torch.long, device=device)
             logits, hidden = prefill(target, cache, seq, ids)
-            if sampling.greedy:
-                last = greedy_pick(logits)
-            else:
-                last = sample(warp(logits, sampling.temperature, sampling.top_k, sampling.top_p), gen)
+            w = sampling.warp()  # built once, used every round
+            last = greedy_pick(logits) if w is None else sample(w(logits), gen)
             proposer.start(ids, last, hidden)
             first = int(last.item())
             st.prefill_s = time.perf_counter() - t0
@@ -157,7 +159,7 @@ def stream(
             if k > 0:
                 st.accepted_at = [0] * k
             while st.new_tokens < max_new_tokens:
-                n_t, out, hidden = speculative_step(target, cache, seq, proposer, last, k, sampling, gen)
+                n_t, out, hidden = speculative_step(target, cache, seq, proposer, last, k, w, gen)
                 verdict = torch.cat([n_t, out[0]]).tolist()  # the round's one host sync
                 n = verdict[0]
                 emitted = verdict[1 : n + 2]
