@@ -57,7 +57,7 @@ class Row:
     k: int
     mode: str  # "greedy" or "sample"
     tokens_per_s: float
-    speedup: float  # over the target alone, same mode, same run
+    speedup: float  # over the target alone: median of run-by-run ratios, same mode, same run
     acceptance_rate: float
     tokens_per_pass: float
     accepted_at: list[float]  # rate at which the i-th proposal was kept
@@ -71,17 +71,23 @@ class Row:
     tokens_per_s_runs: list[float] = field(default_factory=list)
 
 
-def _timed(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of fn() over reps calls (after two warm-up calls)."""
-    fn()
-    fn()
-    times = []
+def _interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each fn over reps calls, taken round-robin (after two warm-up rounds).
+
+    Round-robin, so that a shift in the machine's load touches every fn alike and their
+    ratios (c and v are ratios) stay true on a shared, noisy machine.
+    """
+    for _ in range(2):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def sync() -> None:
@@ -117,9 +123,9 @@ def forward_costs(
 
         return run
 
-    one = _timed(target_pass(1), reps)
-    v = {k: _timed(target_pass(k + 1), reps) / one for k in ks}
-    c: dict[str, float] = {}
+    fns: dict[str, Callable[[], object]] = {"v1": target_pass(1)}
+    fns |= {f"v{k + 1}": target_pass(k + 1) for k in ks if k + 1 != 1}
+    started: list[DraftProposer | MTPProposer] = []
     for name, make in proposers.items():
         p = make(context + 4)
         p.start(ids, ids[-1:], hidden)
@@ -139,7 +145,13 @@ def forward_costs(
                 return out
         else:
             continue
-        c[name] = _timed(run, reps) / one
+        fns[f"c:{name}"] = run
+        started.append(p)
+    t = _interleaved(fns, reps)
+    one = t["v1"]
+    v = {k: t[f"v{k + 1}"] / one for k in ks}
+    c = {name[2:]: s / one for name, s in t.items() if name.startswith("c:")}
+    for p in started:
         p.release()
     cache.release(seq)
     return c, v, one
@@ -221,21 +233,21 @@ def run_bench(
                 if progress:
                     progress(f"{mode} {name} k={k} (run {rep + 1}/{plan.repeats})")
                 all_runs[i].append(run_config(target, make, prompts, plan.max_new, k, sampling))
-        base_tps, base_outs = 0.0, None
+        base_runs, base_outs = [r[0] for r in all_runs[0]], all_runs[0][0][2]  # the target alone
         for (name, _, k), runs in zip(configs, all_runs, strict=True):
             tps_runs = [r[0] for r in runs]
             tps = statistics.median(tps_runs)
             _, st, outs = runs[0]
-            if name == "none":
-                base_tps, base_outs = tps, outs
             rounds = st.passes - len(prompts)  # prefill passes excluded
             alpha = conditional_alpha(st.accepted_at, rounds)
             cc = c.get(name, 0.0)
             vv = v.get(k, 1.0) if k else 1.0
             pred = predicted_speedup(alpha, k, cc, vv)
-            speed = tps / base_tps
+            # Each timed run against the target alone's run of the same round, then the
+            # median: a slow spell of the machine spans both sides of a ratio.
+            speed = statistics.median(a / b for a, b in zip(tps_runs, base_runs, strict=True))
             identical = None
-            if mode == "greedy" and base_outs is not None:
+            if mode == "greedy":
                 same = sum(a == b for a, b in zip(outs, base_outs, strict=True))
                 identical = f"{same}/{len(outs)}"
             rows.append(

@@ -52,9 +52,10 @@ class PagedKVCache:
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._next_id = 0
-        # Device copy of each page table (and its first page if the pages are consecutive),
-        # rebuilt only when the table changes.
-        self._table_tensors: dict[int, tuple[torch.Tensor, int | None]] = {}
+        # Per sequence, rebuilt only when its table changes: the table on the device, the
+        # first page if the pages are consecutive, and the flat slot of every position the
+        # table covers (so a step's slots are a slice, not a tensor built from a list).
+        self._table_tensors: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
 
     # --- allocator -------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -89,19 +90,20 @@ class PagedKVCache:
             self._table_tensors.pop(seq, None)
         self.lengths[seq] = length
         cached = self._table_tensors.get(seq)
+        ps = self.page_size
         if cached is None:
             consecutive = bool(table) and table[-1] - table[0] == len(table) - 1 and table == sorted(table)
-            cached = torch.tensor(table, dtype=torch.long, device=self.device), table[0] if consecutive else None
+            pages = torch.tensor(table, dtype=torch.long, device=self.device)
+            offsets = torch.arange(ps, device=self.device)
+            cached = pages, table[0] if consecutive else None, (pages[:, None] * ps + offsets).flatten()
             self._table_tensors[seq] = cached
-        pages, first = cached
-        ps = self.page_size
-        slots = [table[p // ps] * ps + p % ps for p in range(start, length)]
+        pages, first, position_slots = cached
         bias = None
         if n > 1:
             pos = torch.arange(length, device=self.device)
             bias = torch.zeros(n, length, dtype=self.kv.dtype, device=self.device)
             bias.masked_fill_(pos[None, :] > pos[start:, None], float("-inf"))
-        return Step(start, length, torch.tensor(slots, dtype=torch.long, device=self.device), pages, first, bias)
+        return Step(start, length, position_slots[start:length], pages, first, bias)
 
     def keep(self, seq: int, n: int) -> None:
         """Roll `seq` back to its first n tokens; emptied pages return to the pool."""

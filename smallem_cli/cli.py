@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import defaults as D
+from .config import PRESETS, ModelConfig
 from .console import TextStream, progress_printer
 
 app = typer.Typer(
@@ -72,8 +73,9 @@ def train(
         Path | None, typer.Option(help="output checkpoint (default: checkpoints/<preset>.safetensors)")
     ] = None,
     tokenizer: Annotated[Path, typer.Option(help="tokenizer.json")] = D.TOKENIZER,
-    target: Annotated[Path, typer.Option(help="target checkpoint (for mtp)")] = D.TARGET,
-    init: Annotated[Path | None, typer.Option(help="start the MTP module from this file")] = None,
+    target: Annotated[Path, typer.Option(help="target checkpoint (the teacher of mtp and --distill)")] = D.TARGET,
+    init: Annotated[Path | None, typer.Option(help="start from this checkpoint (an MTP module or a draft)")] = None,
+    distill: Annotated[bool, typer.Option(help="draft: fit the target's distribution, not the corpus")] = False,
     budget: Annotated[float, typer.Option(help="training seconds")] = 600.0,
     run_dir: Annotated[Path | None, typer.Option(help="resume state folder (default: runs/<name>)")] = None,
     seed: Annotated[int, typer.Option()] = 1234,
@@ -90,7 +92,6 @@ def train(
     from . import checkpoint
     from . import data as corpus
     from . import train as tr
-    from .config import PRESETS
     from .tokenizer import train_tokenizer
 
     if threads:
@@ -113,7 +114,7 @@ def train(
     val_ids = corpus.token_file(tokenizer, val_txt)
     settings = tr.TrainSettings(budget_s=budget, seed=seed, lr=lr, batch_size=batch_size)
     name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp"}[kind.value]
-    run = run_dir or Path("runs") / name
+    run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     report = progress_printer(name, err)
     try:
         if kind is Kind.mtp:
@@ -123,13 +124,20 @@ def train(
             dest = out or D.MTP
             facts |= {"trained": "distilled from the frozen target" + (f", starting from {init.name}" if init else "")}
             tr.save_family_member(dest, mtp, tokenizer, facts, train_ids)
+        elif kind is Kind.draft and (distill or init):
+            if not distill:
+                raise fail("--init for a draft continues it by distillation: add --distill")
+            tgt, _ = checkpoint.load_model(target)
+            student = checkpoint.load_model(init)[0].train() if init else tr.new_model(_preset(name, tokenizer), seed)
+            model, facts = tr.train_draft_distill(tgt, student, train_ids, val_ids, settings, run, report)
+            dest = out or D.CHECKPOINTS / f"{name}.safetensors"
+            before = checkpoint.facts(checkpoint.read_meta(init)) if init else {}
+            facts |= {"trained": f"distilled from {target.name}" + (f", starting from {init.name}" if init else "")}
+            if before:
+                facts["before"] = before  # the init checkpoint's own training, so totals stay known
+            tr.save_family_member(dest, model, tokenizer, facts, train_ids)
         else:
-            if name not in PRESETS:
-                raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
-            cfg = PRESETS[name]
-            if cfg.vocab_size != (vs := len(corpus_vocab(tokenizer))):
-                raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
-            model, mtp, facts = tr.train_model(cfg, train_ids, val_ids, settings, run, report)
+            model, mtp, facts = tr.train_model(_preset(name, tokenizer), train_ids, val_ids, settings, run, report)
             dest = out or D.CHECKPOINTS / f"{name}.safetensors"
             mtp_facts = {k: v for k, v in facts.items() if not k.startswith("val")}
             facts = {k: v for k, v in facts.items() if not k.startswith("mtp_")}
@@ -145,6 +153,17 @@ def train(
     except checkpoint.CheckpointError as e:
         raise fail(str(e)) from None
     err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}")
+
+
+def _preset(name: str, tokenizer: Path) -> ModelConfig:
+    """The named preset, checked against the tokenizer's vocabulary."""
+
+    if name not in PRESETS:
+        raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+    cfg = PRESETS[name]
+    if cfg.vocab_size != (vs := len(corpus_vocab(tokenizer))):
+        raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
+    return cfg
 
 
 def corpus_vocab(tokenizer: Path) -> dict[str, int]:
@@ -205,17 +224,21 @@ def eval_cmd(
     for r in reports:
         agree = "" if r.agreement is None else f"{r.agreement:.3f}"
         f = facts.get(r.name, {})
-        seconds = f"{f['train_seconds']:.0f} s" if "train_seconds" in f else ""
         table.add_row(
             r.name,
             f"{r.nats_per_token:.3f}",
             f"{r.nats_per_byte:.3f}",
             agree,
-            str(f.get("steps", "")),
-            f"{f['tokens_seen']:,}" if "tokens_seen" in f else "",
-            seconds,
+            f"{_total(f, 'steps'):,}" if "steps" in f else "",
+            f"{_total(f, 'tokens_seen'):,}" if "tokens_seen" in f else "",
+            f"{_total(f, 'train_seconds'):.0f} s" if "train_seconds" in f else "",
         )
     tables.print(table)
+
+
+def _total(facts: dict, key: str) -> float:
+    """A training fact summed over the run and the runs it started from (facts["before"])."""
+    return facts.get(key, 0) + (_total(facts["before"], key) if "before" in facts else 0)
 
 
 @app.command()

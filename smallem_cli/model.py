@@ -48,13 +48,16 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rotate_half_matrix(n_heads: int, head_dim: int) -> torch.Tensor:
-    """R with (x @ R) == rotate_half(x) per head, block-diagonal over n_heads: [n*D, n*D]."""
+def interleave_halves(head_dim: int) -> torch.Tensor:
+    """Column order [0, D/2, 1, D/2+1, ...] within a head: pairs (x_i, x_{i+D/2}) side by side.
+
+    Llama's rope turns each pair (x_i, x_{i+D/2}) by an angle: as a complex number
+    x_i + j·x_{i+D/2}, a product with e^{jθ}. With the pairs adjacent, one complex multiply
+    ropes every head at once. Permuting q's and k's dims alike leaves q·k unchanged, so only
+    the packed weights (and the cached keys) see the new order.
+    """
     half = head_dim // 2
-    r = torch.zeros(head_dim, head_dim)
-    r[torch.arange(half) + half, torch.arange(half)] = -1.0
-    r[torch.arange(half), torch.arange(half) + half] = 1.0
-    return torch.block_diag(*[r] * n_heads)
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
 
 
 class Block(nn.Module):
@@ -63,10 +66,10 @@ class Block(nn.Module):
     `forward` is the training path (whole sequences, causal). `decode` is the inference
     path over the paged cache, on packed weights: on a small model every op costs a few
     microseconds of dispatch whatever its size, so it folds what it can into the weights.
-    - rotary: rope(q) = q*cos + rotate_half(q)*sin, and rotate_half is a [D, D] matmul,
-      so three ops rope every head of q, k and v at once (v with cos = 1, sin = 0). (Folding
-      rotate_half into Wqkv saves two ops but doubles the weights a pass reads: a loss,
-      since the target's decode step is bound by memory traffic.)
+    - rotary: q's and k's columns are interleaved per head (see `interleave_halves`), so one
+      complex multiply ropes every head of q, k and v at once (v by 1 + 0j). (Folding the
+      rotation into Wqkv instead doubles the weights a pass reads: a loss, since the
+      target's decode step is bound by memory traffic.)
     - RMSNorm weights are folded into the matmul that follows;
     - the 1/sqrt(head_dim) attention scale is folded into Wq;
     - QKV and gate|up are single [in, out] matmuls; residual adds ride on addmm.
@@ -94,11 +97,12 @@ class Block(nn.Module):
         with torch.no_grad():
             ln1 = self.input_layernorm.weight[:, None]  # norm weights fold into the next matmul
             ln2 = self.post_attention_layernorm.weight[:, None]
-            wq = self.q_proj.weight.t() * ln1 / D**0.5  # [d, H*D], attention scale folded in
-            wk, wv = self.k_proj.weight.t() * ln1, self.v_proj.weight.t() * ln1  # [d, Hkv*D]
+            order = interleave_halves(D)
+            wq = (self.q_proj.weight.t() * ln1 / D**0.5).unflatten(1, (-1, D))[..., order]  # attention scale in
+            wk = (self.k_proj.weight.t() * ln1).unflatten(1, (-1, D))[..., order]
+            wv = self.v_proj.weight.t() * ln1  # [d, Hkv*D]
             self.packed = {
-                "qkv": torch.cat([wq, wk, wv], dim=1).contiguous(),  # [d, (H+2Hkv)*D]
-                "rot": rotate_half_matrix(1, D).to(wq),  # [D, D]
+                "qkv": torch.cat([wq.flatten(1), wk.flatten(1), wv], dim=1).contiguous(),  # [d, (H+2Hkv)*D]
                 "o": self.o_proj.weight.t().contiguous(),  # [H*D, d]
                 "gu": (torch.cat([self.gate_proj.weight, self.up_proj.weight]).t() * ln2).contiguous(),  # [d, 2F]
                 "down": self.down_proj.weight.t().contiguous(),  # [F, d]
@@ -119,18 +123,16 @@ class Block(nn.Module):
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
-    def decode(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache, layer: int, step: Step
-    ) -> torch.Tensor:
-        """Inference: x [T, dim] of new tokens -> [T, dim]; cos, sin: [T, (H+2Hkv)*D] packed tables."""
+    def decode(self, x: torch.Tensor, rope: torch.Tensor, cache: PagedKVCache, layer: int, step: Step) -> torch.Tensor:
+        """Inference: x [T, dim] of new tokens -> [T, dim]; rope: complex [T, (H+2Hkv)*D/2] (`packed_rope`)."""
         p = self.packed
         assert p is not None, "call pack() before decoding"
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         G = H // Hkv  # query heads per kv head
         y = unit_rms(x, self.eps) @ p["qkv"]  # [T, (H+2Hkv)*D]
-        # rope(y) = y*cos + rotate_half(y)*sin, every head at once; v columns have cos 1, sin 0.
-        qkv = torch.addcmul(y * cos, (y.view(-1, D) @ p["rot"]).view(T, -1), sin)
+        # rope: each adjacent pair of columns times e^{jθ}, every head at once; v's by 1 + 0j.
+        qkv = torch.view_as_real(torch.view_as_complex(y.view(T, -1, 2)) * rope).view(T, -1)
         cache.write(layer, step, qkv[:, H * D :].view(T, 2, Hkv, D))
         kv = cache.read(layer, step)  # [S, 2, Hkv, D]
         # Attention by hand: SDPA's CPU fallback for masks and groups costs several times more.
@@ -151,10 +153,23 @@ class Block(nn.Module):
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim: RMSNorm whose weight is folded into the next matmul.
 
-    One reduction and cheap in-place ops, where F.rms_norm's CPU composite costs about seven ops.
+    Four ops, where F.rms_norm's CPU composite costs about seven: a norm, then
+    rsqrt(eps + n·n/d) as one addcmul on a cached eps tensor (a Python scalar in an
+    in-place op costs a tensor wrap of its own), in place.
     """
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # a fresh tensor: the rest works in place
-    return x * n.square_().mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_()
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]
+    return x * torch.addcmul(_eps_tensor(eps, x), n, n, value=1.0 / x.shape[-1]).rsqrt_()
+
+
+_EPS: dict[tuple[float, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _eps_tensor(eps: float, like: torch.Tensor) -> torch.Tensor:
+    key = (eps, like.device, like.dtype)
+    t = _EPS.get(key)
+    if t is None:
+        t = _EPS[key] = torch.tensor(eps, device=like.device, dtype=like.dtype)
+    return t
 
 
 class Transformer(nn.Module):
@@ -169,7 +184,7 @@ class Transformer(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.head_t: torch.Tensor | None = None  # [dim, vocab], set by pack()
-        self.rope_packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope_packed: torch.Tensor | None = None  # complex [max_seq_len, (H+2Hkv)*D/2]
 
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 style init; residual projections scaled down with depth."""
@@ -217,10 +232,10 @@ class Transformer(nn.Module):
             self.pack()
         assert self.rope_packed is not None
         step = cache.append(seq, tokens.shape[0])
-        cos, sin = (t[step.start : step.length] for t in self.rope_packed)
+        rope = self.rope_packed[step.start : step.length]
         x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
         for i, blk in enumerate(self.layers):
-            x = blk.decode(x, cos, sin, cache, i, step)  # type: ignore[operator]
+            x = blk.decode(x, rope, cache, i, step)  # type: ignore[operator]
         if not head:
             return x[:0], x
         return self.logits(x[-1:] if last_only else x), x
@@ -230,13 +245,15 @@ class Transformer(nn.Module):
         return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, n_pages, page_size, self.cos.dtype, self.cos.device)
 
 
-def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tables matching a packed QKV row: [max_seq_len, (H+2Hkv)*D]; v columns get cos 1, sin 0."""
-    qk = cfg.n_heads + cfg.n_kv_heads
-    ones, zeros = torch.ones_like(cos), torch.zeros_like(sin)
-    cos_p = torch.cat([cos.repeat(1, qk), ones.repeat(1, cfg.n_kv_heads)], dim=1).contiguous()
-    sin_p = torch.cat([sin.repeat(1, qk), zeros.repeat(1, cfg.n_kv_heads)], dim=1).contiguous()
-    return cos_p, sin_p
+def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """e^{jθ} per (position, column pair) of a packed QKV row: complex [max_seq_len, (H+2Hkv)*D/2].
+
+    q and k pairs turn by their angle; v pairs get 1 + 0j.
+    """
+    half = cfg.head_dim // 2
+    turn = torch.complex(cos[:, :half], sin[:, :half])  # [max_seq_len, D/2]: angles of pairs (i, i + D/2)
+    ones = torch.ones_like(turn)
+    return torch.cat([turn.repeat(1, cfg.n_heads + cfg.n_kv_heads), ones.repeat(1, cfg.n_kv_heads)], dim=1)
 
 
 class MTPModule(nn.Module):
@@ -268,13 +285,13 @@ class MTPModule(nn.Module):
         return self.block(x, cos, sin)
 
     def decode(
-        self, h: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache, step: Step
+        self, h: torch.Tensor, e: torch.Tensor, rope: torch.Tensor, cache: PagedKVCache, step: Step
     ) -> torch.Tensor:
         """Inference: h, e [T, dim] -> [T, dim], through the module's own one-layer cache."""
         assert self.proj_t is not None, "call pack() before decoding"
         eps = self.cfg.norm_eps
         x = torch.cat([unit_rms(h, eps), unit_rms(e, eps)], dim=-1) @ self.proj_t
-        return self.block.decode(x, cos, sin, cache, 0, step)
+        return self.block.decode(x, rope, cache, 0, step)
 
     def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.cfg

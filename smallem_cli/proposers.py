@@ -164,9 +164,9 @@ class MTPProposer:
         """Feed pairs (h_j, x_{j+1}) [T, d], [T] through the module -> its states [T, d]."""
         step = self.cache.append(self.seq, h.shape[0])
         assert self.target.rope_packed is not None
-        cos, sin = (t[step.start : step.length] for t in self.target.rope_packed)
+        rope = self.target.rope_packed[step.start : step.length]
         e = torch.nn.functional.embedding(nxt, self.target.embed_tokens.weight)
-        return self.mtp.decode(h, e, cos, sin, self.cache, step)  # [T, d]
+        return self.mtp.decode(h, e, rope, self.cache, step)  # [T, d]
 
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None

@@ -203,6 +203,12 @@ def _train_loop(
     }
 
 
+def new_model(cfg: ModelConfig, seed: int) -> Transformer:
+    model = Transformer(cfg)
+    model.init_weights(seed)
+    return model
+
+
 def train_model(
     cfg: ModelConfig,
     train_ids: np.ndarray,
@@ -212,8 +218,7 @@ def train_model(
     on_progress: ProgressFn | None = None,
 ) -> tuple[Transformer, MTPModule | None, dict[str, Any]]:
     """Train a model from scratch (a target with `cfg.mtp` gets its MTP module jointly)."""
-    model = Transformer(cfg)
-    model.init_weights(settings.seed)
+    model = new_model(cfg, settings.seed)
     mtp = MTPModule(cfg) if cfg.mtp else None
     modules: dict[str, torch.nn.Module] = {"model": model}
     params = list(model.parameters())
@@ -264,6 +269,43 @@ def train_mtp(
     facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
     facts |= evaluate(target, val_ids, settings.seq_len, mtp)
     return mtp, facts
+
+
+def train_draft_distill(
+    target: Transformer,
+    draft: Transformer,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    settings: TrainSettings,
+    run_dir: Path,
+    on_progress: ProgressFn | None = None,
+) -> tuple[Transformer, dict[str, Any]]:
+    """Fit a draft to a frozen target: KL(target || draft) over the whole next-token distribution.
+
+    Greedy acceptance is agreement with the target's argmax, and sampled acceptance is
+    1 - TV(p, q); both reward matching the target, not the corpus. The target's full
+    distribution is also a richer signal per token than the one observed next token.
+    """
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"draft vocabulary {draft.cfg.vocab_size} != target's {target.cfg.vocab_size}")
+    target.requires_grad_(False)
+    target.eval()
+
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        inp = x[:, :-2]
+        with torch.no_grad():
+            teacher = F.log_softmax(target.logits(target.hidden(inp)), dim=-1)  # [B, T, V]
+        student = F.log_softmax(draft.logits(draft.hidden(inp)), dim=-1)  # [B, T, V]
+        kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+        return kl, {}
+
+    def eval_fn() -> float:
+        return evaluate(draft, val_ids, settings.seq_len)["val_loss"]
+
+    modules: dict[str, torch.nn.Module] = {"model": draft}
+    facts = _train_loop(list(draft.parameters()), loss_fn, modules, train_ids, settings, run_dir, on_progress, eval_fn)
+    facts |= evaluate(draft, val_ids, settings.seq_len)
+    return draft, facts
 
 
 RANKED_TOKENS = 4096  # how many of the most frequent training tokens a checkpoint lists
