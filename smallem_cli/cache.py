@@ -27,6 +27,9 @@ class Step:
     pages: torch.Tensor  # [ceil(length / page_size)] long: the sequence's pages, in order
     first_page: int | None  # set when the pages are consecutive in the pool: reads are then views
     bias: torch.Tensor | None  # [T, length] causal mask as 0 / -inf, None when T == 1 (all visible)
+    # Consecutive pages: every layer's visible K/V as one view of the slab,
+    # [layer, K or V, kv head, length, head dim], so a layer's read is one index.
+    view: torch.Tensor | None = None
 
 
 class PagedKVCache:
@@ -45,9 +48,12 @@ class PagedKVCache:
         self.page_size = page_size
         self.n_pages = n_pages
         self.device = torch.device(device)
-        # One K/V slab per layer: [layer, page, slot in page, K or V, kv head, head dim].
-        # K and V of a token sit together, so one index_copy_ writes both.
-        self.kv = torch.zeros((n_layers, n_pages, page_size, 2, n_kv_heads, head_dim), dtype=dtype, device=self.device)
+        # One slab: [layer, K or V, kv head, page * page_size + slot, head dim]. Page p holds
+        # positions p*page_size .. (p+1)*page_size - 1 of the last axis but one. Per head, the
+        # keys of a run of consecutive pages are the rows of one [length, head dim] matrix,
+        # which attention multiplies as they lie; one index_copy_ writes K and V of all heads.
+        shape = (n_layers, 2, n_kv_heads, n_pages * page_size, head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.free: list[int] = list(range(n_pages - 1, -1, -1))  # a stack: pop() is O(1)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
@@ -103,7 +109,8 @@ class PagedKVCache:
             pos = torch.arange(length, device=self.device)
             bias = torch.zeros(n, length, dtype=self.kv.dtype, device=self.device)
             bias.masked_fill_(pos[None, :] > pos[start:, None], float("-inf"))
-        return Step(start, length, position_slots[start:length], pages, first, bias)
+        view = None if first is None else self.kv[:, :, :, first * ps : first * ps + length]
+        return Step(start, length, position_slots[start:length], pages, first, bias, view)
 
     def keep(self, seq: int, n: int) -> None:
         """Roll `seq` back to its first n tokens; emptied pages return to the pool."""
@@ -119,15 +126,17 @@ class PagedKVCache:
 
     # --- tensors ---------------------------------------------------------------------
     def write(self, layer: int, step: Step, kv: torch.Tensor) -> None:
-        """Store K/V of the new tokens. kv: [T, 2, kv heads, head dim]."""
-        self.kv[layer].view(-1, *kv.shape[1:]).index_copy_(0, step.slots, kv)
+        """Store K/V of the new tokens. kv: [T, K or V, kv heads, head dim]."""
+        self.kv[layer].index_copy_(2, step.slots, kv.permute(1, 2, 0, 3))
 
     def read(self, layer: int, step: Step) -> torch.Tensor:
-        """K/V of every visible position, in order: [length, 2, kv heads, head dim].
+        """K/V of every visible position, in order: [K or V, kv heads, length, head dim].
 
         A view of the slab when the sequence's pages are consecutive (the usual case for a
         sequence alone in its pool: the free list hands pages out in order); else a gather.
         """
-        if step.first_page is not None:
-            return self.kv[layer, step.first_page : step.first_page + len(step.pages)].flatten(0, 1)[: step.length]
-        return self.kv[layer].index_select(0, step.pages).flatten(0, 1)[: step.length]
+        if step.view is not None:
+            return step.view[layer]
+        ps = self.page_size
+        pages = self.kv[layer].unflatten(2, (-1, ps)).index_select(2, step.pages)  # [2, Hkv, n, ps, D]
+        return pages.flatten(2, 3)[:, :, : step.length]

@@ -112,18 +112,25 @@ def train(
         raise fail(f"tokenizer not found: {tokenizer} (run `smallem train tokenizer`)")
     train_ids = corpus.token_file(tokenizer, train_txt)
     val_ids = corpus.token_file(tokenizer, val_txt)
+    if len(val_ids) < 8:  # checked before training, not after the budget is spent
+        raise fail(
+            f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
+            f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
+        )
     settings = tr.TrainSettings(budget_s=budget, seed=seed, lr=lr, batch_size=batch_size)
     name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp"}[kind.value]
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     report = progress_printer(name, err)
     try:
+        # the init checkpoint's own training, kept so that totals stay known
+        before = {"before": checkpoint.facts(checkpoint.read_meta(init))} if init else {}
         if kind is Kind.mtp:
             tgt, _ = checkpoint.load_model(target)
             start = checkpoint.load_mtp(init, tgt)[0] if init else None
             mtp, facts = tr.train_mtp(tgt, train_ids, val_ids, settings, run, report, start)
             dest = out or D.MTP
             facts |= {"trained": "distilled from the frozen target" + (f", starting from {init.name}" if init else "")}
-            tr.save_family_member(dest, mtp, tokenizer, facts, train_ids)
+            tr.save_family_member(dest, mtp, tokenizer, facts | before, train_ids)
         elif kind is Kind.draft and (distill or init):
             if not distill:
                 raise fail("--init for a draft continues it by distillation: add --distill")
@@ -131,11 +138,8 @@ def train(
             student = checkpoint.load_model(init)[0].train() if init else tr.new_model(_preset(name, tokenizer), seed)
             model, facts = tr.train_draft_distill(tgt, student, train_ids, val_ids, settings, run, report)
             dest = out or D.CHECKPOINTS / f"{name}.safetensors"
-            before = checkpoint.facts(checkpoint.read_meta(init)) if init else {}
             facts |= {"trained": f"distilled from {target.name}" + (f", starting from {init.name}" if init else "")}
-            if before:
-                facts["before"] = before  # the init checkpoint's own training, so totals stay known
-            tr.save_family_member(dest, model, tokenizer, facts, train_ids)
+            tr.save_family_member(dest, model, tokenizer, facts | before, train_ids)
         else:
             model, mtp, facts = tr.train_model(_preset(name, tokenizer), train_ids, val_ids, settings, run, report)
             dest = out or D.CHECKPOINTS / f"{name}.safetensors"
@@ -150,7 +154,7 @@ def train(
                     mtp_facts | {"trained": f"jointly with {dest.name}"},
                     train_ids,
                 )
-    except checkpoint.CheckpointError as e:
+    except (checkpoint.CheckpointError, ValueError) as e:
         raise fail(str(e)) from None
     err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}")
 

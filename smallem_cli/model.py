@@ -134,15 +134,15 @@ class Block(nn.Module):
         # rope: each adjacent pair of columns times e^{jθ}, every head at once; v's by 1 + 0j.
         qkv = torch.view_as_real(torch.view_as_complex(y.view(T, -1, 2)) * rope).view(T, -1)
         cache.write(layer, step, qkv[:, H * D :].view(T, 2, Hkv, D))
-        kv = cache.read(layer, step)  # [S, 2, Hkv, D]
+        kv = cache.read(layer, step)  # [2, Hkv, S, D]
         # Attention by hand: SDPA's CPU fallback for masks and groups costs several times more.
         # Query heads h = j*G + g share kv head j: batch over kv heads, rows (g, t).
         q = qkv[:, : H * D].view(T, Hkv, G, D)
         q = q.view(Hkv, G, D) if T == 1 else q.permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
-        s = torch.bmm(q, kv[:, 0].permute(1, 2, 0))  # [Hkv, G*T, S]
+        s = torch.bmm(q, kv[0].transpose(1, 2))  # [Hkv, G*T, S]
         if step.bias is not None:
             s = (s.view(Hkv, G, T, -1) + step.bias).view(Hkv, G * T, -1)
-        o = torch.bmm(torch.softmax(s, dim=-1), kv[:, 1].transpose(0, 1))  # [Hkv, G*T, D]
+        o = torch.bmm(torch.softmax(s, dim=-1), kv[1])  # [Hkv, G*T, D]
         att = o.view(1, H * D) if T == 1 else o.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
         x = torch.addmm(x, att, p["o"])
         gu = unit_rms(x, self.eps) @ p["gu"]  # [T, 2F]

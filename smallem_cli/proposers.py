@@ -58,11 +58,11 @@ class Head:
         self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden state h [1, d] -> (token [1], q [1, V] or None when greedy)."""
-        logits = unit_rms(h, self.eps) @ self.w  # [1, V or N]
         if warp is None:
-            i = logits.argmax(-1)
+            # The final norm scales a row by a positive number: the argmax needs no norm.
+            i = (h @ self.w).argmax(-1)
             return (i if self.ids is None else self.ids[i]), None
-        q = warp(logits)
+        q = warp(unit_rms(h, self.eps) @ self.w)  # [1, V or N]
         i = sample(q, gen)
         if self.ids is None:
             return i, q

@@ -94,7 +94,11 @@ def evaluate(model: Transformer, ids: np.ndarray, seq_len: int = 256, mtp: MTPMo
     """Mean next-token loss (nats/token) over the whole validation stream, in windows.
 
     With an MTP module, also its loss and its agreement with the target's argmax.
+    A stream shorter than one window is read as one shorter window.
     """
+    seq_len = min(seq_len, len(ids) - 3)
+    if seq_len < 2:
+        raise ValueError(f"the validation text is too short: {len(ids)} tokens")
     model.eval()
     total, n, mtp_total, agree = 0.0, 0, 0.0, 0
     for s in range(0, len(ids) - seq_len - 2, seq_len):

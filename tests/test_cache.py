@@ -24,7 +24,12 @@ def read_all(cache: PagedKVCache, seq: int, layer: int) -> torch.Tensor:
         return torch.empty(0, 2, N_KV, HEAD_DIM)
     step = cache.append(seq, 0)
     assert step.pages.tolist() == cache.tables[seq]  # the device copy of the table is never stale
-    return cache.read(layer, step)
+    return as_rows(cache.read(layer, step))
+
+
+def as_rows(kv: torch.Tensor) -> torch.Tensor:
+    """A read, [K or V, kv heads, length, head dim] -> one row per position [length, 2, kv heads, head dim]."""
+    return kv.permute(2, 0, 1, 3)
 
 
 def snapshot(cache: PagedKVCache) -> tuple[dict, dict, list]:
@@ -66,7 +71,7 @@ class Shadow:
             self.cache.write(layer, step, kv)
             self.data[seq][layer] = torch.cat([self.data[seq][layer], kv])
             # read through the step itself: everything visible after the write
-            assert torch.equal(self.cache.read(layer, step), self.data[seq][layer])
+            assert torch.equal(as_rows(self.cache.read(layer, step)), self.data[seq][layer])
         return step
 
     def keep(self, seq: int, n: int) -> None:
@@ -237,7 +242,7 @@ def test_append_of_nothing_to_an_empty_sequence() -> None:
     seq = cache.new_sequence()
     step = cache.append(seq, 0)
     assert (step.start, step.length, step.pages.tolist(), step.bias) == (0, 0, [], None)
-    assert cache.read(0, step).shape == (0, 2, N_KV, HEAD_DIM)
+    assert cache.read(0, step).shape == (2, N_KV, 0, HEAD_DIM)
     check_accounting(cache)
 
 

@@ -8,8 +8,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import DRAFT_CFG, Trained, _FakeClock
+from conftest import CORPUS, DRAFT_CFG, Family, Trained, _FakeClock
+from typer.testing import CliRunner
 
+from smallem_cli import checkpoint
+from smallem_cli.cli import app
 from smallem_cli.evaluate import evaluate_family
 from smallem_cli.model import Transformer
 from smallem_cli.train import TrainSettings, train_draft_distill
@@ -50,3 +53,37 @@ def test_distilling_across_vocabularies_is_refused(trained: Trained, tmp_path: P
         train_draft_distill(
             trained.model, other, np.zeros(100, np.uint16), np.zeros(100, np.uint16), TrainSettings(), tmp_path
         )
+
+
+def test_train_draft_distill_command(family: Family, tmp_path: Path) -> None:
+    """`smallem train draft --init F --distill`: a new file, its facts chained to the old one's."""
+    text = tmp_path / "corpus.txt"
+    text.write_text((CORPUS + "\n\n") * 300, encoding="utf-8")  # 19 chunks of 4 KB: one is held out
+    out = tmp_path / "draft.safetensors"
+    common = ["--data", str(tmp_path / "data"), "--tokenizer", str(family.tokenizer), "--target", str(family.target)]
+    argv = ["train", "draft", "--text", str(text), *common, "--init", str(family.draft), "--distill"]
+    argv += ["--budget", "1", "--batch-size", "2", "--out", str(out), "--run-dir", str(tmp_path / "run")]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    facts = checkpoint.facts(checkpoint.read_meta(out))
+    assert (
+        facts["steps"] > 0
+        and facts["trained"] == f"distilled from target.safetensors, starting from {family.draft.name}"
+    )
+    assert facts["before"] == checkpoint.facts(checkpoint.read_meta(family.draft))
+    assert checkpoint.load_model(out)[0].cfg == checkpoint.load_model(family.draft)[0].cfg
+
+    # --init alone would silently mean distillation: it must be asked for
+    argv = ["train", "draft", *common, "--init", str(family.draft), "--out", str(out)]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2 and result.stderr.startswith("error: ") and "--distill" in result.stderr
+
+
+def test_train_without_validation_text_is_refused(family: Family, tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text(CORPUS, encoding="utf-8")  # one chunk: nothing to hold out
+    argv = ["train", "draft", "--text", str(text), "--data", str(tmp_path / "data")]
+    argv += ["--tokenizer", str(family.tokenizer), "--out", str(tmp_path / "d.safetensors")]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: the validation split") and not (tmp_path / "d.safetensors").exists()
