@@ -20,7 +20,7 @@ import torch
 from rich.table import Table
 
 from .data import read_documents
-from .defaults import K as DEFAULT_K
+from .defaults import default_k
 from .family import ProposerFactory, Target
 from .generate import Sampling, Stats, cache_pages, generate
 from .model import Transformer
@@ -157,29 +157,22 @@ def forward_costs(
     return c, v, one
 
 
-def run_config(
-    target: Transformer,
-    make: ProposerFactory,
-    prompts: list[list[int]],
-    max_new: int,
-    k: int,
-    sampling: Sampling,
-) -> tuple[float, Stats, list[list[int]]]:
-    """All prompts once -> (tokens/s over the lot, summed stats, outputs)."""
-    total = Stats(make(1).name, k, accepted_at=[0] * k)
-    outs = []
-    for i, prompt in enumerate(prompts):
-        s = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + i)
-        out, st = generate(target, make(len(prompt) + max_new + k + 1), prompt, max_new, k, s)
-        outs.append(out)
-        total.new_tokens += st.new_tokens
-        total.passes += st.passes
-        total.proposed += st.proposed
-        total.accepted += st.accepted
-        total.elapsed_s += st.elapsed_s
-        for j, a in enumerate(st.accepted_at):
-            total.accepted_at[j] += a
-    return total.new_tokens / total.elapsed_s, total, outs
+def run_prompt(
+    target: Transformer, make: ProposerFactory, prompt: list[int], i: int, max_new: int, k: int, sampling: Sampling
+) -> tuple[list[int], Stats]:
+    """Prompt number i once; sampling seeded by (seed + i), so every configuration sees the same draws' seeds."""
+    s = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + i)
+    return generate(target, make(len(prompt) + max_new + k + 1), prompt, max_new, k, s)
+
+
+def add_stats(total: Stats, st: Stats) -> None:
+    total.new_tokens += st.new_tokens
+    total.passes += st.passes
+    total.proposed += st.proposed
+    total.accepted += st.accepted
+    total.elapsed_s += st.elapsed_s
+    for j, a in enumerate(st.accepted_at):
+        total.accepted_at[j] += a
 
 
 def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
@@ -215,8 +208,9 @@ def run_bench(
 ) -> list[Row]:
     """Every configuration of the plan, the target alone first, timed in the same run.
 
-    The timed runs go round-robin (every configuration once, then again), so that a slow
-    spell of a shared machine falls on all configurations alike rather than on one.
+    The timed generations go round-robin, prompt by prompt (every configuration on prompt 1,
+    then on prompt 2, ...), so that a slow spell of a shared machine falls on all
+    configurations alike rather than on one.
     """
     all_ks = sorted({k for ks in plan.ks.values() for k in ks})
     c, v, _ = forward_costs(target, plan.proposers, all_ks, prompts[0])
@@ -227,12 +221,22 @@ def run_bench(
         configs = [("none", none, 0)] + [(n, f, k) for n, f in plan.proposers.items() for k in plan.ks[n]]
         for _, make, k in configs:
             generate(target, make(64), prompts[0][:16], 16, k, sampling)  # warm-up
+        # all_runs[j][r]: configuration j's tokens/s, stats and outputs over all prompts, in timed run r
         all_runs: list[list[tuple[float, Stats, list[list[int]]]]] = [[] for _ in configs]
         for rep in range(plan.repeats):
-            for i, (name, make, k) in enumerate(configs):
-                if progress:
-                    progress(f"{mode} {name} k={k} (run {rep + 1}/{plan.repeats})")
-                all_runs[i].append(run_config(target, make, prompts, plan.max_new, k, sampling))
+            totals = [Stats(name, k, accepted_at=[0] * k) for name, _, k in configs]
+            texts: list[list[list[int]]] = [[] for _ in configs]
+            # Prompt by prompt, every configuration in turn: a slow spell of the machine
+            # (seconds long) then falls on all configurations alike, not on one.
+            for i, prompt in enumerate(prompts):
+                for j, (name, make, k) in enumerate(configs):
+                    if progress:
+                        progress(f"{mode} {name} k={k}, prompt {i + 1}/{len(prompts)}, run {rep + 1}/{plan.repeats}")
+                    out, st = run_prompt(target, make, prompt, i, plan.max_new, k, sampling)
+                    texts[j].append(out)
+                    add_stats(totals[j], st)
+            for j, total in enumerate(totals):
+                all_runs[j].append((total.new_tokens / total.elapsed_s, total, texts[j]))
         base_runs, base_outs = [r[0] for r in all_runs[0]], all_runs[0][0][2]  # the target alone
         for (name, _, k), runs in zip(configs, all_runs, strict=True):
             tps_runs = [r[0] for r in runs]
@@ -405,8 +409,8 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
                     tokens += len(new)
                     same += new == ref[i]
             hf_tps = tokens / secs
-            if ours_tps is None:  # our draft-2l run at its default k
-                ours_tps = ours("draft-2l", DEFAULT_K["draft-2l"])
+            if ours_tps is None:  # our draft-2l run at its default greedy k
+                ours_tps = ours("draft-2l", default_k("draft-2l", greedy=True))
             out.append(
                 {
                     "peer": label,

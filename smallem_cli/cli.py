@@ -329,9 +329,9 @@ def bench(
         factories = {n: family.load_proposer(n, tgt, dev, proposer_vocab) for n in names}
     except (UsageError, ValueError, CheckpointError, OSError) as e:
         raise fail(str(e)) from None
-    ks = {n: sweep or sorted({D.K.get(n, D.K_OTHER), *extra}) for n in names}
+    ks = {n: sweep or sorted({*(D.default_k(n, mode == "greedy") for mode in mode_list), *extra}) for n in names}
     plan = B.Plan(factories, ks, mode_list, max_new_tokens, repeats, temperature)
-    total = len(mode_list) * (1 + sum(len(v) for v in ks.values())) * repeats
+    total = len(mode_list) * (1 + sum(len(v) for v in ks.values())) * repeats * len(prompt_ids)  # generations
     from rich.progress import Progress
 
     with Progress(console=err, transient=True) as bar:
@@ -421,7 +421,9 @@ def generate(
     prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,
     target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
     proposer: Annotated[str, typer.Option(help="none | draft-2l | draft-4l | mtp | PATH")] = D.PROPOSER,
-    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round [default: per proposer]")] = None,
+    k: Annotated[
+        int | None, typer.Option("-k", "--k", help="proposals per round [default: per proposer and mode]")
+    ] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = D.TEMPERATURE,
     top_k: Annotated[int | None, typer.Option("--top-k")] = None,
@@ -445,7 +447,7 @@ def generate(
     from .tokenizer import load_tokenizer
 
     try:
-        kk = 0 if proposer == "none" else k if k is not None else D.K.get(proposer, D.K_OTHER)
+        kk = 0 if proposer == "none" else k if k is not None else D.default_k(proposer, temperature == 0)
         if proposer != "none":
             check_sampling(kk, temperature, top_k, top_p)
         else:

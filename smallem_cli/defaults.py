@@ -10,9 +10,17 @@ MTP = CHECKPOINTS / "mtp.safetensors"
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "kjv-val-32.jsonl"
 
 PROPOSER = "mtp"
-# Default k per proposer: the best measured by `smallem bench --sweep-k` on the shipped family.
-K = {"none": 0, "draft-2l": 2, "draft-4l": 2, "mtp": 3}
+# Default k per proposer, greedy and sampled: the best measured by `smallem bench --sweep-k 1..6`
+# on the shipped family (sampling keeps fewer guesses, so it wants fewer).
+K = {"none": 0, "draft-2l": 4, "draft-4l": 3, "mtp": 4}
+K_SAMPLE = {"none": 0, "draft-2l": 2, "draft-4l": 2, "mtp": 4}
 K_OTHER = 3  # a proposer given by path
+
+
+def default_k(proposer: str, greedy: bool) -> int:
+    return (K if greedy else K_SAMPLE).get(proposer, K_OTHER)
+
+
 MAX_K = 16
 MAX_NEW_TOKENS = 200
 TEMPERATURE = 0.0

@@ -141,10 +141,14 @@ def test_proposers_give_the_same_greedy_text(family: Family) -> None:
 
 def test_default_k_per_proposer(family: Family) -> None:
     # the defaults are declared once, in smallem_cli/defaults.py
-    cases = (("none", 0), ("draft-2l", D.K["draft-2l"]), ("mtp", D.K["mtp"]), (str(family.draft), D.K_OTHER))
-    assert D.K["none"] == 0 and all(k >= 1 for _, k in cases[1:])
-    for proposer, k in cases:
-        assert as_json(generate(family, "--proposer", proposer, "-n", "5", "-q", "--json"))["stats"]["k"] == k
+    for greedy, mode in ((True, []), (False, ["--temperature", "1"])):
+        names = ("none", "draft-2l", "mtp", str(family.draft))
+        cases = [(n, D.default_k(n, greedy)) for n in names]
+        assert cases[0][1] == 0 and cases[3][1] == D.K_OTHER and all(k >= 1 for _, k in cases[1:])
+        for proposer, k in cases:
+            data = as_json(generate(family, "--proposer", proposer, "-n", "5", "-q", "--json", *mode))
+            assert data["stats"]["k"] == k, (proposer, mode)
+    assert D.K_SAMPLE["draft-2l"] != D.K["draft-2l"]  # the modes' defaults differ: both were exercised
 
 
 def test_cut_proposer_heads_give_the_same_greedy_text(family: Family) -> None:
