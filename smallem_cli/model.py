@@ -123,8 +123,15 @@ class Block(nn.Module):
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
-    def decode(self, x: torch.Tensor, rope: torch.Tensor, cache: PagedKVCache, layer: int, step: Step) -> torch.Tensor:
-        """Inference: x [T, dim] of new tokens -> [T, dim]; rope: complex [T, (H+2Hkv)*D/2] (`packed_rope`)."""
+    def decode(
+        self, x: torch.Tensor, rope: torch.Tensor, cache: PagedKVCache, layer: int, step: Step, last: bool = False
+    ) -> torch.Tensor:
+        """Inference: x [T, dim] of new tokens -> [T, dim]; rope: complex [T, (H+2Hkv)*D/2] (`packed_rope`).
+
+        `last`: only the last position's output is wanted -> [1, dim]. Every position's K/V
+        is still stored, but attention and the MLP run for one row: on a CPU a matmul over
+        one row takes a faster path than over a few.
+        """
         p = self.packed
         assert p is not None, "call pack() before decoding"
         T = x.shape[0]
@@ -135,13 +142,16 @@ class Block(nn.Module):
         qkv = torch.view_as_real(torch.view_as_complex(y.view(T, -1, 2)) * rope).view(T, -1)
         cache.write(layer, step, qkv[:, H * D :].view(T, 2, Hkv, D))
         kv = cache.read(layer, step)  # [2, Hkv, S, D]
+        bias = step.bias
+        if last and T > 1:
+            x, qkv, T, bias = x[-1:], qkv[-1:], 1, None  # the last position sees every key
         # Attention by hand: SDPA's CPU fallback for masks and groups costs several times more.
         # Query heads h = j*G + g share kv head j: batch over kv heads, rows (g, t).
         q = qkv[:, : H * D].view(T, Hkv, G, D)
         q = q.view(Hkv, G, D) if T == 1 else q.permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
         s = torch.bmm(q, kv[0].transpose(1, 2))  # [Hkv, G*T, S]
-        if step.bias is not None:
-            s = (s.view(Hkv, G, T, -1) + step.bias).view(Hkv, G * T, -1)
+        if bias is not None:
+            s = (s.view(Hkv, G, T, -1) + bias).view(Hkv, G * T, -1)
         o = torch.bmm(torch.softmax(s, dim=-1), kv[1])  # [Hkv, G*T, D]
         att = o.view(1, H * D) if T == 1 else o.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
         x = torch.addmm(x, att, p["o"])
@@ -220,13 +230,21 @@ class Transformer(nn.Module):
         return x
 
     def forward(
-        self, tokens: torch.Tensor, cache: PagedKVCache, seq: int, last_only: bool = False, head: bool = True
+        self,
+        tokens: torch.Tensor,
+        cache: PagedKVCache,
+        seq: int,
+        last_only: bool = False,
+        head: bool = True,
+        last: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """T new tokens of sequence `seq` (tokens: [T]) -> logits [T or 1, vocab], hidden [T, dim].
+        """T new tokens of sequence `seq` (tokens: [T]) -> logits [T or 1, vocab], hidden [T or 1, dim].
 
         The tokens are appended to the cache; the caller rolls back with `cache.keep`.
         `last_only` computes the head for the last position alone (a prefill needs no more);
-        `head=False` skips it (logits come back empty) for callers with a head of their own.
+        `head=False` skips it (logits come back empty) for callers with a head of their own;
+        `last` wants the last position alone: the last block runs for it alone, and logits
+        and hidden come back for it alone (a draft catching up needs no more).
         """
         if self.rope_packed is None:
             self.pack()
@@ -235,7 +253,7 @@ class Transformer(nn.Module):
         rope = self.rope_packed[step.start : step.length]
         x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
         for i, blk in enumerate(self.layers):
-            x = blk.decode(x, rope, cache, i, step)  # type: ignore[operator]
+            x = blk.decode(x, rope, cache, i, step, last and i == len(self.layers) - 1)  # type: ignore[operator]
         if not head:
             return x[:0], x
         return self.logits(x[-1:] if last_only else x), x
@@ -285,13 +303,13 @@ class MTPModule(nn.Module):
         return self.block(x, cos, sin)
 
     def decode(
-        self, h: torch.Tensor, e: torch.Tensor, rope: torch.Tensor, cache: PagedKVCache, step: Step
+        self, h: torch.Tensor, e: torch.Tensor, rope: torch.Tensor, cache: PagedKVCache, step: Step, last: bool = False
     ) -> torch.Tensor:
         """Inference: h, e [T, dim] -> [T, dim], through the module's own one-layer cache."""
         assert self.proj_t is not None, "call pack() before decoding"
         eps = self.cfg.norm_eps
         x = torch.cat([unit_rms(h, eps), unit_rms(e, eps)], dim=-1) @ self.proj_t
-        return self.block.decode(x, rope, cache, 0, step)
+        return self.block.decode(x, rope, cache, 0, step, last)
 
     def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.cfg

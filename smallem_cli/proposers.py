@@ -117,7 +117,7 @@ class DraftProposer:
         tokens, qs = [], []
         x = self.pending  # catch up (1 or 2 tokens), then one guess at a time
         for _ in range(k):
-            _, h = self.model(x, self.cache, self.seq, head=False)
+            _, h = self.model(x, self.cache, self.seq, head=False, last=True)
             x, q = self.head.pick(h[-1:], warp, generator)
             tokens.append(x)
             qs.append(q)
@@ -160,18 +160,18 @@ class MTPProposer:
         self.pending_h = hidden  # h_0 .. h_{P-1}
         self.pending_next = torch.cat([prompt[1:], first])  # x_1 .. x_P
 
-    def step(self, h: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
-        """Feed pairs (h_j, x_{j+1}) [T, d], [T] through the module -> its states [T, d]."""
+    def step(self, h: torch.Tensor, nxt: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """Feed pairs (h_j, x_{j+1}) [T, d], [T] through the module -> its states [T, d] ([1, d] if `last`)."""
         step = self.cache.append(self.seq, h.shape[0])
         assert self.target.rope_packed is not None
         rope = self.target.rope_packed[step.start : step.length]
         e = torch.nn.functional.embedding(nxt, self.target.embed_tokens.weight)
-        return self.mtp.decode(h, e, rope, self.cache, step)  # [T, d]
+        return self.mtp.decode(h, e, rope, self.cache, step, last)  # [T or 1, d]
 
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.step(self.pending_h, self.pending_next)  # catch up on the true states
+        out = self.step(self.pending_h, self.pending_next, last=True)  # catch up on the true states
         self.true_len = self.cache.length(self.seq)
         tokens, qs = [], []
         for i in range(k):

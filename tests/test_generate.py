@@ -431,3 +431,26 @@ def test_long_run_to_the_context_edge(target) -> None:
     out, stats = generate(target, DraftProposer(target, MAX_LEN), PROMPT, n, 4)
     assert out == ref and len(out) == n
     check_stats(stats, out, 4)
+
+
+def test_last_position_alone_matches_the_full_pass(models: dict) -> None:
+    """`last=True`: the last row's output as in a full pass, and the same K/V stored for every row."""
+    for model in (models["target"], models["draft"]):
+        ids = torch.tensor(PROMPT)
+        caches = [model.new_cache(8) for _ in range(2)]
+        seqs = [c.new_sequence() for c in caches]
+        _, full = model(ids, caches[0], seqs[0], head=False)
+        _, last = model(ids, caches[1], seqs[1], head=False, last=True)
+        assert last.shape == (1, model.cfg.dim)
+        torch.testing.assert_close(last, full[-1:], rtol=1e-5, atol=1e-5)
+        nxt = [model(torch.tensor([7, 8]), c, s)[0] for c, s in zip(caches, seqs, strict=True)]
+        torch.testing.assert_close(nxt[0], nxt[1], rtol=1e-5, atol=1e-5)  # the cached keys and values agree
+    target, mtp = models["target"], models["mtp"]
+    h, e = torch.randn(5, target.cfg.dim), torch.randn(5, target.cfg.dim)
+    assert target.rope_packed is not None
+    outs = []
+    for last in (False, True):
+        cache = mtp.new_cache(4)
+        seq = cache.new_sequence()
+        outs.append(mtp.decode(h, e, target.rope_packed[:5], cache, cache.append(seq, 5), last))
+    torch.testing.assert_close(outs[1], outs[0][-1:], rtol=1e-5, atol=1e-5)
