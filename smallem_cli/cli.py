@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from enum import Enum
 from pathlib import Path
@@ -76,6 +77,9 @@ def train(
     target: Annotated[Path, typer.Option(help="target checkpoint (the teacher of mtp and --distill)")] = D.TARGET,
     init: Annotated[Path | None, typer.Option(help="start from this checkpoint (an MTP module or a draft)")] = None,
     distill: Annotated[bool, typer.Option(help="draft: fit the target's distribution, not the corpus")] = False,
+    feature_weight: Annotated[
+        float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
+    ] = 0.0,
     budget: Annotated[float, typer.Option(help="training seconds")] = 600.0,
     run_dir: Annotated[Path | None, typer.Option(help="resume state folder (default: runs/<name>)")] = None,
     seed: Annotated[int, typer.Option()] = 1234,
@@ -117,7 +121,7 @@ def train(
             f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
             f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
         )
-    settings = tr.TrainSettings(budget_s=budget, seed=seed, lr=lr, batch_size=batch_size)
+    settings = tr.TrainSettings(budget_s=budget, seed=seed, lr=lr, batch_size=batch_size, feature_weight=feature_weight)
     name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp"}[kind.value]
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     report = progress_printer(name, err)
@@ -321,6 +325,11 @@ def bench(
             raise UsageError("--repeats and --max-new-tokens must be >= 1")
         if peer not in (None, "hf"):
             raise UsageError(f"unknown peer {peer!r}: only 'hf' is supported")
+        # optional extras, checked before minutes of timing rather than after
+        if peer and importlib.util.find_spec("transformers") is None:
+            raise UsageError("--peer hf needs transformers: pip install 'smallem[hf]'")
+        if plot_file and importlib.util.find_spec("matplotlib") is None:
+            raise UsageError("--plot needs matplotlib: pip install 'smallem[plot]'")
         if not prompts_file.is_file():
             raise UsageError(f"prompts file not found: {prompts_file} (run `smallem prompts`)")
         prompt_ids = B.read_prompts(prompts_file)
@@ -343,10 +352,7 @@ def bench(
         rows = B.run_bench(tgt.model, prompt_ids, plan, step)
     peer_rows = B.hf_peer(tgt, target.parent, prompt_ids, max_new_tokens, rows) if peer else []
     if plot_file:
-        try:
-            B.plot(rows, plot_file)
-        except ImportError:
-            raise fail("--plot needs matplotlib: pip install 'smallem[plot]'") from None
+        B.plot(rows, plot_file)
     if json_out:
         print(
             json.dumps(

@@ -290,6 +290,7 @@ class MTPModule(nn.Module):
         self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
         self.block = Block(cfg)
         self.proj_t: torch.Tensor | None = None
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, its projected rows)
 
     def pack(self) -> MTPModule:
         self.block.pack()
@@ -303,13 +304,32 @@ class MTPModule(nn.Module):
         return self.block(x, cos, sin)
 
     def decode(
-        self, h: torch.Tensor, e: torch.Tensor, rope: torch.Tensor, cache: PagedKVCache, step: Step, last: bool = False
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        embed: torch.Tensor,
+        rope: torch.Tensor,
+        cache: PagedKVCache,
+        step: Step,
+        last: bool = False,
     ) -> torch.Tensor:
-        """Inference: h, e [T, dim] -> [T, dim], through the module's own one-layer cache."""
+        """Inference: h [T, dim], tokens [T] (embedded by `embed`, the target's) -> [T, dim] ([1, dim] if `last`).
+
+        Through the module's own one-layer cache. The token's half of the input projection
+        is looked up (`token_table`): one addmm where two norms, a concat and a matmul were.
+        """
         assert self.proj_t is not None, "call pack() before decoding"
-        eps = self.cfg.norm_eps
-        x = torch.cat([unit_rms(h, eps), unit_rms(e, eps)], dim=-1) @ self.proj_t
+        d = self.cfg.dim
+        x = torch.addmm(F.embedding(tokens, self.token_table(embed)), unit_rms(h, self.cfg.norm_eps), self.proj_t[:d])
         return self.block.decode(x, rope, cache, 0, step, last)
+
+    def token_table(self, embed: torch.Tensor) -> torch.Tensor:
+        """norm(embed(t)) @ W_e for every token t: [vocab, dim], built once per embedding."""
+        assert self.proj_t is not None, "call pack() before decoding"
+        if self._table is None or self._table[0] is not embed:
+            with torch.no_grad():
+                self._table = embed, unit_rms(embed.detach(), self.cfg.norm_eps) @ self.proj_t[self.cfg.dim :]
+        return self._table[1]
 
     def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.cfg

@@ -165,8 +165,7 @@ class MTPProposer:
         step = self.cache.append(self.seq, h.shape[0])
         assert self.target.rope_packed is not None
         rope = self.target.rope_packed[step.start : step.length]
-        e = torch.nn.functional.embedding(nxt, self.target.embed_tokens.weight)
-        return self.mtp.decode(h, e, rope, self.cache, step, last)  # [T or 1, d]
+        return self.mtp.decode(h, nxt, self.target.embed_tokens.weight, rope, self.cache, step, last)  # [T or 1, d]
 
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None

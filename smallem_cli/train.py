@@ -42,6 +42,7 @@ class TrainSettings:
     warmup_steps: int = 100
     weight_decay: float = 0.1
     mtp_weight: float = 0.3
+    feature_weight: float = 0.0  # MTP distillation: weight of the state-matching loss (EAGLE's feature loss)
     seed: int = 1234
     save_every_s: float = 120.0
     eval_every_s: float = 300.0
@@ -254,7 +255,13 @@ def train_mtp(
     init: MTPModule | None = None,
 ) -> tuple[MTPModule, dict[str, Any]]:
     """Fit an MTP module to a frozen target by distillation: match the target's
-    distribution for token i+2 (its logits at i+1), from h_i and the true token i+1."""
+    distribution for token i+2 (its logits at i+1), from h_i and the true token i+1.
+
+    With `settings.feature_weight` > 0, the module's output state is also pulled towards
+    the target's own state h_{i+1} (after normalisation, which is all the next step reads).
+    When proposing, guesses past the first chain on that output state in place of h_{i+1}
+    (EAGLE's observation), so a state that resembles the target's keeps them on track.
+    """
     target.requires_grad_(False)
     target.eval()
     mtp = init if init is not None else MTPModule(target.cfg)
@@ -268,7 +275,11 @@ def train_mtp(
         hm = mtp(h[:, :-1], target.embed_tokens(inp[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
         student = F.log_softmax(target.logits(hm), dim=-1)
         kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
-        return kl, {}
+        if not settings.feature_weight:
+            return kl, {}
+        d = h.shape[-1]
+        feat = F.smooth_l1_loss(F.rms_norm(hm, (d,)), F.rms_norm(h[:, 1:], (d,)))  # [B, T-1, d] both
+        return kl + settings.feature_weight * feat, {"kl": kl.item(), "feature": feat.item()}
 
     facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
     facts |= evaluate(target, val_ids, settings.seq_len, mtp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -101,3 +102,16 @@ def test_bench_command_json(family: Family, tmp_path: Path) -> None:
     assert keys <= set(out["rows"][0]) and len(out["rows"]) == 5
     bad = CliRunner().invoke(app, ["bench", "--target", str(family.target), "--sweep-k", "0..3"])
     assert bad.exit_code != 0 and "k values" in bad.stderr
+
+
+@pytest.mark.parametrize(("extra", "module"), [(["--plot", "k.png"], "matplotlib"), (["--peer", "hf"], "transformers")])
+def test_missing_extras_are_refused_before_timing(
+    family: Family, monkeypatch: pytest.MonkeyPatch, extra: list[str], module: str
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    timed: list[object] = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: timed.append(a))
+    res = CliRunner().invoke(app, ["bench", "--target", str(family.target), *extra])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1 and f"needs {module}" in res.stderr
+    assert timed == []  # refused before any timing

@@ -446,11 +446,27 @@ def test_last_position_alone_matches_the_full_pass(models: dict) -> None:
         nxt = [model(torch.tensor([7, 8]), c, s)[0] for c, s in zip(caches, seqs, strict=True)]
         torch.testing.assert_close(nxt[0], nxt[1], rtol=1e-5, atol=1e-5)  # the cached keys and values agree
     target, mtp = models["target"], models["mtp"]
-    h, e = torch.randn(5, target.cfg.dim), torch.randn(5, target.cfg.dim)
+    h, tokens = torch.randn(5, target.cfg.dim), torch.tensor(PROMPT[:5])
     assert target.rope_packed is not None
     outs = []
     for last in (False, True):
         cache = mtp.new_cache(4)
         seq = cache.new_sequence()
-        outs.append(mtp.decode(h, e, target.rope_packed[:5], cache, cache.append(seq, 5), last))
+        step = cache.append(seq, 5)
+        outs.append(mtp.decode(h, tokens, target.embed_tokens.weight, target.rope_packed[:5], cache, step, last))
     torch.testing.assert_close(outs[1], outs[0][-1:], rtol=1e-5, atol=1e-5)
+
+
+def test_mtp_decode_matches_its_training_forward(models: dict) -> None:
+    """The packed decode path (token half of the projection looked up, rope by complex multiply,
+    paged cache) computes what the training path computes."""
+    target, mtp = models["target"], models["mtp"]
+    T = 6
+    h, tokens = torch.randn(T, target.cfg.dim), torch.tensor(PROMPT[:T])
+    with torch.no_grad():
+        ref = mtp(h[None], target.embed_tokens(tokens)[None], target.cos[:T], target.sin[:T])[0]
+    cache = mtp.new_cache(4)
+    step = cache.append(cache.new_sequence(), T)
+    assert target.rope_packed is not None
+    out = mtp.decode(h, tokens, target.embed_tokens.weight, target.rope_packed[:T], cache, step)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -1,7 +1,8 @@
-"""Training: a draft distilled from a frozen target learns the target's own guesses."""
+"""Training: distilled drafts and MTP modules learn the target's own guesses; the train command."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,8 +15,8 @@ from typer.testing import CliRunner
 from smallem_cli import checkpoint
 from smallem_cli.cli import app
 from smallem_cli.evaluate import evaluate_family
-from smallem_cli.model import Transformer
-from smallem_cli.train import TrainSettings, train_draft_distill
+from smallem_cli.model import MTPModule, Transformer
+from smallem_cli.train import TrainSettings, train_draft_distill, train_mtp
 
 
 def _agreement(target: Transformer, draft: Transformer, ids: np.ndarray) -> float:
@@ -46,9 +47,7 @@ def test_distilled_draft_learns_the_targets_argmax(
 
 
 def test_distilling_across_vocabularies_is_refused(trained: Trained, tmp_path: Path) -> None:
-    from dataclasses import replace
-
-    other = Transformer(replace(DRAFT_CFG, vocab_size=DRAFT_CFG.vocab_size + 1))
+    other = Transformer(dataclasses.replace(DRAFT_CFG, vocab_size=DRAFT_CFG.vocab_size + 1))
     with pytest.raises(ValueError, match="vocabulary"):
         train_draft_distill(
             trained.model, other, np.zeros(100, np.uint16), np.zeros(100, np.uint16), TrainSettings(), tmp_path
@@ -87,3 +86,20 @@ def test_train_without_validation_text_is_refused(family: Family, tmp_path: Path
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 2 and result.stderr.count("\n") == 1
     assert result.stderr.startswith("error: the validation split") and not (tmp_path / "d.safetensors").exists()
+
+
+def test_mtp_feature_loss_pulls_its_state_to_the_targets(
+    trained: Trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--feature-weight: the module's output state moves towards the target's next state."""
+    stream = np.tile(trained.period, 50).astype(np.uint16)
+    start = MTPModule(trained.model.cfg)  # a fresh module: far from the target's states
+    settings = TrainSettings(
+        budget_s=0.8, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=10, save_every_s=1e9, eval_every_s=1e9
+    )
+    settings = dataclasses.replace(settings, feature_weight=1.0)
+    seen: list[dict[str, float]] = []
+    monkeypatch.setattr("smallem_cli.train.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
+    train_mtp(trained.model, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.extra), start)
+    assert len(seen) == 80 and {"kl", "feature"} <= set(seen[0])
+    assert seen[-1]["feature"] < 0.5 * seen[0]["feature"], (seen[0], seen[-1])
