@@ -194,7 +194,7 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
 
 @dataclass
 class Plan:
-    proposers: dict[str, ProposerFactory]
+    proposers: dict[str, dict[str, ProposerFactory]]  # per mode: name -> factory (heads may differ by mode)
     ks: dict[str, list[int]]  # k values per proposer
     modes: list[str]  # "greedy", "sample"
     max_new: int = 200
@@ -213,12 +213,13 @@ def run_bench(
     configurations alike rather than on one.
     """
     all_ks = sorted({k for ks in plan.ks.values() for k in ks})
-    c, v, _ = forward_costs(target, plan.proposers, all_ks, prompts[0])
+    each = {f"{m}:{n}": f for m in plan.modes for n, f in plan.proposers[m].items()}
+    c, v, _ = forward_costs(target, each, all_ks, prompts[0])
     none: ProposerFactory = lambda _: NoProposer()  # noqa: E731
     rows: list[Row] = []
     for mode in plan.modes:
         sampling = Sampling(0.0 if mode == "greedy" else plan.temperature, seed=plan.seed)
-        configs = [("none", none, 0)] + [(n, f, k) for n, f in plan.proposers.items() for k in plan.ks[n]]
+        configs = [("none", none, 0)] + [(n, f, k) for n, f in plan.proposers[mode].items() for k in plan.ks[n]]
         for _, make, k in configs:
             generate(target, make(64), prompts[0][:16], 16, k, sampling)  # warm-up
         # all_runs[j][r]: configuration j's tokens/s, stats and outputs over all prompts, in timed run r
@@ -244,7 +245,7 @@ def run_bench(
             _, st, outs = runs[0]
             rounds = st.passes - len(prompts)  # prefill passes excluded
             alpha = conditional_alpha(st.accepted_at, rounds)
-            cc = c.get(name, 0.0)
+            cc = c.get(f"{mode}:{name}", 0.0)
             vv = v.get(k, 1.0) if k else 1.0
             pred = predicted_speedup(alpha, k, cc, vv)
             # Each timed run against the target alone's run of the same round, then the

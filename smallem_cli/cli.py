@@ -163,6 +163,11 @@ def train(
     err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}")
 
 
+def check_vocab(proposer_vocab: int | None) -> None:
+    if proposer_vocab is not None and proposer_vocab < 0:
+        raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")
+
+
 def _preset(name: str, tokenizer: Path) -> ModelConfig:
     """The named preset, checked against the tokenizer's vocabulary."""
 
@@ -297,8 +302,9 @@ def bench(
     device: Annotated[str, typer.Option()] = D.DEVICE,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     proposer_vocab: Annotated[
-        int, typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all)")
-    ] = D.PROPOSER_VOCAB,
+        int | None,
+        typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="PNG of speed-up against k")] = None,
     peer: Annotated[str | None, typer.Option(help="'hf': time transformers side by side")] = None,
@@ -335,11 +341,13 @@ def bench(
         prompt_ids = B.read_prompts(prompts_file)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
-        factories = {n: family.load_proposer(n, tgt, dev, proposer_vocab) for n in names}
+        check_vocab(proposer_vocab)
+        vocab = {m: D.proposer_vocab(m == "greedy") if proposer_vocab is None else proposer_vocab for m in mode_list}
+        loaded = {v: {n: family.load_proposer(n, tgt, dev, v) for n in names} for v in set(vocab.values())}
     except (UsageError, ValueError, CheckpointError, OSError) as e:
         raise fail(str(e)) from None
     ks = {n: sweep or sorted({*(D.default_k(n, mode == "greedy") for mode in mode_list), *extra}) for n in names}
-    plan = B.Plan(factories, ks, mode_list, max_new_tokens, repeats, temperature)
+    plan = B.Plan({m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature)
     total = len(mode_list) * (1 + sum(len(v) for v in ks.values())) * repeats * len(prompt_ids)  # generations
     from rich.progress import Progress
 
@@ -438,8 +446,9 @@ def generate(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = D.DEVICE,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")] = None,
     proposer_vocab: Annotated[
-        int, typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all)")
-    ] = D.PROPOSER_VOCAB,
+        int | None,
+        typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
 ) -> None:
@@ -465,9 +474,9 @@ def generate(
             raise UsageError("the prompt is empty")
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev, tokenizer)
-        if proposer_vocab < 0:
-            raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")
-        make_proposer = family.load_proposer(proposer, tgt, dev, proposer_vocab)
+        check_vocab(proposer_vocab)
+        vocab = D.proposer_vocab(temperature == 0) if proposer_vocab is None else proposer_vocab
+        make_proposer = family.load_proposer(proposer, tgt, dev, vocab)
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
         ctx = tgt.model.cfg.max_seq_len

@@ -44,7 +44,8 @@ def test_run_bench_rows_and_identity(family: Family) -> None:
     target = fam.load_target(family.target, dev)
     factories = {n: fam.load_proposer(n, target, dev, 0) for n in ("draft-2l", "mtp")}
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
-    plan = bench.Plan(factories, {"draft-2l": [1, 3], "mtp": [2]}, ["greedy", "sample"], max_new=24, repeats=2)
+    modes = ["greedy", "sample"]
+    plan = bench.Plan(dict.fromkeys(modes, factories), {"draft-2l": [1, 3], "mtp": [2]}, modes, max_new=24, repeats=2)
     rows = bench.run_bench(target.model, prompts, plan)
     assert [(r.mode, r.proposer, r.k) for r in rows] == [
         (m, p, k) for m in ("greedy", "sample") for p, k in (("none", 0), ("draft-2l", 1), ("draft-2l", 3), ("mtp", 2))

@@ -39,7 +39,7 @@ def test_prompts_follow_the_protocol(prompts: list[list[int]]) -> None:
 
 @pytest.mark.parametrize("proposer", ["draft-2l", "mtp"])
 def test_greedy_identity_on_the_shipped_family(target: family.Target, prompts: list[list[int]], proposer: str) -> None:
-    make = family.load_proposer(proposer, target, torch.device("cpu"), defaults.PROPOSER_VOCAB)
+    make = family.load_proposer(proposer, target, torch.device("cpu"), defaults.proposer_vocab(greedy=True))
     prompt = prompts[0]
     ref, _ = generate(target.model, NoProposer(), prompt, 100, 0)
     accepted = []
@@ -51,13 +51,13 @@ def test_greedy_identity_on_the_shipped_family(target: family.Target, prompts: l
 
 
 def test_mtp_acceptance_on_the_benchmark_prompts(target: family.Target, prompts: list[list[int]]) -> None:
-    make = family.load_proposer("mtp", target, torch.device("cpu"), defaults.PROPOSER_VOCAB)
+    make = family.load_proposer("mtp", target, torch.device("cpu"), defaults.proposer_vocab(greedy=True))
     acc = [generate(target.model, make(200), p, 60, 1)[1].acceptance_rate for p in prompts[:4]]
     assert sum(acc) / len(acc) >= 0.6, acc
 
 
 def test_sampling_is_seeded_and_reads_as_text(target: family.Target, prompts: list[list[int]]) -> None:
-    make = family.load_proposer("mtp", target, torch.device("cpu"), defaults.PROPOSER_VOCAB)
+    make = family.load_proposer("mtp", target, torch.device("cpu"), defaults.proposer_vocab(greedy=False))
     s = Sampling(temperature=1.0, seed=5)
     a, _ = generate(target.model, make(200), prompts[1], 60, 2, s)
     b, _ = generate(target.model, make(200), prompts[1], 60, 2, s)
