@@ -15,6 +15,7 @@ from rich.markup import escape
 from . import defaults as D
 from .config import PRESETS, ModelConfig
 from .console import TextStream, progress_printer
+from .options import UsageError, check_sampling, check_vocab, parse_ks, read_prompt
 
 app = typer.Typer(
     add_completion=False,
@@ -25,10 +26,6 @@ app = typer.Typer(
 err = Console(stderr=True, soft_wrap=True)
 # Tables go to stdout; wide enough to stay readable when piped to a file.
 tables = Console(width=None if sys.stdout.isatty() else 200)
-
-
-class UsageError(Exception):
-    """Bad input: reported as one line on stderr, exit 2."""
 
 
 def fail(msg: str, code: int = 2) -> typer.Exit:
@@ -163,11 +160,6 @@ def train(
     err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}")
 
 
-def check_vocab(proposer_vocab: int | None) -> None:
-    if proposer_vocab is not None and proposer_vocab < 0:
-        raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")
-
-
 def _preset(name: str, tokenizer: Path) -> ModelConfig:
     """The named preset, checked against the tokenizer's vocabulary."""
 
@@ -196,11 +188,9 @@ def eval_cmd(
     """Validation loss (nats/byte) of each checkpoint, and each proposer's agreement with the target."""
     import json
 
-    from rich.table import Table
-
     from . import checkpoint, family
     from . import data as corpus
-    from .evaluate import evaluate_family
+    from .evaluate import evaluate_family, report_table
 
     val_txt = data_dir / "val.txt"
     if not val_txt.is_file():
@@ -231,27 +221,7 @@ def eval_cmd(
         rows = [r.__dict__ | {"training": facts.get(r.name, {})} for r in reports]
         print(json.dumps({"val_tokens": len(ids), "val_bytes": n_bytes, "models": rows}))
         return
-    table = Table(title=f"validation: {len(ids):,} tokens, {n_bytes:,} bytes")
-    for col in ("model", "nats/token", "nats/byte", "agreement with target", "steps", "tokens seen", "trained for"):
-        table.add_column(col, justify="right")
-    for r in reports:
-        agree = "" if r.agreement is None else f"{r.agreement:.3f}"
-        f = facts.get(r.name, {})
-        table.add_row(
-            r.name,
-            f"{r.nats_per_token:.3f}",
-            f"{r.nats_per_byte:.3f}",
-            agree,
-            f"{_total(f, 'steps'):,}" if "steps" in f else "",
-            f"{_total(f, 'tokens_seen'):,}" if "tokens_seen" in f else "",
-            f"{_total(f, 'train_seconds'):.0f} s" if "train_seconds" in f else "",
-        )
-    tables.print(table)
-
-
-def _total(facts: dict, key: str) -> float:
-    """A training fact summed over the run and the runs it started from (facts["before"])."""
-    return facts.get(key, 0) + (_total(facts["before"], key) if "before" in facts else 0)
+    tables.print(report_table(reports, facts, len(ids), n_bytes))
 
 
 @app.command()
@@ -273,21 +243,6 @@ def prompts(
 
 
 # --- benchmark ----------------------------------------------------------------------------
-def parse_ks(text: str) -> list[int]:
-    """'2', '1,3,5' or '1..6' -> sorted k values."""
-    try:
-        if ".." in text:
-            lo, hi = text.split("..")
-            ks = list(range(int(lo), int(hi) + 1))
-        else:
-            ks = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise UsageError(f"bad k list {text!r}: use 2, 1,3,5 or 1..6") from None
-    if not ks or not all(1 <= k <= D.MAX_K for k in ks):
-        raise UsageError(f"k values must be between 1 and {D.MAX_K}: {text!r}")
-    return sorted(set(ks))
-
-
 @app.command()
 def bench(
     target: Annotated[Path, typer.Option(help="target checkpoint")] = D.TARGET,
@@ -406,30 +361,6 @@ def export(
 
 
 # --- generation -------------------------------------------------------------------------
-def read_prompt(prompt: str | None) -> str:
-    """The prompt argument, or stdin for `-` or for no argument on a pipe."""
-    if prompt is not None and prompt != "-":
-        return prompt
-    if prompt is None and sys.stdin.isatty():
-        raise UsageError("no prompt: give one as an argument, or pipe it on stdin")
-    data = sys.stdin.buffer.read()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"stdin is not valid UTF-8 (byte {e.start})") from None
-
-
-def check_sampling(k: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not 1 <= k <= D.MAX_K:
-        raise UsageError(f"k must be between 1 and {D.MAX_K}, got {k}")
-    if not temperature >= 0:
-        raise UsageError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise UsageError(f"top-k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise UsageError(f"top-p must be in (0, 1], got {top_p}")
-
-
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,

@@ -9,12 +9,16 @@ target's argmax at i+2.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .model import MTPModule, Transformer
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 @dataclass
@@ -76,3 +80,29 @@ def evaluate_family(
     if mtp is not None:
         reports.append(Report("mtp", mtp_nats / n_mtp, mtp_nats / n_mtp * per_byte, agree["mtp"] / n_mtp))
     return reports
+
+
+def report_table(reports: list[Report], facts: dict[str, dict[str, Any]], n_tokens: int, n_bytes: int) -> Table:
+    """The reports as a rich table, with each model's training totals from its facts."""
+    from rich.table import Table
+
+    table = Table(title=f"validation: {n_tokens:,} tokens, {n_bytes:,} bytes")
+    for col in ("model", "nats/token", "nats/byte", "agreement with target", "steps", "tokens seen", "trained for"):
+        table.add_column(col, justify="right")
+    for r in reports:
+        f = facts.get(r.name, {})
+        table.add_row(
+            r.name,
+            f"{r.nats_per_token:.3f}",
+            f"{r.nats_per_byte:.3f}",
+            "" if r.agreement is None else f"{r.agreement:.3f}",
+            f"{total(f, 'steps'):,}" if "steps" in f else "",
+            f"{total(f, 'tokens_seen'):,}" if "tokens_seen" in f else "",
+            f"{total(f, 'train_seconds'):.0f} s" if "train_seconds" in f else "",
+        )
+    return table
+
+
+def total(facts: dict[str, Any], key: str) -> float:
+    """A training fact summed over the run and the runs it started from (facts["before"])."""
+    return facts.get(key, 0) + (total(facts["before"], key) if "before" in facts else 0)
