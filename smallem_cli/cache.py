@@ -25,7 +25,6 @@ class Step:
     length: int  # start + T: keys visible after the write
     slots: torch.Tensor  # [T] long: flat slot (page * page_size + offset) of each new token
     pages: torch.Tensor  # [ceil(length / page_size)] long: the sequence's pages, in order
-    first_page: int | None  # set when the pages are consecutive in the pool: reads are then views
     bias: torch.Tensor | None  # [T, length] causal mask as 0 / -inf, None when T == 1 (all visible)
     # Consecutive pages: every layer's visible K/V as one view of the slab,
     # [layer, K or V, kv head, length, head dim], so a layer's read is one index.
@@ -110,7 +109,7 @@ class PagedKVCache:
             bias = torch.zeros(n, length, dtype=self.kv.dtype, device=self.device)
             bias.masked_fill_(pos[None, :] > pos[start:, None], float("-inf"))
         view = None if first is None else self.kv[:, :, :, first * ps : first * ps + length]
-        return Step(start, length, position_slots[start:length], pages, first, bias, view)
+        return Step(start, length, position_slots[start:length], pages, bias, view)
 
     def keep(self, seq: int, n: int) -> None:
         """Roll `seq` back to its first n tokens; emptied pages return to the pool."""

@@ -117,8 +117,8 @@ class DraftProposer:
         tokens, qs = [], []
         x = self.pending  # catch up (1 or 2 tokens), then one guess at a time
         for _ in range(k):
-            _, h = self.model(x, self.cache, self.seq, head=False, last=True)
-            x, q = self.head.pick(h[-1:], warp, generator)
+            _, h = self.model(x, self.cache, self.seq, head=False, last=True)  # [1, d]
+            x, q = self.head.pick(h, warp, generator)
             tokens.append(x)
             qs.append(q)
         self.fed_guesses = k - 1  # the last guess was never fed
@@ -170,13 +170,13 @@ class MTPProposer:
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.step(self.pending_h, self.pending_next, last=True)  # catch up on the true states
+        out = self.step(self.pending_h, self.pending_next, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
         tokens, qs = [], []
         for i in range(k):
             if i:
-                out = self.step(out[-1:], tokens[-1])  # chain on the module's own state
-            x, q = self.head.pick(out[-1:], warp, generator)
+                out = self.step(out, tokens[-1])  # chain on the module's own state
+            x, q = self.head.pick(out, warp, generator)
             tokens.append(x)
             qs.append(q)
         return _collect(tokens, qs)

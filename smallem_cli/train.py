@@ -262,8 +262,7 @@ def train_mtp(
     When proposing, guesses past the first chain on that output state in place of h_{i+1}
     (EAGLE's observation), so a state that resembles the target's keeps them on track.
     """
-    target.requires_grad_(False)
-    target.eval()
+    _freeze(target)
     mtp = init if init is not None else MTPModule(target.cfg)
     T = settings.seq_len
 
@@ -273,8 +272,7 @@ def train_mtp(
             h = target.hidden(inp)
             teacher = F.log_softmax(target.logits(h[:, 1:]), dim=-1)  # target's view of token i+2
         hm = mtp(h[:, :-1], target.embed_tokens(inp[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
-        student = F.log_softmax(target.logits(hm), dim=-1)
-        kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+        kl = _kl(teacher, target.logits(hm))
         if not settings.feature_weight:
             return kl, {}
         d = h.shape[-1]
@@ -303,16 +301,13 @@ def train_draft_distill(
     """
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"draft vocabulary {draft.cfg.vocab_size} != target's {target.cfg.vocab_size}")
-    target.requires_grad_(False)
-    target.eval()
+    _freeze(target)
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inp = x[:, :-2]
         with torch.no_grad():
             teacher = F.log_softmax(target.logits(target.hidden(inp)), dim=-1)  # [B, T, V]
-        student = F.log_softmax(draft.logits(draft.hidden(inp)), dim=-1)  # [B, T, V]
-        kl = F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
-        return kl, {}
+        return _kl(teacher, draft.logits(draft.hidden(inp))), {}
 
     def eval_fn() -> float:
         return evaluate(draft, val_ids, settings.seq_len)["val_loss"]
@@ -321,6 +316,17 @@ def train_draft_distill(
     facts = _train_loop(list(draft.parameters()), loss_fn, modules, train_ids, settings, run_dir, on_progress, eval_fn)
     facts |= evaluate(draft, val_ids, settings.seq_len)
     return draft, facts
+
+
+def _freeze(teacher: Transformer) -> None:
+    teacher.requires_grad_(False)
+    teacher.eval()
+
+
+def _kl(teacher: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) per position, averaged: teacher log-probs and student logits [B, T, V]."""
+    student = F.log_softmax(student_logits, dim=-1)
+    return F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
 
 
 RANKED_TOKENS = 4096  # how many of the most frequent training tokens a checkpoint lists
