@@ -120,41 +120,18 @@ def train(
         )
     settings = tr.TrainSettings(budget_s=budget, seed=seed, lr=lr, batch_size=batch_size, feature_weight=feature_weight)
     name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp"}[kind.value]
+    if init and kind is Kind.target:
+        raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
+    if kind is Kind.draft and init and not distill:
+        raise fail("--init for a draft continues it by distillation: add --distill")
+    job = "distill" if kind is Kind.draft and distill else kind.value
+    cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
+    dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
-    report = progress_printer(name, err)
     try:
-        # the init checkpoint's own training, kept so that totals stay known
-        before = {"before": checkpoint.facts(checkpoint.read_meta(init))} if init else {}
-        if kind is Kind.mtp:
-            tgt, _ = checkpoint.load_model(target)
-            start = checkpoint.load_mtp(init, tgt)[0] if init else None
-            mtp, facts = tr.train_mtp(tgt, train_ids, val_ids, settings, run, report, start)
-            dest = out or D.MTP
-            facts |= {"trained": "distilled from the frozen target" + (f", starting from {init.name}" if init else "")}
-            tr.save_family_member(dest, mtp, tokenizer, facts | before, train_ids)
-        elif kind is Kind.draft and (distill or init):
-            if not distill:
-                raise fail("--init for a draft continues it by distillation: add --distill")
-            tgt, _ = checkpoint.load_model(target)
-            student = checkpoint.load_model(init)[0].train() if init else tr.new_model(_preset(name, tokenizer), seed)
-            model, facts = tr.train_draft_distill(tgt, student, train_ids, val_ids, settings, run, report)
-            dest = out or D.CHECKPOINTS / f"{name}.safetensors"
-            facts |= {"trained": f"distilled from {target.name}" + (f", starting from {init.name}" if init else "")}
-            tr.save_family_member(dest, model, tokenizer, facts | before, train_ids)
-        else:
-            model, mtp, facts = tr.train_model(_preset(name, tokenizer), train_ids, val_ids, settings, run, report)
-            dest = out or D.CHECKPOINTS / f"{name}.safetensors"
-            mtp_facts = {k: v for k, v in facts.items() if not k.startswith("val")}
-            facts = {k: v for k, v in facts.items() if not k.startswith("mtp_")}
-            tr.save_family_member(dest, model, tokenizer, facts, train_ids)
-            if mtp is not None:
-                tr.save_family_member(
-                    dest.with_name("mtp.safetensors"),
-                    mtp,
-                    tokenizer,
-                    mtp_facts | {"trained": f"jointly with {dest.name}"},
-                    train_ids,
-                )
+        facts = tr.train_member(
+            job, cfg, (train_ids, val_ids), settings, run, dest, tokenizer, progress_printer(name, err), target, init
+        )
     except (checkpoint.CheckpointError, ValueError) as e:
         raise fail(str(e)) from None
     err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}")

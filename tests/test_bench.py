@@ -58,9 +58,7 @@ def test_run_bench_rows_and_identity(family: Family) -> None:
             assert r.speedup == 1.0 and r.tokens_per_pass == 1.0
         else:
             assert r.cost_c > 0 and r.cost_v > 0
-            assert r.predicted_speedup == pytest.approx(
-                bench.predicted_speedup(r.alpha_model, r.k, r.cost_c, r.cost_v)
-            )
+            assert r.predicted_speedup == pytest.approx(bench.predicted_speedup(r.alpha_model, r.k, r.cost_c, r.cost_v))
             # per-position acceptance cannot rise with the position: a later guess needs the earlier ones
             assert all(a >= b for a, b in zip(r.accepted_at, r.accepted_at[1:], strict=False))
 

@@ -305,6 +305,7 @@ def test_stats_line_is_one_line(family: Family, tmp_path: Path, monkeypatch: pyt
 
 # --- known bugs (see the report): each marks what the fix must make pass -------------------------
 
+
 def test_draft_with_a_shorter_context_is_refused(family: Family, tmp_path: Path) -> None:
     short = ModelConfig(vocab_size=300, dim=24, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=48, max_seq_len=32)
     path = tmp_path / "short.safetensors"

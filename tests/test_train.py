@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from smallem_cli import checkpoint
 from smallem_cli.cli import app
+from smallem_cli.config import PRESETS
 from smallem_cli.evaluate import evaluate_family
 from smallem_cli.model import MTPModule, Transformer
 from smallem_cli.train import TrainSettings, train_draft_distill, train_mtp
@@ -103,3 +104,35 @@ def test_mtp_feature_loss_pulls_its_state_to_the_targets(
     train_mtp(trained.model, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.extra), start)
     assert len(seen) == 80 and {"kl", "feature"} <= set(seen[0])
     assert seen[-1]["feature"] < 0.5 * seen[0]["feature"], (seen[0], seen[-1])
+
+
+def test_train_target_then_mtp_commands(family: Family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`smallem train target` writes the target and its jointly trained MTP module; `train mtp
+    --init` continues that module on the frozen target, its facts chained to the joint run's."""
+    cfg = dataclasses.replace(DRAFT_CFG, vocab_size=300, max_seq_len=512, mtp=True)
+    monkeypatch.setitem(PRESETS, "probe", cfg)
+    text = tmp_path / "corpus.txt"
+    text.write_text((CORPUS + "\n\n") * 300, encoding="utf-8")
+    base = ["--data", str(tmp_path / "data"), "--tokenizer", str(family.tokenizer), "--budget", "1"]
+    base += ["--batch-size", "2"]
+    out = tmp_path / "ckpt" / "probe.safetensors"
+    argv = ["train", "target", "--text", str(text), *base, "--preset", "probe", "--out", str(out)]
+    result = CliRunner().invoke(app, [*argv, "--run-dir", str(tmp_path / "r1")])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    joint = out.with_name("mtp.safetensors")
+    facts, mtp_facts = (checkpoint.facts(checkpoint.read_meta(p)) for p in (out, joint))
+    assert facts["steps"] > 0 and "val_loss" in facts and not any(k.startswith("mtp_") for k in facts)
+    assert mtp_facts["trained"] == "jointly with probe.safetensors" and "mtp_val_loss" in mtp_facts
+    assert checkpoint.load_model(out)[0].cfg == cfg
+
+    again = tmp_path / "mtp-2.safetensors"
+    argv = ["train", "mtp", *base, "--target", str(out), "--init", str(joint), "--out", str(again)]
+    result = CliRunner().invoke(app, [*argv, "--run-dir", str(tmp_path / "r2")])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    facts2 = checkpoint.facts(checkpoint.read_meta(again))
+    assert facts2["trained"] == "distilled from the frozen target, starting from mtp.safetensors"
+    assert facts2["before"] == mtp_facts and facts2["steps"] > 0
+
+    # a target starts from scratch: --init is refused before any training
+    result = CliRunner().invoke(app, ["train", "target", *base, "--preset", "probe", "--init", str(out)])
+    assert result.exit_code == 2 and result.stderr.startswith("error: ") and "--init" in result.stderr
