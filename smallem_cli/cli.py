@@ -165,40 +165,25 @@ def eval_cmd(
     """Validation loss (nats/byte) of each checkpoint, and each proposer's agreement with the target."""
     import json
 
-    from . import checkpoint, family
+    from . import checkpoint
     from . import data as corpus
-    from .evaluate import evaluate_family, report_table
+    from .evaluate import evaluate_family, load_members, report_table
 
     val_txt = data_dir / "val.txt"
     if not val_txt.is_file():
         raise fail(f"no validation text in {data_dir}: run `smallem data` (or `make data`) first")
     try:
-        tgt = family.load_target(target, family.pick_device("cpu"))
-        names = (
-            drafts
-            if drafts is not None
-            else [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
-        )
-        models, facts = {}, {"target": checkpoint.facts(checkpoint.read_meta(target))}
-        for n in names:
-            path = target.parent / f"{n}.safetensors" if n in family.SHIPPED_PROPOSERS else Path(n)
-            models[Path(n).stem], meta = checkpoint.load_model(path)
-            facts[Path(n).stem] = checkpoint.facts(meta)
-        mtp_path = target.parent / "mtp.safetensors"
-        mtp = None
-        if mtp_path.exists():
-            mtp, meta = checkpoint.load_mtp(mtp_path, tgt.model)
-            facts["mtp"] = checkpoint.facts(meta)
+        fam = load_members(target, drafts)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         raise fail(str(e)) from None
-    ids = corpus.token_file(tgt.tokenizer, val_txt)
+    ids = corpus.token_file(fam.target.tokenizer, val_txt)
     n_bytes = sum(len(d.encode("utf-8")) for d in corpus.read_documents(val_txt))
-    reports = evaluate_family(tgt.model, ids, n_bytes, models, mtp)
+    reports = evaluate_family(fam.target.model, ids, n_bytes, fam.drafts, fam.mtp)
     if json_out:
-        rows = [r.__dict__ | {"training": facts.get(r.name, {})} for r in reports]
+        rows = [r.__dict__ | {"training": fam.facts.get(r.name, {})} for r in reports]
         print(json.dumps({"val_tokens": len(ids), "val_bytes": n_bytes, "models": rows}))
         return
-    tables.print(report_table(reports, facts, len(ids), n_bytes))
+    tables.print(report_table(reports, fam.facts, len(ids), n_bytes))
 
 
 @app.command()

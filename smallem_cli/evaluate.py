@@ -9,12 +9,14 @@ target's argmax at i+2.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import checkpoint, family
 from .model import MTPModule, Transformer
 
 if TYPE_CHECKING:
@@ -27,6 +29,31 @@ class Report:
     nats_per_token: float
     nats_per_byte: float
     agreement: float | None = None  # with the target's argmax, for proposers
+
+
+@dataclass
+class Members:
+    target: family.Target
+    drafts: dict[str, Transformer]
+    mtp: MTPModule | None
+    facts: dict[str, dict[str, Any]]  # each checkpoint's training facts, by name
+
+
+def load_members(target: Path, drafts: list[str] | None) -> Members:
+    """The target, the drafts (names beside it or paths; None: the shipped ones found
+    there) and the MTP module beside it, if any, on the CPU."""
+    tgt = family.load_target(target, torch.device("cpu"))
+    shipped = [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
+    models, facts = {}, {"target": checkpoint.facts(checkpoint.read_meta(target))}
+    for n in shipped if drafts is None else drafts:
+        path = target.parent / f"{n}.safetensors" if n in family.SHIPPED_PROPOSERS else Path(n)
+        models[Path(n).stem], meta = checkpoint.load_model(path)
+        facts[Path(n).stem] = checkpoint.facts(meta)
+    mtp = None
+    if (mtp_path := target.parent / "mtp.safetensors").exists():
+        mtp, meta = checkpoint.load_mtp(mtp_path, tgt.model)
+        facts["mtp"] = checkpoint.facts(meta)
+    return Members(tgt, models, mtp, facts)
 
 
 def windows(ids: np.ndarray, seq_len: int) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -136,3 +137,22 @@ def test_train_target_then_mtp_commands(family: Family, tmp_path: Path, monkeypa
     # a target starts from scratch: --init is refused before any training
     result = CliRunner().invoke(app, ["train", "target", *base, "--preset", "probe", "--init", str(out)])
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and "--init" in result.stderr
+
+
+def test_eval_command_reports_every_member(family: Family, tmp_path: Path) -> None:
+    """`smallem eval --json`: the target, the draft and the MTP module found beside it; the
+    noisy-copy draft agrees with the target far more often than the random MTP module."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "val.txt").write_text("<|endoftext|>".join([CORPUS] * 3), encoding="utf-8")
+    result = CliRunner().invoke(app, ["eval", "--target", str(family.target), "--data", str(data), "--json"])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    out = json.loads(result.stdout)
+    rows = {r["name"]: r for r in out["models"]}
+    assert list(rows) == ["target", "draft-2l", "mtp"] and out["val_bytes"] == 3 * len(CORPUS.encode())
+    assert rows["target"]["agreement"] is None and all(r["nats_per_byte"] > 0 for r in rows.values())
+    assert rows["draft-2l"]["agreement"] > 0.5 > 0.1 > rows["mtp"]["agreement"], rows
+    assert rows["draft-2l"]["training"] == checkpoint.facts(checkpoint.read_meta(family.draft))
+
+    result = CliRunner().invoke(app, ["eval", "--target", str(family.target), "--data", str(tmp_path / "none")])
+    assert result.exit_code == 2 and result.stderr.startswith("error: no validation text")
