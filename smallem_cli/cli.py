@@ -234,6 +234,7 @@ def bench(
     from . import bench as B
     from . import family
     from .checkpoint import CheckpointError
+    from .peer import hf_peer, peer_table
 
     try:
         if threads:
@@ -275,7 +276,7 @@ def bench(
             bar.update(task, advance=1, description=label)
 
         rows = B.run_bench(tgt.model, prompt_ids, plan, step)
-    peer_rows = B.hf_peer(tgt, target.parent, prompt_ids, max_new_tokens, rows) if peer else []
+    peer_rows = hf_peer(tgt, target.parent, prompt_ids, max_new_tokens, rows) if peer else []
     if plot_file:
         B.plot(rows, plot_file)
     if json_out:
@@ -297,7 +298,7 @@ def bench(
         if sweep:
             tables.print(B.sweep_table(rows))
         if peer_rows:
-            tables.print(B.peer_table(peer_rows))
+            tables.print(peer_table(peer_rows))
     bad = [r for r in rows if r.identical is not None and not r.identical.startswith(f"{len(prompt_ids)}/")]
     if bad:
         raise fail("greedy identity FAILED: " + ", ".join(f"{r.proposer} k={r.k}: {r.identical}" for r in bad), 1)

@@ -19,11 +19,15 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from conftest import Family  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
 from smallem_cli import checkpoint  # noqa: E402
+from smallem_cli.cli import app  # noqa: E402
 from smallem_cli.config import PRESETS, ModelConfig  # noqa: E402
+from smallem_cli.defaults import default_k  # noqa: E402
 from smallem_cli.hf import HFFormatError, config_from_hf, export_hf, is_hf_dir, load_hf  # noqa: E402
 from smallem_cli.model import MTPModule, Transformer  # noqa: E402
 
@@ -400,3 +404,22 @@ def test_speculative_generation_matches_transformers_generate(tmp_path: Path, to
             assert stats.new_tokens == 50 and stats.proposed > 0
             rates[name, k] = stats.acceptance_rate
     assert rates["cut", 1] > 0 and rates["cut", 3] > 0  # the cut draft's guesses are kept sometimes
+
+
+def test_bench_peer_hf_side_by_side(family: Family, tmp_path: Path) -> None:
+    """`smallem bench --peer hf`: transformers runs the same exported weights on the same
+    prompts, its greedy text equals ours, and our figures are the bench's own rows."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"tokens": list(range(5 + i, 17 + i)), "text": ""}) for i in range(2)))
+    args = ["bench", "--target", str(family.target), "--proposers", "draft-2l", "--prompts", str(prompts)]
+    args += ["-n", "12", "--repeats", "1", "--modes", "greedy", "--peer", "hf", "--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, (res.stderr, res.exception)
+    out = json.loads(res.stdout)
+    tps = {(r["proposer"], r["k"]): r["tokens_per_s"] for r in out["rows"]}
+    peer = {r["peer"]: r for r in out["peer"]}
+    assert list(peer) == ["transformers generate()", "transformers assisted (draft-2l)"]
+    assert all(r["identical"] == "2/2" and r["tokens_per_s"] > 0 for r in peer.values())
+    assert peer["transformers generate()"]["ours_tokens_per_s"] == tps[("none", 0)]
+    ours = tps[("draft-2l", default_k("draft-2l", greedy=True))]
+    assert peer["transformers assisted (draft-2l)"]["ours_tokens_per_s"] == ours
