@@ -55,8 +55,8 @@ class ModelConfig:
 # and are narrow, so that one of their tokens costs a fraction of a target pass.
 PRESETS: dict[str, ModelConfig] = {
     "target": ModelConfig(dim=256, n_layers=8, n_heads=4, n_kv_heads=4, hidden_dim=768, mtp=True),
-    "draft-2l": ModelConfig(dim=160, n_layers=2, n_heads=5, n_kv_heads=5, hidden_dim=448),
-    "draft-4l": ModelConfig(dim=160, n_layers=4, n_heads=5, n_kv_heads=5, hidden_dim=448),
+    "draft-2l": ModelConfig(dim=192, n_layers=2, n_heads=3, n_kv_heads=3, hidden_dim=512),
+    "draft-4l": ModelConfig(dim=192, n_layers=4, n_heads=3, n_kv_heads=3, hidden_dim=512),
     # Tiny random models for tests.
     "tiny": ModelConfig(
         vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=256, mtp=True
