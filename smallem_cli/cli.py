@@ -78,6 +78,9 @@ def train(
         float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
     ] = 0.0,
     budget: Annotated[float, typer.Option(help="training seconds")] = 600.0,
+    tokens: Annotated[
+        int, typer.Option(help="token budget: stop after this many training tokens, not --budget seconds (0: off)")
+    ] = 0,
     run_dir: Annotated[Path | None, typer.Option(help="resume state folder (default: runs/<name>)")] = None,
     seed: Annotated[int, typer.Option()] = 1234,
     lr: Annotated[float, typer.Option()] = 2e-3,
@@ -118,7 +121,11 @@ def train(
             f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
             f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
         )
-    settings = tr.TrainSettings(budget_s=budget, seed=seed, lr=lr, batch_size=batch_size, feature_weight=feature_weight)
+    if budget <= 0 or tokens < 0:
+        raise fail("--budget must be > 0 seconds and --tokens >= 0")
+    settings = tr.TrainSettings(
+        budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, feature_weight=feature_weight
+    )
     name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp"}[kind.value]
     if init and kind is Kind.target:
         raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")

@@ -28,19 +28,19 @@ def progress_printer(name: str, err: Console) -> ProgressFn:
             info = f"step {p.step} loss {p.loss:.3f} {p.tokens_per_s:,.0f} tok/s"
             if p.val_loss is not None:
                 info += f" val {p.val_loss:.3f}"
-            bar.update(task, completed=min(1.0, p.elapsed_s / p.budget_s), info=info)
-            if p.elapsed_s >= p.budget_s:
+            bar.update(task, completed=p.done, info=info)
+            if p.done >= 1.0:
                 bar.stop()
 
         return show
     last = [0.0]
 
     def log(p: P) -> None:
-        if time.monotonic() - last[0] >= 30 or p.elapsed_s >= p.budget_s:
+        if time.monotonic() - last[0] >= 30 or p.done >= 1.0:
             last[0] = time.monotonic()
             val = f" val {p.val_loss:.3f}" if p.val_loss is not None else ""
             extra = "".join(f" {k} {v:.3f}" for k, v in p.extra.items())
-            eta = max(0.0, p.budget_s - p.elapsed_s)
+            eta = p.elapsed_s * (1 - p.done) / p.done if p.done > 0 else 0.0
             print(
                 f"{name} step {p.step} loss {p.loss:.3f}{extra}{val} {p.tokens_per_s:,.0f} tok/s "
                 f"seen {p.tokens_seen:,} eta {eta:.0f}s",

@@ -35,6 +35,9 @@ from .model import MTPModule, Transformer
 @dataclass
 class TrainSettings:
     budget_s: float = 600.0
+    # > 0: stop after this many training tokens instead of budget_s seconds. A token budget
+    # makes a run independent of how loaded the machine is; seconds make its length known.
+    budget_tokens: int = 0
     batch_size: int = 16
     seq_len: int = 256
     lr: float = 2e-3
@@ -52,7 +55,7 @@ class TrainSettings:
 class Progress:
     step: int
     elapsed_s: float
-    budget_s: float
+    done: float  # fraction of the budget (seconds or tokens) spent, 0..1
     loss: float
     tokens_per_s: float
     tokens_seen: int
@@ -70,10 +73,17 @@ def batch(ids: np.ndarray, settings: TrainSettings, step: int) -> torch.Tensor:
     return torch.from_numpy(np.stack([ids[s : s + settings.seq_len + 2] for s in starts]).astype(np.int64))
 
 
-def lr_at(settings: TrainSettings, step: int, elapsed: float) -> float:
+def spent(settings: TrainSettings, tokens: int, elapsed: float) -> float:
+    """The fraction of the budget spent: tokens over budget_tokens if set, else seconds."""
+    if settings.budget_tokens > 0:
+        return min(1.0, tokens / settings.budget_tokens)
+    return min(1.0, elapsed / settings.budget_s)
+
+
+def lr_at(settings: TrainSettings, step: int, frac: float) -> float:
+    """Warm-up over the first steps, then cosine to min_lr_frac over the budget (frac 0..1)."""
     if step < settings.warmup_steps:
         return settings.lr * (step + 1) / settings.warmup_steps
-    frac = min(1.0, elapsed / settings.budget_s)
     lo = settings.min_lr_frac
     return settings.lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac)))
 
@@ -166,12 +176,12 @@ def _train_loop(
     last_save = last_eval = elapsed
     val_loss = None
     t_prev = time.perf_counter()
-    while elapsed < settings.budget_s:
+    while spent(settings, tokens, elapsed) < 1.0:
         for m in modules.values():
             m.train()
         x = batch(train_ids, settings, step)
         for g in opt.param_groups:
-            g["lr"] = lr_at(settings, step, elapsed)
+            g["lr"] = lr_at(settings, step, spent(settings, tokens, elapsed))
         loss, extra = loss_fn(x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -193,7 +203,14 @@ def _train_loop(
         if on_progress is not None:
             on_progress(
                 Progress(
-                    step, elapsed, settings.budget_s, loss.item(), x.numel() / max(dt, 1e-9), tokens, val_loss, extra
+                    step,
+                    elapsed,
+                    spent(settings, tokens, elapsed),
+                    loss.item(),
+                    x.numel() / max(dt, 1e-9),
+                    tokens,
+                    val_loss,
+                    extra,
                 )
             )
     save_state()

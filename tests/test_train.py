@@ -18,7 +18,7 @@ from smallem_cli.cli import app
 from smallem_cli.config import PRESETS
 from smallem_cli.evaluate import evaluate_family
 from smallem_cli.model import MTPModule, Transformer
-from smallem_cli.train import TrainSettings, train_draft_distill, train_mtp
+from smallem_cli.train import TrainSettings, lr_at, spent, train_draft_distill, train_mtp
 
 
 def _agreement(target: Transformer, draft: Transformer, ids: np.ndarray) -> float:
@@ -127,12 +127,12 @@ def test_train_target_then_mtp_commands(family: Family, tmp_path: Path, monkeypa
     assert checkpoint.load_model(out)[0].cfg == cfg
 
     again = tmp_path / "mtp-2.safetensors"
-    argv = ["train", "mtp", *base, "--target", str(out), "--init", str(joint), "--out", str(again)]
+    argv = ["train", "mtp", *base, "--target", str(out), "--init", str(joint), "--out", str(again), "--tokens", "1024"]
     result = CliRunner().invoke(app, [*argv, "--run-dir", str(tmp_path / "r2")])
     assert result.exit_code == 0, (result.stderr, result.exception)
     facts2 = checkpoint.facts(checkpoint.read_meta(again))
     assert facts2["trained"] == "distilled from the frozen target, starting from mtp.safetensors"
-    assert facts2["before"] == mtp_facts and facts2["steps"] > 0
+    assert facts2["before"] == mtp_facts and facts2["steps"] == 2 and facts2["tokens_seen"] == 1024  # 2 x 256 a step
 
     # a target starts from scratch: --init is refused before any training
     result = CliRunner().invoke(app, ["train", "target", *base, "--preset", "probe", "--init", str(out)])
@@ -156,3 +156,25 @@ def test_eval_command_reports_every_member(family: Family, tmp_path: Path) -> No
 
     result = CliRunner().invoke(app, ["eval", "--target", str(family.target), "--data", str(tmp_path / "none")])
     assert result.exit_code == 2 and result.stderr.startswith("error: no validation text")
+
+
+def test_a_token_budget_ignores_the_clock(trained: Trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tokens: the run stops on tokens seen, however fast the (fake) clock runs, and the
+    learning rate's schedule follows the tokens."""
+    stream = np.tile(trained.period, 50).astype(np.uint16)
+    settings = TrainSettings(
+        budget_s=0.1, budget_tokens=8 * 32 * 25, batch_size=8, seq_len=32, warmup_steps=5, save_every_s=1e9
+    )
+    seen: list[float] = []
+    monkeypatch.setattr("smallem_cli.train.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
+    student = Transformer(DRAFT_CFG)
+    student.init_weights(3)
+    _, facts = train_draft_distill(
+        trained.model, student, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.done)
+    )
+    assert facts["steps"] == 25 and facts["tokens_seen"] == 8 * 32 * 25  # the clock alone would stop at 10
+    assert seen[-1] == 1.0 and seen == sorted(seen)
+    # halfway through the tokens, whatever the clock says, the cosine is halfway down
+    assert spent(settings, 8 * 32 * 12, 99.0) == pytest.approx(0.48)
+    mid = settings.lr * (settings.min_lr_frac + (1 - settings.min_lr_frac) / 2)
+    assert lr_at(settings, 12, 0.5) == pytest.approx(mid)
