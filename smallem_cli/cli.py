@@ -98,6 +98,13 @@ def train(
     from . import train as tr
     from .tokenizer import train_tokenizer
 
+    # the options alone, checked before any work (writing --text's split included)
+    if budget <= 0 or tokens < 0:
+        raise fail("--budget must be > 0 seconds and --tokens >= 0")
+    if init and kind is Kind.target:
+        raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
+    if kind is Kind.draft and init and not distill:
+        raise fail("--init for a draft continues it by distillation: add --distill")
     if threads:
         torch.set_num_threads(threads)
     if text:  # the user's own corpus: build its split where --data points
@@ -121,16 +128,10 @@ def train(
             f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
             f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
         )
-    if budget <= 0 or tokens < 0:
-        raise fail("--budget must be > 0 seconds and --tokens >= 0")
     settings = tr.TrainSettings(
         budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, feature_weight=feature_weight
     )
     name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp"}[kind.value]
-    if init and kind is Kind.target:
-        raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
-    if kind is Kind.draft and init and not distill:
-        raise fail("--init for a draft continues it by distillation: add --distill")
     job = "distill" if kind is Kind.draft and distill else kind.value
     cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
     dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
@@ -267,7 +268,7 @@ def bench(
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
         check_vocab(proposer_vocab)
-        vocab = {m: D.proposer_vocab(m == "greedy") if proposer_vocab is None else proposer_vocab for m in mode_list}
+        vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
         loaded = {v: {n: family.load_proposer(n, tgt, dev, v) for n in names} for v in set(vocab.values())}
     except (UsageError, ValueError, CheckpointError, OSError) as e:
         raise fail(str(e)) from None
@@ -376,8 +377,7 @@ def generate(
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev, tokenizer)
         check_vocab(proposer_vocab)
-        vocab = D.proposer_vocab(temperature == 0) if proposer_vocab is None else proposer_vocab
-        make_proposer = family.load_proposer(proposer, tgt, dev, vocab)
+        make_proposer = family.load_proposer(proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab))
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
         ctx = tgt.model.cfg.max_seq_len

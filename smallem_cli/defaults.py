@@ -32,5 +32,6 @@ DEVICE = "auto"
 PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 
 
-def proposer_vocab(greedy: bool) -> int:
-    return PROPOSER_VOCAB["greedy" if greedy else "sample"]
+def proposer_vocab(greedy: bool, chosen: int | None = None) -> int:
+    """The user's --proposer-vocab if given, else the default for the mode."""
+    return PROPOSER_VOCAB["greedy" if greedy else "sample"] if chosen is None else chosen

@@ -46,9 +46,9 @@ def load_members(target: Path, drafts: list[str] | None) -> Members:
     shipped = [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
     models, facts = {}, {"target": checkpoint.facts(checkpoint.read_meta(target))}
     for n in shipped if drafts is None else drafts:
-        path = target.parent / f"{n}.safetensors" if n in family.SHIPPED_PROPOSERS else Path(n)
-        models[Path(n).stem], meta = checkpoint.load_model(path)
-        facts[Path(n).stem] = checkpoint.facts(meta)
+        path = family.proposer_path(n, target.parent)
+        models[path.stem], meta = checkpoint.load_model(path)
+        facts[path.stem] = checkpoint.facts(meta)
     mtp = None
     if (mtp_path := target.parent / "mtp.safetensors").exists():
         mtp, meta = checkpoint.load_mtp(mtp_path, tgt.model)

@@ -49,6 +49,11 @@ def load_target(path: Path, device: torch.device, tokenizer: Path | None = None)
 ProposerFactory = Callable[[int], Proposer]  # max tokens of the sequence -> a fresh proposer
 
 
+def proposer_path(spec: str, target_dir: Path) -> Path:
+    """A shipped proposer's name -> its file beside the target; anything else is a path."""
+    return target_dir / f"{spec}.safetensors" if spec in SHIPPED_PROPOSERS else Path(spec)
+
+
 def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 0) -> ProposerFactory:
     """`spec` -> a factory of proposers (each generation gets its own caches).
 
@@ -57,8 +62,8 @@ def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 
     """
     if spec == "none":
         return lambda _: NoProposer()
-    path = target.path.parent / f"{spec}.safetensors" if spec in SHIPPED_PROPOSERS else Path(spec)
-    name = spec if spec in SHIPPED_PROPOSERS else path.stem
+    path = proposer_path(spec, target.path.parent)
+    name = path.stem
     if hf.is_hf_dir(path):
         draft, fp = hf.load_hf(path, device)
         _same_vocab(target, fp, draft.cfg.vocab_size, path)

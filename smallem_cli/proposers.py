@@ -108,7 +108,7 @@ class DraftProposer:
         self.fed_guesses = 0
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.model(prompt, self.cache, self.seq, last_only=True)  # prefill the draft's cache
+        self.model(prompt, self.cache, self.seq, head=False, last=True)  # prefill the draft's cache: K/V only
         self.pending = first
 
     def propose(

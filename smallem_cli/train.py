@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -176,12 +176,12 @@ def _train_loop(
     last_save = last_eval = elapsed
     val_loss = None
     t_prev = time.perf_counter()
-    while spent(settings, tokens, elapsed) < 1.0:
+    while (done := spent(settings, tokens, elapsed)) < 1.0:
         for m in modules.values():
             m.train()
         x = batch(train_ids, settings, step)
         for g in opt.param_groups:
-            g["lr"] = lr_at(settings, step, spent(settings, tokens, elapsed))
+            g["lr"] = lr_at(settings, step, done)
         loss, extra = loss_fn(x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -364,7 +364,7 @@ def save_family_member(
 
 
 def train_member(
-    kind: str,
+    kind: Literal["target", "draft", "distill", "mtp"],
     cfg: ModelConfig | None,
     data: tuple[np.ndarray, np.ndarray],
     settings: TrainSettings,
