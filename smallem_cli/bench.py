@@ -202,6 +202,43 @@ class Plan:
     seed: int = 0
 
 
+@dataclass
+class Costs:
+    """`readings` round-robin readings of `forward_costs`: c per "mode:proposer", v per k."""
+
+    c: dict[str, list[float]]
+    v: dict[int, list[float]]
+    one_pass_s: list[float]  # seconds of a one-token target pass, per reading
+
+
+def cost_readings(target: Transformer, plan: Plan, prompt: list[int], readings: int) -> Costs:
+    """c and v alone (`bench --costs`): seconds of work, where the full bench takes minutes."""
+    ks = sorted({k for ks in plan.ks.values() for k in ks})
+    each = {f"{m}:{n}": f for m in plan.modes for n, f in plan.proposers[m].items()}
+    out = Costs({name: [] for name in each}, {k: [] for k in ks}, [])
+    for _ in range(readings):
+        c, v, one = forward_costs(target, each, ks, prompt)
+        for name, x in c.items():
+            out.c[name].append(x)
+        for k, x in v.items():
+            out.v[k].append(x)
+        out.one_pass_s.append(one)
+    return out
+
+
+def costs_table(costs: Costs, device: str, threads: int) -> Table:
+    n = len(costs.one_pass_s)
+    ms = statistics.median(costs.one_pass_s) * 1e3
+    title = f"forward costs in one-token target passes ({ms:.2f} ms), {n} readings, {device}, {threads} threads"
+    t = Table(title=title)
+    for col in ("cost", "median", "readings"):
+        t.add_column(col, justify="right")
+    rows = [(f"c {name}", xs) for name, xs in costs.c.items()] + [(f"v({k})", xs) for k, xs in costs.v.items()]
+    for label, xs in rows:
+        t.add_row(label, f"{statistics.median(xs):.3f}", " ".join(f"{x:.3f}" for x in xs))
+    return t
+
+
 def run_bench(
     target: Transformer, prompts: list[list[int]], plan: Plan, progress: Callable[[str], None] | None = None
 ) -> list[Row]:
@@ -211,9 +248,9 @@ def run_bench(
     then on prompt 2, ...), so that a slow spell of a shared machine falls on all
     configurations alike rather than on one.
     """
-    all_ks = sorted({k for ks in plan.ks.values() for k in ks})
-    each = {f"{m}:{n}": f for m in plan.modes for n, f in plan.proposers[m].items()}
-    c, v, _ = forward_costs(target, each, all_ks, prompts[0])
+    costs = cost_readings(target, plan, prompts[0], 1)
+    c = {name: xs[0] for name, xs in costs.c.items()}
+    v = {k: xs[0] for k, xs in costs.v.items()}
     none: ProposerFactory = lambda _: NoProposer()  # noqa: E731
     rows: list[Row] = []
     for mode in plan.modes:

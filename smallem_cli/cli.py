@@ -233,6 +233,9 @@ def bench(
     json_out: Annotated[bool, typer.Option("--json")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="PNG of speed-up against k")] = None,
     peer: Annotated[str | None, typer.Option(help="'hf': time transformers side by side")] = None,
+    costs: Annotated[
+        bool, typer.Option("--costs", help="only the stopwatch readings of c and v, --repeats of them (seconds)")
+    ] = False,
 ) -> None:
     """The seed's measurement table: tokens/s, speed-up, acceptance, cost model."""
     import json
@@ -255,6 +258,8 @@ def bench(
             raise UsageError(f"modes must be greedy and/or sample, got {modes!r}")
         if repeats < 1 or max_new_tokens < 1:
             raise UsageError("--repeats and --max-new-tokens must be >= 1")
+        if costs and (peer or plot_file):
+            raise UsageError("--costs times no generations: --peer and --plot do not apply")
         if peer not in (None, "hf"):
             raise UsageError(f"unknown peer {peer!r}: only 'hf' is supported")
         # optional extras, checked before minutes of timing rather than after
@@ -274,6 +279,13 @@ def bench(
         raise fail(str(e)) from None
     ks = {n: sweep or sorted({*(D.default_k(n, mode == "greedy") for mode in mode_list), *extra}) for n in names}
     plan = B.Plan({m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature)
+    if costs:
+        readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats)
+        if json_out:
+            print(json.dumps({"device": str(dev), "threads": torch.get_num_threads(), **readings.__dict__}))
+        else:
+            tables.print(B.costs_table(readings, str(dev), torch.get_num_threads()))
+        return
     total = len(mode_list) * (1 + sum(len(v) for v in ks.values())) * repeats * len(prompt_ids)  # generations
     from rich.progress import Progress
 

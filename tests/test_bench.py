@@ -11,7 +11,7 @@ import torch
 from conftest import Family
 from typer.testing import CliRunner
 
-from smallem_cli import bench
+from smallem_cli import bench, defaults
 from smallem_cli import family as fam
 from smallem_cli.cli import app
 
@@ -114,3 +114,25 @@ def test_missing_extras_are_refused_before_timing(
     res = CliRunner().invoke(app, ["bench", "--target", str(family.target), *extra])
     assert res.exit_code == 2 and res.stderr.count("\n") == 1 and f"needs {module}" in res.stderr
     assert timed == []  # refused before any timing
+
+
+def test_bench_costs_only(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`bench --costs`: the stopwatch readings alone, one per --repeats, and no generation timed."""
+    timed: list[object] = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: timed.append(a))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"tokens": list(range(5, 17)), "text": ""}))
+    args = ["bench", "--target", str(family.target), "--proposers", "draft-2l,mtp", "--prompts", str(prompts)]
+    args += ["-k", "1", "--costs"]
+    res = CliRunner().invoke(app, [*args, "--repeats", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    names = {f"{m}:{p}" for m in ("greedy", "sample") for p in ("draft-2l", "mtp")}
+    assert set(out["c"]) == names and all(len(xs) == 3 and min(xs) > 0 for xs in out["c"].values())
+    ks = {1} | {defaults.default_k(p, g) for p in ("draft-2l", "mtp") for g in (True, False)}
+    assert {int(k) for k in out["v"]} == ks and all(len(xs) == 3 for xs in out["v"].values())
+    assert len(out["one_pass_s"]) == 3 and timed == []
+    table = CliRunner().invoke(app, [*args, "--repeats", "1", "--modes", "greedy"])
+    assert table.exit_code == 0 and "c greedy:mtp" in table.stdout and "v(1)" in table.stdout
+    bad = CliRunner().invoke(app, [*args, "--peer", "hf"])
+    assert bad.exit_code == 2 and "--costs" in bad.stderr
