@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from enum import Enum
 from pathlib import Path
@@ -15,7 +14,7 @@ from rich.markup import escape
 from . import defaults as D
 from .config import PRESETS, ModelConfig
 from .console import TextStream, progress_printer
-from .options import UsageError, check_sampling, check_vocab, parse_ks, read_prompt
+from .options import UsageError, check_bench, check_sampling, check_vocab, parse_ks, read_prompt
 
 app = typer.Typer(
     add_completion=False,
@@ -253,20 +252,7 @@ def bench(
         names = [p for p in proposers.split(",") if p]
         extra = parse_ks(k) if k else []
         sweep = parse_ks(sweep_k) if sweep_k else []
-        mode_list = [m for m in modes.split(",") if m]
-        if not set(mode_list) <= {"greedy", "sample"} or not mode_list:
-            raise UsageError(f"modes must be greedy and/or sample, got {modes!r}")
-        if repeats < 1 or max_new_tokens < 1:
-            raise UsageError("--repeats and --max-new-tokens must be >= 1")
-        if costs and (peer or plot_file):
-            raise UsageError("--costs times no generations: --peer and --plot do not apply")
-        if peer not in (None, "hf"):
-            raise UsageError(f"unknown peer {peer!r}: only 'hf' is supported")
-        # optional extras, checked before minutes of timing rather than after
-        if peer and importlib.util.find_spec("transformers") is None:
-            raise UsageError("--peer hf needs transformers: pip install 'smallem[hf]'")
-        if plot_file and importlib.util.find_spec("matplotlib") is None:
-            raise UsageError("--plot needs matplotlib: pip install 'smallem[plot]'")
+        mode_list = check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
         if not prompts_file.is_file():
             raise UsageError(f"prompts file not found: {prompts_file} (run `smallem prompts`)")
         prompt_ids = B.read_prompts(prompts_file)

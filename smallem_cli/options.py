@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 from . import defaults as D
@@ -53,3 +54,21 @@ def check_sampling(k: int, temperature: float, top_k: int | None, top_p: float |
 def check_vocab(proposer_vocab: int | None) -> None:
     if proposer_vocab is not None and proposer_vocab < 0:
         raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")
+
+
+def check_bench(modes: str, repeats: int, max_new: int, peer: str | None, plot: bool, costs: bool) -> list[str]:
+    """`bench`'s options -> its modes. Optional extras are checked before minutes of timing."""
+    mode_list = [m for m in modes.split(",") if m]
+    if not set(mode_list) <= {"greedy", "sample"} or not mode_list:
+        raise UsageError(f"modes must be greedy and/or sample, got {modes!r}")
+    if repeats < 1 or max_new < 1:
+        raise UsageError("--repeats and --max-new-tokens must be >= 1")
+    if costs and (peer or plot):
+        raise UsageError("--costs times no generations: --peer and --plot do not apply")
+    if peer not in (None, "hf"):
+        raise UsageError(f"unknown peer {peer!r}: only 'hf' is supported")
+    if peer and importlib.util.find_spec("transformers") is None:
+        raise UsageError("--peer hf needs transformers: pip install 'smallem[hf]'")
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'smallem[plot]'")
+    return mode_list
