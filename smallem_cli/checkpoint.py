@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,20 @@ def save(
     if vocab_rank is not None:  # token ids, most frequent in the training text first
         meta["vocab_rank"] = json.dumps(vocab_rank)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
+    write_safetensors(tensors, tmp, meta)
     tmp.replace(path)
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
+    """safetensors' writer, with the permissions of any file the user writes.
+
+    safetensors creates its files 0600 whatever the umask, so a rebuilt checkpoint would
+    be unreadable to the other users of a shared install.
+    """
+    save_file(tensors, str(path), metadata=meta)
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
 
 
 def read_meta(path: str | Path) -> dict[str, str]:

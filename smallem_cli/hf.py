@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from . import checkpoint
@@ -287,7 +286,8 @@ def export_hf(
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted run with this process id
     tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # transformers checks "format"
+        # transformers checks "format"
+        checkpoint.write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
         for name, obj in jsons.items():
             (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")

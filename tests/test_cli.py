@@ -329,3 +329,16 @@ def test_corrupt_tokenizer_is_refused(family: Family, tmp_path: Path) -> None:
 def test_error_messages_are_not_markup(tmp_path: Path, name: str) -> None:
     path = tmp_path / name / "target.safetensors"
     refused(CliRunner().invoke(app, ["generate", PROMPT, "--target", str(path)]), re.escape(f"not found: {path}"))
+
+
+def test_saved_checkpoints_follow_the_umask(tmp_path: Path) -> None:
+    """safetensors writes 0600 whatever the umask; a saved checkpoint gets the user's usual mode."""
+    old = os.umask(0o022)
+    try:
+        checkpoint.save(tmp_path / "m.safetensors", random_model(FAMILY_CFG, seed=0), tokenizer="t")
+        os.umask(0o027)
+        checkpoint.save(tmp_path / "n.safetensors", random_model(FAMILY_CFG, seed=0), tokenizer="t")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "n.safetensors").stat().st_mode & 0o777 == 0o640
