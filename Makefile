@@ -46,18 +46,19 @@ lint: install
 data: install
 	$(BIN)/smallem data --out data
 
-# Rebuild the whole shipped family from the corpus. Resumable: rerun after an interruption.
+# Rebuild the whole shipped family from the corpus, replacing the shipped files (--overwrite).
+# Resumable: rerun after an interruption.
 checkpoints: data
-	$(BIN)/smallem train tokenizer
-	$(BIN)/smallem train target --preset target --budget $(TARGET_S)
-	$(BIN)/smallem train mtp --init checkpoints/mtp.safetensors --budget $(MTP_S)
-	$(BIN)/smallem train mtp --init checkpoints/mtp.safetensors --lr 1e-3 --budget $(MTP2_S) --run-dir runs/mtp-2
-	$(BIN)/smallem train mtp --init checkpoints/mtp.safetensors --lr 1e-3 --budget $(MTP3_S) --run-dir runs/mtp-3 \
+	$(BIN)/smallem train tokenizer --overwrite
+	$(BIN)/smallem train target --overwrite --preset target --budget $(TARGET_S)
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --budget $(MTP_S)
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --budget $(MTP2_S) --run-dir runs/mtp-2
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --budget $(MTP3_S) --run-dir runs/mtp-3 \
 		--feature-weight 1.0
-	$(BIN)/smallem train draft --preset draft-2l --budget $(DRAFT2_S)
-	$(BIN)/smallem train draft --preset draft-4l --budget $(DRAFT4_S)
-	$(BIN)/smallem train draft --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --budget $(DISTILL2_S)
-	$(BIN)/smallem train draft --preset draft-4l --init checkpoints/draft-4l.safetensors --distill --lr 1e-3 --budget $(DISTILL4_S)
+	$(BIN)/smallem train draft --overwrite --preset draft-2l --budget $(DRAFT2_S)
+	$(BIN)/smallem train draft --overwrite --preset draft-4l --budget $(DRAFT4_S)
+	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --budget $(DISTILL2_S)
+	$(BIN)/smallem train draft --overwrite --preset draft-4l --init checkpoints/draft-4l.safetensors --distill --lr 1e-3 --budget $(DISTILL4_S)
 
 bench: install
 	$(BIN)/smallem bench

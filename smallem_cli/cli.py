@@ -67,9 +67,13 @@ def train(
     ] = D.DATA_DIR,
     preset: Annotated[str | None, typer.Option(help="model preset (target, draft-2l, draft-4l, ...)")] = None,
     out: Annotated[
-        Path | None, typer.Option(help="output checkpoint (default: checkpoints/<preset>.safetensors)")
+        Path | None, typer.Option(help="output checkpoint (default: the install's checkpoints/<preset>.safetensors)")
     ] = None,
-    tokenizer: Annotated[Path, typer.Option(help="tokenizer.json")] = D.TOKENIZER,
+    mtp_out: Annotated[
+        Path | None, typer.Option(help="target: its jointly trained MTP module (default: mtp.safetensors beside --out)")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace existing output files (checked before training)")] = False,
+    tokenizer: Annotated[Path, typer.Option(help="tokenizer.json (train tokenizer: the output)")] = D.TOKENIZER,
     target: Annotated[Path, typer.Option(help="target checkpoint (the teacher of mtp and --distill)")] = D.TARGET,
     init: Annotated[Path | None, typer.Option(help="start from this checkpoint (an MTP module or a draft)")] = None,
     distill: Annotated[bool, typer.Option(help="draft: fit the target's distribution, not the corpus")] = False,
@@ -104,6 +108,24 @@ def train(
         raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
     if kind is Kind.draft and init and not distill:
         raise fail("--init for a draft continues it by distillation: add --distill")
+    # where the results go, checked before any work: nothing existing is replaced unasked
+    name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp", "tokenizer": "tokenizer"}[kind.value]
+    job = "distill" if kind is Kind.draft and distill else kind.value
+    dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
+    dest = tokenizer if kind is Kind.tokenizer else dest
+    joint = kind is Kind.target and name in PRESETS and PRESETS[name].mtp
+    mtp_dest = (mtp_out or dest.with_name("mtp.safetensors")) if joint else None
+    if mtp_out and not joint:
+        raise fail("--mtp-out names the MTP module trained jointly with a target (a preset with MTP)")
+    if mtp_dest is not None and mtp_dest.resolve() == dest.resolve():
+        raise fail(f"the target and its MTP module would both be written to {dest}: give another --mtp-out")
+    if job in ("mtp", "distill") and dest.resolve() == target.resolve():
+        raise fail(f"--out {dest} is the target it learns from: choose another file")
+    for path, opt in ((dest, "--tokenizer" if kind is Kind.tokenizer else "--out"), (mtp_dest, "--mtp-out")):
+        if path is not None and path.is_dir():
+            raise fail(f"{path} is a folder, not a file: choose another {opt}")
+        if path is not None and path.exists() and not overwrite:
+            raise fail(f"{path} exists: pass --overwrite to replace it, or {opt} to write elsewhere")
     if threads:
         torch.set_num_threads(threads)
     if text:  # the user's own corpus: build its split where --data points
@@ -115,7 +137,10 @@ def train(
     if not train_txt.is_file() or not val_txt.is_file():
         raise fail(f"no corpus in {data_dir}: run `smallem data` (or `make data`) first")
     if kind is Kind.tokenizer:
-        train_tokenizer(train_txt, tokenizer)
+        try:
+            train_tokenizer(train_txt, tokenizer)
+        except OSError as e:
+            raise fail(f"cannot write the tokenizer: {e}") from None
         err.print(f"tokenizer -> {tokenizer}")
         return
     if not tokenizer.is_file():
@@ -130,18 +155,17 @@ def train(
     settings = tr.TrainSettings(
         budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, feature_weight=feature_weight
     )
-    name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp"}[kind.value]
-    job = "distill" if kind is Kind.draft and distill else kind.value
     cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
-    dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     try:
         facts = tr.train_member(
-            job, cfg, (train_ids, val_ids), settings, run, dest, tokenizer, progress_printer(name, err), target, init
-        )
-    except (checkpoint.CheckpointError, ValueError) as e:
+            job, cfg, (train_ids, val_ids), settings, run, dest, tokenizer, progress_printer(name, err), target, init,
+            mtp_dest,
+        )  # fmt: skip
+    except (checkpoint.CheckpointError, ValueError, OSError) as e:
         raise fail(str(e)) from None
-    err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}")
+    also = f", its MTP module -> {mtp_dest}" if mtp_dest else ""
+    err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}{also}")
 
 
 def _preset(name: str, tokenizer: Path) -> ModelConfig:

@@ -14,6 +14,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -246,14 +250,19 @@ def export_hf(
     """Write a smallem model checkpoint as a LlamaForCausalLM folder that `from_pretrained` loads offline.
 
     The folder is built under a temporary name beside `outdir` and renamed into place, so an
-    interrupted export leaves no half folder. An existing non-empty `outdir` is replaced only
-    with `overwrite`, else FileExistsError.
+    interrupted export (an exception, Ctrl-C or SIGTERM) leaves no half folder. An existing
+    non-empty `outdir` is replaced only with `overwrite`, else FileExistsError; a folder that
+    holds the checkpoint or the tokenizer is never replaced (HFFormatError).
     """
     ckpt, outdir, tokenizer_json = Path(checkpoint_path), Path(outdir), Path(tokenizer_json)
+    _remove_stale(outdir)
     if outdir.is_symlink() or (outdir.exists() and not outdir.is_dir()):
         raise FileExistsError(f"{outdir} exists and is not a folder")
+    for src in (ckpt, tokenizer_json):  # replacing the folder would delete the export's own input
+        if src.resolve().is_relative_to(outdir.resolve()):
+            raise HFFormatError(f"cannot export into {outdir}: it holds the input {src}; choose another folder")
     if outdir.exists() and any(outdir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{outdir} exists and is not empty (pass overwrite to replace it)")
+        raise FileExistsError(f"{outdir} exists and is not empty (pass --overwrite to replace it)")
     kind, stored = None, torch.float32
     try:  # metadata and dtype only; an unreadable file gets load_model's CheckpointError below
         with safe_open(str(ckpt), framework="pt") as f:
@@ -284,6 +293,16 @@ def export_hf(
     outdir.parent.mkdir(parents=True, exist_ok=True)
     tmp, old = (outdir.with_name(f".{outdir.name}.{os.getpid()}.{x}") for x in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted run with this process id
+    with _sigterm_raises():
+        _write_folder(tmp, old, outdir, tensors, jsons, tokenizer_json)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_folder(
+    tmp: Path, old: Path, outdir: Path, tensors: dict[str, torch.Tensor], jsons: dict[str, Any], tokenizer_json: Path
+) -> None:
+    """Build the folder as `tmp`, then swap it in for `outdir` (moved aside to `old`); on any
+    exception, interruption included, `tmp` is removed and `outdir` left as it was."""
     tmp.mkdir()
     try:
         # transformers checks "format"
@@ -299,4 +318,42 @@ def export_hf(
         if old.exists() and not outdir.exists():
             old.rename(outdir)  # put the previous folder back
         raise
-    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM (a `kill`, a stopped job) raises SystemExit(143) in the main thread, so the
+    export's clean-up runs as for Ctrl-C; a second SIGTERM is ignored while it does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _remove_stale(outdir: Path) -> None:
+    """Clear what exports whose process is gone left beside `outdir`: a `.NAME.PID.tmp` folder
+    is removed; a `.NAME.PID.old` one is the previous `outdir`, put back if the swap never happened."""
+    if not outdir.parent.is_dir():
+        return
+    for p in sorted(outdir.parent.glob(f".{outdir.name}.*.*")):
+        pid, _, suffix = p.name.removeprefix(f".{outdir.name}.").partition(".")
+        if suffix not in ("tmp", "old") or not pid.isdigit() or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            if suffix == "old" and not outdir.exists():
+                p.rename(outdir)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass

@@ -5,7 +5,8 @@
 - The budget is wall-clock seconds of training; the learning rate follows it (warm-up,
   then cosine to 10%), so a resumed run continues the same schedule.
 - Every `save_every` seconds the full state (weights, optimizer, step, time) goes to
-  `run_dir/state.pt`; a rerun with the same run_dir resumes from it.
+  `run_dir/state.safetensors` (see runstate: no pickle); a rerun with the same run_dir
+  resumes from it.
 - The target and its MTP module train jointly (DeepSeek-V3's MTP loss, weight
   `mtp_weight`): the trunk then learns to carry next-next-token information in h_i,
   which is what the module reads when it proposes. `train_mtp` instead fits a module
@@ -16,6 +17,7 @@ Library code: progress goes to the `on_progress` callback, never to stdout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import checkpoint
+from . import checkpoint, runstate
 from .config import ModelConfig
 from .model import MTPModule, Transformer
 
@@ -149,29 +151,11 @@ def _train_loop(
         betas=(0.9, 0.95),
         fused=False,
     )
-    state_path = run_dir / "state.pt"
-    step, elapsed, tokens = 0, 0.0, 0
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        for name, mod in modules.items():
-            mod.load_state_dict(st["modules"][name])
-        opt.load_state_dict(st["opt"])
-        step, elapsed, tokens = st["step"], st["elapsed"], st["tokens"]
+    pos = runstate.load(run_dir, modules, opt) or runstate.Position()
+    step, elapsed, tokens = pos.step, pos.elapsed, pos.tokens
 
     def save_state() -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = state_path.with_name("state.pt.tmp")
-        torch.save(
-            {
-                "modules": {k: m.state_dict() for k, m in modules.items()},
-                "opt": opt.state_dict(),
-                "step": step,
-                "elapsed": elapsed,
-                "tokens": tokens,
-            },
-            tmp,
-        )
-        tmp.replace(state_path)
+        runstate.save(run_dir, modules, opt, runstate.Position(step, tokens, elapsed), dataclasses.asdict(settings))
 
     last_save = last_eval = elapsed
     val_loss = None
@@ -231,6 +215,14 @@ def new_model(cfg: ModelConfig, seed: int) -> Transformer:
     return model
 
 
+def new_mtp(cfg: ModelConfig, seed: int) -> MTPModule:
+    """An MTP module whose first weights follow `seed` alone: torch's default init, drawn
+    from the global RNG seeded here (a fresh process seeds it at random), then put back."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)  # not the target's draws
+        return MTPModule(cfg)
+
+
 def train_model(
     cfg: ModelConfig,
     train_ids: np.ndarray,
@@ -241,7 +233,7 @@ def train_model(
 ) -> tuple[Transformer, MTPModule | None, dict[str, Any]]:
     """Train a model from scratch (a target with `cfg.mtp` gets its MTP module jointly)."""
     model = new_model(cfg, settings.seed)
-    mtp = MTPModule(cfg) if cfg.mtp else None
+    mtp = new_mtp(cfg, settings.seed) if cfg.mtp else None
     modules: dict[str, torch.nn.Module] = {"model": model}
     params = list(model.parameters())
     if mtp is not None:
@@ -280,7 +272,7 @@ def train_mtp(
     (EAGLE's observation), so a state that resembles the target's keeps them on track.
     """
     _freeze(target)
-    mtp = init if init is not None else MTPModule(target.cfg)
+    mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
     T = settings.seq_len
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -374,11 +366,13 @@ def train_member(
     on_progress: ProgressFn | None = None,
     teacher: Path | None = None,
     init: Path | None = None,
+    mtp_dest: Path | None = None,
 ) -> dict[str, Any]:
     """Train one member of the family and save it beside its facts -> the facts.
 
     kind: "target" or "draft" from scratch on the text (`cfg`; a target with `cfg.mtp`
-    also writes its jointly trained MTP module beside `dest`), "distill" (a draft fitted to
+    also writes its jointly trained MTP module to `mtp_dest`, by default mtp.safetensors
+    beside `dest`), "distill" (a draft fitted to
     `teacher`, from `init` or from `cfg`), or "mtp" (a module fitted to `teacher`).
     A checkpoint started from `init` keeps the facts of that earlier training as "before".
     """
@@ -409,5 +403,5 @@ def train_member(
     if mtp is not None:
         mtp_facts = {k: v for k, v in facts.items() if not k.startswith("val")}
         mtp_facts["trained"] = f"jointly with {dest.name}"
-        save_family_member(dest.with_name("mtp.safetensors"), mtp, tokenizer_json, mtp_facts, train_ids)
+        save_family_member(mtp_dest or dest.with_name("mtp.safetensors"), mtp, tokenizer_json, mtp_facts, train_ids)
     return own
