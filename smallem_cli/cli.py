@@ -37,15 +37,19 @@ def fail(msg: str, code: int = 2) -> typer.Exit:
 def data(
     files: Annotated[list[Path] | None, typer.Argument(help="UTF-8 text files (default: the KJV Bible)")] = None,
     out: Annotated[Path, typer.Option(help="output folder")] = D.DATA_DIR,
+    overwrite: Annotated[bool, typer.Option(help="replace a different corpus already in --out")] = False,
 ) -> None:
     """Build the corpus and its deterministic train/validation split."""
+    import subprocess
+
     from . import data as corpus
+    from .outputs import OutputError, write_corpus
 
     try:
         chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
-    except (OSError, UnicodeDecodeError, RuntimeError) as e:
+        train_path, val_path = write_corpus(out, chunks, overwrite, "--out")
+    except (OSError, UnicodeDecodeError, RuntimeError, subprocess.CalledProcessError, OutputError) as e:
         raise fail(str(e)) from None
-    train_path, val_path = corpus.write_corpus(out, chunks)
     err.print(
         f"{len(chunks)} chunks -> {train_path} ({train_path.stat().st_size} bytes), "
         f"{val_path} ({val_path.stat().st_size} bytes)"
@@ -99,6 +103,7 @@ def train(
     from . import checkpoint
     from . import data as corpus
     from . import train as tr
+    from .outputs import OutputError, train_outputs, write_corpus
     from .tokenizer import train_tokenizer
 
     # the options alone, checked before any work (writing --text's split included)
@@ -112,27 +117,20 @@ def train(
     name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp", "tokenizer": "tokenizer"}[kind.value]
     job = "distill" if kind is Kind.draft and distill else kind.value
     dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
-    dest = tokenizer if kind is Kind.tokenizer else dest
+    dest, option = (tokenizer, "tokenizer") if kind is Kind.tokenizer else (dest, "out")
     joint = kind is Kind.target and name in PRESETS and PRESETS[name].mtp
-    mtp_dest = (mtp_out or dest.with_name("mtp.safetensors")) if joint else None
-    if mtp_out and not joint:
-        raise fail("--mtp-out names the MTP module trained jointly with a target (a preset with MTP)")
-    if mtp_dest is not None and mtp_dest.resolve() == dest.resolve():
-        raise fail(f"the target and its MTP module would both be written to {dest}: give another --mtp-out")
-    if job in ("mtp", "distill") and dest.resolve() == target.resolve():
-        raise fail(f"--out {dest} is the target it learns from: choose another file")
-    for path, opt in ((dest, "--tokenizer" if kind is Kind.tokenizer else "--out"), (mtp_dest, "--mtp-out")):
-        if path is not None and path.is_dir():
-            raise fail(f"{path} is a folder, not a file: choose another {opt}")
-        if path is not None and path.exists() and not overwrite:
-            raise fail(f"{path} exists: pass --overwrite to replace it, or {opt} to write elsewhere")
+    teacher = target if job in ("mtp", "distill") else None
+    try:
+        mtp_dest = train_outputs(dest, f"--{option}", mtp_out, joint, teacher, overwrite)
+    except OutputError as e:
+        raise fail(str(e)) from None
     if threads:
         torch.set_num_threads(threads)
     if text:  # the user's own corpus: build its split where --data points
         try:
-            corpus.write_corpus(data_dir, corpus.text_chunks(text))
-        except (OSError, UnicodeDecodeError) as e:
-            raise fail(f"cannot read the training text: {e}") from None
+            write_corpus(data_dir, corpus.text_chunks(text), overwrite, "--data")  # not over another corpus
+        except (OSError, UnicodeDecodeError, OutputError) as e:
+            raise fail(str(e) if isinstance(e, OutputError) else f"cannot use the training text: {e}") from None
     train_txt, val_txt = data_dir / "train.txt", data_dir / "val.txt"
     if not train_txt.is_file() or not val_txt.is_file():
         raise fail(f"no corpus in {data_dir}: run `smallem data` (or `make data`) first")

@@ -239,6 +239,24 @@ def test_the_installs_own_files_are_not_replaced_unasked(
     assert calls == []
 
 
+def test_a_corpus_is_not_replaced_unasked(family: Family, corpus: Path, tmp_path: Path, presets: None) -> None:
+    """`smallem data` and `train --text` write the split into a folder: the same corpus again is
+    fine (nothing changes), another one needs --overwrite."""
+    data = tmp_path / "data"
+    ok(CliRunner().invoke(app, ["data", str(corpus), "--out", str(data)]))
+    ok(CliRunner().invoke(app, ["data", str(corpus), "--out", str(data)]))
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    other = tmp_path / "other.txt"
+    other.write_text((CORPUS.upper() + "\n\n") * 300, encoding="utf-8")
+    refused(CliRunner().invoke(app, ["data", str(other), "--out", str(data)]), str(data / "train.txt"), "--overwrite")
+    out, run = tmp_path / "d.safetensors", tmp_path / "r"
+    result = train(family, other, tmp_path, "draft", "--preset", "solo", "--out", str(out), "--run-dir", str(run))
+    refused(result, str(data / "train.txt"), "--overwrite")
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before and not out.exists() and not run.exists()
+    ok(CliRunner().invoke(app, ["data", str(other), "--out", str(data), "--overwrite"]))
+    assert (data / "train.txt").read_bytes() != before["train.txt"]
+
+
 # --- 3. export keeps its input ------------------------------------------------------------------
 def test_export_into_its_own_folder_is_refused(family: Family, tmp_path: Path) -> None:
     import shutil
