@@ -350,6 +350,8 @@ def _remove_stale(outdir: Path) -> None:
             continue
         try:
             os.kill(int(pid), 0)
+        except OverflowError:  # no process id: not an export's
+            continue
         except ProcessLookupError:
             if suffix == "old" and not outdir.exists():
                 p.rename(outdir)
