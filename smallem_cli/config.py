@@ -68,6 +68,7 @@ class ModelConfig:
         layer = self.dim * (2 * self.dim + 2 * kv) + 3 * self.dim * self.hidden_dim + 2 * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + head + (self.n_layers + 2) * layer
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 

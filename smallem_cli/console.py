@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from rich.console import Console
-from tokenizers import Tokenizer
+if TYPE_CHECKING:  # train imports torch: seconds the command line does not wait for before it parses
+    from rich.console import Console
+    from tokenizers import Tokenizer
 
-from .train import Progress as P
-from .train import ProgressFn
+    from .train import Progress as P
+    from .train import ProgressFn
 
 
 def progress_printer(name: str, err: Console) -> ProgressFn:
