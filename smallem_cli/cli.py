@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import sys
 
-try:  # Ctrl-C while the command line's libraries load: a quiet exit 130, as in a command
-    from enum import Enum
-    from pathlib import Path
-    from typing import Annotated
+from .console import quiet_ctrl_c
 
-    import typer
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.text import Text
+quiet_ctrl_c()  # first: Ctrl-C while the libraries below load exits 130, without a traceback
 
-    from . import defaults as D
-    from . import options as O
-    from .config import PRESETS, ModelConfig
-    from .console import TextStream, progress_printer
-    from .options import INPUT_ERRORS, UsageError, check_bench, check_sampling, check_vocab, parse_ks, read_prompt
-except KeyboardInterrupt:
-    raise SystemExit(130) from None
+from enum import Enum  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Annotated  # noqa: E402
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
+from rich.text import Text  # noqa: E402
+
+from . import defaults as D  # noqa: E402
+from . import options as O  # noqa: E402
+from .config import PRESETS, ModelConfig  # noqa: E402
+from .console import TextStream, progress_printer  # noqa: E402
+from .options import INPUT_ERRORS, UsageError, check_bench, check_sampling, check_vocab, parse_ks, read_prompt  # noqa: E402
 
 app = typer.Typer(
     add_completion=False,
