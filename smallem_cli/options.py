@@ -64,7 +64,9 @@ def pick_k(proposer: str, k: int | None, greedy: bool) -> int:
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int = 0) -> None:
-    if not (math.isfinite(temperature) and temperature >= 0):
+    if not temperature >= 0:
+        raise UsageError(f"temperature must be >= 0, got {temperature}")
+    if not math.isfinite(temperature):
         raise UsageError(f"temperature must be >= 0 and finite, got {temperature}")
     if 0 < temperature < D.MIN_TEMPERATURE:
         raise UsageError(
