@@ -21,7 +21,6 @@ from . import defaults as D  # noqa: E402
 from . import options as O  # noqa: E402
 from .config import PRESETS, ModelConfig  # noqa: E402
 from .console import TextStream, progress_printer  # noqa: E402
-from .options import INPUT_ERRORS, UsageError, check_bench, check_sampling, check_vocab, parse_ks, read_prompt  # noqa: E402
 
 app = typer.Typer(
     add_completion=False,
@@ -181,7 +180,6 @@ def eval_cmd(
     """Validation loss (nats/byte) of each checkpoint, and each proposer's agreement with the target."""
     import json
 
-    from . import checkpoint
     from . import data as corpus
     from .evaluate import evaluate_family, load_members, report_table
 
@@ -194,7 +192,7 @@ def eval_cmd(
         n_bytes = sum(len(d.encode("utf-8")) for d in corpus.read_documents(val_txt))
     except UnicodeDecodeError as e:
         raise fail(f"{val_txt} is not valid UTF-8 (byte {e.start})") from None
-    except (checkpoint.CheckpointError, *INPUT_ERRORS) as e:
+    except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
     reports = evaluate_family(fam.target.model, ids, n_bytes, fam.drafts, fam.mtp)
     if json_out:
@@ -254,29 +252,24 @@ def bench(
 
     from . import bench as B
     from . import family
-    from .checkpoint import CheckpointError
     from .peer import hf_peer, peer_table
 
     try:
         if threads:
             torch.set_num_threads(threads)
         names = [p for p in proposers.split(",") if p]
-        extra = parse_ks(k) if k else []
-        sweep = parse_ks(sweep_k) if sweep_k else []
-        mode_list = check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
-        check_sampling(temperature, None, None)
-        if not prompts_file.is_file():
-            raise UsageError(f"prompts file not found: {prompts_file} (run `smallem prompts`)")
+        extra = O.parse_ks(k) if k else []
+        sweep = O.parse_ks(sweep_k) if sweep_k else []
+        mode_list = O.check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
+        O.check_sampling(temperature, None, None)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
-        prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg.vocab_size)
-        ks = {n: sweep or sorted({*(D.default_k(n, m == "greedy") for m in mode_list), *extra}) for n in names}
-        most = max((k for v in ks.values() for k in v), default=0)
-        O.check_context(max(map(len, prompt_ids)), max_new_tokens, most, tgt.model.cfg.max_seq_len)
-        check_vocab(proposer_vocab)
+        ks = O.bench_ks(names, mode_list, extra, sweep)
+        prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks)
+        O.check_vocab(proposer_vocab)
         vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
         loaded = {v: {n: family.load_proposer(n, tgt, dev, v) for n in names} for v in set(vocab.values())}
-    except (CheckpointError, *INPUT_ERRORS) as e:
+    except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
     plan = B.Plan({m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature)
     if costs:
@@ -349,8 +342,7 @@ def generate(
     prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,
     target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
     proposer: Annotated[
-        str | None,
-        typer.Option(help=f"none | draft-2l | draft-4l | mtp | PATH [default: {D.PROPOSER}; none with an HF target]"),
+        str | None, typer.Option(help=f"none|draft-2l|draft-4l|mtp|PATH [default: {D.PROPOSER}, HF: none]")
     ] = None,
     k: Annotated[
         int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: per proposer and mode]")
@@ -379,20 +371,16 @@ def generate(
     try:
         proposer = proposer or family.default_proposer(target)
         kk = O.pick_k(proposer, k, temperature == 0)
-        check_sampling(temperature, top_k, top_p, seed)
-        if max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        text = read_prompt(prompt)
-        if not text.strip():
-            raise UsageError("the prompt is empty")
+        O.check_sampling(temperature, top_k, top_p, seed)
+        text = O.read_prompt(prompt, max_new_tokens)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev, tokenizer)
-        check_vocab(proposer_vocab)
+        O.check_vocab(proposer_vocab)
         make_proposer = family.load_proposer(proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab))
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
-    except INPUT_ERRORS as e:
+    except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
 
     sampling = Sampling(temperature, top_k, top_p, seed)
@@ -426,7 +414,4 @@ def generate(
 
 def main() -> None:
     """The `smallem` entry point. Ctrl-C anywhere, the libraries' import included, exits 130 quietly."""
-    try:
-        app()
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
+    app()  # typer turns a KeyboardInterrupt into exit 130

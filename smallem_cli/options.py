@@ -7,8 +7,12 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import defaults as D
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 
 class UsageError(Exception):
@@ -40,17 +44,20 @@ def parse_ks(text: str) -> list[int]:
     return sorted(set(ks))
 
 
-def read_prompt(prompt: str | None) -> str:
-    """The prompt argument, or stdin for `-` or for no argument on a pipe."""
-    if prompt is not None and prompt != "-":
-        return prompt
+def read_prompt(prompt: str | None, max_new_tokens: int = 1) -> str:
+    """The prompt argument, or stdin for `-` or for no argument on a pipe; not empty."""
+    if max_new_tokens < 1:  # checked first: before stdin is awaited
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if prompt is None and sys.stdin.isatty():
         raise UsageError("no prompt: give one as an argument, or pipe it on stdin")
-    data = sys.stdin.buffer.read()
+    text = prompt if prompt is not None and prompt != "-" else sys.stdin.buffer.read()
     try:
-        return data.decode("utf-8")
+        text = text.decode("utf-8") if isinstance(text, bytes) else text
     except UnicodeDecodeError as e:
         raise UsageError(f"stdin is not valid UTF-8 (byte {e.start})") from None
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    return text
 
 
 def pick_k(proposer: str, k: int | None, greedy: bool) -> int:
@@ -81,12 +88,16 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, s
         raise UsageError(f"--seed must be between 0 and 2^63-1, got {seed}")
 
 
-def read_prompts(path: Path, vocab_size: int) -> list[list[int]]:
-    """A prompts file (one JSON object a line, with "tokens": token ids), checked line by line."""
+def read_prompts(path: Path, cfg: ModelConfig, max_new: int, ks: dict[str, list[int]]) -> list[list[int]]:
+    """`bench`'s prompts file (a JSON object a line, "tokens": ids), checked line by line, and
+    checked to leave room in the model's context for max_new tokens and the largest k's pass."""
+    vocab_size = cfg.vocab_size
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise UsageError(f"prompts file {path} is not valid UTF-8 (byte {e.start})") from None
+    except FileNotFoundError:
+        raise UsageError(f"prompts file not found: {path} (run `smallem prompts`)") from None
     except OSError as e:
         raise UsageError(f"cannot read prompts file {path}: {e.strerror or e}") from None
     prompts = []
@@ -104,7 +115,13 @@ def read_prompts(path: Path, vocab_size: int) -> list[list[int]]:
         prompts.append(ids)
     if not prompts:
         raise UsageError(f"prompts file {path} holds no prompt")
+    check_context(max(map(len, prompts)), max_new, max((k for v in ks.values() for k in v), default=0), cfg.max_seq_len)
     return prompts
+
+
+def bench_ks(names: list[str], modes: list[str], extra: list[int], sweep: list[int]) -> dict[str, list[int]]:
+    """Each proposer's k values: the sweep, else its defaults for the modes and the extra ones."""
+    return {n: sweep or sorted({*(D.default_k(n, m == "greedy") for m in modes), *extra}) for n in names}
 
 
 def check_context(prompt_tokens: int, max_new: int, k: int, ctx: int) -> None:
