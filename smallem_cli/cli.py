@@ -255,7 +255,7 @@ def bench(
     from .peer import hf_peer, peer_table
 
     try:
-        if threads:
+        if O.threads(threads):
             torch.set_num_threads(threads)
         names = [p for p in proposers.split(",") if p]
         extra = O.parse_ks(k) if k else []

@@ -22,6 +22,7 @@ from . import defaults as D
 from .checkpoint import CheckpointError
 from .model import Transformer
 from .proposers import DraftProposer, Head, MTPProposer, NoProposer, Proposer
+from .tokenizer import load_tokenizer
 
 SHIPPED_PROPOSERS = ("none", "draft-2l", "draft-4l", "mtp")
 
@@ -45,15 +46,19 @@ def load_target(path: Path, device: torch.device, tokenizer: Path | None = None)
     """A smallem checkpoint or an HF Llama folder, packed for inference on `device`."""
     if hf.is_hf_dir(path):
         model, fp = hf.load_hf(path, device)
-        return Target(model.pack(), tokenizer or path / "tokenizer.json", fp, path, hf=True)
-    model, meta = checkpoint.load_model(path, device)
-    tok = tokenizer or path.parent / "tokenizer.json"
-    if not tok.is_file():
-        raise CheckpointError(f"tokenizer not found: {tok}")
-    fp = checkpoint.tokenizer_fingerprint(tok)
-    if meta.get("tokenizer") and meta["tokenizer"] != fp:
-        raise CheckpointError(f"{path} was trained with another tokenizer than {tok}")
-    return Target(model.pack(), tok, fp, path)
+        tok = tokenizer or path / "tokenizer.json"
+    else:
+        model, meta = checkpoint.load_model(path, device)
+        tok = tokenizer or path.parent / "tokenizer.json"
+        if not tok.is_file():
+            raise CheckpointError(f"tokenizer not found: {tok}")
+        fp = checkpoint.tokenizer_fingerprint(tok)
+        if meta.get("tokenizer") and meta["tokenizer"] != fp:
+            raise CheckpointError(f"{path} was trained with another tokenizer than {tok}")
+    top = max(load_tokenizer(tok).get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= model.cfg.vocab_size:  # an id past the embedding would fail in the middle of a run
+        raise CheckpointError(f"{tok}: token id {top} does not fit {path}'s vocabulary of {model.cfg.vocab_size}")
+    return Target(model.pack(), tok, fp, path, hf=hf.is_hf_dir(path))
 
 
 ProposerFactory = Callable[[int], Proposer]  # max tokens of the sequence -> a fresh proposer

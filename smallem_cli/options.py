@@ -132,6 +132,13 @@ def check_context(prompt_tokens: int, max_new: int, k: int, ctx: int) -> None:
         )
 
 
+def threads(n: int | None) -> int | None:
+    """--threads: None (torch's default) or a count >= 1."""
+    if n is not None and n < 1:
+        raise UsageError(f"--threads must be >= 1, got {n}")
+    return n
+
+
 def check_vocab(proposer_vocab: int | None) -> None:
     if proposer_vocab is not None and proposer_vocab < 0:
         raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")

@@ -156,3 +156,24 @@ def test_ctrl_c_while_loading_exits_130_quietly(family: Family, delay: float) ->
     res = _interrupt(family, delay)
     assert res.returncode == 130, (res.returncode, res.stderr[-2000:])
     assert "Traceback" not in res.stderr and res.stdout == ""
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(family: Family, tmp_path: Path) -> None:
+    """A checkpoint without a tokenizer fingerprint, given a tokenizer with ids past its vocabulary."""
+    from test_loaders import resave
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, 400)}}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "big.json"))
+    target = resave(family.target, tmp_path / "anonymous.safetensors", meta={"tokenizer": ""})
+    res = CliRunner().invoke(
+        app,
+        ["generate", "w350", "--target", str(target), "--tokenizer", str(tmp_path / "big.json"), "--proposer", "none"],
+    )
+    refused(res, r"big\.json: token id 399 does not fit .*anonymous\.safetensors's vocabulary of 300")
+
+
+def test_bad_thread_counts_are_refused(family: Family) -> None:
+    bench = ["bench", "--target", str(family.target), "--proposers", "draft-2l", "--threads", "-1"]
+    refused(CliRunner().invoke(app, bench), r"--threads must be >= 1, got -1")
