@@ -24,6 +24,7 @@ LIMITS = {
     "max_seq_len": 1 << 17,  # the rotary tables hold a row per position
 }
 MAX_PARAMS = 1 << 31  # 8 GiB of float32 weights
+MAX_ROPE = 1 << 25  # entries of the rotary tables (max_seq_len x head_dim), built whatever the file holds
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,11 @@ class ModelConfig:
             raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim {self.head_dim} must be even for rotary positions")
+        if self.max_seq_len * self.head_dim > MAX_ROPE:
+            raise ConfigError(
+                f"max_seq_len {self.max_seq_len} x head_dim {self.head_dim} exceeds smallem's limit of "
+                f"{MAX_ROPE:,} rotary table entries"
+            )
         if (n := self.n_params) > MAX_PARAMS:
             raise ConfigError(f"the config describes {n:,} parameters, more than smallem's limit of {MAX_PARAMS:,}")
 
@@ -80,7 +86,7 @@ class ModelConfig:
         except (ValueError, RecursionError) as e:
             raise ConfigError(f"config is not valid JSON: {e}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"config is a JSON object, not {type(raw).__name__}")
+            raise ConfigError(f"config is a JSON object, not {_show(raw)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

@@ -27,7 +27,9 @@ from smallem_cli.config import ConfigError, ModelConfig
 from smallem_cli.hf import HFFormatError
 
 
-def resave(src: Path, dst: Path, meta: dict | None = None, config: dict | None = None, tensors: dict | None = None):
+def resave(
+    src: Path, dst: Path, meta: dict | None = None, config: dict | None = None, tensors: dict | None = None
+) -> Path:
     """A copy of a smallem file with metadata, config fields or tensors changed."""
     with safe_open(str(src), framework="pt") as f:
         old_meta = dict(f.metadata())
@@ -108,6 +110,16 @@ def test_nan_in_a_config_is_refused() -> None:
         for value in ("NaN", "Infinity"):
             with pytest.raises(ConfigError, match=field):
                 ModelConfig.from_json(json.dumps(raw).replace(f'"{field}": {raw[field]}', f'"{field}": {value}'))
+
+
+def test_configs_are_bounded_before_anything_is_built() -> None:
+    """The rotary tables follow the config, not the file: their size is bounded too."""
+    wide = dict(vocab_size=10, dim=8192, n_layers=1, n_heads=1, n_kv_heads=1, hidden_dim=8)
+    with pytest.raises(ConfigError, match=r"max_seq_len 131072 x head_dim 8192 exceeds"):
+        ModelConfig(**wide, max_seq_len=131072)
+    ModelConfig(**wide, max_seq_len=2048)
+    # a Llama 3.2 1B fits
+    ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192, max_seq_len=131072)
 
 
 def test_malformed_config_json_is_a_config_error() -> None:
