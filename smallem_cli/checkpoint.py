@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .model import MTPModule, Transformer
 from .tokenizer import load_tokenizer
 
@@ -43,6 +45,8 @@ def save(
 ) -> None:
     """Write atomically (temp file, then rename), so an interrupted save leaves the old file whole."""
     path = Path(path)
+    if not path.name or path.name in (".", "..") or path.is_dir():
+        raise CheckpointError(f"{path} is a folder: name the checkpoint file to write (e.g. model.safetensors)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     meta = {
@@ -71,11 +75,32 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, meta: dict[s
     path.chmod(0o666 & ~mask)
 
 
+def _readable(path: Path) -> None:
+    """A regular file we may open, or a CheckpointError saying which of the two it is not.
+
+    (safetensors reports a file it may not open as "No such file or directory".)
+    """
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint not found: {path}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path} is a folder, not a checkpoint file (an HF model folder holds a config.json)")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path} is not a regular file")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+
+
 def read_meta(path: str | Path) -> dict[str, str]:
     """A smallem file's metadata alone (its header: no tensor is loaded), or a CheckpointError."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint not found: {path}")
+    _readable(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
@@ -86,63 +111,129 @@ def read_meta(path: str | Path) -> dict[str, str]:
     return meta
 
 
+# safetensors' names of the dtypes a checkpoint's weights may have (widened to float32 on load)
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor, read from the header alone (nothing is allocated)."""
+    with safe_open(str(path), framework="pt") as f:
+        slices = {k: f.get_slice(k) for k in f.keys()}
+        return {k: (s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
+
+
+def check_tensors(
+    declared: dict[str, tuple[str, tuple[int, ...]]],
+    expected: dict[str, tuple[int, ...]],
+    where: str,
+    rename: Callable[[str], str] = str,
+) -> None:
+    """The tensors a file declares against those a config expects: names, shapes, dtypes.
+
+    Checked before any weight is read or any model is built, so that a wrong config or a
+    wrong file costs one error line, not the memory of a model that never runs.
+    `rename` maps a model's parameter name to the file's (for messages and lookups).
+    """
+    names = {rename(k): k for k in expected}
+    missing = sorted(set(names) - set(declared))
+    extra = sorted(set(declared) - set(names))
+    if missing or extra:
+        raise CheckpointError(
+            f"{where}: tensors do not match its config (missing {missing[:3]}, unexpected {extra[:3]})"[:500]
+        )
+    for name, k in names.items():
+        dtype, shape = declared[name]
+        if shape != expected[k]:
+            raise CheckpointError(f"{where}: {name} has shape {shape}, config says {expected[k]}")
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where}: {name} has dtype {dtype}, not one of {', '.join(FLOAT_DTYPES)}")
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{where}: weights contain NaN or infinity ({name})")
+
+
+def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes of a model (or MTP module) of this config; nothing is allocated."""
+    with torch.device("meta"):
+        model = MTPModule(cfg) if mtp else Transformer(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
 def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and metadata of a smallem file, or a CheckpointError saying why not."""
     meta = read_meta(path)
+    return _tensors(path, config_of(meta, path), meta.get("kind") == "mtp"), meta
+
+
+def _tensors(path: str | Path, cfg: ModelConfig, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a smallem file, checked against its config before any is read."""
     try:
+        check_tensors(header(path), expected_shapes(cfg, mtp), str(path))
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
-    return tensors, meta
+    check_finite(tensors, str(path))
+    return tensors
 
 
 def facts(meta: dict[str, str]) -> dict[str, Any]:
-    return json.loads(meta.get("facts", "{}"))
+    """The training facts a file records ({} when none, or when they are unreadable: they are only shown)."""
+    try:
+        out = json.loads(meta.get("facts", "{}"))
+    except (ValueError, RecursionError):
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
-def vocab_rank(meta: dict[str, str]) -> list[int] | None:
+def vocab_rank(meta: dict[str, str], path: str | Path, vocab_size: int) -> list[int] | None:
     """Token ids by training frequency, if the file records them (proposers use the head's top rows)."""
     raw = meta.get("vocab_rank")
-    return None if raw is None else [int(i) for i in json.loads(raw)]
+    if raw is None:
+        return None
+    try:
+        rank = json.loads(raw)
+    except (ValueError, RecursionError):
+        rank = None
+    if not isinstance(rank, list) or not all(type(i) is int for i in rank):
+        raise CheckpointError(f"{path}: vocab_rank in its metadata is not a list of token ids")
+    if not all(0 <= i < vocab_size for i in rank) or len(set(rank)) != len(rank):
+        raise CheckpointError(f"{path}: vocab_rank must list distinct token ids in 0..{vocab_size - 1}")
+    return rank
 
 
 def config_of(meta: dict[str, str], path: str | Path) -> ModelConfig:
+    if "config" not in meta:
+        raise CheckpointError(f"{path}: no config in its metadata")
     try:
         return ModelConfig.from_json(meta["config"])
-    except (KeyError, ValueError, TypeError) as e:
+    except ConfigError as e:
         raise CheckpointError(f"{path}: bad config in metadata: {e}") from None
 
 
-def _build(model: Transformer | MTPModule, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing or extra:
-        raise CheckpointError(
-            f"{path}: tensors do not match its config (missing {missing[:3]}, unexpected {extra[:3]})"
-        )
-    for k, v in expected.items():
-        if tensors[k].shape != v.shape:
-            raise CheckpointError(f"{path}: {k} has shape {tuple(tensors[k].shape)}, config says {tuple(v.shape)}")
+def _build(model: Transformer | MTPModule, tensors: dict[str, torch.Tensor]) -> None:
     model.load_state_dict({k: v.float() for k, v in tensors.items()})
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise CheckpointError(f"{path}: weights contain NaN or infinity")
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, dict[str, str]]:
-    tensors, meta = read(path)
+    meta = read_meta(path)
     if meta.get("kind") != "model":
         raise CheckpointError(f"{path} holds a {meta.get('kind')} module, not a model")
     cfg = config_of(meta, path)
+    tensors = _tensors(path, cfg)
     model = Transformer(cfg)
-    _build(model, tensors, Path(path))
+    _build(model, tensors)
     return model.to(device).eval(), meta
 
 
 def load_mtp(
     path: str | Path, target: Transformer, device: torch.device | str = "cpu"
 ) -> tuple[MTPModule, dict[str, str]]:
-    tensors, meta = read(path)
+    meta = read_meta(path)
     if meta.get("kind") != "mtp":
         raise CheckpointError(f"{path} holds a {meta.get('kind')}, not an MTP module")
     cfg = config_of(meta, path)
@@ -154,6 +245,7 @@ def load_mtp(
     ]
     if differ:  # the module reads the target's states, embedding, head and rotary tables
         raise CheckpointError(f"{path}: MTP module does not fit the target ({', '.join(differ)})")
+    tensors = _tensors(path, cfg, mtp=True)
     mtp = MTPModule(cfg)
-    _build(mtp, tensors, Path(path))
+    _build(mtp, tensors)
     return mtp.to(device).eval(), meta

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import sys
-from enum import Enum
-from pathlib import Path
-from typing import Annotated
 
-import typer
-from rich.console import Console
-from rich.markup import escape
+from .console import quiet_ctrl_c
 
-from . import defaults as D
-from .config import PRESETS, ModelConfig
-from .console import TextStream, progress_printer
-from .options import UsageError, check_bench, check_sampling, check_vocab, parse_ks, read_prompt
+quiet_ctrl_c()  # first: Ctrl-C while the libraries below load exits 130, without a traceback
+
+from enum import Enum  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Annotated  # noqa: E402
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
+from rich.text import Text  # noqa: E402
+
+from . import defaults as D  # noqa: E402
+from . import options as O  # noqa: E402
+from .config import PRESETS, ModelConfig  # noqa: E402
+from .console import TextStream, progress_printer  # noqa: E402
 
 app = typer.Typer(
     add_completion=False,
@@ -22,13 +28,15 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Generate text from small language models with speculative decoding.",
 )
-err = Console(stderr=True, soft_wrap=True)
+# Markup off: messages hold paths and names the user chose, and `[/]` in one is not markup.
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 # Tables go to stdout; wide enough to stay readable when piped to a file.
-tables = Console(width=None if sys.stdout.isatty() else 200)
+tables = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
 
 
 def fail(msg: str, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
+    """Print `error: msg` as one line on stderr; the caller raises the returned Exit."""
+    err.print(Text.assemble(("error:", "red"), " " + O.one_line(msg)), soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -194,7 +202,6 @@ def eval_cmd(
     """Validation loss (nats/byte) of each checkpoint, and each proposer's agreement with the target."""
     import json
 
-    from . import checkpoint
     from . import data as corpus
     from .evaluate import evaluate_family, load_members, report_table
 
@@ -203,10 +210,12 @@ def eval_cmd(
         raise fail(f"no validation text in {data_dir}: run `smallem data` (or `make data`) first")
     try:
         fam = load_members(target, drafts)
-    except (checkpoint.CheckpointError, ValueError, OSError) as e:
+        ids = corpus.token_file(fam.target.tokenizer, val_txt)
+        n_bytes = sum(len(d.encode("utf-8")) for d in corpus.read_documents(val_txt))
+    except UnicodeDecodeError as e:
+        raise fail(f"{val_txt} is not valid UTF-8 (byte {e.start})") from None
+    except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
-    ids = corpus.token_file(fam.target.tokenizer, val_txt)
-    n_bytes = sum(len(d.encode("utf-8")) for d in corpus.read_documents(val_txt))
     reports = evaluate_family(fam.target.model, ids, n_bytes, fam.drafts, fam.mtp)
     if json_out:
         rows = [r.__dict__ | {"training": fam.facts.get(r.name, {})} for r in reports]
@@ -265,27 +274,25 @@ def bench(
 
     from . import bench as B
     from . import family
-    from .checkpoint import CheckpointError
     from .peer import hf_peer, peer_table
 
     try:
-        if threads:
+        if O.threads(threads):
             torch.set_num_threads(threads)
         names = [p for p in proposers.split(",") if p]
-        extra = parse_ks(k) if k else []
-        sweep = parse_ks(sweep_k) if sweep_k else []
-        mode_list = check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
-        if not prompts_file.is_file():
-            raise UsageError(f"prompts file not found: {prompts_file} (run `smallem prompts`)")
-        prompt_ids = B.read_prompts(prompts_file)
+        extra = O.parse_ks(k) if k else []
+        sweep = O.parse_ks(sweep_k) if sweep_k else []
+        mode_list = O.check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
+        O.check_sampling(temperature, None, None)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
-        check_vocab(proposer_vocab)
+        ks = O.bench_ks(names, mode_list, extra, sweep)
+        prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks)
+        O.check_vocab(proposer_vocab)
         vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
         loaded = {v: {n: family.load_proposer(n, tgt, dev, v) for n in names} for v in set(vocab.values())}
-    except (UsageError, ValueError, CheckpointError, OSError) as e:
+    except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
-    ks = {n: sweep or sorted({*(D.default_k(n, mode == "greedy") for mode in mode_list), *extra}) for n in names}
     plan = B.Plan({m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature)
     if costs:
         readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats)
@@ -301,7 +308,7 @@ def bench(
         task = bar.add_task("bench", total=total)
 
         def step(label: str) -> None:
-            bar.update(task, advance=1, description=label)
+            bar.update(task, advance=1, description=escape(label))  # the bar's text is markup
 
         rows = B.run_bench(tgt.model, prompt_ids, plan, step)
     peer_rows = hf_peer(tgt, target.parent, prompt_ids, max_new_tokens, rows) if peer else []
@@ -356,9 +363,11 @@ def export(
 def generate(
     prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,
     target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
-    proposer: Annotated[str, typer.Option(help="none | draft-2l | draft-4l | mtp | PATH")] = D.PROPOSER,
+    proposer: Annotated[
+        str | None, typer.Option(help=f"none|draft-2l|draft-4l|mtp|PATH [default: {D.PROPOSER}, HF: none]")
+    ] = None,
     k: Annotated[
-        int | None, typer.Option("-k", "--k", help="proposals per round [default: per proposer and mode]")
+        int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: per proposer and mode]")
     ] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = D.TEMPERATURE,
@@ -378,35 +387,22 @@ def generate(
     import json
 
     from . import family
-    from .checkpoint import CheckpointError
     from .generate import Sampling, Stats, stream
-    from .hf import HFFormatError
     from .tokenizer import load_tokenizer
 
     try:
-        kk = 0 if proposer == "none" else k if k is not None else D.default_k(proposer, temperature == 0)
-        if proposer != "none":
-            check_sampling(kk, temperature, top_k, top_p)
-        else:
-            check_sampling(1, temperature, top_k, top_p)
-        if max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        text = read_prompt(prompt)
-        if not text.strip():
-            raise UsageError("the prompt is empty")
+        proposer = proposer or family.default_proposer(target)
+        kk = O.pick_k(proposer, k, temperature == 0)
+        O.check_sampling(temperature, top_k, top_p, seed)
+        text = O.read_prompt(prompt, max_new_tokens)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev, tokenizer)
-        check_vocab(proposer_vocab)
+        O.check_vocab(proposer_vocab)
         make_proposer = family.load_proposer(proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab))
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
-        ctx = tgt.model.cfg.max_seq_len
-        if len(ids) + max_new_tokens + kk + 1 > ctx:
-            raise UsageError(
-                f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} + k+1 exceeds "
-                f"the model's context of {ctx} tokens"
-            )
-    except (UsageError, ValueError, CheckpointError, HFFormatError, OSError) as e:
+        O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
+    except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
 
     sampling = Sampling(temperature, top_k, top_p, seed)
@@ -419,9 +415,12 @@ def generate(
         ):
             out.push(chunk)
         out.push([], final=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # keep what was generated: printed, or in the JSON marked as interrupted
+        if json_out:
+            record = {"text": tok.decode(out.ids), "tokens": out.ids, "stats": stats.as_dict(), "interrupted": True}
+            print(json.dumps(record), flush=True)
         sys.stdout.flush()
-        err.print("\ninterrupted", highlight=False)
+        err.print("\ninterrupted")
         raise typer.Exit(130) from None
     if json_out:
         print(json.dumps({"text": tok.decode(out.ids), "tokens": out.ids, "stats": stats.as_dict()}))
@@ -431,10 +430,10 @@ def generate(
         err.print(
             f"{stats.new_tokens} tokens in {stats.elapsed_s:.2f} s: {stats.tokens_per_s:.1f} tok/s, "
             f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass "
-            f"({stats.proposer}, k={stats.k})",
-            highlight=False,
+            f"({stats.proposer}, k={stats.k})"
         )
 
 
 def main() -> None:
-    app()
+    """The `smallem` entry point. Ctrl-C anywhere, the libraries' import included, exits 130 quietly."""
+    app()  # typer turns a KeyboardInterrupt into exit 130

@@ -8,7 +8,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
+
+# Bounds on a config read from a file, checked before anything is allocated: generous for the
+# models smallem runs on a CPU (a Llama of ~2B parameters fits), far below what would exhaust
+# the machine. A wrong field then costs one error line, not gigabytes and minutes.
+LIMITS = {
+    "vocab_size": 1 << 20,
+    "dim": 1 << 14,
+    "n_layers": 256,
+    "n_heads": 1 << 10,
+    "n_kv_heads": 1 << 10,
+    "hidden_dim": 1 << 16,
+    "max_seq_len": 1 << 17,  # the rotary tables hold a row per position
+}
+MAX_PARAMS = 1 << 31  # 8 GiB of float32 weights
+MAX_ROPE = 1 << 25  # entries of the rotary tables (max_seq_len x head_dim), built whatever the file holds
+
+
+class ConfigError(ValueError):
+    """A model configuration that is malformed or out of bounds; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -31,24 +51,69 @@ class ModelConfig:
         return self.dim // self.n_heads
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_field(f.name, f.type, getattr(self, f.name))
         if self.dim % self.n_heads:
-            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+            raise ConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+            raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary positions")
+            raise ConfigError(f"head_dim {self.head_dim} must be even for rotary positions")
+        if self.max_seq_len * self.head_dim > MAX_ROPE:
+            raise ConfigError(
+                f"max_seq_len {self.max_seq_len} x head_dim {self.head_dim} exceeds smallem's limit of "
+                f"{MAX_ROPE:,} rotary table entries"
+            )
+        if (n := self.n_params) > MAX_PARAMS:
+            raise ConfigError(f"the config describes {n:,} parameters, more than smallem's limit of {MAX_PARAMS:,}")
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the model (an MTP module adds about one layer), from the config alone."""
+        kv = self.n_kv_heads * self.head_dim
+        layer = self.dim * (2 * self.dim + 2 * kv) + 3 * self.dim * self.hidden_dim + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + head + (self.n_layers + 2) * layer
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> ModelConfig:
-        raw = json.loads(text)
+        """A config from its JSON; ConfigError (naming the field) for anything malformed."""
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise ConfigError(f"config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config is a JSON object, not {_show(raw)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"unknown config fields: {', '.join(unknown)}")
+            raise ConfigError(f"unknown config fields: {', '.join(map(str, unknown))}"[:300])
         return cls(**raw)
+
+
+def _check_field(name: str, kind: object, value: object) -> None:
+    """One field's type and range (int fields positive and bounded, floats finite and positive)."""
+    if kind in (bool, "bool"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"config field {name} must be true or false, got {_show(value)}")
+    elif kind in (int, "int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config field {name} must be an integer, got {_show(value)}")
+        if not 1 <= value <= LIMITS[name]:
+            raise ConfigError(f"config field {name} must be between 1 and {LIMITS[name]:,}, got {value}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config field {name} must be a number, got {_show(value)}")
+    elif not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"config field {name} must be a finite number > 0, got {value}")
+
+
+def _show(value: object) -> str:
+    """A value and its JSON type, briefly: `'256' (a string)`."""
+    kinds = {str: "a string", list: "a list", dict: "an object", float: "a number", type(None): "null"}
+    return f"{value!r}"[:40] + f" ({kinds.get(type(value), type(value).__name__)})"
 
 
 # The shipped family. The drafts share a width (the seed: same config, 2 or 4 layers)

@@ -1,16 +1,38 @@
-"""Terminal helpers for the CLI: a training progress display and a streaming text writer."""
+"""Terminal helpers for the CLI: Ctrl-C, a training progress display, a streaming text writer."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 import time
-from typing import TextIO
+from types import FrameType
+from typing import TYPE_CHECKING, TextIO
 
-from rich.console import Console
-from tokenizers import Tokenizer
+if TYPE_CHECKING:  # train imports torch: seconds the command line does not wait for before it parses
+    from rich.console import Console
+    from tokenizers import Tokenizer
 
-from .train import Progress as P
-from .train import ProgressFn
+    from .train import Progress as P
+    from .train import ProgressFn
+
+
+def quiet_ctrl_c() -> None:
+    """Ctrl-C raises KeyboardInterrupt as usual, except while a module is being imported: then
+    the process exits 130 at once. A library's import may swallow the interrupt or be left half
+    loaded by it (torch, loading numpy, does both), so it cannot be handled there."""
+
+    def on_ctrl_c(signum: int, frame: FrameType | None) -> None:
+        f = frame
+        while f is not None:
+            if f.f_code.co_filename.startswith("<frozen importlib"):
+                os._exit(130)  # nothing is written while loading: nothing is lost
+            f = f.f_back
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # where Python handles signals
+        signal.signal(signal.SIGINT, on_ctrl_c)
 
 
 def progress_printer(name: str, err: Console) -> ProgressFn:

@@ -22,6 +22,9 @@ def default_k(proposer: str, greedy: bool) -> int:
 
 
 MAX_K = 16
+# Below this, logits / temperature overflow float32 and the distribution becomes NaN: 0 is greedy.
+MIN_TEMPERATURE = 1e-3
+MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
 MAX_NEW_TOKENS = 200
 TEMPERATURE = 0.0
 SEED = 0

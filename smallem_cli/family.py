@@ -2,7 +2,9 @@
 
 A target is a smallem checkpoint (its tokenizer.json beside it) or a Hugging Face Llama
 folder. A proposer is `none`, a shipped name (`draft-2l`, `draft-4l`, `mtp`, looked up
-beside the target), or a path to a smallem draft, a smallem MTP module, or an HF folder.
+beside a smallem target), or a path to a smallem draft, a smallem MTP module, or an HF
+folder. An HF folder ships no proposer: its default proposer is `none`, and a shipped name
+with it is refused rather than looked up in whatever folder holds it.
 A proposer must share the target's tokenizer: fingerprints of the two vocabularies are
 compared, and a mismatch is refused before anything runs.
 """
@@ -16,9 +18,11 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, hf
+from . import defaults as D
 from .checkpoint import CheckpointError
 from .model import Transformer
 from .proposers import DraftProposer, Head, MTPProposer, NoProposer, Proposer
+from .tokenizer import load_tokenizer
 
 SHIPPED_PROPOSERS = ("none", "draft-2l", "draft-4l", "mtp")
 
@@ -29,21 +33,32 @@ class Target:
     tokenizer: Path
     fingerprint: str
     path: Path
+    hf: bool = False  # a Hugging Face folder, not a smallem checkpoint
+
+
+def default_proposer(target: Path) -> str:
+    """The proposer used when none is named: the shipped MTP module beside a smallem
+    checkpoint; none for an HF folder (whatever sits beside the folder is not its proposer)."""
+    return "none" if hf.is_hf_dir(target) else D.PROPOSER
 
 
 def load_target(path: Path, device: torch.device, tokenizer: Path | None = None) -> Target:
     """A smallem checkpoint or an HF Llama folder, packed for inference on `device`."""
     if hf.is_hf_dir(path):
         model, fp = hf.load_hf(path, device)
-        return Target(model.pack(), tokenizer or path / "tokenizer.json", fp, path)
-    model, meta = checkpoint.load_model(path, device)
-    tok = tokenizer or path.parent / "tokenizer.json"
-    if not tok.is_file():
-        raise CheckpointError(f"tokenizer not found: {tok}")
-    fp = checkpoint.tokenizer_fingerprint(tok)
-    if meta.get("tokenizer") and meta["tokenizer"] != fp:
-        raise CheckpointError(f"{path} was trained with another tokenizer than {tok}")
-    return Target(model.pack(), tok, fp, path)
+        tok = tokenizer or path / "tokenizer.json"
+    else:
+        model, meta = checkpoint.load_model(path, device)
+        tok = tokenizer or path.parent / "tokenizer.json"
+        if not tok.is_file():
+            raise CheckpointError(f"tokenizer not found: {tok}")
+        fp = checkpoint.tokenizer_fingerprint(tok)
+        if meta.get("tokenizer") and meta["tokenizer"] != fp:
+            raise CheckpointError(f"{path} was trained with another tokenizer than {tok}")
+    top = max(load_tokenizer(tok).get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= model.cfg.vocab_size:  # an id past the embedding would fail in the middle of a run
+        raise CheckpointError(f"{tok}: token id {top} does not fit {path}'s vocabulary of {model.cfg.vocab_size}")
+    return Target(model.pack(), tok, fp, path, hf=hf.is_hf_dir(path))
 
 
 ProposerFactory = Callable[[int], Proposer]  # max tokens of the sequence -> a fresh proposer
@@ -54,6 +69,15 @@ def proposer_path(spec: str, target_dir: Path) -> Path:
     return target_dir / f"{spec}.safetensors" if spec in SHIPPED_PROPOSERS else Path(spec)
 
 
+def _proposer_path(spec: str, target: Target) -> Path:
+    if spec in SHIPPED_PROPOSERS and target.hf:
+        raise CheckpointError(
+            f"proposer {spec!r} is a shipped name, looked up beside a smallem checkpoint; "
+            f"the Hugging Face target {target.path} ships none: give the proposer's path, or none"
+        )
+    return proposer_path(spec, target.path.parent)
+
+
 def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 0) -> ProposerFactory:
     """`spec` -> a factory of proposers (each generation gets its own caches).
 
@@ -62,8 +86,8 @@ def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 
     """
     if spec == "none":
         return lambda _: NoProposer()
-    path = proposer_path(spec, target.path.parent)
-    name = path.stem
+    path = _proposer_path(spec, target)
+    name = path.stem or str(path)
     if hf.is_hf_dir(path):
         draft, fp = hf.load_hf(path, device)
         _same_vocab(target, fp, draft.cfg.vocab_size, path)
@@ -71,9 +95,10 @@ def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 
         draft.pack()
         return lambda n: DraftProposer(draft, n, name)
     meta = checkpoint.read_meta(path)  # the tensors load once, below
-    rank = checkpoint.vocab_rank(meta)
+    vocab_size = checkpoint.config_of(meta, path).vocab_size
+    _same_vocab(target, meta.get("tokenizer", ""), vocab_size, path)
+    rank = checkpoint.vocab_rank(meta, path, vocab_size)
     ids = torch.tensor(rank[:vocab], device=device) if vocab and rank else None
-    _same_vocab(target, meta.get("tokenizer", ""), checkpoint.config_of(meta, path).vocab_size, path)
     if meta.get("kind") == "mtp":
         mtp, _ = checkpoint.load_mtp(path, target.model, device)
         mtp.pack()

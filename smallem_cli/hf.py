@@ -162,9 +162,12 @@ def _weight_files(folder: Path) -> list[Path]:
     if index.is_file():  # sharded: the index names every shard
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise HFFormatError(f"{index}: unreadable shard index: {e}") from None
-        files = [folder / f for f in sorted(set(weight_map.values()))]
+        if not all(isinstance(f, str) and f and Path(f).name == f for f in shards):
+            raise HFFormatError(f"{index}: its weight_map must name files in {folder}")
+        files = [folder / f for f in shards]
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -172,47 +175,66 @@ def _weight_files(folder: Path) -> list[Path]:
     return files  # a shard named in the index but absent fails to open: named by the caller
 
 
+def _declared(folder: Path, files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """HF name -> (file, dtype, shape) of every tensor, from the headers alone."""
+    out = {}
+    for path in files:
+        try:
+            for name, (dtype, shape) in checkpoint.header(path).items():
+                if not name.endswith("rotary_emb.inv_freq"):  # old transformers saved this derived buffer
+                    out[name] = (path, dtype, shape)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise HFFormatError(f"{path}: unreadable safetensors file: {e}") from None
+    return out
+
+
 def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, str]:
-    """A LlamaForCausalLM folder -> (float32 eval Transformer, fingerprint of its tokenizer.json)."""
+    """A LlamaForCausalLM folder -> (float32 eval Transformer, fingerprint of its tokenizer.json).
+
+    The config, the tokenizer and the tensors' names, shapes and dtypes are all checked
+    before a weight is read or the model is built; the weights must be finite.
+    """
     folder = Path(folder)
     if not is_hf_dir(folder):
         raise HFFormatError(f"{folder} is not a Hugging Face model folder (no config.json)")
     try:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise HFFormatError(f"{folder}/config.json: unreadable: {e}") from None
     cfg = config_from_hf(raw)
     _tokenizer(folder / "tokenizer.json", cfg.vocab_size)  # before the weights: fail before the slow part
     fingerprint = checkpoint.tokenizer_fingerprint(folder / "tokenizer.json")
 
-    model = Transformer(cfg)
-    expected = model.state_dict()  # smallem name -> tensor of the right shape
-    to_ours = {_hf_name(k): k for k in expected}
-    found: dict[str, torch.Tensor] = {}
-    extra: list[str] = []
-    head: torch.Tensor | None = None  # a tied model's redundant lm_head, if the file has one
-    for path in _weight_files(folder):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if name.endswith("rotary_emb.inv_freq"):  # old transformers saved this derived buffer
-                        continue
-                    if name in to_ours:
-                        found[to_ours[name]] = f.get_tensor(name)
-                    elif name == "lm_head.weight" and cfg.tie_embeddings:
-                        head = f.get_tensor(name)
-                    else:
-                        extra.append(name)
-        except (SafetensorError, OSError) as e:
-            raise HFFormatError(f"{path}: unreadable safetensors file: {e}") from None
-    missing, extra = sorted(_hf_name(k) for k in set(expected) - set(found)), sorted(extra)
+    expected = checkpoint.expected_shapes(cfg)  # smallem name -> shape; nothing allocated
+    declared = _declared(folder, _weight_files(folder))
+    head = declared.pop("lm_head.weight", None) if cfg.tie_embeddings else None  # a tied model's redundant head
+    ours = {_hf_name(k): k for k in expected}
+    missing, extra = sorted(set(ours) - set(declared)), sorted(set(declared) - set(ours))
     if missing or extra:
         raise HFFormatError(f"{folder}: weights do not fit config.json: missing {missing[:5]}, unexpected {extra[:5]}")
-    for k, v in expected.items():
-        if found[k].shape != v.shape:
-            raise HFFormatError(f"{folder}: {_hf_name(k)} has shape {tuple(found[k].shape)}, not {tuple(v.shape)}")
-    if head is not None and not torch.equal(head, found["embed_tokens.weight"]):
+    items = declared | ({"lm_head.weight": head} if head else {})
+    for name, (_, dtype, shape) in items.items():
+        want = expected[ours.get(name, "embed_tokens.weight")]
+        if shape != want:
+            raise HFFormatError(f"{folder}: {name} has shape {shape}, not {want}")
+        if dtype not in checkpoint.FLOAT_DTYPES:
+            raise HFFormatError(f"{folder}: {name} has dtype {dtype}: only {', '.join(checkpoint.FLOAT_DTYPES)}")
+    found: dict[str, torch.Tensor] = {}
+    for path in dict.fromkeys(p for p, _, _ in items.values()):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in (n for n, (p, _, _) in items.items() if p == path):
+                    found[ours.get(name, name)] = f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise HFFormatError(f"{path}: unreadable safetensors file: {e}") from None
+    try:
+        checkpoint.check_finite(found, str(folder))
+    except checkpoint.CheckpointError as e:
+        raise HFFormatError(str(e)) from None
+    tied_head = found.pop("lm_head.weight") if head else None
+    if tied_head is not None and not torch.equal(tied_head, found["embed_tokens.weight"]):
         raise HFFormatError(f"{folder}: tie_word_embeddings is true but lm_head.weight differs from embed_tokens")
+    model = Transformer(cfg)
     model.load_state_dict({k: v.float() for k, v in found.items()})  # bf16/fp16 on disk -> float32
     return model.to(device).eval(), fingerprint
 

@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import defaults as D
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 
 class UsageError(Exception):
     """Bad input: reported as one line on stderr, exit 2."""
+
+
+# What bad input raises, whichever module notices it: the CLI reports each as one line, exit 2.
+# (CheckpointError, HFFormatError, TokenizerError, ConfigError and UnicodeDecodeError are ValueErrors.)
+INPUT_ERRORS = (UsageError, ValueError, OSError)
+
+
+def one_line(msg: str) -> str:
+    """An error message on one line (a library's message may hold newlines)."""
+    return " ".join(msg.split()) if "\n" in msg or "\r" in msg else msg
 
 
 def parse_ks(text: str) -> list[int]:
@@ -27,28 +44,99 @@ def parse_ks(text: str) -> list[int]:
     return sorted(set(ks))
 
 
-def read_prompt(prompt: str | None) -> str:
-    """The prompt argument, or stdin for `-` or for no argument on a pipe."""
-    if prompt is not None and prompt != "-":
-        return prompt
+def read_prompt(prompt: str | None, max_new_tokens: int = 1) -> str:
+    """The prompt argument, or stdin for `-` or for no argument on a pipe; not empty."""
+    if max_new_tokens < 1:  # checked first: before stdin is awaited
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if prompt is None and sys.stdin.isatty():
         raise UsageError("no prompt: give one as an argument, or pipe it on stdin")
-    data = sys.stdin.buffer.read()
+    text = prompt if prompt is not None and prompt != "-" else sys.stdin.buffer.read()
     try:
-        return data.decode("utf-8")
+        text = text.decode("utf-8") if isinstance(text, bytes) else text
     except UnicodeDecodeError as e:
         raise UsageError(f"stdin is not valid UTF-8 (byte {e.start})") from None
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    return text
 
 
-def check_sampling(k: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not 1 <= k <= D.MAX_K:
+def pick_k(proposer: str, k: int | None, greedy: bool) -> int:
+    """The proposals per round: the user's k (1..MAX_K whatever the proposer), else the
+    proposer's default. `none` proposes nothing: its k is 0, and a k given with it is ignored."""
+    if k is not None and not 1 <= k <= D.MAX_K and not (proposer == "none" and k == 0):
         raise UsageError(f"k must be between 1 and {D.MAX_K}, got {k}")
+    if proposer == "none":
+        return 0
+    return k if k is not None else D.default_k(proposer, greedy)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int = 0) -> None:
     if not temperature >= 0:
         raise UsageError(f"temperature must be >= 0, got {temperature}")
+    if not math.isfinite(temperature):
+        raise UsageError(f"temperature must be >= 0 and finite, got {temperature}")
+    if 0 < temperature < D.MIN_TEMPERATURE:
+        raise UsageError(
+            f"temperature {temperature} is too small: below {D.MIN_TEMPERATURE} the logits divided by it "
+            "overflow to infinity; use 0 for greedy decoding"
+        )
     if top_k is not None and top_k < 1:
         raise UsageError(f"top-k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
+    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise UsageError(f"top-p must be in (0, 1], got {top_p}")
+    if not 0 <= seed <= D.MAX_SEED:
+        raise UsageError(f"--seed must be between 0 and 2^63-1, got {seed}")
+
+
+def read_prompts(path: Path, cfg: ModelConfig, max_new: int, ks: dict[str, list[int]]) -> list[list[int]]:
+    """`bench`'s prompts file (a JSON object a line, "tokens": ids), checked line by line, and
+    checked to leave room in the model's context for max_new tokens and the largest k's pass."""
+    vocab_size = cfg.vocab_size
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"prompts file {path} is not valid UTF-8 (byte {e.start})") from None
+    except FileNotFoundError:
+        raise UsageError(f"prompts file not found: {path} (run `smallem prompts`)") from None
+    except OSError as e:
+        raise UsageError(f"cannot read prompts file {path}: {e.strerror or e}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)["tokens"]
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            ids = None
+        if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+            raise UsageError(
+                f'{path}, line {n}: not a prompt (a JSON object whose "tokens" are ids in 0..{vocab_size - 1})'
+            )
+        prompts.append(ids)
+    if not prompts:
+        raise UsageError(f"prompts file {path} holds no prompt")
+    check_context(max(map(len, prompts)), max_new, max((k for v in ks.values() for k in v), default=0), cfg.max_seq_len)
+    return prompts
+
+
+def bench_ks(names: list[str], modes: list[str], extra: list[int], sweep: list[int]) -> dict[str, list[int]]:
+    """Each proposer's k values: the sweep, else its defaults for the modes and the extra ones."""
+    return {n: sweep or sorted({*(D.default_k(n, m == "greedy") for m in modes), *extra}) for n in names}
+
+
+def check_context(prompt_tokens: int, max_new: int, k: int, ctx: int) -> None:
+    if prompt_tokens + max_new + k + 1 > ctx:
+        raise UsageError(
+            f"prompt ({prompt_tokens} tokens) + --max-new-tokens {max_new} + k+1 exceeds "
+            f"the model's context of {ctx} tokens"
+        )
+
+
+def threads(n: int | None) -> int | None:
+    """--threads: None (torch's default) or a count >= 1."""
+    if n is not None and n < 1:
+        raise UsageError(f"--threads must be >= 1, got {n}")
+    return n
 
 
 def check_vocab(proposer_vocab: int | None) -> None:
