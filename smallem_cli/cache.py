@@ -30,6 +30,11 @@ class Step:
     # [layer, K or V, kv head, length, head dim], so a layer's read is one index.
     view: torch.Tensor | None = None
 
+    def past(self) -> torch.Tensor:
+        """The K/V of the positions before the new tokens: [layer, K or V, kv head, start, head dim]."""
+        assert self.view is not None, "only for consecutive pages"
+        return self.view[:, :, :, : self.start]
+
 
 class PagedKVCache:
     def __init__(
@@ -127,6 +132,10 @@ class PagedKVCache:
     def write(self, layer: int, step: Step, kv: torch.Tensor) -> None:
         """Store K/V of the new tokens. kv: [T, K or V, kv heads, head dim]."""
         self.kv[layer].index_copy_(2, step.slots, kv.permute(1, 2, 0, 3))
+
+    def write_all(self, step: Step, kv: torch.Tensor) -> None:
+        """Store K/V of the new tokens for every layer at once. kv: [layer, K or V, kv heads, T, head dim]."""
+        self.kv.index_copy_(3, step.slots, kv)
 
     def read(self, layer: int, step: Step) -> torch.Tensor:
         """K/V of every visible position, in order: [K or V, kv heads, length, head dim].

@@ -382,11 +382,15 @@ def generate(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
+    engine: Annotated[str, typer.Option(help="auto | eager | compiled (auto: compiled on a CPU)")] = D.ENGINE,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
     import json
 
-    from . import family
+    import torch
+
+    from . import aot, family
     from .generate import Sampling, Stats, stream
     from .tokenizer import load_tokenizer
 
@@ -402,8 +406,13 @@ def generate(
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
+        compiled = aot.engine_on(engine, dev)
+        if O.threads(threads):
+            torch.set_num_threads(threads)  # type: ignore[arg-type]
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
+    if compiled:  # every pass this run may take, built or loaded before the clock starts
+        aot.prepare(tgt.model, make_proposer(8), [kk], log=lambda m: err.print(m, markup=False, highlight=False))
 
     sampling = Sampling(temperature, top_k, top_p, seed)
     stats = Stats(proposer, kk)

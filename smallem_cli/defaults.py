@@ -1,5 +1,6 @@
 """Every default of the command line, declared once."""
 
+import os
 from pathlib import Path
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
@@ -29,6 +30,9 @@ MAX_NEW_TOKENS = 200
 TEMPERATURE = 0.0
 SEED = 0
 DEVICE = "auto"
+# Decode steps: "compiled" (ahead-of-time compiled, cached on disk), "eager" (the reference),
+# "auto": compiled on a CPU, eager on a GPU (the compiled path has not been run on one).
+ENGINE = os.environ.get("SMALLEM_ENGINE", "auto")
 # A proposer's head keeps the rows of this many most frequent tokens (0: all of them), greedy
 # and sampled: a greedy guess outside the top 1,024 is rare, but a sampled guess is drawn from
 # q, and q's mass outside the cut is p's mass that no guess can take (measured by `smallem bench`).

@@ -14,12 +14,19 @@ as one row, where `F.linear` falls into a slow small-M path.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .cache import PagedKVCache, Step
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .aot import CompiledSteps, StepFn
+
+MIN_PAST = 2  # a compiled step needs this many past positions (the tracer special-cases sizes 0 and 1)
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,6 +202,9 @@ class Transformer(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self.head_t: torch.Tensor | None = None  # [dim, vocab], set by pack()
         self.rope_packed: torch.Tensor | None = None  # complex [max_seq_len, (H+2Hkv)*D/2]
+        self.rope_cos: torch.Tensor | None = None  # its real and imaginary parts, for compiled steps
+        self.rope_sin: torch.Tensor | None = None
+        self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
 
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 style init; residual projections scaled down with depth."""
@@ -213,6 +223,7 @@ class Transformer(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.head_t = (w.detach().t() * self.norm.weight.detach()[:, None]).contiguous()  # final norm folded in
         self.rope_packed = packed_rope(self.cfg, self.cos, self.sin)
+        self.rope_cos, self.rope_sin = self.rope_packed.real.contiguous(), self.rope_packed.imag.contiguous()
         return self
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -250,6 +261,13 @@ class Transformer(nn.Module):
             self.pack()
         assert self.rope_packed is not None
         step = cache.append(seq, tokens.shape[0])
+        fn = None if last_only else compiled_step(self.compiled, cache, step, head, last)
+        if fn is not None:
+            assert self.rope_cos is not None and self.rope_sin is not None
+            cos, sin = self.rope_cos[step.start : step.length], self.rope_sin[step.start : step.length]
+            logits, x, new = fn(tokens.contiguous(), cos, sin, step.past())
+            cache.write_all(step, new)  # the graph reads the cache; the new K/V go in here
+            return logits, x
         rope = self.rope_packed[step.start : step.length]
         x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
         for i, blk in enumerate(self.layers):
@@ -259,8 +277,31 @@ class Transformer(nn.Module):
         return self.logits(x[-1:] if last_only else x), x
 
     def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
+        """At least n_pages; the whole context with compiled steps (they are built for its layout)."""
         c = self.cfg
+        n_pages = _pages(self.compiled, c, n_pages, page_size)
         return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, n_pages, page_size, self.cos.dtype, self.cos.device)
+
+
+def _pages(compiled: CompiledSteps | None, cfg: ModelConfig, n_pages: int, page_size: int) -> int:
+    if compiled is None or not compiled.enabled:
+        return n_pages
+    return max(n_pages, compiled.slab_shape[-2] // page_size)
+
+
+def compiled_step(
+    compiled: CompiledSteps | None, cache: PagedKVCache, step: Step, head: bool, last: bool
+) -> StepFn | None:
+    """The compiled step for this pass, or None (eager) when there is none or it cannot serve it.
+
+    A graph assumes the slab layout it was built for and a past of at least MIN_PAST
+    positions laid out as one view (consecutive pages).
+    """
+    if compiled is None or not compiled.enabled or step.view is None or step.start < MIN_PAST:
+        return None
+    if tuple(cache.kv.shape) != compiled.slab_shape:
+        return None
+    return compiled.get(step.length - step.start, head, last)
 
 
 def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -291,6 +332,7 @@ class MTPModule(nn.Module):
         self.block = Block(cfg)
         self.proj_t: torch.Tensor | None = None
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, its projected rows)
+        self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
 
     def pack(self) -> MTPModule:
         self.block.pack()
@@ -319,6 +361,13 @@ class MTPModule(nn.Module):
         is looked up (`token_table`): one addmm where two norms, a concat and a matmul were.
         """
         assert self.proj_t is not None, "call pack() before decoding"
+        fn = compiled_step(self.compiled, cache, step, True, last)
+        if fn is not None:
+            T = step.length - step.start
+            cos, sin = rope.real.reshape(T, -1).contiguous(), rope.imag.reshape(T, -1).contiguous()
+            x, new = fn(h.contiguous(), tokens.contiguous(), cos, sin, step.past())
+            cache.write_all(step, new)
+            return x
         d = self.cfg.dim
         x = torch.addmm(F.embedding(tokens, self.token_table(embed)), unit_rms(h, self.cfg.norm_eps), self.proj_t[:d])
         return self.block.decode(x, rope, cache, 0, step, last)
@@ -334,4 +383,5 @@ class MTPModule(nn.Module):
     def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.cfg
         dev = self.eh_proj.weight.device
+        n_pages = _pages(self.compiled, c, n_pages, page_size)
         return PagedKVCache(1, c.n_kv_heads, c.head_dim, n_pages, page_size, torch.float32, dev)

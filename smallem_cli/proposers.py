@@ -9,6 +9,8 @@ The protocol, in the loop's order:
   (`emitted`, [n+1]: the kept guesses, then the target's own token); `hidden` [n+1, d]
   are the target's states at the positions that were fed, [last, d_1 .. d_n].
   The proposer rolls its own cache back to what is still true.
+- `passes(k)`: the decode passes a round with k guesses may run, as (model, T, head,
+  last), so that compiled steps can be built before anything is timed (`aot.prepare`).
 
 Nothing here synchronises with the device: guesses stay tensors and feed the next step.
 """
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from .model import MTPModule, Transformer, unit_rms
 from .verify import sample
@@ -38,6 +41,11 @@ class Proposer(Protocol):
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None: ...
 
     def release(self) -> None: ...
+
+    def passes(self, k: int) -> list[Pass]: ...
+
+
+Pass = tuple[nn.Module, int, bool, bool]  # (model, tokens in the pass, head, last position only)
 
 
 class Head:
@@ -93,6 +101,9 @@ class NoProposer:
     def release(self) -> None:
         pass
 
+    def passes(self, k: int) -> list[Pass]:
+        return []
+
 
 class DraftProposer:
     """A small model with the target's tokenizer, its own paged cache and rollback."""
@@ -133,6 +144,9 @@ class DraftProposer:
 
     def release(self) -> None:
         self.cache.release(self.seq)
+
+    def passes(self, k: int) -> list[Pass]:
+        return [(self.model, t, False, True) for t in (1, 2)]  # a guess; a catch-up on 2 tokens
 
 
 class MTPProposer:
@@ -187,3 +201,6 @@ class MTPProposer:
 
     def release(self) -> None:
         self.cache.release(self.seq)
+
+    def passes(self, k: int) -> list[Pass]:
+        return [(self.mtp, t, True, t > 1) for t in range(1, k + 2)]  # catch-ups on 1..k+1 pairs; chained guesses

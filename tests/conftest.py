@@ -7,6 +7,12 @@ machine (or CI) with many threads is far slower, not faster.
 
 from __future__ import annotations
 
+import os
+
+# The suite runs the eager engine unless a test asks for the compiled one (tests/test_compiled.py),
+# with compiled steps cached apart from the user's.
+os.environ.setdefault("SMALLEM_ENGINE", "eager")
+
 import copy
 import itertools
 from dataclasses import dataclass

@@ -1,0 +1,263 @@
+"""Ahead-of-time compiled decode steps, cached on disk (`--engine compiled`).
+
+On a CPU a small model's decode step is bound by per-op dispatch and by MKL's small-M
+GEMMs, not by arithmetic. Inductor, with max-autotune and frozen weights, replaces both:
+one C++ function per step, and a micro-GEMM that stays nearly flat from 1 to 16 rows.
+Compiling costs tens of seconds per shape, so each compiled step is packaged with
+AOTInductor (a shared library plus its constants) into a folder keyed by everything it
+depends on, and later runs load it in a fraction of a second instead of compiling again.
+
+A graph is built for one model, one T (tokens per pass) and one variant (head or not,
+last position only or not); the past's length S is a dynamic dimension. The slab's slot
+count is part of the key, since the compiled code assumes the strides it was built for:
+a model with compiled steps gives its caches the whole context (`fixed_slots`).
+
+Anything that fails (no C++ compiler, an unsupported op, a broken cache entry) turns the
+step back to eager, with one line through `log`; the eager path is the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import graphs
+from .model import MIN_PAST
+from .proposers import Pass, Proposer
+
+Log = Callable[[str], None]
+StepFn = Callable[..., tuple[torch.Tensor, ...]]
+# Inductor settings: frozen weights let max-autotune pick its C++ micro-GEMM over MKL.
+INDUCTOR = {"max_autotune": True, "freezing": True, "cpp_wrapper": True, "autotune_num_choices_displayed": 0}
+
+
+def cache_root() -> Path:
+    """$SMALLEM_CACHE, else $XDG_CACHE_HOME/smallem, else ~/.cache/smallem."""
+    env = os.environ.get("SMALLEM_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "smallem"
+
+
+def _code_version() -> str:
+    """Hash of the graph code and this module: a change in either makes new keys."""
+    h = hashlib.sha256()
+    for path in (graphs.__file__, __file__):
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def weights_digest(tensors: list[torch.Tensor]) -> str:
+    """sha256 over the bytes of the graph's constants (a different checkpoint, a different key)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str((tuple(t.shape), t.dtype)).encode())
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+class CompiledSteps:
+    """The compiled decode steps of one model (a Transformer or an MTP module).
+
+    `prepare(shapes)` builds the steps a run will take (before anything is timed);
+    `get(T, head, last)` -> a function of the graph's inputs, or None where the step runs
+    eager (not prepared, or it failed to compile).
+    """
+
+    def __init__(
+        self,
+        build: Callable[[bool, bool], nn.Module],
+        inputs: Callable[[int, torch.Tensor], tuple[torch.Tensor, ...]],
+        slab_shape: tuple[int, ...],
+        digest: str,
+        log: Log | None = None,
+        root: Path | None = None,
+    ) -> None:
+        self.build, self.inputs, self.slab_shape = build, inputs, slab_shape
+        self.log = log or (lambda _: None)
+        self.root = root or cache_root()
+        self.base = "|".join(
+            [
+                _code_version(),
+                torch.__version__,
+                torch.backends.cpu.get_cpu_capability(),
+                str(slab_shape),
+                digest,
+            ]
+        )
+        self.fns: dict[tuple[int, bool, bool], StepFn | None] = {}
+        self.enabled = True  # off: the model runs eager (bench times both engines on one model)
+        self.compile_s = 0.0  # seconds spent compiling in this process
+        self.load_s = 0.0  # seconds spent loading packages from the cache
+
+    def key(self, T: int, head: bool, last: bool) -> str:
+        # The generated C++ fixes its OpenMP thread count: a step built for 2 threads is not one for 1.
+        threads = torch.get_num_threads()
+        return hashlib.sha256(f"{self.base}|{threads}|{T}|{head}|{last}".encode()).hexdigest()[:32]
+
+    def get(self, T: int, head: bool, last: bool) -> StepFn | None:
+        """The prepared step for this pass, or None: nothing is compiled in the middle of a run."""
+        return self.fns.get((T, head, last and T > 1))
+
+    def prepare(self, shapes: list[tuple[int, bool, bool]]) -> None:
+        """Load (or compile, then load) the steps of these passes: (T, head, last)."""
+        for T, head, last in shapes:
+            shape = (T, head, last and T > 1)
+            if shape not in self.fns:
+                self.fns[shape] = self._load_or_compile(*shape)
+
+    def _load_or_compile(self, T: int, head: bool, last: bool) -> StepFn | None:
+        path = self.root / "aot" / f"{self.key(T, head, last)}.pt2"
+        try:
+            if not path.is_file():
+                t0 = time.perf_counter()
+                self.log(f"compiling a decode step for this machine (T={T}; once, cached in {self.root})")
+                self._compile(T, head, last, path)
+                self.compile_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            fn = torch._inductor.aoti_load_package(str(path))
+            self.load_s += time.perf_counter() - t0
+            return fn  # type: ignore[no-any-return]
+        except Exception as e:  # any failure: eager, which is always right
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            self.log(f"compiled decode step unavailable (T={T}): {type(e).__name__}: {first}; running eager")
+            return None
+
+    def _compile(self, T: int, head: bool, last: bool, path: Path) -> None:
+        """Export the graph with S dynamic, compile it, and move the package into place whole."""
+        module = self.build(head, last).eval()
+        slab = torch.zeros(self.slab_shape)  # the runtime slab's layout: same strides
+        args = self.inputs(T, slab)
+        S = torch.export.Dim("S", min=MIN_PAST, max=self.slab_shape[-2] - T)
+        dyn = tuple({3: S} if i == len(args) - 1 else {} for i in range(len(args)))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
+        try:
+            with torch.no_grad(), _quiet(path.with_suffix(".log")):
+                ep = torch.export.export(module, args, dynamic_shapes=dyn)
+                out = torch._inductor.aoti_compile_and_package(
+                    ep, package_path=str(tmp / "step.pt2"), inductor_configs=dict(INDUCTOR)
+                )
+            os.replace(out, path)  # another process may have built the same key: either is whole
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet(log_path: Path) -> Iterator[None]:
+    """The compiler's own output (its warnings, the C++ compiler's) goes to a log file, not the terminal."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(log_path, "w") as f, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _rope_inputs(cos: torch.Tensor, sin: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return cos[MIN_PAST * 8 : MIN_PAST * 8 + T], sin[MIN_PAST * 8 : MIN_PAST * 8 + T]
+
+
+def for_transformer(model: graphs.Transformer, log: Log | None = None, root: Path | None = None) -> CompiledSteps:
+    """Compiled steps of a packed Transformer, whose caches get `fixed_slots(model)` slots."""
+    c = model.cfg
+    assert model.rope_cos is not None and model.rope_sin is not None
+    cos, sin = model.rope_cos, model.rope_sin
+    S0 = MIN_PAST * 8
+    slab = (c.n_layers, 2, c.n_kv_heads, fixed_slots(c.max_seq_len), c.head_dim)
+
+    def inputs(T: int, slab_t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tokens = torch.zeros(T, dtype=torch.long)
+        return (tokens, *_rope_inputs(cos, sin, T), slab_t[:, :, :, :S0])
+
+    consts = [model.embed_tokens.weight, model.head_t] + [w for b in model.layers for w in b.packed.values()]  # type: ignore[union-attr]
+    return CompiledSteps(
+        lambda head, last: graphs.TransformerStep(model, head, last), inputs, slab, weights_digest(consts), log, root
+    )
+
+
+def for_mtp(
+    mtp: graphs.MTPModule, target: graphs.Transformer, log: Log | None = None, root: Path | None = None
+) -> CompiledSteps:
+    """Compiled steps of a packed MTP module (its table built from the target's embedding)."""
+    c = mtp.cfg
+    assert target.rope_cos is not None and target.rope_sin is not None and mtp.proj_t is not None
+    cos, sin = target.rope_cos, target.rope_sin
+    embed = target.embed_tokens.weight
+    S0 = MIN_PAST * 8
+    slab = (1, 2, c.n_kv_heads, fixed_slots(c.max_seq_len), c.head_dim)
+
+    def inputs(T: int, slab_t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = torch.zeros(T, c.dim)
+        tokens = torch.zeros(T, dtype=torch.long)
+        return (h, tokens, *_rope_inputs(cos, sin, T), slab_t[:, :, :, :S0])
+
+    consts = [mtp.token_table(embed), mtp.proj_t, *mtp.block.packed.values()]  # type: ignore[union-attr]
+    return CompiledSteps(
+        lambda head, last: graphs.MTPStep(mtp, embed, last), inputs, slab, weights_digest(consts), log, root
+    )
+
+
+def fixed_slots(max_seq_len: int, page_size: int = 16) -> int:
+    """Slots of every cache of a model with compiled steps: its whole context, plus a page."""
+    return (-(-max_seq_len // page_size) + 1) * page_size
+
+
+def attach(
+    model: graphs.Transformer | graphs.MTPModule, target: graphs.Transformer | None = None, log: Log | None = None
+) -> None:
+    """Give a packed model (an MTP module: with its target) compiled decode steps."""
+    if isinstance(model, graphs.MTPModule):
+        assert target is not None, "an MTP module's steps need its target"
+        model.compiled = for_mtp(model, target, log)
+    else:
+        model.compiled = for_transformer(model, log)
+
+
+def prepare(target: graphs.Transformer, proposer: Proposer, ks: list[int], log: Log | None = None) -> CompiledSteps:
+    """Compiled steps for the target and the proposer's models, every pass a run with these k
+    may take built (or loaded) now, before anything is timed. -> the target's steps."""
+    passes: list[Pass] = [(target, k + 1, True, False) for k in ks]
+    for k in ks:
+        passes += proposer.passes(k)
+    for model, T, head, last in passes:
+        if getattr(model, "compiled", None) is None:
+            attach(model, target, log)  # type: ignore[arg-type]
+        model.compiled.prepare([(T, head, last)])  # type: ignore[union-attr]
+    assert target.compiled is not None
+    return target.compiled
+
+
+def use(models: list[nn.Module], compiled: bool) -> None:
+    """Switch models with compiled steps between them and the eager path."""
+    for m in models:
+        steps = getattr(m, "compiled", None)
+        if steps is not None:
+            steps.enabled = compiled
+
+
+ENGINES = ("auto", "eager", "compiled")
+
+
+def engine_on(engine: str, device: torch.device) -> bool:
+    """--engine -> whether to use compiled steps; ValueError for an unknown name."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
+    return engine == "compiled" or (engine == "auto" and device.type == "cpu")
