@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from .model import MIN_PAST
 from .proposers import Pass, Proposer
 
 Log = Callable[[str], None]
+_ALL: weakref.WeakSet[CompiledSteps] = weakref.WeakSet()  # every model's steps, for `switch`
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
 # Inductor settings: frozen weights let max-autotune pick its C++ micro-GEMM over MKL.
 INDUCTOR = {"max_autotune": True, "freezing": True, "cpp_wrapper": True, "autotune_num_choices_displayed": 0}
@@ -99,6 +101,7 @@ class CompiledSteps:
         )
         self.fns: dict[tuple[int, bool, bool], StepFn | None] = {}
         self.enabled = True  # off: the model runs eager (bench times both engines on one model)
+        _ALL.add(self)
         self.compile_s = 0.0  # seconds spent compiling in this process
         self.load_s = 0.0  # seconds spent loading packages from the cache
 
@@ -121,6 +124,8 @@ class CompiledSteps:
     def _load_or_compile(self, T: int, head: bool, last: bool) -> StepFn | None:
         path = self.root / "aot" / f"{self.key(T, head, last)}.pt2"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _check_private(path.parent)
             if not path.is_file():
                 t0 = time.perf_counter()
                 self.log(f"compiling a decode step for this machine (T={T}; once, cached in {self.root})")
@@ -153,6 +158,13 @@ class CompiledSteps:
             os.replace(out, path)  # another process may have built the same key: either is whole
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_private(folder: Path) -> None:
+    """A package is a shared library that gets loaded: only from a folder nobody else can write to."""
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{folder} is writable by others or not yours: its compiled steps are not loaded")
 
 
 @contextlib.contextmanager
@@ -253,6 +265,12 @@ def use(models: list[nn.Module], compiled: bool) -> None:
             steps.enabled = compiled
 
 
+def switch(compiled: bool) -> None:
+    """Switch every model of this process with compiled steps (bench: both engines in one run)."""
+    for steps in list(_ALL):
+        steps.enabled = compiled
+
+
 ENGINES = ("auto", "eager", "compiled")
 
 
@@ -261,3 +279,13 @@ def engine_on(engine: str, device: torch.device) -> bool:
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
     return engine == "compiled" or (engine == "auto" and device.type == "cpu")
+
+
+def bench_engines(engines: str, device: torch.device) -> tuple[str, ...]:
+    """--engines of bench: "auto" or a comma-separated list of eager and compiled."""
+    if engines == "auto":
+        return ("compiled",) if engine_on("auto", device) else ("eager",)
+    names = tuple(dict.fromkeys(e.strip() for e in engines.split(",") if e.strip()))
+    if not names or any(e not in ("eager", "compiled") for e in names):
+        raise ValueError(f"--engines takes eager, compiled or both (comma-separated), or auto; got {engines!r}")
+    return names

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from rich.table import Table
 
+from . import aot
 from .data import read_documents
 from .family import ProposerFactory
 from .generate import Sampling, Stats, cache_pages, generate
 from .model import Transformer
-from .proposers import DraftProposer, MTPProposer, NoProposer
+from .proposers import NoProposer, Proposer
 from .tokenizer import load_tokenizer
 
 
@@ -56,7 +56,7 @@ class Row:
     k: int
     mode: str  # "greedy" or "sample"
     tokens_per_s: float
-    speedup: float  # over the target alone: median of run-by-run ratios, same mode, same run
+    speedup: float  # over the target alone, same engine: median of run-by-run ratios, same mode, same run
     acceptance_rate: float
     tokens_per_pass: float
     accepted_at: list[float]  # rate at which the i-th proposal was kept
@@ -65,9 +65,11 @@ class Row:
     cost_v: float  # a verify pass over k+1 tokens, in one-token target passes
     predicted_speedup: float
     measured_over_predicted: float
-    identical: str | None  # "8/8" for greedy rows
+    identical: str | None  # "8/8" for greedy rows: same tokens as the eager target alone
     runs: int
     tokens_per_s_runs: list[float] = field(default_factory=list)
+    engine: str = "eager"
+    vs_eager: float | None = None  # over the eager target alone (same mode, same run), when it ran
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
@@ -103,7 +105,7 @@ def forward_costs(
     context: int = 132,
     reps: int = 60,
 ) -> tuple[dict[str, float], dict[int, float], float]:
-    """Stopwatch around the forwards, at a typical context length.
+    """Stopwatch around the forwards, at a typical context length, with the engine switched on.
 
     -> (c per proposer: one proposal step in target passes, v(k) per k: a pass over k+1
     tokens in target passes, the seconds of a one-token target pass).
@@ -124,27 +126,13 @@ def forward_costs(
 
     fns: dict[str, Callable[[], object]] = {"v1": target_pass(1)}
     fns |= {f"v{k + 1}": target_pass(k + 1) for k in ks if k + 1 != 1}
-    started: list[DraftProposer | MTPProposer] = []
+    started: list[Proposer] = []
     for name, make in proposers.items():
         p = make(context + 4)
         p.start(ids, ids[-1:], hidden)
-        if isinstance(p, MTPProposer):
-            p.propose(1, None, None)  # fills its cache with the true states
-            n = p.cache.length(p.seq)
-
-            def run(p: MTPProposer = p, n: int = n) -> object:
-                out = p.head.pick(p.step(hidden[-1:], ids[-1:]), None, None)
-                p.cache.keep(p.seq, n)
-                return out
-        elif isinstance(p, DraftProposer):
-
-            def run(p: DraftProposer = p) -> object:
-                out = p.head.pick(p.model(ids[-1:], p.cache, p.seq, head=False)[1], None, None)
-                p.cache.keep(p.seq, context)
-                return out
-        else:
-            continue
-        fns[f"c:{name}"] = run
+        p.propose(1, None, None)  # every cache filled up to the prompt
+        p.accept(1, ids[-2:], hidden[-2:])
+        fns[f"c:{name}"] = p.cost_step
         started.append(p)
     t = _interleaved(fns, reps)
     one = t["v1"]
@@ -200,43 +188,63 @@ class Plan:
     repeats: int = 3
     temperature: float = 1.0
     seed: int = 0
+    # "eager" and/or "compiled" (steps prepared beforehand, `aot.prepare`). With compiled alone,
+    # the eager target alone still runs, as the reference of identity and of `vs_eager`.
+    engines: tuple[str, ...] = ("eager",)
 
 
 @dataclass
 class Costs:
-    """`readings` round-robin readings of `forward_costs`: c per "mode:proposer", v per k."""
+    """`readings` round-robin readings of `forward_costs`, per engine.
+
+    c: "engine:mode:proposer" -> readings; v: "engine:T" -> readings of a pass over T tokens
+    in one-token passes of the same engine; one_pass_s: engine -> seconds of a one-token pass.
+    """
 
     c: dict[str, list[float]]
-    v: dict[int, list[float]]
-    one_pass_s: list[float]  # seconds of a one-token target pass, per reading
+    v: dict[str, list[float]]
+    one_pass_s: dict[str, list[float]]
 
 
-def cost_readings(target: Transformer, plan: Plan, prompt: list[int], readings: int) -> Costs:
-    """c and v alone (`bench --costs`): seconds of work, where the full bench takes minutes."""
-    ks = sorted({k for ks in plan.ks.values() for k in ks})
+def cost_readings(
+    target: Transformer, plan: Plan, prompt: list[int], readings: int, passes: list[int] | None = None
+) -> Costs:
+    """c and v alone (`bench --costs`): seconds of work, where the full bench takes minutes.
+
+    `passes`: the token counts T whose v is read (default: k+1 for the plan's k).
+    """
+    ks = sorted({T - 1 for T in passes} - {0}) if passes else sorted({k for ks in plan.ks.values() for k in ks})
     each = {f"{m}:{n}": f for m in plan.modes for n, f in plan.proposers[m].items()}
-    out = Costs({name: [] for name in each}, {k: [] for k in ks}, [])
+    out = Costs({}, {}, {e: [] for e in plan.engines})
     for _ in range(readings):
-        c, v, one = forward_costs(target, each, ks, prompt)
-        for name, x in c.items():
-            out.c[name].append(x)
-        for k, x in v.items():
-            out.v[k].append(x)
-        out.one_pass_s.append(one)
+        for engine in plan.engines:
+            aot.switch(engine == "compiled")
+            c, v, one = forward_costs(target, each, ks or [1], prompt)
+            for name, x in c.items():
+                out.c.setdefault(f"{engine}:{name}", []).append(x)
+            for k, x in v.items():
+                out.v.setdefault(f"{engine}:{k + 1}", []).append(x)
+            out.one_pass_s[engine].append(one)
     return out
 
 
-def costs_table(costs: Costs, device: str, threads: int) -> Table:
-    n = len(costs.one_pass_s)
-    ms = statistics.median(costs.one_pass_s) * 1e3
-    title = f"forward costs in one-token target passes ({ms:.2f} ms), {n} readings, {device}, {threads} threads"
-    t = Table(title=title)
-    for col in ("cost", "median", "readings"):
-        t.add_column(col, justify="right")
-    rows = [(f"c {name}", xs) for name, xs in costs.c.items()] + [(f"v({k})", xs) for k, xs in costs.v.items()]
-    for label, xs in rows:
-        t.add_row(label, f"{statistics.median(xs):.3f}", " ".join(f"{x:.3f}" for x in xs))
-    return t
+Config = tuple[str, str, ProposerFactory, int]  # engine, proposer, factory, k
+
+
+def _configs(plan: Plan, mode: str) -> list[Config]:
+    none: ProposerFactory = lambda _: NoProposer()  # noqa: E731
+    out: list[Config] = [("eager", "none", none, 0)]
+    for engine in plan.engines:
+        if engine != "eager":
+            out.append((engine, "none", none, 0))
+    for engine in plan.engines:
+        out += [(engine, n, f, k) for n, f in plan.proposers[mode].items() for k in plan.ks[n]]
+    return out
+
+
+def generations(plan: Plan, n_prompts: int) -> int:
+    """Timed generations of a run (for a progress bar)."""
+    return sum(len(_configs(plan, m)) for m in plan.modes) * plan.repeats * n_prompts
 
 
 def run_bench(
@@ -250,57 +258,62 @@ def run_bench(
     """
     costs = cost_readings(target, plan, prompts[0], 1)
     c = {name: xs[0] for name, xs in costs.c.items()}
-    v = {k: xs[0] for k, xs in costs.v.items()}
-    none: ProposerFactory = lambda _: NoProposer()  # noqa: E731
+    v = {name: xs[0] for name, xs in costs.v.items()}
     rows: list[Row] = []
     for mode in plan.modes:
         sampling = Sampling(0.0 if mode == "greedy" else plan.temperature, seed=plan.seed)
-        configs = [("none", none, 0)] + [(n, f, k) for n, f in plan.proposers[mode].items() for k in plan.ks[n]]
-        for _, make, k in configs:
+        configs = _configs(plan, mode)
+        for engine, _, make, k in configs:
+            aot.switch(engine == "compiled")
             generate(target, make(64), prompts[0][:16], 16, k, sampling)  # warm-up
         # all_runs[j][r]: configuration j's tokens/s, stats and outputs over all prompts, in timed run r
         all_runs: list[list[tuple[float, Stats, list[list[int]]]]] = [[] for _ in configs]
         for rep in range(plan.repeats):
-            totals = [Stats(name, k, accepted_at=[0] * k) for name, _, k in configs]
+            totals = [Stats(name, k, accepted_at=[0] * k) for _, name, _, k in configs]
             texts: list[list[list[int]]] = [[] for _ in configs]
             # Prompt by prompt, every configuration in turn: a slow spell of the machine
             # (seconds long) then falls on all configurations alike, not on one.
             for i, prompt in enumerate(prompts):
-                for j, (name, make, k) in enumerate(configs):
+                for j, (engine, name, make, k) in enumerate(configs):
                     if progress:
-                        progress(f"{mode} {name} k={k}, prompt {i + 1}/{len(prompts)}, run {rep + 1}/{plan.repeats}")
+                        label = f"{mode} {engine} {name} k={k}, prompt {i + 1}/{len(prompts)}, run {rep + 1}"
+                        progress(f"{label}/{plan.repeats}")
+                    aot.switch(engine == "compiled")
                     out, st = run_prompt(target, make, prompt, i, plan.max_new, k, sampling)
                     texts[j].append(out)
                     add_stats(totals[j], st)
             for j, total in enumerate(totals):
                 all_runs[j].append((total.new_tokens / total.elapsed_s, total, texts[j]))
-        base_runs, base_outs = [r[0] for r in all_runs[0]], all_runs[0][0][2]  # the target alone
-        for (name, _, k), runs in zip(configs, all_runs, strict=True):
+        aot.switch(True)
+        eager_runs, eager_outs = [r[0] for r in all_runs[0]], all_runs[0][0][2]  # the eager target alone
+        base = {e: [r[0] for r in all_runs[j]] for j, (e, n, _, _) in enumerate(configs) if n == "none"}
+        for (engine, name, _, k), runs in zip(configs, all_runs, strict=True):
             tps_runs = [r[0] for r in runs]
-            tps = statistics.median(tps_runs)
             _, st, outs = runs[0]
             rounds = st.passes - len(prompts)  # prefill passes excluded
             alpha = conditional_alpha(st.accepted_at, rounds)
-            cc = c.get(f"{mode}:{name}", 0.0)
-            vv = v.get(k, 1.0) if k else 1.0
+            cc = c.get(f"{engine}:{mode}:{name}", 0.0)
+            vv = v.get(f"{engine}:{k + 1}", 1.0) if k else 1.0
             pred = predicted_speedup(alpha, k, cc, vv)
             # Each timed run against the target alone's run of the same round, then the
             # median: a slow spell of the machine spans both sides of a ratio.
-            speed = statistics.median(a / b for a, b in zip(tps_runs, base_runs, strict=True))
+            speed = statistics.median(a / b for a, b in zip(tps_runs, base[engine], strict=True))
+            vs_eager = statistics.median(a / b for a, b in zip(tps_runs, eager_runs, strict=True))
             identical = None
             if mode == "greedy":
-                same = sum(a == b for a, b in zip(outs, base_outs, strict=True))
+                same = sum(a == b for a, b in zip(outs, eager_outs, strict=True))
                 identical = f"{same}/{len(outs)}"
+            per = [a / max(1, rounds) for a in st.accepted_at]
             rows.append(
                 Row(
                     name,
                     k,
                     mode,
-                    tps,
+                    statistics.median(tps_runs),
                     speed,
                     st.acceptance_rate,
                     st.tokens_per_pass,
-                    [a / max(1, rounds) for a in st.accepted_at],
+                    per,
                     alpha,
                     cc,
                     vv,
@@ -309,88 +322,8 @@ def run_bench(
                     identical,
                     plan.repeats,
                     tps_runs,
+                    engine,
+                    vs_eager,
                 )
             )
     return rows
-
-
-def plot(rows: list[Row], path: Path) -> None:
-    """Speed-up against k for each proposer and mode (needs matplotlib: pip install smallem[plot])."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in sorted({r.mode for r in rows}):
-        for name in sorted({r.proposer for r in rows if r.proposer != "none"}):
-            pts = sorted((r.k, r.speedup) for r in rows if r.proposer == name and r.mode == mode)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=f"{name} ({mode})")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("k (proposals per round)")
-    ax.set_ylabel("speed-up over the target alone")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-# --- presentation --------------------------------------------------------------------------
-def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: str, threads: int) -> Table:
-    t = Table(
-        title=f"{n_prompts} prompts x {max_new} new tokens, median of {repeats} runs, {device}, {threads} threads"
-    )
-    cols = (
-        "mode",
-        "proposer",
-        "k",
-        "tok/s",
-        "speed-up",
-        "α",
-        "α model",
-        "tok/pass",
-        "per position",
-        "c",
-        "v",
-        "predicted",
-        "meas/pred",
-        "identical",
-    )
-    for col in cols:
-        t.add_column(col, justify="right")
-    for r in rows:
-        per = " ".join(f"{a:.2f}" for a in r.accepted_at)
-        t.add_row(
-            r.mode,
-            r.proposer,
-            str(r.k),
-            f"{r.tokens_per_s:.1f}",
-            f"×{r.speedup:.2f}",
-            f"{r.acceptance_rate:.3f}",
-            f"{r.alpha_model:.3f}",
-            f"{r.tokens_per_pass:.2f}",
-            per,
-            f"{r.cost_c:.3f}",
-            f"{r.cost_v:.2f}",
-            f"×{r.predicted_speedup:.2f}",
-            f"{r.measured_over_predicted:.2f}",
-            r.identical or "",
-        )
-    return t
-
-
-def sweep_table(rows: list[Row]) -> Table:
-    ks = sorted({r.k for r in rows if r.k})
-    t = Table(title="k sweep: speed-up (acceptance)")
-    t.add_column("mode / proposer")
-    for k in ks:
-        t.add_column(f"k={k}", justify="right")
-    for mode in dict.fromkeys(r.mode for r in rows):
-        for name in dict.fromkeys(r.proposer for r in rows if r.proposer != "none"):
-            cells = {
-                r.k: f"×{r.speedup:.2f} ({r.acceptance_rate:.2f})"
-                for r in rows
-                if r.mode == mode and r.proposer == name
-            }
-            t.add_row(f"{mode} {name}", *[cells.get(k, "") for k in ks])
-    return t

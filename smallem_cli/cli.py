@@ -262,19 +262,23 @@ def bench(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="PNG of speed-up against k")] = None,
-    peer: Annotated[str | None, typer.Option(help="'hf': time transformers side by side")] = None,
+    peer: Annotated[str | None, typer.Option(help="hf | llamacpp: time transformers or llama.cpp side by side")] = None,
     costs: Annotated[
         bool, typer.Option("--costs", help="only the stopwatch readings of c and v, --repeats of them (seconds)")
     ] = False,
+    engines: Annotated[
+        str, typer.Option(help="eager,compiled | compiled | eager (auto: compiled on a CPU, beside the eager target)")
+    ] = D.ENGINE,
 ) -> None:
     """The seed's measurement table: tokens/s, speed-up, acceptance, cost model."""
     import json
 
     import torch
 
+    from . import aot, family
     from . import bench as B
-    from . import family
-    from .peer import hf_peer, peer_table
+    from . import report as R
+    from .peer import peer_table, run_peer
 
     try:
         if O.threads(threads):
@@ -291,17 +295,27 @@ def bench(
         O.check_vocab(proposer_vocab)
         vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
         loaded = {v: {n: family.load_proposer(n, tgt, dev, v) for n in names} for v in set(vocab.values())}
+        engine_list = aot.bench_engines(engines, dev)
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
-    plan = B.Plan({m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature)
+    plan = B.Plan(
+        {m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature, 0, engine_list
+    )
+    passes = list(D.COST_PASSES) if costs else None
+    if "compiled" in engine_list:  # every pass the bench takes, built or loaded before anything is timed
+        log = lambda m: err.print(m, markup=False, highlight=False)  # noqa: E731
+        aot.prepare(tgt.model, family.load_proposer("none", tgt, dev)(8), [T - 1 for T in passes or [1]], log)
+        for factories in loaded.values():
+            for name, make in factories.items():
+                aot.prepare(tgt.model, make(8), ks[name], log)
     if costs:
-        readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats)
+        readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats, passes)
         if json_out:
             print(json.dumps({"device": str(dev), "threads": torch.get_num_threads(), **readings.__dict__}))
         else:
-            tables.print(B.costs_table(readings, str(dev), torch.get_num_threads()))
+            tables.print(R.costs_table(readings, str(dev), torch.get_num_threads()))
         return
-    total = len(mode_list) * (1 + sum(len(v) for v in ks.values())) * repeats * len(prompt_ids)  # generations
+    total = B.generations(plan, len(prompt_ids))
     from rich.progress import Progress
 
     with Progress(console=err, transient=True) as bar:
@@ -311,9 +325,15 @@ def bench(
             bar.update(task, advance=1, description=escape(label))  # the bar's text is markup
 
         rows = B.run_bench(tgt.model, prompt_ids, plan, step)
-    peer_rows = hf_peer(tgt, target.parent, prompt_ids, max_new_tokens, rows) if peer else []
+    peer_rows = (
+        run_peer(
+            peer, tgt, target.parent, prompt_ids, max_new_tokens, rows, engine_list, repeats, lambda m: err.print(m)
+        )
+        if peer
+        else []
+    )
     if plot_file:
-        B.plot(rows, plot_file)
+        R.plot(rows, plot_file)
     if json_out:
         print(
             json.dumps(
@@ -329,9 +349,9 @@ def bench(
             )
         )
     else:
-        tables.print(B.table(rows, len(prompt_ids), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
+        tables.print(R.table(rows, len(prompt_ids), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
         if sweep:
-            tables.print(B.sweep_table(rows))
+            tables.print(R.sweep_table(rows))
         if peer_rows:
             tables.print(peer_table(peer_rows))
     bad = [r for r in rows if r.identical is not None and not r.identical.startswith(f"{len(prompt_ids)}/")]
@@ -339,23 +359,40 @@ def bench(
         raise fail("greedy identity FAILED: " + ", ".join(f"{r.proposer} k={r.k}: {r.identical}" for r in bad), 1)
 
 
-# --- Hugging Face export -------------------------------------------------------------------
+# --- Hugging Face / GGUF export ------------------------------------------------------------
 @app.command()
 def export(
     checkpoint_path: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="a smallem model checkpoint")],
-    outdir: Annotated[Path, typer.Argument(help="output folder (LlamaForCausalLM)")],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="output: a folder (hf) or a .gguf file (gguf)")],
+    fmt: Annotated[
+        str, typer.Option("--format", help="hf: a LlamaForCausalLM folder | gguf: one file for llama.cpp")
+    ] = "hf",
+    dtype: Annotated[
+        str | None, typer.Option(help="gguf: f32 | f16 weights [default: f32]; hf keeps the stored dtype")
+    ] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the checkpoint]")] = None,
-    overwrite: Annotated[bool, typer.Option(help="replace a non-empty OUTDIR")] = False,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing OUT (a non-empty folder, a file)")] = False,
 ) -> None:
-    """Write a checkpoint in the Hugging Face Llama format (config.json, model.safetensors, tokenizer)."""
+    """Write a checkpoint in the Hugging Face Llama format (config.json, model.safetensors, tokenizer)
+    or as a GGUF file that llama.cpp runs (--format gguf)."""
     from .checkpoint import CheckpointError
     from .hf import HFFormatError, export_hf
 
+    tok = tokenizer or checkpoint_path.parent / "tokenizer.json"
     try:
-        export_hf(checkpoint_path, outdir, tokenizer or checkpoint_path.parent / "tokenizer.json", overwrite=overwrite)
-    except (CheckpointError, HFFormatError, OSError, ValueError) as e:
+        if fmt == "hf":
+            if dtype is not None:
+                raise O.UsageError("--dtype applies to --format gguf: hf keeps the checkpoint's dtype")
+            export_hf(checkpoint_path, out, tok, overwrite=overwrite)
+        elif fmt == "gguf":
+            from .gguf import export_gguf
+
+            export_gguf(checkpoint_path, out, tok, dtype=dtype or "f32", overwrite=overwrite)
+        else:
+            raise O.UsageError(f"unknown --format {fmt!r}: use hf or gguf")
+    except (CheckpointError, HFFormatError, OSError, ValueError, ImportError, O.UsageError) as e:
         raise fail(str(e)) from None
-    err.print(f"{checkpoint_path} -> {outdir}")
+    err.print(f"{checkpoint_path} -> {out}")
 
 
 # --- generation -------------------------------------------------------------------------
@@ -391,7 +428,7 @@ def generate(
     import torch
 
     from . import aot, family
-    from .generate import Sampling, Stats, stream
+    from .generate import NonFiniteError, Sampling, Stats, stream
     from .tokenizer import load_tokenizer
 
     try:
@@ -431,6 +468,9 @@ def generate(
         sys.stdout.flush()
         err.print("\ninterrupted")
         raise typer.Exit(130) from None
+    except NonFiniteError as e:  # what was printed stays; the run stops loudly
+        sys.stdout.flush()
+        raise fail(str(e), 1) from None
     if json_out:
         print(json.dumps({"text": tok.decode(out.ids), "tokens": out.ids, "stats": stats.as_dict()}))
     else:
@@ -439,7 +479,7 @@ def generate(
         err.print(
             f"{stats.new_tokens} tokens in {stats.elapsed_s:.2f} s: {stats.tokens_per_s:.1f} tok/s, "
             f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass "
-            f"({stats.proposer}, k={stats.k})"
+            f"({stats.proposer}, k={stats.k}, {'compiled' if compiled else 'eager'})"
         )
 
 

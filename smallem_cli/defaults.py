@@ -33,6 +33,8 @@ DEVICE = "auto"
 # Decode steps: "compiled" (ahead-of-time compiled, cached on disk), "eager" (the reference),
 # "auto": compiled on a CPU, eager on a GPU (the compiled path has not been run on one).
 ENGINE = os.environ.get("SMALLEM_ENGINE", "auto")
+# `bench --costs` reads v for passes over these many tokens (verify passes, catch-ups, batches).
+COST_PASSES = (1, 2, 3, 4, 5, 8, 16)
 # A proposer's head keeps the rows of this many most frequent tokens (0: all of them), greedy
 # and sampled: a greedy guess outside the top 1,024 is rare, but a sampled guess is drawn from
 # q, and q's mass outside the cut is p's mass that no guess can take (measured by `smallem bench`).

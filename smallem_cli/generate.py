@@ -93,6 +93,10 @@ def prefill(
     return target(prompt, cache, seq, last_only=True)
 
 
+class NonFiniteError(RuntimeError):
+    """The target's logits hold NaN or inf: broken weights or an overflow, never a silent answer."""
+
+
 def speculative_step(
     target: Transformer,
     cache: PagedKVCache,
@@ -102,10 +106,12 @@ def speculative_step(
     k: int,
     w: Warp | None,
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One round, up to the verdict: -> (n [1], out [1, k+1], hidden [k+1, d]). No host sync.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One round, up to the verdict: -> (n [1], out [1, k+1], hidden [k+1, d], finite [1]). No host sync.
 
-    `w` is the sampling warp (`Sampling.warp()`), None for greedy verification.
+    `w` is the sampling warp (`Sampling.warp()`), None for greedy verification. `finite`
+    says whether every logit of the pass was finite (NaN would make argmax and sampling
+    pick token 0 without a word).
     """
     drafts, q = proposer.propose(k, w, generator)  # [k], [k, V] or None
     logits, hidden = target(torch.cat([last, drafts]), cache, seq)  # [k+1, V], [k+1, d]
@@ -115,7 +121,12 @@ def speculative_step(
         p = w(logits)
         q = q if q is not None else p[:0]
         n, out = verify_sample(drafts[None], q[None], p[None], generator)
-    return n, out, hidden
+    return n, out, hidden, logits.isfinite().all().view(1)
+
+
+def _check_finite(ok: bool) -> None:
+    if not ok:
+        raise NonFiniteError("the target's logits are not finite (NaN or inf): its weights or settings are broken")
 
 
 def stream(
@@ -149,6 +160,7 @@ def stream(
             w = sampling.warp()  # built once, used every round
             last = greedy_pick(logits) if w is None else sample(w(logits), gen)
             proposer.start(ids, last, hidden)
+            _check_finite(bool(logits.isfinite().all()))
             first = int(last.item())
             st.prefill_s = time.perf_counter() - t0
             if first == stop_token:
@@ -159,8 +171,9 @@ def stream(
             if k > 0:
                 st.accepted_at = [0] * k
             while st.new_tokens < max_new_tokens:
-                n_t, out, hidden = speculative_step(target, cache, seq, proposer, last, k, w, gen)
-                verdict = torch.cat([n_t, out[0]]).tolist()  # the round's one host sync
+                n_t, out, hidden, finite = speculative_step(target, cache, seq, proposer, last, k, w, gen)
+                verdict = torch.cat([n_t, out[0], finite.long()]).tolist()  # the round's one host sync
+                _check_finite(verdict[-1] == 1)
                 n = verdict[0]
                 emitted = verdict[1 : n + 2]
                 start = cache.length(seq) - (k + 1)

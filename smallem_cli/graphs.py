@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import Block, MTPModule, Transformer, unit_rms
+from .model import Block, MTPModule, Transformer
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, as the eager `model.unit_rms` (which caches an eps tensor:
+    a tensor made while tracing must not outlive the trace). Inductor fuses it into one loop."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
 def _rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

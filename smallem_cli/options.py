@@ -153,10 +153,13 @@ def check_bench(modes: str, repeats: int, max_new: int, peer: str | None, plot: 
         raise UsageError("--repeats and --max-new-tokens must be >= 1")
     if costs and (peer or plot):
         raise UsageError("--costs times no generations: --peer and --plot do not apply")
-    if peer not in (None, "hf"):
-        raise UsageError(f"unknown peer {peer!r}: only 'hf' is supported")
-    if peer and importlib.util.find_spec("transformers") is None:
+    if peer not in (None, "hf", "llamacpp"):
+        raise UsageError(f"unknown peer {peer!r}: use hf (transformers) or llamacpp (llama.cpp)")
+    if peer == "hf" and importlib.util.find_spec("transformers") is None:
         raise UsageError("--peer hf needs transformers: pip install 'smallem[hf]'")
+    missing = [m for m in ("llama_cpp", "gguf") if peer == "llamacpp" and importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"--peer llamacpp needs {' and '.join(missing)}: pip install 'smallem[llamacpp]'")
     if plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'smallem[plot]'")
     return mode_list

@@ -9,6 +9,8 @@ The protocol, in the loop's order:
   (`emitted`, [n+1]: the kept guesses, then the target's own token); `hidden` [n+1, d]
   are the target's states at the positions that were fed, [last, d_1 .. d_n].
   The proposer rolls its own cache back to what is still true.
+- `cost_step()`: one guess from the current state, which it leaves as it was: what
+  `bench` times as the proposer's cost c.
 - `passes(k)`: the decode passes a round with k guesses may run, as (model, T, head,
   last), so that compiled steps can be built before anything is timed (`aot.prepare`).
 
@@ -41,6 +43,8 @@ class Proposer(Protocol):
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None: ...
 
     def release(self) -> None: ...
+
+    def cost_step(self) -> object: ...
 
     def passes(self, k: int) -> list[Pass]: ...
 
@@ -101,6 +105,9 @@ class NoProposer:
     def release(self) -> None:
         pass
 
+    def cost_step(self) -> object:
+        return None
+
     def passes(self, k: int) -> list[Pass]:
         return []
 
@@ -144,6 +151,13 @@ class DraftProposer:
 
     def release(self) -> None:
         self.cache.release(self.seq)
+
+    def cost_step(self) -> object:
+        n = self.cache.length(self.seq)
+        _, h = self.model(self.pending[-1:], self.cache, self.seq, head=False, last=True)
+        out = self.head.pick(h, None, None)
+        self.cache.keep(self.seq, n)
+        return out
 
     def passes(self, k: int) -> list[Pass]:
         return [(self.model, t, False, True) for t in (1, 2)]  # a guess; a catch-up on 2 tokens
@@ -201,6 +215,12 @@ class MTPProposer:
 
     def release(self) -> None:
         self.cache.release(self.seq)
+
+    def cost_step(self) -> object:
+        n = self.cache.length(self.seq)
+        out = self.head.pick(self.step(self.pending_h[-1:], self.pending_next[-1:]), None, None)
+        self.cache.keep(self.seq, n)
+        return out
 
     def passes(self, k: int) -> list[Pass]:
         return [(self.mtp, t, True, t > 1) for t in range(1, k + 2)]  # catch-ups on 1..k+1 pairs; chained guesses

@@ -127,12 +127,13 @@ def test_bench_costs_only(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_p
     res = CliRunner().invoke(app, [*args, "--repeats", "3", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    names = {f"{m}:{p}" for m in ("greedy", "sample") for p in ("draft-2l", "mtp")}
+    names = {f"eager:{m}:{p}" for m in ("greedy", "sample") for p in ("draft-2l", "mtp")}
     assert set(out["c"]) == names and all(len(xs) == 3 and min(xs) > 0 for xs in out["c"].values())
-    ks = {1} | {defaults.default_k(p, g) for p in ("draft-2l", "mtp") for g in (True, False)}
-    assert {int(k) for k in out["v"]} == ks and all(len(xs) == 3 for xs in out["v"].values())
-    assert len(out["one_pass_s"]) == 3 and timed == []
+    # v for every pass size of defaults.COST_PASSES but 1 (the unit), in passes of the same engine
+    assert set(out["v"]) == {f"eager:{T}" for T in defaults.COST_PASSES if T > 1}
+    assert all(len(xs) == 3 for xs in out["v"].values())
+    assert len(out["one_pass_s"]["eager"]) == 3 and timed == []
     table = CliRunner().invoke(app, [*args, "--repeats", "1", "--modes", "greedy"])
-    assert table.exit_code == 0 and "c greedy:mtp" in table.stdout and "v(1)" in table.stdout
+    assert table.exit_code == 0 and "c eager:greedy:mtp" in table.stdout and "v eager T=16" in table.stdout
     bad = CliRunner().invoke(app, [*args, "--peer", "hf"])
     assert bad.exit_code == 2 and "--costs" in bad.stderr

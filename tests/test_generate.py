@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import MAX_LEN, PROMPT
 
-from smallem_cli.generate import Sampling, Stats, generate, stream
+from smallem_cli.generate import NonFiniteError, Sampling, Stats, generate, stream
 from smallem_cli.model import Transformer
 from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
 
@@ -470,3 +470,20 @@ def test_mtp_decode_matches_its_training_forward(models: dict) -> None:
     assert target.rope_packed is not None
     out = mtp.decode(h, tokens, target.embed_tokens.weight, target.rope_packed[:T], cache, step)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("at", ["prefill", "round"])
+def test_non_finite_logits_stop_loudly(target, at: str) -> None:
+    """NaN logits would make argmax and sampling pick token 0 in silence: the loop raises instead."""
+    import copy
+
+    broken = copy.deepcopy(target)
+    if at == "prefill":
+        broken.head_t[:, 5] = float("nan")  # every position's logit 5
+    chunks: list[list[int]] = []
+    with pytest.raises(NonFiniteError, match="not finite"):
+        for chunk in stream(broken, NoProposer(), PROMPT, 20, 0):
+            chunks.append(chunk)
+            if at == "round":
+                broken.head_t[:, 5] = float("nan")  # from the first round on
+    assert len(chunks) == (0 if at == "prefill" else 1)  # the prefill's token came out before the NaN
