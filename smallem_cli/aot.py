@@ -38,6 +38,7 @@ from .model import MIN_PAST
 from .proposers import Pass, Proposer
 
 Log = Callable[[str], None]
+INPUTS_VERSION = 1  # bump when the example inputs below (`for_transformer`, `for_mtp`) change layout
 _ALL: weakref.WeakSet[CompiledSteps] = weakref.WeakSet()  # every model's steps, for `switch`
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
 # Inductor settings: frozen weights let max-autotune pick its C++ micro-GEMM over MKL.
@@ -54,10 +55,10 @@ def cache_root() -> Path:
 
 
 def _code_version() -> str:
-    """Hash of the graph code and this module: a change in either makes new keys."""
-    h = hashlib.sha256()
-    for path in (graphs.__file__, __file__):
-        h.update(Path(path).read_bytes())
+    """What a compiled step depends on besides its model and shape: the graph code, the
+    compiler's settings and the example inputs' layout (a change in any makes new keys)."""
+    h = hashlib.sha256(Path(graphs.__file__).read_bytes())
+    h.update(repr((sorted(INDUCTOR.items()), MIN_PAST, INPUTS_VERSION)).encode())
     return h.hexdigest()[:16]
 
 
@@ -83,11 +84,13 @@ class CompiledSteps:
         build: Callable[[bool, bool], nn.Module],
         inputs: Callable[[int, torch.Tensor], tuple[torch.Tensor, ...]],
         slab_shape: tuple[int, ...],
+        positions: int,
         digest: str,
         log: Log | None = None,
         root: Path | None = None,
     ) -> None:
         self.build, self.inputs, self.slab_shape = build, inputs, slab_shape
+        self.positions = positions  # the model's context: no pass may reach past it
         self.log = log or (lambda _: None)
         self.root = root or cache_root()
         self.base = "|".join(
@@ -201,7 +204,13 @@ def for_transformer(model: graphs.Transformer, log: Log | None = None, root: Pat
 
     consts = [model.embed_tokens.weight, model.head_t] + [w for b in model.layers for w in b.packed.values()]  # type: ignore[union-attr]
     return CompiledSteps(
-        lambda head, last: graphs.TransformerStep(model, head, last), inputs, slab, weights_digest(consts), log, root
+        lambda head, last: graphs.TransformerStep(model, head, last),
+        inputs,
+        slab,
+        c.max_seq_len,
+        weights_digest(consts),
+        log,
+        root,
     )
 
 
@@ -221,9 +230,15 @@ def for_mtp(
         tokens = torch.zeros(T, dtype=torch.long)
         return (h, tokens, *_rope_inputs(cos, sin, T), slab_t[:, :, :, :S0])
 
-    consts = [mtp.token_table(embed), mtp.proj_t, *mtp.block.packed.values()]  # type: ignore[union-attr]
+    consts = [embed, mtp.proj_t, *mtp.block.packed.values()]  # what the table is made of: no matmul's rounding  # type: ignore[union-attr]
     return CompiledSteps(
-        lambda head, last: graphs.MTPStep(mtp, embed, last), inputs, slab, weights_digest(consts), log, root
+        lambda head, last: graphs.MTPStep(mtp, embed, last),
+        inputs,
+        slab,
+        min(c.max_seq_len, target.cfg.max_seq_len),
+        weights_digest(consts),
+        log,
+        root,
     )
 
 

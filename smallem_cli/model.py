@@ -294,10 +294,14 @@ def compiled_step(
 ) -> StepFn | None:
     """The compiled step for this pass, or None (eager) when there is none or it cannot serve it.
 
-    A graph assumes the slab layout it was built for and a past of at least MIN_PAST
-    positions laid out as one view (consecutive pages).
+    A graph assumes the slab layout it was built for, a past of at least MIN_PAST positions
+    laid out as one view (consecutive pages), and positions inside the context (the slab
+    holds a page more, but past the context the rope tables run short, and a graph checks
+    no shapes: it would read out of bounds).
     """
     if compiled is None or not compiled.enabled or step.view is None or step.start < MIN_PAST:
+        return None
+    if step.length > compiled.positions:
         return None
     if tuple(cache.kv.shape) != compiled.slab_shape:
         return None
