@@ -117,19 +117,23 @@ class CompiledSteps:
         """The prepared step for this pass, or None: nothing is compiled in the middle of a run."""
         return self.fns.get((T, head, last and T > 1))
 
-    def prepare(self, shapes: list[tuple[int, bool, bool]]) -> None:
-        """Load (or compile, then load) the steps of these passes: (T, head, last)."""
+    def prepare(self, shapes: list[tuple[int, bool, bool]], build: bool = True) -> int:
+        """Load the steps of these passes, (T, head, last), from the cache; with `build`, compile
+        those it lacks first. -> how many of them are ready."""
         for T, head, last in shapes:
             shape = (T, head, last and T > 1)
-            if shape not in self.fns:
-                self.fns[shape] = self._load_or_compile(*shape)
+            if self.fns.get(shape) is None and (build or shape not in self.fns):
+                self.fns[shape] = self._load_or_compile(*shape, build)
+        return sum(self.get(*shape) is not None for shape in shapes)
 
-    def _load_or_compile(self, T: int, head: bool, last: bool) -> StepFn | None:
+    def _load_or_compile(self, T: int, head: bool, last: bool, build: bool = True) -> StepFn | None:
         path = self.root / "aot" / f"{self.key(T, head, last)}.pt2"
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             _check_private(path.parent)
             if not path.is_file():
+                if not build:
+                    return None
                 t0 = time.perf_counter()
                 self.log(f"compiling a decode step for this machine (T={T}; once, cached in {self.root})")
                 self._compile(T, head, last, path)
@@ -258,18 +262,21 @@ def attach(
         model.compiled = for_transformer(model, log)
 
 
-def prepare(target: graphs.Transformer, proposer: Proposer, ks: list[int], log: Log | None = None) -> CompiledSteps:
-    """Compiled steps for the target and the proposer's models, every pass a run with these k
-    may take built (or loaded) now, before anything is timed. -> the target's steps."""
+def prepare(
+    target: graphs.Transformer, proposer: Proposer, ks: list[int], log: Log | None = None, build: bool = True
+) -> tuple[int, int]:
+    """Compiled steps for the target and the proposer's models: every pass a run with these k
+    may take, loaded now (and with `build`, compiled first where the cache lacks it), before
+    anything is timed. -> (passes with a compiled step, passes)."""
     passes: list[Pass] = [(target, k + 1, True, False) for k in ks]
     for k in ks:
         passes += proposer.passes(k)
+    ready = 0
     for model, T, head, last in passes:
         if getattr(model, "compiled", None) is None:
             attach(model, target, log)  # type: ignore[arg-type]
-        model.compiled.prepare([(T, head, last)])  # type: ignore[union-attr]
-    assert target.compiled is not None
-    return target.compiled
+        ready += model.compiled.prepare([(T, head, last)], build)  # type: ignore[union-attr]
+    return ready, len(passes)
 
 
 def use(models: list[nn.Module], compiled: bool) -> None:
@@ -289,17 +296,20 @@ def switch(compiled: bool) -> None:
 ENGINES = ("auto", "eager", "compiled")
 
 
-def engine_on(engine: str, device: torch.device) -> bool:
-    """--engine -> whether to use compiled steps; ValueError for an unknown name."""
+def engine_mode(engine: str, device: torch.device) -> str | None:
+    """--engine -> None (eager), "cached" (auto on a CPU: the steps already built, nothing
+    compiled) or "build" (compiled: build what the cache lacks). ValueError for an unknown name."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
-    return engine == "compiled" or (engine == "auto" and device.type == "cpu")
+    if engine == "compiled":
+        return "build"
+    return "cached" if engine == "auto" and device.type == "cpu" else None
 
 
 def bench_engines(engines: str, device: torch.device) -> tuple[str, ...]:
     """--engines of bench: "auto" or a comma-separated list of eager and compiled."""
     if engines == "auto":
-        return ("compiled",) if engine_on("auto", device) else ("eager",)
+        return ("eager", "compiled") if engine_mode("auto", device) else ("eager",)
     names = tuple(dict.fromkeys(e.strip() for e in engines.split(",") if e.strip()))
     if not names or any(e not in ("eager", "compiled") for e in names):
         raise ValueError(f"--engines takes eager, compiled or both (comma-separated), or auto; got {engines!r}")

@@ -267,7 +267,7 @@ def bench(
         bool, typer.Option("--costs", help="only the stopwatch readings of c and v, --repeats of them (seconds)")
     ] = False,
     engines: Annotated[
-        str, typer.Option(help="eager,compiled | compiled | eager (auto: compiled on a CPU, beside the eager target)")
+        str, typer.Option(help="eager | compiled | eager,compiled (auto: both on a CPU; compiled builds its steps)")
     ] = D.ENGINE,
 ) -> None:
     """The seed's measurement table: tokens/s, speed-up, acceptance, cost model."""
@@ -419,7 +419,9 @@ def generate(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
-    engine: Annotated[str, typer.Option(help="auto | eager | compiled (auto: compiled on a CPU)")] = D.ENGINE,
+    engine: Annotated[
+        str, typer.Option(help="auto (compiled steps already built, on a CPU) | eager | compiled (build them)")
+    ] = D.ENGINE,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
@@ -443,13 +445,20 @@ def generate(
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
-        compiled = aot.engine_on(engine, dev)
+        mode = aot.engine_mode(engine, dev)
         if O.threads(threads):
             torch.set_num_threads(threads)  # type: ignore[arg-type]
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
-    if compiled:  # every pass this run may take, built or loaded before the clock starts
-        aot.prepare(tgt.model, make_proposer(8), [kk], log=lambda m: err.print(m, markup=False, highlight=False))
+    ready, passes = 0, 1
+    if mode:  # every pass this run may take, loaded (or built) before the clock starts
+        ready, passes = aot.prepare(tgt.model, make_proposer(8), [kk], err.print, build=mode == "build")
+        if ready < passes and not quiet:
+            err.print(
+                f"eager for {passes - ready} of {passes} kinds of pass: `--engine compiled` builds their "
+                f"compiled steps once for this machine (about a minute each), cached in {aot.cache_root()}"
+            )
+    used = "compiled" if ready == passes else "eager" if not ready else "partly compiled"
 
     sampling = Sampling(temperature, top_k, top_p, seed)
     stats = Stats(proposer, kk)
@@ -479,7 +488,7 @@ def generate(
         err.print(
             f"{stats.new_tokens} tokens in {stats.elapsed_s:.2f} s: {stats.tokens_per_s:.1f} tok/s, "
             f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass "
-            f"({stats.proposer}, k={stats.k}, {'compiled' if compiled else 'eager'})"
+            f"({stats.proposer}, k={stats.k}, {used})"
         )
 
 

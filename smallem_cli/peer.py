@@ -111,10 +111,10 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
         c.add_column(col, justify="right")
     for r in costs:
         c.add_row(r["peer"], f"{r['one_pass_ms']:.3f}", *(f"{r['pass_cost'][str(T)]:.2f}" for T in passes))
-        ours = r.get("ours_pass_cost")
-        if ours:
-            label = f"ours ({r['ours_engine']})"
-            c.add_row(label, f"{r['ours_one_pass_ms']:.3f}", *(f"{ours[str(T)]:.2f}" for T in passes))
+    r = costs[-1]  # ours: the same reading in every row
+    if r.get("ours_pass_cost"):
+        ours = [f"{r['ours_pass_cost'][str(T)]:.2f}" for T in passes]
+        c.add_row(f"ours ({r['ours_engine']})", f"{r['ours_one_pass_ms']:.3f}", *ours)
     return Group(t, c)
 
 

@@ -211,9 +211,9 @@ def test_key_depends_on_the_thread_count(tmp_path: Path) -> None:
 
 def test_engine_names() -> None:
     cpu = torch.device("cpu")
-    assert aot.engine_on("compiled", cpu) and aot.engine_on("auto", cpu) and not aot.engine_on("eager", cpu)
+    assert [aot.engine_mode(e, cpu) for e in ("compiled", "auto", "eager")] == ["build", "cached", None]
     with pytest.raises(ValueError, match="bogus"):
-        aot.engine_on("bogus", cpu)
+        aot.engine_mode("bogus", cpu)
 
 
 # --- AOT, for real: few compiles, one cache folder -------------------------------------------------
@@ -431,3 +431,21 @@ def test_cli_compiled_engine_prints_the_eager_text(
     assert re.fullmatch(r"\d+ tokens in .*, eager\)\n", eager.stderr), eager.stderr
     assert re.fullmatch(r"\d+ tokens in .*, compiled\)\n", res.stderr), res.stderr  # one line: nothing compiled
     assert served and all(served)
+
+
+@needs_compiler
+def test_cli_auto_engine_uses_what_is_built_and_compiles_nothing(
+    compiled: Compiled, family: Family, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The default engine loads the steps the cache holds; where it holds none it runs eager,
+    says how to build them in one line, and compiles nothing."""
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **kw: pytest.fail("compiled"))
+    monkeypatch.setenv("SMALLEM_CACHE", str(compiled.root))
+    built = cli_generate(family, "--proposer", "none", "--engine", "auto")
+    assert built.exit_code == 0 and re.fullmatch(r"\d+ tokens in .*, compiled\)\n", built.stderr), built.stderr
+    monkeypatch.setenv("SMALLEM_CACHE", str(tmp_path / "empty"))
+    bare = cli_generate(family, "--proposer", "none", "--engine", "auto")
+    assert bare.exit_code == 0 and bare.stdout == built.stdout
+    hint, stats = bare.stderr.splitlines()
+    assert "--engine compiled" in hint and stats.endswith(", eager)")
+    assert cli_generate(family, "--proposer", "none", "--engine", "auto", "-q").stderr == ""
