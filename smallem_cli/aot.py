@@ -41,8 +41,17 @@ Log = Callable[[str], None]
 INPUTS_VERSION = 1  # bump when the example inputs below (`for_transformer`, `for_mtp`) change layout
 _ALL: weakref.WeakSet[CompiledSteps] = weakref.WeakSet()  # every model's steps, for `switch`
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
-# Inductor settings: frozen weights let max-autotune pick its C++ micro-GEMM over MKL.
-INDUCTOR = {"max_autotune": True, "freezing": True, "cpp_wrapper": True, "autotune_num_choices_displayed": 0}
+# Inductor settings: frozen weights and its C++ GEMM template alone (no ATen choice: its
+# small-M GEMMs are what this replaces, and no autotuning means no benchmark to skew on a busy
+# machine, and a faster compile). Where the template cannot serve, INDUCTOR_FALLBACK (autotuned).
+INDUCTOR = {
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP",
+    "freezing": True,
+    "cpp_wrapper": True,
+    "autotune_num_choices_displayed": 0,
+}
+INDUCTOR_FALLBACK = INDUCTOR | {"max_autotune_gemm_backends": "ATEN,CPP"}
 
 
 def cache_root() -> Path:
@@ -159,9 +168,14 @@ class CompiledSteps:
         try:
             with torch.no_grad(), _quiet(path.with_suffix(".log")):
                 ep = torch.export.export(module, args, dynamic_shapes=dyn)
-                out = torch._inductor.aoti_compile_and_package(
-                    ep, package_path=str(tmp / "step.pt2"), inductor_configs=dict(INDUCTOR)
-                )
+                try:
+                    out = torch._inductor.aoti_compile_and_package(
+                        ep, package_path=str(tmp / "step.pt2"), inductor_configs=dict(INDUCTOR)
+                    )
+                except Exception:  # the template cannot serve some product: let ATen's compete
+                    out = torch._inductor.aoti_compile_and_package(
+                        ep, package_path=str(tmp / "step.pt2"), inductor_configs=dict(INDUCTOR_FALLBACK)
+                    )
             os.replace(out, path)  # another process may have built the same key: either is whole
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -228,6 +228,15 @@ def cost_readings(
     return out
 
 
+def prepare_compiled(target: Transformer, plan: Plan, passes: list[int] | None, log: aot.Log) -> None:
+    """Build (or load) the compiled steps of every pass the plan takes: the target alone (or
+    the pass sizes `passes` of --costs), then each proposer at each of its k."""
+    aot.prepare(target, NoProposer(), [T - 1 for T in passes or [1]], log)
+    for factories in plan.proposers.values():
+        for name, make in factories.items():
+            aot.prepare(target, make(8), plan.ks[name], log)
+
+
 Config = tuple[str, str, ProposerFactory, int]  # engine, proposer, factory, k
 
 

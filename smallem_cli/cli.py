@@ -303,11 +303,7 @@ def bench(
     )
     passes = list(D.COST_PASSES) if costs else None
     if "compiled" in engine_list:  # every pass the bench takes, built or loaded before anything is timed
-        log = lambda m: err.print(m, markup=False, highlight=False)  # noqa: E731
-        aot.prepare(tgt.model, family.load_proposer("none", tgt, dev)(8), [T - 1 for T in passes or [1]], log)
-        for factories in loaded.values():
-            for name, make in factories.items():
-                aot.prepare(tgt.model, make(8), ks[name], log)
+        B.prepare_compiled(tgt.model, plan, passes, err.print)
     if costs:
         readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats, passes)
         if json_out:
