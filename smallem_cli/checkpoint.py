@@ -156,10 +156,27 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
 
 
 def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
-    """The parameter shapes of a model (or MTP module) of this config; nothing is allocated."""
-    with torch.device("meta"):
-        model = MTPModule(cfg) if mtp else Transformer(cfg)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    """The parameter shapes of a model (or MTP module) of this config, from the config alone.
+
+    (Building the model on the meta device gives the same, but its first use imports torch's
+    meta machinery: seconds of a command's start-up.)"""
+    d, f, q, kv = cfg.dim, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+    def block(prefix: str) -> dict[str, tuple[int, ...]]:
+        mats = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}
+        mats |= {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
+        out = {f"{prefix}.{n}.weight": (d,) for n in ("input_layernorm", "post_attention_layernorm")}
+        return out | {f"{prefix}.{n}.weight": shape for n, shape in mats.items()}
+
+    if mtp:
+        return {"hnorm.weight": (d,), "enorm.weight": (d,), "eh_proj.weight": (d, 2 * d), **block("block")}
+    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        out |= block(f"layers.{i}")
+    out["norm.weight"] = (d,)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, d)
+    return out
 
 
 def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

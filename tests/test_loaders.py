@@ -243,3 +243,16 @@ def test_hf_target_has_no_default_proposer(family: Family, hf_dir: Path, tmp_pat
     with pytest.raises(CheckpointError, match=r"proposer 'mtp' is a shipped name.*give the proposer's path"):
         fam.load_proposer("mtp", tgt, torch.device("cpu"))
     fam.load_proposer(str(family.draft), tgt, torch.device("cpu"))  # by path: fine
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_expected_shapes_are_the_models_own(mtp: bool) -> None:
+    """The shapes a file is checked against, from the config alone, are those of the model itself."""
+    from smallem_cli.checkpoint import expected_shapes
+    from smallem_cli.config import PRESETS, ModelConfig
+    from smallem_cli.model import MTPModule, Transformer
+
+    for cfg in [*PRESETS.values(), ModelConfig(tie_embeddings=False, n_kv_heads=2)]:
+        with torch.device("meta"):
+            model = MTPModule(cfg) if mtp else Transformer(cfg)
+        assert expected_shapes(cfg, mtp) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
