@@ -8,7 +8,6 @@ from .console import quiet_ctrl_c
 
 quiet_ctrl_c()  # first: Ctrl-C while the libraries below load exits 130, without a traceback
 
-from enum import Enum  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Annotated  # noqa: E402
 
@@ -19,8 +18,7 @@ from rich.text import Text  # noqa: E402
 
 from . import defaults as D  # noqa: E402
 from . import options as O  # noqa: E402
-from .config import PRESETS, ModelConfig  # noqa: E402
-from .console import TextStream, progress_printer  # noqa: E402
+from .console import TextStream  # noqa: E402
 
 app = typer.Typer(
     add_completion=False,
@@ -38,157 +36,6 @@ def fail(msg: str, code: int = 2) -> typer.Exit:
     """Print `error: msg` as one line on stderr; the caller raises the returned Exit."""
     err.print(Text.assemble(("error:", "red"), " " + O.one_line(msg)), soft_wrap=True)
     return typer.Exit(code)
-
-
-# --- data and training ------------------------------------------------------------------
-@app.command()
-def data(
-    files: Annotated[list[Path] | None, typer.Argument(help="UTF-8 text files (default: the KJV Bible)")] = None,
-    out: Annotated[Path, typer.Option(help="output folder")] = D.DATA_DIR,
-    overwrite: Annotated[bool, typer.Option(help="replace a different corpus already in --out")] = False,
-) -> None:
-    """Build the corpus and its deterministic train/validation split."""
-    import subprocess
-
-    from . import data as corpus
-    from .outputs import OutputError, write_corpus
-
-    try:
-        chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
-        train_path, val_path = write_corpus(out, chunks, overwrite, "--out")
-    except (OSError, UnicodeDecodeError, RuntimeError, subprocess.CalledProcessError, OutputError) as e:
-        raise fail(str(e)) from None
-    err.print(
-        f"{len(chunks)} chunks -> {train_path} ({train_path.stat().st_size} bytes), "
-        f"{val_path} ({val_path.stat().st_size} bytes)"
-    )
-
-
-class Kind(str, Enum):
-    tokenizer = "tokenizer"
-    target = "target"
-    draft = "draft"
-    mtp = "mtp"
-
-
-@app.command()
-def train(
-    kind: Annotated[Kind, typer.Argument(help="what to train")],
-    data_dir: Annotated[
-        Path, typer.Option("--data", help="folder with train.txt and val.txt (smallem data)")
-    ] = D.DATA_DIR,
-    preset: Annotated[str | None, typer.Option(help="model preset (target, draft-2l, draft-4l, ...)")] = None,
-    out: Annotated[
-        Path | None, typer.Option(help="output checkpoint (default: the install's checkpoints/<preset>.safetensors)")
-    ] = None,
-    mtp_out: Annotated[
-        Path | None, typer.Option(help="target: its jointly trained MTP module (default: mtp.safetensors beside --out)")
-    ] = None,
-    overwrite: Annotated[bool, typer.Option(help="replace existing output files (checked before training)")] = False,
-    tokenizer: Annotated[Path, typer.Option(help="tokenizer.json (train tokenizer: the output)")] = D.TOKENIZER,
-    target: Annotated[Path, typer.Option(help="target checkpoint (the teacher of mtp and --distill)")] = D.TARGET,
-    init: Annotated[Path | None, typer.Option(help="start from this checkpoint (an MTP module or a draft)")] = None,
-    distill: Annotated[bool, typer.Option(help="draft: fit the target's distribution, not the corpus")] = False,
-    feature_weight: Annotated[
-        float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
-    ] = 0.0,
-    budget: Annotated[float, typer.Option(help="training seconds")] = 600.0,
-    tokens: Annotated[
-        int, typer.Option(help="token budget: stop after this many training tokens, not --budget seconds (0: off)")
-    ] = 0,
-    run_dir: Annotated[Path | None, typer.Option(help="resume state folder (default: runs/<name>)")] = None,
-    seed: Annotated[int, typer.Option()] = 1234,
-    lr: Annotated[float, typer.Option()] = 2e-3,
-    batch_size: Annotated[int, typer.Option()] = 16,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
-    text: Annotated[
-        list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data first)")
-    ] = None,
-) -> None:
-    """Train the tokenizer, a target (with its MTP module), a draft, or an MTP module."""
-    import torch
-
-    from . import checkpoint
-    from . import data as corpus
-    from . import train as tr
-    from .outputs import OutputError, train_outputs, write_corpus
-    from .tokenizer import train_tokenizer
-
-    # the options alone, checked before any work (writing --text's split included)
-    if budget <= 0 or tokens < 0:
-        raise fail("--budget must be > 0 seconds and --tokens >= 0")
-    if init and kind is Kind.target:
-        raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
-    if kind is Kind.draft and init and not distill:
-        raise fail("--init for a draft continues it by distillation: add --distill")
-    # where the results go, checked before any work: nothing existing is replaced unasked
-    name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp", "tokenizer": "tokenizer"}[kind.value]
-    job = "distill" if kind is Kind.draft and distill else kind.value
-    dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
-    dest, option = (tokenizer, "tokenizer") if kind is Kind.tokenizer else (dest, "out")
-    joint = kind is Kind.target and name in PRESETS and PRESETS[name].mtp
-    teacher = target if job in ("mtp", "distill") else None
-    try:
-        mtp_dest = train_outputs(dest, f"--{option}", mtp_out, joint, teacher, overwrite)
-    except OutputError as e:
-        raise fail(str(e)) from None
-    if threads:
-        torch.set_num_threads(threads)
-    if text:  # the user's own corpus: build its split where --data points
-        try:
-            write_corpus(data_dir, corpus.text_chunks(text), overwrite, "--data")  # not over another corpus
-        except (OSError, UnicodeDecodeError, OutputError) as e:
-            raise fail(str(e) if isinstance(e, OutputError) else f"cannot use the training text: {e}") from None
-    train_txt, val_txt = data_dir / "train.txt", data_dir / "val.txt"
-    if not train_txt.is_file() or not val_txt.is_file():
-        raise fail(f"no corpus in {data_dir}: run `smallem data` (or `make data`) first")
-    if kind is Kind.tokenizer:
-        try:
-            train_tokenizer(train_txt, tokenizer)
-        except OSError as e:
-            raise fail(f"cannot write the tokenizer: {e}") from None
-        err.print(f"tokenizer -> {tokenizer}")
-        return
-    if not tokenizer.is_file():
-        raise fail(f"tokenizer not found: {tokenizer} (run `smallem train tokenizer`)")
-    train_ids = corpus.token_file(tokenizer, train_txt)
-    val_ids = corpus.token_file(tokenizer, val_txt)
-    if len(val_ids) < 8:  # checked before training, not after the budget is spent
-        raise fail(
-            f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
-            f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
-        )
-    settings = tr.TrainSettings(
-        budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, feature_weight=feature_weight
-    )
-    cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
-    run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
-    try:
-        facts = tr.train_member(
-            job, cfg, (train_ids, val_ids), settings, run, dest, tokenizer, progress_printer(name, err), target, init,
-            mtp_dest,
-        )  # fmt: skip
-    except (checkpoint.CheckpointError, ValueError, OSError) as e:
-        raise fail(str(e)) from None
-    also = f", its MTP module -> {mtp_dest}" if mtp_dest else ""
-    err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}{also}")
-
-
-def _preset(name: str, tokenizer: Path) -> ModelConfig:
-    """The named preset, checked against the tokenizer's vocabulary."""
-
-    if name not in PRESETS:
-        raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
-    cfg = PRESETS[name]
-    if cfg.vocab_size != (vs := len(corpus_vocab(tokenizer))):
-        raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
-    return cfg
-
-
-def corpus_vocab(tokenizer: Path) -> dict[str, int]:
-    from .tokenizer import load_tokenizer
-
-    return load_tokenizer(tokenizer).get_vocab(with_added_tokens=True)
 
 
 # --- evaluation ---------------------------------------------------------------------------
@@ -486,6 +333,9 @@ def generate(
             f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass "
             f"({stats.proposer}, k={stats.k}, {used})"
         )
+
+
+from . import cli_train  # noqa: E402, F401  (registers `data` and `train` on the app)
 
 
 def main() -> None:
