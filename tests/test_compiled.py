@@ -253,7 +253,7 @@ def compiled(family: Family, tmp_path_factory: pytest.TempPathFactory) -> Compil
     assert sorted(tgt.model.compiled.fns) == [(1, True, False), (2, True, False)]
     assert sorted(mtp.compiled.fns) == [(1, True, False), (2, True, True)]
     assert len(log) == 4 and all(line.startswith("compiling a decode step") for line in log), log
-    assert len(list((root / "aot").glob("*.pt2"))) == 4
+    assert len(list((root / "aot").glob("*.so"))) == 4
     calls: dict = {}
     count_calls(tgt.model.compiled, calls, "target")
     count_calls(mtp.compiled, calls, "mtp")
@@ -346,7 +346,7 @@ def test_compile_failure_runs_eager(compiled: Compiled, monkeypatch: pytest.Monk
     assert all("RuntimeError: C++ compile error" in line and "second line" not in line for line in failed)
     assert "T=1" in failed[0] and "T=2" in failed[1]
     assert steps.get(1, True, False) is None and steps.get(2, True, False) is None
-    assert not list((tmp_path / "aot").glob("*.pt2"))  # nothing half-built is left to load
+    assert not list((tmp_path / "aot").glob("*.so"))  # nothing half-built is left to load
     saved = compiled.target.compiled
     try:
         compiled.target.compiled = steps  # enabled, but without steps: every pass eager
@@ -370,7 +370,7 @@ def test_a_corrupt_package_runs_eager(compiled: Compiled, monkeypatch: pytest.Mo
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: built.append(a))
     log: list[str] = []
     steps = aot.for_transformer(compiled.target, log.append, tmp_path)
-    path = tmp_path / "aot" / f"{steps.key(1, True, False)}.pt2"
+    path = tmp_path / "aot" / f"{steps.key(1, True, False)}.so"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a zip archive" * 100)
     steps.prepare([(1, True, False)])
@@ -386,7 +386,7 @@ def test_a_folder_others_can_write_is_not_loaded_from(monkeypatch: pytest.Monkey
     (tmp_path / "aot").chmod(0o777)
     log: list[str] = []
     steps = aot.for_transformer(random_model(TINY, seed=0), log.append, tmp_path)
-    (tmp_path / "aot" / f"{steps.key(1, True, False)}.pt2").write_bytes(b"planted")
+    (tmp_path / "aot" / f"{steps.key(1, True, False)}.so").write_bytes(b"planted")
     steps.prepare([(1, True, False)])
     assert len(log) == 1 and "writable" in log[0] and log[0].endswith("running eager"), log
     assert steps.get(1, True, False) is None and built == []
