@@ -35,10 +35,12 @@ import torch
 from torch import nn
 
 from . import graphs
+from .cache import Step
 from .model import MIN_PAST
 from .proposers import Pass, Proposer
 
 Log = Callable[[str], None]
+EXAMPLE_PAST = 16  # the past's length while tracing (S is dynamic; any length >= MIN_PAST would do)
 INPUTS_VERSION = 1  # bump when the example inputs below (`for_transformer`, `for_mtp`) change layout
 _ALL: weakref.WeakSet[CompiledSteps] = weakref.WeakSet()  # every model's steps, for `switch`
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
@@ -92,15 +94,16 @@ class CompiledSteps:
     def __init__(
         self,
         build: Callable[[bool, bool], nn.Module],
-        inputs: Callable[[int, torch.Tensor], tuple[torch.Tensor, ...]],
+        inputs: Callable[[int], tuple[torch.Tensor, ...]],
         slab_shape: tuple[int, ...],
-        positions: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
         digest: str,
         log: Log | None = None,
         root: Path | None = None,
     ) -> None:
         self.build, self.inputs, self.slab_shape = build, inputs, slab_shape
-        self.positions = positions  # the model's context: no pass may reach past it
+        self.rope = rope  # cos, sin [context, P]: the graphs' rotary inputs, position by position
+        self.positions = rope[0].shape[0]  # the context: no pass may reach past it
         self.log = log or (lambda _: None)
         self.root = root or cache_root()
         self.base = "|".join(
@@ -122,6 +125,10 @@ class CompiledSteps:
         # The generated C++ fixes its OpenMP thread count: a step built for 2 threads is not one for 1.
         threads = torch.get_num_threads()
         return hashlib.sha256(f"{self.base}|{threads}|{T}|{head}|{last}".encode()).hexdigest()[:32]
+
+    def trig(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, P] of a pass's new positions."""
+        return self.rope[0][step.start : step.length], self.rope[1][step.start : step.length]
 
     def get(self, T: int, head: bool, last: bool) -> StepFn | None:
         """The prepared step for this pass, or None: nothing is compiled in the middle of a run."""
@@ -163,7 +170,9 @@ class CompiledSteps:
         """Export the graph with S dynamic, compile it, and move its library into place whole."""
         module = self.build(head, last).eval()
         slab = torch.zeros(self.slab_shape)  # the runtime slab's layout: same strides
-        args = self.inputs(T, slab)
+        S0 = EXAMPLE_PAST
+        cos, sin = (t[S0 : S0 + T] for t in self.rope)
+        args = (*self.inputs(T), cos, sin, slab[:, :, :, :S0])
         S = torch.export.Dim("S", min=MIN_PAST, max=self.slab_shape[-2] - T)
         dyn = tuple({3: S} if i == len(args) - 1 else {} for i in range(len(args)))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,28 +219,17 @@ def _quiet(log_path: Path) -> Iterator[None]:
             os.close(saved)
 
 
-def _rope_inputs(cos: torch.Tensor, sin: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return cos[MIN_PAST * 8 : MIN_PAST * 8 + T], sin[MIN_PAST * 8 : MIN_PAST * 8 + T]
-
-
 def for_transformer(model: graphs.Transformer, log: Log | None = None, root: Path | None = None) -> CompiledSteps:
-    """Compiled steps of a packed Transformer, whose caches get `fixed_slots(model)` slots."""
+    """Compiled steps of a packed Transformer, whose caches get `fixed_slots` slots."""
     c = model.cfg
     assert model.rope_cos is not None and model.rope_sin is not None
-    cos, sin = model.rope_cos, model.rope_sin
-    S0 = MIN_PAST * 8
     slab = (c.n_layers, 2, c.n_kv_heads, fixed_slots(c.max_seq_len), c.head_dim)
-
-    def inputs(T: int, slab_t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        tokens = torch.zeros(T, dtype=torch.long)
-        return (tokens, *_rope_inputs(cos, sin, T), slab_t[:, :, :, :S0])
-
     consts = [model.embed_tokens.weight, model.head_t] + [w for b in model.layers for w in b.packed.values()]  # type: ignore[union-attr]
     return CompiledSteps(
         lambda head, last: graphs.TransformerStep(model, head, last),
-        inputs,
+        lambda T: (torch.zeros(T, dtype=torch.long),),  # tokens; then cos, sin and the past
         slab,
-        c.max_seq_len,
+        (model.rope_cos, model.rope_sin),
         weights_digest(consts),
         log,
         root,
@@ -244,22 +242,15 @@ def for_mtp(
     """Compiled steps of a packed MTP module (its table built from the target's embedding)."""
     c = mtp.cfg
     assert target.rope_cos is not None and target.rope_sin is not None and mtp.proj_t is not None
-    cos, sin = target.rope_cos, target.rope_sin
     embed = target.embed_tokens.weight
-    S0 = MIN_PAST * 8
     slab = (1, 2, c.n_kv_heads, fixed_slots(c.max_seq_len), c.head_dim)
-
-    def inputs(T: int, slab_t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        h = torch.zeros(T, c.dim)
-        tokens = torch.zeros(T, dtype=torch.long)
-        return (h, tokens, *_rope_inputs(cos, sin, T), slab_t[:, :, :, :S0])
-
+    n = min(c.max_seq_len, target.cfg.max_seq_len)
     consts = [embed, mtp.proj_t, *mtp.block.packed.values()]  # what the table is made of: no matmul's rounding  # type: ignore[union-attr]
     return CompiledSteps(
         lambda head, last: graphs.MTPStep(mtp, embed, last),
-        inputs,
+        lambda T: (torch.zeros(T, c.dim), torch.zeros(T, dtype=torch.long)),  # h, tokens; then cos, sin, past
         slab,
-        min(c.max_seq_len, target.cfg.max_seq_len),
+        (target.rope_cos[:n], target.rope_sin[:n]),
         weights_digest(consts),
         log,
         root,

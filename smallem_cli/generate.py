@@ -160,8 +160,8 @@ def stream(
             w = sampling.warp()  # built once, used every round
             last = greedy_pick(logits) if w is None else sample(w(logits), gen)
             proposer.start(ids, last, hidden)
-            _check_finite(bool(logits.isfinite().all()))
-            first = int(last.item())
+            first, finite = torch.stack([last.view(-1)[0], logits.isfinite().all().long()]).tolist()  # one sync
+            _check_finite(finite == 1)
             st.prefill_s = time.perf_counter() - t0
             if first == stop_token:
                 return

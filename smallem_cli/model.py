@@ -263,9 +263,8 @@ class Transformer(nn.Module):
         step = cache.append(seq, tokens.shape[0])
         fn = None if last_only else compiled_step(self.compiled, cache, step, head, last)
         if fn is not None:
-            assert self.rope_cos is not None and self.rope_sin is not None
-            cos, sin = self.rope_cos[step.start : step.length], self.rope_sin[step.start : step.length]
-            logits, x, new = fn(tokens.contiguous(), cos, sin, step.past())
+            assert self.compiled is not None
+            logits, x, new = fn(tokens.contiguous(), *self.compiled.trig(step), step.past())
             cache.write_all(step, new)  # the graph reads the cache; the new K/V go in here
             return logits, x
         rope = self.rope_packed[step.start : step.length]
@@ -279,11 +278,11 @@ class Transformer(nn.Module):
     def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
         """At least n_pages; the whole context with compiled steps (they are built for its layout)."""
         c = self.cfg
-        n_pages = _pages(self.compiled, c, n_pages, page_size)
+        n_pages = _pages(self.compiled, n_pages, page_size)
         return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, n_pages, page_size, self.cos.dtype, self.cos.device)
 
 
-def _pages(compiled: CompiledSteps | None, cfg: ModelConfig, n_pages: int, page_size: int) -> int:
+def _pages(compiled: CompiledSteps | None, n_pages: int, page_size: int) -> int:
     if compiled is None or not compiled.enabled:
         return n_pages
     return max(n_pages, compiled.slab_shape[-2] // page_size)
@@ -367,9 +366,8 @@ class MTPModule(nn.Module):
         assert self.proj_t is not None, "call pack() before decoding"
         fn = compiled_step(self.compiled, cache, step, True, last)
         if fn is not None:
-            T = step.length - step.start
-            cos, sin = rope.real.reshape(T, -1).contiguous(), rope.imag.reshape(T, -1).contiguous()
-            x, new = fn(h.contiguous(), tokens.contiguous(), cos, sin, step.past())
+            assert self.compiled is not None
+            x, new = fn(h.contiguous(), tokens.contiguous(), *self.compiled.trig(step), step.past())
             cache.write_all(step, new)
             return x
         d = self.cfg.dim
@@ -387,5 +385,5 @@ class MTPModule(nn.Module):
     def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
         c = self.cfg
         dev = self.eh_proj.weight.device
-        n_pages = _pages(self.compiled, c, n_pages, page_size)
+        n_pages = _pages(self.compiled, n_pages, page_size)
         return PagedKVCache(1, c.n_kv_heads, c.head_dim, n_pages, page_size, torch.float32, dev)
