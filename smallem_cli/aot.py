@@ -274,12 +274,19 @@ def attach(
 
 
 def prepare(
-    target: graphs.Transformer, proposer: Proposer, ks: list[int], log: Log | None = None, build: bool = True
+    target: graphs.Transformer,
+    proposer: Proposer,
+    ks: list[int],
+    log: Log | None = None,
+    build: bool = True,
+    also: tuple[int, ...] = (),
 ) -> tuple[int, int]:
     """Compiled steps for the target and the proposer's models: every pass a run with these k
-    may take, loaded now (and with `build`, compiled first where the cache lacks it), before
-    anything is timed. -> (passes with a compiled step, passes)."""
-    passes: list[Pass] = [(target, k + 1, True, False) for k in ks]
+    may take (and target passes over the token counts `also`), loaded now (and with `build`,
+    compiled first where the cache lacks it), before anything is timed.
+    -> (passes with a compiled step, passes)."""
+    sizes = sorted({m + 1 for k in ks for m in proposer.counts(k)} | {T for T in also})
+    passes: list[Pass] = [(target, T, True, False) for T in sizes]  # verify passes over m+1 tokens
     for k in ks:
         passes += proposer.passes(k)
     ready = 0

@@ -27,10 +27,15 @@ from .proposers import NoProposer, Proposer
 from .tokenizer import load_tokenizer
 
 
-def write_prompts(val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32) -> None:
+def write_prompts(
+    val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32, restate: int = 0
+) -> None:
     """COUNT prompts of exactly LENGTH tokens: the opening of COUNT evenly spaced validation chunks.
 
-    One JSON object a line: the token ids (what the benchmark feeds) and their text.
+    `restate` > 0: each passage is followed by a newline and its first `restate` tokens again, as a text
+    that quotes itself, so that the continuation can copy what it restates (where the
+    n-gram proposer pays). One JSON object a line: the token ids (what the benchmark
+    feeds) and their text. Written whole or not at all (a temporary file, renamed).
     """
     tok = load_tokenizer(tokenizer_json)
     docs = [d for d in read_documents(val_txt) if len(tok.encode(d).ids) > length]
@@ -40,9 +45,13 @@ def write_prompts(val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8
     lines = []
     for i in range(count):
         ids = tok.encode(docs[int(i * step)]).ids[:length]
+        if restate:  # on a line of its own
+            ids = ids + tok.encode("\n").ids + ids[:restate]
         lines.append(json.dumps({"tokens": ids, "text": tok.decode(ids)}))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    tmp.replace(out)
 
 
 def read_prompts(path: Path) -> list[list[int]]:
@@ -157,6 +166,8 @@ def add_stats(total: Stats, st: Stats) -> None:
     total.passes += st.passes
     total.proposed += st.proposed
     total.accepted += st.accepted
+    for j, r in enumerate(st.guessed):
+        total.guessed[j] += r
     total.elapsed_s += st.elapsed_s
     for j, a in enumerate(st.accepted_at):
         total.accepted_at[j] += a
@@ -177,6 +188,16 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
     """The seed's cost model: a round yields (1-α^(k+1))/(1-α) tokens for k·c + v passes."""
     tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     return tokens / (k * c + v)
+
+
+def variable_speedup(st: Stats, rounds: int, c: float, v: dict[int, float]) -> float:
+    """The cost model for rounds of varying depth (an n-gram lookup, adaptive depth): the
+    tokens a round yielded, measured, over a round's cost from the depths the rounds had,
+    sum over m of (rounds with m guesses) * (m·c + v(m+1)) / rounds, v(1) = 1."""
+    if not rounds:
+        return 1.0
+    cost = sum(r * (m * c + (v.get(m + 1, 1.0) if m else 1.0)) for m, r in enumerate(st.guessed)) / rounds
+    return (1 + st.accepted / rounds) / cost
 
 
 @dataclass
@@ -213,7 +234,9 @@ def cost_readings(
 
     `passes`: the token counts T whose v is read (default: k+1 for the plan's k).
     """
-    ks = sorted({T - 1 for T in passes} - {0}) if passes else sorted({k for ks in plan.ks.values() for k in ks})
+    # v at every depth up to the largest k: rounds of an n-gram or adaptive proposer vary
+    top = max((k for ks in plan.ks.values() for k in ks), default=1)
+    ks = sorted({T - 1 for T in passes} - {0}) if passes else list(range(1, top + 1))
     each = {f"{m}:{n}": f for m in plan.modes for n, f in plan.proposers[m].items()}
     out = Costs({}, {}, {e: [] for e in plan.engines})
     for _ in range(readings):
@@ -231,7 +254,8 @@ def cost_readings(
 def prepare_compiled(target: Transformer, plan: Plan, passes: list[int] | None, log: aot.Log) -> None:
     """Build (or load) the compiled steps of every pass the plan takes: the target alone (or
     the pass sizes `passes` of --costs), then each proposer at each of its k."""
-    aot.prepare(target, NoProposer(), [T - 1 for T in passes or [1]], log)
+    top = max((k for ks in plan.ks.values() for k in ks), default=1)
+    aot.prepare(target, NoProposer(), [0], log, also=tuple(passes or range(1, top + 2)))
     for factories in plan.proposers.values():
         for name, make in factories.items():
             aot.prepare(target, make(8), plan.ks[name], log)
@@ -278,7 +302,7 @@ def run_bench(
         # all_runs[j][r]: configuration j's tokens/s, stats and outputs over all prompts, in timed run r
         all_runs: list[list[tuple[float, Stats, list[list[int]]]]] = [[] for _ in configs]
         for rep in range(plan.repeats):
-            totals = [Stats(name, k, accepted_at=[0] * k) for _, name, _, k in configs]
+            totals = [Stats(name, k, accepted_at=[0] * k, guessed=[0] * (k + 1)) for _, name, _, k in configs]
             texts: list[list[list[int]]] = [[] for _ in configs]
             # Prompt by prompt, every configuration in turn: a slow spell of the machine
             # (seconds long) then falls on all configurations alike, not on one.
@@ -303,7 +327,10 @@ def run_bench(
             alpha = conditional_alpha(st.accepted_at, rounds)
             cc = c.get(f"{engine}:{mode}:{name}", 0.0)
             vv = v.get(f"{engine}:{k + 1}", 1.0) if k else 1.0
-            pred = predicted_speedup(alpha, k, cc, vv)
+            if sum(st.guessed[:k]):  # rounds of fewer guesses: the model over the rounds as they came
+                pred = variable_speedup(st, rounds, cc, {T: v.get(f"{engine}:{T}", 1.0) for T in range(2, k + 2)})
+            else:
+                pred = predicted_speedup(alpha, k, cc, vv)
             # Each timed run against the target alone's run of the same round, then the
             # median: a slow spell of the machine spans both sides of a ratio.
             speed = statistics.median(a / b for a, b in zip(tps_runs, base[engine], strict=True))

@@ -78,6 +78,10 @@ def prompts(
     out: Annotated[Path, typer.Option(help="output file")] = D.PROMPTS,
     count: Annotated[int, typer.Option()] = 8,
     length: Annotated[int, typer.Option(help="tokens per prompt")] = 32,
+    restate: Annotated[
+        int, typer.Option(help="then the passage's first N tokens again: a text that restates itself (copying pays)")
+    ] = 0,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing output file")] = False,
 ) -> None:
     """Write the benchmark prompts: COUNT prompts of LENGTH tokens from the validation text."""
     from . import bench
@@ -85,8 +89,15 @@ def prompts(
     val_txt = data_dir / "val.txt"
     if not val_txt.is_file():
         raise fail(f"no validation text in {data_dir}: run `smallem data` (or `make data`) first")
-    bench.write_prompts(val_txt, tokenizer, out, count, length)
-    err.print(f"{count} prompts of {length} tokens -> {out}")
+    if out.exists() and not overwrite:
+        raise fail(f"{out} exists: pass --overwrite to replace it")
+    if count < 1 or length < 1 or not 0 <= restate <= length:
+        raise fail("--count and --length must be >= 1, and --restate between 0 and --length")
+    try:
+        bench.write_prompts(val_txt, tokenizer, out, count, length, restate)
+    except O.INPUT_ERRORS as e:
+        raise fail(str(e)) from None
+    err.print(f"{count} prompts of {length + restate} tokens -> {out}")
 
 
 # --- benchmark ----------------------------------------------------------------------------
@@ -113,6 +124,10 @@ def bench(
     costs: Annotated[
         bool, typer.Option("--costs", help="only the stopwatch readings of c and v, --repeats of them (seconds)")
     ] = False,
+    p_min: Annotated[
+        float | None,
+        typer.Option("--draft-p-min", help="also rows with adaptive depth: each model proposer at this p-min"),
+    ] = None,
     engines: Annotated[
         str, typer.Option(help="eager | compiled | eager,compiled (auto: both on a CPU; compiled builds its steps)")
     ] = D.ENGINE,
@@ -137,11 +152,19 @@ def bench(
         O.check_sampling(temperature, None, None)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
+        adaptive = O.adaptive_names(names, O.p_min(p_min)) if p_min else {}  # "mtp@p0.4" -> "mtp"
+        names += list(adaptive)
         ks = O.bench_ks(names, mode_list, extra, sweep)
         prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks)
         O.check_vocab(proposer_vocab)
         vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
-        loaded = {v: {n: family.load_proposer(n, tgt, dev, v) for n in names} for v in set(vocab.values())}
+        loaded = {
+            v: {
+                n: family.load_proposer(adaptive.get(n, n), tgt, dev, v, (p_min or 0.0) * (n in adaptive))
+                for n in names
+            }
+            for v in set(vocab.values())
+        }
         engine_list = aot.bench_engines(engines, dev)
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
@@ -244,7 +267,8 @@ def generate(
     prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,
     target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
     proposer: Annotated[
-        str | None, typer.Option(help=f"none|draft-2l|draft-4l|mtp|PATH [default: {D.PROPOSER}, HF: none]")
+        str | None,
+        typer.Option(help=f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P [default: {D.PROPOSER}, HF: none]"),
     ] = None,
     k: Annotated[
         int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: per proposer and mode]")
@@ -266,6 +290,10 @@ def generate(
         str, typer.Option(help="auto (compiled steps already built, on a CPU) | eager | compiled (build them)")
     ] = D.ENGINE,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    p_min: Annotated[
+        float,
+        typer.Option("--draft-p-min", help="adaptive depth: stop a round's guesses below this confidence (0 = off)"),
+    ] = D.P_MIN,
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
     import json
@@ -284,7 +312,9 @@ def generate(
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev, tokenizer)
         O.check_vocab(proposer_vocab)
-        make_proposer = family.load_proposer(proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab))
+        make_proposer = family.load_proposer(
+            proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab), O.p_min(p_min)
+        )
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)

@@ -13,13 +13,22 @@ PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "kjv-val-32.jsonl
 PROPOSER = "mtp"
 # Default k per proposer, greedy and sampled: the best measured by `smallem bench --sweep-k 1..6`
 # on the shipped family (sampling keeps fewer guesses, so it wants fewer).
-K = {"none": 0, "draft-2l": 4, "draft-4l": 3, "mtp": 4}
-K_SAMPLE = {"none": 0, "draft-2l": 2, "draft-4l": 2, "mtp": 4}
+K = {"none": 0, "draft-2l": 4, "draft-4l": 3, "mtp": 4, "ngram": 4}
+K_SAMPLE = {"none": 0, "draft-2l": 2, "draft-4l": 2, "mtp": 4, "ngram": 4}
 K_OTHER = 3  # a proposer given by path
+# The model-free proposer (prompt lookup): the last NGRAM_MAX..NGRAM_MIN tokens looked up in
+# the text so far, longest first. A 1-gram matches almost always and guesses badly.
+NGRAM = "ngram"
+NGRAM_MIN = 2
+NGRAM_MAX = 4
+# Adaptive depth (--draft-p-min): 0 keeps every round at k guesses.
+P_MIN = 0.0
 
 
 def default_k(proposer: str, greedy: bool) -> int:
-    return (K if greedy else K_SAMPLE).get(proposer, K_OTHER)
+    """`ngram+P` guesses as deep as P does, and P at adaptive depth (bench's `P@p0.4`) too."""
+    name = proposer.removeprefix(NGRAM + "+").split("@")[0]
+    return (K if greedy else K_SAMPLE).get(name, K_OTHER)
 
 
 MAX_K = 16

@@ -1,9 +1,10 @@
 """Finding and loading a target and its proposer, by name or path.
 
 A target is a smallem checkpoint (its tokenizer.json beside it) or a Hugging Face Llama
-folder. A proposer is `none`, a shipped name (`draft-2l`, `draft-4l`, `mtp`, looked up
-beside a smallem target), or a path to a smallem draft, a smallem MTP module, or an HF
-folder. An HF folder ships no proposer: its default proposer is `none`, and a shipped name
+folder. A proposer is `none`, `ngram` (prompt lookup, no model), a shipped name (`draft-2l`,
+`draft-4l`, `mtp`, looked up beside a smallem target), a path to a smallem draft, a
+smallem MTP module, or an HF folder, or `ngram+P`: the n-gram lookup backed by P.
+An HF folder ships no proposer: its default proposer is `none`, and a shipped name
 with it is refused rather than looked up in whatever folder holds it.
 A proposer must share the target's tokenizer: fingerprints of the two vocabularies are
 compared, and a mismatch is refused before anything runs.
@@ -21,6 +22,7 @@ from . import checkpoint, hf
 from . import defaults as D
 from .checkpoint import CheckpointError
 from .model import Transformer
+from .ngram import Fallback, NgramProposer
 from .proposers import DraftProposer, Head, MTPProposer, NoProposer, Proposer
 from .tokenizer import load_tokenizer
 
@@ -78,14 +80,26 @@ def _proposer_path(spec: str, target: Target) -> Path:
     return proposer_path(spec, target.path.parent)
 
 
-def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 0) -> ProposerFactory:
+def load_proposer(
+    spec: str, target: Target, device: torch.device, vocab: int = 0, p_min: float = 0.0
+) -> ProposerFactory:
     """`spec` -> a factory of proposers (each generation gets its own caches).
 
     vocab > 0 cuts the proposer's head to the `vocab` most frequent training tokens, where
-    the checkpoint records them (see proposers.Head); 0 keeps the whole head.
+    the checkpoint records them (see proposers.Head); 0 keeps the whole head. p_min > 0: a
+    model proposer stops a round's guesses once it is less sure than that (adaptive depth).
     """
     if spec == "none":
         return lambda _: NoProposer()
+    V = target.model.cfg.vocab_size
+    if spec == D.NGRAM:
+        return lambda _: NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX)
+    if spec.startswith(D.NGRAM + "+"):
+        rest = spec[len(D.NGRAM) + 1 :]
+        if rest in ("none", D.NGRAM) or rest.startswith(D.NGRAM + "+"):
+            raise CheckpointError(f"proposer {spec!r}: {D.NGRAM}+ takes a model proposer (a draft or an MTP module)")
+        other = load_proposer(rest, target, device, vocab, p_min)
+        return lambda n: Fallback(NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX), other(n))
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
     if hf.is_hf_dir(path):
@@ -93,7 +107,7 @@ def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 
         _same_vocab(target, fp, draft.cfg.vocab_size, path)
         _fits(target, draft, path)
         draft.pack()
-        return lambda n: DraftProposer(draft, n, name)
+        return lambda n: DraftProposer(draft, n, name, p_min=p_min)
     meta = checkpoint.read_meta(path)  # the tensors load once, below
     vocab_size = checkpoint.config_of(meta, path).vocab_size
     _same_vocab(target, meta.get("tokenizer", ""), vocab_size, path)
@@ -103,12 +117,12 @@ def load_proposer(spec: str, target: Target, device: torch.device, vocab: int = 
         mtp, _ = checkpoint.load_mtp(path, target.model, device)
         mtp.pack()
         mtp_head = Head(target.model, ids)
-        return lambda n: MTPProposer(target.model, mtp, n, mtp_head)
+        return lambda n: MTPProposer(target.model, mtp, n, mtp_head, p_min=p_min)
     draft, _ = checkpoint.load_model(path, device)
     _fits(target, draft, path)
     draft.pack()
     head = Head(draft, ids)
-    return lambda n: DraftProposer(draft, n, name, head)
+    return lambda n: DraftProposer(draft, n, name, head, p_min=p_min)
 
 
 def _fits(target: Target, draft: Transformer, path: Path) -> None:

@@ -52,6 +52,9 @@ class Stats:
     proposed: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # rounds whose i-th guess was kept
+    # rounds by how many guesses they checked (index 0..k): a fixed-k proposer fills index k
+    # alone; an n-gram lookup or an adaptive depth (`p_min`) proposes fewer when unsure
+    guessed: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     elapsed_s: float = 0.0  # prefill included
 
@@ -77,6 +80,7 @@ class Stats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_pass": round(self.tokens_per_pass, 3),
             "accepted_at": self.accepted_at,
+            "rounds_by_guesses": self.guessed,
             "prefill_s": round(self.prefill_s, 4),
             "elapsed_s": round(self.elapsed_s, 4),
         }
@@ -106,22 +110,25 @@ def speculative_step(
     k: int,
     w: Warp | None,
     generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One round, up to the verdict: -> (n [1], out [1, k+1], hidden [k+1, d], finite [1]). No host sync.
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One round, up to the verdict: -> (m, n [1], out [1, m+1], hidden [m+1, d], finite [1]).
 
-    `w` is the sampling warp (`Sampling.warp()`), None for greedy verification. `finite`
-    says whether every logit of the pass was finite (NaN would make argmax and sampling
-    pick token 0 without a word).
+    The proposer offers m <= k guesses (m is a shape, known without a sync: a proposer
+    that is unsure may offer fewer, even none). `w` is the sampling warp (`Sampling.warp()`),
+    None for greedy verification. `finite` says whether every logit of the pass was finite
+    (NaN would make argmax and sampling pick token 0 without a word). No host sync here.
     """
-    drafts, q = proposer.propose(k, w, generator)  # [k], [k, V] or None
-    logits, hidden = target(torch.cat([last, drafts]), cache, seq)  # [k+1, V], [k+1, d]
+    drafts, q = proposer.propose(k, w, generator)  # [m], [m, V] (None when greedy)
+    m = drafts.shape[0]
+    logits, hidden = target(torch.cat([last, drafts]), cache, seq)  # [m+1, V], [m+1, d]
     if w is None:
         n, out = verify_greedy(drafts[None], logits[None])
     else:
         p = w(logits)
+        assert q is not None or m == 0, "a proposer that guesses under sampling says from which q"
         q = q if q is not None else p[:0]
         n, out = verify_sample(drafts[None], q[None], p[None], generator)
-    return n, out, hidden, logits.isfinite().all().view(1)
+    return m, n, out, hidden, logits.isfinite().all().view(1)
 
 
 def _check_finite(ok: bool) -> None:
@@ -168,20 +175,21 @@ def stream(
             st.new_tokens = st.passes = 1
             st.elapsed_s = time.perf_counter() - t0
             yield [first]
-            if k > 0:
-                st.accepted_at = [0] * k
+            st.accepted_at = [0] * k
+            st.guessed = [0] * (k + 1)
             while st.new_tokens < max_new_tokens:
-                n_t, out, hidden, finite = speculative_step(target, cache, seq, proposer, last, k, w, gen)
+                m, n_t, out, hidden, finite = speculative_step(target, cache, seq, proposer, last, k, w, gen)
                 verdict = torch.cat([n_t, out[0], finite.long()]).tolist()  # the round's one host sync
                 _check_finite(verdict[-1] == 1)
                 n = verdict[0]
                 emitted = verdict[1 : n + 2]
-                start = cache.length(seq) - (k + 1)
+                start = cache.length(seq) - (m + 1)
                 cache.keep(seq, start + n + 1)  # rollback: [last, d_1..d_n] stay
                 proposer.accept(n, out[0, : n + 1], hidden[: n + 1])
                 last = out[0, n : n + 1]
                 st.passes += 1
-                st.proposed += k
+                st.proposed += m
+                st.guessed[m] += 1
                 st.accepted += n
                 for i in range(n):
                     st.accepted_at[i] += 1

@@ -139,6 +139,18 @@ def threads(n: int | None) -> int | None:
     return n
 
 
+def p_min(value: float) -> float:
+    """--draft-p-min: a probability in [0, 1) (0 turns adaptive depth off)."""
+    if not (math.isfinite(value) and 0 <= value < 1):
+        raise UsageError(f"--draft-p-min must be in [0, 1), got {value}")
+    return value
+
+
+def adaptive_names(names: list[str], p: float) -> dict[str, str]:
+    """bench --draft-p-min: a row name for each model proposer at adaptive depth -> its proposer."""
+    return {f"{n}@p{p:g}": n for n in names if n not in ("none", D.NGRAM)}
+
+
 def check_vocab(proposer_vocab: int | None) -> None:
     if proposer_vocab is not None and proposer_vocab < 0:
         raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")

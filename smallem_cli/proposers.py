@@ -3,16 +3,27 @@
 The protocol, in the loop's order:
 - `start(prompt, first, hidden)`: after the target's prefill. `first` is the token the
   prefill produced; `hidden` are the target's hidden states over the prompt.
-- `propose(k, warp, generator)`: k guesses that continue the sequence, as a long [k]
-  tensor, plus (when sampling) the distributions q [k, V] they were drawn from.
+- `propose(k, warp, generator)`: up to k guesses that continue the sequence, as a long [m]
+  tensor (m <= k: a proposer that is unsure may stop early, even at 0), plus (when
+  sampling) the distributions q [m, V] they were drawn from (a point mass for a guess
+  that was not drawn, as an n-gram lookup's).
 - `accept(n, emitted, hidden)`: the round kept n guesses and emitted n+1 tokens
   (`emitted`, [n+1]: the kept guesses, then the target's own token); `hidden` [n+1, d]
   are the target's states at the positions that were fed, [last, d_1 .. d_n].
-  The proposer rolls its own cache back to what is still true.
+  The proposer rolls its own cache back to what is still true. It is called every round,
+  also after a round in which another proposer guessed (`ngram.Fallback`): the tokens
+  then wait to be fed at its next guess.
 - `cost_step()`: one guess from the current state, which it leaves as it was: what
   `bench` times as the proposer's cost c.
 - `passes(k)`: the decode passes a round with k guesses may run, as (model, T, head,
   last), so that compiled steps can be built before anything is timed (`aot.prepare`).
+- `counts(k)`: how many guesses a round with k may offer (the target's verify pass is
+  over one more token): [k] for a fixed depth, 0..k when the proposer may stop early.
+
+Adaptive depth (`p_min`, llama.cpp's `--draft-p-min`): a model proposer stops guessing in
+a round as soon as the probability of its next guess under its own distribution falls
+below p_min; a guess it doubts would likely be rejected, and would lengthen the verify
+pass for nothing. The test costs a host sync per guess, so it is off (0) by default.
 
 Nothing here synchronises with the device: guesses stay tensors and feed the next step.
 """
@@ -48,6 +59,8 @@ class Proposer(Protocol):
 
     def passes(self, k: int) -> list[Pass]: ...
 
+    def counts(self, k: int) -> list[int]: ...
+
 
 Pass = tuple[nn.Module, int, bool, bool]  # (model, tokens in the pass, head, last position only)
 
@@ -80,8 +93,37 @@ class Head:
             return i, q
         return self.ids[i], q.new_zeros(1, self.size).index_copy_(1, self.ids, q)
 
+    def pick_sure(
+        self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """As `pick`, plus the proposer's top probability (the greedy guess's, or the top of q
+        when sampling): how sure it is of this position. One host sync."""
+        if warp is None:
+            logits = unit_rms(h, self.eps) @ self.w  # [1, V or N]
+            i = logits.argmax(-1)
+            top = torch.softmax(logits, dim=-1).amax()
+            return (i if self.ids is None else self.ids[i]), None, float(top)
+        x, q = self.pick(h, warp, gen)
+        assert q is not None
+        return x, q, float(q.amax())
 
-def _collect(tokens: list[torch.Tensor], qs: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+
+def guess(
+    head: Head, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None, p_min: float
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One guess from the final state h [1, d], or None when the proposer is less sure of it than p_min."""
+    if not p_min:
+        return head.pick(h, warp, gen)
+    x, q, top = head.pick_sure(h, warp, gen)
+    return None if top < p_min else (x, q)
+
+
+def _collect(
+    tokens: list[torch.Tensor], qs: list[torch.Tensor | None], empty: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The round's guesses [m] and their q [m, V] (None when greedy, or when there is none)."""
+    if not tokens:
+        return empty, None
     q = None if qs[0] is None else torch.cat(qs)  # type: ignore[arg-type]
     return torch.cat(tokens), q
 
@@ -111,43 +153,71 @@ class NoProposer:
     def passes(self, k: int) -> list[Pass]:
         return []
 
+    def counts(self, k: int) -> list[int]:
+        return [0]
+
 
 class DraftProposer:
     """A small model with the target's tokenizer, its own paged cache and rollback."""
 
+    CHUNK = 2  # tokens per catch-up pass (the pass sizes a draft has compiled steps for)
+
     def __init__(
-        self, model: Transformer, max_tokens: int, name: str = "draft", head: Head | None = None, page_size: int = 16
+        self,
+        model: Transformer,
+        max_tokens: int,
+        name: str = "draft",
+        head: Head | None = None,
+        page_size: int = 16,
+        p_min: float = 0.0,
     ) -> None:
-        self.model, self.name = model, name
+        self.model, self.name, self.p_min = model, name, p_min
         self.head = head or Head(model)
         self.cache = model.new_cache(-(-max_tokens // page_size) + 1, page_size)
         self.seq = self.cache.new_sequence()
         self.pending = torch.empty(0, dtype=torch.long)  # sequence tokens not yet fed to the draft
         self.fed_guesses = 0
+        self.proposed = False  # whether this round's guesses are the draft's
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.model(prompt, self.cache, self.seq, head=False, last=True)  # prefill the draft's cache: K/V only
         self.pending = first
+
+    def _feed(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens x [T] into the draft's cache -> the final state of the last one [1, d].
+        A long catch-up (after rounds another proposer guessed) goes in passes of CHUNK tokens."""
+        while x.shape[0] > self.CHUNK:
+            self.model(x[: self.CHUNK], self.cache, self.seq, head=False, last=True)
+            x = x[self.CHUNK :]
+        return self.model(x, self.cache, self.seq, head=False, last=True)[1]
 
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens, qs = [], []
         x = self.pending  # catch up (1 or 2 tokens), then one guess at a time
-        for _ in range(k):
-            _, h = self.model(x, self.cache, self.seq, head=False, last=True)  # [1, d]
-            x, q = self.head.pick(h, warp, generator)
+        self.fed_guesses = k - 1  # the last guess is never fed
+        for i in range(k):
+            got = guess(self.head, self._feed(x), warp, generator, self.p_min)
+            if got is None:  # unsure: stop here; the guesses so far were all fed
+                self.fed_guesses = i
+                break
+            x, q = got
             tokens.append(x)
             qs.append(q)
-        self.fed_guesses = k - 1  # the last guess was never fed
-        return _collect(tokens, qs)
+        self.proposed = True
+        return _collect(tokens, qs, self.pending[:0])
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
-        # The cache holds [.., last, d_1 .. d_{k-1}]; keep what the target confirmed:
+        if not self.proposed:  # another proposer guessed: these tokens wait to be fed
+            self.pending = torch.cat([self.pending, emitted])
+            return
+        self.proposed = False
+        # The cache holds [.., last, d_1 .. d_fed]; keep what the target confirmed:
         # the seed's draft.keep(min(len(draft), start + accepted)).
         kept = min(n, self.fed_guesses)
         self.cache.keep(self.seq, self.cache.length(self.seq) - self.fed_guesses + kept)
-        self.pending = emitted[kept:]  # d_k if all k were kept, then the target's token
+        self.pending = emitted[kept:]  # d_k if all k were kept and d_k never fed, then the target's token
 
     def release(self) -> None:
         self.cache.release(self.seq)
@@ -160,7 +230,10 @@ class DraftProposer:
         return out
 
     def passes(self, k: int) -> list[Pass]:
-        return [(self.model, t, False, True) for t in (1, 2)]  # a guess; a catch-up on 2 tokens
+        return [(self.model, t, False, True) for t in (1, self.CHUNK)]  # a guess; a catch-up on 2 tokens
+
+    def counts(self, k: int) -> list[int]:
+        return list(range(k + 1)) if self.p_min else [k]
 
 
 class MTPProposer:
@@ -174,15 +247,23 @@ class MTPProposer:
     name = "mtp"
 
     def __init__(
-        self, target: Transformer, mtp: MTPModule, max_tokens: int, head: Head | None = None, page_size: int = 16
+        self,
+        target: Transformer,
+        mtp: MTPModule,
+        max_tokens: int,
+        head: Head | None = None,
+        page_size: int = 16,
+        p_min: float = 0.0,
     ) -> None:
-        self.target, self.mtp = target, mtp
+        self.target, self.mtp, self.p_min = target, mtp, p_min
         self.head = head or Head(target)  # the target's head, shared
         self.cache = mtp.new_cache(-(-max_tokens // page_size) + 1, page_size)
         self.seq = self.cache.new_sequence()
         self.true_len = 0  # cache entries computed from the target's own states
         self.pending_h = torch.empty(0)  # [m, d] target states not yet fed
         self.pending_next = torch.empty(0, dtype=torch.long)  # [m] the token after each
+        self.proposed = False  # whether this round's guesses are the module's
+        self.backlog = False  # whether the pending pairs span rounds it did not guess in
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.pending_h = hidden  # h_0 .. h_{P-1}
@@ -198,18 +279,35 @@ class MTPProposer:
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.step(self.pending_h, self.pending_next, last=True)  # [1, d]: catch up on the true states
+        h, nxt = self.pending_h, self.pending_next
+        # A backlog (rounds another proposer guessed) goes in passes of k+1 pairs, the sizes
+        # compiled for; the prompt, at the first round, in one pass.
+        chunk = k + 1 if self.backlog else h.shape[0]
+        self.backlog = False
+        while h.shape[0] > chunk:
+            self.step(h[:chunk], nxt[:chunk], last=True)
+            h, nxt = h[chunk:], nxt[chunk:]
+        out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
         tokens, qs = [], []
         for i in range(k):
             if i:
                 out = self.step(out, tokens[-1])  # chain on the module's own state
-            x, q = self.head.pick(out, warp, generator)
-            tokens.append(x)
-            qs.append(q)
-        return _collect(tokens, qs)
+            got = guess(self.head, out, warp, generator, self.p_min)
+            if got is None:  # unsure: stop guessing this round
+                break
+            tokens.append(got[0])
+            qs.append(got[1])
+        self.proposed = True
+        return _collect(tokens, qs, self.pending_next[:0])
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        if not self.proposed:  # another proposer guessed: these pairs wait to be fed
+            self.pending_h = torch.cat([self.pending_h, hidden])
+            self.pending_next = torch.cat([self.pending_next, emitted])
+            self.backlog = True
+            return
+        self.proposed = False
         self.cache.keep(self.seq, self.true_len)  # drop the chained guesses
         self.pending_h, self.pending_next = hidden, emitted  # pairs (h_j, x_{j+1})
 
@@ -224,3 +322,6 @@ class MTPProposer:
 
     def passes(self, k: int) -> list[Pass]:
         return [(self.mtp, t, True, t > 1) for t in range(1, k + 2)]  # catch-ups on 1..k+1 pairs; chained guesses
+
+    def counts(self, k: int) -> list[int]:
+        return list(range(k + 1)) if self.p_min else [k]
