@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import graphs
+from . import chain, graphs
 from .cache import Step
 from .model import MIN_PAST
-from .proposers import Pass, Proposer
+from .proposers import Fused, Pass, Proposer
 
 Log = Callable[[str], None]
 EXAMPLE_PAST = 16  # the past's length while tracing (S is dynamic; any length >= MIN_PAST would do)
@@ -64,6 +64,11 @@ def cache_root() -> Path:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "smallem"
+
+
+def _fused_version() -> str:
+    """The code of the fused graphs (`chain.py`) besides `graphs.py`'s, which `base` holds."""
+    return hashlib.sha256(Path(chain.__file__).read_bytes()).hexdigest()[:16]
 
 
 def _code_version() -> str:
@@ -116,6 +121,7 @@ class CompiledSteps:
             ]
         )
         self.fns: dict[tuple[int, bool, bool], StepFn | None] = {}
+        self.fns_fused: dict[str, StepFn | None] = {}  # a proposer's own graphs, by name
         self.enabled = True  # off: the model runs eager (bench times both engines on one model)
         _ALL.add(self)
         self.compile_s = 0.0  # seconds spent compiling in this process
@@ -140,11 +146,35 @@ class CompiledSteps:
         for T, head, last in shapes:
             shape = (T, head, last and T > 1)
             if self.fns.get(shape) is None and (build or shape not in self.fns):
-                self.fns[shape] = self._load_or_compile(*shape, build)
+                key, run = self.key(*shape), shape
+
+                def compile_to(path: Path, s: tuple[int, bool, bool] = run) -> None:
+                    self._compile(s[0], self.build(s[1], s[2]), self.inputs(s[0]), path)
+
+                self.fns[shape] = self._load_or_compile(key, f"T={T}", compile_to, build)
         return sum(self.get(*shape) is not None for shape in shapes)
 
-    def _load_or_compile(self, T: int, head: bool, last: bool, build: bool = True) -> StepFn | None:
-        path = self.root / "aot" / f"{self.key(T, head, last)}.so"
+    def fused(self, name: str) -> StepFn | None:
+        """A prepared fused graph (`prepare_fused`), or None: the step-by-step path."""
+        return self.fns_fused.get(name) if self.enabled else None
+
+    def prepare_fused(self, fused: Fused, build: bool = True) -> bool:
+        """Load a graph of the proposer's own (`Proposer.fused`), compiling it first with `build`."""
+        name, T, module, inputs = fused
+        if self.fns_fused.get(name) is None and (build or name not in self.fns_fused):
+            threads = torch.get_num_threads()
+            key = hashlib.sha256(f"{self.base}|{threads}|{_fused_version()}|{name}".encode()).hexdigest()[:32]
+
+            def compile_to(path: Path) -> None:
+                self._compile(T, module(), inputs(), path)
+
+            self.fns_fused[name] = self._load_or_compile(key, name, compile_to, build)
+        return self.fns_fused[name] is not None
+
+    def _load_or_compile(
+        self, key: str, what: str, compile_to: Callable[[Path], None], build: bool = True
+    ) -> StepFn | None:
+        path = self.root / "aot" / f"{key}.so"
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             _check_private(path.parent)
@@ -152,8 +182,8 @@ class CompiledSteps:
                 if not build:
                     return None
                 t0 = time.perf_counter()
-                self.log(f"compiling a decode step for this machine (T={T}; once, cached in {self.root})")
-                self._compile(T, head, last, path)
+                self.log(f"compiling a decode step for this machine ({what}; once, cached in {self.root})")
+                compile_to(path)
                 self.compile_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             # The library alone, loaded as it lies: `aoti_load_package` would unpack the whole
@@ -163,18 +193,20 @@ class CompiledSteps:
             return lambda *args: tuple(runner.run(list(args)))
         except Exception as e:  # any failure: eager, which is always right
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            self.log(f"compiled decode step unavailable (T={T}): {type(e).__name__}: {first}; running eager")
+            self.log(f"compiled decode step unavailable ({what}): {type(e).__name__}: {first}; running eager")
             return None
 
-    def _compile(self, T: int, head: bool, last: bool, path: Path) -> None:
-        """Export the graph with S dynamic, compile it, and move its library into place whole."""
-        module = self.build(head, last).eval()
-        slab = torch.zeros(self.slab_shape)  # the runtime slab's layout: same strides
+    def _compile(self, T: int, module: nn.Module, inputs: tuple[torch.Tensor, ...], path: Path) -> None:
+        """Export a graph of (*inputs, cos, sin, past) with the past's length S dynamic, traced
+        with a past of EXAMPLE_PAST positions and T positions after it; compile it, and move
+        its library into place whole."""
         S0 = EXAMPLE_PAST
         cos, sin = (t[S0 : S0 + T] for t in self.rope)
-        args = (*self.inputs(T), cos, sin, slab[:, :, :, :S0])
+        slab = torch.zeros(self.slab_shape)  # the runtime slab's layout: same strides
+        args = (*inputs, cos, sin, slab[:, :, :, :S0])
         S = torch.export.Dim("S", min=MIN_PAST, max=self.slab_shape[-2] - T)
         dyn = tuple({3: S} if i == len(args) - 1 else {} for i in range(len(args)))
+        module = module.eval()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
         try:
@@ -294,7 +326,12 @@ def prepare(
         if getattr(model, "compiled", None) is None:
             attach(model, target, log)  # type: ignore[arg-type]
         ready += model.compiled.prepare([(T, head, last)], build)  # type: ignore[union-attr]
-    return ready, len(passes)
+    fused = [f for k in ks for f in proposer.fused(k)]
+    for model, graph in fused:
+        if getattr(model, "compiled", None) is None:
+            attach(model, target, log)  # type: ignore[arg-type]
+        ready += model.compiled.prepare_fused(graph, build)  # type: ignore[union-attr]
+    return ready, len(passes) + len(fused)
 
 
 def use(models: list[nn.Module], compiled: bool) -> None:

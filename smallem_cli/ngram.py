@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from .proposers import Pass, Proposer, Warp
+from .proposers import Fused, Pass, Proposer, Warp
 
 
 class NgramIndex:
@@ -97,6 +98,9 @@ class NgramProposer:
     def counts(self, k: int) -> list[int]:
         return list(range(k + 1))
 
+    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
+        return []
+
 
 class Fallback:
     """The n-gram lookup's guesses when it matches, else another proposer's."""
@@ -132,3 +136,6 @@ class Fallback:
 
     def counts(self, k: int) -> list[int]:
         return sorted({*self.first.counts(k), *self.other.counts(k)})
+
+    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
+        return self.other.fused(k)

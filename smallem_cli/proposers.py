@@ -17,6 +17,8 @@ The protocol, in the loop's order:
   `bench` times as the proposer's cost c.
 - `passes(k)`: the decode passes a round with k guesses may run, as (model, T, head,
   last), so that compiled steps can be built before anything is timed (`aot.prepare`).
+- `fused(k)`: graphs of the proposer's own for a round with k guesses (the MTP module's
+  whole greedy chain, `chain.py`), as (model, Fused), compiled with the passes.
 - `counts(k)`: how many guesses a round with k may offer (the target's verify pass is
   over one more token): [k] for a fixed depth, 0..k when the proposer may stop early.
 
@@ -30,13 +32,15 @@ Nothing here synchronises with the device: guesses stay tensors and feed the nex
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from .model import MTPModule, Transformer, unit_rms
+from .chain import MTPChain
+from .model import MIN_PAST, MTPModule, Transformer, unit_rms
 from .verify import sample
 
 Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
@@ -61,8 +65,13 @@ class Proposer(Protocol):
 
     def counts(self, k: int) -> list[int]: ...
 
+    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]: ...
+
 
 Pass = tuple[nn.Module, int, bool, bool]  # (model, tokens in the pass, head, last position only)
+# A graph of a proposer's own: (name, positions it adds after the past, the module, its
+# inputs before (cos, sin, past)). The name is its cache key: it says what the module holds.
+Fused = tuple[str, int, Callable[[], nn.Module], Callable[[], tuple[torch.Tensor, ...]]]
 
 
 class Head:
@@ -156,6 +165,9 @@ class NoProposer:
     def counts(self, k: int) -> list[int]:
         return [0]
 
+    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
+        return []
+
 
 class DraftProposer:
     """A small model with the target's tokenizer, its own paged cache and rollback."""
@@ -235,6 +247,9 @@ class DraftProposer:
     def counts(self, k: int) -> list[int]:
         return list(range(k + 1)) if self.p_min else [k]
 
+    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
+        return []
+
 
 class MTPProposer:
     """DeepSeek-V3's MTP module as proposer: from the target's h_i and token i+1, guess i+2.
@@ -289,6 +304,10 @@ class MTPProposer:
             h, nxt = h[chunk:], nxt[chunk:]
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
+        self.proposed = True
+        chain = self._chain(k) if warp is None and not self.p_min else None
+        if chain is not None:  # the whole greedy chain in one compiled graph
+            return chain(out), None
         tokens, qs = [], []
         for i in range(k):
             if i:
@@ -298,8 +317,30 @@ class MTPProposer:
                 break
             tokens.append(got[0])
             qs.append(got[1])
-        self.proposed = True
         return _collect(tokens, qs, self.pending_next[:0])
+
+    def _chain_name(self, k: int) -> str:
+        """The chain graph's key: k and the head it guesses with (the module's weights are in the base key)."""
+        ids = self.head.ids
+        digest = "all" if ids is None else hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
+        return f"mtp-chain k={k} head={tuple(self.head.w.shape)} ids={digest}"
+
+    def _chain(self, k: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The compiled greedy chain for k guesses from the state `out` [1, d] -> guesses [k],
+        or None where it cannot serve (not prepared, a layout or positions it was not built for)."""
+        steps = self.mtp.compiled
+        if k < 2 or steps is None:
+            return None
+        fn = steps.fused(self._chain_name(k))
+        L = self.true_len
+        if fn is None or tuple(self.cache.kv.shape) != steps.slab_shape or L + k - 1 > steps.positions:
+            return None
+        where = self.cache.append(self.seq, 0)  # a pass over no token: the past as one view, if it is one
+        if where.view is None or L < MIN_PAST:
+            return None
+        cos, sin = steps.rope[0][L : L + k - 1], steps.rope[1][L : L + k - 1]
+        past = where.past()
+        return lambda out: fn(out.contiguous(), cos, sin, past)[0]
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         if not self.proposed:  # another proposer guessed: these pairs wait to be fed
@@ -325,3 +366,15 @@ class MTPProposer:
 
     def counts(self, k: int) -> list[int]:
         return list(range(k + 1)) if self.p_min else [k]
+
+    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
+        """The greedy chain of k guesses as one graph (`chain.MTPChain`); sampling and adaptive
+        depth go step by step."""
+        if k < 2 or self.p_min:
+            return []
+        d = self.mtp.cfg.dim
+
+        def module() -> nn.Module:
+            return MTPChain(self.mtp, self.target.embed_tokens.weight, self.head.w, self.head.ids, k)
+
+        return [(self.mtp, (self._chain_name(k), k - 1, module, lambda: (torch.zeros(1, d),)))]

@@ -22,10 +22,11 @@ from typer.testing import CliRunner
 from smallem_cli import aot, checkpoint, graphs
 from smallem_cli import family as families
 from smallem_cli.cache import PagedKVCache
+from smallem_cli.chain import MTPChain
 from smallem_cli.cli import app
 from smallem_cli.generate import Sampling, generate
 from smallem_cli.model import MIN_PAST, MTPModule, Transformer, compiled_step
-from smallem_cli.proposers import MTPProposer, NoProposer
+from smallem_cli.proposers import Head, MTPProposer, NoProposer
 
 ATOL = RTOL = 1e-4
 TS = (1, 2, 3, 4, 5, 16)
@@ -119,6 +120,37 @@ def test_mtp_step_matches_eager(eager_models, eager_mtp, T: int) -> None:
             assert hidden_e.shape == (1 if last else T, d)
             close(hidden_g, hidden_e, f"{what}: hidden")
             close(new_g, cache.kv[:, :, :, step.slots], f"{what}: new K/V")
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])
+@pytest.mark.parametrize("cut", [False, True])
+@torch.inference_mode()
+def test_mtp_chain_guesses_as_step_by_step(eager_models, eager_mtp, k: int, cut: bool) -> None:
+    """`MTPChain` (the greedy chain as one graph, run here as a plain module) guesses what the
+    step-by-step loop guesses, from the same state, cache and head (whole or cut)."""
+    target, mtp = eager_models["tiny"], eager_mtp
+    V = TINY.vocab_size
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(k))[: V // 2] if cut else None
+    head = Head(target, ids)
+    g = torch.Generator().manual_seed(k)
+    for S in PASTS:
+        prompt = torch.randint(0, V, (S,), generator=g)
+        tc = target.new_cache(8)
+        _, hidden = target(prompt, tc, tc.new_sequence())
+        p = MTPProposer(target, mtp, 64, head)
+        p.start(prompt[:-1], prompt[-1:], hidden[:-1])
+        eager, _ = p.propose(k, None, None)  # catch-up, then k guesses step by step
+        L = p.true_len
+        p.cache.keep(p.seq, L - 1)  # the catch-up's last pair (h_{S-2}, x_{S-1}) once more: its state
+        out = p.step(hidden[-2:-1], prompt[-1:], last=True)
+        assert p.cache.length(p.seq) == L
+        where = p.cache.append(p.seq, 0)
+        module = MTPChain(mtp, target.embed_tokens.weight, head.w, head.ids, k)
+        cos, sin = target.rope_cos[L : L + k - 1], target.rope_sin[L : L + k - 1]
+        fused = module(out, cos, sin, where.past())
+        assert fused.tolist() == eager.tolist(), (S, k, cut)
+        assert p.cache.length(p.seq) == L  # the chain wrote nothing
+        p.release()
 
 
 # --- when a compiled step may serve a pass ---------------------------------------------------------
@@ -449,3 +481,39 @@ def test_cli_auto_engine_uses_what_is_built_and_compiles_nothing(
     hint, stats = bare.stderr.splitlines()
     assert "--engine compiled" in hint and stats.endswith(", eager)")
     assert cli_generate(family, "--proposer", "none", "--engine", "auto", "-q").stderr == ""
+
+
+@needs_compiler
+def test_compiled_mtp_chain_guesses_and_stays_exact(compiled: Compiled) -> None:
+    """The MTP module's greedy chain as one compiled graph (k=2: one compile more): a greedy run
+    takes it every round and gives the eager run's tokens; sampling goes step by step."""
+    target, mtp = compiled.target, compiled.mtp
+    proposer = MTPProposer(target, mtp, len(PROMPT) + 80 + 8)
+    ((owner, graph),) = proposer.fused(2)
+    assert owner is mtp and mtp.compiled.prepare_fused(graph)
+    assert MTPProposer(target, mtp, 64, p_min=0.5).fused(2) == []  # adaptive depth: step by step
+    name, fn = graph[0], mtp.compiled.fns_fused[graph[0]]
+    rounds: list[int] = []
+
+    def counted(*args):
+        rounds.append(1)
+        return fn(*args)
+
+    mtp.compiled.fns_fused[name] = counted
+    try:
+        for sampling in (Sampling(), Sampling(temperature=1.0, seed=7)):
+            rounds.clear()
+            outs = []
+            for on in (False, True):
+                aot.use([target, mtp], on)
+                p = MTPProposer(target, mtp, len(PROMPT) + 80 + 8)
+                outs.append(generate(target, p, PROMPT, 80, 2, sampling)[0])
+            aot.use([target, mtp], True)
+            assert outs[0] == outs[1], sampling
+            if sampling.greedy:
+                assert len(rounds) > 20  # every round but the first few (a past shorter than MIN_PAST)
+            else:
+                assert not rounds
+    finally:
+        mtp.compiled.fns_fused[name] = fn
+        aot.use([target, mtp], True)

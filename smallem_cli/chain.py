@@ -1,0 +1,77 @@
+"""The MTP module's greedy chain of guesses as one compiled graph.
+
+A round's guesses run one after the other: the head picks guess 1 from the module's state
+after its catch-up, then each further guess feeds the last one back through the module's
+block. Step by step, each guess costs a compiled step call, a cache append and write,
+rotary slices, a head product and an argmax, each a round trip through Python: on this
+CPU that overhead was more than the block's own arithmetic. Here the k heads and the k-1
+chained steps are one graph:
+
+    inputs   out [1, d] (the module's state after the catch-up), cos, sin [k-1, P] of the
+             chained positions, past [1, K or V, kv heads, S, D] (the module's cache, read only)
+    outputs  guesses [k], long
+
+The chained entries' K/V never reach the cache: they live inside the graph and die with
+it, as they do on the eager path, where `MTPProposer.accept` drops them (only the target's
+true states are kept). Greedy only: sampling and adaptive depth keep the step-by-step loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .graphs import _Layer, _rope, unit_rms
+from .model import MTPModule
+
+
+class MTPChain(nn.Module):
+    """k greedy guesses: head(out) -> x_1; step(out, x_1) -> out_2; head(out_2) -> x_2; ..."""
+
+    def __init__(self, mtp: MTPModule, embed: torch.Tensor, head_w: torch.Tensor, ids: torch.Tensor | None, k: int):
+        super().__init__()
+        assert mtp.proj_t is not None, "pack() the module first"
+        d = mtp.cfg.dim
+        self.k, self.eps = k, mtp.cfg.norm_eps
+        self.register_buffer("table", mtp.token_table(embed))  # [V, d]
+        self.register_buffer("proj_h", mtp.proj_t[:d].contiguous())  # [d, d]
+        self.register_buffer("head_w", head_w)  # [d, N]: the proposer's head (maybe cut to N rows)
+        self.register_buffer("ids", ids if ids is not None else torch.arange(head_w.shape[1]))  # [N] -> token id
+        self.layer = _Layer(mtp.block)
+
+    def pick(self, x: torch.Tensor) -> torch.Tensor:
+        """State [1, d] -> token [1]. The final norm scales a row by a positive number: no norm for an argmax."""
+        return self.ids[(x @ self.head_w).argmax(-1)]
+
+    def step(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor, chain: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """One token [1, d] at the chain's next position: attends to the past and to the chain
+        so far (`chain` gets its K/V, [K or V, Hkv, D]) -> [1, d]."""
+        L = self.layer
+        H, Hkv, D = L.n_heads, L.n_kv_heads, L.head_dim
+        G = H // Hkv
+        y = _rope(unit_rms(x, L.eps) @ L.qkv, cos, sin)  # [1, (H+2Hkv)*D]
+        chain.append(y[0, H * D :].view(2, Hkv, D))
+        kv = torch.stack(chain, dim=2)  # [K or V, Hkv, i, D]: this chain's entries, itself last
+        q = y[0, : H * D].view(Hkv, G, 1, D)
+        s_past = (q * past[0][:, None]).sum(-1)  # [Hkv, G, S]
+        s_new = (q * kv[0][:, None]).sum(-1)  # [Hkv, G, i]
+        S = past.shape[2]
+        p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)  # [Hkv, G, S+i]
+        o = (p[..., :S, None] * past[1][:, None]).sum(-2) + (p[..., S:, None] * kv[1][:, None]).sum(-2)  # [Hkv, G, D]
+        x = x + o.reshape(1, H * D) @ L.o
+        gu = unit_rms(x, L.eps) @ L.gu  # [1, 2F]
+        f = gu.shape[-1] // 2
+        return x + (F.silu(gu[:, :f]) * gu[:, f:]) @ L.down
+
+    def forward(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        tok = self.pick(out)  # [1]
+        guesses, chain = [tok], []
+        for i in range(1, self.k):
+            x = F.embedding(tok, self.table) + unit_rms(out, self.eps) @ self.proj_h  # [1, d]: (h, x) pair in
+            out = self.step(x, cos[i - 1 : i], sin[i - 1 : i], past[0], chain)
+            tok = self.pick(out)
+            guesses.append(tok)
+        return torch.cat(guesses)  # [k]
