@@ -160,3 +160,49 @@ def test_bench_costs_only(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_p
     assert table.exit_code == 0 and "c eager:greedy:mtp" in table.stdout and "v eager T=16" in table.stdout
     bad = CliRunner().invoke(app, [*args, "--peer", "hf"])
     assert bad.exit_code == 2 and "--costs" in bad.stderr
+
+
+def test_cost_model_for_rounds_of_varying_depth() -> None:
+    """Rounds of an n-gram or adaptive proposer: measured tokens a round over the cost of the
+    rounds as they came (m guesses cost m·c + v(m+1); none, one plain pass)."""
+    from smallem_cli.generate import Stats
+
+    st = Stats("ngram", 4, accepted=9, guessed=[6, 0, 2, 0, 2])  # 10 rounds: 6 empty, 2 of 2 guesses, 2 of 4
+    v = {2: 1.1, 3: 1.2, 4: 1.3, 5: 1.5}
+    cost = (6 * 1.0 + 2 * (2 * 0.1 + 1.2) + 2 * (4 * 0.1 + 1.5)) / 10
+    assert bench.variable_speedup(st, 10, 0.1, v) == pytest.approx((1 + 9 / 10) / cost)
+    assert bench.variable_speedup(Stats("ngram", 4, guessed=[5, 0, 0, 0, 0]), 5, 0.0, v) == pytest.approx(1.0)
+
+
+def test_run_bench_ngram_and_adaptive_rows(family: Family) -> None:
+    """ngram, ngram+mtp and MTP at adaptive depth in one run: greedy identity, and the cost
+    model over the depths the rounds had."""
+    dev = torch.device("cpu")
+    target = fam.load_target(family.target, dev)
+    factories = {
+        "ngram": fam.load_proposer("ngram", target, dev, 0),
+        "ngram+mtp": fam.load_proposer("ngram+mtp", target, dev, 0),
+        "mtp@p0.5": fam.load_proposer("mtp", target, dev, 0, 0.5),
+    }
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [20, 21, 22, 23, 24, 25, 26, 27]]
+    ks = {n: [3] for n in factories}
+    plan = bench.Plan({"greedy": factories}, ks, ["greedy"], max_new=24, repeats=1)
+    rows = bench.run_bench(target.model, prompts, plan)
+    assert [r.proposer for r in rows] == ["none", "ngram", "ngram+mtp", "mtp@p0.5"]
+    assert all(r.identical == "2/2" for r in rows)
+    ngram = rows[1]
+    assert ngram.cost_c < 0.05 and ngram.predicted_speedup > 0  # a lookup costs next to nothing
+
+
+def test_adaptive_names_and_p_min_checks() -> None:
+    from smallem_cli import options
+
+    assert options.adaptive_names(["none", "ngram", "mtp", "draft-2l"], 0.4) == {
+        "mtp@p0.4": "mtp",
+        "draft-2l@p0.4": "draft-2l",
+    }
+    assert defaults.default_k("mtp@p0.4", True) == defaults.default_k("mtp", True)
+    assert defaults.default_k("ngram+draft-2l", False) == defaults.default_k("draft-2l", False)
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(options.UsageError):
+            options.p_min(bad)

@@ -177,3 +177,27 @@ def test_a_tokenizer_larger_than_the_model_is_refused(family: Family, tmp_path: 
 def test_bad_thread_counts_are_refused(family: Family) -> None:
     bench = ["bench", "--target", str(family.target), "--proposers", "draft-2l", "--threads", "-1"]
     refused(CliRunner().invoke(app, bench), r"--threads must be >= 1, got -1")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--draft-p-min", "1.5"], "--draft-p-min"),
+        (["--draft-p-min", "nan"], "--draft-p-min"),
+        (["--proposer", "ngram+none"], "takes a model proposer"),
+        (["--proposer", "ngram+ngram"], "takes a model proposer"),
+    ],
+)
+def test_bad_adaptive_and_ngram_options(family, args: list[str], message: str) -> None:
+    res = CliRunner().invoke(app, ["generate", "--target", str(family.target), *args, "Hi"])
+    assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output
+
+
+def test_prompts_never_replace_a_file_without_overwrite(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "val.txt").write_text("And God said, Let there be light: and there was light. " * 20)
+    out = tmp_path / "p.jsonl"
+    out.write_text("mine\n")
+    res = CliRunner().invoke(app, ["prompts", "--data", str(data), "--out", str(out), "--count", "1", "--length", "8"])
+    assert res.exit_code == 2 and "--overwrite" in res.stderr and out.read_text() == "mine\n"
