@@ -50,7 +50,7 @@ def eval_cmd(
     import json
 
     from . import data as corpus
-    from .evaluate import evaluate_family, load_members, report_table
+    from .evaluate import chain_agreement, evaluate_family, load_members, report_table
 
     val_txt = data_dir / "val.txt"
     if not val_txt.is_file():
@@ -64,6 +64,12 @@ def eval_cmd(
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
     reports = evaluate_family(fam.target.model, ids, n_bytes, fam.drafts, fam.mtp)
+    try:
+        kept = chain_agreement(fam.target.model, ids, fam.drafts, fam.mtp)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    for r in reports:
+        r.kept_at = kept.get(r.name)
     if json_out:
         rows = [r.__dict__ | {"training": fam.facts.get(r.name, {})} for r in reports]
         print(json.dumps({"val_tokens": len(ids), "val_bytes": n_bytes, "models": rows}))
