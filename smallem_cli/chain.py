@@ -9,11 +9,14 @@ chained steps are one graph:
 
     inputs   out [1, d] (the module's state after the catch-up), cos, sin [k-1, P] of the
              chained positions, past [1, K or V, kv heads, S, D] (the module's cache, read only)
-    outputs  guesses [k], long
+    outputs  guesses [k], long, and the module's probability of each [k] (its top
+             probability: how sure it was, for adaptive depth's p-min)
 
 The chained entries' K/V never reach the cache: they live inside the graph and die with
 it, as they do on the eager path, where `MTPProposer.accept` drops them (only the target's
-true states are kept). Greedy only: sampling and adaptive depth keep the step-by-step loop.
+true states are kept). Greedy only: sampling keeps the step-by-step loop. With adaptive
+depth the whole chain runs and the guesses after the first doubtful one are dropped on
+the host: one sync a round, where the step-by-step loop syncs at every guess.
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ class MTPChain(nn.Module):
         self.register_buffer("ids", ids if ids is not None else torch.arange(head_w.shape[1]))  # [N] -> token id
         self.layer = _Layer(mtp.block)
 
-    def pick(self, x: torch.Tensor) -> torch.Tensor:
-        """State [1, d] -> token [1]. The final norm scales a row by a positive number: no norm for an argmax."""
-        return self.ids[(x @ self.head_w).argmax(-1)]
+    def pick(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """State [1, d] -> (token [1], its probability [1]) under the (final-normed) head."""
+        logits = unit_rms(x, self.eps) @ self.head_w  # [1, N]
+        top, i = torch.softmax(logits, dim=-1).max(-1)
+        return self.ids[i], top
 
     def step(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor, chain: list[torch.Tensor]
@@ -66,12 +71,15 @@ class MTPChain(nn.Module):
         f = gu.shape[-1] // 2
         return x + (F.silu(gu[:, :f]) * gu[:, f:]) @ L.down
 
-    def forward(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
-        tok = self.pick(out)  # [1]
-        guesses, chain = [tok], []
+    def forward(
+        self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tok, top = self.pick(out)  # [1], [1]
+        guesses, tops, chain = [tok], [top], []
         for i in range(1, self.k):
             x = F.embedding(tok, self.table) + unit_rms(out, self.eps) @ self.proj_h  # [1, d]: (h, x) pair in
             out = self.step(x, cos[i - 1 : i], sin[i - 1 : i], past[0], chain)
-            tok = self.pick(out)
+            tok, top = self.pick(out)
             guesses.append(tok)
-        return torch.cat(guesses)  # [k]
+            tops.append(top)
+        return torch.cat(guesses), torch.cat(tops)  # [k], [k]

@@ -305,9 +305,13 @@ class MTPProposer:
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
         self.proposed = True
-        chain = self._chain(k) if warp is None and not self.p_min else None
+        chain = self._chain(k) if warp is None else None
         if chain is not None:  # the whole greedy chain in one compiled graph
-            return chain(out), None
+            tokens, tops = chain(out)
+            if self.p_min:  # keep the guesses before the first doubtful one: one sync
+                sure = [t >= self.p_min for t in tops.tolist()]
+                tokens = tokens[: sure.index(False) if False in sure else k]
+            return tokens, None
         tokens, qs = [], []
         for i in range(k):
             if i:
@@ -325,9 +329,10 @@ class MTPProposer:
         digest = "all" if ids is None else hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
         return f"mtp-chain k={k} head={tuple(self.head.w.shape)} ids={digest}"
 
-    def _chain(self, k: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The compiled greedy chain for k guesses from the state `out` [1, d] -> guesses [k],
-        or None where it cannot serve (not prepared, a layout or positions it was not built for)."""
+    def _chain(self, k: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None:
+        """The compiled greedy chain for k guesses from the state `out` [1, d] -> (guesses [k],
+        the module's probability of each [k]), or None where it cannot serve (not prepared, a
+        layout or positions it was not built for)."""
         steps = self.mtp.compiled
         if k < 2 or steps is None:
             return None
@@ -340,7 +345,7 @@ class MTPProposer:
             return None
         cos, sin = steps.rope[0][L : L + k - 1], steps.rope[1][L : L + k - 1]
         past = where.past()
-        return lambda out: fn(out.contiguous(), cos, sin, past)[0]
+        return lambda out: fn(out.contiguous(), cos, sin, past)
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         if not self.proposed:  # another proposer guessed: these pairs wait to be fed
@@ -368,9 +373,8 @@ class MTPProposer:
         return list(range(k + 1)) if self.p_min else [k]
 
     def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
-        """The greedy chain of k guesses as one graph (`chain.MTPChain`); sampling and adaptive
-        depth go step by step."""
-        if k < 2 or self.p_min:
+        """The greedy chain of k guesses as one graph (`chain.MTPChain`); sampling goes step by step."""
+        if k < 2:
             return []
         d = self.mtp.cfg.dim
 

@@ -147,8 +147,9 @@ def test_mtp_chain_guesses_as_step_by_step(eager_models, eager_mtp, k: int, cut:
         where = p.cache.append(p.seq, 0)
         module = MTPChain(mtp, target.embed_tokens.weight, head.w, head.ids, k)
         cos, sin = target.rope_cos[L : L + k - 1], target.rope_sin[L : L + k - 1]
-        fused = module(out, cos, sin, where.past())
+        fused, tops = module(out, cos, sin, where.past())
         assert fused.tolist() == eager.tolist(), (S, k, cut)
+        assert tops.shape == (k,) and bool(((tops > 0) & (tops <= 1)).all())
         assert p.cache.length(p.seq) == L  # the chain wrote nothing
         p.release()
 
@@ -491,7 +492,6 @@ def test_compiled_mtp_chain_guesses_and_stays_exact(compiled: Compiled) -> None:
     proposer = MTPProposer(target, mtp, len(PROMPT) + 80 + 8)
     ((owner, graph),) = proposer.fused(2)
     assert owner is mtp and mtp.compiled.prepare_fused(graph)
-    assert MTPProposer(target, mtp, 64, p_min=0.5).fused(2) == []  # adaptive depth: step by step
     name, fn = graph[0], mtp.compiled.fns_fused[graph[0]]
     rounds: list[int] = []
 
@@ -501,17 +501,21 @@ def test_compiled_mtp_chain_guesses_and_stays_exact(compiled: Compiled) -> None:
 
     mtp.compiled.fns_fused[name] = counted
     try:
-        for sampling in (Sampling(), Sampling(temperature=1.0, seed=7)):
+        for sampling, p_min in ((Sampling(), 0.0), (Sampling(), 0.6), (Sampling(temperature=1.0, seed=7), 0.0)):
             rounds.clear()
-            outs = []
+            outs, stats = [], []
             for on in (False, True):
                 aot.use([target, mtp], on)
-                p = MTPProposer(target, mtp, len(PROMPT) + 80 + 8)
-                outs.append(generate(target, p, PROMPT, 80, 2, sampling)[0])
+                p = MTPProposer(target, mtp, len(PROMPT) + 80 + 8, p_min=p_min)
+                out, st = generate(target, p, PROMPT, 80, 2, sampling)
+                outs.append(out)
+                stats.append(st.guessed)
             aot.use([target, mtp], True)
             assert outs[0] == outs[1], sampling
             if sampling.greedy:
                 assert len(rounds) > 20  # every round but the first few (a past shorter than MIN_PAST)
+                if p_min:  # rounds cut short alike: the same guesses doubted, eager or fused
+                    assert stats[0][:2] == stats[1][:2] and sum(stats[1][:2]) > 0, stats
             else:
                 assert not rounds
     finally:
