@@ -312,9 +312,11 @@ def prepare(
     log: Log | None = None,
     build: bool = True,
     also: tuple[int, ...] = (),
+    greedy: bool = True,
 ) -> tuple[int, int]:
     """Compiled steps for the target and the proposer's models: every pass a run with these k
-    may take (and target passes over the token counts `also`), loaded now (and with `build`,
+    may take (and target passes over the token counts `also`; the proposer's own graphs for
+    greedy or sampled runs), loaded now (and with `build`,
     compiled first where the cache lacks it), before anything is timed.
     -> (passes with a compiled step, passes)."""
     sizes = sorted({m + 1 for k in ks for m in proposer.counts(k)} | {T for T in also})
@@ -326,7 +328,7 @@ def prepare(
         if getattr(model, "compiled", None) is None:
             attach(model, target, log)  # type: ignore[arg-type]
         ready += model.compiled.prepare([(T, head, last)], build)  # type: ignore[union-attr]
-    fused = [f for k in ks for f in proposer.fused(k)]
+    fused = [f for k in ks for f in proposer.fused(k, greedy)]
     for model, graph in fused:
         if getattr(model, "compiled", None) is None:
             attach(model, target, log)  # type: ignore[arg-type]

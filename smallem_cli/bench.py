@@ -256,9 +256,9 @@ def prepare_compiled(target: Transformer, plan: Plan, passes: list[int] | None, 
     the pass sizes `passes` of --costs), then each proposer at each of its k."""
     top = max((k for ks in plan.ks.values() for k in ks), default=1)
     aot.prepare(target, NoProposer(), [0], log, also=tuple(passes or range(1, top + 2)))
-    for factories in plan.proposers.values():
+    for mode, factories in plan.proposers.items():
         for name, make in factories.items():
-            aot.prepare(target, make(8), plan.ks[name], log)
+            aot.prepare(target, make(8), plan.ks[name], log, greedy=mode == "greedy")
 
 
 Config = tuple[str, str, ProposerFactory, int]  # engine, proposer, factory, k

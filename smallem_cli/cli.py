@@ -331,7 +331,9 @@ def generate(
         raise fail(str(e)) from None
     ready, passes = 0, 1
     if mode:  # every pass this run may take, loaded (or built) before the clock starts
-        ready, passes = aot.prepare(tgt.model, make_proposer(8), [kk], err.print, build=mode == "build")
+        ready, passes = aot.prepare(
+            tgt.model, make_proposer(8), [kk], err.print, build=mode == "build", greedy=temperature == 0
+        )
         if ready < passes and not quiet:
             err.print(
                 f"eager for {passes - ready} of {passes} kinds of pass: `--engine compiled` builds their "
@@ -376,4 +378,7 @@ from . import cli_train  # noqa: E402, F401  (registers `data` and `train` on th
 
 def main() -> None:
     """The `smallem` entry point. Ctrl-C anywhere, the libraries' import included, exits 130 quietly."""
-    app()  # typer turns a KeyboardInterrupt into exit 130
+    try:
+        app()  # typer turns a KeyboardInterrupt in a command into exit 130
+    except KeyboardInterrupt:  # one that lands in typer's own set-up, before any command runs
+        raise SystemExit(130) from None

@@ -98,7 +98,7 @@ class NgramProposer:
     def counts(self, k: int) -> list[int]:
         return list(range(k + 1))
 
-    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
+    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
         return []
 
 
@@ -137,5 +137,5 @@ class Fallback:
     def counts(self, k: int) -> list[int]:
         return sorted({*self.first.counts(k), *self.other.counts(k)})
 
-    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
-        return self.other.fused(k)
+    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
+        return self.other.fused(k, greedy)

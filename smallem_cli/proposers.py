@@ -17,8 +17,8 @@ The protocol, in the loop's order:
   `bench` times as the proposer's cost c.
 - `passes(k)`: the decode passes a round with k guesses may run, as (model, T, head,
   last), so that compiled steps can be built before anything is timed (`aot.prepare`).
-- `fused(k)`: graphs of the proposer's own for a round with k guesses (the MTP module's
-  whole greedy chain, `chain.py`), as (model, Fused), compiled with the passes.
+- `fused(k, greedy)`: graphs of the proposer's own for a round with k guesses (the MTP
+  module's whole greedy chain, `chain.py`), as (model, Fused), compiled with the passes.
 - `counts(k)`: how many guesses a round with k may offer (the target's verify pass is
   over one more token): [k] for a fixed depth, 0..k when the proposer may stop early.
 
@@ -65,7 +65,7 @@ class Proposer(Protocol):
 
     def counts(self, k: int) -> list[int]: ...
 
-    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]: ...
+    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]: ...
 
 
 Pass = tuple[nn.Module, int, bool, bool]  # (model, tokens in the pass, head, last position only)
@@ -165,7 +165,7 @@ class NoProposer:
     def counts(self, k: int) -> list[int]:
         return [0]
 
-    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
+    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
         return []
 
 
@@ -247,7 +247,7 @@ class DraftProposer:
     def counts(self, k: int) -> list[int]:
         return list(range(k + 1)) if self.p_min else [k]
 
-    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
+    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
         return []
 
 
@@ -372,9 +372,9 @@ class MTPProposer:
     def counts(self, k: int) -> list[int]:
         return list(range(k + 1)) if self.p_min else [k]
 
-    def fused(self, k: int) -> list[tuple[nn.Module, Fused]]:
+    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
         """The greedy chain of k guesses as one graph (`chain.MTPChain`); sampling goes step by step."""
-        if k < 2:
+        if k < 2 or not greedy:
             return []
         d = self.mtp.cfg.dim
 

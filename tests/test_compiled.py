@@ -490,7 +490,8 @@ def test_compiled_mtp_chain_guesses_and_stays_exact(compiled: Compiled) -> None:
     takes it every round and gives the eager run's tokens; sampling goes step by step."""
     target, mtp = compiled.target, compiled.mtp
     proposer = MTPProposer(target, mtp, len(PROMPT) + 80 + 8)
-    ((owner, graph),) = proposer.fused(2)
+    ((owner, graph),) = proposer.fused(2, True)
+    assert proposer.fused(2, False) == []  # sampling: step by step
     assert owner is mtp and mtp.compiled.prepare_fused(graph)
     name, fn = graph[0], mtp.compiled.fns_fused[graph[0]]
     rounds: list[int] = []
