@@ -14,9 +14,14 @@ chained steps are one graph:
 
 The chained entries' K/V never reach the cache: they live inside the graph and die with
 it, as they do on the eager path, where `MTPProposer.accept` drops them (only the target's
-true states are kept). Greedy only: sampling keeps the step-by-step loop. With adaptive
-depth the whole chain runs and the guesses after the first doubtful one are dropped on
-the host: one sync a round, where the step-by-step loop syncs at every guess.
+true states are kept). With adaptive depth the whole chain runs and the guesses after
+the first doubtful one are dropped on the host: one sync a round, where the step-by-step
+loop syncs at every guess.
+
+Sampled (`MTPSampledChain`, for a plain temperature: no top-k, no top-p), each guess is
+drawn inside the graph by `verify.sample`'s exponential race, argmax(q / e), on Exp(1)
+draws e [k, N] made outside from the run's generator; the graph returns the guesses and
+the distributions q [k, N] they were drawn from, which verification needs.
 """
 
 from __future__ import annotations
@@ -83,3 +88,27 @@ class MTPChain(nn.Module):
             guesses.append(tok)
             tops.append(top)
         return torch.cat(guesses), torch.cat(tops)  # [k], [k]
+
+
+class MTPSampledChain(MTPChain):
+    """k sampled guesses: q_j = softmax(head(out_j) / T), x_j = argmax(q_j / e_j)."""
+
+    def forward(  # type: ignore[override]
+        self,
+        out: torch.Tensor,
+        inv_temperature: torch.Tensor,
+        e: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """out [1, d], inv_temperature [1], e [k, N] -> (guesses [k], q [k, N])."""
+        qs, guesses, chain = [], [], []
+        for i in range(self.k):
+            if i:
+                x = F.embedding(guesses[-1], self.table) + unit_rms(out, self.eps) @ self.proj_h  # [1, d]
+                out = self.step(x, cos[i - 1 : i], sin[i - 1 : i], past[0], chain)
+            q = torch.softmax(unit_rms(out, self.eps) @ self.head_w * inv_temperature, dim=-1)  # [1, N]
+            guesses.append(self.ids[(q / e[i : i + 1]).argmax(-1)])
+            qs.append(q)
+        return torch.cat(guesses), torch.cat(qs)  # [k], [k, N]

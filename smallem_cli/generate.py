@@ -15,14 +15,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
 from .cache import PagedKVCache
 from .model import Transformer
 from .proposers import Proposer, Warp
-from .verify import greedy_pick, sample, verify_greedy, verify_sample, warp
+from .verify import Warper, greedy_pick, sample, verify_greedy, verify_sample
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class Sampling:
         """logits -> the distribution target and proposer both draw from; None when greedy."""
         if self.greedy:
             return None
-        return partial(warp, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return Warper(self.temperature, self.top_k, self.top_p)
 
 
 @dataclass

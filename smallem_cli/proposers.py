@@ -39,9 +39,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .chain import MTPChain
+from .chain import MTPChain, MTPSampledChain
 from .model import MIN_PAST, MTPModule, Transformer, unit_rms
-from .verify import sample
+from .verify import Warper, noise, sample
 
 Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
 
@@ -98,9 +98,13 @@ class Head:
             return (i if self.ids is None else self.ids[i]), None
         q = warp(unit_rms(h, self.eps) @ self.w)  # [1, V or N]
         i = sample(q, gen)
+        return (i if self.ids is None else self.ids[i]), self.expand(q)
+
+    def expand(self, q: torch.Tensor) -> torch.Tensor:
+        """q over the head's tokens [m, N] -> over the vocabulary [m, V] (zero outside a cut head)."""
         if self.ids is None:
-            return i, q
-        return self.ids[i], q.new_zeros(1, self.size).index_copy_(1, self.ids, q)
+            return q
+        return q.new_zeros(q.shape[0], self.size).index_copy_(1, self.ids, q)
 
     def pick_sure(
         self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None
@@ -305,13 +309,18 @@ class MTPProposer:
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
         self.proposed = True
-        chain = self._chain(k) if warp is None else None
-        if chain is not None:  # the whole greedy chain in one compiled graph
+        if warp is None and (chain := self._chain(k, True)) is not None:  # the greedy chain: one graph
             tokens, tops = chain(out)
             if self.p_min:  # keep the guesses before the first doubtful one: one sync
                 sure = [t >= self.p_min for t in tops.tolist()]
                 tokens = tokens[: sure.index(False) if False in sure else k]
             return tokens, None
+        plain = isinstance(warp, Warper) and warp.plain and not self.p_min
+        if plain and (chain := self._chain(k, False)) is not None:  # sampled, a temperature alone
+            assert isinstance(warp, Warper)
+            inv_t = torch.full((1,), 1.0 / warp.temperature, device=out.device)
+            tokens, q = chain(out, inv_t, noise((k, self.head.w.shape[1]), generator, out))
+            return tokens, self.head.expand(q)
         tokens, qs = [], []
         for i in range(k):
             if i:
@@ -323,20 +332,22 @@ class MTPProposer:
             qs.append(got[1])
         return _collect(tokens, qs, self.pending_next[:0])
 
-    def _chain_name(self, k: int) -> str:
-        """The chain graph's key: k and the head it guesses with (the module's weights are in the base key)."""
+    def _chain_name(self, k: int, greedy: bool) -> str:
+        """The chain graph's key: k, the mode and the head it guesses with (the module's weights
+        are in the base key)."""
         ids = self.head.ids
         digest = "all" if ids is None else hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
-        return f"mtp-chain k={k} head={tuple(self.head.w.shape)} ids={digest}"
+        mode = "greedy" if greedy else "sampled"
+        return f"mtp-chain k={k} {mode} head={tuple(self.head.w.shape)} ids={digest}"
 
-    def _chain(self, k: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None:
-        """The compiled greedy chain for k guesses from the state `out` [1, d] -> (guesses [k],
-        the module's probability of each [k]), or None where it cannot serve (not prepared, a
-        layout or positions it was not built for)."""
+    def _chain(self, k: int, greedy: bool) -> Callable[..., tuple[torch.Tensor, ...]] | None:
+        """The compiled chain for k guesses from the state `out` [1, d] (and, sampled, 1/T and the
+        race's draws) -> (guesses [k], their probabilities [k] or q [k, N]), or None where it
+        cannot serve (not prepared, a layout or positions it was not built for)."""
         steps = self.mtp.compiled
         if k < 2 or steps is None:
             return None
-        fn = steps.fused(self._chain_name(k))
+        fn = steps.fused(self._chain_name(k, greedy))
         L = self.true_len
         if fn is None or tuple(self.cache.kv.shape) != steps.slab_shape or L + k - 1 > steps.positions:
             return None
@@ -345,7 +356,7 @@ class MTPProposer:
             return None
         cos, sin = steps.rope[0][L : L + k - 1], steps.rope[1][L : L + k - 1]
         past = where.past()
-        return lambda out: fn(out.contiguous(), cos, sin, past)
+        return lambda out, *more: fn(out.contiguous(), *more, cos, sin, past)
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         if not self.proposed:  # another proposer guessed: these pairs wait to be fed
@@ -373,12 +384,18 @@ class MTPProposer:
         return list(range(k + 1)) if self.p_min else [k]
 
     def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
-        """The greedy chain of k guesses as one graph (`chain.MTPChain`); sampling goes step by step."""
-        if k < 2 or not greedy:
+        """The chain of k guesses as one graph (`chain.MTPChain`, or `MTPSampledChain` for sampled
+        runs; those with top-k or top-p, or with adaptive depth, go step by step)."""
+        if k < 2:
             return []
-        d = self.mtp.cfg.dim
+        d, N = self.mtp.cfg.dim, self.head.w.shape[1]
+        kind = MTPChain if greedy else MTPSampledChain
 
         def module() -> nn.Module:
-            return MTPChain(self.mtp, self.target.embed_tokens.weight, self.head.w, self.head.ids, k)
+            return kind(self.mtp, self.target.embed_tokens.weight, self.head.w, self.head.ids, k)
 
-        return [(self.mtp, (self._chain_name(k), k - 1, module, lambda: (torch.zeros(1, d),)))]
+        def inputs() -> tuple[torch.Tensor, ...]:
+            out = torch.zeros(1, d)
+            return (out,) if greedy else (out, torch.ones(1), torch.ones(k, N))
+
+        return [(self.mtp, (self._chain_name(k, greedy), k - 1, module, inputs))]

@@ -15,6 +15,8 @@ a run exactly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -50,6 +52,31 @@ def warp(logits: Tensor, temperature: float, top_k: int | None = None, top_p: fl
     return probs
 
 
+@dataclass(frozen=True)
+class Warper:
+    """`warp` with its settings bound: logits [..., V] -> probabilities [..., V]. A proposer may
+    read them (a compiled chain of guesses applies a plain temperature itself)."""
+
+    temperature: float
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        return warp(logits, self.temperature, self.top_k, self.top_p)
+
+    @property
+    def plain(self) -> bool:
+        """A temperature alone: no top-k, no top-p."""
+        return self.top_k is None and self.top_p is None
+
+
+def noise(shape: tuple[int, ...], generator: torch.Generator | None, like: Tensor) -> Tensor:
+    """Exp(1) draws (dtype and device of `like`) for `sample`'s race; drawn ahead of time for a
+    graph that samples inside itself."""
+    e = torch.empty(shape, dtype=like.dtype, device=like.device).exponential_(1, generator=generator)
+    return e.clamp_min_(torch.finfo(e.dtype).tiny)
+
+
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One token per row of probs [..., V] -> long [...], without a host sync.
 
@@ -57,8 +84,7 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     p_i / sum(p), so rows need not be normalised; a zero-probability token scores 0 and can
     never win against a positive one.
     """
-    e = torch.empty_like(probs).exponential_(1, generator=generator)  # [..., V]
-    e = e.clamp_min_(torch.finfo(e.dtype).tiny)  # an exact 0 would give 0/0 = NaN, which argmax picks
+    e = noise(probs.shape, generator, probs)  # [..., V]; an exact 0 would give 0/0 = NaN, which argmax picks
     return (probs / e).argmax(dim=-1)
 
 

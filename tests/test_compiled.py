@@ -22,11 +22,12 @@ from typer.testing import CliRunner
 from smallem_cli import aot, checkpoint, graphs
 from smallem_cli import family as families
 from smallem_cli.cache import PagedKVCache
-from smallem_cli.chain import MTPChain
+from smallem_cli.chain import MTPChain, MTPSampledChain
 from smallem_cli.cli import app
 from smallem_cli.generate import Sampling, generate
 from smallem_cli.model import MIN_PAST, MTPModule, Transformer, compiled_step
 from smallem_cli.proposers import Head, MTPProposer, NoProposer
+from smallem_cli.verify import Warper, noise
 
 ATOL = RTOL = 1e-4
 TS = (1, 2, 3, 4, 5, 16)
@@ -151,6 +152,17 @@ def test_mtp_chain_guesses_as_step_by_step(eager_models, eager_mtp, k: int, cut:
         assert fused.tolist() == eager.tolist(), (S, k, cut)
         assert tops.shape == (k,) and bool(((tops > 0) & (tops <= 1)).all())
         assert p.cache.length(p.seq) == L  # the chain wrote nothing
+        # Sampled: the same draws (the same generator, in the same order) give the same
+        # guesses, and the q they were drawn from.
+        p.cache.keep(p.seq, L - 1)
+        p.pending_h, p.pending_next, p.proposed = hidden[-2:-1], prompt[-1:], False
+        sampled, q_eager = p.propose(k, Warper(0.8), torch.Generator().manual_seed(S))
+        assert q_eager is not None
+        e = noise((k, head.w.shape[1]), torch.Generator().manual_seed(S), out)
+        module = MTPSampledChain(mtp, target.embed_tokens.weight, head.w, head.ids, k)
+        fused, q = module(out, torch.tensor([1 / 0.8]), e, cos, sin, where.past())
+        assert fused.tolist() == sampled.tolist(), (S, k, cut)
+        close(head.expand(q), q_eager, f"sampled chain q, S={S} k={k}")
         p.release()
 
 
@@ -486,23 +498,29 @@ def test_cli_auto_engine_uses_what_is_built_and_compiles_nothing(
 
 @needs_compiler
 def test_compiled_mtp_chain_guesses_and_stays_exact(compiled: Compiled) -> None:
-    """The MTP module's greedy chain as one compiled graph (k=2: one compile more): a greedy run
-    takes it every round and gives the eager run's tokens; sampling goes step by step."""
+    """The MTP module's chain as one compiled graph (k=2, greedy and sampled: two compiles more):
+    runs take it every round and give the eager run's tokens; top-p goes step by step."""
     target, mtp = compiled.target, compiled.mtp
     proposer = MTPProposer(target, mtp, len(PROMPT) + 80 + 8)
-    ((owner, graph),) = proposer.fused(2, True)
-    assert proposer.fused(2, False) == []  # sampling: step by step
-    assert owner is mtp and mtp.compiled.prepare_fused(graph)
-    name, fn = graph[0], mtp.compiled.fns_fused[graph[0]]
+    graphs_ = {greedy: proposer.fused(2, greedy) for greedy in (True, False)}
     rounds: list[int] = []
+    for greedy, ((owner, graph),) in graphs_.items():
+        assert owner is mtp and mtp.compiled.prepare_fused(graph), greedy
+        fn = mtp.compiled.fns_fused[graph[0]]
 
-    def counted(*args):
-        rounds.append(1)
-        return fn(*args)
+        def counted(*args, _fn=fn):
+            rounds.append(1)
+            return _fn(*args)
 
-    mtp.compiled.fns_fused[name] = counted
+        mtp.compiled.fns_fused[graph[0]] = counted
+    cases = [
+        (Sampling(), 0.0, True),
+        (Sampling(), 0.6, True),
+        (Sampling(temperature=1.0, seed=7), 0.0, True),
+        (Sampling(temperature=1.0, top_p=0.9, seed=7), 0.0, False),
+    ]
     try:
-        for sampling, p_min in ((Sampling(), 0.0), (Sampling(), 0.6), (Sampling(temperature=1.0, seed=7), 0.0)):
+        for sampling, p_min, fused in cases:
             rounds.clear()
             outs, stats = [], []
             for on in (False, True):
@@ -513,12 +531,11 @@ def test_compiled_mtp_chain_guesses_and_stays_exact(compiled: Compiled) -> None:
                 stats.append(st.guessed)
             aot.use([target, mtp], True)
             assert outs[0] == outs[1], sampling
-            if sampling.greedy:
-                assert len(rounds) > 20  # every round but the first few (a past shorter than MIN_PAST)
-                if p_min:  # rounds cut short alike: the same guesses doubted, eager or fused
-                    assert stats[0][:2] == stats[1][:2] and sum(stats[1][:2]) > 0, stats
+            if fused:
+                assert len(rounds) > 20, sampling  # every round but the first few (a past shorter than MIN_PAST)
             else:
                 assert not rounds
+            if p_min:  # rounds cut short alike: the same guesses doubted, eager or fused
+                assert stats[0][:2] == stats[1][:2] and sum(stats[1][:2]) > 0, stats
     finally:
-        mtp.compiled.fns_fused[name] = fn
         aot.use([target, mtp], True)
