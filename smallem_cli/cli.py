@@ -109,7 +109,9 @@ def bench(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="PNG of speed-up against k")] = None,
-    peer: Annotated[str | None, typer.Option(help="hf | llamacpp: time transformers or llama.cpp side by side")] = None,
+    peer: Annotated[
+        str | None, typer.Option(help="hf | llamacpp | vllm: time transformers, llama.cpp or vLLM side by side")
+    ] = None,
     costs: Annotated[
         bool, typer.Option("--costs", help="only the stopwatch readings of c and v, --repeats of them (seconds)")
     ] = False,
@@ -168,13 +170,18 @@ def bench(
             bar.update(task, advance=1, description=escape(label))  # the bar's text is markup
 
         rows = B.run_bench(tgt.model, prompt_ids, plan, step)
-    peer_rows = (
-        run_peer(
-            peer, tgt, target.parent, prompt_ids, max_new_tokens, rows, engine_list, repeats, lambda m: err.print(m)
+    from .vllm_peer import VllmError
+
+    try:
+        peer_rows = (
+            run_peer(
+                peer, tgt, target.parent, prompt_ids, max_new_tokens, rows, engine_list, repeats, lambda m: err.print(m)
+            )
+            if peer
+            else []
         )
-        if peer
-        else []
-    )
+    except VllmError as e:  # vLLM failed in its subprocess: its error line
+        raise fail(str(e), 1) from None
     if plot_file:
         R.plot(rows, plot_file)
     if json_out:
