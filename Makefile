@@ -81,11 +81,13 @@ $(VLLM_VENV)/.installed:
 
 vllm-venv: $(VLLM_VENV)/.installed
 
-# The family exported as Hugging Face folders (replaced: runs/ is scratch), vLLM run on them
-# offline and through `vllm serve`, checked against Smallem's greedy tokens.
+# The family exported as Hugging Face folders (replaced: runs/ is scratch; `mimo` is the target
+# with its MTP module), vLLM run on them offline and through `vllm serve`, checked against
+# Smallem's greedy tokens and its acceptance.
 vllm-check: install vllm-venv
 	$(BIN)/smallem export checkpoints/target.safetensors $(VLLM_HF)/target --overwrite
 	$(BIN)/smallem export checkpoints/draft-2l.safetensors $(VLLM_HF)/draft-2l --overwrite
+	$(BIN)/smallem export checkpoints/target.safetensors $(VLLM_HF)/mimo --format mimo --overwrite
 	SMALLEM_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m smallem_cli.vllm_check --hf $(VLLM_HF)
 
 clean:

@@ -118,6 +118,8 @@ class Acceptance:
     """vLLM's speculative-decoding figures over a run (its counters' growth)."""
 
     drafts: int
+    draft_tokens: int
+    accepted: int
     rate: float  # accepted draft tokens / draft tokens
     tokens_per_step: float  # tokens per target step: 1 + accepted / drafts
     per_pos: list[float]  # rate at which the i-th draft token was accepted
@@ -132,6 +134,8 @@ def acceptance(counters: dict[str, Any]) -> Acceptance | None:
     accepted = int(counters.get("accepted", 0))
     return Acceptance(
         drafts,
+        draft_tokens,
+        accepted,
         accepted / draft_tokens if draft_tokens else 0.0,
         1 + accepted / drafts,
         [int(n) / drafts for n in counters.get("per_pos", [])],

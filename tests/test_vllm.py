@@ -45,7 +45,7 @@ def test_prometheus_counters_and_acceptance() -> None:
     c = V.prometheus_counters(METRICS)
     assert c == {"drafts": 40, "draft_tokens": 120, "accepted": 66, "per_pos": [30, 24, 12]}
     a = V.acceptance(c)
-    assert a is not None and a.drafts == 40
+    assert a is not None and (a.drafts, a.draft_tokens, a.accepted) == (40, 120, 66)
     assert a.rate == pytest.approx(66 / 120) and a.tokens_per_step == pytest.approx(1 + 66 / 40)
     assert a.per_pos == pytest.approx([0.75, 0.6, 0.3])
     assert V.acceptance(V.prometheus_counters("")) is None  # no speculation: no figures, not zeros
@@ -97,7 +97,7 @@ def test_check_table_marks_a_disagreement() -> None:
     counters = {"drafts": 2, "draft_tokens": 6, "accepted": 3, "per_pos": [2, 1, 0]}
     rows = [
         vllm_check.check_row("alone", ref, [[1, 2, 3], [4, 5, 6]], {}),
-        vllm_check.check_row("draft", ref, [[1, 2, 3], [4, 0, 6]], counters),
+        vllm_check.check_row("draft", ref, [[1, 2, 3], [4, 0, 6]], counters, (4, 6)),
     ]
     assert rows[0].ok and not rows[1].ok and rows[1].tokens_equal == 5
     from rich.console import Console
@@ -105,7 +105,8 @@ def test_check_table_marks_a_disagreement() -> None:
     con = Console(width=200, record=True)
     con.print(vllm_check.check_table(rows, 3, "0.32.0+cpu"))
     text = con.export_text()
-    assert "2/2" in text and "1/2 FAILED" in text and "50.0%" in text and "2.50" in text
+    assert "2/2" in text and "1/2 FAILED" in text and "50.0% (3/6)" in text and "66.7% (4/6)" in text
+    assert "2.50" in text
     assert "1.00 / 0.50 / 0.00" in text
 
 
@@ -279,20 +280,87 @@ def test_bench_peer_vllm_counts_a_difference_and_reports_a_failure(
 @pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM's venv .venv-vllm is not built (make vllm-venv)")
 def test_vllm_check(tmp_path: Path) -> None:
     """`make vllm-check`'s check on the shipped family, 48 new tokens: vLLM offline (target alone,
-    with draft-2l, ngram) and `vllm serve` give Smallem's greedy tokens; the server is gone after."""
+    with draft-2l, ngram, the MTP module at k = 1 and 3) and `vllm serve` give Smallem's greedy
+    tokens; the MTP module's first guesses are accepted as often as ours; the server is gone after."""
     from smallem_cli.hf import export_hf
+    from smallem_cli.hf_mtp import export_mimo
 
     ck = ROOT / "checkpoints"
     for name in ("target", "draft-2l"):
         export_hf(ck / f"{name}.safetensors", tmp_path / "hf" / name, ck / "tokenizer.json")
+    export_mimo(ck / "target.safetensors", ck / "mtp.safetensors", tmp_path / "hf" / "mimo", ck / "tokenizer.json")
     env = {**os.environ, V.PYTHON_ENV: str(VLLM_PYTHON), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "smallem_cli.vllm_check", "--hf", str(tmp_path / "hf"), "-n", "48"]
     cmd += ["--logs", str(tmp_path / "logs")]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [ln for ln in res.stdout.splitlines() if "│" in ln and ("LLM:" in ln or "vllm serve" in ln)]
-    assert len(rows) == 4 and all(" 8/8 " in ln for ln in rows), res.stdout
+    assert len(rows) == 6 and all(" 8/8 " in ln for ln in rows), res.stdout
+    mtp1 = next(ln for ln in rows if "MTP" in ln and "k=1" in ln).split("│")
+    assert mtp1[4].split("(")[1] == mtp1[5].split("(")[1], res.stdout  # vLLM's accepted/proposed = ours
     pids = [int(ln.split("PID ")[1].split()[0]) for ln in res.stderr.splitlines() if "PID " in ln]
     assert len(pids) == 1
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)
+
+
+# --- the MTP module for vLLM: the MiMo folder ------------------------------------------------------
+def test_export_mimo_layout(family: Family, tmp_path: Path) -> None:
+    """The target under Qwen2's names with zero q/k/v biases, the head written out, the MTP module
+    as model.mtp_layers.0 ending on the target's norm; MiMo's config; nothing replaced unasked."""
+    import torch
+    from safetensors.torch import load_file
+
+    from smallem_cli import checkpoint
+    from smallem_cli.hf import export_hf
+    from smallem_cli.hf_mtp import export_mimo
+
+    out = tmp_path / "mimo"
+    export_mimo(family.target, family.mtp, out, family.tokenizer)
+    export_hf(family.target, tmp_path / "llama", family.tokenizer)
+    got, llama = load_file(out / "model.safetensors"), load_file(tmp_path / "llama" / "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["MiMoForCausalLM"] and cfg["model_type"] == "qwen2"
+    assert cfg["num_nextn_predict_layers"] == 1 and cfg["tie_word_embeddings"] is False
+    for k, v in llama.items():  # the Llama export's tensors, as they are
+        assert torch.equal(got[k].float(), v.float()), k
+    target, _ = checkpoint.load_model(family.target)
+    mtp, _ = checkpoint.load_mtp(family.mtp, target)
+    m = "model.mtp_layers.0"
+    assert torch.equal(got["lm_head.weight"].float(), target.embed_tokens.weight.float())
+    assert torch.equal(got[f"{m}.final_layernorm.weight"].float(), target.norm.weight.float())
+    assert torch.equal(got[f"{m}.input_proj.weight"].float(), mtp.eh_proj.weight.float())
+    assert torch.equal(got[f"{m}.hidden_layernorm.weight"].float(), mtp.hnorm.weight.float())
+    assert torch.equal(got[f"{m}.token_layernorm.weight"].float(), mtp.enorm.weight.float())
+    assert torch.equal(got[f"{m}.self_attn.q_proj.weight"].float(), mtp.block.q_proj.weight.float())
+    assert torch.equal(got[f"{m}.mlp.down_proj.weight"].float(), mtp.block.down_proj.weight.float())
+    biases = [k for k in got if k.endswith("_proj.bias")]
+    assert len(biases) == 3 * (target.cfg.n_layers + 1) and all(not got[k].any() for k in biases)
+    n_mtp = len(mtp.state_dict()) + 1 + 3  # its parameters, the final norm, three biases
+    assert len(got) == len(llama) + 1 + 3 * target.cfg.n_layers + n_mtp
+    res = CliRunner().invoke(app, ["export", str(family.target), str(out), "--format", "mimo"])
+    assert res.exit_code == 2 and "--overwrite" in res.stderr and res.stderr.count("\n") == 1
+    res = CliRunner().invoke(app, ["export", str(family.mtp), str(tmp_path / "x"), "--format", "mimo"])
+    assert res.exit_code == 2 and "MTP module" in res.stderr and not (tmp_path / "x").exists()
+    res = CliRunner().invoke(app, ["export", str(family.target), str(tmp_path / "y"), "--mtp", str(family.mtp)])
+    assert res.exit_code == 2 and "--mtp applies to --format mimo" in res.stderr
+    res = CliRunner().invoke(app, ["export", str(family.target), str(out), "--format", "mimo", "--overwrite"])
+    assert res.exit_code == 0, res.stderr
+
+
+def test_mimo_target_is_the_llama_target(family: Family, tmp_path: Path) -> None:
+    """Qwen2 with zero q/k/v biases computes what Llama does: transformers' Qwen2ForCausalLM on the
+    MiMo folder gives the logits of its LlamaForCausalLM on the plain export."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from smallem_cli.hf import export_hf
+    from smallem_cli.hf_mtp import export_mimo
+
+    export_mimo(family.target, family.mtp, tmp_path / "mimo", family.tokenizer)
+    export_hf(family.target, tmp_path / "llama", family.tokenizer)
+    qwen = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "mimo", dtype=torch.float32).eval()
+    llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 17, 42, 5, 9, 1, 33, 60, 7, 7, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(qwen(ids).logits, llama(ids).logits, rtol=1e-5, atol=1e-5)
