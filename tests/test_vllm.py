@@ -364,3 +364,68 @@ def test_mimo_target_is_the_llama_target(family: Family, tmp_path: Path) -> None
     ids = torch.tensor([[3, 17, 42, 5, 9, 1, 33, 60, 7, 7, 2]])
     with torch.no_grad():
         torch.testing.assert_close(qwen(ids).logits, llama(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+# --- vllm serve's handling, on a stand-in server ------------------------------------------------------
+FAKE_SERVER = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+if "--fail" in " ".join(args):
+    print("INFO starting"); print("RuntimeError: no CPU backend here"); sys.exit(3)
+port = int(args[args.index("--port") + 1])
+served = []
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def reply(self, body, kind="application/json"):
+        data = body.encode(); self.send_response(200); self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        n = len(served)
+        text = 'vllm:spec_decode_num_drafts_total{engine="0"} %d.0\n' % (10 * n)
+        text += 'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} %d.0\n' % (4 * n)
+        self.reply(text if self.path == "/metrics" else "", "text/plain")
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        served.append(req)
+        ids = [t + 1 for t in req["prompt"]][: req["max_tokens"]]
+        self.reply(json.dumps({"choices": [{"text": "", "token_ids": ids if req.get("return_token_ids") else None}]}))
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_serving_answers_and_stops_by_pid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vllm serve`'s driving: started in a group of its own, polled until /health answers, the
+    prompts sent as token ids, its counters read, stopped by its PID; a failed start: its error line."""
+    runner = tmp_path / "fake_run.py"
+    runner.write_text(FAKE_SERVER)
+    monkeypatch.setattr(V, "RUNNER", runner)
+    pids: list[int] = []
+    env = dict(os.environ)
+    with V.serving(Path(sys.executable), tmp_path / "t", {"model": "d"}, env, tmp_path / "s.log", pids.append) as url:
+        assert url.startswith("http://127.0.0.1:")
+        got, counters = V.serve_tokens(url, "t", [[1, 2, 3], [7, 8]], 2)
+    assert got == [[2, 3], [8, 9]]
+    assert counters == {"drafts": 20, "draft_tokens": 0, "accepted": 0, "per_pos": [8]}
+    assert len(pids) == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)
+    with (
+        pytest.raises(V.VllmError, match=r"stopped \(exit 3\): RuntimeError: no CPU backend here"),
+        V.serving(Path(sys.executable), tmp_path / "t", {"model": "--fail"}, env, tmp_path / "f.log"),
+    ):
+        pass
+
+
+def test_serving_stops_the_server_on_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = tmp_path / "fake_run.py"
+    runner.write_text(FAKE_SERVER)
+    monkeypatch.setattr(V, "RUNNER", runner)
+    pids: list[int] = []
+    with (
+        pytest.raises(KeyboardInterrupt),
+        V.serving(Path(sys.executable), tmp_path / "t", None, dict(os.environ), tmp_path / "s.log", pids.append),
+    ):
+        raise KeyboardInterrupt
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)
