@@ -2,12 +2,14 @@
 
     python -m smallem_cli.vllm_check --hf runs/vllm-hf [--target CKPT] [--prompts FILE] [-n 200] [-k 3]
 
-`--hf` holds `target/` and `draft-2l/` as `smallem export` writes them; Smallem's reference
-tokens come from its own checkpoint (--target), the target alone, greedy, eager. vLLM runs offline
-(vllm.LLM) on the bench prompts, greedy, for the target alone, the target with draft-2l as its
-draft model, and vLLM's `ngram` proposer; then `vllm serve` with the draft answers the same
-prompts through its completions API, and is stopped by its PID. A table of token agreement
-(each must be every prompt) and of vLLM's acceptance figures goes to stdout; exit 1 if any run
+`--hf` holds `target/` and `draft-2l/` as `smallem export` writes them, and `mimo/` (the target
+with its MTP module, `smallem export TARGET OUT --format mimo`). Smallem's reference tokens come
+from its own checkpoint (--target), the target alone, greedy, eager. vLLM runs offline
+(vllm.LLM) on the bench prompts, greedy: the target alone, with draft-2l as its draft model,
+with vLLM's `ngram` proposer, and with the MTP module (vLLM's `mtp` method) at k = 1 and k;
+then `vllm serve` with the draft answers the same prompts through its completions API, and is
+stopped by its PID. A table of token agreement (each must be every prompt), vLLM's acceptance
+figures and Smallem's own acceptance with the same proposer goes to stdout; exit 1 if any run
 disagrees, 2 if one could not run. vLLM's logs are kept in --logs.
 """
 
@@ -20,7 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -168,10 +170,16 @@ def smallem_acceptance(target: Target, prompts: list[list[int]], max_new: int) -
     return ours
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, as the smallem command's errors
+        sys.stderr.write(f"error: {message} (see --help)\n")
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import options as O
 
-    ap = argparse.ArgumentParser(prog="python -m smallem_cli.vllm_check", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m smallem_cli.vllm_check", description=__doc__.split("\n")[0])
     ap.add_argument("--hf", type=Path, required=True, help="folder holding the exported target/ and draft-2l/")
     ap.add_argument("--target", type=Path, default=D.TARGET, help="Smallem's checkpoint of the exported target")
     ap.add_argument("--prompts", type=Path, default=D.PROMPTS)

@@ -192,12 +192,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> Any:
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> str:
+    """GET `url`, or POST `body` as JSON to it: the answer's text. VllmError if the server refuses."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        raw = r.read().decode()
-    return raw if url.endswith("/metrics") else json.loads(raw)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        raise VllmError(f"vllm serve answered {e.code} to {url}: {e.read().decode(errors='replace')[:300]}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise VllmError(f"vllm serve did not answer {url}: {e}") from None
+
+
+def grown(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """Speculative counters' growth from `before` to `after`."""
+    pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
+    out = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    return {**out, "per_pos": [a - b for a, b in zip(after["per_pos"], pos, strict=False)]}
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
@@ -269,17 +281,18 @@ def serve_tokens(url: str, model: str, prompts: list[list[int]], max_new: int) -
     ids and the server's speculative counters' growth over the requests."""
 
     def counters() -> dict[str, Any]:
-        return prometheus_counters(http_json(url + "/metrics"))
+        return prometheus_counters(http(url + "/metrics"))
 
     before = counters()
     out = []
     for p in prompts:
         body = {"model": model, "prompt": p, "max_tokens": max_new, "temperature": 0, "ignore_eos": True}
-        out.append(completion_tokens(http_json(url + "/v1/completions", {**body, "return_token_ids": True})))
-    after = counters()
-    pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
-    grown = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-    return out, {**grown, "per_pos": [a - b for a, b in zip(after["per_pos"], pos, strict=False)]}
+        answer = http(url + "/v1/completions", {**body, "return_token_ids": True})
+        try:
+            out.append(completion_tokens(json.loads(answer)))
+        except ValueError:
+            raise VllmError(f"vllm serve answered no JSON: {answer[:200]}") from None
+    return out, grown(counters(), before)
 
 
 # --- smallem bench --peer vllm -------------------------------------------------------------------

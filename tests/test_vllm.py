@@ -68,6 +68,7 @@ def test_offline_counters_and_their_growth() -> None:
     assert vllm_run.minus(after, before) == {"drafts": 6, "draft_tokens": 18, "accepted": 10, "per_pos": [5, 4, 1]}
     empty = vllm_run.spec_counters(SimpleNamespace(get_metrics=list))
     assert V.acceptance(empty) is None
+    assert V.grown(after, before) == vllm_run.minus(after, before)  # the server's counters, the same way
 
 
 def test_completion_tokens() -> None:
@@ -429,3 +430,22 @@ def test_serving_stops_the_server_on_an_error(tmp_path: Path, monkeypatch: pytes
         raise KeyboardInterrupt
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)
+
+
+def test_check_refuses_bad_input_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(V.PYTHON_ENV, sys.executable)
+    cases = [
+        (["--hf", str(tmp_path)], "no exported target"),
+        (["--hf", str(tmp_path), "--nonsense"], "unrecognized arguments"),
+        ([], "--hf"),
+    ]
+    for argv, says in cases:
+        with pytest.raises(SystemExit) as stop:
+            sys.exit(vllm_check.main(argv))
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and says in err, (argv, err)
+    monkeypatch.setenv(V.PYTHON_ENV, str(tmp_path / "none"))
+    assert vllm_check.main(["--hf", str(tmp_path)]) == 2
+    assert "not an executable" in capsys.readouterr().err
