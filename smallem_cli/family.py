@@ -93,13 +93,13 @@ def load_proposer(
         return lambda _: NoProposer()
     V = target.model.cfg.vocab_size
     if spec == D.NGRAM:
-        return lambda _: NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX)
+        return lambda _: NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST)
     if spec.startswith(D.NGRAM + "+"):
         rest = spec[len(D.NGRAM) + 1 :]
         if rest in ("none", D.NGRAM) or rest.startswith(D.NGRAM + "+"):
             raise CheckpointError(f"proposer {spec!r}: {D.NGRAM}+ takes a model proposer (a draft or an MTP module)")
         other = load_proposer(rest, target, device, vocab, p_min)
-        return lambda n: Fallback(NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX), other(n))
+        return lambda n: Fallback(NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST), other(n))
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
     if hf.is_hf_dir(path):

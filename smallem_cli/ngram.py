@@ -8,6 +8,14 @@ for free; elsewhere the lookup finds nothing, or a guess the target rejects.
 
 - No cache, no model: a guess costs a dictionary lookup. A round whose lookup finds
   nothing offers no guess, and the target's pass is then a plain one-token pass.
+- Depth from the acceptance measured so far: every round the lookup also checks, for
+  free, what it would have guessed against what the target emitted (under sampling too: a
+  point-mass guess x is kept with probability p(x), the chance that the target's own draw
+  is x). From that running rate α it offers the m <= k guesses that maximise the seed's
+  tokens per cost, (1 − α^(m+1)) / (1 − α) over 1 + GUESS_COST·m, where GUESS_COST is what
+  one more token adds to a verify pass. Where copying pays it guesses deep; where its matches
+  are chance (sampled text, prose that does not repeat) it offers nothing, and the pass is
+  a plain one-token pass (or, in `ngram+P`, P guesses).
 - No q: the guesses are not drawn from a distribution. Under sampling each is a point
   mass, q = one-hot, which the min(1, p/q) rule handles exactly: the guess is kept with
   probability p(x), and a rejection draws from p with x taken out.
@@ -59,32 +67,62 @@ class NgramIndex:
         return []
 
 
+def best_depth(alpha: float, k: int, guess_cost: float) -> int:
+    """The m in 0..k with the most tokens per cost: (1 − α^(m+1)) / (1 − α) / (1 + guess_cost·m)."""
+
+    def gain(m: int) -> float:
+        tokens = m + 1 if alpha >= 1 else (1 - alpha ** (m + 1)) / (1 - alpha)
+        return tokens / (1 + guess_cost * m)
+
+    return max(range(k + 1), key=gain)
+
+
 class NgramProposer:
     """Guesses by prompt lookup (see the module's docstring). Satisfies `proposers.Proposer`."""
 
     name = "ngram"
+    DECAY = 0.8  # the acceptance rate's memory, per round: it follows the text from region to region
 
-    def __init__(self, vocab_size: int, min_n: int, max_n: int) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float = 0.0) -> None:
+        self.vocab_size, self.guess_cost = vocab_size, guess_cost
         self.index = NgramIndex(min_n, max_n)
         self.device = torch.device("cpu")
+        self.looked: list[int] = []  # what this round's lookup found, offered or not
+        self.kept, self.reached = 0.0, 0.0  # decayed counts of guesses kept, and of guesses in play
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.device = prompt.device
         self.index = NgramIndex(self.index.min_n, self.index.max_n)
         self.index.extend(prompt.tolist() + first.view(-1).tolist())
+        self.kept = self.reached = 0.0
+
+    @property
+    def alpha(self) -> float:
+        """The rate at which a guess in play is kept, with a prior of one kept in two."""
+        return (self.kept + 1) / (self.reached + 2)
 
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        found = self.index.lookup(k)
-        tokens = torch.tensor(found, dtype=torch.long, device=self.device)  # [m]
-        if warp is None or not found:
+        self.looked = self.index.lookup(k)
+        m = best_depth(self.alpha, k, self.guess_cost) if self.guess_cost else k
+        tokens = torch.tensor(self.looked[:m], dtype=torch.long, device=self.device)  # [m]
+        if warp is None or not tokens.shape[0]:
             return tokens, None
         return tokens, F.one_hot(tokens, self.vocab_size).float()  # [m, V]: each guess a point mass
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.index.extend(emitted.tolist())
+        out = emitted.tolist()
+        # What the lookup would have kept, offered or not: the leading guesses equal to the
+        # tokens emitted (a guess past the emitted ones cannot be told).
+        hits = 0
+        while hits < min(len(self.looked), len(out)) and self.looked[hits] == out[hits]:
+            hits += 1
+        in_play = hits + (hits < min(len(self.looked), len(out)))
+        self.kept = self.DECAY * self.kept + hits
+        self.reached = self.DECAY * self.reached + in_play
+        self.looked = []
+        self.index.extend(out)
 
     def release(self) -> None:
         pass

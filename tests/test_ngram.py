@@ -14,7 +14,7 @@ from test_verify import P1, P2, check_exact
 
 from smallem_cli import defaults as D
 from smallem_cli.generate import Sampling, Stats, generate
-from smallem_cli.ngram import Fallback, NgramIndex, NgramProposer
+from smallem_cli.ngram import Fallback, NgramIndex, NgramProposer, best_depth
 from smallem_cli.proposers import DraftProposer, MTPProposer, NoProposer
 
 N = 120
@@ -72,6 +72,8 @@ def proposers(kind: str, models: dict, p_min: float = 0.0):
     V = models["target"].cfg.vocab_size
     if kind == "ngram":
         return NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX)
+    if kind == "ngram-adaptive":
+        return NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST)
     if kind == "ngram+mtp":
         return Fallback(NgramProposer(V, 2, 3), MTPProposer(models["target"], models["mtp"], MAX_LEN))
     if kind == "ngram+draft":
@@ -87,14 +89,14 @@ def models(target, draft, near_draft, mtp) -> dict:
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, REPEAT], ids=["plain", "repeating"])
-@pytest.mark.parametrize("kind", ["ngram", "ngram+mtp", "ngram+draft"])
+@pytest.mark.parametrize("kind", ["ngram", "ngram-adaptive", "ngram+mtp", "ngram+draft"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_ngram_greedy_identity(models, prompt: list[int], kind: str, k: int) -> None:
     ref, _ = generate(models["target"], NoProposer(), prompt, N, 0)
     out, stats = generate(models["target"], proposers(kind, models), prompt, N, k)
     assert out == ref
     check_rounds(stats, out, k)
-    if kind == "ngram":
+    if kind.startswith("ngram") and "+" not in kind:
         assert stats.guessed[0] > 0  # some rounds found nothing and checked no guess
     assert stats.proposed > 0
 
@@ -131,7 +133,7 @@ def test_adaptive_depth_cuts_guesses_it_doubts(models) -> None:
     assert hi.acceptance_rate >= lo.acceptance_rate
 
 
-@pytest.mark.parametrize("kind", ["ngram", "ngram+mtp", "mtp"])
+@pytest.mark.parametrize("kind", ["ngram", "ngram-adaptive", "ngram+mtp", "mtp"])
 def test_sampling_is_seeded(models, kind: str) -> None:
     s = Sampling(temperature=1.0, seed=5)
     p_min = 0.3 if kind == "mtp" else 0.0
@@ -158,3 +160,30 @@ def test_ngram_sampled_q_is_one_hot(models) -> None:
     assert torch.equal(q, F.one_hot(toks, 64).float())
     toks, q = p.propose(3, None, None)
     assert q is None
+
+
+def test_best_depth_weighs_acceptance_against_the_pass() -> None:
+    assert best_depth(0.02, 4, 0.16) == 0  # matches by chance: no guess is worth its cost
+    assert best_depth(0.35, 4, 0.16) == 1
+    assert best_depth(0.9, 4, 0.16) == 4  # copying: as deep as allowed
+    assert best_depth(1.0, 6, 0.16) == 6
+    assert best_depth(0.5, 4, 0.0) == 4  # a free pass: every guess pays
+
+
+def test_ngram_depth_follows_the_acceptance_it_measures() -> None:
+    """Its silent checks see every lookup, offered or not: wrong lookups bring its depth to 0,
+    right ones back up, without offering a guess in between."""
+    p = NgramProposer(64, 2, 3, guess_cost=0.16)
+    p.start(torch.tensor([1, 2, 3, 1, 2]), torch.tensor([3]), torch.empty(0))
+    for i in range(12):  # the lookup says what followed "1 2 3" last time; the target, a new token
+        p.propose(4, None, None)
+        p.accept(0, torch.tensor([10 + i]), torch.empty(0))
+        p.index.extend([1, 2, 3])  # a lookup every round
+    toks, _ = p.propose(4, None, None)
+    assert toks.shape[0] == 0 and p.alpha < 0.2
+    for _ in range(6):  # now the lookup would have been right, offered or not
+        looked = p.index.lookup(4)
+        p.propose(4, None, None)
+        p.accept(0, torch.tensor(looked[:1]), torch.empty(0))
+    toks, _ = p.propose(4, None, None)
+    assert toks.shape[0] >= 1 and p.alpha > 0.5
