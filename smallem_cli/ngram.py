@@ -11,9 +11,10 @@ for free; elsewhere the lookup finds nothing, or a guess the target rejects.
 - Depth from the acceptance measured so far: every round the lookup also checks, for
   free, what it would have guessed against what the target emitted (under sampling too: a
   point-mass guess x is kept with probability p(x), the chance that the target's own draw
-  is x). From that running rate α it offers the m <= k guesses that maximise the seed's
-  tokens per cost, (1 − α^(m+1)) / (1 − α) over 1 + GUESS_COST·m, where GUESS_COST is what
-  one more token adds to a verify pass. Where copying pays it guesses deep; where its matches
+  is x). From those running rates (the first guess's, and a later guess's once those
+  before it were kept: a lookup is a copy or wrong from the start) it offers the m <= k
+  guesses with the most expected tokens per cost, over 1 + GUESS_COST·m, where GUESS_COST
+  is what one more token adds to a verify pass. Where copying pays it guesses deep; where its matches
   are chance (sampled text, prose that does not repeat) it offers nothing, and the pass is
   a plain one-token pass (or, in `ngram+P`, P guesses).
 - No q: the guesses are not drawn from a distribution. Under sampling each is a point
@@ -67,11 +68,16 @@ class NgramIndex:
         return []
 
 
-def best_depth(alpha: float, k: int, guess_cost: float) -> int:
-    """The m in 0..k with the most tokens per cost: (1 − α^(m+1)) / (1 − α) / (1 + guess_cost·m)."""
+def best_depth(first: float, then: float, k: int, guess_cost: float) -> int:
+    """The m in 0..k with the most tokens per cost, when the first guess is kept at rate `first`
+    and each later one, once those before it were, at rate `then`: a lookup is either right (a
+    copy, kept all along) or wrong from its first token, so the two rates differ.
+
+    tokens(m) = 1 + first·(1 + then + ... + then^(m−1)), over a pass of cost 1 + guess_cost·m.
+    """
 
     def gain(m: int) -> float:
-        tokens = m + 1 if alpha >= 1 else (1 - alpha ** (m + 1)) / (1 - alpha)
+        tokens = 1 + first * sum(then**i for i in range(m))
         return tokens / (1 + guess_cost * m)
 
     return max(range(k + 1), key=gain)
@@ -88,24 +94,26 @@ class NgramProposer:
         self.index = NgramIndex(min_n, max_n)
         self.device = torch.device("cpu")
         self.looked: list[int] = []  # what this round's lookup found, offered or not
-        self.kept, self.reached = 0.0, 0.0  # decayed counts of guesses kept, and of guesses in play
+        # decayed counts of guesses kept and in play: [first guesses, later ones]
+        self.kept, self.reached = [0.0, 0.0], [0.0, 0.0]
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.device = prompt.device
         self.index = NgramIndex(self.index.min_n, self.index.max_n)
         self.index.extend(prompt.tolist() + first.view(-1).tolist())
-        self.kept = self.reached = 0.0
+        self.kept, self.reached = [0.0, 0.0], [0.0, 0.0]
 
     @property
-    def alpha(self) -> float:
-        """The rate at which a guess in play is kept, with a prior of one kept in two."""
-        return (self.kept + 1) / (self.reached + 2)
+    def rates(self) -> tuple[float, float]:
+        """Rates at which a first guess, and a later guess in play, are kept (a prior of one in two)."""
+        first, then = ((k + 1) / (r + 2) for k, r in zip(self.kept, self.reached, strict=True))
+        return first, then
 
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.looked = self.index.lookup(k)
-        m = best_depth(self.alpha, k, self.guess_cost) if self.guess_cost else k
+        m = best_depth(*self.rates, k, self.guess_cost) if self.guess_cost else k
         tokens = torch.tensor(self.looked[:m], dtype=torch.long, device=self.device)  # [m]
         if warp is None or not tokens.shape[0]:
             return tokens, None
@@ -115,12 +123,14 @@ class NgramProposer:
         out = emitted.tolist()
         # What the lookup would have kept, offered or not: the leading guesses equal to the
         # tokens emitted (a guess past the emitted ones cannot be told).
-        hits = 0
-        while hits < min(len(self.looked), len(out)) and self.looked[hits] == out[hits]:
+        hits, told = 0, min(len(self.looked), len(out))
+        while hits < told and self.looked[hits] == out[hits]:
             hits += 1
-        in_play = hits + (hits < min(len(self.looked), len(out)))
-        self.kept = self.DECAY * self.kept + hits
-        self.reached = self.DECAY * self.reached + in_play
+        in_play = hits + (hits < told)
+        first = (min(hits, 1), min(in_play, 1))  # the first guess; then the later ones in play
+        for j, (kept, played) in enumerate((first, (hits - first[0], in_play - first[1]))):
+            self.kept[j] = self.DECAY * self.kept[j] + kept
+            self.reached[j] = self.DECAY * self.reached[j] + played
         self.looked = []
         self.index.extend(out)
 

@@ -163,11 +163,12 @@ def test_ngram_sampled_q_is_one_hot(models) -> None:
 
 
 def test_best_depth_weighs_acceptance_against_the_pass() -> None:
-    assert best_depth(0.02, 4, 0.16) == 0  # matches by chance: no guess is worth its cost
-    assert best_depth(0.35, 4, 0.16) == 1
-    assert best_depth(0.9, 4, 0.16) == 4  # copying: as deep as allowed
-    assert best_depth(1.0, 6, 0.16) == 6
-    assert best_depth(0.5, 4, 0.0) == 4  # a free pass: every guess pays
+    assert best_depth(0.02, 0.02, 4, 0.16) == 0  # matches by chance: no guess is worth its cost
+    assert best_depth(0.35, 0.3, 4, 0.16) == 1
+    assert best_depth(0.35, 0.9, 4, 0.16) == 4  # a copy, when its first token is right
+    assert best_depth(0.9, 0.9, 4, 0.16) == 4
+    assert best_depth(1.0, 1.0, 6, 0.16) == 6
+    assert best_depth(0.5, 0.5, 4, 0.0) == 4  # a free pass: every guess pays
 
 
 def test_ngram_depth_follows_the_acceptance_it_measures() -> None:
@@ -180,10 +181,10 @@ def test_ngram_depth_follows_the_acceptance_it_measures() -> None:
         p.accept(0, torch.tensor([10 + i]), torch.empty(0))
         p.index.extend([1, 2, 3])  # a lookup every round
     toks, _ = p.propose(4, None, None)
-    assert toks.shape[0] == 0 and p.alpha < 0.2
+    assert toks.shape[0] == 0 and p.rates[0] < 0.2
     for _ in range(6):  # now the lookup would have been right, offered or not
         looked = p.index.lookup(4)
         p.propose(4, None, None)
         p.accept(0, torch.tensor(looked[:1]), torch.empty(0))
     toks, _ = p.propose(4, None, None)
-    assert toks.shape[0] >= 1 and p.alpha > 0.5
+    assert toks.shape[0] >= 1 and p.rates[0] > 0.5
