@@ -294,7 +294,10 @@ def generate(
     target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
     proposer: Annotated[
         str | None,
-        typer.Option(help=f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P [default: {D.PROPOSER}, HF: none]"),
+        typer.Option(
+            help=f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P [default: {D.PROPOSER['greedy']} greedy, "
+            f"{D.PROPOSER['sample']} sampled; HF: none]"
+        ),
     ] = None,
     k: Annotated[
         int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: per proposer and mode]")
@@ -331,7 +334,7 @@ def generate(
     from .tokenizer import load_tokenizer
 
     try:
-        proposer = proposer or family.default_proposer(target)
+        proposer = proposer or family.default_proposer(target, temperature == 0)
         kk = O.pick_k(proposer, k, temperature == 0)
         O.check_sampling(temperature, top_k, top_p, seed)
         text = O.read_prompt(prompt, max_new_tokens)

@@ -38,10 +38,11 @@ class Target:
     hf: bool = False  # a Hugging Face folder, not a smallem checkpoint
 
 
-def default_proposer(target: Path) -> str:
-    """The proposer used when none is named: the shipped MTP module beside a smallem
-    checkpoint; none for an HF folder (whatever sits beside the folder is not its proposer)."""
-    return "none" if hf.is_hf_dir(target) else D.PROPOSER
+def default_proposer(target: Path, greedy: bool) -> str:
+    """The proposer used when none is named: beside a smallem checkpoint, the shipped MTP
+    module (greedy: backed up by the n-gram lookup); none for an HF folder (whatever sits
+    beside the folder is not its proposer)."""
+    return "none" if hf.is_hf_dir(target) else D.PROPOSER["greedy" if greedy else "sample"]
 
 
 def load_target(path: Path, device: torch.device, tokenizer: Path | None = None) -> Target:

@@ -237,8 +237,9 @@ def test_hf_target_has_no_default_proposer(family: Family, hf_dir: Path, tmp_pat
     home = tmp_path / "models"
     folder = hf_copy(hf_dir, home / "target-hf")
     shutil.copy(family.mtp, home / "mtp.safetensors")  # a stranger's file in the folder's parent
-    assert fam.default_proposer(folder) == "none"
-    assert fam.default_proposer(family.target) == "mtp"
+    assert fam.default_proposer(folder, True) == fam.default_proposer(folder, False) == "none"
+    assert fam.default_proposer(family.target, True) == "ngram+mtp"
+    assert fam.default_proposer(family.target, False) == "mtp"
     tgt = fam.load_target(folder, torch.device("cpu"))
     with pytest.raises(CheckpointError, match=r"proposer 'mtp' is a shipped name.*give the proposer's path"):
         fam.load_proposer("mtp", tgt, torch.device("cpu"))

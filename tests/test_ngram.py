@@ -188,3 +188,19 @@ def test_ngram_depth_follows_the_acceptance_it_measures() -> None:
         p.accept(0, torch.tensor(looked[:1]), torch.empty(0))
     toks, _ = p.propose(4, None, None)
     assert toks.shape[0] >= 1 and p.rates[0] > 0.5
+
+
+def test_the_default_proposer_depends_on_the_mode(family) -> None:
+    """No --proposer: the n-gram lookup backed by MTP when greedy, MTP alone when sampling."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from smallem_cli.cli import app
+
+    base = ["generate", "--target", str(family.target), "-n", "12", "--json", "-q", "And"]
+    greedy = json.loads(CliRunner().invoke(app, base).stdout)
+    sampled = json.loads(CliRunner().invoke(app, [*base, "--temperature", "0.7"]).stdout)
+    assert greedy["stats"]["proposer"] == "ngram+mtp" and sampled["stats"]["proposer"] == "mtp"
+    alone = json.loads(CliRunner().invoke(app, [*base, "--proposer", "none"]).stdout)
+    assert greedy["tokens"] == alone["tokens"]
