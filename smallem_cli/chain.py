@@ -26,27 +26,27 @@ the distributions q [k, N] they were drawn from, which verification needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from .graphs import _Layer, _rope, unit_rms
+from .graphs import MTPStep, _rope, unit_rms
 from .model import MTPModule
 
 
-class MTPChain(nn.Module):
-    """k greedy guesses: head(out) -> x_1; step(out, x_1) -> out_2; head(out_2) -> x_2; ..."""
+class MTPChain(MTPStep):
+    """k greedy guesses: head(out) -> x_1; step(out, x_1) -> out_2; head(out_2) -> x_2; ...
+
+    The module's buffers are `MTPStep`'s (its token table, its h projection, its block), plus
+    the proposer's head.
+    """
 
     def __init__(self, mtp: MTPModule, embed: torch.Tensor, head_w: torch.Tensor, ids: torch.Tensor | None, k: int):
-        super().__init__()
-        assert mtp.proj_t is not None, "pack() the module first"
-        d = mtp.cfg.dim
-        self.k, self.eps = k, mtp.cfg.norm_eps
-        self.register_buffer("table", mtp.token_table(embed))  # [V, d]
-        self.register_buffer("proj_h", mtp.proj_t[:d].contiguous())  # [d, d]
+        super().__init__(mtp, embed, last=True)
+        self.k = k
         self.register_buffer("head_w", head_w)  # [d, N]: the proposer's head (maybe cut to N rows)
         self.register_buffer("ids", ids if ids is not None else torch.arange(head_w.shape[1]))  # [N] -> token id
-        self.layer = _Layer(mtp.block)
 
     def pick(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """State [1, d] -> (token [1], its probability [1]) under the (final-normed) head."""
@@ -58,7 +58,9 @@ class MTPChain(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor, chain: list[torch.Tensor]
     ) -> torch.Tensor:
         """One token [1, d] at the chain's next position: attends to the past and to the chain
-        so far (`chain` gets its K/V, [K or V, Hkv, D]) -> [1, d]."""
+        so far (`chain` gets its K/V, [K or V, Hkv, D]) -> [1, d]. `_Layer.forward` with the
+        chain's entries as keys beside the past's, never concatenated with it (a copy of the
+        past per guess)."""
         L = self.layer
         H, Hkv, D = L.n_heads, L.n_kv_heads, L.head_dim
         G = H // Hkv
@@ -76,18 +78,31 @@ class MTPChain(nn.Module):
         f = gu.shape[-1] // 2
         return x + (F.silu(gu[:, :f]) * gu[:, f:]) @ L.down
 
-    def forward(
+    def run(
+        self,
+        out: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: torch.Tensor,
+        pick: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chain from state out [1, d]: pick(i, state) -> (guess i [1], what goes with it [1, ...]),
+        each guess fed back as the pair (state, guess) -> (guesses [k], the picks' companions, stacked)."""
+        guesses, extras, chain = [], [], []
+        for i in range(self.k):
+            if i:
+                x = F.embedding(guesses[-1], self.table) + unit_rms(out, self.eps) @ self.proj_h  # [1, d]
+                out = self.step(x, cos[i - 1 : i], sin[i - 1 : i], past[0], chain)
+            tok, extra = pick(i, out)
+            guesses.append(tok)
+            extras.append(extra)
+        return torch.cat(guesses), torch.cat(extras)
+
+    def forward(  # type: ignore[override]
         self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        tok, top = self.pick(out)  # [1], [1]
-        guesses, tops, chain = [tok], [top], []
-        for i in range(1, self.k):
-            x = F.embedding(tok, self.table) + unit_rms(out, self.eps) @ self.proj_h  # [1, d]: (h, x) pair in
-            out = self.step(x, cos[i - 1 : i], sin[i - 1 : i], past[0], chain)
-            tok, top = self.pick(out)
-            guesses.append(tok)
-            tops.append(top)
-        return torch.cat(guesses), torch.cat(tops)  # [k], [k]
+        """out [1, d] -> (guesses [k], the module's probability of each [k])."""
+        return self.run(out, cos, sin, past, lambda _, state: self.pick(state))
 
 
 class MTPSampledChain(MTPChain):
@@ -103,12 +118,9 @@ class MTPSampledChain(MTPChain):
         past: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """out [1, d], inv_temperature [1], e [k, N] -> (guesses [k], q [k, N])."""
-        qs, guesses, chain = [], [], []
-        for i in range(self.k):
-            if i:
-                x = F.embedding(guesses[-1], self.table) + unit_rms(out, self.eps) @ self.proj_h  # [1, d]
-                out = self.step(x, cos[i - 1 : i], sin[i - 1 : i], past[0], chain)
-            q = torch.softmax(unit_rms(out, self.eps) @ self.head_w * inv_temperature, dim=-1)  # [1, N]
-            guesses.append(self.ids[(q / e[i : i + 1]).argmax(-1)])
-            qs.append(q)
-        return torch.cat(guesses), torch.cat(qs)  # [k], [k, N]
+
+        def draw(i: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q = torch.softmax(unit_rms(state, self.eps) @ self.head_w * inv_temperature, dim=-1)  # [1, N]
+            return self.ids[(q / e[i : i + 1]).argmax(-1)], q
+
+        return self.run(out, cos, sin, past, draw)

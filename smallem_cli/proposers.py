@@ -282,7 +282,9 @@ class MTPProposer:
         self.pending_h = torch.empty(0)  # [m, d] target states not yet fed
         self.pending_next = torch.empty(0, dtype=torch.long)  # [m] the token after each
         self.proposed = False  # whether this round's guesses are the module's
-        self.backlog = False  # whether the pending pairs span rounds it did not guess in
+        ids = self.head.ids  # the chain graphs' key part for the head, once (`_chain_name`)
+        digest = "all" if ids is None else hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
+        self._head_key = f"head={tuple(self.head.w.shape)} ids={digest}"
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.pending_h = hidden  # h_0 .. h_{P-1}
@@ -299,10 +301,9 @@ class MTPProposer:
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h, nxt = self.pending_h, self.pending_next
-        # A backlog (rounds another proposer guessed) goes in passes of k+1 pairs, the sizes
-        # compiled for; the prompt, at the first round, in one pass.
-        chunk = k + 1 if self.backlog else h.shape[0]
-        self.backlog = False
+        # The prompt, at the first round, in one pass; later, a backlog (rounds another proposer
+        # guessed) in passes of k+1 pairs, the sizes compiled for.
+        chunk = k + 1 if self.true_len else h.shape[0]
         while h.shape[0] > chunk:
             self.step(h[:chunk], nxt[:chunk], last=True)
             h, nxt = h[chunk:], nxt[chunk:]
@@ -335,10 +336,7 @@ class MTPProposer:
     def _chain_name(self, k: int, greedy: bool) -> str:
         """The chain graph's key: k, the mode and the head it guesses with (the module's weights
         are in the base key)."""
-        ids = self.head.ids
-        digest = "all" if ids is None else hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
-        mode = "greedy" if greedy else "sampled"
-        return f"mtp-chain k={k} {mode} head={tuple(self.head.w.shape)} ids={digest}"
+        return f"mtp-chain k={k} {'greedy' if greedy else 'sampled'} {self._head_key}"
 
     def _chain(self, k: int, greedy: bool) -> Callable[..., tuple[torch.Tensor, ...]] | None:
         """The compiled chain for k guesses from the state `out` [1, d] (and, sampled, 1/T and the
@@ -362,7 +360,6 @@ class MTPProposer:
         if not self.proposed:  # another proposer guessed: these pairs wait to be fed
             self.pending_h = torch.cat([self.pending_h, hidden])
             self.pending_next = torch.cat([self.pending_next, emitted])
-            self.backlog = True
             return
         self.proposed = False
         self.cache.keep(self.seq, self.true_len)  # drop the chained guesses
