@@ -46,6 +46,8 @@ MAX_NEW_TOKENS = 200
 TEMPERATURE = 0.0
 SEED = 0
 DEVICE = "auto"
+# `smallem batch`: at most this many requests decoded together (more wait for a free place).
+MAX_BATCH = 16
 # Decode steps: "compiled" (ahead-of-time compiled, cached on disk), "eager" (the reference),
 # "auto": compiled on a CPU, eager on a GPU (the compiled path has not been run on one).
 ENGINE = os.environ.get("SMALLEM_ENGINE", "auto")
@@ -60,3 +62,12 @@ PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 def proposer_vocab(greedy: bool, chosen: int | None = None) -> int:
     """The user's --proposer-vocab if given, else the default for the mode."""
     return PROPOSER_VOCAB["greedy" if greedy else "sample"] if chosen is None else chosen
+
+# The batch engine (`smallem batch`, `bench --batch`). Pages of the shared pool hold this many
+# positions (each cache of a sequence, target's and proposer's, uses the same page table).
+PAGE_SIZE = 16
+# Tokens per prefill pass when several requests join at once (a long prompt goes alone).
+PREFILL_TOKENS = 1024
+# Guesses per round under load, greedy requests whose k was not given: (batch size up to, k cap).
+# A pass over the whole batch costs more as the batch grows, and guesses pay less.
+LOAD_K = ((4, 16), (16, 16), (1 << 30, 16))

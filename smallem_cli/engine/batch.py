@@ -1,0 +1,85 @@
+"""One pass over a batch of sequences, flattened (nano-vllm's layout).
+
+Each sequence b contributes n_b >= 1 new tokens at positions start_b .. start_b + n_b - 1
+(a prompt, or its last token and its guesses: ragged). The pass sees them as one flat
+list of N = sum(n_b) rows, so every weight matmul reads its matrix once for the whole
+batch. Attention is per sequence: each row attends to its own sequence's positions up to
+its own (a block-diagonal causal mask), read through the page tables.
+
+    ids       [N]        the new tokens
+    positions [N]        their positions (the rotary angle)
+    slots     [N]        where their K/V are written in a slab
+    kv_slots  [B, S]     the slots of each sequence's visible positions 0 .. S-1, padded
+                         (S = the longest sequence after the write; padding points at slot 0)
+    q_rows    [B, Tm]    the flat row of each sequence's t-th new token (Tm = max n_b;
+                         padding repeats row 0, and its output is dropped)
+    bias      [B, Tm, S] 0 where a key is visible to a query, -inf elsewhere
+    out_rows  [N]        where each flat row sits in the padded [B * Tm] layout
+    last      [B]        the flat row of each sequence's last new token
+
+Every slab (target, draft, MTP module) of the pool uses the same slots: page tables are
+the pool's, shared by all caches of a sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchStep:
+    positions: torch.Tensor
+    slots: torch.Tensor
+    kv_slots: torch.Tensor
+    q_rows: torch.Tensor
+    bias: torch.Tensor
+    out_rows: torch.Tensor
+    last: torch.Tensor
+    counts: list[int]  # n_b per sequence
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def build(
+    tables: list[list[int]], starts: list[int], counts: list[int], page_size: int, device: torch.device
+) -> BatchStep:
+    """The step for sequences with page `tables`, `counts[b]` new tokens from position `starts[b]`.
+
+    Each table must already cover starts[b] + counts[b] positions (the pool reserves first).
+    """
+    B = len(tables)
+    assert B and len(starts) == len(counts) == B and min(counts) >= 1
+    lengths = [s + n for s, n in zip(starts, counts, strict=True)]
+    S, Tm = max(lengths), max(counts)
+    max_pages = -(-S // page_size)
+    for t, n in zip(tables, lengths, strict=True):
+        assert len(t) * page_size >= n, "reserve pages before building a step"
+    table = torch.tensor([t[:max_pages] + [0] * (max_pages - len(t[:max_pages])) for t in tables], dtype=torch.long)
+    j = torch.arange(S)
+    kv_slots = table[:, j // page_size] * page_size + j % page_size  # [B, S]
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])  # [N]
+    seq = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))  # [N]
+    slots = kv_slots[seq, pos]  # [N]
+    first = torch.tensor([0, *counts[:-1]]).cumsum(0)  # [B] flat row of each sequence's first token
+    t = torch.arange(Tm)
+    valid = t[None, :] < torch.tensor(counts)[:, None]  # [B, Tm]
+    q_rows = torch.where(valid, first[:, None] + t[None, :], 0)  # [B, Tm]
+    q_pos = torch.where(valid, torch.tensor(starts)[:, None] + t[None, :], S - 1)  # padding sees every key
+    bias = torch.zeros(B, Tm, S).masked_fill_(j[None, None, :] > q_pos[:, :, None], float("-inf"))
+    out_rows = seq * Tm + (torch.arange(pos.shape[0]) - first[seq])  # [N]
+    last = first + torch.tensor(counts) - 1  # [B]
+    dev = device
+    return BatchStep(
+        pos.to(dev),
+        slots.to(dev),
+        kv_slots.to(dev),
+        q_rows.to(dev),
+        bias.to(dev),
+        out_rows.to(dev),
+        last.to(dev),
+        list(counts),
+    )

@@ -1,0 +1,72 @@
+"""An engine for a loaded target and a named proposer (the names `smallem generate` takes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import defaults as D
+from .. import family
+from ..ngram import Fallback, NgramProposer
+from ..proposers import DraftProposer, MTPProposer, NoProposer, Proposer
+from .forward import slab_for
+from .pool import PagePool
+from .proposers import BatchProposer, DraftGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
+from .runner import Target
+from .scheduler import Engine
+
+
+def batch_proposer(one: Proposer, pool: PagePool) -> BatchProposer:
+    """The batched form of a loaded proposer (`family.load_proposer` checked and loaded it)."""
+    if isinstance(one, NoProposer):
+        return NoGuess()
+    if isinstance(one, NgramProposer):
+        return NgramGuess(one.vocab_size, one.index.min_n, one.index.max_n, one.guess_cost)
+    if isinstance(one, Fallback):
+        first, other = batch_proposer(one.first, pool), batch_proposer(one.other, pool)
+        assert isinstance(first, NgramGuess) and isinstance(other, DraftGuess | MTPGuess)
+        return FallbackGuess(first, other)
+    if isinstance(one, DraftProposer):
+        return DraftGuess(one.model, pool, one.head, one.name)
+    if isinstance(one, MTPProposer):
+        return MTPGuess(one.target, one.mtp, pool, one.head)
+    raise ValueError(f"proposer {one.name!r} has no batched form")
+
+
+def pool_pages(max_batch: int, context: int, page_size: int) -> int:
+    """Enough for max_batch sequences at the full context: a request that fits the context
+    always fits the pool alone, and preemption is for smaller pools (`n_pages`)."""
+    return max_batch * (-(-(context + D.MAX_K + 2) // page_size))
+
+
+def build_engine(
+    tgt: family.Target,
+    proposer: str,
+    device: torch.device,
+    *,
+    k: int | None,
+    max_batch: int,
+    proposer_vocab: int | None,
+    eot: int | None,
+    decode: Callable[[list[int]], str],
+    n_pages: int | None = None,
+    page_size: int = D.PAGE_SIZE,
+) -> Engine:
+    """k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`)."""
+    model = tgt.model
+    pool = PagePool(n_pages or pool_pages(max_batch, model.cfg.max_seq_len, page_size), page_size)
+    slab = slab_for(model, pool.n_pages * page_size, device)
+    # The greedy and the sampled proposer heads differ (`D.PROPOSER_VOCAB`); a batch mixes modes,
+    # so the head is chosen by what the batch serves by default: greedy's.
+    one = family.load_proposer(proposer, tgt, device, D.proposer_vocab(True, proposer_vocab))(1)
+    bp = batch_proposer(one, pool)
+    one.release()
+    if proposer == "none":
+        kg = ks = 0
+    else:
+        kg = k if k is not None else D.default_k(proposer, True)
+        ks = k if k is not None else D.default_k(proposer, False)
+    return Engine(
+        Target(model, slab, pool), bp, kg, auto_k=k is None, max_batch=max_batch, eot=eot, decode=decode, k_sample=ks
+    )

@@ -1,0 +1,80 @@
+"""Passes over a flattened batch (`batch.BatchStep`): the target, a draft, the MTP module.
+
+The same packed weights as the one-sequence path (`model.Block.decode`): the matmuls run
+over all N rows of the batch at once, attention runs per sequence on the K/V gathered
+from the slab through the page tables, padded to [B, S] and masked.
+
+A slab is one tensor per model, [layer, K or V, kv head, n_pages * page_size, head dim],
+allocated once for the pool (`new_slab`); the new K/V are written into it before
+attention reads it, so a row sees its own key.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model import Block, MTPModule, Transformer, unit_rms
+from .batch import BatchStep
+
+
+def new_slab(cfg_layers: int, n_kv_heads: int, head_dim: int, n_slots: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(cfg_layers, 2, n_kv_heads, n_slots, head_dim, device=device)
+
+
+def slab_for(model: Transformer | MTPModule, n_slots: int, device: torch.device) -> torch.Tensor:
+    c = model.cfg
+    layers = 1 if isinstance(model, MTPModule) else c.n_layers
+    return new_slab(layers, c.n_kv_heads, c.head_dim, n_slots, device)
+
+
+def block_pass(blk: Block, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, b: BatchStep) -> torch.Tensor:
+    """x [N, d] -> [N, d] through one block; rope: complex [N, (H+2Hkv)*D/2]; kv: this layer's slab
+    [K or V, Hkv, slots, D], written at b.slots, read at b.kv_slots."""
+    p = blk.packed
+    assert p is not None, "call pack() before decoding"
+    N = x.shape[0]
+    H, Hkv, D = blk.n_heads, blk.n_kv_heads, blk.head_dim
+    G = H // Hkv
+    B, Tm, S = b.bias.shape
+    y = unit_rms(x, blk.eps) @ p["qkv"]  # [N, (H+2Hkv)*D]
+    qkv = torch.view_as_real(torch.view_as_complex(y.view(N, -1, 2)) * rope).view(N, -1)
+    kv.index_copy_(2, b.slots, qkv[:, H * D :].view(N, 2, Hkv, D).permute(1, 2, 0, 3))
+    keys = kv.index_select(2, b.kv_slots.flatten()).view(2, Hkv, B, S, D).transpose(1, 2)  # [2, B, Hkv, S, D]
+    q = qkv[:, : H * D][b.q_rows]  # [B, Tm, H*D]: rows (g, t) per kv head, as in Block.decode
+    q = q.view(B, Tm, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tm, D)
+    s = (q @ keys[0].transpose(-1, -2)).view(B, Hkv, G, Tm, S) + b.bias[:, None, None]  # [B, Hkv, G, Tm, S]
+    o = torch.softmax(s, dim=-1).view(B, Hkv, G * Tm, S) @ keys[1]  # [B, Hkv, G*Tm, D]
+    att = o.view(B, Hkv, G, Tm, D).permute(0, 3, 1, 2, 4).reshape(B * Tm, H * D)[b.out_rows]  # [N, H*D]
+    x = torch.addmm(x, att, p["o"])
+    gu = unit_rms(x, blk.eps) @ p["gu"]  # [N, 2F]
+    f = gu.shape[-1] // 2
+    return torch.addmm(x, F.silu(gu[:, :f]) * gu[:, f:], p["down"])
+
+
+def transformer_pass(
+    model: Transformer, slab: torch.Tensor, ids: torch.Tensor, b: BatchStep, head: str = "all"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [N] -> (logits, hidden [N, d]). head: "all" logits [N, V], "last" [B, V] (each
+    sequence's last row), "none" an empty [0, V]."""
+    if model.rope_packed is None:
+        model.pack()
+    assert model.rope_packed is not None
+    rope = model.rope_packed[b.positions]  # [N, P]
+    x = F.embedding(ids, model.embed_tokens.weight)  # [N, d]
+    for i, blk in enumerate(model.layers):
+        x = block_pass(blk, x, rope, slab[i], b)  # type: ignore[arg-type]
+    if head == "none":
+        return x[:0], x
+    return model.logits(x[b.last] if head == "last" else x), x
+
+
+def mtp_pass(
+    mtp: MTPModule, target: Transformer, slab: torch.Tensor, h: torch.Tensor, ids: torch.Tensor, b: BatchStep
+) -> torch.Tensor:
+    """Pairs (h_j [N, d], token j+1 [N]) -> the module's states [N, d], through its one-layer slab."""
+    assert mtp.proj_t is not None and target.rope_packed is not None, "pack() first"
+    d = mtp.cfg.dim
+    table = mtp.token_table(target.embed_tokens.weight)
+    x = torch.addmm(F.embedding(ids, table), unit_rms(h, mtp.cfg.norm_eps), mtp.proj_t[:d])
+    return block_pass(mtp.block, x, target.rope_packed[b.positions], slab[0], b)

@@ -1,0 +1,72 @@
+"""The page pool every sequence of a batch shares, in plain Python (nano-vllm's block manager).
+
+A page is a run of `page_size` consecutive slots. A sequence owns a table of pages, in
+order; position j of the sequence lives at slot table[j // page_size] * page_size +
+j % page_size. The same table serves every cache of the sequence: the target's slab and
+the proposer's (a draft's, or the MTP module's one-layer slab) each hold page p at the
+same slots, so one allocation covers both, and one page count says what a sequence costs.
+
+Nothing here touches a tensor: growing, shrinking and freeing are list operations, and
+stale K/V past a sequence's length are never read (attention masks by position).
+"""
+
+from __future__ import annotations
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages for what was asked; nothing was taken."""
+
+
+class PagePool:
+    def __init__(self, n_pages: int, page_size: int) -> None:
+        if n_pages < 1 or page_size < 1:
+            raise ValueError("a pool needs at least one page of at least one slot")
+        self.n_pages, self.page_size = n_pages, page_size
+        self.free: list[int] = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out pages in order
+        self.tables: dict[int, list[int]] = {}
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def can_allocate(self, n_tokens: int) -> bool:
+        """Whether a new sequence of n_tokens would fit now."""
+        return self.pages_for(n_tokens) <= len(self.free)
+
+    def add(self, seq: int) -> None:
+        if seq in self.tables:
+            raise ValueError(f"sequence {seq} is already in the pool")
+        self.tables[seq] = []
+
+    def need(self, seq: int, n_tokens: int) -> int:
+        """Pages `seq` lacks to hold n_tokens positions."""
+        return max(0, self.pages_for(n_tokens) - len(self.tables[seq]))
+
+    def reserve(self, seq: int, n_tokens: int) -> None:
+        """Grow `seq`'s table to cover n_tokens positions; PoolExhausted (taking nothing) if it cannot."""
+        need = self.need(seq, n_tokens)
+        if need > len(self.free):
+            raise PoolExhausted(f"{need} pages needed, {len(self.free)} free of {self.n_pages}")
+        self.tables[seq].extend(self.free.pop() for _ in range(need))
+
+    def trim(self, seq: int, n_tokens: int) -> None:
+        """Shorten `seq`'s table to what n_tokens positions need; emptied pages go back."""
+        table = self.tables[seq]
+        keep = self.pages_for(n_tokens)
+        if keep < len(table):
+            self.free.extend(reversed(table[keep:]))
+            del table[keep:]
+
+    def release(self, seq: int) -> None:
+        """Forget `seq`; all its pages go back."""
+        self.trim(seq, 0)
+        del self.tables[seq]
+
+    def used(self) -> int:
+        return self.n_pages - len(self.free)
+
+    def check(self) -> None:
+        """Every page is free or owned by exactly one sequence: AssertionError otherwise."""
+        owned = [p for t in self.tables.values() for p in t]
+        everything = owned + self.free
+        assert len(everything) == self.n_pages, f"{len(everything)} pages accounted for, pool has {self.n_pages}"
+        assert sorted(everything) == list(range(self.n_pages)), "a page is lost or owned twice"

@@ -1,0 +1,266 @@
+"""Batched proposers: one call guesses for every sequence of the batch that guesses.
+
+The protocol (the engine's order; `seqs` are `sequence.Seq`, keyed by `seq.uid`):
+- `start(seqs, fed, hidden)`: after the target's prefill of these sequences; fed[b] are the
+  tokens fed [P_b], seq.last the token that follows, hidden[b] the target's states [P_b, d].
+- `propose(seqs, ks)`: up to ks[b] guesses for each, as (tokens [m_b], q [m_b, V] or None
+  when greedy); a model proposer runs one pass per guess depth over all of them.
+- `accept(seq, n, emitted, hidden)`: as the one-sequence protocol (`proposers.Proposer`).
+- `drop(seq)`: the sequence finished or was preempted: forget its state.
+
+A proposer with a cache (a draft, the MTP module) keeps a slab of its own, addressed by
+the pool's page tables: the target's table for a sequence covers the proposer's positions
+too (its cache never runs more than k positions past the target's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..model import MTPModule, Transformer
+from ..ngram import NgramProposer
+from ..proposers import Head
+from . import batch as B
+from .forward import mtp_pass, slab_for, transformer_pass
+from .pool import PagePool
+from .sequence import Seq
+
+Guesses = tuple[torch.Tensor, torch.Tensor | None]
+
+
+class BatchProposer(Protocol):
+    name: str
+
+    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None: ...
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]: ...
+
+    def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None: ...
+
+    def drop(self, seq: Seq) -> None: ...
+
+
+class NoGuess:
+    name = "none"
+
+    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+        pass
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
+        return [(s.last[:0], None) for s in seqs]
+
+    def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        pass
+
+    def drop(self, seq: Seq) -> None:
+        pass
+
+
+class NgramGuess:
+    """The prompt lookup (`ngram.NgramProposer`), one index per sequence: no model, nothing to batch."""
+
+    name = "ngram"
+
+    def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float) -> None:
+        self.args = vocab_size, min_n, max_n, guess_cost
+        self.each: dict[int, NgramProposer] = {}
+
+    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+        for s, f in zip(seqs, fed, strict=True):
+            self.each[s.uid] = p = NgramProposer(*self.args)
+            p.start(f, s.last, f[:0])
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
+        return [
+            self.each[s.uid].propose(k, s.warp, s.gen) if k else (s.last[:0], None)
+            for s, k in zip(seqs, ks, strict=True)
+        ]
+
+    def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.each[seq.uid].accept(n, emitted, hidden)
+
+    def drop(self, seq: Seq) -> None:
+        self.each.pop(seq.uid, None)
+
+
+def pick(head: Head, h: torch.Tensor, seqs: list[Seq]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] (None when greedy):
+    greedy rows in one matmul, sampled rows each with its own warp and generator."""
+    best = (h @ head.w).argmax(-1)  # [B]: the final norm scales a row, the argmax needs none
+    tokens = best if head.ids is None else head.ids[best]
+    qs: list[torch.Tensor | None] = [None] * len(seqs)
+    for i, s in enumerate(seqs):
+        if s.warp is not None:
+            x, q = head.pick(h[i : i + 1], s.warp, s.gen)
+            tokens = tokens.index_copy(0, torch.tensor([i], device=tokens.device), x.view(1))
+            qs[i] = q
+    return tokens, qs
+
+
+@dataclass
+class _State:
+    length: int = 0  # positions in the proposer's cache
+    pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # tokens not yet fed
+    pending_h: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # MTP: target states not yet fed
+    fed_guesses: int = 0  # draft: guesses fed to its cache this round
+    true_len: int = 0  # MTP: entries computed from the target's own states
+    proposed: bool = False
+
+
+class _ModelGuess:
+    """What a draft and the MTP module share: the state per sequence, the slab, the guess loop."""
+
+    name = "model"
+
+    def __init__(self, pool: PagePool, head: Head, slab: torch.Tensor) -> None:
+        self.pool, self.head, self.slab = pool, head, slab
+        self.state: dict[int, _State] = {}
+
+    def _step(self, seqs: list[Seq], counts: list[int]) -> B.BatchStep:
+        ps = self.pool.page_size
+        starts = [self.state[s.uid].length for s in seqs]
+        for s, n in zip(seqs, counts, strict=True):
+            self.state[s.uid].length += n
+        return B.build([self.pool.tables[s.uid] for s in seqs], starts, counts, ps, self.slab.device)
+
+    def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _feed_guess(self, seqs: list[Seq], out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
+        live = [i for i, k in enumerate(ks) if k > 0]
+        tokens: list[list[torch.Tensor]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
+        if live:
+            group = [seqs[i] for i in live]
+            out = self._feed_pending(group)  # [G, d]: the state after each one's last true token
+            x = out.new_empty(0, dtype=torch.long)  # the previous depth's guesses
+            for depth in range(max(ks)):
+                if depth:
+                    keep = [j for j, i in enumerate(live) if ks[i] > depth]
+                    live = [live[j] for j in keep]
+                    group = [seqs[i] for i in live]
+                    idx = torch.tensor(keep, device=out.device)
+                    out = self._feed_guess(group, out.index_select(0, idx), x.index_select(0, idx))
+                x, q = pick(self.head, out, group)
+                for j, i in enumerate(live):
+                    tokens[i].append(x[j : j + 1])
+                    qs[i].append(q[j])
+        result: list[Guesses] = []
+        for s, t, q, k in zip(seqs, tokens, qs, ks, strict=True):
+            st = self.state[s.uid]
+            st.proposed = k > 0
+            st.fed_guesses = max(0, k - 1)
+            if not t:
+                result.append((s.last[:0], None))
+                continue
+            result.append((torch.cat(t), None if q[0] is None else self.head.expand(torch.cat(q))))  # type: ignore[arg-type]
+        return result
+
+    def drop(self, seq: Seq) -> None:
+        self.state.pop(seq.uid, None)
+
+
+class DraftGuess(_ModelGuess):
+    """A draft model: it reads the sequence's tokens, its own slab holds its K/V."""
+
+    def __init__(self, model: Transformer, pool: PagePool, head: Head, name: str) -> None:
+        super().__init__(pool, head, slab_for(model, pool.n_pages * pool.page_size, head.w.device))
+        self.model, self.name = model, name
+
+    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+        for s in seqs:
+            self.state[s.uid] = _State()
+        b = self._step(seqs, [f.shape[0] for f in fed])
+        transformer_pass(self.model, self.slab, torch.cat(fed), b, head="none")
+        for s in seqs:
+            self.state[s.uid].pending = s.last.view(1)
+
+    def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
+        pend = [self.state[s.uid].pending for s in seqs]
+        b = self._step(seqs, [p.shape[0] for p in pend])
+        _, x = transformer_pass(self.model, self.slab, torch.cat(pend), b, head="none")
+        return x[b.last]
+
+    def _feed_guess(self, seqs: list[Seq], out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        b = self._step(seqs, [1] * len(seqs))
+        return transformer_pass(self.model, self.slab, x, b, head="none")[1]
+
+    def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        st = self.state[seq.uid]
+        if not st.proposed:  # another proposer guessed: these tokens wait to be fed
+            st.pending = torch.cat([st.pending, emitted])
+            return
+        st.proposed = False
+        kept = min(n, st.fed_guesses)  # the cache holds [.., last, d_1 .. d_fed]: keep what was confirmed
+        st.length -= st.fed_guesses - kept
+        st.pending = emitted[kept:]
+
+
+class MTPGuess(_ModelGuess):
+    """The MTP module: pairs (target state h_j, token j+1) in, the target's head out."""
+
+    name = "mtp"
+
+    def __init__(self, target: Transformer, mtp: MTPModule, pool: PagePool, head: Head) -> None:
+        super().__init__(pool, head, slab_for(mtp, pool.n_pages * pool.page_size, head.w.device))
+        self.target, self.mtp = target, mtp
+
+    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+        for s, f, h in zip(seqs, fed, hidden, strict=True):
+            self.state[s.uid] = _State(pending=torch.cat([f[1:], s.last.view(1)]), pending_h=h)
+
+    def _pass(self, seqs: list[Seq], h: list[torch.Tensor], x: list[torch.Tensor]) -> torch.Tensor:
+        b = self._step(seqs, [t.shape[0] for t in x])
+        return mtp_pass(self.mtp, self.target, self.slab, torch.cat(h), torch.cat(x), b)[b.last]
+
+    def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
+        sts = [self.state[s.uid] for s in seqs]
+        out = self._pass(seqs, [st.pending_h for st in sts], [st.pending for st in sts])
+        for st in sts:
+            st.true_len = st.length
+        return out
+
+    def _feed_guess(self, seqs: list[Seq], out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self._pass(seqs, list(out.split(1)), list(x.split(1)))  # chain on the module's own state
+
+    def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        st = self.state[seq.uid]
+        if not st.proposed:
+            st.pending_h = torch.cat([st.pending_h, hidden])
+            st.pending = torch.cat([st.pending, emitted])
+            return
+        st.proposed = False
+        st.length = st.true_len  # drop the chained guesses
+        st.pending_h, st.pending = hidden, emitted
+
+
+class FallbackGuess:
+    """The n-gram lookup where it matches, the model proposer for the other sequences."""
+
+    def __init__(self, first: NgramGuess, other: _ModelGuess) -> None:
+        self.first, self.other = first, other
+        self.name = f"ngram+{other.name}"
+
+    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+        self.first.start(seqs, fed, hidden)
+        self.other.start(seqs, fed, hidden)
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
+        mine = self.first.propose(seqs, ks)
+        rest = [k if g[0].shape[0] == 0 else 0 for g, k in zip(mine, ks, strict=True)]
+        theirs = self.other.propose(seqs, rest)
+        return [t if r else g for g, t, r in zip(mine, theirs, rest, strict=True)]
+
+    def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.first.accept(seq, n, emitted, hidden)
+        self.other.accept(seq, n, emitted, hidden)
+
+    def drop(self, seq: Seq) -> None:
+        self.first.drop(seq)
+        self.other.drop(seq)

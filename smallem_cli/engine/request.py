@@ -1,0 +1,29 @@
+"""A request (one prompt and its settings) and its answer, as the batch engine sees them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..generate import Sampling
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt, already tokenized and checked (non-empty, fits the context with its budget)."""
+
+    index: int  # position in the input: `--ordered` writes answers by it
+    id: str | int  # the user's id, or the input line number
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+
+
+@dataclass
+class Finished:
+    """A request's answer: its text (cut before a stop string), its tokens, its statistics."""
+
+    request: Request
+    text: str
+    tokens: list[int]
+    stats: dict[str, object] = field(default_factory=dict)

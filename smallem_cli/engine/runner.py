@@ -1,0 +1,125 @@
+"""The two passes of the batch engine: prefill newly admitted sequences, and one round.
+
+    prefill   the admitted sequences' tokens through the target in one flat pass; a new
+              request draws its first token from the last position, a recomputed one (it
+              was preempted) already has it; the proposer reads what it needs.
+    round     every running sequence offers its last token and its guesses (ragged, 0..k);
+              one target pass scores them all; each sequence is verified on its own rows,
+              greedy or sampled with its own generator; the target's cache keeps
+              [last, d_1..d_n] (the length moves back: an explicit rollback), the pool
+              takes back the pages past it, the proposer rolls its own cache back.
+
+One host sync per round: the verdicts of every sequence come back together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model import Transformer
+from ..verify import greedy_pick, sample, verify_sample
+from . import batch as B
+from .forward import transformer_pass
+from .pool import PagePool
+from .proposers import BatchProposer
+from .sequence import Seq
+
+
+class NonFiniteLogits(RuntimeError):
+    """The target's logits hold NaN or inf."""
+
+
+@dataclass
+class Target:
+    """The target with the slab its K/V live in, addressed by the pool's page tables."""
+
+    model: Transformer
+    slab: torch.Tensor
+    pool: PagePool
+
+    def step(self, seqs: list[Seq], counts: list[int]) -> B.BatchStep:
+        tables = [self.pool.tables[s.uid] for s in seqs]
+        return B.build(tables, [s.cached for s in seqs], counts, self.pool.page_size, self.slab.device)
+
+
+def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
+    """Fill the target's cache for `seqs` (their pages reserved) -> each one's first new token
+    (None for a recomputed sequence, whose `last` was already emitted)."""
+    dev = t.slab.device
+    fresh = [s.n_generated == 0 for s in seqs]
+    fed = [
+        torch.tensor(s.tokens if f else s.tokens[:-1], dtype=torch.long, device=dev)
+        for s, f in zip(seqs, fresh, strict=True)
+    ]
+    b = t.step(seqs, [x.shape[0] for x in fed])
+    logits, hidden = transformer_pass(t.model, t.slab, torch.cat(fed), b, head="last")  # [B, V], [N, d]
+    firsts = []
+    for i, (s, f) in enumerate(zip(seqs, fresh, strict=True)):
+        s.cached = fed[i].shape[0]
+        if f:
+            row = logits[i : i + 1]
+            s.last = greedy_pick(row) if s.warp is None else sample(s.warp(row), s.gen)  # [1]
+        else:
+            s.last = torch.tensor(s.tokens[-1:], dtype=torch.long, device=dev)
+        firsts.append(s.last.view(1))
+    values = torch.cat([*firsts, logits.isfinite().all().long().view(1)]).tolist()  # one sync
+    if values[-1] != 1:
+        raise NonFiniteLogits("the target's logits are not finite (NaN or inf)")
+    proposer.start(seqs, fed, list(hidden.split(b.counts)))
+    return [v if f else None for v, f in zip(values[:-1], fresh, strict=True)]
+
+
+def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tuple[int, int, list[int]]]:
+    """One round over `seqs` (pages reserved for s.cached + s.k + 1) -> per sequence (guesses
+    offered m, kept n, the tokens emitted)."""
+    guesses = proposer.propose(seqs, [s.k for s in seqs])
+    counts = [g[0].shape[0] + 1 for g in guesses]
+    ids = torch.cat([torch.cat([s.last.view(1), g[0]]) for s, g in zip(seqs, guesses, strict=True)])  # [N]
+    b = t.step(seqs, counts)
+    logits, hidden = transformer_pass(t.model, t.slab, ids, b, head="all")  # [N, V], [N, d]
+    best = logits.argmax(-1)  # [N]: greedy sequences are verified on the host from these
+    sampled = []
+    first = 0
+    for s, g, c in zip(seqs, guesses, counts, strict=True):
+        if s.warp is not None:
+            drafts, q = g
+            p = s.warp(logits[first : first + c])  # [m+1, V]
+            q = q if q is not None else p[:0]
+            n, out = verify_sample(drafts[None], q[None], p[None], s.gen)
+            sampled.append(torch.cat([n, out[0]]))
+        first += c
+    values = torch.cat([ids, best, *sampled, logits.isfinite().all().long().view(1)]).tolist()  # the one sync
+    if values[-1] != 1:
+        raise NonFiniteLogits("the target's logits are not finite (NaN or inf)")
+    N = len(ids)
+    fed, top, rest = values[:N], values[N : 2 * N], values[2 * N : -1]
+    verdicts: list[tuple[int, int, list[int]]] = []
+    first = 0
+    for s, c in zip(seqs, counts, strict=True):
+        m = c - 1
+        if s.warp is None:
+            n = 0
+            while n < m and fed[first + 1 + n] == top[first + n]:
+                n += 1
+            emitted = top[first : first + n + 1]
+        else:
+            n, emitted = rest[0], rest[1 : 2 + rest[0]]
+            rest = rest[m + 2 :]
+        start = s.cached
+        s.cached = start + n + 1  # rollback: [last, d_1..d_n] stay, the rest is past the length
+        out = torch.tensor(emitted, dtype=torch.long, device=ids.device)
+        proposer.accept(s, n, out, hidden[first : first + n + 1])
+        t.pool.trim(s.uid, s.cached)  # pages past the kept positions go back
+        s.last = out[n : n + 1]
+        st = s.stats
+        st.passes += 1
+        st.proposed += m
+        st.accepted += n
+        st.guessed[m] += 1
+        for i in range(n):
+            st.accepted_at[i] += 1
+        verdicts.append((m, n, emitted))
+        first += c
+    return verdicts

@@ -1,0 +1,226 @@
+"""Continuous batching: admit, run rounds, preempt when the pool runs dry, finish.
+
+`Engine.run(requests)` pulls requests lazily from any iterable (a file being read, a pipe)
+and yields each answer as soon as its request ends. At most `max_batch` sequences decode
+together; a request joins as soon as a sequence finishes and the pool has pages for it.
+
+Pages: a running sequence reserves, before each round, what the round may write (its
+cached positions + k + 2: the target's verify pass and the proposer's guesses). When the
+pool cannot give them, the most recently admitted sequence is preempted: its pages all go
+back, its proposer state is dropped, and it waits at the head of the queue, to be
+recomputed from its tokens (nothing it emitted is lost or redrawn). After a run every page
+is back in the pool (checked: `PagePool.check`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .. import defaults as D
+from ..generate import Stats
+from .pool import PagePool
+from .proposers import BatchProposer
+from .request import Finished, Request
+from .runner import Target, decode_round, prefill
+from .sequence import Seq
+
+
+@dataclass
+class Progress:
+    done: int  # requests answered
+    tokens: int  # tokens generated, over all requests
+    elapsed_s: float
+    acceptance: float  # guesses kept / guesses offered, over all requests so far
+    running: int  # sequences decoding now
+
+
+def load_k(k: int, greedy: bool, batch: int, auto: bool) -> int:
+    """Guesses per round for a sequence in a batch of `batch`: the request's k, capped under load
+    for greedy requests when k was not given (`D.LOAD_K`). Sampled requests keep theirs: their
+    draws, hence their text, must depend on their seed alone, not on what else is running."""
+    if not auto or not greedy:
+        return k
+    for size, cap in D.LOAD_K:
+        if batch <= size:
+            return min(k, cap)
+    return min(k, D.LOAD_K[-1][1])
+
+
+class Engine:
+    def __init__(
+        self,
+        target: Target,
+        proposer: BatchProposer,
+        k: int,
+        *,
+        auto_k: bool,
+        max_batch: int,
+        eot: int | None,
+        decode: Callable[[list[int]], str],
+        k_sample: int | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.t, self.proposer, self.max_batch = target, proposer, max_batch
+        self.k, self.k_sample, self.auto_k = k, k if k_sample is None else k_sample, auto_k
+        self.eot, self.decode = eot, decode
+        self._uid = 0
+        self.rounds = 0
+        self.preemptions = 0
+
+    @property
+    def pool(self) -> PagePool:
+        return self.t.pool
+
+    # --- requests -----------------------------------------------------------------------
+    def _seq(self, req: Request) -> Seq:
+        dev = self.t.slab.device
+        greedy = req.sampling.greedy
+        k = self.k if greedy else self.k_sample
+        gen = torch.Generator(device=dev).manual_seed(req.sampling.seed)
+        st = Stats(self.proposer.name, k)
+        st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
+        self._uid += 1
+        return Seq(req, self._uid, gen, req.sampling.warp(), st, k, list(req.prompt), submitted_s=time.perf_counter())
+
+    def _finish(self, s: Seq, text: str | None = None) -> Finished:
+        self.pool.release(s.uid)
+        self.proposer.drop(s)
+        st = s.stats
+        st.new_tokens = s.n_generated
+        st.elapsed_s = time.perf_counter() - s.submitted_s
+        stats = st.as_dict() | {"latency_s": round(st.elapsed_s, 4), "preempted": s.preempted}
+        return Finished(s.req, self.decode(s.generated) if text is None else text, s.generated, stats)
+
+    def _ended(self, s: Seq, emitted: list[int]) -> Finished | None:
+        """Add what a round emitted; the answer if the sequence is done (budget, end of text, stop string)."""
+        budget = s.req.max_new_tokens - s.n_generated
+        stop = self.eot is not None and self.eot in emitted[:budget]
+        if stop:
+            emitted = emitted[: emitted.index(self.eot)]  # type: ignore[arg-type]
+        s.tokens.extend(emitted[:budget])
+        if s.req.stop:
+            text = self.decode(s.generated)
+            cuts = [i for i in (text.find(x) for x in s.req.stop) if i >= 0]
+            if cuts:
+                return self._finish(s, text[: min(cuts)])
+        if stop or s.n_generated >= s.req.max_new_tokens:
+            return self._finish(s)
+        return None
+
+    # --- pages --------------------------------------------------------------------------
+    def _round_need(self, s: Seq) -> int:
+        return s.cached + s.k + 2
+
+    def _preempt(self, s: Seq, waiting: deque[Seq]) -> None:
+        self.pool.release(s.uid)
+        self.proposer.drop(s)
+        s.cached, s.preempted = 0, s.preempted + 1
+        self.preemptions += 1
+        waiting.appendleft(s)
+
+    def _reserve(self, running: list[Seq], waiting: deque[Seq]) -> list[Seq]:
+        """Pages for this round, preempting the newest sequences while the pool is short."""
+        kept = list(running)
+        i = 0
+        while i < len(kept):
+            s = kept[i]
+            while self.pool.need(s.uid, self._round_need(s)) > len(self.pool.free) and kept[-1] is not s:
+                self._preempt(kept.pop(), waiting)
+            if self.pool.need(s.uid, self._round_need(s)) > len(self.pool.free):  # alone and still short
+                self._preempt(kept.pop(), waiting)
+                continue
+            self.pool.reserve(s.uid, self._round_need(s))
+            i += 1
+        return kept
+
+    # --- the loop -----------------------------------------------------------------------
+    def run(
+        self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
+    ) -> Iterator[Finished]:
+        source = iter(requests)
+        waiting: deque[Seq] = deque()
+        running: list[Seq] = []
+        done = tokens = proposed = accepted = 0
+        t0 = time.perf_counter()
+        exhausted = False
+        with torch.inference_mode():
+            while True:
+                while not exhausted and len(running) + len(waiting) < self.max_batch:
+                    req = next(source, None)
+                    if req is None:
+                        exhausted = True
+                    else:
+                        waiting.append(self._seq(req))
+                if not running and not waiting:
+                    break
+                admitted: list[Seq] = []
+                while waiting and len(running) + len(admitted) < self.max_batch:
+                    s = waiting[0]
+                    if not self.pool.can_allocate(len(s.tokens) + s.k + 2):
+                        if not running and not admitted:
+                            raise RuntimeError(f"the page pool ({self.pool.n_pages} pages) cannot hold one request")
+                        break
+                    waiting.popleft()
+                    self.pool.add(s.uid)
+                    self.pool.reserve(s.uid, len(s.tokens) + s.k + 2)
+                    admitted.append(s)
+                for group in _groups(admitted, D.PREFILL_TOKENS):
+                    for s, first in zip(group, prefill(self.t, self.proposer, group), strict=True):
+                        if first is None:  # recomputed after a preemption
+                            running.append(s)
+                            continue
+                        s.stats.passes += 1
+                        fin = self._ended(s, [first])
+                        tokens += len(fin.tokens) if fin is not None else s.n_generated
+                        if fin is None:
+                            running.append(s)
+                        else:
+                            done += 1
+                            yield fin
+                if not running:
+                    continue
+                for s in running:
+                    base = self.k if s.warp is None else self.k_sample
+                    s.k = load_k(base, s.warp is None, len(running), self.auto_k)
+                running = self._reserve(running, waiting)
+                if not running:
+                    continue
+                verdicts = decode_round(self.t, self.proposer, running)
+                self.rounds += 1
+                still = []
+                for s, (m, n, e) in zip(running, verdicts, strict=True):
+                    proposed, accepted = proposed + m, accepted + n
+                    before = s.n_generated
+                    fin = self._ended(s, e)
+                    tokens += len(fin.tokens) - before if fin is not None else s.n_generated - before
+                    if fin is None:
+                        still.append(s)
+                    else:
+                        done += 1
+                        yield fin
+                running = still
+                if progress is not None:
+                    rate = accepted / proposed if proposed else 0.0
+                    progress(Progress(done, tokens, time.perf_counter() - t0, rate, len(running)))
+        assert self.pool.used() == 0, f"{self.pool.used()} pages not returned after the run"
+        self.pool.check()
+
+
+def _groups(seqs: list[Seq], budget: int) -> Iterator[list[Seq]]:
+    """Prefill groups of at most `budget` tokens (one sequence alone may exceed it)."""
+    group: list[Seq] = []
+    size = 0
+    for s in seqs:
+        if group and size + len(s.tokens) > budget:
+            yield group
+            group, size = [], 0
+        group.append(s)
+        size += len(s.tokens)
+    if group:
+        yield group

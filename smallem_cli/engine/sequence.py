@@ -1,0 +1,34 @@
+"""A request being decoded: its tokens, its place in the target's cache, its own randomness."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..generate import Stats
+from ..proposers import Warp
+from .request import Request
+
+
+@dataclass
+class Seq:
+    req: Request
+    uid: int  # its key in the page pool and in the proposer's state
+    gen: torch.Generator  # seeded by the request alone: its output does not depend on the batch
+    warp: Warp | None  # None: greedy
+    stats: Stats
+    k: int  # guesses per round (greedy requests may get fewer under load: `policy.pick_k`)
+    tokens: list[int] = field(default_factory=list)  # prompt, then every token emitted
+    last: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [1]: not yet cached
+    cached: int = 0  # positions of the target's cache in use: every token but `last`
+    submitted_s: float = 0.0
+    preempted: int = 0  # times its pages were taken back (recomputed at its next admission)
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - len(self.req.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.req.prompt) :]

@@ -1,0 +1,225 @@
+"""The batch engine: greedy identity per request, sampling by its own seed alone, the page pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import PROMPT, random_model
+
+from smallem_cli.config import ModelConfig
+from smallem_cli.engine.build import pool_pages
+from smallem_cli.engine.forward import slab_for
+from smallem_cli.engine.pool import PagePool, PoolExhausted
+from smallem_cli.engine.proposers import DraftGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
+from smallem_cli.engine.request import Request
+from smallem_cli.engine.runner import Target
+from smallem_cli.engine.scheduler import Engine
+from smallem_cli.generate import Sampling, generate
+from smallem_cli.proposers import Head, NoProposer
+
+N = 60
+PS = 16
+
+
+def decode(ids: list[int]) -> str:
+    return " ".join(map(str, ids))
+
+
+def engine(models: dict, kind: str, k: int, max_batch: int, n_pages: int | None = None, eot: int | None = None):
+    target = models["target"]
+    pool = PagePool(n_pages or pool_pages(max_batch, target.cfg.max_seq_len, PS), PS)
+    V = target.cfg.vocab_size
+
+    def one(name: str):
+        if name == "none":
+            return NoGuess()
+        if name == "ngram":
+            return NgramGuess(V, 2, 4, 0.16)
+        if name == "mtp":
+            return MTPGuess(target, models["mtp"], pool, Head(target))
+        return DraftGuess(models[name], pool, Head(models[name]), name)
+
+    first, _, rest = kind.partition("+")
+    proposer = FallbackGuess(one(first), one(rest)) if rest else one(first)  # type: ignore[arg-type]
+    slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
+    return Engine(Target(target, slab, pool), proposer, k, auto_k=False, max_batch=max_batch, eot=eot, decode=decode)
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Mixed prompts of mixed lengths, some repeating themselves (the n-gram lookup then guesses)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 30))]
+        out.append(p + p[: rng.randrange(0, len(p) + 1)] if i % 3 == 0 else p)
+    return out
+
+
+def requests(ps: list[list[int]], n: int = N, sampling: list[Sampling] | None = None) -> list[Request]:
+    return [Request(i, i, tuple(p), n - (i % 5) * 7, sampling[i] if sampling else Sampling()) for i, p in enumerate(ps)]
+
+
+@pytest.fixture(scope="module")
+def models(target, draft, near_draft, mtp) -> dict:
+    return {"target": target, "draft": draft, "near": near_draft, "mtp": mtp}
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "near", "draft", "mtp", "ngram+mtp", "ngram+near"])
+def test_greedy_batch_of_16_is_the_target_alone(models, kind: str) -> None:
+    """Every request's tokens in a batch of 16 equal the target alone on that prompt."""
+    ps = prompts(20, 64, seed=1)
+    reqs = requests(ps)
+    eng = engine(models, kind, 0 if kind == "none" else 3, max_batch=16)
+    got = {f.request.index: f for f in eng.run(reqs)}
+    assert sorted(got) == list(range(len(reqs)))
+    for r in reqs:
+        ref, _ = generate(models["target"], NoProposer(), list(r.prompt), r.max_new_tokens, 0)
+        assert got[r.index].tokens == ref, f"request {r.index}"
+        assert got[r.index].text == decode(ref)
+    if kind in ("near", "mtp"):
+        assert sum(sum(f.stats["accepted_at"]) for f in got.values()) > 0  # type: ignore[arg-type, misc]
+    assert eng.pool.used() == 0
+
+
+def test_requests_join_as_others_finish(models) -> None:
+    """With room for 3, 10 requests all get answered, and the batch never holds more than 3."""
+    seen = []
+    eng = engine(models, "near", 2, max_batch=3)
+    out = list(eng.run(requests(prompts(10, 64, seed=2)), progress=lambda p: seen.append(p.running)))
+    assert len(out) == 10 and max(seen) <= 3 and seen.count(3) > 0
+    assert seen and out[-1] is not None
+
+
+@pytest.mark.parametrize("kind", ["near", "mtp", "ngram+mtp"])
+def test_preemption_keeps_greedy_identity(models, kind: str) -> None:
+    """A pool too small for the batch preempts sequences, recomputes them later, and every
+    answer is still the target's; every page is back at the end."""
+    ps = prompts(8, 64, seed=3)
+    reqs = requests(ps, n=80)
+    eng = engine(models, kind, 3, max_batch=8, n_pages=14)
+    got = {f.request.index: f.tokens for f in eng.run(reqs)}
+    assert eng.preemptions > 0
+    for r in reqs:
+        ref, _ = generate(models["target"], NoProposer(), list(r.prompt), r.max_new_tokens, 0)
+        assert got[r.index] == ref
+    eng.pool.check()
+
+
+@pytest.mark.parametrize("kind", ["near", "mtp", "ngram"])
+def test_sampled_request_depends_on_its_seed_alone(models, kind: str) -> None:
+    """A sampled request gives the same text alone and in a batch with greedy and sampled others."""
+    ps = prompts(9, 64, seed=4)
+    samp = [Sampling(1.0, seed=100 + i) if i % 2 else Sampling() for i in range(len(ps))]
+    reqs = requests(ps, sampling=samp)
+    batched = {f.request.index: f.tokens for f in engine(models, kind, 3, max_batch=9).run(reqs)}
+    for r in reqs[1::2]:
+        alone = next(iter(engine(models, kind, 3, max_batch=1).run([r]))).tokens
+        assert batched[r.index] == alone
+    assert len({tuple(t) for t in batched.values()}) == len(reqs)
+
+
+def test_stop_token_and_stop_strings(models) -> None:
+    ref, _ = generate(models["target"], NoProposer(), PROMPT, N, 0)
+    stop_tok = ref[10]
+    cut = ref.index(stop_tok)
+    eng = engine(models, "near", 3, max_batch=2, eot=stop_tok)
+    (fin,) = eng.run([Request(0, "a", tuple(PROMPT), N)])
+    assert fin.tokens == ref[:cut]
+    words = decode(ref).split(" ")
+    stop = " ".join(words[20:22])
+    eng = engine(models, "near", 3, max_batch=2)
+    (fin,) = eng.run([Request(0, "a", tuple(PROMPT), N, stop=(stop, "never there"))])
+    assert fin.text == decode(ref)[: decode(ref).find(stop)]
+    assert stop not in fin.text and len(fin.tokens) < N
+
+
+def test_pool_random_walk() -> None:
+    """10,000 random admit / round / finish / preempt steps: no page lost, none owned twice."""
+    rng = random.Random(0)
+    pool = PagePool(64, 4)
+    lengths: dict[int, int] = {}
+    uid = 0
+    for _ in range(10_000):
+        op = rng.random()
+        if op < 0.2 or not lengths:  # admit
+            uid += 1
+            n = rng.randrange(1, 40)
+            if pool.can_allocate(n):
+                pool.add(uid)
+                pool.reserve(uid, n)
+                lengths[uid] = n
+        elif op < 0.7:  # a round: reserve k + 2 more, keep a random part
+            s = rng.choice(list(lengths))
+            want = lengths[s] + rng.randrange(1, 8)
+            try:
+                pool.reserve(s, want)
+            except PoolExhausted:  # preempt: all its pages back
+                pool.release(s)
+                del lengths[s]
+                continue
+            lengths[s] = rng.randrange(lengths[s], want + 1)
+            pool.trim(s, lengths[s])
+        else:  # finish
+            s = rng.choice(list(lengths))
+            pool.release(s)
+            del lengths[s]
+        pool.check()
+        for s, n in lengths.items():
+            assert len(pool.tables[s]) == pool.pages_for(n)
+    for s in list(lengths):
+        pool.release(s)
+    assert pool.used() == 0
+    pool.check()
+
+
+def test_pool_refuses_without_taking() -> None:
+    pool = PagePool(4, 4)
+    pool.add(1)
+    pool.reserve(1, 12)
+    pool.add(2)
+    with pytest.raises(PoolExhausted):
+        pool.reserve(2, 8)
+    assert pool.tables[2] == [] and len(pool.free) == 1
+    pool.check()
+
+
+# --- sampling stays exact in a batch: the seed's chi-square test -------------------------
+V5 = ModelConfig(vocab_size=5, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, hidden_dim=32, max_seq_len=64)
+
+
+def pair_law(model, prompt: list[int]) -> torch.Tensor:
+    """P(x1, x2 | prompt) [5, 5], exactly, from the model's own logits."""
+    out = torch.zeros(5, 5)
+    with torch.inference_mode():
+        for x1 in range(5):
+            c = model.new_cache(8, 16)
+            seq = c.new_sequence()
+            logits, _ = model(torch.tensor([*prompt, x1]), c, seq)
+            p = torch.softmax(logits.double(), -1)
+            out[x1] = p[-2, x1] * p[-1]
+    return out
+
+
+def chi2(counts: torch.Tensor, law: torch.Tensor) -> float:
+    expected = law.flatten() * counts.sum()
+    return float(((counts.flatten() - expected) ** 2 / expected).sum())
+
+
+def test_sampling_in_a_batch_follows_the_target() -> None:
+    """20,000 sampled requests of 2 tokens, up to 64 at a time with a draft guessing 2: the pairs
+    follow the target's law (24 dof, chi2 < 51.2) and not the draft's (the negative control)."""
+    target, draft = random_model(V5, seed=0, scale=30.0), random_model(V5, seed=1, scale=30.0)
+    prompt = [1, 3]
+    law_p, law_q = pair_law(target, prompt), pair_law(draft, prompt)
+    eng = engine({"target": target, "draft": draft}, "draft", 2, max_batch=64)
+    n = 20_000
+    reqs = (Request(i, i, tuple(prompt), 2, Sampling(1.0, seed=i)) for i in range(n))
+    counts = torch.zeros(5, 5)
+    for f in eng.run(reqs):
+        counts[f.tokens[0], f.tokens[1]] += 1
+    vs_p, vs_q = chi2(counts, law_p), chi2(counts, law_q)
+    print(f"batch sampling: chi2 vs target {vs_p:.1f}, vs draft {vs_q:.1f}")
+    assert vs_p < 51.2
+    assert vs_q > 200
