@@ -37,8 +37,10 @@ $(BIN)/smallem: pyproject.toml
 
 install: $(BIN)/smallem
 
+# Greedy alone loops ("to the house of Judah, and to the house of Judah, ..."); a mild repetition
+# penalty reads well, and speculative decoding keeps it exact (the same text as --proposer none).
 run: install
-	$(BIN)/smallem generate "And God said" --max-new-tokens 100
+	$(BIN)/smallem generate "And God said" --max-new-tokens 100 --repetition-penalty 1.2
 
 # transformers is a test-only extra (Hugging Face parity tests).
 $(VENV)/.hf-extra: $(BIN)/smallem

@@ -30,7 +30,8 @@ from .tokenizer import load_tokenizer
 def write_prompts(
     val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32, restate: int = 0
 ) -> None:
-    """COUNT prompts of exactly LENGTH tokens: the opening of COUNT evenly spaced validation chunks.
+    """COUNT prompts of exactly LENGTH tokens: the opening of COUNT evenly spaced validation chunks
+    (more prompts than chunks: evenly spaced among the chunks' successive LENGTH-token windows).
 
     `restate` > 0: each passage is followed by a newline and its first `restate` tokens again, as a text
     that quotes itself, so that the continuation can copy what it restates (where the
@@ -38,13 +39,15 @@ def write_prompts(
     feeds) and their text. Written whole or not at all (a temporary file, renamed).
     """
     tok = load_tokenizer(tokenizer_json)
-    docs = [d for d in read_documents(val_txt) if len(tok.encode(d).ids) > length]
+    docs = [ids for d in read_documents(val_txt) if len(ids := tok.encode(d).ids) > length]
+    if len(docs) < count:  # more prompts than chunks: successive windows of each chunk
+        docs = [ids[i : i + length] for ids in docs for i in range(0, len(ids) - length + 1, length)]
     if len(docs) < count:
-        raise ValueError(f"only {len(docs)} validation chunks are longer than {length} tokens")
+        raise ValueError(f"only {len(docs)} windows of {length} tokens in the validation text")
     step = len(docs) / count
     lines = []
     for i in range(count):
-        ids = tok.encode(docs[int(i * step)]).ids[:length]
+        ids = docs[int(i * step)][:length]
         if restate:  # on a line of its own
             ids = ids + tok.encode("\n").ids + ids[:restate]
         lines.append(json.dumps({"tokens": ids, "text": tok.decode(ids)}))

@@ -8,6 +8,13 @@
 
 The target's cache always holds every token but `last`. One host sync per round: the
 verdict (n and the emitted tokens) comes back to decide the rollback.
+
+Every sampling option changes the target's distribution before verification, so the
+output stays exact for it: greedy, the target alone's with the same options; sampled,
+distributed as the target alone's. A repetition penalty reshapes the target's logits at
+each position of a pass by the context up to that position (`verify.penalize`); the
+proposer guesses without it (its guesses are only checked), which costs acceptance, never
+exactness.
 """
 
 from __future__ import annotations
@@ -21,25 +28,34 @@ import torch
 from .cache import PagedKVCache
 from .model import Transformer
 from .proposers import Proposer, Warp
-from .verify import Warper, greedy_pick, sample, verify_greedy, verify_sample
+from .verify import Warper, greedy_pick, penalize, sample, verify_greedy, verify_sample
 
 
 @dataclass(frozen=True)
 class Sampling:
+    """The options a generation samples with. Pure values: a batch engine applies them per request."""
+
     temperature: float = 0.0  # 0 means greedy
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    min_p: float | None = None  # after temperature: drop tokens below min_p x the top probability
+    repetition_penalty: float = 1.0  # CTRL's: a token of the context has its logit scaled down; 1 is off
 
     @property
     def greedy(self) -> bool:
+        """Greedy decoding (temperature 0): top-k, top-p and min-p then change nothing, the penalty does."""
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0
 
     def warp(self) -> Warp | None:
         """logits -> the distribution target and proposer both draw from; None when greedy."""
         if self.greedy:
             return None
-        return Warper(self.temperature, self.top_k, self.top_p)
+        return Warper(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 @dataclass
@@ -109,17 +125,23 @@ def speculative_step(
     k: int,
     w: Warp | None,
     generator: torch.Generator | None,
+    seen: torch.Tensor | None = None,
+    penalty: float = 1.0,
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One round, up to the verdict: -> (m, n [1], out [1, m+1], hidden [m+1, d], finite [1]).
 
     The proposer offers m <= k guesses (m is a shape, known without a sync: a proposer
     that is unsure may offer fewer, even none). `w` is the sampling warp (`Sampling.warp()`),
-    None for greedy verification. `finite` says whether every logit of the pass was finite
-    (NaN would make argmax and sampling pick token 0 without a word). No host sync here.
+    None for greedy verification. `seen` (bool [V], the tokens before the pass) and `penalty`
+    apply a repetition penalty to the target's logits (`penalize`): None, no penalty.
+    `finite` says whether every logit of the pass was finite (NaN would make argmax and
+    sampling pick token 0 without a word). No host sync here.
     """
     drafts, q = proposer.propose(k, w, generator)  # [m], [m, V] (None when greedy)
     m = drafts.shape[0]
-    logits, hidden = target(torch.cat([last, drafts]), cache, seq)  # [m+1, V], [m+1, d]
+    fed = torch.cat([last, drafts])  # [m+1]
+    raw, hidden = target(fed, cache, seq)  # [m+1, V], [m+1, d]
+    logits = raw if seen is None else penalize(raw, seen, fed, penalty)  # [m+1, V]
     if w is None:
         n, out = verify_greedy(drafts[None], logits[None])
     else:
@@ -127,7 +149,7 @@ def speculative_step(
         assert q is not None or m == 0, "a proposer that guesses under sampling says from which q"
         q = q if q is not None else p[:0]
         n, out = verify_sample(drafts[None], q[None], p[None], generator)
-    return m, n, out, hidden, logits.isfinite().all().view(1)
+    return m, n, out, hidden, raw.isfinite().all().view(1)
 
 
 def _check_finite(ok: bool) -> None:
@@ -148,8 +170,8 @@ def stream(
 ) -> Iterator[list[int]]:
     """Generate, yielding the tokens of each round as soon as they are verified.
 
-    `stats` (if given) is updated in place, so it is valid even if the caller stops early.
-    The stop token ends generation and is not yielded.
+    `stats` (if given) is updated in place, so it is valid even if the caller stops early
+    (a stop string, say: see `stops`). The stop token ends generation and is not yielded.
     """
     if max_new_tokens < 1:
         return
@@ -162,11 +184,17 @@ def stream(
     try:
         with torch.inference_mode():
             ids = torch.tensor(prompt, dtype=torch.long, device=device)
-            logits, hidden = prefill(target, cache, seq, ids)
+            raw, hidden = prefill(target, cache, seq, ids)
             w = sampling.warp()  # built once, used every round
+            pen = sampling.repetition_penalty
+            # the repetition penalty's context, on the device: every token so far, `last` included
+            seen = torch.zeros(raw.shape[-1], dtype=torch.bool, device=device) if sampling.penalized else None
+            logits = raw if seen is None else penalize(raw, seen.index_fill_(0, ids, True), ids[-1:], pen)
             last = greedy_pick(logits) if w is None else sample(w(logits), gen)
+            if seen is not None:
+                seen.index_fill_(0, last.view(-1), True)
             proposer.start(ids, last, hidden)
-            first, finite = torch.stack([last.view(-1)[0], logits.isfinite().all().long()]).tolist()  # one sync
+            first, finite = torch.stack([last.view(-1)[0], raw.isfinite().all().long()]).tolist()  # one sync
             _check_finite(finite == 1)
             st.prefill_s = time.perf_counter() - t0
             if first == stop_token:
@@ -177,7 +205,7 @@ def stream(
             st.accepted_at = [0] * k
             st.guessed = [0] * (k + 1)
             while st.new_tokens < max_new_tokens:
-                m, n_t, out, hidden, finite = speculative_step(target, cache, seq, proposer, last, k, w, gen)
+                m, n_t, out, hidden, finite = speculative_step(target, cache, seq, proposer, last, k, w, gen, seen, pen)
                 verdict = torch.cat([n_t, out[0], finite.long()]).tolist()  # the round's one host sync
                 _check_finite(verdict[-1] == 1)
                 n = verdict[0]
@@ -186,6 +214,8 @@ def stream(
                 cache.keep(seq, start + n + 1)  # rollback: [last, d_1..d_n] stay
                 proposer.accept(n, out[0, : n + 1], hidden[: n + 1])
                 last = out[0, n : n + 1]
+                if seen is not None:
+                    seen.index_fill_(0, out[0, : n + 1], True)  # on the device: no sync
                 st.passes += 1
                 st.proposed += m
                 st.guessed[m] += 1

@@ -70,7 +70,15 @@ def pick_k(proposer: str, k: int | None, greedy: bool) -> int:
     return k if k is not None else D.default_k(proposer, greedy)
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int = 0) -> None:
+def check_sampling(
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    seed: int = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    stops: list[str] | None = None,
+) -> None:
     if not temperature >= 0:
         raise UsageError(f"temperature must be >= 0, got {temperature}")
     if not math.isfinite(temperature):
@@ -84,6 +92,12 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, s
         raise UsageError(f"top-k must be >= 1, got {top_k}")
     if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise UsageError(f"top-p must be in (0, 1], got {top_p}")
+    if min_p is not None and not (math.isfinite(min_p) and 0 <= min_p < 1):
+        raise UsageError(f"--min-p must be in [0, 1), got {min_p}")
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        raise UsageError(f"--repetition-penalty must be > 0 and finite (1 = off), got {repetition_penalty}")
+    if stops is not None and "" in stops:
+        raise UsageError("--stop needs a string that is not empty")
     if not 0 <= seed <= D.MAX_SEED:
         raise UsageError(f"--seed must be between 0 and 2^63-1, got {seed}")
 

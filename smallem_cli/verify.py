@@ -15,6 +15,7 @@ a run exactly.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,18 +23,28 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def warp(logits: Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None) -> Tensor:
-    """Sampling distribution [..., V] float32 from logits [..., V]: temperature, top-k, top-p.
+def warp(
+    logits: Tensor,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> Tensor:
+    """Sampling distribution [..., V] float32 from logits [..., V]: temperature, top-k, top-p, min-p.
 
     top-k keeps exactly the k largest logits (topk breaks ties); top-p then keeps the
-    smallest set of most probable tokens whose mass reaches top_p (at least the top token).
-    None, top_k >= V or top_p >= 1 turn a filter off. Target and proposer must be warped
-    alike: verification is exact for the warped target distribution.
+    smallest set of most probable tokens whose mass reaches top_p (at least the top token);
+    min-p last drops the tokens less probable than min_p times the top token's probability
+    (as Hugging Face orders them; a ratio to the top, so renormalising changes nothing).
+    None, top_k >= V, top_p >= 1 or min_p == 0 turn a filter off. Verification is exact
+    for the warped target distribution, whatever warp the proposer drew its guesses with.
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (use greedy decoding for 0), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     x = logits.float() / temperature  # [..., V]
     if top_k is not None and top_k < x.shape[-1]:
         top = torch.topk(x, top_k, dim=-1).indices  # [..., top_k]
@@ -49,7 +60,32 @@ def warp(logits: Tensor, temperature: float, top_k: int | None = None, top_p: fl
         drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [..., V] vocabulary order
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    if min_p:
+        # the top token always stays: its probability is max >= min_p * max
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float) -> Tensor:
+    """The repetition penalty (CTRL; Hugging Face's `repetition_penalty`) over one pass -> [..., T, V].
+
+    logits [..., T, V]: a pass over the tokens fed [..., T] (long); row i predicts the token
+    after fed[i]. seen [..., V] (bool): the tokens of the context before the pass (it may
+    already hold some of fed). Row i's context is seen plus fed[:i+1], so a token counts as
+    repeated in row i from the position it was fed at on: a verify pass over [last, d_1..d_k]
+    scores each position as the target alone would, one token at a time. A repeated token's
+    logit is divided by the penalty when positive, multiplied by it when not. penalty 1 is
+    off (the logits come back as they are); no host sync.
+    """
+    if not (math.isfinite(penalty) and penalty > 0):
+        raise ValueError(f"repetition penalty must be > 0 and finite, got {penalty}")
+    if penalty == 1.0:
+        return logits
+    # [..., T, V]: fed[:i+1] as a running count per token, then or-ed with the context before
+    hits = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device).scatter_(-1, fed.unsqueeze(-1), 1)
+    repeated = hits.cumsum(dim=-2, dtype=torch.int32).bool() | seen.unsqueeze(-2)
+    return torch.where(repeated, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 @dataclass(frozen=True)
@@ -60,14 +96,15 @@ class Warper:
     temperature: float
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
 
     def __call__(self, logits: Tensor) -> Tensor:
-        return warp(logits, self.temperature, self.top_k, self.top_p)
+        return warp(logits, self.temperature, self.top_k, self.top_p, self.min_p)
 
     @property
     def plain(self) -> bool:
-        """A temperature alone: no top-k, no top-p."""
-        return self.top_k is None and self.top_p is None
+        """A temperature alone: no top-k, no top-p, no min-p."""
+        return self.top_k is None and self.top_p is None and not self.min_p
 
 
 def noise(shape: tuple[int, ...], generator: torch.Generator | None, like: Tensor) -> Tensor:

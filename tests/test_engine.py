@@ -107,11 +107,29 @@ def test_preemption_keeps_greedy_identity(models, kind: str) -> None:
     eng.pool.check()
 
 
+@pytest.mark.parametrize("kind", ["near", "mtp", "ngram+mtp"])
+def test_penalty_and_min_p_in_a_batch(models, kind: str) -> None:
+    """Greedy requests with a repetition penalty (and min-p, which greedy ignores) beside plain
+    ones: each equals the target alone with its own options."""
+    ps = prompts(10, 64, seed=6)
+    opts = [Sampling(repetition_penalty=1.5, min_p=0.1) if i % 2 else Sampling() for i in range(len(ps))]
+    reqs = requests(ps, sampling=opts)
+    got = {f.request.index: f.tokens for f in engine(models, kind, 3, max_batch=10).run(reqs)}
+    for r in reqs:
+        ref, _ = generate(models["target"], NoProposer(), list(r.prompt), r.max_new_tokens, 0, r.sampling)
+        assert got[r.index] == ref, f"request {r.index}"
+    plain, _ = generate(models["target"], NoProposer(), list(reqs[1].prompt), reqs[1].max_new_tokens, 0)
+    assert got[1] != plain  # the penalty changed something
+
+
 @pytest.mark.parametrize("kind", ["near", "mtp", "ngram"])
 def test_sampled_request_depends_on_its_seed_alone(models, kind: str) -> None:
     """A sampled request gives the same text alone and in a batch with greedy and sampled others."""
     ps = prompts(9, 64, seed=4)
-    samp = [Sampling(1.0, seed=100 + i) if i % 2 else Sampling() for i in range(len(ps))]
+    samp = [
+        Sampling(1.0, seed=100 + i, repetition_penalty=1.0 + (i % 3) / 4) if i % 2 else Sampling()
+        for i in range(len(ps))
+    ]
     reqs = requests(ps, sampling=samp)
     batched = {f.request.index: f.tokens for f in engine(models, kind, 3, max_batch=9).run(reqs)}
     for r in reqs[1::2]:

@@ -356,6 +356,116 @@ def test_sampling_top_k_1_is_greedy(models, reference, kind: str) -> None:
     check_stats(stats, out, 3)
 
 
+# --- min-p and the repetition penalty: applied to the target before verification ------------------
+PENALTIES = (1.5, 0.8)  # above 1 discourages repeats, below 1 favours them
+
+
+def penalized_logits(target: Transformer, prompt: list[int], out: list[int], penalty: float) -> torch.Tensor:
+    """The logits that chose each of `out`, through the training path (whole sequence, no cache), with
+    the penalty applied one position at a time by hand: the context is the prompt and out[:i]."""
+    full = torch.tensor(prompt + out)
+    with torch.no_grad():
+        logits = target.logits(target.hidden(full[None]))[0, len(prompt) - 1 : -1].clone()  # [len(out), V]
+    for i in range(len(out)):
+        for t in set(prompt + out[:i]):
+            x = logits[i, t]
+            logits[i, t] = x / penalty if x > 0 else x * penalty
+    return logits
+
+
+@pytest.fixture(scope="module")
+def penalized(target) -> dict[float, list[int]]:
+    return {pen: alone(target, sampling=Sampling(repetition_penalty=pen)) for pen in PENALTIES}
+
+
+@pytest.mark.parametrize("penalty", PENALTIES)
+def test_penalized_reference_is_a_real_test(target, reference, penalized, penalty: float) -> None:
+    """The target alone with the penalty picks the argmax of its penalized logits, with no near-tie,
+    and the penalty changes the text."""
+    ref = penalized[penalty]
+    assert len(ref) == N and ref != reference
+    logits = penalized_logits(target, PROMPT, ref, penalty)
+    assert logits.argmax(-1).tolist() == ref
+    top2 = logits.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
+    if penalty > 1:  # fewer repeats than without it
+        assert len(set(ref)) > len(set(reference))
+
+
+@pytest.mark.parametrize("k", (1, 3, 5))
+@pytest.mark.parametrize("kind", ["draft", "near", "mtp", "self"])
+@pytest.mark.parametrize("penalty", PENALTIES)
+def test_greedy_identity_with_repetition_penalty(models, penalized, kind: str, k: int, penalty: float) -> None:
+    """The proposer guesses without the penalty; verification uses the penalized target: the output is
+    the penalized target alone's, whatever the proposer."""
+    out, stats = generate(models["target"], make(kind, models), PROMPT, N, k, Sampling(repetition_penalty=penalty))
+    assert out == penalized[penalty]
+    check_stats(stats, out, k)
+
+
+def test_greedy_identity_with_penalty_and_min_p(models, reference, penalized) -> None:
+    """min-p never drops the top token: greedy (temperature 0, or top-k 1) ignores it, the penalty stays."""
+    for kind, k in (("none", 0), ("near", 3), ("mtp", 4)):
+
+        def run(s: Sampling, kind: str = kind, k: int = k) -> list[int]:
+            proposer = NoProposer() if kind == "none" else make(kind, models)
+            return generate(models["target"], proposer, PROMPT, N, k, s)[0]
+
+        assert run(Sampling(min_p=0.3)) == reference
+        assert run(Sampling(min_p=0.3, repetition_penalty=1.5)) == penalized[1.5]
+        assert run(Sampling(temperature=0.7, top_k=1, min_p=0.2, repetition_penalty=1.5, seed=3)) == penalized[1.5]
+
+
+def test_trained_mtp_with_repetition_penalty(trained) -> None:
+    """A periodic stream repeats every token: a strong penalty changes the text from the first token on;
+    MTP's guesses (made without it) are often wrong, and the output must still be the penalized target's."""
+    m, prompt = trained.model, trained.period[:10]
+    s = Sampling(repetition_penalty=5.0)
+    ref = alone(m, prompt, N, s)
+    assert ref != alone(m, prompt, N)
+    for k in (2, 4):
+        out, stats = generate(m, MTPProposer(m, trained.mtp, MAX_LEN), prompt, N, k, s)
+        assert out == ref
+        check_stats(stats, out, k)
+
+
+@pytest.mark.parametrize("kind", ["none", "near", "mtp"])
+def test_sampled_tokens_pass_min_p_of_the_penalized_target(models, kind: str) -> None:
+    """Every sampled token has, under the penalized target at its position, a probability of at least
+    min_p times the top one's; without min-p some token has less (the check can fail)."""
+    target, T, min_p, pen = models["target"], 1.0, 0.3, 1.3
+
+    def ratios(s: Sampling, seed: int) -> torch.Tensor:
+        proposer = NoProposer() if kind == "none" else make(kind, models)
+        out, _ = generate(target, proposer, PROMPT, 80, 0 if kind == "none" else 3, s)
+        assert len(out) == 80
+        probs = torch.softmax(penalized_logits(target, PROMPT, out, pen) / T, dim=-1)
+        return probs.gather(1, torch.tensor(out)[:, None])[:, 0] / probs.amax(-1)  # [80]
+
+    for seed in range(3):
+        assert ratios(Sampling(T, seed=seed, min_p=min_p, repetition_penalty=pen), seed).min() >= min_p * (1 - 1e-5)
+    assert min(float(ratios(Sampling(T, seed=seed, repetition_penalty=pen), seed).min()) for seed in range(3)) < min_p
+
+
+@pytest.mark.parametrize("kind", ["none", "near", "mtp"])
+def test_sampling_with_options_is_seeded(models, kind: str) -> None:
+    def run(seed: int) -> list[int]:
+        proposer = NoProposer() if kind == "none" else make(kind, models)
+        s = Sampling(0.9, None, 0.95, seed, min_p=0.05, repetition_penalty=1.2)
+        return generate(models["target"], proposer, PROMPT, 60, 0 if kind == "none" else 3, s)[0]
+
+    a, b, c = run(7), run(7), run(8)
+    assert a == b and len(a) == 60 and a != c
+
+
+def test_sampling_defaults_are_off() -> None:
+    s = Sampling()
+    assert s.greedy and not s.penalized and s.warp() is None
+    assert Sampling(min_p=0.5, repetition_penalty=1.2).greedy  # greedy means temperature 0
+    w = Sampling(0.8, 5, 0.9, 1, min_p=0.1).warp()
+    assert w is not None and (w.temperature, w.top_k, w.top_p, w.min_p) == (0.8, 5, 0.9, 0.1)
+
+
 # --- stop token and length -------------------------------------------------------------------
 def first_new(ref: list[int], at_least: int) -> tuple[int, int]:
     """A token whose first occurrence in ref is at index >= at_least: (token, index)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smallem_cli.verify import greedy_pick, sample, verify_greedy, verify_sample, warp
+from smallem_cli.verify import Warper, greedy_pick, penalize, sample, verify_greedy, verify_sample, warp
 
 # Pearson chi-square critical values at the 0.1% level, by degrees of freedom.
 CHI2_CRIT = {
@@ -154,6 +154,96 @@ def test_verify_sample_exact_chi_square_warped(temperature, top_k, top_p):
     print(f"T={temperature} top_k={top_k} top_p={top_p}: chi2 vs target {chi_p:.1f}, vs proposer {chi_q:.1f}")
 
 
+@pytest.mark.parametrize("temperature, top_k, min_p", [(1.0, None, 0.3), (1.4, 4, 0.2)])
+def test_verify_sample_exact_chi_square_min_p(temperature, top_k, min_p):
+    """The target warped with min-p, the proposer without: the output is the min-p target's."""
+    lp1, lp2 = P1.log(), P2.log()
+    lq1 = torch.tensor([0.05, 0.50, 0.01, 0.30, 0.15]).log()
+    lq2 = (Q2 + 0.01).log()
+    p1, p2 = warp(lp1, temperature, top_k, min_p=min_p), warp(lp2, temperature, top_k, min_p=min_p)
+    # min-p drops tokens the plain warp keeps: a real filter, and the top token always stays
+    assert int((p2 == 0).sum()) > int((warp(lp2, temperature, top_k) == 0).sum())
+    assert torch.all(p2.gather(-1, lp2.argmax(-1, keepdim=True)) > 0)
+    q1, q2 = warp(lq1, temperature), warp(lq2, temperature)
+    chi_p, chi_q = check_exact(p1, p2, q1, q2, seed=31)
+    print(f"T={temperature} top_k={top_k} min_p={min_p}: chi2 vs target {chi_p:.1f}, vs proposer {chi_q:.1f}")
+
+
+def penalized_ref(logits: torch.Tensor, context: set[int], penalty: float) -> torch.Tensor:
+    """The repetition penalty one position at a time, as the target alone applies it: logits [V]."""
+    out = logits.clone()
+    for t in context:
+        out[t] = out[t] / penalty if out[t] > 0 else out[t] * penalty
+    return out
+
+
+# Logits shifted so that some are positive and some negative: the penalty divides the first, multiplies the second.
+L1 = P1.log() + 1.2
+L2 = P2.log() + 1.2
+PROMPT_SEEN = {2}  # the context before the pass: token 2 in the prompt...
+LAST = 0  # ...and `last`, the token the pass starts from
+
+
+def penalized_target(penalty: float, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target alone with the penalty: p(t1) [V] and p(t2 | t1) [V, V], the context growing by t1."""
+    ctx = PROMPT_SEEN | {LAST}
+    p1 = warp(penalized_ref(L1, ctx, penalty), temperature)
+    p2 = torch.stack([warp(penalized_ref(L2[t], ctx | {t}, penalty), temperature) for t in range(5)])
+    return p1, p2
+
+
+def simulate_pairs_penalized(penalty: float, temperature: float, q1, q2, n_pairs: int, seed: int) -> torch.Tensor:
+    """`simulate_pairs` with the target's rows penalized by `penalize` over the pass [last, d1, d2]: counts [V, V]."""
+    g = torch.Generator().manual_seed(seed)
+    V, B = 5, n_pairs
+    seen = torch.zeros(B, V, dtype=torch.bool)
+    seen[:, list(PROMPT_SEEN)] = True
+    last = torch.full((B,), LAST)
+    d1 = sample(q1.expand(B, V), g)
+    d2 = sample(q2[d1], g)
+    drafts = torch.stack([d1, d2], dim=1)  # [B, 2]
+    q = torch.stack([q1.expand(B, V), q2[d1]], dim=1)  # [B, 2, V]
+    # the bonus row (after d2) is never counted: any logits do
+    raw = torch.stack([L1.expand(B, V), L2[d1], L2[d2]], dim=1)  # [B, 3, V]
+    fed = torch.stack([last, d1, d2], dim=1)  # [B, 3]
+    p = warp(penalize(raw, seen, fed, penalty), temperature)
+    n, out = verify_sample(drafts, q, p, g)
+    t1 = out[:, 0]
+    # second round, where d1 was rejected: a pass over [t1], with `last` now in the context
+    seen2 = seen.clone()
+    seen2[torch.arange(B), last] = True
+    d = sample(q2[t1], g)
+    raw2 = torch.stack([L2[t1], torch.zeros(B, V)], dim=1)  # [B, 2, V]
+    p_2 = warp(penalize(raw2, seen2, torch.stack([t1, d], dim=1), penalty), temperature)
+    _, out2 = verify_sample(d.unsqueeze(1), q2[t1].unsqueeze(1), p_2, g)
+    t2 = torch.where(n >= 1, out[:, 1], out2[:, 0])
+    return torch.bincount(t1 * V + t2, minlength=V * V).view(V, V)
+
+
+@pytest.mark.parametrize("penalty, temperature", [(1.8, 1.0), (0.6, 0.8)])
+def test_verify_sample_exact_chi_square_repetition_penalty(penalty, temperature):
+    """With a repetition penalty on the target's rows (a context growing along the pass), the output
+    pairs are the penalized target alone's; the proposer guesses without the penalty."""
+    N = 200_000
+    p1, p2 = penalized_target(penalty, temperature)
+    q1 = warp(torch.tensor([0.05, 0.50, 0.01, 0.30, 0.15]).log(), temperature)
+    q2 = warp((Q2 + 0.01).log(), temperature)
+    counts = simulate_pairs_penalized(penalty, temperature, q1, q2, N, seed=17)
+    assert int(counts.sum()) == N
+    chi_p, df, impossible = chi_square(counts, N * p1[:, None] * p2)
+    assert impossible == 0
+    assert chi_p < CHI2_CRIT[df], (chi_p, df)
+    # negative controls: the proposer; the target without the penalty; and a penalty whose
+    # context ignores the pass (t1 not counted for t2): all far off
+    chi_q, _, _ = chi_square(counts, N * q1[:, None] * q2)
+    plain = chi_square(counts, N * warp(L1, temperature)[:, None] * warp(L2, temperature))[0]
+    ctx = PROMPT_SEEN | {LAST}
+    stale2 = torch.stack([warp(penalized_ref(L2[t], ctx, penalty), temperature) for t in range(5)])
+    stale = chi_square(counts, N * p1[:, None] * stale2)[0]
+    assert chi_q > 1000 and plain > 1000 and stale > 100, (chi_q, plain, stale)
+    print(f"penalty={penalty}: chi2 vs target {chi_p:.1f}, proposer {chi_q:.1f}, plain {plain:.1f}, stale {stale:.1f}")
+
+
 # ------------------------------------------------------------------ sampled: edge cases
 
 
@@ -266,6 +356,71 @@ def test_warp_top_p_nucleus_hand_example():
     torch.testing.assert_close(warp(logits[:1], 1.0, top_k=2, top_p=0.6), top1[None])
 
 
+def test_warp_min_p_hand_example():
+    probs = torch.tensor([0.05, 0.30, 0.15, 0.50])
+    logits = torch.stack([probs.log(), probs.flip(0).log()])  # [2, 4]
+    # min_p 0.35: the threshold is 0.175, so 0.30 and 0.50 stay
+    keep = torch.tensor([0.0, 0.375, 0.0, 0.625])
+    torch.testing.assert_close(warp(logits, 1.0, min_p=0.35), torch.stack([keep, keep.flip(0)]))
+    keep3 = torch.tensor([0.0, 0.30, 0.15, 0.50]) / 0.95  # threshold 0.1: only 0.05 is below it
+    torch.testing.assert_close(warp(logits[:1], 1.0, min_p=0.2), keep3[None])
+    torch.testing.assert_close(warp(logits, 1.0, min_p=0.0), torch.softmax(logits, -1))
+    torch.testing.assert_close(warp(logits, 1.0, min_p=None), torch.softmax(logits, -1))
+    top1 = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    torch.testing.assert_close(warp(logits[:1], 1.0, min_p=0.99), top1[None])  # the top token always stays
+    # after temperature: a higher temperature flattens the distribution and keeps more tokens
+    assert int((warp(logits, 3.0, min_p=0.35) > 0).sum()) > int((warp(logits, 1.0, min_p=0.35) > 0).sum())
+    # a ratio to the top: after top-k (renormalised) the same tokens pass
+    torch.testing.assert_close(warp(logits, 1.0, top_k=3, min_p=0.35), torch.stack([keep, keep.flip(0)]))
+    with pytest.raises(ValueError):
+        warp(logits, 1.0, min_p=1.5)
+    w = Warper(1.0, min_p=0.35)
+    assert not w.plain and Warper(1.0).plain and Warper(1.0, min_p=0.0).plain
+    torch.testing.assert_close(w(logits), warp(logits, 1.0, min_p=0.35))
+
+
+def test_penalize_cumulative_mask():
+    """Row i counts the context before the pass and the pass's tokens fed[:i+1], no later one."""
+    V, T = 7, 5
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(T, V, generator=g) * 3  # positive and negative
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[[1, 4]] = True
+    fed = torch.tensor([2, 5, 2, 6, 0])
+    got = penalize(logits, seen, fed, 1.5)
+    for i in range(T):
+        ctx = {1, 4} | set(fed[: i + 1].tolist())
+        torch.testing.assert_close(got[i], penalized_ref(logits[i], ctx, 1.5))
+        untouched = [v for v in range(V) if v not in ctx]
+        assert torch.equal(got[i, untouched], logits[i, untouched])
+    # by hand: row 0 holds 1, 4 and 2; 5 joins at row 1, 6 at row 3, 0 at row 4
+    x = torch.tensor([[2.0, -3.0, 3.0, 1.0, -1.0, 6.0, 0.0]]).expand(T, V)
+    y = penalize(x, seen, fed, 2.0)
+    assert y[0].tolist() == [2.0, -6.0, 1.5, 1.0, -2.0, 6.0, 0.0]
+    assert y[1].tolist() == [2.0, -6.0, 1.5, 1.0, -2.0, 3.0, 0.0]
+    assert y[4].tolist() == [1.0, -6.0, 1.5, 1.0, -2.0, 3.0, 0.0]
+    # a penalty below 1 favours repeats; 1 changes nothing (and returns the logits as they are)
+    assert penalize(x, seen, fed, 0.5)[0, 1] == -1.5 and penalize(x, seen, fed, 0.5)[0, 2] == 6.0
+    assert penalize(x, seen, fed, 1.0) is x
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            penalize(x, seen, fed, bad)
+
+
+def test_penalize_batched_rows_are_independent():
+    B, T, V = 3, 4, 9
+    g = torch.Generator().manual_seed(22)
+    logits = torch.randn(B, T, V, generator=g)
+    seen = torch.rand(B, V, generator=g) < 0.3
+    fed = torch.randint(0, V, (B, T), generator=g)
+    got = penalize(logits, seen, fed, 1.3)
+    for b in range(B):
+        torch.testing.assert_close(got[b], penalize(logits[b], seen[b], fed[b], 1.3))
+    assert got.dtype == logits.dtype
+    half = penalize(logits.half(), seen, fed, 1.3)
+    assert half.dtype == torch.float16
+
+
 # ---------------------------------------------------------------------------- sample
 
 
@@ -321,6 +476,10 @@ def test_runs_on_meta_device():
     n2, out2 = verify_greedy(drafts, logits_p)
     assert n.shape == n2.shape == (8,) and out.shape == out2.shape == (8, 4)
     assert out.device == meta and out.dtype == torch.long
+    fed = torch.cat([out[:, :1], drafts], dim=1)  # [8, 4]
+    pen = penalize(logits_p, torch.zeros(8, 100, dtype=torch.bool, device=meta), fed, 1.3)
+    p_m = warp(pen, 0.8, min_p=0.05)
+    assert pen.shape == p_m.shape == (8, 4, 100) and p_m.device == meta
 
 
 # -------------------------------------------------------------------------------- cuda
@@ -340,6 +499,11 @@ def test_cuda_no_host_sync():
         drafts = sample(q, g)
         n, out = verify_sample(drafts, q, p, g)
         n2, out2 = verify_greedy(drafts, logits_p)
+        seen = torch.zeros(8, 100, dtype=torch.bool, device=dev)
+        pen = penalize(logits_p, seen, torch.cat([out[:, :1], drafts], dim=1), 1.3)
+        p_m = warp(pen, 0.8, min_p=0.05)
+        seen.index_fill_(1, out[0], True)  # the loop's update of the context: no sync either
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == out2.shape == (8, 4) and n.device == n2.device == dev
+    assert p_m.shape == (8, 4, 100) and p_m.device == dev

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import Transformer
-from ..verify import greedy_pick, sample, verify_sample
+from ..verify import greedy_pick, penalize, sample, verify_sample
 from . import batch as B
 from .forward import transformer_pass
 from .pool import PagePool
@@ -58,11 +58,17 @@ def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | N
     firsts = []
     for i, (s, f) in enumerate(zip(seqs, fresh, strict=True)):
         s.cached = fed[i].shape[0]
+        if s.req.sampling.penalized:  # the context so far: the tokens fed, then `last`
+            s.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=dev).index_fill_(0, fed[i], True)
         if f:
             row = logits[i : i + 1]
+            if s.seen is not None:
+                row = penalize(row, s.seen, fed[i][-1:], s.req.sampling.repetition_penalty)
             s.last = greedy_pick(row) if s.warp is None else sample(s.warp(row), s.gen)  # [1]
         else:
             s.last = torch.tensor(s.tokens[-1:], dtype=torch.long, device=dev)
+        if s.seen is not None:
+            s.seen.index_fill_(0, s.last.view(1), True)
         firsts.append(s.last.view(1))
     values = torch.cat([*firsts, logits.isfinite().all().long().view(1)]).tolist()  # one sync
     if values[-1] != 1:
@@ -83,9 +89,14 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
     sampled = []
     first = 0
     for s, g, c in zip(seqs, guesses, counts, strict=True):
+        rows = logits[first : first + c]  # [m+1, V]
+        if s.seen is not None:  # each row scored with the context up to its own position
+            rows = penalize(rows, s.seen, ids[first : first + c], s.req.sampling.repetition_penalty)
+            if s.warp is None:
+                best[first : first + c] = rows.argmax(-1)
         if s.warp is not None:
             drafts, q = g
-            p = s.warp(logits[first : first + c])  # [m+1, V]
+            p = s.warp(rows)  # [m+1, V]
             q = q if q is not None else p[:0]
             n, out = verify_sample(drafts[None], q[None], p[None], s.gen)
             sampled.append(torch.cat([n, out[0]]))
@@ -113,6 +124,8 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
         proposer.accept(s, n, out, hidden[first : first + n + 1])
         t.pool.trim(s.uid, s.cached)  # pages past the kept positions go back
         s.last = out[n : n + 1]
+        if s.seen is not None:
+            s.seen.index_fill_(0, out, True)
         st = s.stats
         st.passes += 1
         st.proposed += m

@@ -22,6 +22,9 @@ class Seq:
     tokens: list[int] = field(default_factory=list)  # prompt, then every token emitted
     last: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [1]: not yet cached
     cached: int = 0  # positions of the target's cache in use: every token but `last`
+    # the repetition penalty's context (bool [V], on the device: every token so far, `last`
+    # included); None when the request has no penalty
+    seen: torch.Tensor | None = None
     submitted_s: float = 0.0
     preempted: int = 0  # times its pages were taken back (recomputed at its next admission)
 
