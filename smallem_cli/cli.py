@@ -18,7 +18,6 @@ from rich.text import Text  # noqa: E402
 
 from . import defaults as D  # noqa: E402
 from . import options as O  # noqa: E402
-from .console import TextStream  # noqa: E402
 
 app = typer.Typer(
     add_completion=False,
@@ -114,8 +113,13 @@ def bench(
     k: Annotated[str | None, typer.Option("-k", "--k", help="extra k values, e.g. 1,4")] = None,
     sweep_k: Annotated[str | None, typer.Option("--sweep-k", help="e.g. 1..6: every k for every proposer")] = None,
     modes: Annotated[str, typer.Option(help="greedy,sample")] = "greedy,sample",
-    prompts_file: Annotated[Path, typer.Option("--prompts")] = D.PROMPTS,
+    prompts_file: Annotated[
+        Path | None, typer.Option("--prompts", help=f"[default: {D.PROMPTS.name}; --batch: {D.BATCH_PROMPTS.name}]")
+    ] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
+    batch: Annotated[
+        str | None, typer.Option(help="e.g. 1,4,16,64: the batch engine's throughput and latency at these sizes")
+    ] = None,
     repeats: Annotated[int, typer.Option(help="timed runs per configuration (median)")] = 3,
     temperature: Annotated[float, typer.Option(help="for the sample mode")] = 1.0,
     device: Annotated[str, typer.Option()] = D.DEVICE,
@@ -160,6 +164,16 @@ def bench(
         O.check_sampling(temperature, None, None)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
+        if batch:  # the batch engine's table instead: greedy, one run per size
+            from .bench_batch import from_cli
+
+            sizes = O.parse_sizes(batch)
+            found = O.read_prompts(prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]})
+            rows = from_cli(tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file)
+            if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
+                raise fail("greedy identity FAILED in the batch engine", 1)
+            return
+        prompts_file = prompts_file or D.PROMPTS
         adaptive = O.adaptive_names(names, O.p_min(p_min)) if p_min else {}  # "mtp@p0.4" -> "mtp"
         names += list(adaptive)
         ks = O.bench_ks(names, mode_list, extra, sweep)
@@ -238,55 +252,6 @@ def bench(
         raise fail("greedy identity FAILED: " + ", ".join(f"{r.proposer} k={r.k}: {r.identical}" for r in bad), 1)
 
 
-# --- Hugging Face / GGUF export ------------------------------------------------------------
-@app.command()
-def export(
-    checkpoint_path: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="a smallem model checkpoint")],
-    out: Annotated[Path, typer.Argument(metavar="OUT", help="output: a folder (hf, mimo) or a .gguf file (gguf)")],
-    fmt: Annotated[
-        str,
-        typer.Option(
-            "--format",
-            help="hf: a LlamaForCausalLM folder | gguf: one file for llama.cpp | "
-            "mimo: the target and its MTP module as one MiMoForCausalLM folder, for vLLM's mtp method",
-        ),
-    ] = "hf",
-    dtype: Annotated[
-        str | None, typer.Option(help="gguf: f32 | f16 weights [default: f32]; hf keeps the stored dtype")
-    ] = None,
-    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the checkpoint]")] = None,
-    mtp: Annotated[Path | None, typer.Option(help="mimo: the MTP module [default: mtp.safetensors beside]")] = None,
-    overwrite: Annotated[bool, typer.Option(help="replace an existing OUT (a non-empty folder, a file)")] = False,
-) -> None:
-    """Write a checkpoint in the Hugging Face Llama format (config.json, model.safetensors, tokenizer),
-    as a GGUF file that llama.cpp runs (--format gguf), or with its MTP module for vLLM (--format mimo)."""
-    from .checkpoint import CheckpointError
-    from .hf import HFFormatError, export_hf
-
-    tok = tokenizer or checkpoint_path.parent / "tokenizer.json"
-    try:
-        if dtype is not None and fmt != "gguf":
-            raise O.UsageError(f"--dtype applies to --format gguf: {fmt} keeps the checkpoint's dtype")
-        if mtp is not None and fmt != "mimo":
-            raise O.UsageError("--mtp applies to --format mimo")
-        if fmt == "hf":
-            export_hf(checkpoint_path, out, tok, overwrite=overwrite)
-        elif fmt == "gguf":
-            from .gguf import export_gguf
-
-            export_gguf(checkpoint_path, out, tok, dtype=dtype or "f32", overwrite=overwrite)
-        elif fmt == "mimo":
-            from .hf_mtp import export_mimo
-
-            module = mtp or checkpoint_path.parent / "mtp.safetensors"
-            export_mimo(checkpoint_path, module, out, tok, overwrite=overwrite)
-        else:
-            raise O.UsageError(f"unknown --format {fmt!r}: use hf, gguf or mimo")
-    except (CheckpointError, HFFormatError, OSError, ValueError, ImportError, O.UsageError) as e:
-        raise fail(str(e)) from None
-    err.print(f"{checkpoint_path} -> {out}")
-
-
 # --- generation -------------------------------------------------------------------------
 @app.command()
 def generate(
@@ -306,6 +271,9 @@ def generate(
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = D.TEMPERATURE,
     top_k: Annotated[int | None, typer.Option("--top-k")] = None,
     top_p: Annotated[float | None, typer.Option("--top-p")] = None,
+    min_p: Annotated[float | None, typer.Option("--min-p", help="drop tokens < MIN_P x the top probability")] = None,
+    penalty: Annotated[float, typer.Option("--repetition-penalty", help="on every token so far (1 = off)")] = 1.0,
+    stops: Annotated[list[str] | None, typer.Option("--stop", help="end the text before it (repeatable)")] = None,
     seed: Annotated[int, typer.Option()] = D.SEED,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = D.DEVICE,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")] = None,
@@ -331,12 +299,13 @@ def generate(
 
     from . import aot, family
     from .generate import NonFiniteError, Sampling, Stats, stream
+    from .stops import StopPrinter
     from .tokenizer import load_tokenizer
 
     try:
         proposer = proposer or family.default_proposer(target, temperature == 0)
         kk = O.pick_k(proposer, k, temperature == 0)
-        O.check_sampling(temperature, top_k, top_p, seed)
+        O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, stops)
         text = O.read_prompt(prompt, max_new_tokens)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev, tokenizer)
@@ -364,19 +333,20 @@ def generate(
             )
     used = "compiled" if ready == passes else "eager" if not ready else "partly compiled"
 
-    sampling = Sampling(temperature, top_k, top_p, seed)
+    sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)
     stats = Stats(proposer, kk)
     eot = tok.token_to_id("<|endoftext|>")
-    out = TextStream(tok, None if json_out else sys.stdout)
+    out = StopPrinter(tok, None if json_out else sys.stdout, stops or [])
     try:
         for chunk in stream(
             tgt.model, make_proposer(len(ids) + max_new_tokens + kk + 1), ids, max_new_tokens, kk, sampling, eot, stats
         ):
-            out.push(chunk)
+            if out.push(chunk):  # a stop string: the text ends before it, and generation here
+                break
         out.push([], final=True)
     except KeyboardInterrupt:  # keep what was generated: printed, or in the JSON marked as interrupted
         if json_out:
-            record = {"text": tok.decode(out.ids), "tokens": out.ids, "stats": stats.as_dict(), "interrupted": True}
+            record = {"text": out.text, "tokens": out.ids, "stats": stats.as_dict(), "interrupted": True}
             print(json.dumps(record), flush=True)
         sys.stdout.flush()
         err.print("\ninterrupted")
@@ -385,7 +355,7 @@ def generate(
         sys.stdout.flush()
         raise fail(str(e), 1) from None
     if json_out:
-        print(json.dumps({"text": tok.decode(out.ids), "tokens": out.ids, "stats": stats.as_dict()}))
+        print(json.dumps({"text": out.text, "tokens": out.ids, "stats": stats.as_dict()}))
     else:
         print()
     if not quiet:
@@ -396,7 +366,7 @@ def generate(
         )
 
 
-from . import cli_train  # noqa: E402, F401  (registers `data` and `train` on the app)
+from . import cli_batch, cli_export, cli_train  # noqa: E402, F401  (register `batch`, `export`, `data`, `train`)
 
 
 def main() -> None:

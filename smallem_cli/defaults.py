@@ -9,6 +9,8 @@ TOKENIZER = CHECKPOINTS / "tokenizer.json"
 TARGET = CHECKPOINTS / "target.safetensors"
 MTP = CHECKPOINTS / "mtp.safetensors"
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "kjv-val-32.jsonl"
+# `bench --batch`: 64 held-out prompts of 32 tokens (`smallem prompts --count 64`)
+BATCH_PROMPTS = PROMPTS.with_name("kjv-val-32x64.jsonl")
 
 # The proposer used when none is named, per mode: greedy, the n-gram lookup backed by the MTP
 # module (×1.84 against mtp's ×1.53 over the target alone, held-out prompts, one quiet bench

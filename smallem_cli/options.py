@@ -44,6 +44,17 @@ def parse_ks(text: str) -> list[int]:
     return sorted(set(ks))
 
 
+def parse_sizes(text: str) -> list[int]:
+    """'1,4,16,64' -> batch sizes, each >= 1, in the order given."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"bad --batch {text!r}: use sizes such as 1,4,16,64") from None
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"batch sizes must be >= 1: {text!r}")
+    return sizes
+
+
 def read_prompt(prompt: str | None, max_new_tokens: int = 1) -> str:
     """The prompt argument, or stdin for `-` or for no argument on a pipe; not empty."""
     if max_new_tokens < 1:  # checked first: before stdin is awaited
