@@ -36,6 +36,7 @@ from torch import nn
 
 from . import chain, graphs
 from .cache import Step
+from .defaults import PAGE_SIZE
 from .model import MIN_PAST
 from .proposers import Fused, Pass, Proposer
 
@@ -289,7 +290,7 @@ def for_mtp(
     )
 
 
-def fixed_slots(max_seq_len: int, page_size: int = 16) -> int:
+def fixed_slots(max_seq_len: int, page_size: int = PAGE_SIZE) -> int:
     """Slots of every cache of a model with compiled steps: its whole context, plus a page."""
     return (-(-max_seq_len // page_size) + 1) * page_size
 

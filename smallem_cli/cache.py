@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .defaults import PAGE_SIZE
+
 
 class CacheFullError(RuntimeError):
     """The pool has no free page left for an append."""
@@ -43,7 +45,7 @@ class PagedKVCache:
         n_kv_heads: int,
         head_dim: int,
         n_pages: int,
-        page_size: int = 16,
+        page_size: int = PAGE_SIZE,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:

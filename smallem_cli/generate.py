@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import PagedKVCache
+from .defaults import PAGE_SIZE
 from .model import Transformer
 from .proposers import Proposer, Warp
 from .verify import Warper, greedy_pick, penalize, sample, verify_greedy, verify_sample
@@ -101,7 +102,7 @@ class Stats:
         }
 
 
-def cache_pages(n_tokens: int, page_size: int = 16) -> int:
+def cache_pages(n_tokens: int, page_size: int = PAGE_SIZE) -> int:
     return -(-n_tokens // page_size) + 1
 
 
@@ -166,7 +167,7 @@ def stream(
     sampling: Sampling = Sampling(),
     stop_token: int | None = None,
     stats: Stats | None = None,
-    page_size: int = 16,
+    page_size: int = PAGE_SIZE,
 ) -> Iterator[list[int]]:
     """Generate, yielding the tokens of each round as soon as they are verified.
 

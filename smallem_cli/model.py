@@ -22,6 +22,7 @@ from torch import nn
 
 from .cache import PagedKVCache, Step
 from .config import ModelConfig
+from .defaults import PAGE_SIZE
 
 if TYPE_CHECKING:
     from .aot import CompiledSteps, StepFn
@@ -275,7 +276,7 @@ class Transformer(nn.Module):
             return x[:0], x
         return self.logits(x[-1:] if last_only else x), x
 
-    def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
+    def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
         """At least n_pages; the whole context with compiled steps (they are built for its layout)."""
         c = self.cfg
         n_pages = _pages(self.compiled, n_pages, page_size)
@@ -382,7 +383,7 @@ class MTPModule(nn.Module):
                 self._table = embed, unit_rms(embed.detach(), self.cfg.norm_eps) @ self.proj_t[self.cfg.dim :]
         return self._table[1]
 
-    def new_cache(self, n_pages: int, page_size: int = 16) -> PagedKVCache:
+    def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
         c = self.cfg
         dev = self.eh_proj.weight.device
         n_pages = _pages(self.compiled, n_pages, page_size)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .chain import MTPChain, MTPSampledChain
+from .defaults import PAGE_SIZE
 from .model import MIN_PAST, MTPModule, Transformer, unit_rms
 from .verify import Warper, noise, sample
 
@@ -184,7 +185,7 @@ class DraftProposer:
         max_tokens: int,
         name: str = "draft",
         head: Head | None = None,
-        page_size: int = 16,
+        page_size: int = PAGE_SIZE,
         p_min: float = 0.0,
     ) -> None:
         self.model, self.name, self.p_min = model, name, p_min
@@ -271,7 +272,7 @@ class MTPProposer:
         mtp: MTPModule,
         max_tokens: int,
         head: Head | None = None,
-        page_size: int = 16,
+        page_size: int = PAGE_SIZE,
         p_min: float = 0.0,
     ) -> None:
         self.target, self.mtp, self.p_min = target, mtp, p_min

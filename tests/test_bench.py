@@ -35,8 +35,12 @@ def test_prompts_file_round_trips(family: Family, tmp_path: Path) -> None:
     bench.write_prompts(val, family.tokenizer, out, count=3, length=12)
     prompts = bench.read_prompts(out)
     assert len(prompts) == 3 and all(len(p) == 12 for p in prompts)
-    with pytest.raises(ValueError):
-        bench.write_prompts(val, family.tokenizer, out, count=30, length=12)
+    # more prompts than chunks: successive 12-token windows of each chunk, all distinct
+    bench.write_prompts(val, family.tokenizer, out, count=30, length=12)
+    many = bench.read_prompts(out)
+    assert len(many) == 30 and all(len(p) == 12 for p in many) and many[0] == prompts[0]
+    with pytest.raises(ValueError):  # more than the windows
+        bench.write_prompts(val, family.tokenizer, out, count=1000, length=12)
 
 
 def test_run_bench_rows_and_identity(family: Family) -> None:
