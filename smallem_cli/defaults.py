@@ -70,6 +70,22 @@ def proposer_vocab(greedy: bool, chosen: int | None = None) -> int:
 PAGE_SIZE = 16
 # Tokens per prefill pass when several requests join at once (a long prompt goes alone).
 PREFILL_TOKENS = 1024
-# Guesses per round under load, greedy requests whose k was not given: (batch size up to, k cap).
-# A pass over the whole batch costs more as the batch grows, and guesses pay less.
-LOAD_K = ((4, 16), (16, 16), (1 << 30, 16))
+# Guesses per round under load, for greedy requests whose k was not given: per kind of proposer,
+# (batch size up to, k cap). A pass over the whole batch costs more as the batch grows, so a
+# guess kept less often stops paying first. Measured (`bench --batch 1,4,16,64 -k 1,2,4`, 2
+# threads, 64 prompts x 200 tokens): draft-2l over the target alone at 4 / 16 / 64 sequences,
+# k=4 x1.48 / x1.15 / x1.13, k=2 x1.45 / x1.24 / x1.40; mtp k=4 x2.10 / x1.50 / x1.69, k=2
+# x2.02 / x1.57 / x1.60: a draft drops to 2 guesses past 4 sequences, MTP keeps its k (no
+# crossover to k=0 up to 64 on this CPU, where a pass over 64 sequences is bound by arithmetic).
+LOAD_K = {"draft": ((4, MAX_K), (1 << 30, 2)), "mtp": ((1 << 30, MAX_K),)}
+
+
+def load_cap(proposer: str, batch: int) -> int:
+    """The most guesses per round a greedy sequence gets among `batch` (`LOAD_K`): the MTP module's
+    policy for a name holding "mtp", none for the n-gram lookup alone, a draft's otherwise."""
+    if proposer == NGRAM:
+        return MAX_K
+    for size, cap in LOAD_K["mtp" if "mtp" in proposer else "draft"]:
+        if batch <= size:
+            return cap
+    return MAX_K

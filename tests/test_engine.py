@@ -241,3 +241,29 @@ def test_sampling_in_a_batch_follows_the_target() -> None:
     print(f"batch sampling: chi2 vs target {vs_p:.1f}, vs draft {vs_q:.1f}")
     assert vs_p < 51.2
     assert vs_q > 200
+
+
+def test_load_policy_caps_greedy_drafts_only() -> None:
+    from smallem_cli import defaults as D
+    from smallem_cli.engine.scheduler import load_k
+
+    assert load_k(4, True, 1, True, "draft-2l") == 4
+    assert load_k(4, True, 16, True, "draft-2l") == 2  # measured: 2 guesses pay more than 4 past 4 sequences
+    assert load_k(4, True, 64, True, "mtp") == 4 and load_k(4, True, 64, True, "ngram+mtp") == 4
+    assert load_k(4, False, 64, True, "draft-2l") == 4  # sampled: the seed alone decides the text
+    assert load_k(4, True, 64, False, "draft-2l") == 4  # a k the user gave is kept
+    assert D.load_cap("ngram", 64) == D.MAX_K
+
+
+def test_load_policy_keeps_greedy_identity(models) -> None:
+    """With the policy on (auto k), a draft's k drops as the batch fills; tokens stay the target's."""
+    ps = prompts(12, 64, seed=8)
+    reqs = requests(ps)
+    eng = engine(models, "near", 4, max_batch=12)
+    eng.auto_k = True
+    got = {f.request.index: f for f in eng.run(reqs)}
+    for r in reqs:
+        ref, _ = generate(models["target"], NoProposer(), list(r.prompt), r.max_new_tokens, 0)
+        assert got[r.index].tokens == ref
+    by_depth = [sum(f.stats["rounds_by_guesses"][m] for f in got.values()) for m in range(5)]  # type: ignore[index]
+    assert by_depth[2] > 0 and by_depth[4] > 0  # 2 guesses while more than 4 ran, 4 once fewer were left

@@ -39,16 +39,13 @@ class Progress:
     running: int  # sequences decoding now
 
 
-def load_k(k: int, greedy: bool, batch: int, auto: bool) -> int:
+def load_k(k: int, greedy: bool, batch: int, auto: bool, proposer: str) -> int:
     """Guesses per round for a sequence in a batch of `batch`: the request's k, capped under load
-    for greedy requests when k was not given (`D.LOAD_K`). Sampled requests keep theirs: their
+    for greedy requests when k was not given (`D.load_cap`). Sampled requests keep theirs: their
     draws, hence their text, must depend on their seed alone, not on what else is running."""
     if not auto or not greedy:
         return k
-    for size, cap in D.LOAD_K:
-        if batch <= size:
-            return min(k, cap)
-    return min(k, D.LOAD_K[-1][1])
+    return min(k, D.load_cap(proposer, batch))
 
 
 class Engine:
@@ -187,7 +184,7 @@ class Engine:
                     continue
                 for s in running:
                     base = self.k if s.warp is None else self.k_sample
-                    s.k = load_k(base, s.warp is None, len(running), self.auto_k)
+                    s.k = load_k(base, s.warp is None, len(running), self.auto_k, self.proposer.name)
                 running = self._reserve(running, waiting)
                 if not running:
                     continue
