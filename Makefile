@@ -4,18 +4,20 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch that lies on disk; GPU users: see README.
 TORCH ?= torch==2.13.0
-# Training budgets in seconds: 137 minutes of training (see the README for the wall clock).
-TARGET_S ?= 4500
+# Training budgets in tokens (steps x 16 sequences x 256 tokens): the same family on any
+# machine, however loaded. These are the shipped family's own counts (its checkpoints' facts);
+# it took 137 minutes of training on this 2-core machine (their train_seconds).
+TARGET_T ?= 5337088
 # the MTP module: distilled from the frozen target, once more at a lower rate, then with
 # a loss that also matches the target's next state (for chained guesses)
-MTP_S ?= 360
-MTP2_S ?= 600
-MTP3_S ?= 540
-DRAFT2_S ?= 420
-DRAFT4_S ?= 540
+MTP_T ?= 958464
+MTP2_T ?= 1380352
+MTP3_T ?= 1683456
+DRAFT2_T ?= 2539520
+DRAFT4_T ?= 2502656
 # then each draft is distilled from the target (KL to its next-token distribution)
-DISTILL2_S ?= 600
-DISTILL4_S ?= 660
+DISTILL2_T ?= 1548288
+DISTILL4_T ?= 1359872
 
 # vLLM's CPU build, in a venv of its own (it pins its own torch build): `make vllm-check`, and
 # `smallem bench --peer vllm`. Not part of `make test`: a 3.4 GB venv, minutes of runs.
@@ -61,15 +63,15 @@ data: install
 # Resumable: rerun after an interruption.
 checkpoints: data
 	$(BIN)/smallem train tokenizer --overwrite
-	$(BIN)/smallem train target --overwrite --preset target --budget $(TARGET_S)
-	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --budget $(MTP_S)
-	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --budget $(MTP2_S) --run-dir runs/mtp-2
-	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --budget $(MTP3_S) --run-dir runs/mtp-3 \
+	$(BIN)/smallem train target --overwrite --preset target --tokens $(TARGET_T)
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --tokens $(MTP_T)
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --tokens $(MTP2_T) --run-dir runs/mtp-2
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --tokens $(MTP3_T) --run-dir runs/mtp-3 \
 		--feature-weight 1.0
-	$(BIN)/smallem train draft --overwrite --preset draft-2l --budget $(DRAFT2_S)
-	$(BIN)/smallem train draft --overwrite --preset draft-4l --budget $(DRAFT4_S)
-	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --budget $(DISTILL2_S)
-	$(BIN)/smallem train draft --overwrite --preset draft-4l --init checkpoints/draft-4l.safetensors --distill --lr 1e-3 --budget $(DISTILL4_S)
+	$(BIN)/smallem train draft --overwrite --preset draft-2l --tokens $(DRAFT2_T)
+	$(BIN)/smallem train draft --overwrite --preset draft-4l --tokens $(DRAFT4_T)
+	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --tokens $(DISTILL2_T)
+	$(BIN)/smallem train draft --overwrite --preset draft-4l --init checkpoints/draft-4l.safetensors --distill --lr 1e-3 --tokens $(DISTILL4_T)
 
 bench: install
 	$(BIN)/smallem bench

@@ -66,6 +66,9 @@ def train(
     feature_weight: Annotated[
         float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
     ] = 0.0,
+    chain: Annotated[
+        int, typer.Option(help="mtp: fit the chain of this many guesses as it runs, each step's own loss (0: off)")
+    ] = 0,
     budget: Annotated[float, typer.Option(help="training seconds")] = 600.0,
     tokens: Annotated[
         int, typer.Option(help="token budget: stop after this many training tokens, not --budget seconds (0: off)")
@@ -85,12 +88,15 @@ def train(
     from . import checkpoint
     from . import data as corpus
     from . import train as tr
+    from .members import train_member
     from .outputs import OutputError, train_outputs, write_corpus
     from .tokenizer import train_tokenizer
 
     # the options alone, checked before any work (writing --text's split included)
     if budget <= 0 or tokens < 0:
         raise fail("--budget must be > 0 seconds and --tokens >= 0")
+    if (chain and kind is not Kind.mtp) or not 0 <= chain <= D.MAX_K:
+        raise fail(f"--chain applies to an MTP module, between 1 and {D.MAX_K} guesses")
     if init and kind is Kind.target:
         raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
     if kind is Kind.draft and init and not distill:
@@ -133,12 +139,18 @@ def train(
             f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
         )
     settings = tr.TrainSettings(
-        budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, feature_weight=feature_weight
+        budget_s=budget,
+        budget_tokens=tokens,
+        seed=seed,
+        lr=lr,
+        batch_size=batch_size,
+        feature_weight=feature_weight,
+        chain=chain,
     )
     cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     try:
-        facts = tr.train_member(
+        facts = train_member(
             job, cfg, (train_ids, val_ids), settings, run, dest, tokenizer, progress_printer(name, err), target, init,
             mtp_dest,
         )  # fmt: skip

@@ -23,13 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import checkpoint, runstate
+from . import runstate
 from .config import ModelConfig
 from .model import MTPModule, Transformer
 
@@ -48,6 +48,7 @@ class TrainSettings:
     weight_decay: float = 0.1
     mtp_weight: float = 0.3
     feature_weight: float = 0.0  # MTP distillation: weight of the state-matching loss (EAGLE's feature loss)
+    chain: int = 0  # MTP distillation: > 0 fits the whole chain of this many guesses (`train_chain.py`)
     seed: int = 1234
     save_every_s: float = 120.0
     eval_every_s: float = 300.0
@@ -345,63 +346,3 @@ def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
     """Token ids ordered by their count in the training stream, most frequent first."""
     counts = np.bincount(train_ids, minlength=vocab_size)
     return np.argsort(-counts, kind="stable")[:RANKED_TOKENS].tolist()
-
-
-def save_family_member(
-    path: Path, model: Transformer | MTPModule, tokenizer_json: Path, facts: dict[str, Any], train_ids: np.ndarray
-) -> None:
-    fp = checkpoint.tokenizer_fingerprint(tokenizer_json)
-    rank = vocab_rank(train_ids, model.cfg.vocab_size)
-    checkpoint.save(path, model, tokenizer=fp, facts=facts, vocab_rank=rank)
-
-
-def train_member(
-    kind: Literal["target", "draft", "distill", "mtp"],
-    cfg: ModelConfig | None,
-    data: tuple[np.ndarray, np.ndarray],
-    settings: TrainSettings,
-    run_dir: Path,
-    dest: Path,
-    tokenizer_json: Path,
-    on_progress: ProgressFn | None = None,
-    teacher: Path | None = None,
-    init: Path | None = None,
-    mtp_dest: Path | None = None,
-) -> dict[str, Any]:
-    """Train one member of the family and save it beside its facts -> the facts.
-
-    kind: "target" or "draft" from scratch on the text (`cfg`; a target with `cfg.mtp`
-    also writes its jointly trained MTP module to `mtp_dest`, by default mtp.safetensors
-    beside `dest`), "distill" (a draft fitted to
-    `teacher`, from `init` or from `cfg`), or "mtp" (a module fitted to `teacher`).
-    A checkpoint started from `init` keeps the facts of that earlier training as "before".
-    """
-    train_ids, val_ids = data
-    before = {"before": checkpoint.facts(checkpoint.read_meta(init))} if init else {}
-    if kind in ("mtp", "distill"):
-        assert teacher is not None, f"{kind} needs a teacher"
-        tgt = checkpoint.load_model(teacher)[0]
-        source = f", starting from {init.name}" if init else ""
-        if kind == "mtp":
-            start = checkpoint.load_mtp(init, tgt)[0] if init else None
-            member, facts = train_mtp(tgt, train_ids, val_ids, settings, run_dir, on_progress, start)
-            facts["trained"] = "distilled from the frozen target" + source
-        else:
-            if init is not None:
-                student = checkpoint.load_model(init)[0].train()
-            else:
-                assert cfg is not None, "a draft to distill needs init or cfg"
-                student = new_model(cfg, settings.seed)
-            member, facts = train_draft_distill(tgt, student, train_ids, val_ids, settings, run_dir, on_progress)
-            facts["trained"] = f"distilled from {teacher.name}" + source
-        save_family_member(dest, member, tokenizer_json, facts | before, train_ids)
-        return facts
-    assert cfg is not None, f"{kind} from scratch needs a config"
-    model, mtp, facts = train_model(cfg, train_ids, val_ids, settings, run_dir, on_progress)
-    own = {k: v for k, v in facts.items() if not k.startswith("mtp_")}
-    save_family_member(dest, model, tokenizer_json, own, train_ids)
-    if mtp is not None:
-        mtp_facts = {k: v for k, v in facts.items() if not k.startswith("val")}
-        mtp_facts["trained"] = f"jointly with {dest.name}"
-        save_family_member(mtp_dest or dest.with_name("mtp.safetensors"), mtp, tokenizer_json, mtp_facts, train_ids)
-    return own
