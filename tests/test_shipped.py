@@ -63,3 +63,23 @@ def test_sampling_is_seeded_and_reads_as_text(target: family.Target, prompts: li
     b, _ = generate(target.model, make(200), prompts[1], 60, 2, s)
     assert a == b
     assert len(set(a)) > 20  # not a degenerate loop
+
+
+def test_batch_engine_on_the_shipped_family(target: family.Target) -> None:
+    """The batch prompts file holds 64 prompts of 32 tokens; 8 of them decoded together by the
+    batch engine (ngram+mtp, the greedy default) equal the target alone, and the MTP module's
+    guesses are kept there as in the loop."""
+    from smallem_cli.engine.build import build_engine
+    from smallem_cli.engine.request import Request
+
+    batch = bench.read_prompts(defaults.BATCH_PROMPTS)
+    assert len(batch) == 64 and all(len(p) == 32 for p in batch)
+    eng = build_engine(
+        target, "ngram+mtp", torch.device("cpu"), k=None, max_batch=8, proposer_vocab=None, eot=None, decode=str
+    )
+    reqs = [Request(i, i, tuple(p), 40) for i, p in enumerate(batch[::8])]
+    got = {f.request.index: f for f in eng.run(reqs)}
+    for r in reqs:
+        ref, _ = generate(target.model, NoProposer(), list(r.prompt), 40, 0)
+        assert got[r.index].tokens == ref
+    assert sum(f.stats["acceptance_rate"] for f in got.values()) / len(got) > 0.5  # type: ignore[misc]
