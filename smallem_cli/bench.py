@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import aot
+from . import defaults as D
 from .data import read_documents
 from .family import ProposerFactory
 from .generate import Sampling, Stats, cache_pages, generate
@@ -208,9 +209,9 @@ class Plan:
     proposers: dict[str, dict[str, ProposerFactory]]  # per mode: name -> factory (heads may differ by mode)
     ks: dict[str, list[int]]  # k values per proposer
     modes: list[str]  # "greedy", "sample"
-    max_new: int = 200
-    repeats: int = 3
-    temperature: float = 1.0
+    max_new: int = D.MAX_NEW_TOKENS
+    repeats: int = D.BENCH_REPEATS
+    temperature: float = D.BENCH_TEMPERATURE
     seed: int = 0
     # "eager" and/or "compiled" (steps prepared beforehand, `aot.prepare`). With compiled alone,
     # the eager target alone still runs, as the reference of identity and of `vs_eager`.

@@ -120,8 +120,8 @@ def bench(
     batch: Annotated[
         str | None, typer.Option(help="e.g. 1,4,16,64: the batch engine's throughput and latency at these sizes")
     ] = None,
-    repeats: Annotated[int, typer.Option(help="timed runs per configuration (median)")] = 3,
-    temperature: Annotated[float, typer.Option(help="for the sample mode")] = 1.0,
+    repeats: Annotated[int, typer.Option(help="timed runs per configuration (median)")] = D.BENCH_REPEATS,
+    temperature: Annotated[float, typer.Option(help="for the sample mode")] = D.BENCH_TEMPERATURE,
     device: Annotated[str, typer.Option()] = D.DEVICE,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     proposer_vocab: Annotated[

@@ -69,14 +69,14 @@ def train(
     chain: Annotated[
         int, typer.Option(help="mtp: fit the chain of this many guesses as it runs, each step's own loss (0: off)")
     ] = 0,
-    budget: Annotated[float, typer.Option(help="training seconds")] = 600.0,
+    budget: Annotated[float, typer.Option(help="training seconds")] = D.TRAIN_SECONDS,
     tokens: Annotated[
         int, typer.Option(help="token budget: stop after this many training tokens, not --budget seconds (0: off)")
     ] = 0,
     run_dir: Annotated[Path | None, typer.Option(help="resume state folder (default: runs/<name>)")] = None,
-    seed: Annotated[int, typer.Option()] = 1234,
-    lr: Annotated[float, typer.Option()] = 2e-3,
-    batch_size: Annotated[int, typer.Option()] = 16,
+    seed: Annotated[int, typer.Option()] = D.TRAIN_SEED,
+    lr: Annotated[float, typer.Option()] = D.TRAIN_LR,
+    batch_size: Annotated[int, typer.Option()] = D.TRAIN_BATCH,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     text: Annotated[
         list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data first)")

@@ -45,6 +45,15 @@ MAX_K = 16
 MIN_TEMPERATURE = 1e-3
 MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
 MAX_NEW_TOKENS = 200
+# `bench`: timed runs per configuration (the median is reported), and the sampled mode's temperature
+BENCH_REPEATS = 3
+BENCH_TEMPERATURE = 1.0
+# `train`: the defaults of every member's training (`train.TrainSettings`)
+TRAIN_SECONDS = 600.0
+TRAIN_BATCH = 16
+TRAIN_SEQ_LEN = 256
+TRAIN_LR = 2e-3
+TRAIN_SEED = 1234
 TEMPERATURE = 0.0
 SEED = 0
 DEVICE = "auto"
@@ -64,6 +73,7 @@ PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 def proposer_vocab(greedy: bool, chosen: int | None = None) -> int:
     """The user's --proposer-vocab if given, else the default for the mode."""
     return PROPOSER_VOCAB["greedy" if greedy else "sample"] if chosen is None else chosen
+
 
 # The batch engine (`smallem batch`, `bench --batch`). Pages of the shared pool hold this many
 # positions (each cache of a sequence, target's and proposer's, uses the same page table).

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import defaults as D
 from . import runstate
 from .config import ModelConfig
 from .model import MTPModule, Transformer
@@ -36,20 +37,20 @@ from .model import MTPModule, Transformer
 
 @dataclass
 class TrainSettings:
-    budget_s: float = 600.0
+    budget_s: float = D.TRAIN_SECONDS
     # > 0: stop after this many training tokens instead of budget_s seconds. A token budget
     # makes a run independent of how loaded the machine is; seconds make its length known.
     budget_tokens: int = 0
-    batch_size: int = 16
-    seq_len: int = 256
-    lr: float = 2e-3
+    batch_size: int = D.TRAIN_BATCH
+    seq_len: int = D.TRAIN_SEQ_LEN
+    lr: float = D.TRAIN_LR
     min_lr_frac: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
     mtp_weight: float = 0.3
     feature_weight: float = 0.0  # MTP distillation: weight of the state-matching loss (EAGLE's feature loss)
     chain: int = 0  # MTP distillation: > 0 fits the whole chain of this many guesses (`train_chain.py`)
-    seed: int = 1234
+    seed: int = D.TRAIN_SEED
     save_every_s: float = 120.0
     eval_every_s: float = 300.0
 
@@ -104,7 +105,9 @@ def lm_loss(model: Transformer, x: torch.Tensor, mtp: MTPModule | None) -> tuple
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, ids: np.ndarray, seq_len: int = 256, mtp: MTPModule | None = None) -> dict[str, float]:
+def evaluate(
+    model: Transformer, ids: np.ndarray, seq_len: int = D.TRAIN_SEQ_LEN, mtp: MTPModule | None = None
+) -> dict[str, float]:
     """Mean next-token loss (nats/token) over the whole validation stream, in windows.
 
     With an MTP module, also its loss and its agreement with the target's argmax.
