@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint, family
+from . import defaults as D
 from .model import MTPModule, Transformer
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def evaluate_family(
     n_bytes: int,
     drafts: dict[str, Transformer],
     mtp: MTPModule | None,
-    seq_len: int = 256,
+    seq_len: int = D.TRAIN_SEQ_LEN,
 ) -> list[Report]:
     """Loss of each model over the whole stream, and each proposer's agreement with the target."""
     models = {"target": target, **drafts}
