@@ -267,3 +267,26 @@ def test_load_policy_keeps_greedy_identity(models) -> None:
         assert got[r.index].tokens == ref
     by_depth = [sum(f.stats["rounds_by_guesses"][m] for f in got.values()) for m in range(5)]  # type: ignore[index]
     assert by_depth[2] > 0 and by_depth[4] > 0  # 2 guesses while more than 4 ran, 4 once fewer were left
+
+
+@pytest.mark.parametrize("where", ["prefill", "round"])
+def test_non_finite_logits_stop_the_run(models, where: str) -> None:
+    """NaN logits raise the loop's NonFiniteError (one line in `smallem batch`), never an answer."""
+    import copy
+
+    from smallem_cli.generate import NonFiniteError
+
+    bad = copy.deepcopy(models["target"])
+    eng = engine({**models, "target": bad}, "none", 0, max_batch=2)
+    if where == "prefill":
+        bad.head_t = torch.full_like(bad.head_t, float("nan"))
+    else:  # the prefill's logits are finite, the first round's are not
+        real, calls = bad.logits, []
+
+        def logits(h: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return real(h) if len(calls) == 1 else real(h) * float("nan")
+
+        bad.logits = logits  # type: ignore[method-assign]
+    with pytest.raises(NonFiniteError):
+        list(eng.run([Request(0, 0, tuple(PROMPT), 10)]))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..generate import NonFiniteError
 from ..model import Transformer
 from ..verify import greedy_pick, penalize, sample, verify_sample
 from . import batch as B
@@ -25,10 +26,6 @@ from .forward import transformer_pass
 from .pool import PagePool
 from .proposers import BatchProposer
 from .sequence import Seq
-
-
-class NonFiniteLogits(RuntimeError):
-    """The target's logits hold NaN or inf."""
 
 
 @dataclass
@@ -72,7 +69,7 @@ def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | N
         firsts.append(s.last.view(1))
     values = torch.cat([*firsts, logits.isfinite().all().long().view(1)]).tolist()  # one sync
     if values[-1] != 1:
-        raise NonFiniteLogits("the target's logits are not finite (NaN or inf)")
+        raise NonFiniteError("the target's logits are not finite (NaN or inf)")
     proposer.start(seqs, fed, list(hidden.split(b.counts)))
     return [v if f else None for v, f in zip(values[:-1], fresh, strict=True)]
 
@@ -103,7 +100,7 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
         first += c
     values = torch.cat([ids, best, *sampled, logits.isfinite().all().long().view(1)]).tolist()  # the one sync
     if values[-1] != 1:
-        raise NonFiniteLogits("the target's logits are not finite (NaN or inf)")
+        raise NonFiniteError("the target's logits are not finite (NaN or inf)")
     N = len(ids)
     fed, top, rest = values[:N], values[N : 2 * N], values[2 * N : -1]
     verdicts: list[tuple[int, int, list[int]]] = []
