@@ -27,10 +27,13 @@ def decode(ids: list[int]) -> str:
     return " ".join(map(str, ids))
 
 
-def engine(models: dict, kind: str, k: int, max_batch: int, n_pages: int | None = None, eot: int | None = None):
+def engine(
+    models: dict, kind: str, k: int, max_batch: int, n_pages: int | None = None, eot: int | None = None, cut: int = 0
+):
     target = models["target"]
     pool = PagePool(n_pages or pool_pages(max_batch, target.cfg.max_seq_len, PS), PS)
     V = target.cfg.vocab_size
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:cut] if cut else None  # a cut head
 
     def one(name: str):
         if name == "none":
@@ -38,8 +41,8 @@ def engine(models: dict, kind: str, k: int, max_batch: int, n_pages: int | None 
         if name == "ngram":
             return NgramGuess(V, 2, 4, 0.16)
         if name == "mtp":
-            return MTPGuess(target, models["mtp"], pool, Head(target))
-        return DraftGuess(models[name], pool, Head(models[name]), name)
+            return MTPGuess(target, models["mtp"], pool, Head(target, ids))
+        return DraftGuess(models[name], pool, Head(models[name], ids), name)
 
     first, _, rest = kind.partition("+")
     proposer = FallbackGuess(one(first), one(rest)) if rest else one(first)  # type: ignore[arg-type]
@@ -122,8 +125,8 @@ def test_penalty_and_min_p_in_a_batch(models, kind: str) -> None:
     assert got[1] != plain  # the penalty changed something
 
 
-@pytest.mark.parametrize("kind", ["near", "mtp", "ngram"])
-def test_sampled_request_depends_on_its_seed_alone(models, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "cut"), [("near", 0), ("mtp", 0), ("ngram", 0), ("mtp", 40), ("ngram+near", 40)])
+def test_sampled_request_depends_on_its_seed_alone(models, kind: str, cut: int) -> None:
     """A sampled request gives the same text alone and in a batch with greedy and sampled others."""
     ps = prompts(9, 64, seed=4)
     samp = [
@@ -131,9 +134,9 @@ def test_sampled_request_depends_on_its_seed_alone(models, kind: str) -> None:
         for i in range(len(ps))
     ]
     reqs = requests(ps, sampling=samp)
-    batched = {f.request.index: f.tokens for f in engine(models, kind, 3, max_batch=9).run(reqs)}
+    batched = {f.request.index: f.tokens for f in engine(models, kind, 3, max_batch=9, cut=cut).run(reqs)}
     for r in reqs[1::2]:
-        alone = next(iter(engine(models, kind, 3, max_batch=1).run([r]))).tokens
+        alone = next(iter(engine(models, kind, 3, max_batch=1, cut=cut).run([r]))).tokens
         assert batched[r.index] == alone
     assert len({tuple(t) for t in batched.values()}) == len(reqs)
 
@@ -150,7 +153,8 @@ def test_stop_token_and_stop_strings(models) -> None:
     eng = engine(models, "near", 3, max_batch=2)
     (fin,) = eng.run([Request(0, "a", tuple(PROMPT), N, stop=(stop, "never there"))])
     assert fin.text == decode(ref)[: decode(ref).find(stop)]
-    assert stop not in fin.text and len(fin.tokens) < N
+    first = next(j for j in range(1, N + 1) if stop in decode(ref[:j]))
+    assert stop not in fin.text and fin.tokens == ref[:first]  # up to the token that completed the stop
 
 
 def test_pool_random_walk() -> None:

@@ -87,7 +87,8 @@ class NgramGuess:
 
 
 def pick(head: Head, h: torch.Tensor, seqs: list[Seq]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] (None when greedy):
+    """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] over the whole vocabulary
+    (`Head.pick` expands a cut head's; None when greedy):
     greedy rows in one matmul, sampled rows each with its own warp and generator."""
     best = (h @ head.w).argmax(-1)  # [B]: the final norm scales a row, the argmax needs none
     tokens = best if head.ids is None else head.ids[best]
@@ -159,7 +160,7 @@ class _ModelGuess:
             if not t:
                 result.append((s.last[:0], None))
                 continue
-            result.append((torch.cat(t), None if q[0] is None else self.head.expand(torch.cat(q))))  # type: ignore[arg-type]
+            result.append((torch.cat(t), None if q[0] is None else torch.cat(q)))  # type: ignore[arg-type]  # q [m, V]
         return result
 
     def drop(self, seq: Seq) -> None:

@@ -100,11 +100,18 @@ class Engine:
         stop = self.eot is not None and self.eot in emitted[:budget]
         if stop:
             emitted = emitted[: emitted.index(self.eot)]  # type: ignore[arg-type]
+        before = s.n_generated
         s.tokens.extend(emitted[:budget])
         if s.req.stop:
             text = self.decode(s.generated)
             cuts = [i for i in (text.find(x) for x in s.req.stop) if i >= 0]
-            if cuts:
+            if cuts:  # the tokens end with the one that completed the stop string
+                end = next(
+                    j
+                    for j in range(before + 1, s.n_generated + 1)
+                    if _has_stop(self.decode(s.generated[:j]), s.req.stop)
+                )
+                del s.tokens[len(s.req.prompt) + end :]
                 return self._finish(s, text[: min(cuts)])
         if stop or s.n_generated >= s.req.max_new_tokens:
             return self._finish(s)
@@ -207,6 +214,10 @@ class Engine:
                     progress(Progress(done, tokens, time.perf_counter() - t0, rate, len(running)))
         assert self.pool.used() == 0, f"{self.pool.used()} pages not returned after the run"
         self.pool.check()
+
+
+def _has_stop(text: str, stops: tuple[str, ...]) -> bool:
+    return any(x in text for x in stops)
 
 
 def _groups(seqs: list[Seq], budget: int) -> Iterator[list[Seq]]:
