@@ -43,6 +43,7 @@ def eval_cmd(
     target: Annotated[Path, typer.Option(help="target checkpoint")] = D.TARGET,
     data_dir: Annotated[Path, typer.Option("--data", help="folder with val.txt")] = D.DATA_DIR,
     drafts: Annotated[list[str] | None, typer.Option("--draft", help="draft names or paths")] = None,
+    mtp: Annotated[Path | None, typer.Option(help="MTP module [default: mtp.safetensors beside the target]")] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Validation loss (nats/byte) of each checkpoint, and each proposer's agreement with the target."""
@@ -55,7 +56,7 @@ def eval_cmd(
     if not val_txt.is_file():
         raise fail(f"no validation text in {data_dir}: run `smallem data` (or `make data`) first")
     try:
-        fam = load_members(target, drafts)
+        fam = load_members(target, drafts, mtp)
         ids = corpus.token_file(fam.target.tokenizer, val_txt)
         n_bytes = sum(len(d.encode("utf-8")) for d in corpus.read_documents(val_txt))
     except UnicodeDecodeError as e:

@@ -48,9 +48,9 @@ class Members:
     facts: dict[str, dict[str, Any]]  # each checkpoint's training facts, by name
 
 
-def load_members(target: Path, drafts: list[str] | None) -> Members:
+def load_members(target: Path, drafts: list[str] | None, mtp_file: Path | None = None) -> Members:
     """The target, the drafts (names beside it or paths; None: the shipped ones found
-    there) and the MTP module beside it, if any, on the CPU."""
+    there) and the MTP module (`mtp_file`, else the one beside it, if any), on the CPU."""
     tgt = family.load_target(target, torch.device("cpu"))
     shipped = [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
     models, facts = {}, {"target": checkpoint.facts(checkpoint.read_meta(target))}
@@ -59,7 +59,7 @@ def load_members(target: Path, drafts: list[str] | None) -> Members:
         models[path.stem], meta = checkpoint.load_model(path)
         facts[path.stem] = checkpoint.facts(meta)
     mtp = None
-    if (mtp_path := target.parent / "mtp.safetensors").exists():
+    if (mtp_path := mtp_file or target.parent / "mtp.safetensors").exists() or mtp_file:
         mtp, meta = checkpoint.load_mtp(mtp_path, tgt.model)
         facts["mtp"] = checkpoint.facts(meta)
     return Members(tgt, models, mtp, facts)

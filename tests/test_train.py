@@ -154,6 +154,23 @@ def test_eval_command_reports_every_member(family: Family, tmp_path: Path) -> No
     assert rows["draft-2l"]["agreement"] > 0.5 > 0.1 > rows["mtp"]["agreement"], rows
     assert rows["draft-2l"]["training"] == checkpoint.facts(checkpoint.read_meta(family.draft))
 
+    # --mtp: another module in the MTP row (here the draft's file, which is no MTP module: refused)
+    other = CliRunner().invoke(
+        app, ["eval", "--target", str(family.target), "--data", str(data), "--mtp", str(family.mtp), "--json"]
+    )
+    assert other.exit_code == 0 and json.loads(other.stdout)["models"] == out["models"]
+    bad = CliRunner().invoke(
+        app, ["eval", "--target", str(family.target), "--data", str(data), "--mtp", str(family.draft)]
+    )
+    missing = CliRunner().invoke(
+        app, ["eval", "--target", str(family.target), "--data", str(data), "--mtp", "nope.safetensors"]
+    )
+    assert (
+        bad.exit_code == missing.exit_code == 2
+        and bad.stderr.startswith("error:")
+        and missing.stderr.startswith("error:")
+    )
+
     result = CliRunner().invoke(app, ["eval", "--target", str(family.target), "--data", str(tmp_path / "none")])
     assert result.exit_code == 2 and result.stderr.startswith("error: no validation text")
 
