@@ -260,10 +260,7 @@ def generate(
     target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
     proposer: Annotated[
         str | None,
-        typer.Option(
-            help=f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P [default: {D.PROPOSER['greedy']} greedy, "
-            f"{D.PROPOSER['sample']} sampled; HF: none]"
-        ),
+        typer.Option(help=D.PROPOSER_HELP),
     ] = None,
     k: Annotated[
         int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: per proposer and mode]")

@@ -16,6 +16,11 @@ BATCH_PROMPTS = PROMPTS.with_name("kjv-val-32x64.jsonl")
 # module (×1.84 against mtp's ×1.53 over the target alone, held-out prompts, one quiet bench
 # run); sampled, the MTP module (×1.33 against ngram+mtp's ×1.27: sampled text rarely repeats).
 PROPOSER = {"greedy": "ngram+mtp", "sample": "mtp"}
+# What --proposer takes, and its default per mode, as the help of generate and batch says it.
+PROPOSER_HELP = (
+    f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P [default: {PROPOSER['greedy']} greedy, "
+    f"{PROPOSER['sample']} sampled; HF: none]"
+)
 # Default k per proposer, greedy and sampled: the best measured by `smallem bench --sweep-k 1..6`
 # on the shipped family (sampling keeps fewer guesses, so it wants fewer).
 K = {"none": 0, "draft-2l": 4, "draft-4l": 3, "mtp": 4, "ngram": 4}
