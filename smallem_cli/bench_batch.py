@@ -4,7 +4,8 @@ For each proposer and batch size, the prompts (64 held-out prompts of 32 tokens 
 default) go through one engine that decodes up to that many at a time, greedy, every
 prompt to its token budget. Measured: generated tokens per second over all requests
 (the wall clock from the first admission to the last answer), the mean time a request
-spends decoding (from its admission to its answer), acceptance and tokens per pass.
+spends in the engine (taken in only when the batch has room: close to admission to answer),
+acceptance and tokens per pass.
 Every request's tokens are compared with the first row's (the target alone at the
 smallest batch size): greedy identity, whatever the batch and the proposer. The engine
 itself asserts after every run that each page went back to the pool.
@@ -39,7 +40,7 @@ class BatchRow:
     tokens: int
     wall_s: float
     tokens_per_s: float
-    latency_s: float  # mean, admission to answer
+    latency_s: float  # mean, from the engine taking the request in (when the batch has room) to its answer
     acceptance: float
     tokens_per_pass: float  # tokens per sequence per round
     rounds: int

@@ -8,11 +8,10 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Protocol, TextIO
 
 if TYPE_CHECKING:  # train imports torch: seconds the command line does not wait for before it parses
     from rich.console import Console
-    from tokenizers import Tokenizer
 
     from .train import Progress as P
     from .train import ProgressFn
@@ -73,10 +72,16 @@ def progress_printer(name: str, err: Console) -> ProgressFn:
     return log
 
 
+class Decoder(Protocol):
+    """What decodes tokens to text: a `tokenizers.Tokenizer`, or anything with its `decode`."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 class TextStream:
     """Decodes a growing token list and writes only the new, complete characters."""
 
-    def __init__(self, tokenizer: Tokenizer, out: TextIO | None) -> None:
+    def __init__(self, tokenizer: Decoder, out: TextIO | None) -> None:
         self.tok, self.out = tokenizer, out  # out None: keep the tokens, write nothing
         self.ids: list[int] = []
         self.printed = 0

@@ -91,7 +91,7 @@ PREFILL_TOKENS = 1024
 # threads, 64 prompts x 200 tokens): draft-2l over the target alone at 4 / 16 / 64 sequences,
 # k=4 x1.48 / x1.15 / x1.13, k=2 x1.45 / x1.24 / x1.40; mtp k=4 x2.10 / x1.50 / x1.69, k=2
 # x2.02 / x1.57 / x1.60: a draft drops to 2 guesses past 4 sequences, MTP keeps its k (no
-# crossover to k=0 up to 64 on this CPU, where a pass over 64 sequences is bound by arithmetic).
+# crossover to k=0 up to 64 sequences on this CPU).
 LOAD_K = {"draft": ((4, MAX_K), (1 << 30, 2)), "mtp": ((1 << 30, MAX_K),)}
 
 

@@ -113,6 +113,24 @@ def prefill(
     return target(prompt, cache, seq, last_only=True)
 
 
+def context_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The repetition penalty's context: bool [V], True for every token in tokens [P]."""
+    return torch.zeros(vocab_size, dtype=torch.bool, device=tokens.device).index_fill_(0, tokens, True)
+
+
+def first_token(
+    raw: torch.Tensor, prompt: torch.Tensor, w: Warp | None, gen: torch.Generator | None, penalty: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The prefill's last logits raw [1, V] -> (the first new token [1], the penalty's context:
+    bool [V] over the prompt and that token, None without a penalty). No host sync."""
+    if penalty == 1.0:
+        return (greedy_pick(raw) if w is None else sample(w(raw), gen)), None
+    seen = context_mask(prompt, raw.shape[-1])
+    logits = penalize(raw, seen, prompt[-1:], penalty)
+    last = greedy_pick(logits) if w is None else sample(w(logits), gen)
+    return last, seen.index_fill_(0, last.view(-1), True)
+
+
 class NonFiniteError(RuntimeError):
     """The target's logits hold NaN or inf: broken weights or an overflow, never a silent answer."""
 
@@ -188,12 +206,8 @@ def stream(
             raw, hidden = prefill(target, cache, seq, ids)
             w = sampling.warp()  # built once, used every round
             pen = sampling.repetition_penalty
-            # the repetition penalty's context, on the device: every token so far, `last` included
-            seen = torch.zeros(raw.shape[-1], dtype=torch.bool, device=device) if sampling.penalized else None
-            logits = raw if seen is None else penalize(raw, seen.index_fill_(0, ids, True), ids[-1:], pen)
-            last = greedy_pick(logits) if w is None else sample(w(logits), gen)
-            if seen is not None:
-                seen.index_fill_(0, last.view(-1), True)
+            # seen: the repetition penalty's context, on the device: every token so far, `last` included
+            last, seen = first_token(raw, ids, w, gen, pen)
             proposer.start(ids, last, hidden)
             first, finite = torch.stack([last.view(-1)[0], raw.isfinite().all().long()]).tolist()  # one sync
             _check_finite(finite == 1)

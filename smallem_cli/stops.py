@@ -10,12 +10,9 @@ the decoded tokens and stdout. Nothing printed is ever taken back.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
-from .console import TextStream
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+from .console import Decoder, TextStream
 
 
 def stop_index(text: str, stops: Sequence[str], start: int = 0) -> int | None:
@@ -75,7 +72,7 @@ class StopPrinter:
     one that completed that stop string, or all of them.
     """
 
-    def __init__(self, tokenizer: Tokenizer, out: TextIO | None, stops: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Decoder, out: TextIO | None, stops: Sequence[str] = ()) -> None:
         self.tok, self.out = tokenizer, out
         self.cutter = StopCutter(stops)
         # TextStream writes the decoded text here, a split UTF-8 character held back; with

@@ -1,7 +1,7 @@
 """`smallem batch`'s front end: request lines in, one JSON answer line out per line.
 
 The engine here is a fake one (it answers out of order, or is interrupted) put in place of
-`cli_batch.make_engine`; the last test runs the real engine, once it exists.
+`cli_batch.make_engine`; the last tests run the real engine.
 """
 
 from __future__ import annotations
@@ -603,14 +603,7 @@ def test_ctrl_c_in_a_run_exits_130(family: Family, tmp_path: Path) -> None:
 
 
 # --- end to end, through the real engine -------------------------------------------------------------
-def needs_the_engine() -> None:
-    build = pytest.importorskip("smallem_cli.engine.build")
-    if not hasattr(build, "build_engine"):
-        pytest.skip("engine.build has no build_engine yet")
-
-
 def test_the_real_engine_matches_generate(family: Family) -> None:
-    needs_the_engine()
     prompts = ["The quick brown fox", "In the beginning was", "Speculative decoding guesses"]
     lines = [*prompts[:2], "", json.dumps({"id": "c", "prompt": prompts[2], "max_new_tokens": 5})]
     out = answers(batch(family, "--ordered", "-q", "-n", "12", "--max-batch", "2", input="\n".join(lines)))
@@ -626,12 +619,10 @@ def test_the_real_engine_matches_generate(family: Family) -> None:
 
 
 def test_the_real_engine_refuses_a_bad_proposer(family: Family) -> None:
-    needs_the_engine()
     refused(batch(family, "--proposer", "draft-9l", input="hello\n"), r"checkpoint not found: draft-9l")
 
 
 def test_the_real_engine_cuts_at_a_stop_string(family: Family) -> None:
-    needs_the_engine()
     (full,) = answers(batch(family, "-q", "-n", "30", "--proposer", "none", input="The quick brown fox\n"))
     stop = full["text"][5:7]
     line = json.dumps({"prompt": "The quick brown fox", "max_new_tokens": 30, "stop": [stop]})

@@ -294,3 +294,19 @@ def test_non_finite_logits_stop_the_run(models, where: str) -> None:
         bad.logits = logits  # type: ignore[method-assign]
     with pytest.raises(NonFiniteError):
         list(eng.run([Request(0, 0, tuple(PROMPT), 10)]))
+
+
+def test_stop_strings_cut_as_generate_cuts_them(models) -> None:
+    """A stop string that begins earlier but completes later than another wins, whatever the rounds:
+    the answer is the whole text cut before its earliest stop string (`stops.StopPrinter`'s rule)."""
+    from smallem_cli.stops import stop_index
+
+    ref, _ = generate(models["target"], NoProposer(), PROMPT, N, 0)
+    full, words = decode(ref), decode(ref).split(" ")
+    stops = (" ".join(words[30:33]), words[31])  # the short one completes first, the long one begins first
+    for kind in ("near", "mtp", "none"):
+        eng = engine(models, kind, 0 if kind == "none" else 3, max_batch=2)
+        (fin,) = eng.run([Request(0, 0, tuple(PROMPT), N, stop=stops)])
+        at = stop_index(full, stops)
+        assert at is not None and fin.text == full[:at], kind
+        assert all(s not in fin.text for s in stops) and fin.tokens == ref[: len(fin.tokens)]

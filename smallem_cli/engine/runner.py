@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generate import NonFiniteError
+from ..generate import NonFiniteError, context_mask, first_token
 from ..model import Transformer
-from ..verify import greedy_pick, penalize, sample, verify_sample
+from ..verify import penalize, verify_sample
 from . import batch as B
 from .forward import transformer_pass
 from .pool import PagePool
@@ -55,17 +55,12 @@ def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | N
     firsts = []
     for i, (s, f) in enumerate(zip(seqs, fresh, strict=True)):
         s.cached = fed[i].shape[0]
-        if s.req.sampling.penalized:  # the context so far: the tokens fed, then `last`
-            s.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=dev).index_fill_(0, fed[i], True)
-        if f:
-            row = logits[i : i + 1]
-            if s.seen is not None:
-                row = penalize(row, s.seen, fed[i][-1:], s.req.sampling.repetition_penalty)
-            s.last = greedy_pick(row) if s.warp is None else sample(s.warp(row), s.gen)  # [1]
-        else:
+        if f:  # as the one-sequence loop draws it
+            s.last, s.seen = first_token(logits[i : i + 1], fed[i], s.warp, s.gen, s.req.sampling.repetition_penalty)
+        else:  # recomputed: its next token was emitted before the preemption
             s.last = torch.tensor(s.tokens[-1:], dtype=torch.long, device=dev)
-        if s.seen is not None:
-            s.seen.index_fill_(0, s.last.view(1), True)
+            if s.req.sampling.penalized:
+                s.seen = context_mask(torch.tensor(s.tokens, device=dev), logits.shape[-1])
         firsts.append(s.last.view(1))
     values = torch.cat([*firsts, logits.isfinite().all().long().view(1)]).tolist()  # one sync
     if values[-1] != 1:

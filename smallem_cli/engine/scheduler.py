@@ -23,11 +23,19 @@ import torch
 
 from .. import defaults as D
 from ..generate import Stats
+from ..stops import StopPrinter
 from .pool import PagePool
 from .proposers import BatchProposer
 from .request import Finished, Request
 from .runner import Target, decode_round, prefill
 from .sequence import Seq
+
+
+@dataclass(frozen=True)
+class _Decoder:
+    """A decode function where a tokenizer is expected (`stops.StopPrinter` only decodes)."""
+
+    decode: Callable[[list[int]], str]
 
 
 @dataclass
@@ -66,6 +74,7 @@ class Engine:
         self.t, self.proposer, self.max_batch = target, proposer, max_batch
         self.k, self.k_sample, self.auto_k = k, k if k_sample is None else k_sample, auto_k
         self.eot, self.decode = eot, decode
+        self._decoder = _Decoder(decode)
         self._uid = 0
         self.rounds = 0
         self.preemptions = 0
@@ -83,7 +92,18 @@ class Engine:
         st = Stats(self.proposer.name, k)
         st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
         self._uid += 1
-        return Seq(req, self._uid, gen, req.sampling.warp(), st, k, list(req.prompt), submitted_s=time.perf_counter())
+        stops = StopPrinter(self._decoder, None, req.stop) if req.stop else None
+        return Seq(
+            req,
+            self._uid,
+            gen,
+            req.sampling.warp(),
+            st,
+            k,
+            list(req.prompt),
+            stops=stops,
+            submitted_s=time.perf_counter(),
+        )
 
     def _finish(self, s: Seq, text: str | None = None) -> Finished:
         self.pool.release(s.uid)
@@ -100,22 +120,15 @@ class Engine:
         stop = self.eot is not None and self.eot in emitted[:budget]
         if stop:
             emitted = emitted[: emitted.index(self.eot)]  # type: ignore[arg-type]
-        before = s.n_generated
-        s.tokens.extend(emitted[:budget])
-        if s.req.stop:
-            text = self.decode(s.generated)
-            cuts = [i for i in (text.find(x) for x in s.req.stop) if i >= 0]
-            if cuts:  # the tokens end with the one that completed the stop string
-                end = next(
-                    j
-                    for j in range(before + 1, s.n_generated + 1)
-                    if _has_stop(self.decode(s.generated[:j]), s.req.stop)
-                )
-                del s.tokens[len(s.req.prompt) + end :]
-                return self._finish(s, text[: min(cuts)])
-        if stop or s.n_generated >= s.req.max_new_tokens:
-            return self._finish(s)
-        return None
+        kept = emitted[:budget]
+        s.tokens.extend(kept)
+        done = stop or s.n_generated >= s.req.max_new_tokens
+        # stop strings as `smallem generate` cuts them (`stops.StopPrinter`): the text ends before
+        # the earliest one, the tokens with the one that completed it
+        if s.stops is not None and (s.stops.push(kept, final=done) or done):
+            s.tokens[len(s.req.prompt) :] = s.stops.ids
+            return self._finish(s, s.stops.text)
+        return self._finish(s) if done else None
 
     # --- pages --------------------------------------------------------------------------
     def _round_need(self, s: Seq) -> int:
@@ -214,10 +227,6 @@ class Engine:
                     progress(Progress(done, tokens, time.perf_counter() - t0, rate, len(running)))
         assert self.pool.used() == 0, f"{self.pool.used()} pages not returned after the run"
         self.pool.check()
-
-
-def _has_stop(text: str, stops: tuple[str, ...]) -> bool:
-    return any(x in text for x in stops)
 
 
 def _groups(seqs: list[Seq], budget: int) -> Iterator[list[Seq]]:

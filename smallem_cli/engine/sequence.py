@@ -8,6 +8,7 @@ import torch
 
 from ..generate import Stats
 from ..proposers import Warp
+from ..stops import StopPrinter
 from .request import Request
 
 
@@ -25,6 +26,7 @@ class Seq:
     # the repetition penalty's context (bool [V], on the device: every token so far, `last`
     # included); None when the request has no penalty
     seen: torch.Tensor | None = None
+    stops: StopPrinter | None = None  # the request's stop strings, watching the text as it grows
     submitted_s: float = 0.0
     preempted: int = 0  # times its pages were taken back (recomputed at its next admission)
 
