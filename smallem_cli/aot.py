@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from . import chain, graphs
-from .cache import Step
 from .defaults import PAGE_SIZE
 from .model import MIN_PAST
 from .proposers import Fused, Pass, Proposer
@@ -133,9 +132,9 @@ class CompiledSteps:
         threads = torch.get_num_threads()
         return hashlib.sha256(f"{self.base}|{threads}|{T}|{head}|{last}".encode()).hexdigest()[:32]
 
-    def trig(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, P] of a pass's new positions."""
-        return self.rope[0][step.start : step.length], self.rope[1][step.start : step.length]
+    def trig(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, P] of a pass's new positions, start .. length - 1."""
+        return self.rope[0][start:length], self.rope[1][start:length]
 
     def get(self, T: int, head: bool, last: bool) -> StepFn | None:
         """The prepared step for this pass, or None: nothing is compiled in the middle of a run."""

@@ -35,7 +35,7 @@ from typing import TextIO
 from . import defaults as D
 from . import options as O
 from .engine.request import Finished, Request
-from .generate import Sampling
+from .sampling import Sampling
 
 FIELDS = (
     "id",

@@ -22,9 +22,11 @@ from . import aot
 from . import defaults as D
 from .data import read_documents
 from .family import ProposerFactory
-from .generate import Sampling, Stats, cache_pages, generate
+from .generate import cache_pages, generate
 from .model import Transformer
 from .proposers import NoProposer, Proposer
+from .sampling import Sampling
+from .stats import Stats
 from .tokenizer import load_tokenizer
 
 

@@ -296,7 +296,9 @@ def generate(
     import torch
 
     from . import aot, family
-    from .generate import NonFiniteError, Sampling, Stats, stream
+    from .generate import stream
+    from .sampling import NonFiniteError, Sampling
+    from .stats import Stats
     from .stops import StopPrinter
     from .tokenizer import load_tokenizer
 

@@ -212,7 +212,7 @@ def batch(
 
     from . import batch_io as B
     from . import family
-    from .generate import NonFiniteError
+    from .sampling import NonFiniteError
     from .tokenizer import load_tokenizer
 
     source: BinaryIO | None = None

@@ -265,7 +265,7 @@ class Transformer(nn.Module):
         fn = None if last_only else compiled_step(self.compiled, cache, step, head, last)
         if fn is not None:
             assert self.compiled is not None
-            logits, x, new = fn(tokens.contiguous(), *self.compiled.trig(step), step.past())
+            logits, x, new = fn(tokens.contiguous(), *self.compiled.trig(step.start, step.length), step.past())
             cache.write_all(step, new)  # the graph reads the cache; the new K/V go in here
             return logits, x
         rope = self.rope_packed[step.start : step.length]
@@ -292,20 +292,29 @@ def _pages(compiled: CompiledSteps | None, n_pages: int, page_size: int) -> int:
 def compiled_step(
     compiled: CompiledSteps | None, cache: PagedKVCache, step: Step, head: bool, last: bool
 ) -> StepFn | None:
-    """The compiled step for this pass, or None (eager) when there is none or it cannot serve it.
+    """The compiled step for this pass of a sequence of `cache`, or None (eager): its pages
+    must lie as one view of the slab (consecutive), and `compiled_for` must find a step."""
+    if step.view is None:
+        return None
+    return compiled_for(compiled, tuple(cache.kv.shape), step.start, step.length, head, last)
+
+
+def compiled_for(
+    compiled: CompiledSteps | None, slab_shape: tuple[int, ...], start: int, length: int, head: bool, last: bool
+) -> StepFn | None:
+    """The compiled step for a pass over positions start .. length - 1, or None (eager) when there
+    is none or it cannot serve it.
 
     A graph assumes the slab layout it was built for, a past of at least MIN_PAST positions
-    laid out as one view (consecutive pages), and positions inside the context (the slab
+    (laid out as one view: the caller checks), and positions inside the context (the slab
     holds a page more, but past the context the rope tables run short, and a graph checks
     no shapes: it would read out of bounds).
     """
-    if compiled is None or not compiled.enabled or step.view is None or step.start < MIN_PAST:
+    if compiled is None or not compiled.enabled or start < MIN_PAST or length > compiled.positions:
         return None
-    if step.length > compiled.positions:
+    if slab_shape != compiled.slab_shape:
         return None
-    if tuple(cache.kv.shape) != compiled.slab_shape:
-        return None
-    return compiled.get(step.length - step.start, head, last)
+    return compiled.get(length - start, head, last)
 
 
 def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -368,7 +377,7 @@ class MTPModule(nn.Module):
         fn = compiled_step(self.compiled, cache, step, True, last)
         if fn is not None:
             assert self.compiled is not None
-            x, new = fn(h.contiguous(), tokens.contiguous(), *self.compiled.trig(step), step.past())
+            x, new = fn(h.contiguous(), tokens.contiguous(), *self.compiled.trig(step.start, step.length), step.past())
             cache.write_all(step, new)
             return x
         d = self.cfg.dim

@@ -29,7 +29,7 @@ from smallem_cli import cli_batch
 from smallem_cli import defaults as D
 from smallem_cli.cli import app
 from smallem_cli.engine.request import Finished, Request
-from smallem_cli.generate import Sampling
+from smallem_cli.sampling import Sampling
 
 REPO = Path(__file__).resolve().parent.parent
 CTX = 64  # the context parse_line's tests give

@@ -170,7 +170,7 @@ def test_bench_costs_only(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_cost_model_for_rounds_of_varying_depth() -> None:
     """Rounds of an n-gram or adaptive proposer: measured tokens a round over the cost of the
     rounds as they came (m guesses cost m·c + v(m+1); none, one plain pass)."""
-    from smallem_cli.generate import Stats
+    from smallem_cli.stats import Stats
 
     st = Stats("ngram", 4, accepted=9, guessed=[6, 0, 2, 0, 2])  # 10 rounds: 6 empty, 2 of 2 guesses, 2 of 4
     v = {2: 1.1, 3: 1.2, 4: 1.3, 5: 1.5}

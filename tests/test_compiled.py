@@ -24,9 +24,10 @@ from smallem_cli import family as families
 from smallem_cli.cache import PagedKVCache
 from smallem_cli.chain import MTPChain, MTPSampledChain
 from smallem_cli.cli import app
-from smallem_cli.generate import Sampling, generate
+from smallem_cli.generate import generate
 from smallem_cli.model import MIN_PAST, MTPModule, Transformer, compiled_step
 from smallem_cli.proposers import Head, MTPProposer, NoProposer
+from smallem_cli.sampling import Sampling
 from smallem_cli.verify import Warper, noise
 
 ATOL = RTOL = 1e-4

@@ -16,8 +16,9 @@ from smallem_cli.engine.proposers import DraftGuess, FallbackGuess, MTPGuess, Ng
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.runner import Target
 from smallem_cli.engine.scheduler import Engine
-from smallem_cli.generate import Sampling, generate
+from smallem_cli.generate import generate
 from smallem_cli.proposers import Head, NoProposer
+from smallem_cli.sampling import Sampling
 
 N = 60
 PS = 16
@@ -278,7 +279,7 @@ def test_non_finite_logits_stop_the_run(models, where: str) -> None:
     """NaN logits raise the loop's NonFiniteError (one line in `smallem batch`), never an answer."""
     import copy
 
-    from smallem_cli.generate import NonFiniteError
+    from smallem_cli.sampling import NonFiniteError
 
     bad = copy.deepcopy(models["target"])
     eng = engine({**models, "target": bad}, "none", 0, max_batch=2)

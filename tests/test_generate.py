@@ -8,9 +8,11 @@ import pytest
 import torch
 from conftest import MAX_LEN, PROMPT
 
-from smallem_cli.generate import NonFiniteError, Sampling, Stats, generate, stream
+from smallem_cli.generate import generate, stream
 from smallem_cli.model import Transformer
 from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
+from smallem_cli.sampling import NonFiniteError, Sampling
+from smallem_cli.stats import Stats
 
 N = 120  # tokens per identity run
 KS = (1, 2, 3, 4, 5)

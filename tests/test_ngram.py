@@ -13,9 +13,11 @@ from conftest import MAX_LEN, PROMPT
 from test_verify import P1, P2, check_exact
 
 from smallem_cli import defaults as D
-from smallem_cli.generate import Sampling, Stats, generate
+from smallem_cli.generate import generate
 from smallem_cli.ngram import Fallback, NgramIndex, NgramProposer, best_depth
 from smallem_cli.proposers import DraftProposer, MTPProposer, NoProposer
+from smallem_cli.sampling import Sampling
+from smallem_cli.stats import Stats
 
 N = 120
 # A prompt that restates itself: copying pays from the first round on.

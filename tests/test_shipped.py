@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from smallem_cli import bench, checkpoint, defaults, family
-from smallem_cli.generate import Sampling, generate
+from smallem_cli.generate import generate
 from smallem_cli.proposers import NoProposer
+from smallem_cli.sampling import Sampling
 
 FILES = ["target", "mtp", "draft-2l", "draft-4l"]
 missing = [f for f in FILES if not (defaults.CHECKPOINTS / f"{f}.safetensors").exists()]

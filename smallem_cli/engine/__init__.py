@@ -1,4 +1,5 @@
-"""The batched engine: many sequences decoded together over one shared page pool.
+"""The engine: many sequences decoded together over one shared page pool, or one alone
+(`generate.stream` runs a batch of one: one loop for both).
 
 request.py    what a user asks for (Request) and what comes back (Finished)
 sequence.py   a request being decoded: its tokens, cache length, generator, stats

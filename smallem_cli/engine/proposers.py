@@ -15,6 +15,7 @@ too (its cache never runs more than k positions past the target's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,7 +23,7 @@ import torch
 
 from ..model import MTPModule, Transformer
 from ..ngram import NgramProposer
-from ..proposers import Head
+from ..proposers import Head, Proposer
 from . import batch as B
 from .forward import mtp_pass, slab_for, transformer_pass
 from .pool import PagePool
@@ -59,19 +60,20 @@ class NoGuess:
         pass
 
 
-class NgramGuess:
-    """The prompt lookup (`ngram.NgramProposer`), one index per sequence: no model, nothing to batch."""
+class EachGuess:
+    """One single-sequence proposer (`proposers.Proposer`) per sequence, each with its own state:
+    nothing is batched. It serves the n-gram lookup (no model: nothing to batch), and a
+    generation of one prompt, whose proposer was built for it (its own cache, its compiled
+    steps and fused graphs: `generate.stream`)."""
 
-    name = "ngram"
-
-    def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float) -> None:
-        self.args = vocab_size, min_n, max_n, guess_cost
-        self.each: dict[int, NgramProposer] = {}
+    def __init__(self, make: Callable[[], Proposer], name: str) -> None:
+        self.make, self.name = make, name
+        self.each: dict[int, Proposer] = {}
 
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
-        for s, f in zip(seqs, fed, strict=True):
-            self.each[s.uid] = p = NgramProposer(*self.args)
-            p.start(f, s.last, f[:0])
+        for s, f, h in zip(seqs, fed, hidden, strict=True):
+            self.each[s.uid] = p = self.make()
+            p.start(f, s.last, h)
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
         return [
@@ -83,7 +85,16 @@ class NgramGuess:
         self.each[seq.uid].accept(n, emitted, hidden)
 
     def drop(self, seq: Seq) -> None:
-        self.each.pop(seq.uid, None)
+        p = self.each.pop(seq.uid, None)
+        if p is not None:
+            p.release()
+
+
+class NgramGuess(EachGuess):
+    """The prompt lookup (`ngram.NgramProposer`), one index per sequence."""
+
+    def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float) -> None:
+        super().__init__(lambda: NgramProposer(vocab_size, min_n, max_n, guess_cost), "ngram")
 
 
 def pick(head: Head, h: torch.Tensor, seqs: list[Seq]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:

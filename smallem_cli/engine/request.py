@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..generate import Sampling
+from ..sampling import Sampling
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generate import NonFiniteError, context_mask, first_token
-from ..model import Transformer
+from ..model import Transformer, compiled_for
+from ..sampling import NonFiniteError, context_mask, first_token
 from ..verify import penalize, verify_sample
 from . import batch as B
 from .forward import transformer_pass
@@ -39,6 +39,26 @@ class Target:
     def step(self, seqs: list[Seq], counts: list[int]) -> B.BatchStep:
         tables = [self.pool.tables[s.uid] for s in seqs]
         return B.build(tables, [s.cached for s in seqs], counts, self.pool.page_size, self.slab.device)
+
+    def verify_pass(self, seqs: list[Seq], ids: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [N] (counts[b] new tokens of seqs[b], from its cached length) -> logits [N, V],
+        hidden [N, d]. A sequence alone whose pages lie in order (a pool of one sequence hands
+        them out so) runs the model's compiled step for this pass when it has one (`aot`):
+        the graph reads the past as one view of the slab, and the new K/V it returns are
+        written here. Anything else runs the flattened eager pass."""
+        if len(seqs) == 1:
+            s, T = seqs[0], counts[0]
+            table = self.pool.tables[s.uid]
+            start, end = s.cached, s.cached + T
+            fn = compiled_for(self.model.compiled, tuple(self.slab.shape), start, end, True, False)
+            if fn is not None and table == list(range(table[0], table[0] + len(table))):
+                assert self.model.compiled is not None
+                base = table[0] * self.pool.page_size
+                past = self.slab[:, :, :, base : base + start]  # [L, K or V, Hkv, start, D]: a view
+                logits, hidden, new = fn(ids.contiguous(), *self.model.compiled.trig(start, end), past)
+                self.slab.index_copy_(3, torch.arange(base + start, base + end, device=ids.device), new)
+                return logits, hidden
+        return transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), head="all")
 
 
 def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
@@ -75,8 +95,7 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
     guesses = proposer.propose(seqs, [s.k for s in seqs])
     counts = [g[0].shape[0] + 1 for g in guesses]
     ids = torch.cat([torch.cat([s.last.view(1), g[0]]) for s, g in zip(seqs, guesses, strict=True)])  # [N]
-    b = t.step(seqs, counts)
-    logits, hidden = transformer_pass(t.model, t.slab, ids, b, head="all")  # [N, V], [N, d]
+    logits, hidden = t.verify_pass(seqs, ids, counts)  # [N, V], [N, d]
     best = logits.argmax(-1)  # [N]: greedy sequences are verified on the host from these
     sampled = []
     first = 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import defaults as D
-from ..generate import Stats
+from ..stats import Stats
 from ..stops import StopPrinter
 from .pool import PagePool
 from .proposers import BatchProposer
@@ -36,6 +36,15 @@ class _Decoder:
     """A decode function where a tokenizer is expected (`stops.StopPrinter` only decodes)."""
 
     decode: Callable[[list[int]], str]
+
+
+@dataclass
+class Emitted:
+    """Tokens a sequence just gained (`Engine.run(chunks=True)`): a generation streams them."""
+
+    request: Request
+    tokens: list[int]
+    stats: Stats  # the sequence's own, updated in place as it runs
 
 
 @dataclass
@@ -66,7 +75,7 @@ class Engine:
         auto_k: bool,
         max_batch: int,
         eot: int | None,
-        decode: Callable[[list[int]], str],
+        decode: Callable[[list[int]], str] | None = None,
         k_sample: int | None = None,
     ) -> None:
         if max_batch < 1:
@@ -74,7 +83,7 @@ class Engine:
         self.t, self.proposer, self.max_batch = target, proposer, max_batch
         self.k, self.k_sample, self.auto_k = k, k if k_sample is None else k_sample, auto_k
         self.eot, self.decode = eot, decode
-        self._decoder = _Decoder(decode)
+        self._decoder = _Decoder(decode) if decode is not None else None
         self._uid = 0
         self.rounds = 0
         self.preemptions = 0
@@ -92,7 +101,9 @@ class Engine:
         st = Stats(self.proposer.name, k)
         st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
         self._uid += 1
-        stops = StopPrinter(self._decoder, None, req.stop) if req.stop else None
+        if req.stop and self._decoder is None:
+            raise ValueError("stop strings need the engine to decode text (decode=...)")
+        stops = StopPrinter(self._decoder, None, req.stop) if req.stop and self._decoder else None
         return Seq(
             req,
             self._uid,
@@ -112,7 +123,9 @@ class Engine:
         st.new_tokens = s.n_generated
         st.elapsed_s = time.perf_counter() - s.submitted_s
         stats = st.as_dict() | {"latency_s": round(st.elapsed_s, 4), "preempted": s.preempted}
-        return Finished(s.req, self.decode(s.generated) if text is None else text, s.generated, stats)
+        if text is None:
+            text = self.decode(s.generated) if self.decode is not None else ""
+        return Finished(s.req, text, s.generated, stats)
 
     def _ended(self, s: Seq, emitted: list[int]) -> Finished | None:
         """Add what a round emitted; the answer if the sequence is done (budget, end of text, stop string)."""
@@ -158,11 +171,34 @@ class Engine:
 
     # --- the loop -----------------------------------------------------------------------
     def run(
-        self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
-    ) -> Iterator[Finished]:
-        source = iter(requests)
+        self,
+        requests: Iterable[Request],
+        progress: Callable[[Progress], None] | None = None,
+        chunks: bool = False,
+    ) -> Iterator[Finished | Emitted]:
+        """Answers as their requests end; with `chunks`, also each sequence's new tokens as soon
+        as a pass verified them (`Emitted`, before its `Finished`). Stopped early (the caller
+        closes the iterator, or an error), every sequence's pages and proposer state go back."""
         waiting: deque[Seq] = deque()
         running: list[Seq] = []
+        try:
+            yield from self._loop(iter(requests), waiting, running, progress, chunks)
+        finally:
+            for s in [*running, *waiting]:
+                if s.uid in self.pool.tables:
+                    self.pool.release(s.uid)
+                self.proposer.drop(s)
+        assert self.pool.used() == 0, f"{self.pool.used()} pages not returned after the run"
+        self.pool.check()
+
+    def _loop(
+        self,
+        source: Iterator[Request],
+        waiting: deque[Seq],
+        running: list[Seq],
+        progress: Callable[[Progress], None] | None,
+        chunks: bool,
+    ) -> Iterator[Finished | Emitted]:
         done = tokens = proposed = accepted = 0
         t0 = time.perf_counter()
         exhausted = False
@@ -188,16 +224,19 @@ class Engine:
                     self.pool.reserve(s.uid, len(s.tokens) + s.k + 2)
                     admitted.append(s)
                 for group in _groups(admitted, D.PREFILL_TOKENS):
-                    for s, first in zip(group, prefill(self.t, self.proposer, group), strict=True):
+                    running.extend(group)  # from here on, a stop drops them with the others
+                    firsts = prefill(self.t, self.proposer, group)
+                    for s, first in zip(group, firsts, strict=True):
                         if first is None:  # recomputed after a preemption
-                            running.append(s)
                             continue
                         s.stats.passes += 1
+                        s.stats.prefill_s = time.perf_counter() - s.submitted_s
                         fin = self._ended(s, [first])
                         tokens += len(fin.tokens) if fin is not None else s.n_generated
-                        if fin is None:
-                            running.append(s)
-                        else:
+                        if chunks:
+                            yield self._emitted(s, 0, fin)
+                        if fin is not None:
+                            running.remove(s)
                             done += 1
                             yield fin
                 if not running:
@@ -205,28 +244,31 @@ class Engine:
                 for s in running:
                     base = self.k if s.warp is None else self.k_sample
                     s.k = load_k(base, s.warp is None, len(running), self.auto_k, self.proposer.name)
-                running = self._reserve(running, waiting)
+                running[:] = self._reserve(running, waiting)
                 if not running:
                     continue
                 verdicts = decode_round(self.t, self.proposer, running)
                 self.rounds += 1
-                still = []
-                for s, (m, n, e) in zip(running, verdicts, strict=True):
+                for s, (m, n, e) in zip(list(running), verdicts, strict=True):
                     proposed, accepted = proposed + m, accepted + n
                     before = s.n_generated
                     fin = self._ended(s, e)
                     tokens += len(fin.tokens) - before if fin is not None else s.n_generated - before
-                    if fin is None:
-                        still.append(s)
-                    else:
+                    if chunks:
+                        yield self._emitted(s, before, fin)
+                    if fin is not None:
+                        running.remove(s)
                         done += 1
                         yield fin
-                running = still
                 if progress is not None:
                     rate = accepted / proposed if proposed else 0.0
                     progress(Progress(done, tokens, time.perf_counter() - t0, rate, len(running)))
-        assert self.pool.used() == 0, f"{self.pool.used()} pages not returned after the run"
-        self.pool.check()
+
+    def _emitted(self, s: Seq, before: int, fin: Finished | None) -> Emitted:
+        """What a pass added to `s`: its tokens past the `before` first new ones, live stats."""
+        s.stats.new_tokens = s.n_generated
+        s.stats.elapsed_s = time.perf_counter() - s.submitted_s
+        return Emitted(s.req, (fin.tokens if fin is not None else s.generated)[before:], s.stats)
 
 
 def _groups(seqs: list[Seq], budget: int) -> Iterator[list[Seq]]:

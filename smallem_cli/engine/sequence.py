@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generate import Stats
 from ..proposers import Warp
+from ..stats import Stats
 from ..stops import StopPrinter
 from .request import Request
 

@@ -1,0 +1,55 @@
+"""A generation's counters: tokens, target passes, guesses offered and kept, by depth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class Stats:
+    proposer: str
+    k: int
+    new_tokens: int = 0
+    passes: int = 0  # target passes that yielded tokens: the prefill, then one per round
+    proposed: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # rounds whose i-th guess was kept
+    # rounds by how many guesses they checked (index 0..k): a fixed-k proposer fills index k
+    # alone; an n-gram lookup or an adaptive depth (`p_min`) proposes fewer when unsure
+    guessed: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    elapsed_s: float = 0.0  # prefill included
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.new_tokens / max(1, self.passes)
+
+    def copy_from(self, other: Stats) -> None:
+        """Take every counter of `other` (the engine's own, for a caller that holds this one);
+        the caller's label for the proposer stays (a path, say, where the engine has a kind)."""
+        for f in fields(self):
+            if f.name != "proposer":
+                setattr(self, f.name, list(v) if isinstance(v := getattr(other, f.name), list) else v)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "proposer": self.proposer,
+            "k": self.k,
+            "new_tokens": self.new_tokens,
+            "target_passes": self.passes,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_pass": round(self.tokens_per_pass, 3),
+            "accepted_at": self.accepted_at,
+            "rounds_by_guesses": self.guessed,
+            "prefill_s": round(self.prefill_s, 4),
+            "elapsed_s": round(self.elapsed_s, 4),
+        }
