@@ -24,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from . import defaults as D
 from . import family
 from .engine.request import Request
 from .engine.scheduler import Engine
@@ -175,7 +176,11 @@ def from_cli(
     from .engine.build import build_engine
 
     def make(name: str, k: int | None, size: int) -> Engine:
-        return build_engine(tgt, name, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str)
+        base, _, budget = name.partition("@tree")  # a row with token trees (`options.tree_names`)
+        tree = (int(budget), D.TREE_WIDTH) if budget else None
+        return build_engine(
+            tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree
+        )
 
     configs = (1 + sum(n != "none" for n in names) * max(1, len(ks))) * len(sizes)
     with Progress(console=err, transient=True) as bar:

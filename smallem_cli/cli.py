@@ -144,6 +144,9 @@ def bench(
     engines: Annotated[
         str, typer.Option(help="eager | compiled | eager,compiled (auto: both on a CPU; compiled builds its steps)")
     ] = D.ENGINE,
+    tree: Annotated[
+        int, typer.Option("--tree", help="also rows with token trees of N guesses: each MTP proposer (eager rounds)")
+    ] = D.TREE,
 ) -> None:
     """The seed's measurement table: tokens/s, speed-up, acceptance, cost model."""
     import json
@@ -165,25 +168,34 @@ def bench(
         O.check_sampling(temperature, None, None)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
+        trees = O.tree_names(names, tree) if O.tree(tree) else {}  # "mtp@tree12" -> "mtp"
         if batch:  # the batch engine's table instead: greedy, one run per size
             from .bench_batch import from_cli
 
             sizes = O.parse_sizes(batch)
             found = O.read_prompts(prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]})
+            names += list(trees)
             rows = from_cli(tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file)
             if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
                 raise fail("greedy identity FAILED in the batch engine", 1)
             return
         prompts_file = prompts_file or D.PROMPTS
         adaptive = O.adaptive_names(names, O.p_min(p_min)) if p_min else {}  # "mtp@p0.4" -> "mtp"
-        names += list(adaptive)
+        names += list(adaptive) + list(trees)
         ks = O.bench_ks(names, mode_list, extra, sweep)
         prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks)
         O.check_vocab(proposer_vocab)
         vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
         loaded = {
             v: {
-                n: family.load_proposer(adaptive.get(n, n), tgt, dev, v, (p_min or 0.0) * (n in adaptive))
+                n: family.load_proposer(
+                    adaptive.get(n, trees.get(n, n)),
+                    tgt,
+                    dev,
+                    v,
+                    (p_min or 0.0) * (n in adaptive),
+                    O.tree(tree) if n in trees else None,
+                )
                 for n in names
             }
             for v in set(vocab.values())
@@ -289,6 +301,7 @@ def generate(
         float,
         typer.Option("--draft-p-min", help="adaptive depth: stop a round's guesses below this confidence (0 = off)"),
     ] = D.P_MIN,
+    tree: Annotated[int, typer.Option("--tree", help=D.TREE_HELP)] = D.TREE,
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
     import json
@@ -311,7 +324,7 @@ def generate(
         tgt = family.load_target(target, dev, tokenizer)
         O.check_vocab(proposer_vocab)
         make_proposer = family.load_proposer(
-            proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab), O.p_min(p_min)
+            proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab), O.p_min(p_min), O.tree(tree)
         )
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
@@ -322,7 +335,7 @@ def generate(
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
     ready, passes = 0, 1
-    if mode:  # every pass this run may take, loaded (or built) before the clock starts
+    if mode and not tree:  # every pass this run may take, loaded (or built) before the clock starts
         ready, passes = aot.prepare(
             tgt.model, make_proposer(8), [kk], err.print, build=mode == "build", greedy=temperature == 0
         )

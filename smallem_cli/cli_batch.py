@@ -196,6 +196,7 @@ def batch(
         typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="nothing on stderr but errors")] = False,
+    tree: Annotated[int, typer.Option("--tree", help=D.TREE_HELP)] = D.TREE,
 ) -> None:
     """Answer many requests, one a line of FILE (or stdin), decoded together: a JSON line each on stdout.
 
@@ -241,6 +242,7 @@ def batch(
             proposer_vocab=proposer_vocab,
             eot=tok.token_to_id(EOT),
             decode=tok.decode,
+            tree=O.tree(tree),
         )
     except O.INPUT_ERRORS as e:
         if source is not None and source is not sys.stdin.buffer:

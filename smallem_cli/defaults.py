@@ -37,6 +37,12 @@ NGRAM_MAX = 4
 NGRAM_GUESS_COST = 0.16
 # Adaptive depth (--draft-p-min): 0 keeps every round at k guesses.
 P_MIN = 0.0
+# Token trees (`--tree N`, MTP only): N guesses per tree, grown from each node's TREE_WIDTH best
+# tokens and the TREE_WIDTH best nodes of each level (`engine.tree_guess`); 0 keeps the chain.
+TREE = 0
+TREE_WIDTH = 4
+TREE_HELP = "token trees of N guesses per round, k levels deep (MTP only; eager rounds; 0 = a chain)"
+MAX_TREE = 64
 
 
 def default_k(proposer: str, greedy: bool) -> int:

@@ -82,14 +82,22 @@ def _proposer_path(spec: str, target: Target) -> Path:
 
 
 def load_proposer(
-    spec: str, target: Target, device: torch.device, vocab: int = 0, p_min: float = 0.0
+    spec: str,
+    target: Target,
+    device: torch.device,
+    vocab: int = 0,
+    p_min: float = 0.0,
+    tree: tuple[int, int] | None = None,
 ) -> ProposerFactory:
     """`spec` -> a factory of proposers (each generation gets its own caches).
 
     vocab > 0 cuts the proposer's head to the `vocab` most frequent training tokens, where
     the checkpoint records them (see proposers.Head); 0 keeps the whole head. p_min > 0: a
     model proposer stops a round's guesses once it is less sure than that (adaptive depth).
+    tree (guesses, width): the MTP module grows token trees (`engine.tree_guess`); MTP only.
     """
+    if tree is not None and (spec in ("none", D.NGRAM) or spec.startswith(D.NGRAM + "+")):
+        raise CheckpointError(f"--tree needs the MTP module as proposer, not {spec!r}")
     if spec == "none":
         return lambda _: NoProposer()
     V = target.model.cfg.vocab_size
@@ -104,6 +112,8 @@ def load_proposer(
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
     if hf.is_hf_dir(path):
+        if tree is not None:
+            raise CheckpointError(f"--tree needs the MTP module as proposer, not the draft {spec!r}")
         draft, fp = hf.load_hf(path, device)
         _same_vocab(target, fp, draft.cfg.vocab_size, path)
         _fits(target, draft, path)
@@ -118,7 +128,9 @@ def load_proposer(
         mtp, _ = checkpoint.load_mtp(path, target.model, device)
         mtp.pack()
         mtp_head = Head(target.model, ids)
-        return lambda n: MTPProposer(target.model, mtp, n, mtp_head, p_min=p_min)
+        return lambda n: MTPProposer(target.model, mtp, n, mtp_head, p_min=p_min, tree=tree)
+    if tree is not None:
+        raise CheckpointError(f"--tree needs the MTP module as proposer, not the draft {spec!r}")
     draft, _ = checkpoint.load_model(path, device)
     _fits(target, draft, path)
     draft.pack()

@@ -21,12 +21,12 @@ from collections.abc import Iterator
 from .defaults import PAGE_SIZE
 from .engine.forward import slab_for
 from .engine.pool import PagePool
-from .engine.proposers import EachGuess
+from .engine.proposers import EachGuess, MTPGuess
 from .engine.request import Request
 from .engine.runner import Target
 from .engine.scheduler import Emitted, Engine
 from .model import Transformer
-from .proposers import Proposer
+from .proposers import MTPProposer, Proposer
 from .sampling import Sampling
 from .stats import Stats
 
@@ -40,13 +40,23 @@ def engine_for_one(
 ) -> Engine:
     """An engine for one sequence of up to n_tokens positions (prompt, new tokens, guesses).
 
-    With compiled steps the slab is the whole context, the layout they were built for."""
+    With compiled steps the slab is the whole context, the layout they were built for. An MTP
+    proposer set to grow token trees (`MTPProposer.tree`) runs in the engine's batched form,
+    its module's cache in the pool beside the target's."""
     device = target.embed_tokens.weight.device
+    tree = proposer.tree if isinstance(proposer, MTPProposer) else None
+    if tree is not None:
+        n_tokens += max(tree[0], (k - 1) * tree[1])
     n_pages = cache_pages(n_tokens, page_size)
     compiled = target.compiled
     if compiled is not None and compiled.enabled:
         n_pages = max(n_pages, compiled.slab_shape[-2] // page_size)
     pool = PagePool(n_pages, page_size)
+    slab = slab_for(target, n_pages * page_size, device)
+    if isinstance(proposer, MTPProposer) and tree is not None:
+        proposer.release()  # its own cache is not used: the module's lives in the pool
+        mtp = MTPGuess(target, proposer.mtp, pool, proposer.head)
+        return Engine(Target(target, slab, pool), mtp, k, auto_k=False, max_batch=1, eot=stop_token, tree=tree)
     given = [proposer]
 
     def once() -> Proposer:  # the proposer serves one sequence: a second start would be a bug
@@ -55,7 +65,7 @@ def engine_for_one(
         return given.pop()
 
     return Engine(
-        Target(target, slab_for(target, n_pages * page_size, device), pool),
+        Target(target, slab, pool),
         EachGuess(once, proposer.name),
         k,
         auto_k=False,

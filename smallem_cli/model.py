@@ -153,19 +153,28 @@ class Block(nn.Module):
         bias = step.bias
         if last and T > 1:
             x, qkv, T, bias = x[-1:], qkv[-1:], 1, None  # the last position sees every key
-        # Attention by hand: SDPA's CPU fallback for masks and groups costs several times more.
-        # Query heads h = j*G + g share kv head j: batch over kv heads, rows (g, t).
-        q = qkv[:, : H * D].view(T, Hkv, G, D)
-        q = q.view(Hkv, G, D) if T == 1 else q.permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
-        s = torch.bmm(q, kv[0].transpose(1, 2))  # [Hkv, G*T, S]
-        if bias is not None:
-            s = (s.view(Hkv, G, T, -1) + bias).view(Hkv, G * T, -1)
-        o = torch.bmm(torch.softmax(s, dim=-1), kv[1])  # [Hkv, G*T, D]
-        att = o.view(1, H * D) if T == 1 else o.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
-        x = torch.addmm(x, att, p["o"])
+        x = torch.addmm(x, attend(qkv[:, : H * D], kv, bias, Hkv, G), p["o"])
         gu = unit_rms(x, self.eps) @ p["gu"]  # [T, 2F]
         f = gu.shape[-1] // 2
         return torch.addmm(x, F.silu(gu[:, :f]) * gu[:, f:], p["down"])
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, Hkv: int, G: int) -> torch.Tensor:
+    """One sequence's attention: queries q [T, H*D] over its keys and values kv [2, Hkv, S, D]
+    (bias [T, S] additive, None when every key is visible) -> [T, H*D].
+
+    By hand: SDPA's CPU fallback for masks and groups costs several times more. Query heads
+    h = j*G + g share kv head j: one bmm over kv heads, rows (g, t).
+    """
+    T, D = q.shape[0], kv.shape[-1]
+    H = Hkv * G
+    q = q.view(T, Hkv, G, D)
+    q = q.view(Hkv, G, D) if T == 1 else q.permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
+    s = torch.bmm(q, kv[0].transpose(1, 2))  # [Hkv, G*T, S]
+    if bias is not None:
+        s = (s.view(Hkv, G, T, -1) + bias).view(Hkv, G * T, -1)
+    o = torch.bmm(torch.softmax(s, dim=-1), kv[1])  # [Hkv, G*T, D]
+    return o.view(1, H * D) if T == 1 else o.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -171,6 +171,18 @@ def p_min(value: float) -> float:
     return value
 
 
+def tree(value: int) -> tuple[int, int] | None:
+    """--tree: 0 (the chain) or a count of guesses per tree, 1..MAX_TREE -> (budget, width)."""
+    if not 0 <= value <= D.MAX_TREE:
+        raise UsageError(f"--tree must be in 0..{D.MAX_TREE} (0: a chain of guesses), got {value}")
+    return (value, D.TREE_WIDTH) if value else None
+
+
+def tree_names(names: list[str], budget: int) -> dict[str, str]:
+    """bench --tree: a row name for each MTP proposer growing trees -> its proposer."""
+    return {f"{n}@tree{budget}": n for n in names if "+" not in n and "mtp" in Path(n).stem}
+
+
 def adaptive_names(names: list[str], p: float) -> dict[str, str]:
     """bench --draft-p-min: a row name for each model proposer at adaptive depth -> its proposer."""
     return {f"{n}@p{p:g}": n for n in names if n not in ("none", D.NGRAM)}

@@ -274,8 +274,12 @@ class MTPProposer:
         head: Head | None = None,
         page_size: int = PAGE_SIZE,
         p_min: float = 0.0,
+        tree: tuple[int, int] | None = None,
     ) -> None:
         self.target, self.mtp, self.p_min = target, mtp, p_min
+        # (guesses, width): the engine grows token trees from this module (`engine.tree_guess`)
+        # instead of running this chain; None keeps the chain
+        self.tree = tree
         self.head = head or Head(target)  # the target's head, shared
         self.cache = mtp.new_cache(-(-max_tokens // page_size) + 1, page_size)
         self.seq = self.cache.new_sequence()

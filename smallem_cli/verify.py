@@ -67,7 +67,7 @@ def warp(
     return probs
 
 
-def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float) -> Tensor:
+def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestors: Tensor | None = None) -> Tensor:
     """The repetition penalty (CTRL; Hugging Face's `repetition_penalty`) over one pass -> [..., T, V].
 
     logits [..., T, V]: a pass over the tokens fed [..., T] (long); row i predicts the token
@@ -77,6 +77,9 @@ def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float) -> Tenso
     scores each position as the target alone would, one token at a time. A repeated token's
     logit is divided by the penalty when positive, multiplied by it when not. penalty 1 is
     off (the logits come back as they are); no host sync.
+
+    A pass over a token tree (`tree.py`) gives `ancestors` (bool [T, T], [i, j] iff fed[j] is
+    on row i's path, itself included): row i's context is then seen plus its path alone.
     """
     if not (math.isfinite(penalty) and penalty > 0):
         raise ValueError(f"repetition penalty must be > 0 and finite, got {penalty}")
@@ -84,7 +87,10 @@ def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float) -> Tenso
         return logits
     # [..., T, V]: fed[:i+1] as a running count per token, then or-ed with the context before
     hits = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device).scatter_(-1, fed.unsqueeze(-1), 1)
-    repeated = hits.cumsum(dim=-2, dtype=torch.int32).bool() | seen.unsqueeze(-2)
+    if ancestors is None:
+        repeated = hits.cumsum(dim=-2, dtype=torch.int32).bool() | seen.unsqueeze(-2)
+    else:  # [T, V]: the tokens on each row's path
+        repeated = (ancestors.to(torch.float32) @ hits.to(torch.float32)).bool() | seen.unsqueeze(-2)
     return torch.where(repeated, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 

@@ -16,6 +16,8 @@ its own (a block-diagonal causal mask), read through the page tables.
     bias      [B, Tm, S] 0 where a key is visible to a query, -inf elsewhere
     out_rows  [N]        where each flat row sits in the padded [B * Tm] layout
     last      [B]        the flat row of each sequence's last new token
+    base      int|None   one sequence whose pages lie in order: the slot of its position 0
+                         (its keys are then one view of a slab, no gather)
 
 Every slab (target, draft, MTP module) of the pool uses the same slots: page tables are
 the pool's, shared by all caches of a sequence.
@@ -38,6 +40,7 @@ class BatchStep:
     out_rows: torch.Tensor
     last: torch.Tensor
     counts: list[int]  # n_b per sequence
+    base: int | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -56,6 +59,9 @@ def build(
     lengths = [s + n for s, n in zip(starts, counts, strict=True)]
     S, Tm = max(lengths), max(counts)
     max_pages = -(-S // page_size)
+    t0 = tables[0]
+    if B == 1 and t0[:max_pages] == list(range(t0[0], t0[0] + max_pages)):
+        return _one_in_order(t0[0] * page_size, starts[0], counts[0], device)
     for t, n in zip(tables, lengths, strict=True):
         assert len(t) * page_size >= n, "reserve pages before building a step"
     table = torch.tensor([t[:max_pages] + [0] * (max_pages - len(t[:max_pages])) for t in tables], dtype=torch.long)
@@ -82,4 +88,81 @@ def build(
         out_rows.to(dev),
         last.to(dev),
         list(counts),
+    )
+
+
+def _one_in_order(base: int, start: int, n: int, device: torch.device) -> BatchStep:
+    """`build` for one sequence whose pages lie in order from slot `base`: every index is a range
+    (a generation of one prompt takes this step every round, so it is built in few ops)."""
+    S = start + n
+    pos = torch.arange(start, S, device=device)  # [n]
+    rows = torch.arange(n, device=device)  # [n]
+    if n > 1:
+        j = torch.arange(S, device=device)
+        bias = torch.zeros(1, n, S, device=device).masked_fill_(j > pos[:, None], float("-inf"))  # [1, n, S]
+    else:
+        bias = torch.zeros(1, 1, S, device=device)  # one token sees every key
+    return BatchStep(
+        pos, pos + base, (base + torch.arange(S, device=device))[None], rows[None], bias, rows, rows[-1:], [n], base
+    )
+
+
+def build_tree(
+    tables: list[list[int]],
+    starts: list[int],
+    parents: list[list[int]],
+    rows: list[list[int]],
+    page_size: int,
+    device: torch.device,
+) -> BatchStep:
+    """A pass over tree nodes: sequence b has starts[b] entries every node sees, then the nodes
+    of a tree (parents[b][i] < i, -1 for a node under the prefix alone) at entries
+    starts[b] + i; the pass writes and scores the nodes rows[b] (ids, increasing). Node i sits
+    at position starts[b] + its depth (0 for a node whose parent is -1) and sees the prefix,
+    its ancestors and itself (written this pass or before).
+    """
+    B = len(tables)
+    counts = [len(r) for r in rows]
+    assert B and len(starts) == len(parents) == B and min(counts) >= 1
+    S = max(s + len(p) for s, p in zip(starts, parents, strict=True))
+    Tm = max(counts)
+    max_pages = -(-S // page_size)
+    table = torch.tensor([t[:max_pages] + [0] * (max_pages - len(t[:max_pages])) for t in tables], dtype=torch.long)
+    j = torch.arange(S)
+    kv_slots = table[:, j // page_size] * page_size + j % page_size  # [B, S]
+    bias = torch.zeros(B, Tm, S)
+    pos, slot_rows = [], []
+    for b, (s, par, r) in enumerate(zip(starts, parents, rows, strict=True)):
+        n = len(par)
+        assert len(tables[b]) * page_size >= s + n, "reserve pages before building a step"
+        seen = torch.zeros(n, S, dtype=torch.bool)  # [n, S] node i: the prefix, its ancestors, itself
+        seen[:, :s] = True
+        depth = [0] * n
+        for i, p in enumerate(par):
+            assert -1 <= p < i, "a tree's nodes come after their parents"
+            if p >= 0:
+                seen[i] = seen[p]
+                depth[i] = depth[p] + 1
+            seen[i, s + i] = True
+        ri = torch.tensor(r)
+        bias[b, : len(r)] = torch.zeros(len(r), S).masked_fill_(~seen[ri], float("-inf"))
+        pos.append(s + torch.tensor(depth)[ri])
+        slot_rows.append(kv_slots[b, s + ri])
+    seq = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))  # [N]
+    first = torch.tensor([0, *counts[:-1]]).cumsum(0)  # [B]
+    t = torch.arange(Tm)
+    valid = t[None, :] < torch.tensor(counts)[:, None]  # [B, Tm]
+    q_rows = torch.where(valid, first[:, None] + t[None, :], 0)  # [B, Tm]; padding rows see every key
+    out_rows = seq * Tm + (torch.arange(int(seq.shape[0])) - first[seq])  # [N]
+    last = first + torch.tensor(counts) - 1  # [B]
+    dev = device
+    return BatchStep(
+        torch.cat(pos).to(dev),
+        torch.cat(slot_rows).to(dev),
+        kv_slots.to(dev),
+        q_rows.to(dev),
+        bias.to(dev),
+        out_rows.to(dev),
+        last.to(dev),
+        counts,
     )

@@ -34,10 +34,11 @@ def batch_proposer(one: Proposer, pool: PagePool) -> BatchProposer:
     raise ValueError(f"proposer {one.name!r} has no batched form")
 
 
-def pool_pages(max_batch: int, context: int, page_size: int) -> int:
+def pool_pages(max_batch: int, context: int, page_size: int, tree: tuple[int, int] | None = None) -> int:
     """Enough for max_batch sequences at the full context: a request that fits the context
     always fits the pool alone, and preemption is for smaller pools (`n_pages`)."""
-    return max_batch * (-(-(context + D.MAX_K + 2) // page_size))
+    ahead = D.MAX_K if tree is None else max(D.MAX_K, tree[0], (D.MAX_K - 1) * tree[1])
+    return max_batch * (-(-(context + ahead + 2) // page_size))
 
 
 def build_engine(
@@ -52,14 +53,16 @@ def build_engine(
     decode: Callable[[list[int]], str],
     n_pages: int | None = None,
     page_size: int = D.PAGE_SIZE,
+    tree: tuple[int, int] | None = None,
 ) -> Engine:
-    """k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`)."""
+    """k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`).
+    tree: (guesses per tree, candidates per node) for token trees (`tree_guess`), MTP only."""
     model = tgt.model
-    pool = PagePool(n_pages or pool_pages(max_batch, model.cfg.max_seq_len, page_size), page_size)
+    pool = PagePool(n_pages or pool_pages(max_batch, model.cfg.max_seq_len, page_size, tree), page_size)
     slab = slab_for(model, pool.n_pages * page_size, device)
     # The greedy and the sampled proposer heads differ (`D.PROPOSER_VOCAB`); a batch mixes modes,
     # so the head is chosen by what the batch serves by default: greedy's.
-    one = family.load_proposer(proposer, tgt, device, D.proposer_vocab(True, proposer_vocab))(1)
+    one = family.load_proposer(proposer, tgt, device, D.proposer_vocab(True, proposer_vocab), tree=tree)(1)
     bp = batch_proposer(one, pool)
     one.release()
     if proposer == "none":
@@ -68,5 +71,13 @@ def build_engine(
         kg = k if k is not None else D.default_k(proposer, True)
         ks = k if k is not None else D.default_k(proposer, False)
     return Engine(
-        Target(model, slab, pool), bp, kg, auto_k=k is None, max_batch=max_batch, eot=eot, decode=decode, k_sample=ks
+        Target(model, slab, pool),
+        bp,
+        kg,
+        auto_k=k is None,
+        max_batch=max_batch,
+        eot=eot,
+        decode=decode,
+        k_sample=ks,
+        tree=tree,
     )

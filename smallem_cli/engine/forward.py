@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model import Block, MTPModule, Transformer, unit_rms
+from ..model import Block, MTPModule, Transformer, attend, unit_rms
 from .batch import BatchStep
 
 
@@ -40,12 +40,16 @@ def block_pass(blk: Block, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor
     y = unit_rms(x, blk.eps) @ p["qkv"]  # [N, (H+2Hkv)*D]
     qkv = torch.view_as_real(torch.view_as_complex(y.view(N, -1, 2)) * rope).view(N, -1)
     kv.index_copy_(2, b.slots, qkv[:, H * D :].view(N, 2, Hkv, D).permute(1, 2, 0, 3))
-    keys = kv.index_select(2, b.kv_slots.flatten()).view(2, Hkv, B, S, D).transpose(1, 2)  # [2, B, Hkv, S, D]
-    q = qkv[:, : H * D][b.q_rows]  # [B, Tm, H*D]: rows (g, t) per kv head, as in Block.decode
-    q = q.view(B, Tm, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tm, D)
-    s = (q @ keys[0].transpose(-1, -2)).view(B, Hkv, G, Tm, S) + b.bias[:, None, None]  # [B, Hkv, G, Tm, S]
-    o = torch.softmax(s, dim=-1).view(B, Hkv, G * Tm, S) @ keys[1]  # [B, Hkv, G*Tm, D]
-    att = o.view(B, Hkv, G, Tm, D).permute(0, 3, 1, 2, 4).reshape(B * Tm, H * D)[b.out_rows]  # [N, H*D]
+    if b.base is not None:  # one sequence, its pages in order: its keys are one view of the slab,
+        # attended as the one-sequence path does (one token sees every key: no mask)
+        att = attend(qkv[:, : H * D], kv[:, :, b.base : b.base + S], b.bias[0] if N > 1 else None, Hkv, G)
+    else:
+        keys = kv.index_select(2, b.kv_slots.flatten()).view(2, Hkv, B, S, D).transpose(1, 2)  # [2, B, Hkv, S, D]
+        q = qkv[:, : H * D][b.q_rows]  # [B, Tm, H*D]: rows (g, t) per kv head, as in Block.decode
+        q = q.view(B, Tm, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tm, D)
+        s = (q @ keys[0].transpose(-1, -2)).view(B, Hkv, G, Tm, S) + b.bias[:, None, None]  # [B, Hkv, G, Tm, S]
+        o = torch.softmax(s, dim=-1).view(B, Hkv, G * Tm, S) @ keys[1]  # [B, Hkv, G*Tm, D]
+        att = o.view(B, Hkv, G, Tm, D).permute(0, 3, 1, 2, 4).reshape(B * Tm, H * D)[b.out_rows]  # [N, H*D]
     x = torch.addmm(x, att, p["o"])
     gu = unit_rms(x, blk.eps) @ p["gu"]  # [N, 2F]
     f = gu.shape[-1] // 2

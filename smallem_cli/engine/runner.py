@@ -20,12 +20,14 @@ import torch
 
 from ..model import Transformer, compiled_for
 from ..sampling import NonFiniteError, context_mask, first_token
+from ..tree import tree_mask, verify_tree_greedy, verify_tree_sample
 from ..verify import penalize, verify_sample
 from . import batch as B
 from .forward import transformer_pass
 from .pool import PagePool
-from .proposers import BatchProposer
+from .proposers import BatchProposer, MTPGuess
 from .sequence import Seq
+from .tree_guess import grow
 
 
 @dataclass
@@ -96,7 +98,8 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
     counts = [g[0].shape[0] + 1 for g in guesses]
     ids = torch.cat([torch.cat([s.last.view(1), g[0]]) for s, g in zip(seqs, guesses, strict=True)])  # [N]
     logits, hidden = t.verify_pass(seqs, ids, counts)  # [N, V], [N, d]
-    best = logits.argmax(-1)  # [N]: greedy sequences are verified on the host from these
+    # [N]: greedy sequences are verified on the host from these (none to verify: no argmax)
+    best = logits.argmax(-1) if any(s.warp is None for s in seqs) else ids
     sampled = []
     first = 0
     for s, g, c in zip(seqs, guesses, counts, strict=True):
@@ -129,21 +132,85 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
         else:
             n, emitted = rest[0], rest[1 : 2 + rest[0]]
             rest = rest[m + 2 :]
-        start = s.cached
-        s.cached = start + n + 1  # rollback: [last, d_1..d_n] stay, the rest is past the length
-        out = torch.tensor(emitted, dtype=torch.long, device=ids.device)
-        proposer.accept(s, n, out, hidden[first : first + n + 1])
-        t.pool.trim(s.uid, s.cached)  # pages past the kept positions go back
-        s.last = out[n : n + 1]
-        if s.seen is not None:
-            s.seen.index_fill_(0, out, True)
-        st = s.stats
-        st.passes += 1
-        st.proposed += m
-        st.accepted += n
-        st.guessed[m] += 1
-        for i in range(n):
-            st.accepted_at[i] += 1
+        commit(t, proposer, s, m, n, emitted, hidden[first : first + n + 1])
         verdicts.append((m, n, emitted))
         first += c
     return verdicts
+
+
+def commit(
+    t: Target, proposer: BatchProposer, s: Seq, m: int, n: int, emitted: list[int], hidden: torch.Tensor
+) -> None:
+    """Keep what a round verified for `s` (m guesses offered, n kept, `emitted` = n + 1 tokens,
+    `hidden` [n+1, d] the target's states of [last, d_1..d_n], in place in its cache)."""
+    s.cached += n + 1  # rollback: [last, d_1..d_n] stay, the rest is past the length
+    out = torch.tensor(emitted, dtype=torch.long, device=hidden.device)
+    proposer.accept(s, n, out, hidden)
+    t.pool.trim(s.uid, s.cached)  # pages past the kept positions go back
+    s.last = out[n : n + 1]
+    if s.seen is not None:
+        s.seen.index_fill_(0, out, True)
+    st = s.stats
+    st.passes += 1
+    st.proposed += m
+    st.accepted += n
+    st.guessed[m] += 1
+    for i in range(n):
+        st.accepted_at[i] += 1
+
+
+def tree_round(
+    t: Target, proposer: MTPGuess, seqs: list[Seq], budget: int, width: int
+) -> list[tuple[int, int, list[int]]]:
+    """One round with token trees (`tree_guess.grow`) -> per sequence (the tree's depth, kept n,
+    the tokens emitted). One target pass over every tree, each node at position cached +
+    its depth, seeing its ancestors; each tree verified on its own rows (`tree.py`); the
+    kept path's K/V moved to the positions that follow the cache, the rest rolled back."""
+    trees = grow(proposer, seqs, budget, width)
+    dev = t.slab.device
+    fed = [torch.cat([s.last.view(1), tr.tokens]) for s, tr in zip(seqs, trees, strict=True)]
+    ids = torch.cat(fed)  # [N]
+    tables = [t.pool.tables[s.uid] for s in seqs]
+    every = [list(range(len(tr.parents))) for tr in trees]
+    b = B.build_tree(tables, [s.cached for s in seqs], [tr.parents for tr in trees], every, t.pool.page_size, dev)
+    logits, hidden = transformer_pass(t.model, t.slab, ids, b, head="all")  # [N, V], [N, d]
+    verdicts_t = []
+    first = 0
+    for s, tr, f in zip(seqs, trees, fed, strict=True):
+        c = f.shape[0]
+        parents = torch.tensor(tr.parents, device=dev)  # [c]
+        rows = logits[first : first + c]  # [c, V]
+        if s.seen is not None:  # each node scored with the context of its own path
+            rows = penalize(rows, s.seen, f, s.req.sampling.repetition_penalty, tree_mask(parents))
+        if s.warp is None:
+            v = verify_tree_greedy(f[None], parents, rows[None])
+        else:
+            v = verify_tree_sample(f[None], parents, s.warp(rows)[None], None, s.gen, kind="topk")
+        verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
+        first += c
+    values = torch.cat([*verdicts_t, logits.isfinite().all().long().view(1)]).tolist()  # the one sync
+    if values[-1] != 1:
+        raise NonFiniteError("the target's logits are not finite (NaN or inf)")
+    verdicts: list[tuple[int, int, list[int]]] = []
+    first = at = 0
+    ps = t.pool.page_size
+    for s, tr, f in zip(seqs, trees, fed, strict=True):
+        c = f.shape[0]
+        n = values[at]
+        emitted, nodes = values[at + 1 : at + 2 + n], values[at + 1 + c : at + 2 + c + n]  # out, the kept path
+        at += 1 + 2 * c
+        if n:  # the kept guesses' K/V, from their nodes' slots to the positions after `last`
+            table = t.pool.tables[s.uid]
+            src = [s.cached + i for i in nodes[1:]]
+            dst = [s.cached + j for j in range(1, n + 1)]
+            moved = t.slab.index_select(3, torch.tensor([_slot(table, j, ps) for j in src], device=dev))
+            t.slab.index_copy_(3, torch.tensor([_slot(table, j, ps) for j in dst], device=dev), moved)
+        path = torch.tensor([first + i for i in nodes], device=dev)
+        commit(t, proposer, s, tr.depth, n, emitted, hidden.index_select(0, path))
+        verdicts.append((tr.depth, n, emitted))
+        first += c
+    return verdicts
+
+
+def _slot(table: list[int], j: int, page_size: int) -> int:
+    return table[j // page_size] * page_size + j % page_size

@@ -25,9 +25,9 @@ from .. import defaults as D
 from ..stats import Stats
 from ..stops import StopPrinter
 from .pool import PagePool
-from .proposers import BatchProposer
+from .proposers import BatchProposer, MTPGuess
 from .request import Finished, Request
-from .runner import Target, decode_round, prefill
+from .runner import Target, decode_round, prefill, tree_round
 from .sequence import Seq
 
 
@@ -77,12 +77,17 @@ class Engine:
         eot: int | None,
         decode: Callable[[list[int]], str] | None = None,
         k_sample: int | None = None,
+        tree: tuple[int, int] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.t, self.proposer, self.max_batch = target, proposer, max_batch
         self.k, self.k_sample, self.auto_k = k, k if k_sample is None else k_sample, auto_k
         self.eot, self.decode = eot, decode
+        # token trees (`tree_guess`): (guesses per tree, candidates per node); k is their depth
+        self.tree = tree
+        if tree is not None and not isinstance(proposer, MTPGuess):
+            raise ValueError(f"token trees need the MTP module as proposer, not {proposer.name!r}")
         self._decoder = _Decoder(decode) if decode is not None else None
         self._uid = 0
         self.rounds = 0
@@ -144,8 +149,15 @@ class Engine:
         return self._finish(s) if done else None
 
     # --- pages --------------------------------------------------------------------------
+    def _ahead(self, s: Seq) -> int:
+        """Positions a round may write past the cache: [last, guesses], and one more."""
+        if self.tree is None:
+            return s.k + 2
+        budget, width = self.tree  # the target's tree, and the module's entries while it grows
+        return max(s.k, budget, (s.k - 1) * width) + 2
+
     def _round_need(self, s: Seq) -> int:
-        return s.cached + s.k + 2
+        return s.cached + self._ahead(s)
 
     def _preempt(self, s: Seq, waiting: deque[Seq]) -> None:
         self.pool.release(s.uid)
@@ -215,13 +227,13 @@ class Engine:
                 admitted: list[Seq] = []
                 while waiting and len(running) + len(admitted) < self.max_batch:
                     s = waiting[0]
-                    if not self.pool.can_allocate(len(s.tokens) + s.k + 2):
+                    if not self.pool.can_allocate(len(s.tokens) + self._ahead(s)):
                         if not running and not admitted:
                             raise RuntimeError(f"the page pool ({self.pool.n_pages} pages) cannot hold one request")
                         break
                     waiting.popleft()
                     self.pool.add(s.uid)
-                    self.pool.reserve(s.uid, len(s.tokens) + s.k + 2)
+                    self.pool.reserve(s.uid, len(s.tokens) + self._ahead(s))
                     admitted.append(s)
                 for group in _groups(admitted, D.PREFILL_TOKENS):
                     running.extend(group)  # from here on, a stop drops them with the others
@@ -247,7 +259,10 @@ class Engine:
                 running[:] = self._reserve(running, waiting)
                 if not running:
                     continue
-                verdicts = decode_round(self.t, self.proposer, running)
+                if self.tree is not None and isinstance(self.proposer, MTPGuess):
+                    verdicts = tree_round(self.t, self.proposer, running, *self.tree)
+                else:
+                    verdicts = decode_round(self.t, self.proposer, running)
                 self.rounds += 1
                 for s, (m, n, e) in zip(list(running), verdicts, strict=True):
                     proposed, accepted = proposed + m, accepted + n

@@ -1,0 +1,181 @@
+"""Token trees in the engine: the tree step's inputs, greedy identity, sampling by the target's law."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_model, random_mtp
+from test_engine import V5, chi2, decode, prompts, requests
+
+from smallem_cli.engine import batch as B
+from smallem_cli.engine.build import pool_pages
+from smallem_cli.engine.forward import slab_for
+from smallem_cli.engine.pool import PagePool
+from smallem_cli.engine.proposers import MTPGuess
+from smallem_cli.engine.request import Request
+from smallem_cli.engine.runner import Target
+from smallem_cli.engine.scheduler import Engine
+from smallem_cli.generate import generate
+from smallem_cli.proposers import Head, NoProposer
+from smallem_cli.sampling import Sampling
+from smallem_cli.tree import tree_depth, tree_mask
+
+PS = 16
+
+
+def tree_engine(target, mtp, k: int, tree: tuple[int, int], max_batch: int, cut: int = 0) -> Engine:
+    pool = PagePool(pool_pages(max_batch, target.cfg.max_seq_len, PS, tree), PS)
+    V = target.cfg.vocab_size
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:cut] if cut else None
+    proposer = MTPGuess(target, mtp, pool, Head(target, ids))
+    slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
+    return Engine(
+        Target(target, slab, pool), proposer, k, auto_k=False, max_batch=max_batch, eot=None, decode=decode, tree=tree
+    )
+
+
+def test_tree_step_sees_ancestors_at_their_depth() -> None:
+    """build_tree: node i at position start + depth(i), written at entry start + i, seeing the
+    prefix, its ancestors and itself; padding in S is never seen."""
+    parents = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1]]
+    starts = [5, 20]
+    tables = [[3, 0], [1, 2]]
+    rows = [[0, 1, 2, 3, 4, 5], [1, 2]]
+    b = B.build_tree(tables, starts, parents, rows, 16, torch.device("cpu"))
+    assert b.counts == [6, 2]
+    for s, (par, st, r) in enumerate(zip(parents, starts, rows, strict=True)):
+        p = torch.tensor(par)
+        depth = tree_depth(p)
+        mask = tree_mask(p)
+        first = sum(len(x) for x in rows[:s])
+        for j, i in enumerate(r):
+            assert int(b.positions[first + j]) == st + int(depth[i])
+            slot = tables[s][(st + i) // 16] * 16 + (st + i) % 16
+            assert int(b.slots[first + j]) == slot
+            seen = b.bias[s, j] == 0
+            assert seen[:st].all()
+            assert seen[st : st + len(par)].tolist() == mask[i].tolist()
+            assert not seen[st + len(par) :].any()
+
+
+@pytest.mark.parametrize(("k", "tree"), [(1, (3, 3)), (3, (6, 2)), (4, (12, 4)), (5, (16, 3))])
+def test_greedy_trees_are_the_target_alone(target, mtp, k: int, tree: tuple[int, int]) -> None:
+    """Every request of a batch of 8, decoded with MTP trees, equals the target alone."""
+    reqs = requests(prompts(12, 64, seed=11), n=50)
+    eng = tree_engine(target, mtp, k, tree, max_batch=8)
+    got = {f.request.index: f for f in eng.run(reqs)}
+    for r in reqs:
+        ref, _ = generate(target, NoProposer(), list(r.prompt), r.max_new_tokens, 0)
+        assert got[r.index].tokens == ref, f"request {r.index}"
+    assert eng.pool.used() == 0
+
+
+def test_trained_mtp_trees_keep_more_than_its_chain(trained) -> None:
+    """With a trained module, a tree gives the same tokens as the chain of the same depth in
+    fewer target passes, and both are the target alone; with a repetition penalty and a cut
+    head too."""
+    target, mtp, period = trained.model, trained.mtp, trained.period
+    ps = [period[i : i + 10] for i in (0, 3, 7, 12)] + [[7, 7, 7, 2, 9, 61, 33], [5, 1, 5, 1, 40]]
+    for opts, cut in ((Sampling(), 0), (Sampling(repetition_penalty=1.3), 40)):
+        reqs = [Request(i, i, tuple(p), 40, opts) for i, p in enumerate(ps)]
+        chain = tree_engine(target, mtp, 3, (3, 1), max_batch=6, cut=cut)  # width 1: a chain
+        wide = tree_engine(target, mtp, 3, (12, 4), max_batch=6, cut=cut)
+        a = {f.request.index: f for f in chain.run(reqs)}
+        b = {f.request.index: f for f in wide.run(reqs)}
+        for r in reqs:
+            ref, _ = generate(target, NoProposer(), list(r.prompt), 40, 0, opts)
+            assert a[r.index].tokens == b[r.index].tokens == ref
+        passes = [sum(int(f.stats["target_passes"]) for f in x.values()) for x in (a, b)]  # type: ignore[arg-type]
+        assert passes[1] < passes[0], passes  # the same tokens in fewer target passes
+
+
+def triple_law(model, prompt: list[int]) -> torch.Tensor:
+    """P(x1, x2, x3 | prompt) [5, 5, 5], exactly, from the model's own logits."""
+    out = torch.zeros(5, 5, 5, dtype=torch.float64)
+    with torch.inference_mode():
+        for x1 in range(5):
+            for x2 in range(5):
+                c = model.new_cache(8, 16)
+                seq = c.new_sequence()
+                logits, _ = model(torch.tensor([*prompt, x1, x2]), c, seq)
+                p = torch.softmax(logits.double(), -1)
+                out[x1, x2] = p[-3, x1] * p[-2, x2] * p[-1]
+    return out
+
+
+def test_sampled_trees_follow_the_target() -> None:
+    """30,000 sampled requests of 3 tokens, up to 64 at a time, with MTP trees of width 2 and
+    depth 3: the triples follow the target's law (124 dof, chi2 < 190, p ~ 1e-4) and not
+    another model's (the negative control)."""
+    target, other = random_model(V5, seed=0, scale=30.0), random_model(V5, seed=1, scale=30.0)
+    mtp = random_mtp(V5, seed=2, scale=30.0)
+    prompt = [1, 3]
+    law_p, law_o = triple_law(target, prompt), triple_law(other, prompt)
+    eng = tree_engine(target, mtp, 3, (5, 2), max_batch=64)
+    n = 30_000
+    reqs = (Request(i, i, tuple(prompt), 3, Sampling(1.0, seed=i)) for i in range(n))
+    counts = torch.zeros(5, 5, 5, dtype=torch.float64)
+    deep = 0
+    for f in eng.run(reqs):
+        counts[f.tokens[0], f.tokens[1], f.tokens[2]] += 1
+        deep += int(f.stats["target_passes"]) == 2  # type: ignore[arg-type]  # one round gave x2 and x3
+    vs_p, vs_o = chi2(counts, law_p), chi2(counts, law_o)
+    print(f"tree sampling: chi2 vs target {vs_p:.1f}, vs another model {vs_o:.1f}; {deep} one-round pairs")
+    assert deep > 1000  # the tree kept a guess in the round (2,377 of 30,000 when measured)
+    assert vs_p < 190
+    assert vs_o > 1000
+
+
+# --- the command line ----------------------------------------------------------------------
+def test_cli_generate_with_a_tree_prints_the_target_alone(family) -> None:
+    """`smallem generate --tree N`: the greedy text of the target alone, greedy and sampled runs
+    seeded alike give the same text whatever the tree, and the statistics say so."""
+    from test_cli import as_json, generate
+
+    ref = as_json(generate(family, "--proposer", "none", "-n", "30", "--json"))
+    for args in (["--tree", "6"], ["--tree", "12", "-k", "3"], ["--tree", "1", "-k", "1"]):
+        got = as_json(generate(family, "--proposer", "mtp", *args, "-n", "30", "--json"))
+        assert got["tokens"] == ref["tokens"], args
+        assert got["stats"]["proposer"] == "mtp" and got["stats"]["new_tokens"] == 30
+    sampled = [
+        as_json(generate(family, "--proposer", p, *t, "--temperature", "1", "--seed", "5", "-n", "20", "--json"))
+        for p, t in (("mtp", ["--tree", "8"]), ("mtp", ["--tree", "8"]))
+    ]
+    assert sampled[0]["tokens"] == sampled[1]["tokens"]  # seeded
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--proposer", "draft-2l", "--tree", "8"], r"--tree needs the MTP module as proposer"),
+        (["--proposer", "ngram+mtp", "--tree", "8"], r"--tree needs the MTP module as proposer"),
+        (["--proposer", "mtp", "--tree", "-1"], r"--tree must be in 0\.\.64"),
+        (["--proposer", "mtp", "--tree", "65"], r"--tree must be in 0\.\.64"),
+    ],
+)
+def test_cli_refuses_a_tree_it_cannot_grow(family, args: list[str], message: str) -> None:
+    from test_cli import generate, refused
+
+    refused(generate(family, *args, "-n", "5"), message)
+
+
+def test_cli_batch_with_trees_answers_as_generate(family, tmp_path) -> None:
+    """`smallem batch --tree 8`: every answer's tokens are `smallem generate --proposer none`'s."""
+    import json
+
+    from test_cli import as_json, generate
+    from typer.testing import CliRunner
+
+    from smallem_cli.cli import app
+
+    prompts = ["In the beginning", "And God said", "Blessed are the"]
+    res = CliRunner().invoke(
+        app,
+        ["batch", "-", "--target", str(family.target), "--proposer", "mtp", "--tree", "8", "-n", "20", "--ordered"],
+        input="\n".join(prompts) + "\n",
+    )
+    assert res.exit_code == 0, res.output
+    answers = [json.loads(line) for line in res.stdout.splitlines()]
+    for p, a in zip(prompts, answers, strict=True):
+        ref = as_json(generate(family, "--proposer", "none", "-n", "20", "--json", prompt=p))
+        assert a["tokens"] == ref["tokens"], p
