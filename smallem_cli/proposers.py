@@ -88,6 +88,7 @@ class Head:
         self.eps, self.size = model.cfg.norm_eps, model.cfg.vocab_size
         self.ids = vocab
         self.w = model.head_t if vocab is None else model.head_t[:, vocab].contiguous()  # [d, V or N]
+        self.rows = self.w.t().contiguous()  # [V or N, d]: for a few rows at once (`model.head_matmul`)
 
     def pick(
         self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None

@@ -285,6 +285,7 @@ def test_non_finite_logits_stop_the_run(models, where: str) -> None:
     eng = engine({**models, "target": bad}, "none", 0, max_batch=2)
     if where == "prefill":
         bad.head_t = torch.full_like(bad.head_t, float("nan"))
+        bad.head_rows = torch.full_like(bad.head_rows, float("nan"))  # the same head, for a few rows
     else:  # the prefill's logits are finite, the first round's are not
         real, calls = bad.logits, []
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from ..model import MTPModule, Transformer
+from ..model import MTPModule, Transformer, head_matmul
 from ..ngram import NgramProposer
 from ..proposers import Head, Proposer
 from . import batch as B
@@ -101,7 +101,7 @@ def pick(head: Head, h: torch.Tensor, seqs: list[Seq]) -> tuple[torch.Tensor, li
     """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] over the whole vocabulary
     (`Head.pick` expands a cut head's; None when greedy):
     greedy rows in one matmul, sampled rows each with its own warp and generator."""
-    best = (h @ head.w).argmax(-1)  # [B]: the final norm scales a row, the argmax needs none
+    best = head_matmul(h, head.w, head.rows).argmax(-1)  # [B]: the final norm scales a row, the argmax needs none
     tokens = best if head.ids is None else head.ids[best]
     qs: list[torch.Tensor | None] = [None] * len(seqs)
     for i, s in enumerate(seqs):

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import unit_rms
+from ..model import head_matmul, unit_rms
+from ..proposers import Head
 from . import batch as B
 from .forward import mtp_pass
 from .proposers import MTPGuess
@@ -50,11 +51,10 @@ class _Cand:
     entry: int = -1  # the module's tree entry, once fed
 
 
-def _top(
-    head_w: torch.Tensor, ids: torch.Tensor | None, h: torch.Tensor, eps: float, width: int
-) -> tuple[list[list[float]], list[list[int]]]:
+def _top(head: Head, h: torch.Tensor, eps: float, width: int) -> tuple[list[list[float]], list[list[int]]]:
     """States h [F, d] -> (log-probabilities [F, w], tokens [F, w]) of each one's `width` best, on the host."""
-    logp = torch.log_softmax(unit_rms(h, eps) @ head_w, dim=-1)  # [F, V or cut]
+    ids = head.ids
+    logp = torch.log_softmax(head_matmul(unit_rms(h, eps), head.w, head.rows), dim=-1)  # [F, V or cut]
     vals, idx = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [F, w]
     toks = idx if ids is None else ids[idx]
     return vals.tolist(), toks.tolist()
@@ -71,7 +71,7 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int) -> list[TreeGues
     cands: list[list[_Cand]] = [[] for _ in seqs]
     entries: list[list[int]] = [[] for _ in seqs]  # parent entry (-1: the true entries) per tree entry
     states = out
-    vals, toks = _top(head.w, head.ids, out, eps, width)
+    vals, toks = _top(head, out, eps, width)
     # per sequence, the candidates whose states were just computed: (row in `states`, cand id)
     frontier: list[list[tuple[int, int]]] = [[(b, -1)] if depth[b] else [] for b in range(len(seqs))]
     for level in range(1, max(depth, default=0) + 1):
@@ -113,7 +113,7 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int) -> list[TreeGues
         )
         tok = torch.tensor(ids, dtype=torch.long, device=out.device)
         states = mtp_pass(p.mtp, p.target, p.slab, torch.stack(h), tok, step)  # [F, d]
-        vals, toks = _top(head.w, head.ids, states, eps, width)
+        vals, toks = _top(head, states, eps, width)
         frontier, r = [[] for _ in seqs], 0
         for b in active:
             frontier[b] = [(r + j, i) for j, i in enumerate(picks[b])]
