@@ -20,14 +20,14 @@ import torch
 
 from ..model import Transformer, compiled_for
 from ..sampling import NonFiniteError, context_mask, first_token
-from ..tree import tree_mask, verify_tree_greedy, verify_tree_sample
+from ..tree import tree_mask, verify_tree_greedy
 from ..verify import penalize, verify_sample
 from . import batch as B
 from .forward import transformer_pass
 from .pool import PagePool
 from .proposers import BatchProposer, MTPGuess
 from .sequence import Seq
-from .tree_guess import grow
+from .tree_guess import TreeGuess, grow
 
 
 @dataclass
@@ -165,8 +165,26 @@ def tree_round(
     """One round with token trees (`tree_guess.grow`) -> per sequence (the tree's depth, kept n,
     the tokens emitted). One target pass over every tree, each node at position cached +
     its depth, seeing its ancestors; each tree verified on its own rows (`tree.py`); the
-    kept path's K/V moved to the positions that follow the cache, the rest rolled back."""
-    trees = grow(proposer, seqs, budget, width)
+    kept path's K/V moved to the positions that follow the cache, the rest rolled back.
+
+    Sampled sequences offer the module's chain of sampled guesses instead (a tree of width
+    one, in the same pass), verified by min(1, p/q): a tree of the module's top tokens keeps
+    less than that rule under sampling (measured: README, "token trees")."""
+    greedy = [s for s in seqs if s.warp is None]
+    grown = iter(grow(proposer, greedy, budget, width) if greedy else [])
+    sampled = [s for s in seqs if s.warp is not None]
+    chains = iter(proposer.propose(sampled, [s.k for s in sampled]) if sampled else [])
+    trees: list[TreeGuess] = []
+    qs: list[torch.Tensor | None] = []
+    for s in seqs:
+        if s.warp is None:
+            trees.append(next(grown))
+            qs.append(None)
+        else:
+            drafts, q = next(chains)
+            m = drafts.shape[0]
+            trees.append(TreeGuess(drafts, list(range(-1, m)), m))
+            qs.append(q)
     dev = t.slab.device
     fed = [torch.cat([s.last.view(1), tr.tokens]) for s, tr in zip(seqs, trees, strict=True)]
     ids = torch.cat(fed)  # [N]
@@ -184,9 +202,12 @@ def tree_round(
             rows = penalize(rows, s.seen, f, s.req.sampling.repetition_penalty, tree_mask(parents))
         if s.warp is None:
             v = verify_tree_greedy(f[None], parents, rows[None])
-        else:
-            v = verify_tree_sample(f[None], parents, s.warp(rows)[None], None, s.gen, kind="topk")
-        verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
+            verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
+        else:  # a chain: the nodes are the positions
+            p = s.warp(rows)  # [c, V]
+            q = qs[len(verdicts_t)]
+            n, out = verify_sample(f[None, 1:], (q if q is not None else p[:0])[None], p[None], s.gen)
+            verdicts_t.append(torch.cat([n, out[0], torch.arange(c, device=dev)]))
         first += c
     values = torch.cat([*verdicts_t, logits.isfinite().all().long().view(1)]).tolist()  # the one sync
     if values[-1] != 1:
@@ -199,7 +220,9 @@ def tree_round(
         n = values[at]
         emitted, nodes = values[at + 1 : at + 2 + n], values[at + 1 + c : at + 2 + c + n]  # out, the kept path
         at += 1 + 2 * c
-        if n:  # the kept guesses' K/V, from their nodes' slots to the positions after `last`
+        if nodes[1:] != list(
+            range(1, n + 1)
+        ):  # the kept guesses' K/V, from their nodes' slots to the positions after `last`
             table = t.pool.tables[s.uid]
             src = [s.cached + i for i in nodes[1:]]
             dst = [s.cached + j for j in range(1, n + 1)]
