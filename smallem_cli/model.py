@@ -22,6 +22,7 @@ from torch import nn
 
 from .cache import PagedKVCache, Step
 from .config import ModelConfig
+from .decode_ops import attend, head_matmul
 from .defaults import PAGE_SIZE
 
 if TYPE_CHECKING:
@@ -157,37 +158,6 @@ class Block(nn.Module):
         gu = unit_rms(x, self.eps) @ p["gu"]  # [T, 2F]
         f = gu.shape[-1] // 2
         return torch.addmm(x, F.silu(gu[:, :f]) * gu[:, f:], p["down"])
-
-
-def head_matmul(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [M, d] @ w [d, V] for a wide output head, `rows` being w transposed ([V, d], contiguous).
-
-    MKL's GEMM for a few rows of x against a wide matrix costs several times its one-row
-    case, where the transposed product does not (head 256 x 8192, 2 threads, measured here:
-    M=1 338 us as x @ w against 1,359 as rows @ x.T; M=5 3,289 against 889; M=16 4,275
-    against 1,104). So one row takes x @ w, and three or more the transposed product.
-    """
-    if x.dim() == 2 and x.shape[0] >= 3:
-        return (rows @ x.t()).t().contiguous()  # [M, V]
-    return x @ w
-
-
-def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, Hkv: int, G: int) -> torch.Tensor:
-    """One sequence's attention: queries q [T, H*D] over its keys and values kv [2, Hkv, S, D]
-    (bias [T, S] additive, None when every key is visible) -> [T, H*D].
-
-    By hand: SDPA's CPU fallback for masks and groups costs several times more. Query heads
-    h = j*G + g share kv head j: one bmm over kv heads, rows (g, t).
-    """
-    T, D = q.shape[0], kv.shape[-1]
-    H = Hkv * G
-    q = q.view(T, Hkv, G, D)
-    q = q.view(Hkv, G, D) if T == 1 else q.permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
-    s = torch.bmm(q, kv[0].transpose(1, 2))  # [Hkv, G*T, S]
-    if bias is not None:
-        s = (s.view(Hkv, G, T, -1) + bias).view(Hkv, G * T, -1)
-    o = torch.bmm(torch.softmax(s, dim=-1), kv[1])  # [Hkv, G*T, D]
-    return o.view(1, H * D) if T == 1 else o.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

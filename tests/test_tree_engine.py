@@ -104,7 +104,7 @@ def triple_law(model, prompt: list[int]) -> torch.Tensor:
 
 
 def test_sampled_requests_in_tree_mode_follow_the_target() -> None:
-    """30,000 sampled requests of 3 tokens, up to 64 at a time, in an engine growing trees of
+    """20,000 sampled requests of 3 tokens, up to 64 at a time, in an engine growing trees of
     width 2 and depth 3 (a sampled request offers the module's sampled chain, in the same
     tree pass): the triples follow the target's law (124 dof, chi2 < 190, p ~ 1e-4) and not
     another model's (the negative control)."""
@@ -113,7 +113,7 @@ def test_sampled_requests_in_tree_mode_follow_the_target() -> None:
     prompt = [1, 3]
     law_p, law_o = triple_law(target, prompt), triple_law(other, prompt)
     eng = tree_engine(target, mtp, 3, (5, 2), max_batch=64)
-    n = 30_000
+    n = 20_000
     reqs = (Request(i, i, tuple(prompt), 3, Sampling(1.0, seed=i)) for i in range(n))
     counts = torch.zeros(5, 5, 5, dtype=torch.float64)
     deep = 0

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model import Block, MTPModule, Transformer, attend, unit_rms
+from ..decode_ops import attend
+from ..model import Block, MTPModule, Transformer, unit_rms
 from .batch import BatchStep
 
 

@@ -21,7 +21,8 @@ from typing import Protocol
 
 import torch
 
-from ..model import MTPModule, Transformer, head_matmul
+from ..decode_ops import head_matmul
+from ..model import MTPModule, Transformer
 from ..ngram import NgramProposer
 from ..proposers import Head, Proposer
 from . import batch as B

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import head_matmul, unit_rms
+from ..decode_ops import head_matmul
+from ..model import unit_rms
 from ..proposers import Head
 from . import batch as B
 from .forward import mtp_pass
