@@ -41,6 +41,9 @@ P_MIN = 0.0
 # tokens and the TREE_WIDTH best nodes of each level (`engine.tree_guess`); 0 keeps the chain.
 TREE = 0
 TREE_WIDTH = 4
+# A sampled request's tree: each expanded node gets TREE_DRAWS children drawn from the module's
+# q (SpecInfer's rule verifies them); fewer children per node leave room for more depth.
+TREE_DRAWS = 2
 TREE_HELP = "token trees of N guesses per round, k levels deep (MTP only; eager rounds; 0 = a chain)"
 MAX_TREE = 64
 

@@ -18,16 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import defaults as D
 from ..model import Transformer, compiled_for
 from ..sampling import NonFiniteError, context_mask, first_token
-from ..tree import tree_mask, verify_tree_greedy
+from ..tree import tree_mask, verify_tree_greedy, verify_tree_sample
 from ..verify import penalize, verify_sample
 from . import batch as B
 from .forward import transformer_pass
 from .pool import PagePool
 from .proposers import BatchProposer, MTPGuess
 from .sequence import Seq
-from .tree_guess import TreeGuess, grow
+from .tree_guess import grow
 
 
 @dataclass
@@ -166,25 +167,9 @@ def tree_round(
     the tokens emitted). One target pass over every tree, each node at position cached +
     its depth, seeing its ancestors; each tree verified on its own rows (`tree.py`); the
     kept path's K/V moved to the positions that follow the cache, the rest rolled back.
-
-    Sampled sequences offer the module's chain of sampled guesses instead (a tree of width
-    one, in the same pass), verified by min(1, p/q): a tree of the module's top tokens keeps
-    less than that rule under sampling (measured: README, "token trees")."""
-    greedy = [s for s in seqs if s.warp is None]
-    grown = iter(grow(proposer, greedy, budget, width) if greedy else [])
-    sampled = [s for s in seqs if s.warp is not None]
-    chains = iter(proposer.propose(sampled, [s.k for s in sampled]) if sampled else [])
-    trees: list[TreeGuess] = []
-    qs: list[torch.Tensor | None] = []
-    for s in seqs:
-        if s.warp is None:
-            trees.append(next(grown))
-            qs.append(None)
-        else:
-            drafts, q = next(chains)
-            m = drafts.shape[0]
-            trees.append(TreeGuess(drafts, list(range(-1, m)), m))
-            qs.append(q)
+    Greedy and sampled requests grow their trees differently (`tree_guess`), and share the pass."""
+    width, drawn = min(width, budget), min(D.TREE_DRAWS, budget)
+    trees = grow(proposer, seqs, budget, width, drawn)
     dev = t.slab.device
     fed = [torch.cat([s.last.view(1), tr.tokens]) for s, tr in zip(seqs, trees, strict=True)]
     ids = torch.cat(fed)  # [N]
@@ -203,11 +188,11 @@ def tree_round(
         if s.warp is None:
             v = verify_tree_greedy(f[None], parents, rows[None])
             verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
-        else:  # a chain: the nodes are the positions
+        else:  # children drawn from q: SpecInfer's rule
             p = s.warp(rows)  # [c, V]
-            q = qs[len(verdicts_t)]
-            n, out = verify_sample(f[None, 1:], (q if q is not None else p[:0])[None], p[None], s.gen)
-            verdicts_t.append(torch.cat([n, out[0], torch.arange(c, device=dev)]))
+            q = tr.q if tr.q is not None else torch.zeros_like(p)  # no guess: nothing was drawn
+            v = verify_tree_sample(f[None], parents, p[None], q[None], s.gen, kind="iid", width=drawn)
+            verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
         first += c
     values = torch.cat([*verdicts_t, logits.isfinite().all().long().view(1)]).tolist()  # the one sync
     if values[-1] != 1:

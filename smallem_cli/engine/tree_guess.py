@@ -5,16 +5,25 @@ the longest path the target agrees with (`tree.py` decides which). The tree grow
 the module is sure: every node it reaches gets a score, the sum of the log-probabilities
 of the guesses on its path, and
 
-    depth 1     the module's state after the last true token gives the root's candidates;
-    depth j+1   the `width` best candidates of depth j (by score) are fed to the module, each
-                as (its parent's state, its token), in one pass over every sequence's tree
-                (each node attends to the true entries, its ancestors and itself); each
-                one's `width` best tokens are candidates of depth j+1;
-    the tree    the `budget` best candidates of all depths. A child scores no more than its
-                parent and is made after it, so the best set holds every node's parent.
+    depth 1     the module's state after the last true token gives the root's children;
+    depth j+1   the `width` best nodes of depth j (by score) are fed to the module, each as
+                (its parent's state, its token), in one pass over every sequence's tree
+                (each node attends to the true entries, its ancestors and itself), and each
+                one's children are made from its state.
 
-The children of a node are the module's top tokens, fixed given the prefix, so
-verification uses the "topk" rule under sampling (`verify_tree_sample`), exact for any q.
+The children of a node, by request:
+    greedy      the module's `width` best tokens, fixed given the prefix; the tree is the
+                `budget` best nodes of all depths (a child scores no more than its parent and
+                is made after it, so the best set holds every node's parent); verified by
+                following the target's argmax (`verify_tree_greedy`).
+    sampled     `width` tokens drawn independently from the module's warped distribution q
+                (duplicates kept), every drawn child kept: a node is expanded only while the
+                tree has room for all its children. Verified by SpecInfer's rule
+                (`verify_tree_sample`, kind "iid": each child accepted with min(1, r/q), r
+                moved to norm(max(r - q, 0)) after a rejection), exact for such children.
+                Which nodes are expanded may depend on anything drawn before their children
+                (their own tokens, their siblings'), never on the children themselves.
+
 The module's tree entries are dropped after the round, as a chain's guesses are
 (`MTPGuess.accept`): its cache keeps the true entries alone.
 """
@@ -28,6 +37,7 @@ import torch
 from ..decode_ops import head_matmul
 from ..model import unit_rms
 from ..proposers import Head
+from ..verify import sample
 from . import batch as B
 from .forward import mtp_pass
 from .proposers import MTPGuess
@@ -41,6 +51,9 @@ class TreeGuess:
     tokens: torch.Tensor  # long [N]: nodes 1..N
     parents: list[int]  # [N + 1]: parents[0] == -1, 0 <= parents[i] < i
     depth: int  # the deepest node's depth (0: no guess)
+    # sampled trees: q [N + 1, V], row u the distribution u's children were drawn from (zeros
+    # for a node without children); None for a greedy tree
+    q: torch.Tensor | None = None
 
 
 @dataclass
@@ -50,19 +63,34 @@ class _Cand:
     parent: int  # candidate id of its parent, -1 under the root
     depth: int
     entry: int = -1  # the module's tree entry, once fed
+    q: torch.Tensor | None = None  # sampled: [V], what its children were drawn from, once made
 
 
-def _top(head: Head, h: torch.Tensor, eps: float, width: int) -> tuple[list[list[float]], list[list[int]]]:
-    """States h [F, d] -> (log-probabilities [F, w], tokens [F, w]) of each one's `width` best, on the host."""
-    ids = head.ids
-    logp = torch.log_softmax(head_matmul(unit_rms(h, eps), head.w, head.rows), dim=-1)  # [F, V or cut]
-    vals, idx = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [F, w]
-    toks = idx if ids is None else ids[idx]
-    return vals.tolist(), toks.tolist()
+def _children(
+    head: Head, h: torch.Tensor, eps: float, width: int, drawn: int, seqs: list[Seq]
+) -> tuple[list[list[float]], list[list[int]], list[torch.Tensor | None]]:
+    """States h [F, d] (row r a node of seqs[r]) -> per row the log-probabilities and tokens of
+    its children (`width` best, or `drawn` draws for a sampled request), on the host, and the
+    distribution [V] they were drawn from (None: greedy)."""
+    logits = head_matmul(unit_rms(h, eps), head.w, head.rows)  # [F, V or cut]
+    logp = torch.log_softmax(logits, dim=-1)
+    vals, idx = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [F, w]: the greedy rows' children
+    out_vals, out_toks = vals.tolist(), (idx if head.ids is None else head.ids[idx]).tolist()
+    qs: list[torch.Tensor | None] = [None] * len(seqs)
+    for r, s in enumerate(seqs):
+        if s.warp is not None:  # `drawn` independent draws from q, in the head's own indices
+            q = s.warp(logits[r : r + 1])  # [1, V or cut]
+            draws = sample(q.expand(drawn, -1).contiguous(), s.gen)  # [drawn]
+            out_vals[r] = q[0, draws].log().tolist()
+            out_toks[r] = (draws if head.ids is None else head.ids[draws]).tolist()
+            qs[r] = head.expand(q)[0]  # [V]
+    return out_vals, out_toks, qs
 
 
-def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int) -> list[TreeGuess]:
-    """A tree of at most `budget` guesses and seq.k levels for each sequence (one host sync per level)."""
+def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> list[TreeGuess]:
+    """A tree of at most `budget` guesses and seq.k levels for each sequence (one host sync per
+    level): `width` nodes expanded per level, each with its `width` best tokens (greedy) or
+    `drawn` draws (sampled)."""
     st = [p.state[s.uid] for s in seqs]
     for x in st:
         x.proposed, x.fed_guesses = True, 0
@@ -70,25 +98,31 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int) -> list[TreeGues
     out = p._feed_pending(seqs)  # [G, d]: each one's state after its last true token
     head, eps = p.head, p.mtp.cfg.norm_eps
     cands: list[list[_Cand]] = [[] for _ in seqs]
+    roots: list[torch.Tensor | None] = [None] * len(seqs)  # sampled: what the root's children were drawn from
     entries: list[list[int]] = [[] for _ in seqs]  # parent entry (-1: the true entries) per tree entry
     states = out
-    vals, toks = _top(head, out, eps, width)
+    vals, toks, qs = _children(head, out, eps, width, drawn, seqs)
     # per sequence, the candidates whose states were just computed: (row in `states`, cand id)
     frontier: list[list[tuple[int, int]]] = [[(b, -1)] if depth[b] else [] for b in range(len(seqs))]
     for level in range(1, max(depth, default=0) + 1):
         for b, fb in enumerate(frontier):
             for r, cid in fb:
-                score = cands[b][cid].score if cid >= 0 else 0.0
+                parent = cands[b][cid] if cid >= 0 else None
+                if parent is None:
+                    roots[b] = qs[r]
+                else:
+                    parent.q = qs[r]
+                score = parent.score if parent is not None else 0.0
                 for v, t in zip(vals[r], toks[r], strict=True):
                     cands[b].append(_Cand(score + v, t, cid, level))
-        # the `width` best candidates of this level, fed to the module (their parent's state, their
-        # token), for the sequences whose trees go deeper
-        picks = [
-            sorted((i for i, c in enumerate(cb) if c.depth == level), key=lambda i, cb=cb: -cb[i].score)[:width]
-            if level < depth[b]
-            else []
-            for b, cb in enumerate(cands)
-        ]
+        # the best candidates of this level, fed to the module (their parent's state, their
+        # token), for the sequences whose trees go deeper; a sampled tree expands a node only
+        # while every child it will draw fits the budget
+        picks = []
+        for b, cb in enumerate(cands):
+            best = sorted((i for i, c in enumerate(cb) if c.depth == level), key=lambda i, cb=cb: -cb[i].score)
+            room = width if seqs[b].warp is None else min(width, (budget - len(cb)) // drawn)
+            picks.append(best[: max(room, 0)] if level < depth[b] else [])
         active = [b for b, pb in enumerate(picks) if pb]
         if not active:
             break
@@ -114,19 +148,25 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int) -> list[TreeGues
         )
         tok = torch.tensor(ids, dtype=torch.long, device=out.device)
         states = mtp_pass(p.mtp, p.target, p.slab, torch.stack(h), tok, step)  # [F, d]
-        vals, toks = _top(head, states, eps, width)
+        row_seqs = [seqs[b] for b in active for _ in picks[b]]
+        vals, toks, qs = _children(head, states, eps, width, drawn, row_seqs)
         frontier, r = [[] for _ in seqs], 0
         for b in active:
             frontier[b] = [(r + j, i) for j, i in enumerate(picks[b])]
             r += len(picks[b])
-    return [_tree(cb, budget, out.device) for cb in cands]
+    return [_tree(cb, budget, root, out.device) for cb, root in zip(cands, roots, strict=True)]
 
 
-def _tree(cands: list[_Cand], budget: int, device: torch.device) -> TreeGuess:
-    """The `budget` best candidates, in topological order (by depth, then as they were made)."""
-    best = sorted(range(len(cands)), key=lambda i: (-cands[i].score, i))[:budget]
-    order = sorted(best, key=lambda i: (cands[i].depth, i))
+def _tree(cands: list[_Cand], budget: int, root_q: torch.Tensor | None, device: torch.device) -> TreeGuess:
+    """Greedy: the `budget` best candidates; sampled (root_q given): every one. In topological
+    order: by depth, then as they were made (a node's children in the order they were drawn)."""
+    best = range(len(cands)) if root_q is not None else sorted(range(len(cands)), key=lambda i: (-cands[i].score, i))
+    order = sorted(list(best)[:budget] if root_q is None else best, key=lambda i: (cands[i].depth, i))
     node = {cid: n + 1 for n, cid in enumerate(order)}
     parents = [-1] + [0 if cands[i].parent < 0 else node[cands[i].parent] for i in order]
     tokens = torch.tensor([cands[i].token for i in order], dtype=torch.long, device=device)
-    return TreeGuess(tokens, parents, max((cands[i].depth for i in order), default=0))
+    q = None
+    if root_q is not None:
+        zero = root_q.new_zeros(root_q.shape)
+        q = torch.stack([root_q] + [c.q if (c := cands[i]).q is not None else zero for i in order])  # [N+1, V]
+    return TreeGuess(tokens, parents, max((cands[i].depth for i in order), default=0), q)
