@@ -145,8 +145,9 @@ def bench(
         str, typer.Option(help="eager | compiled | eager,compiled (auto: both on a CPU; compiled builds its steps)")
     ] = D.ENGINE,
     tree: Annotated[
-        int, typer.Option("--tree", help="also rows with token trees of N guesses: each MTP proposer (eager rounds)")
-    ] = D.TREE,
+        str | None,
+        typer.Option("--tree", help="also rows with token trees of N guesses (N or N,M,..): each MTP proposer"),
+    ] = None,
 ) -> None:
     """The seed's measurement table: tokens/s, speed-up, acceptance, cost model."""
     import json
@@ -168,13 +169,13 @@ def bench(
         O.check_sampling(temperature, None, None)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
-        trees = O.tree_names(names, tree) if O.tree(tree) else {}  # "mtp@tree12" -> "mtp"
+        trees = O.tree_names(names, O.tree_budgets(tree)) if tree else {}  # "mtp@tree12" -> ("mtp", 12)
         if batch:  # the batch engine's table instead: greedy, one run per size
             from .bench_batch import from_cli
 
             sizes = O.parse_sizes(batch)
             found = O.read_prompts(prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]})
-            names += list(trees)
+            names = names + list(trees)
             rows = from_cli(tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file)
             if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
                 raise fail("greedy identity FAILED in the batch engine", 1)
@@ -189,12 +190,12 @@ def bench(
         loaded = {
             v: {
                 n: family.load_proposer(
-                    adaptive.get(n, trees.get(n, n)),
+                    adaptive.get(n, trees[n][0] if n in trees else n),
                     tgt,
                     dev,
                     v,
                     (p_min or 0.0) * (n in adaptive),
-                    O.tree(tree) if n in trees else None,
+                    O.tree(trees[n][1]) if n in trees else None,
                 )
                 for n in names
             }

@@ -178,9 +178,21 @@ def tree(value: int) -> tuple[int, int] | None:
     return (value, D.TREE_WIDTH) if value else None
 
 
-def tree_names(names: list[str], budget: int) -> dict[str, str]:
-    """bench --tree: a row name for each MTP proposer growing trees -> its proposer."""
-    return {f"{n}@tree{budget}": n for n in names if "+" not in n and "mtp" in Path(n).stem}
+def tree_budgets(text: str) -> list[int]:
+    """bench --tree: "12" or "8,16,24" -> the budgets, each checked as `tree` checks one."""
+    try:
+        budgets = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--tree takes budgets like 12 or 8,16,24, got {text!r}") from None
+    for b in budgets:
+        if tree(b) is None:
+            raise UsageError(f"--tree must be in 1..{D.MAX_TREE} for bench rows, got {b}")
+    return budgets
+
+
+def tree_names(names: list[str], budgets: list[int]) -> dict[str, tuple[str, int]]:
+    """bench --tree: a row name for each MTP proposer and budget -> (its proposer, the budget)."""
+    return {f"{n}@tree{b}": (n, b) for n in names if "+" not in n and "mtp" in Path(n).stem for b in budgets}
 
 
 def adaptive_names(names: list[str], p: float) -> dict[str, str]:

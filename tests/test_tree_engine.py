@@ -194,3 +194,26 @@ def test_sampled_request_in_tree_mode_depends_on_its_seed_alone(target, mtp) -> 
         if r.sampling.greedy:
             ref, _ = generate(target, NoProposer(), list(r.prompt), 30, 0)
             assert alone.tokens == ref
+
+
+def test_bench_rows_for_each_tree_budget(family, tmp_path) -> None:
+    """`smallem bench --tree 3,6`: a row per MTP proposer and budget, each 2/2 identical; a bad
+    budget is one line and exit 2."""
+    import json
+
+    from test_cli import refused
+    from typer.testing import CliRunner
+
+    from smallem_cli.cli import app
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"tokens": list(range(5 + i, 17 + i)), "text": ""}) for i in range(2)))
+    base = ["bench", "--target", str(family.target), "--proposers", "draft-2l,mtp", "--prompts", str(prompts)]
+    args = [*base, "-n", "12", "--repeats", "1", "--modes", "greedy", "--engines", "eager", "--json"]
+    res = CliRunner().invoke(app, [*args, "--tree", "3,6"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["rows"]
+    assert [r["proposer"] for r in rows] == ["none", "draft-2l", "mtp", "mtp@tree3", "mtp@tree6"]
+    assert all(r["identical"] == "2/2" for r in rows)
+    for bad, message in (("0", r"--tree must be in 1\.\.64"), ("3,x", r"--tree takes budgets like")):
+        refused(CliRunner().invoke(app, [*args, "--tree", bad]), message)
