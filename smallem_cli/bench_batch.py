@@ -24,8 +24,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import defaults as D
 from . import family
+from . import options as O
 from .engine.request import Request
 from .engine.scheduler import Engine
 
@@ -177,7 +177,7 @@ def from_cli(
 
     def make(name: str, k: int | None, size: int) -> Engine:
         base, _, budget = name.partition("@tree")  # a row with token trees (`options.tree_names`)
-        tree = (int(budget), D.TREE_WIDTH) if budget else None
+        tree = O.tree(int(budget)) if budget else None
         return build_engine(
             tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree
         )

@@ -96,7 +96,7 @@ def load_proposer(
     model proposer stops a round's guesses once it is less sure than that (adaptive depth).
     tree (guesses, width): the MTP module grows token trees (`engine.tree_guess`); MTP only.
     """
-    if tree is not None and (spec in ("none", D.NGRAM) or spec.startswith(D.NGRAM + "+")):
+    if tree is not None and not _is_mtp(spec, target):
         raise CheckpointError(f"--tree needs the MTP module as proposer, not {spec!r}")
     if spec == "none":
         return lambda _: NoProposer()
@@ -112,8 +112,6 @@ def load_proposer(
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
     if hf.is_hf_dir(path):
-        if tree is not None:
-            raise CheckpointError(f"--tree needs the MTP module as proposer, not the draft {spec!r}")
         draft, fp = hf.load_hf(path, device)
         _same_vocab(target, fp, draft.cfg.vocab_size, path)
         _fits(target, draft, path)
@@ -129,13 +127,19 @@ def load_proposer(
         mtp.pack()
         mtp_head = Head(target.model, ids)
         return lambda n: MTPProposer(target.model, mtp, n, mtp_head, p_min=p_min, tree=tree)
-    if tree is not None:
-        raise CheckpointError(f"--tree needs the MTP module as proposer, not the draft {spec!r}")
     draft, _ = checkpoint.load_model(path, device)
     _fits(target, draft, path)
     draft.pack()
     head = Head(draft, ids)
     return lambda n: DraftProposer(draft, n, name, head, p_min=p_min)
+
+
+def _is_mtp(spec: str, target: Target) -> bool:
+    """Whether `spec` names an MTP module's checkpoint (its header says so; nothing is loaded)."""
+    if spec in ("none", D.NGRAM) or spec.startswith(D.NGRAM + "+"):
+        return False
+    path = _proposer_path(spec, target)
+    return not hf.is_hf_dir(path) and checkpoint.read_meta(path).get("kind") == "mtp"
 
 
 def _fits(target: Target, draft: Transformer, path: Path) -> None:

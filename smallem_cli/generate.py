@@ -24,7 +24,7 @@ from .engine.pool import PagePool
 from .engine.proposers import EachGuess, MTPGuess
 from .engine.request import Request
 from .engine.runner import Target
-from .engine.scheduler import Emitted, Engine
+from .engine.scheduler import Emitted, Engine, round_ahead
 from .model import Transformer
 from .proposers import MTPProposer, Proposer
 from .sampling import Sampling
@@ -38,25 +38,22 @@ def cache_pages(n_tokens: int, page_size: int = PAGE_SIZE) -> int:
 def engine_for_one(
     target: Transformer, proposer: Proposer, n_tokens: int, k: int, stop_token: int | None, page_size: int = PAGE_SIZE
 ) -> Engine:
-    """An engine for one sequence of up to n_tokens positions (prompt, new tokens, guesses).
+    """An engine for one sequence of a prompt and new tokens, n_tokens positions in all.
 
     With compiled steps the slab is the whole context, the layout they were built for. An MTP
     proposer set to grow token trees (`MTPProposer.tree`) runs in the engine's batched form,
     its module's cache in the pool beside the target's."""
-    device = target.embed_tokens.weight.device
     tree = proposer.tree if isinstance(proposer, MTPProposer) else None
-    if tree is not None:
-        n_tokens += max(tree[0], (k - 1) * tree[1])
-    n_pages = cache_pages(n_tokens, page_size)
+    n_pages = cache_pages(n_tokens + round_ahead(k, tree), page_size)
     compiled = target.compiled
     if compiled is not None and compiled.enabled:
         n_pages = max(n_pages, compiled.slab_shape[-2] // page_size)
     pool = PagePool(n_pages, page_size)
-    slab = slab_for(target, n_pages * page_size, device)
+    t = Target(target, slab_for(target, n_pages * page_size, target.embed_tokens.weight.device), pool)
     if isinstance(proposer, MTPProposer) and tree is not None:
         proposer.release()  # its own cache is not used: the module's lives in the pool
         mtp = MTPGuess(target, proposer.mtp, pool, proposer.head)
-        return Engine(Target(target, slab, pool), mtp, k, auto_k=False, max_batch=1, eot=stop_token, tree=tree)
+        return Engine(t, mtp, k, auto_k=False, max_batch=1, eot=stop_token, tree=tree)
     given = [proposer]
 
     def once() -> Proposer:  # the proposer serves one sequence: a second start would be a bug
@@ -64,14 +61,7 @@ def engine_for_one(
             raise RuntimeError("a one-prompt generation restarted its proposer")
         return given.pop()
 
-    return Engine(
-        Target(target, slab, pool),
-        EachGuess(once, proposer.name),
-        k,
-        auto_k=False,
-        max_batch=1,
-        eot=stop_token,
-    )
+    return Engine(t, EachGuess(once, proposer.name), k, auto_k=False, max_batch=1, eot=stop_token)
 
 
 def stream(
@@ -94,9 +84,9 @@ def stream(
     if max_new_tokens < 1:
         proposer.release()
         return
-    engine = engine_for_one(target, proposer, len(prompt) + max_new_tokens + k + 1, k, stop_token, page_size)
+    engine = engine_for_one(target, proposer, len(prompt) + max_new_tokens, k, stop_token, page_size)
     request = Request(0, 0, tuple(prompt), max_new_tokens, sampling)
-    for event in engine.run([request], chunks=True):
+    for event in engine.events([request]):
         if isinstance(event, Emitted):
             if stats is not None:
                 stats.copy_from(event.stats)

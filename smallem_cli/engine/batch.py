@@ -47,6 +47,34 @@ class BatchStep:
         return int(self.positions.shape[0])
 
 
+def in_order(table: list[int], n_pages: int) -> int | None:
+    """The first page of `table` if its first n_pages pages are consecutive, in order (a pool of
+    one sequence hands them out so), else None: the sequence's slots are then one range."""
+    first = table[0]
+    return first if table[:n_pages] == list(range(first, first + n_pages)) else None
+
+
+def _layout(
+    tables: list[list[int]], counts: list[int], S: int, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every pass over a flattened batch needs, whatever its positions and mask ->
+    (kv_slots [B, S], seq [N] (each row's sequence), valid [B, Tm], q_rows [B, Tm] (padding
+    repeats row 0), out_rows [N], last [B])."""
+    B, Tm = len(tables), max(counts)
+    max_pages = -(-S // page_size)
+    table = torch.tensor([t[:max_pages] + [0] * (max_pages - len(t[:max_pages])) for t in tables], dtype=torch.long)
+    j = torch.arange(S)
+    kv_slots = table[:, j // page_size] * page_size + j % page_size  # [B, S]
+    n = torch.tensor(counts)
+    seq = torch.repeat_interleave(torch.arange(B), n)  # [N]
+    first = torch.tensor([0, *counts[:-1]]).cumsum(0)  # [B] flat row of each sequence's first token
+    t = torch.arange(Tm)
+    valid = t[None, :] < n[:, None]  # [B, Tm]
+    q_rows = torch.where(valid, first[:, None] + t[None, :], 0)  # [B, Tm]
+    out_rows = seq * Tm + (torch.arange(int(seq.shape[0])) - first[seq])  # [N]
+    return kv_slots, seq, valid, q_rows, out_rows, first + n - 1
+
+
 def build(
     tables: list[list[int]], starts: list[int], counts: list[int], page_size: int, device: torch.device
 ) -> BatchStep:
@@ -58,36 +86,19 @@ def build(
     assert B and len(starts) == len(counts) == B and min(counts) >= 1
     lengths = [s + n for s, n in zip(starts, counts, strict=True)]
     S, Tm = max(lengths), max(counts)
-    max_pages = -(-S // page_size)
-    t0 = tables[0]
-    if B == 1 and t0[:max_pages] == list(range(t0[0], t0[0] + max_pages)):
-        return _one_in_order(t0[0] * page_size, starts[0], counts[0], device)
+    if B == 1 and (page := in_order(tables[0], -(-S // page_size))) is not None:
+        return _one_in_order(page * page_size, starts[0], counts[0], device)
     for t, n in zip(tables, lengths, strict=True):
         assert len(t) * page_size >= n, "reserve pages before building a step"
-    table = torch.tensor([t[:max_pages] + [0] * (max_pages - len(t[:max_pages])) for t in tables], dtype=torch.long)
-    j = torch.arange(S)
-    kv_slots = table[:, j // page_size] * page_size + j % page_size  # [B, S]
+    kv_slots, seq, valid, q_rows, out_rows, last = _layout(tables, counts, S, page_size)
     pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])  # [N]
-    seq = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))  # [N]
-    slots = kv_slots[seq, pos]  # [N]
-    first = torch.tensor([0, *counts[:-1]]).cumsum(0)  # [B] flat row of each sequence's first token
     t = torch.arange(Tm)
-    valid = t[None, :] < torch.tensor(counts)[:, None]  # [B, Tm]
-    q_rows = torch.where(valid, first[:, None] + t[None, :], 0)  # [B, Tm]
     q_pos = torch.where(valid, torch.tensor(starts)[:, None] + t[None, :], S - 1)  # padding sees every key
-    bias = torch.zeros(B, Tm, S).masked_fill_(j[None, None, :] > q_pos[:, :, None], float("-inf"))
-    out_rows = seq * Tm + (torch.arange(pos.shape[0]) - first[seq])  # [N]
-    last = first + torch.tensor(counts) - 1  # [B]
-    dev = device
+    bias = torch.zeros(B, Tm, S).masked_fill_(torch.arange(S)[None, None, :] > q_pos[:, :, None], float("-inf"))
+    slots = kv_slots[seq, pos]  # [N]
+    d = device
     return BatchStep(
-        pos.to(dev),
-        slots.to(dev),
-        kv_slots.to(dev),
-        q_rows.to(dev),
-        bias.to(dev),
-        out_rows.to(dev),
-        last.to(dev),
-        list(counts),
+        pos.to(d), slots.to(d), kv_slots.to(d), q_rows.to(d), bias.to(d), out_rows.to(d), last.to(d), list(counts)
     )
 
 
@@ -125,13 +136,9 @@ def build_tree(
     counts = [len(r) for r in rows]
     assert B and len(starts) == len(parents) == B and min(counts) >= 1
     S = max(s + len(p) for s, p in zip(starts, parents, strict=True))
-    Tm = max(counts)
-    max_pages = -(-S // page_size)
-    table = torch.tensor([t[:max_pages] + [0] * (max_pages - len(t[:max_pages])) for t in tables], dtype=torch.long)
-    j = torch.arange(S)
-    kv_slots = table[:, j // page_size] * page_size + j % page_size  # [B, S]
-    bias = torch.zeros(B, Tm, S)
-    pos, slot_rows = [], []
+    kv_slots, _, _, q_rows, out_rows, last = _layout(tables, counts, S, page_size)
+    bias = torch.zeros(B, max(counts), S)  # padding rows see every key
+    pos, slots = [], []
     for b, (s, par, r) in enumerate(zip(starts, parents, rows, strict=True)):
         n = len(par)
         assert len(tables[b]) * page_size >= s + n, "reserve pages before building a step"
@@ -145,24 +152,17 @@ def build_tree(
                 depth[i] = depth[p] + 1
             seen[i, s + i] = True
         ri = torch.tensor(r)
-        bias[b, : len(r)] = torch.zeros(len(r), S).masked_fill_(~seen[ri], float("-inf"))
+        bias[b, : len(r)].masked_fill_(~seen[ri], float("-inf"))
         pos.append(s + torch.tensor(depth)[ri])
-        slot_rows.append(kv_slots[b, s + ri])
-    seq = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))  # [N]
-    first = torch.tensor([0, *counts[:-1]]).cumsum(0)  # [B]
-    t = torch.arange(Tm)
-    valid = t[None, :] < torch.tensor(counts)[:, None]  # [B, Tm]
-    q_rows = torch.where(valid, first[:, None] + t[None, :], 0)  # [B, Tm]; padding rows see every key
-    out_rows = seq * Tm + (torch.arange(int(seq.shape[0])) - first[seq])  # [N]
-    last = first + torch.tensor(counts) - 1  # [B]
-    dev = device
+        slots.append(kv_slots[b, s + ri])
+    d = device
     return BatchStep(
-        torch.cat(pos).to(dev),
-        torch.cat(slot_rows).to(dev),
-        kv_slots.to(dev),
-        q_rows.to(dev),
-        bias.to(dev),
-        out_rows.to(dev),
-        last.to(dev),
+        torch.cat(pos).to(d),
+        torch.cat(slots).to(d),
+        kv_slots.to(d),
+        q_rows.to(d),
+        bias.to(d),
+        out_rows.to(d),
+        last.to(d),
         counts,
     )

@@ -14,7 +14,7 @@ from .forward import slab_for
 from .pool import PagePool
 from .proposers import BatchProposer, DraftGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
 from .runner import Target
-from .scheduler import Engine
+from .scheduler import Engine, round_ahead
 
 
 def batch_proposer(one: Proposer, pool: PagePool) -> BatchProposer:
@@ -37,8 +37,7 @@ def batch_proposer(one: Proposer, pool: PagePool) -> BatchProposer:
 def pool_pages(max_batch: int, context: int, page_size: int, tree: tuple[int, int] | None = None) -> int:
     """Enough for max_batch sequences at the full context: a request that fits the context
     always fits the pool alone, and preemption is for smaller pools (`n_pages`)."""
-    ahead = D.MAX_K if tree is None else max(D.MAX_K, tree[0], (D.MAX_K - 1) * tree[1])
-    return max_batch * (-(-(context + ahead + 2) // page_size))
+    return max_batch * (-(-(context + round_ahead(D.MAX_K, tree)) // page_size))
 
 
 def build_engine(

@@ -61,6 +61,10 @@ class PagePool:
         self.trim(seq, 0)
         del self.tables[seq]
 
+    def slot(self, seq: int, j: int) -> int:
+        """The slot of `seq`'s position j (in every slab of the pool)."""
+        return self.tables[seq][j // self.page_size] * self.page_size + j % self.page_size
+
     def used(self) -> int:
         return self.n_pages - len(self.free)
 

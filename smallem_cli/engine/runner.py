@@ -54,9 +54,10 @@ class Target:
             table = self.pool.tables[s.uid]
             start, end = s.cached, s.cached + T
             fn = compiled_for(self.model.compiled, tuple(self.slab.shape), start, end, True, False)
-            if fn is not None and table == list(range(table[0], table[0] + len(table))):
+            page = B.in_order(table, len(table))
+            if fn is not None and page is not None:
                 assert self.model.compiled is not None
-                base = table[0] * self.pool.page_size
+                base = page * self.pool.page_size
                 past = self.slab[:, :, :, base : base + start]  # [L, K or V, Hkv, start, D]: a view
                 logits, hidden, new = fn(ids.contiguous(), *self.model.compiled.trig(start, end), past)
                 self.slab.index_copy_(3, torch.arange(base + start, base + end, device=ids.device), new)
@@ -187,38 +188,29 @@ def tree_round(
             rows = penalize(rows, s.seen, f, s.req.sampling.repetition_penalty, tree_mask(parents))
         if s.warp is None:
             v = verify_tree_greedy(f[None], parents, rows[None])
-            verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
         else:  # children drawn from q: SpecInfer's rule
             p = s.warp(rows)  # [c, V]
             q = tr.q if tr.q is not None else torch.zeros_like(p)  # no guess: nothing was drawn
             v = verify_tree_sample(f[None], parents, p[None], q[None], s.gen, kind="iid", width=drawn)
-            verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
+        verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
         first += c
     values = torch.cat([*verdicts_t, logits.isfinite().all().long().view(1)]).tolist()  # the one sync
     if values[-1] != 1:
         raise NonFiniteError("the target's logits are not finite (NaN or inf)")
     verdicts: list[tuple[int, int, list[int]]] = []
     first = at = 0
-    ps = t.pool.page_size
     for s, tr, f in zip(seqs, trees, fed, strict=True):
         c = f.shape[0]
         n = values[at]
         emitted, nodes = values[at + 1 : at + 2 + n], values[at + 1 + c : at + 2 + c + n]  # out, the kept path
         at += 1 + 2 * c
-        if nodes[1:] != list(
-            range(1, n + 1)
-        ):  # the kept guesses' K/V, from their nodes' slots to the positions after `last`
-            table = t.pool.tables[s.uid]
-            src = [s.cached + i for i in nodes[1:]]
-            dst = [s.cached + j for j in range(1, n + 1)]
-            moved = t.slab.index_select(3, torch.tensor([_slot(table, j, ps) for j in src], device=dev))
-            t.slab.index_copy_(3, torch.tensor([_slot(table, j, ps) for j in dst], device=dev), moved)
+        if nodes[1:] != list(range(1, n + 1)):  # the kept guesses' K/V, from their nodes' slots to after `last`
+            src = [t.pool.slot(s.uid, s.cached + i) for i in nodes[1:]]
+            dst = [t.pool.slot(s.uid, s.cached + j) for j in range(1, n + 1)]
+            moved = t.slab.index_select(3, torch.tensor(src, device=dev))
+            t.slab.index_copy_(3, torch.tensor(dst, device=dev), moved)
         path = torch.tensor([first + i for i in nodes], device=dev)
         commit(t, proposer, s, tr.depth, n, emitted, hidden.index_select(0, path))
         verdicts.append((tr.depth, n, emitted))
         first += c
     return verdicts
-
-
-def _slot(table: list[int], j: int, page_size: int) -> int:
-    return table[j // page_size] * page_size + j % page_size

@@ -14,6 +14,7 @@ is back in the pool (checked: `PagePool.check`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -40,7 +41,7 @@ class _Decoder:
 
 @dataclass
 class Emitted:
-    """Tokens a sequence just gained (`Engine.run(chunks=True)`): a generation streams them."""
+    """Tokens a sequence just gained (`Engine.events`): a generation streams them."""
 
     request: Request
     tokens: list[int]
@@ -54,6 +55,14 @@ class Progress:
     elapsed_s: float
     acceptance: float  # guesses kept / guesses offered, over all requests so far
     running: int  # sequences decoding now
+
+
+def round_ahead(k: int, tree: tuple[int, int] | None) -> int:
+    """Positions a round of k guesses may write past a sequence's cache: [last, the guesses] (a
+    tree's nodes, and the module's entries while it grows: (guesses, width)), and one more."""
+    if tree is None:
+        return k + 2
+    return max(k, tree[0], (k - 1) * tree[1]) + 2
 
 
 def load_k(k: int, greedy: bool, batch: int, auto: bool, proposer: str) -> int:
@@ -149,15 +158,8 @@ class Engine:
         return self._finish(s) if done else None
 
     # --- pages --------------------------------------------------------------------------
-    def _ahead(self, s: Seq) -> int:
-        """Positions a round may write past the cache: [last, guesses], and one more."""
-        if self.tree is None:
-            return s.k + 2
-        budget, width = self.tree  # the target's tree, and the module's entries while it grows
-        return max(s.k, budget, (s.k - 1) * width) + 2
-
     def _round_need(self, s: Seq) -> int:
-        return s.cached + self._ahead(s)
+        return s.cached + round_ahead(s.k, self.tree)
 
     def _preempt(self, s: Seq, waiting: deque[Seq]) -> None:
         self.pool.release(s.uid)
@@ -183,14 +185,24 @@ class Engine:
 
     # --- the loop -----------------------------------------------------------------------
     def run(
-        self,
-        requests: Iterable[Request],
-        progress: Callable[[Progress], None] | None = None,
-        chunks: bool = False,
+        self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
+    ) -> Iterator[Finished]:
+        """Answers as their requests end. Stopped early (the caller closes the iterator, or an
+        error), every sequence's pages and proposer state go back."""
+        events = self._events(requests, progress, chunks=False)
+        with contextlib.closing(events):  # closing this iterator closes the loop's
+            for e in events:
+                if isinstance(e, Finished):
+                    yield e
+
+    def events(self, requests: Iterable[Request]) -> Iterator[Finished | Emitted]:
+        """As `run`, and each sequence's new tokens as soon as a pass verified them (`Emitted`,
+        before its `Finished`)."""
+        return self._events(requests, None, chunks=True)
+
+    def _events(
+        self, requests: Iterable[Request], progress: Callable[[Progress], None] | None, chunks: bool
     ) -> Iterator[Finished | Emitted]:
-        """Answers as their requests end; with `chunks`, also each sequence's new tokens as soon
-        as a pass verified them (`Emitted`, before its `Finished`). Stopped early (the caller
-        closes the iterator, or an error), every sequence's pages and proposer state go back."""
         waiting: deque[Seq] = deque()
         running: list[Seq] = []
         try:
@@ -227,13 +239,13 @@ class Engine:
                 admitted: list[Seq] = []
                 while waiting and len(running) + len(admitted) < self.max_batch:
                     s = waiting[0]
-                    if not self.pool.can_allocate(len(s.tokens) + self._ahead(s)):
+                    if not self.pool.can_allocate(len(s.tokens) + round_ahead(s.k, self.tree)):
                         if not running and not admitted:
                             raise RuntimeError(f"the page pool ({self.pool.n_pages} pages) cannot hold one request")
                         break
                     waiting.popleft()
                     self.pool.add(s.uid)
-                    self.pool.reserve(s.uid, len(s.tokens) + self._ahead(s))
+                    self.pool.reserve(s.uid, len(s.tokens) + round_ahead(s.k, self.tree))
                     admitted.append(s)
                 for group in _groups(admitted, D.PREFILL_TOKENS):
                     running.extend(group)  # from here on, a stop drops them with the others

@@ -70,21 +70,30 @@ def _children(
     head: Head, h: torch.Tensor, eps: float, width: int, drawn: int, seqs: list[Seq]
 ) -> tuple[list[list[float]], list[list[int]], list[torch.Tensor | None]]:
     """States h [F, d] (row r a node of seqs[r]) -> per row the log-probabilities and tokens of
-    its children (`width` best, or `drawn` draws for a sampled request), on the host, and the
-    distribution [V] they were drawn from (None: greedy)."""
+    its children (`width` best, or `drawn` draws for a sampled request), on the host in one
+    sync, and the distribution [V] they were drawn from (None: greedy)."""
     logits = head_matmul(unit_rms(h, eps), head.w, head.rows)  # [F, V or cut]
-    logp = torch.log_softmax(logits, dim=-1)
-    vals, idx = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [F, w]: the greedy rows' children
-    out_vals, out_toks = vals.tolist(), (idx if head.ids is None else head.ids[idx]).tolist()
+    vals, idx = torch.log_softmax(logits, dim=-1).topk(min(width, logits.shape[-1]), dim=-1)  # [F, w]
+    sampled = [r for r, s in enumerate(seqs) if s.warp is not None]
     qs: list[torch.Tensor | None] = [None] * len(seqs)
-    for r, s in enumerate(seqs):
-        if s.warp is not None:  # `drawn` independent draws from q, in the head's own indices
-            q = s.warp(logits[r : r + 1])  # [1, V or cut]
-            draws = sample(q.expand(drawn, -1).contiguous(), s.gen)  # [drawn]
-            out_vals[r] = q[0, draws].log().tolist()
-            out_toks[r] = (draws if head.ids is None else head.ids[draws]).tolist()
-            qs[r] = head.expand(q)[0]  # [V]
-    return out_vals, out_toks, qs
+    ids = head.ids  # a cut head's indices -> tokens, on the device
+    parts = [vals, idx if ids is None else ids[idx]]
+    for r in sampled:  # `drawn` independent draws from q, in the head's own indices
+        s = seqs[r]
+        assert s.warp is not None
+        q = s.warp(logits[r : r + 1])  # [1, V or cut]
+        draws = sample(q.expand(drawn, -1).contiguous(), s.gen)  # [drawn]
+        parts += [q[0, draws].log(), draws if ids is None else ids[draws]]
+        qs[r] = head.expand(q)[0]  # [V]
+    host = torch.cat([x.flatten().double() for x in parts]).tolist()  # the one sync (ids are exact)
+    F, w = vals.shape
+    out_vals = [host[r * w : (r + 1) * w] for r in range(F)]
+    toks = [host[(F + r) * w : (F + r + 1) * w] for r in range(F)]
+    at = 2 * F * w
+    for r in sampled:
+        out_vals[r], toks[r] = host[at : at + drawn], host[at + drawn : at + 2 * drawn]
+        at += 2 * drawn
+    return out_vals, [[int(t) for t in row] for row in toks], qs
 
 
 def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> list[TreeGuess]:
@@ -93,7 +102,7 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
     `drawn` draws (sampled)."""
     st = [p.state[s.uid] for s in seqs]
     for x in st:
-        x.proposed, x.fed_guesses = True, 0
+        x.proposed = True  # `MTPGuess.accept` then drops the tree's entries
     depth = [s.k for s in seqs]
     out = p._feed_pending(seqs)  # [G, d]: each one's state after its last true token
     head, eps = p.head, p.mtp.cfg.norm_eps
@@ -158,15 +167,17 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
 
 
 def _tree(cands: list[_Cand], budget: int, root_q: torch.Tensor | None, device: torch.device) -> TreeGuess:
-    """Greedy: the `budget` best candidates; sampled (root_q given): every one. In topological
-    order: by depth, then as they were made (a node's children in the order they were drawn)."""
-    best = range(len(cands)) if root_q is not None else sorted(range(len(cands)), key=lambda i: (-cands[i].score, i))
-    order = sorted(list(best)[:budget] if root_q is None else best, key=lambda i: (cands[i].depth, i))
+    """Greedy: the `budget` best candidates; sampled (root_q given): every one, as drawn. In
+    topological order: by depth, then as they were made (a node's children as they were drawn)."""
+    chosen = list(range(len(cands)))
+    if root_q is None:
+        chosen = sorted(chosen, key=lambda i: (-cands[i].score, i))[:budget]
+    order = sorted(chosen, key=lambda i: (cands[i].depth, i))
     node = {cid: n + 1 for n, cid in enumerate(order)}
     parents = [-1] + [0 if cands[i].parent < 0 else node[cands[i].parent] for i in order]
     tokens = torch.tensor([cands[i].token for i in order], dtype=torch.long, device=device)
     q = None
-    if root_q is not None:
+    if root_q is not None:  # [N+1, V]: what each node's children were drawn from (zeros: none)
         zero = root_q.new_zeros(root_q.shape)
-        q = torch.stack([root_q] + [c.q if (c := cands[i]).q is not None else zero for i in order])  # [N+1, V]
+        q = torch.stack([root_q] + [q if (q := cands[i].q) is not None else zero for i in order])
     return TreeGuess(tokens, parents, max((cands[i].depth for i in order), default=0), q)
