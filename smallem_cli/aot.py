@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 import warnings
-import weakref
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,14 +35,12 @@ from torch import nn
 
 from . import chain, graphs
 from .defaults import PAGE_SIZE
-from .model import MIN_PAST
 from .proposers import Fused, Pass, Proposer
+from .steps import MIN_PAST, StepFn, register
 
 Log = Callable[[str], None]
 EXAMPLE_PAST = 16  # the past's length while tracing (S is dynamic; any length >= MIN_PAST would do)
 INPUTS_VERSION = 1  # bump when the example inputs below (`for_transformer`, `for_mtp`) change layout
-_ALL: weakref.WeakSet[CompiledSteps] = weakref.WeakSet()  # every model's steps, for `switch`
-StepFn = Callable[..., tuple[torch.Tensor, ...]]
 # Inductor settings: frozen weights and its C++ GEMM template alone (no ATen choice: its
 # small-M GEMMs are what this replaces, and no autotuning means no benchmark to skew on a busy
 # machine, and a faster compile). Where the template cannot serve, INDUCTOR_FALLBACK (autotuned).
@@ -96,6 +93,8 @@ class CompiledSteps:
     eager (not prepared, or it failed to compile).
     """
 
+    kind = "compiled"
+
     def __init__(
         self,
         build: Callable[[bool, bool], nn.Module],
@@ -123,7 +122,7 @@ class CompiledSteps:
         self.fns: dict[tuple[int, bool, bool], StepFn | None] = {}
         self.fns_fused: dict[str, StepFn | None] = {}  # a proposer's own graphs, by name
         self.enabled = True  # off: the model runs eager (bench times both engines on one model)
-        _ALL.add(self)
+        register(self)
         self.compile_s = 0.0  # seconds spent compiling in this process
         self.load_s = 0.0  # seconds spent loading packages from the cache
 
@@ -344,32 +343,48 @@ def use(models: list[nn.Module], compiled: bool) -> None:
             steps.enabled = compiled
 
 
-def switch(compiled: bool) -> None:
-    """Switch every model of this process with compiled steps (bench: both engines in one run)."""
-    for steps in list(_ALL):
-        steps.enabled = compiled
-
-
-ENGINES = ("auto", "eager", "compiled")
+ENGINES = ("auto", "eager", "compiled", "native")
+BENCH_ENGINES = ("eager", "compiled", "native")
 
 
 def engine_mode(engine: str, device: torch.device) -> str | None:
-    """--engine -> None (eager), "cached" (auto on a CPU: the steps already built, nothing
-    compiled) or "build" (compiled: build what the cache lacks). ValueError for an unknown name."""
+    """--engine -> None (eager), "cached" (compiled steps already built, nothing compiled),
+    "build" (compiled: build what the cache lacks) or "native" (`native/`; auto on a CPU).
+    ValueError for an unknown name, or an engine for a CPU on another device."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
+    if engine in ("compiled", "native") and device.type != "cpu":
+        raise ValueError(f"--engine {engine} runs on a CPU only (it has not been run on a GPU): use eager there")
     if engine == "compiled":
-        if device.type != "cpu":
-            raise ValueError("--engine compiled runs on a CPU only (it has not been run on a GPU): use eager there")
         return "build"
-    return "cached" if engine == "auto" and device.type == "cpu" else None
+    return "native" if engine in ("auto", "native") and device.type == "cpu" else None
+
+
+def prepare_engine(
+    mode: str | None,
+    target: graphs.Transformer,
+    proposer: Proposer,
+    ks: list[int],
+    log: Log | None = None,
+    greedy: bool = True,
+) -> tuple[int, int]:
+    """Load (or build) what `engine_mode`'s mode runs, before anything is timed ->
+    (passes or models ready, of how many). None: eager, nothing to do."""
+    if mode == "native":
+        from . import native  # its kernels are built by the system's compiler, once
+
+        models = [m for k in ks for m, *_ in proposer.passes(k)]
+        return native.prepare(target, models, log or (lambda _: None), cache_root())  # type: ignore[arg-type]
+    if mode is None:
+        return 0, 1
+    return prepare(target, proposer, ks, log, build=mode == "build", greedy=greedy)
 
 
 def bench_engines(engines: str, device: torch.device) -> tuple[str, ...]:
-    """--engines of bench: "auto" or a comma-separated list of eager and compiled."""
+    """--engines of bench: "auto" or a comma-separated list of eager, compiled and native."""
     if engines == "auto":
-        return ("eager", "compiled") if engine_mode("auto", device) else ("eager",)
+        return ("eager", "native") if engine_mode("auto", device) else ("eager",)
     names = tuple(dict.fromkeys(e.strip() for e in engines.split(",") if e.strip()))
-    if not names or any(e not in ("eager", "compiled") for e in names):
-        raise ValueError(f"--engines takes eager, compiled or both (comma-separated), or auto; got {engines!r}")
+    if not names or any(e not in BENCH_ENGINES for e in names):
+        raise ValueError(f"--engines takes {', '.join(BENCH_ENGINES)} (comma-separated), or auto; got {engines!r}")
     return names

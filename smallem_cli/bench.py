@@ -27,6 +27,7 @@ from .model import Transformer
 from .proposers import NoProposer, Proposer
 from .sampling import Sampling
 from .stats import Stats
+from .steps import switch
 from .tokenizer import load_tokenizer
 
 
@@ -247,7 +248,7 @@ def cost_readings(
     out = Costs({}, {}, {e: [] for e in plan.engines})
     for _ in range(readings):
         for engine in plan.engines:
-            aot.switch(engine == "compiled")
+            switch(engine)
             c, v, one = forward_costs(target, each, ks or [1], prompt)
             for name, x in c.items():
                 out.c.setdefault(f"{engine}:{name}", []).append(x)
@@ -265,6 +266,25 @@ def prepare_compiled(target: Transformer, plan: Plan, passes: list[int] | None, 
     for mode, factories in plan.proposers.items():
         for name, make in factories.items():
             aot.prepare(target, make(8), plan.ks[name], log, greedy=mode == "greedy")
+
+
+def prepare_native(target: Transformer, plan: Plan, log: aot.Log) -> None:
+    """The native engine's steps for the target and every proposer's models."""
+    for mode, factories in plan.proposers.items():
+        for name, make in factories.items():
+            aot.prepare_engine("native", target, make(8), plan.ks[name], log, greedy=mode == "greedy")
+
+
+def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, ProposerFactory, int] | None:
+    """The fastest greedy speculative row of a run, of its fastest engine: (proposer, factory, k),
+    for a peer to be timed against (None if the run had none)."""
+    engine = next((e for e in ("native", "compiled", "eager") if e in plan.engines), "eager")
+    found = [r for r in rows if r.mode == "greedy" and r.k > 0 and r.engine == engine and "@" not in r.proposer]
+    if not found or "greedy" not in plan.proposers:
+        return None
+    best = max(found, key=lambda r: r.tokens_per_s)
+    make = plan.proposers["greedy"].get(best.proposer)
+    return (best.proposer, make, best.k) if make is not None else None
 
 
 Config = tuple[str, str, ProposerFactory, int]  # engine, proposer, factory, k
@@ -303,7 +323,7 @@ def run_bench(
         sampling = Sampling(0.0 if mode == "greedy" else plan.temperature, seed=plan.seed)
         configs = _configs(plan, mode)
         for engine, _, make, k in configs:
-            aot.switch(engine == "compiled")
+            switch(engine)
             generate(target, make(64), prompts[0][:16], 16, k, sampling)  # warm-up
         # all_runs[j][r]: configuration j's tokens/s, stats and outputs over all prompts, in timed run r
         all_runs: list[list[tuple[float, Stats, list[list[int]]]]] = [[] for _ in configs]
@@ -317,13 +337,13 @@ def run_bench(
                     if progress:
                         label = f"{mode} {engine} {name} k={k}, prompt {i + 1}/{len(prompts)}, run {rep + 1}"
                         progress(f"{label}/{plan.repeats}")
-                    aot.switch(engine == "compiled")
+                    switch(engine)
                     out, st = run_prompt(target, make, prompt, i, plan.max_new, k, sampling)
                     texts[j].append(out)
                     add_stats(totals[j], st)
             for j, total in enumerate(totals):
                 all_runs[j].append((total.new_tokens / total.elapsed_s, total, texts[j]))
-        aot.switch(True)
+        switch(None)
         eager_runs, eager_outs = [r[0] for r in all_runs[0]], all_runs[0][0][2]  # the eager target alone
         base = {e: [r[0] for r in all_runs[j]] for j, (e, n, _, _) in enumerate(configs) if n == "none"}
         for (engine, name, _, k), runs in zip(configs, all_runs, strict=True):

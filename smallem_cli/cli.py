@@ -142,7 +142,7 @@ def bench(
         typer.Option("--draft-p-min", help="also rows with adaptive depth: each model proposer at this p-min"),
     ] = None,
     engines: Annotated[
-        str, typer.Option(help="eager | compiled | eager,compiled (auto: both on a CPU; compiled builds its steps)")
+        str, typer.Option(help="eager, compiled, native, comma-separated (auto: eager,native on a CPU)")
     ] = D.ENGINE,
     tree: Annotated[
         str | None,
@@ -210,6 +210,8 @@ def bench(
     passes = list(D.COST_PASSES) if costs else None
     if "compiled" in engine_list:  # every pass the bench takes, built or loaded before anything is timed
         B.prepare_compiled(tgt.model, plan, passes, err.print)
+    if "native" in engine_list:
+        B.prepare_native(tgt.model, plan, err.print)
     if costs:
         readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats, passes)
         if json_out:
@@ -232,7 +234,16 @@ def bench(
     try:
         peer_rows = (
             run_peer(
-                peer, tgt, target.parent, prompt_ids, max_new_tokens, rows, engine_list, repeats, lambda m: err.print(m)
+                peer,
+                tgt,
+                target.parent,
+                prompt_ids,
+                max_new_tokens,
+                rows,
+                engine_list,
+                repeats,
+                lambda m: err.print(m),
+                B.best_greedy(rows, plan),
             )
             if peer
             else []
@@ -295,7 +306,7 @@ def generate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
     engine: Annotated[
-        str, typer.Option(help="auto (compiled steps already built, on a CPU) | eager | compiled (build them)")
+        str, typer.Option(help="auto (native on a CPU) | native | eager | compiled (build inductor's steps)")
     ] = D.ENGINE,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     p_min: Annotated[
@@ -337,15 +348,14 @@ def generate(
         raise fail(str(e)) from None
     ready, passes = 0, 1
     if mode and not tree:  # every pass this run may take, loaded (or built) before the clock starts
-        ready, passes = aot.prepare(
-            tgt.model, make_proposer(8), [kk], err.print, build=mode == "build", greedy=temperature == 0
-        )
-        if ready < passes and not quiet:
+        ready, passes = aot.prepare_engine(mode, tgt.model, make_proposer(8), [kk], err.print, temperature == 0)
+        if ready < passes and not quiet and mode != "native":
             err.print(
                 f"eager for {passes - ready} of {passes} kinds of pass: `--engine compiled` builds their "
                 f"compiled steps once for this machine (about a minute each), cached in {aot.cache_root()}"
             )
-    used = "compiled" if ready == passes else "eager" if not ready else "partly compiled"
+    name = "native" if mode == "native" else "compiled"
+    used = name if ready == passes else "eager" if not ready else f"partly {name}"
 
     sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)
     stats = Stats(proposer, kk)

@@ -73,8 +73,9 @@ SEED = 0
 DEVICE = "auto"
 # `smallem batch`: at most this many requests decoded together (more wait for a free place).
 MAX_BATCH = 16
-# Decode steps: "compiled" (ahead-of-time compiled, cached on disk), "eager" (the reference),
-# "auto": compiled on a CPU, eager on a GPU (the compiled path has not been run on one).
+# Decode steps: "native" (C++ over the float16 weights, `native/`), "compiled" (inductor's
+# graphs, ahead of time, cached on disk), "eager" (the reference); "auto": native on a CPU,
+# eager on a GPU (neither CPU engine has been run on one).
 ENGINE = os.environ.get("SMALLEM_ENGINE", "auto")
 # `bench --costs` reads v for passes over these many tokens (verify passes, catch-ups, batches).
 COST_PASSES = (1, 2, 3, 4, 5, 8, 16)

@@ -29,6 +29,7 @@ from .model import Transformer
 from .proposers import MTPProposer, Proposer
 from .sampling import Sampling
 from .stats import Stats
+from .steps import active_steps, whole_context
 
 
 def cache_pages(n_tokens: int, page_size: int = PAGE_SIZE) -> int:
@@ -45,9 +46,7 @@ def engine_for_one(
     its module's cache in the pool beside the target's."""
     tree = proposer.tree if isinstance(proposer, MTPProposer) else None
     n_pages = cache_pages(n_tokens + round_ahead(k, tree), page_size)
-    compiled = target.compiled
-    if compiled is not None and compiled.enabled:
-        n_pages = max(n_pages, compiled.slab_shape[-2] // page_size)
+    n_pages = whole_context(active_steps(target), n_pages, page_size)
     pool = PagePool(n_pages, page_size)
     t = Target(target, slab_for(target, n_pages * page_size, target.embed_tokens.weight.device), pool)
     if isinstance(proposer, MTPProposer) and tree is not None:

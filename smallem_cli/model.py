@@ -24,11 +24,11 @@ from .cache import PagedKVCache, Step
 from .config import ModelConfig
 from .decode_ops import attend, head_matmul
 from .defaults import PAGE_SIZE
+from .steps import active_steps, compiled_step, whole_context
 
 if TYPE_CHECKING:
-    from .aot import CompiledSteps, StepFn
-
-MIN_PAST = 2  # a compiled step needs this many past positions (the tracer special-cases sizes 0 and 1)
+    from .aot import CompiledSteps
+    from .native import NativeSteps
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,6 +199,7 @@ class Transformer(nn.Module):
         self.rope_cos: torch.Tensor | None = None  # its real and imaginary parts, for compiled steps
         self.rope_sin: torch.Tensor | None = None
         self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
+        self.native: NativeSteps | None = None  # set by `native.attach`: the native engine's
 
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 style init; residual projections scaled down with depth."""
@@ -256,10 +257,11 @@ class Transformer(nn.Module):
             self.pack()
         assert self.rope_packed is not None
         step = cache.append(seq, tokens.shape[0])
-        fn = None if last_only else compiled_step(self.compiled, cache, step, head, last)
+        steps = active_steps(self)
+        fn = None if last_only else compiled_step(steps, cache, step, head, last)
         if fn is not None:
-            assert self.compiled is not None
-            logits, x, new = fn(tokens.contiguous(), *self.compiled.trig(step.start, step.length), step.past())
+            assert steps is not None
+            logits, x, new = fn(tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
             cache.write_all(step, new)  # the graph reads the cache; the new K/V go in here
             return logits, x
         rope = self.rope_packed[step.start : step.length]
@@ -273,42 +275,8 @@ class Transformer(nn.Module):
     def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
         """At least n_pages; the whole context with compiled steps (they are built for its layout)."""
         c = self.cfg
-        n_pages = _pages(self.compiled, n_pages, page_size)
+        n_pages = whole_context(active_steps(self), n_pages, page_size)
         return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, n_pages, page_size, self.cos.dtype, self.cos.device)
-
-
-def _pages(compiled: CompiledSteps | None, n_pages: int, page_size: int) -> int:
-    if compiled is None or not compiled.enabled:
-        return n_pages
-    return max(n_pages, compiled.slab_shape[-2] // page_size)
-
-
-def compiled_step(
-    compiled: CompiledSteps | None, cache: PagedKVCache, step: Step, head: bool, last: bool
-) -> StepFn | None:
-    """The compiled step for this pass of a sequence of `cache`, or None (eager): its pages
-    must lie as one view of the slab (consecutive), and `compiled_for` must find a step."""
-    if step.view is None:
-        return None
-    return compiled_for(compiled, tuple(cache.kv.shape), step.start, step.length, head, last)
-
-
-def compiled_for(
-    compiled: CompiledSteps | None, slab_shape: tuple[int, ...], start: int, length: int, head: bool, last: bool
-) -> StepFn | None:
-    """The compiled step for a pass over positions start .. length - 1, or None (eager) when there
-    is none or it cannot serve it.
-
-    A graph assumes the slab layout it was built for, a past of at least MIN_PAST positions
-    (laid out as one view: the caller checks), and positions inside the context (the slab
-    holds a page more, but past the context the rope tables run short, and a graph checks
-    no shapes: it would read out of bounds).
-    """
-    if compiled is None or not compiled.enabled or start < MIN_PAST or length > compiled.positions:
-        return None
-    if slab_shape != compiled.slab_shape:
-        return None
-    return compiled.get(length - start, head, last)
 
 
 def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -340,6 +308,7 @@ class MTPModule(nn.Module):
         self.proj_t: torch.Tensor | None = None
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, its projected rows)
         self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
+        self.native: NativeSteps | None = None  # set by `native.attach`: the native engine's
 
     def pack(self) -> MTPModule:
         self.block.pack()
@@ -368,10 +337,11 @@ class MTPModule(nn.Module):
         is looked up (`token_table`): one addmm where two norms, a concat and a matmul were.
         """
         assert self.proj_t is not None, "call pack() before decoding"
-        fn = compiled_step(self.compiled, cache, step, True, last)
+        steps = active_steps(self)
+        fn = compiled_step(steps, cache, step, True, last)
         if fn is not None:
-            assert self.compiled is not None
-            x, new = fn(h.contiguous(), tokens.contiguous(), *self.compiled.trig(step.start, step.length), step.past())
+            assert steps is not None
+            x, new = fn(h.contiguous(), tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
             cache.write_all(step, new)
             return x
         d = self.cfg.dim
@@ -389,5 +359,5 @@ class MTPModule(nn.Module):
     def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
         c = self.cfg
         dev = self.eh_proj.weight.device
-        n_pages = _pages(self.compiled, n_pages, page_size)
+        n_pages = whole_context(active_steps(self), n_pages, page_size)
         return PagedKVCache(1, c.n_kv_heads, c.head_dim, n_pages, page_size, torch.float32, dev)

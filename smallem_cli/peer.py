@@ -23,9 +23,10 @@ from rich.table import Table
 from . import aot
 from .bench import Row, forward_costs, sync
 from .defaults import default_k
-from .family import Target
+from .family import ProposerFactory, Target
 from .generate import generate
 from .proposers import NoProposer
+from .steps import switch
 
 
 def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: int, rows: list[Row]) -> list[dict]:
@@ -95,12 +96,21 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
     """The peers' rows; with llama.cpp's, also the pass costs over T tokens, in one-token passes."""
     t = Table(title="side by side with a peer (greedy, same weights and prompts)")
     steps = any("tokens_per_step" in r for r in peer_rows)  # vLLM's: tokens per target step, beside ours
+    spec = any("spec" in r for r in peer_rows)  # llama.cpp's: our speculative decoding, timed in turn
     for col in ("peer", "peer tok/s", "ours tok/s", "ours / peer", "identical to ours"):
         t.add_column(col, justify="right")
     if steps:
         t.add_column("tokens/step peer | ours", justify="right")
+    if spec:
+        for col in ("ours, speculative", "tok/s", "/ peer", "identical"):
+            t.add_column(col, justify="right")
     for r in peer_rows:
         step = [f"{r['tokens_per_step']:.2f} | {r['ours_tokens_per_step']:.2f}"] if steps else []
+        more = (
+            [r["spec"], f"{r['spec_tokens_per_s']:.1f}", f"×{r['spec_over_peer']:.2f}", r["spec_identical"]]
+            if "spec" in r
+            else ["", "", "", ""]
+        )
         t.add_row(
             r["peer"],
             f"{r['tokens_per_s']:.1f}",
@@ -108,6 +118,7 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
             f"×{r['ours_over_peer']:.2f}",
             r["identical"],
             *step,
+            *(more if spec else []),
         )
     costs = [r for r in peer_rows if r.get("one_pass_ms")]
     if not costs:
@@ -126,6 +137,7 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
 
 
 # --- llama.cpp -------------------------------------------------------------------------------
+Spec = tuple[str, ProposerFactory, int]  # our speculative row beside llama.cpp: proposer, its factory, k
 PEERS = ("hf", "llamacpp", "vllm")
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
 COST_CONTEXT = 132  # positions in the cache when a pass is timed, as bench's forward_costs
@@ -141,10 +153,11 @@ def run_peer(
     engines: tuple[str, ...] = ("eager",),
     repeats: int = 1,
     log: Callable[[str], None] | None = None,
+    spec: Spec | None = None,
 ) -> list[dict]:
     """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`, `vllm_peer.bench_peer`)."""
     if peer == "llamacpp":
-        return llamacpp_peer(target, prompts, max_new, engines, repeats, log)
+        return llamacpp_peer(target, prompts, max_new, engines, repeats, log, spec)
     if peer == "vllm":
         from .vllm_peer import bench_peer
 
@@ -249,12 +262,14 @@ def llamacpp_peer(
     engines: tuple[str, ...] = ("eager",),
     repeats: int = 1,
     log: Callable[[str], None] | None = None,
+    spec: Spec | None = None,
 ) -> list[dict]:
     """llama.cpp on the target's weights (exported as GGUF, f32 and f16), greedy, on torch's
-    thread count; timed prompt by prompt in alternation with our target alone (compiled
-    steps if the bench ran them, else eager), `repeats` times (median of the runs' tokens/s).
-    Its tokens are checked against our eager target alone's; the pass costs over T tokens
-    (LLAMACPP_PASSES) are read for both engines."""
+    thread count; timed prompt by prompt in alternation with our target alone (the native
+    engine if the bench ran it, else compiled steps if it ran them, else eager) and, with
+    `spec` (name, factory, k), our speculative decoding with that proposer, `repeats` times
+    (median of the runs' tokens/s). Its tokens are checked against our eager target alone's;
+    the pass costs over T tokens (LLAMACPP_PASSES) are read for both engines."""
     import tempfile
 
     from .gguf import write_gguf
@@ -262,19 +277,26 @@ def llamacpp_peer(
     _llama_cpp()
     model = target.model
     threads = torch.get_num_threads()
-    engine = "compiled" if "compiled" in engines else "eager"
+    engine = next((e for e in ("native", "compiled") if e in engines), "eager")
     n_ctx = min(1024, model.cfg.max_seq_len)
     passes = [1, *LLAMACPP_PASSES]
-    if engine == "compiled":  # our passes over T tokens, built (or loaded) before anything is timed
-        aot.prepare(model, NoProposer(), [T - 1 for T in passes], log)
+    mode = {"native": "native", "compiled": "build"}.get(engine)
+    # our passes over T tokens (and the proposer's), built (or loaded) before anything is timed
+    aot.prepare_engine(mode, model, NoProposer(), [T - 1 for T in passes], log)
+    if spec is not None:
+        aot.prepare_engine(mode, model, spec[1](8), [spec[2]], log)
 
     def ours(p: list[int]) -> tuple[list[int], float]:
         out, st = generate(model, NoProposer(), p, max_new, 0)
         return out, st.elapsed_s
 
-    aot.switch(False)  # the reference: the eager target alone
+    def ours_spec(p: list[int], n: int) -> list[int]:
+        assert spec is not None
+        return generate(model, spec[1](len(p) + n + spec[2] + 1), p, n, spec[2])[0]
+
+    switch("eager")  # the reference: the eager target alone
     ref = [generate(model, NoProposer(), p, max_new, 0)[0] for p in prompts]
-    aot.switch(engine == "compiled")
+    switch(engine)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             peers: dict[str, LlamaCpp] = {}
@@ -283,18 +305,31 @@ def llamacpp_peer(
                     path = Path(tmp) / f"target-{dtype}.gguf"
                     write_gguf(model, path, target.tokenizer, dtype, target.path.stem)
                     peers[dtype] = LlamaCpp(path, n_ctx, threads, model.cfg.vocab_size)
-                runs = _alternate(ours, {d: p.generate for d, p in peers.items()}, prompts, max_new, ref, repeats)
+                gens = {d: p.generate for d, p in peers.items()}
+                if spec is not None:  # timed as the peers are: the wall clock around the whole call
+                    gens["spec"] = ours_spec
+                runs = _alternate(ours, gens, prompts, max_new, ref, repeats)
                 costs = {d: p.pass_seconds(prompts[0], passes) for d, p in peers.items()}
             finally:
                 for p in peers.values():
                     p.close()
         _, v, one = forward_costs(model, {}, [T - 1 for T in LLAMACPP_PASSES], prompts[0], COST_CONTEXT)
     finally:
-        aot.switch(True)
+        switch(None)
     ours_tps = statistics.median(runs["ours"][0])
     out = []
+    spec_tps = statistics.median(runs["spec"][0]) if spec is not None else None
     for dtype, secs in costs.items():
         tps = statistics.median(runs[dtype][0])
+        if spec is not None and spec_tps is not None:
+            out_spec = {
+                "spec": f"{spec[0]} k={spec[2]}",
+                "spec_tokens_per_s": spec_tps,
+                "spec_over_peer": spec_tps / tps,
+                "spec_identical": f"{runs['spec'][1]}/{len(prompts)}",
+            }
+        else:
+            out_spec = {}
         out.append(
             {
                 "peer": f"llama.cpp {dtype} ({threads} threads)",
@@ -310,6 +345,7 @@ def llamacpp_peer(
                 "ours_one_pass_ms": one * 1e3,
                 "ours_pass_cost": {str(T): v[T - 1] for T in LLAMACPP_PASSES},
                 "threads": threads,
+                **out_spec,
             }
         )
     return out

@@ -41,7 +41,8 @@ from torch import nn
 
 from .chain import MTPChain, MTPSampledChain
 from .defaults import PAGE_SIZE
-from .model import MIN_PAST, MTPModule, Transformer, unit_rms
+from .model import MTPModule, Transformer, unit_rms
+from .steps import MIN_PAST
 from .verify import Warper, noise, sample
 
 Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
@@ -316,7 +317,7 @@ class MTPProposer:
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
         self.proposed = True
-        if warp is None and (chain := self._chain(k, True)) is not None:  # the greedy chain: one graph
+        if warp is None and (chain := self._native_chain(k) or self._chain(k, True)) is not None:  # one call
             tokens, tops = chain(out)
             if self.p_min:  # keep the guesses before the first doubtful one: one sync
                 sure = [t >= self.p_min for t in tops.tolist()]
@@ -343,6 +344,19 @@ class MTPProposer:
         """The chain graph's key: k, the mode and the head it guesses with (the module's weights
         are in the base key)."""
         return f"mtp-chain k={k} {'greedy' if greedy else 'sampled'} {self._head_key}"
+
+    def _native_chain(self, k: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+        """The native engine's greedy chain (`native.NativeSteps.chain`), its k-1 chained
+        positions reserved in the module's cache (`accept` drops them), or None."""
+        steps, L = self.mtp.native, self.true_len
+        if k < 2 or steps is None or not steps.enabled or L < MIN_PAST or L + k - 1 > steps.positions:
+            return None
+        where = self.cache.append(self.seq, k - 1)
+        if where.view is None:  # pages out of order: the step-by-step path
+            self.cache.keep(self.seq, L)
+            return None
+        view = where.view
+        return lambda out: steps.chain(self.head.ids, out, k, view, L)
 
     def _chain(self, k: int, greedy: bool) -> Callable[..., tuple[torch.Tensor, ...]] | None:
         """The compiled chain for k guesses from the state `out` [1, d] (and, sampled, 1/T and the

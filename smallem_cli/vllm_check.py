@@ -143,25 +143,26 @@ def run_check(
 
 def smallem_tokens(model: Transformer, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """Smallem's greedy tokens, the target alone, eager: the reference every vLLM run must equal."""
-    from . import aot
     from .generate import generate
     from .proposers import NoProposer
+    from .steps import switch
 
-    aot.switch(False)
+    switch("eager")
     return [generate(model, NoProposer(), p, max_new, 0)[0] for p in prompts]
 
 
 def smallem_acceptance(target: Target, prompts: list[list[int]], max_new: int) -> Callable[[str, int], tuple[int, int]]:
     """(proposer, k) -> Smallem's (accepted, proposed) over the prompts, greedy, eager, the
     proposer's head over the whole vocabulary as vLLM's; each computed once."""
-    from . import aot, family
+    from . import family
     from .generate import generate
+    from .steps import switch
 
     done: dict[tuple[str, int], tuple[int, int]] = {}
 
     def ours(name: str, k: int) -> tuple[int, int]:
         if (name, k) not in done:
-            aot.switch(False)
+            switch("eager")
             make = family.load_proposer(name, target, target.model.embed_tokens.weight.device, 0)
             counts = [generate(target.model, make(len(p) + max_new + k + 1), p, max_new, k)[1] for p in prompts]
             done[name, k] = (sum(c.accepted for c in counts), sum(c.proposed for c in counts))

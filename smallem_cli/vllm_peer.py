@@ -317,20 +317,20 @@ def bench_peer(
     prompts as one batch, on `threads` cores. Rows of tokens/s and tokens per target step, beside
     ours from the same bench run (`rows`; ours runs one request at a time); its tokens are checked
     against our eager target alone's."""
-    from . import aot
     from .defaults import default_k
     from .generate import generate
     from .hf import export_hf
     from .proposers import NoProposer
+    from .steps import switch
 
     python = python or find_python()
     env = vllm_env(python, threads)
     k = default_k("draft-2l", greedy=True)
-    aot.switch(False)
+    switch("eager")
     try:
         ref = [generate(target.model, NoProposer(), p, max_new, 0)[0] for p in prompts]
     finally:
-        aot.switch(True)
+        switch(None)
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
         for name in ("target", "draft-2l"):

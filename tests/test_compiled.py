@@ -25,9 +25,10 @@ from smallem_cli.cache import PagedKVCache
 from smallem_cli.chain import MTPChain, MTPSampledChain
 from smallem_cli.cli import app
 from smallem_cli.generate import generate
-from smallem_cli.model import MIN_PAST, MTPModule, Transformer, compiled_step
+from smallem_cli.model import MTPModule, Transformer
 from smallem_cli.proposers import Head, MTPProposer, NoProposer
 from smallem_cli.sampling import Sampling
+from smallem_cli.steps import MIN_PAST, compiled_step
 from smallem_cli.verify import Warper, noise
 
 ATOL = RTOL = 1e-4
@@ -257,7 +258,12 @@ def test_key_depends_on_the_thread_count(tmp_path: Path) -> None:
 
 def test_engine_names() -> None:
     cpu = torch.device("cpu")
-    assert [aot.engine_mode(e, cpu) for e in ("compiled", "auto", "eager")] == ["build", "cached", None]
+    assert [aot.engine_mode(e, cpu) for e in ("compiled", "auto", "eager", "native")] == ["build", "native", None, "native"]
+    gpu = torch.device("cuda")  # a device object needs no GPU: the CPU engines refuse it, auto is eager there
+    assert aot.engine_mode("auto", gpu) is None
+    for e in ("compiled", "native"):
+        with pytest.raises(ValueError, match="CPU only"):
+            aot.engine_mode(e, gpu)
     with pytest.raises(ValueError, match="bogus"):
         aot.engine_mode("bogus", cpu)
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import defaults as D
-from ..model import Transformer, compiled_for
-from ..sampling import NonFiniteError, context_mask, first_token
+from ..model import Transformer
+from ..sampling import NonFiniteError, context_mask, finite_flag, first_token
+from ..steps import active_steps, compiled_for
 from ..tree import tree_mask, verify_tree_greedy, verify_tree_sample
 from ..verify import penalize, verify_sample
 from . import batch as B
@@ -53,14 +54,15 @@ class Target:
             s, T = seqs[0], counts[0]
             table = self.pool.tables[s.uid]
             start, end = s.cached, s.cached + T
-            fn = compiled_for(self.model.compiled, tuple(self.slab.shape), start, end, True, False)
+            steps = active_steps(self.model)
+            fn = compiled_for(steps, tuple(self.slab.shape), start, end, True, False)
             page = B.in_order(table, len(table))
             if fn is not None and page is not None:
-                assert self.model.compiled is not None
+                assert steps is not None
                 base = page * self.pool.page_size
                 past = self.slab[:, :, :, base : base + start]  # [L, K or V, Hkv, start, D]: a view
-                logits, hidden, new = fn(ids.contiguous(), *self.model.compiled.trig(start, end), past)
-                self.slab.index_copy_(3, torch.arange(base + start, base + end, device=ids.device), new)
+                logits, hidden, new = fn(ids.contiguous(), *steps.trig(start, end), past)
+                self.slab[:, :, :, base + start : base + end].copy_(new)  # in order: a slice, no index
                 return logits, hidden
         return transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), head="all")
 
@@ -86,7 +88,7 @@ def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | N
             if s.req.sampling.penalized:
                 s.seen = context_mask(torch.tensor(s.tokens, device=dev), logits.shape[-1])
         firsts.append(s.last.view(1))
-    values = torch.cat([*firsts, logits.isfinite().all().long().view(1)]).tolist()  # one sync
+    values = torch.cat([*firsts, finite_flag(logits)]).tolist()  # one sync
     if values[-1] != 1:
         raise NonFiniteError("the target's logits are not finite (NaN or inf)")
     proposer.start(seqs, fed, list(hidden.split(b.counts)))
@@ -117,7 +119,7 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
             n, out = verify_sample(drafts[None], q[None], p[None], s.gen)
             sampled.append(torch.cat([n, out[0]]))
         first += c
-    values = torch.cat([ids, best, *sampled, logits.isfinite().all().long().view(1)]).tolist()  # the one sync
+    values = torch.cat([ids, best, *sampled, finite_flag(logits)]).tolist()  # the one sync
     if values[-1] != 1:
         raise NonFiniteError("the target's logits are not finite (NaN or inf)")
     N = len(ids)
@@ -194,7 +196,7 @@ def tree_round(
             v = verify_tree_sample(f[None], parents, p[None], q[None], s.gen, kind="iid", width=drawn)
         verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
         first += c
-    values = torch.cat([*verdicts_t, logits.isfinite().all().long().view(1)]).tolist()  # the one sync
+    values = torch.cat([*verdicts_t, finite_flag(logits)]).tolist()  # the one sync
     if values[-1] != 1:
         raise NonFiniteError("the target's logits are not finite (NaN or inf)")
     verdicts: list[tuple[int, int, list[int]]] = []

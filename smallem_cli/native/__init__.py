@@ -1,0 +1,300 @@
+"""The native engine (`--engine native`): a decode pass in C++ over the checkpoint's float16 weights.
+
+Why: a one-token pass of the target is bound by reading its weights. As float32 (what
+the eager and compiled engines read) they are 36 MB, more than this machine's L3, so each
+token reads them from memory; as the float16 they are stored in, 18 MB, they stay in L3
+from one token to the next, and are half the bytes anyway. Neither ATen nor inductor has a
+fast float16 x float32 product on an AVX2 CPU, so `step.cpp` is one: every product
+converts the weights to float32 in registers and accumulates in float32, so a model whose
+weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
+is, not rounded.
+
+The step has the compiled graphs' contract (`graphs.py`): it reads the past as a strided
+view of the slab and returns the new K/V for the caller to write. So `NativeSteps` stands
+where `aot.CompiledSteps` does (`model.native`, chosen by `aot.switch`), for every T, with
+no per-shape build: one library, built once by the system's C++ compiler (the one inductor
+uses) and cached on disk by the hash of its source and flags.
+
+Anything that fails (no compiler, a CPU without AVX2/F16C/FMA, weights that float16
+cannot hold exactly, a shape the kernels do not tile) leaves the model eager, with one
+line through `log`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..model import MTPModule, Transformer, interleave_halves
+from ..steps import StepFn, register
+
+Log = Callable[[str], None]
+SOURCE = Path(__file__).with_name("step.cpp")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
+_LIB: ctypes.CDLL | None = None
+
+
+class NativeUnavailable(RuntimeError):
+    """The native engine cannot serve this machine or this model (the message says why)."""
+
+
+class _LayerW(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("qkv", "o", "gu", "down", "g1", "g2")]
+
+
+class _ModelW(ctypes.Structure):
+    _fields_ = [
+        *[(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")],
+        ("eps", ctypes.c_float),
+        *[(n, ctypes.c_void_p) for n in ("layers", "embed", "head", "g_final", "table", "wh")],
+        ("ldh", ctypes.c_int),
+        ("g_h", ctypes.c_void_p),
+    ]
+
+
+def library(root: Path, log: Log) -> ctypes.CDLL:
+    """The compiled kernels, built into `root`/native once (keyed by source, flags and compiler)."""
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        raise NativeUnavailable(f"this CPU lacks AVX2 (torch reports {cap})")
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise NativeUnavailable(f"no C++ compiler ({cxx}) on PATH")
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, cxx)).encode()).hexdigest()[:24]
+    path = root / "native" / f"step-{key}.so"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.parent.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:  # a library that gets loaded: only from a private folder
+        raise NativeUnavailable(f"{path.parent} is writable by others or not yours")
+    if not path.is_file():
+        log(f"building the native decode step for this machine (once, cached in {root})")
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
+        try:
+            out = tmp / "step.so"
+            r = subprocess.run([cxx, *FLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+            if r.returncode != 0:
+                first = (r.stderr.strip().splitlines() or ["no message"])[0][:200]
+                raise NativeUnavailable(f"the C++ compiler failed: {first}")
+            os.replace(out, path)  # whole or absent, even with another process building the same key
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    lib = ctypes.CDLL(str(path))
+    ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp), argument by argument
+    lib.smallem_step.restype = lib.smallem_mtp_chain.restype = None
+    lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num]
+    lib.smallem_mtp_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 3 + [num] * 2
+    _LIB = lib
+    return lib
+
+
+def _half(w: torch.Tensor, name: str) -> torch.Tensor:
+    """w as float16, refusing any weight float16 cannot hold exactly (the model would change)."""
+    h = w.detach().to(torch.float16).contiguous()
+    if not torch.equal(h.float(), w.detach().float()):
+        raise NativeUnavailable(f"{name} is not float16-exact (a model trained or loaded in float32)")
+    return h
+
+
+def _rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Rows of Wq or Wk [heads*D, in] reordered so that each rotary pair is adjacent (as `Block.pack`)."""
+    return w.view(n_heads, head_dim, -1)[:, interleave_halves(head_dim)].reshape(n_heads * head_dim, -1)
+
+
+class NativeSteps:
+    """A model's native decode steps: the interface of `aot.CompiledSteps` (`get`, `trig`,
+    `enabled`, `positions`, `slab_shape`) over one library that serves every T."""
+
+    kind = "native"
+
+    def __init__(self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path) -> None:
+        self.lib = library(root, log)
+        c = model.cfg
+        if c.dim % 8 or c.head_dim % 8 or c.hidden_dim % 8 or c.n_heads % c.n_kv_heads:
+            raise NativeUnavailable("the model's widths are not multiples of 8")
+        if (c.n_heads + 2 * c.n_kv_heads) * c.head_dim % 4 or c.vocab_size % 4:
+            raise NativeUnavailable("the model's output widths are not multiples of 4")
+        own = target if isinstance(model, MTPModule) else model  # the MTP module turns as its target
+        assert own.rope_cos is not None and own.rope_sin is not None, "pack() the model first"
+        self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
+        self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
+        self.slab_shape: tuple[int, ...] | None = None  # any layout: the past comes with its strides
+        self.enabled = True
+        self.mtp = isinstance(model, MTPModule)
+        self.keep: list[torch.Tensor] = []  # every tensor the C struct points at, alive as long as it
+        blocks = [model.block] if isinstance(model, MTPModule) else list(model.layers)
+        layers = (_LayerW * len(blocks))()
+        for i, b in enumerate(blocks):
+            H, Hkv, D = b.n_heads, b.n_kv_heads, b.head_dim
+            qkv = torch.cat([_rope_rows(b.q_proj.weight, H, D), _rope_rows(b.k_proj.weight, Hkv, D), b.v_proj.weight])
+            ws = [_half(qkv, f"layer {i}"), _half(b.o_proj.weight, f"layer {i}")]
+            ws += [_half(torch.cat([b.gate_proj.weight, b.up_proj.weight]), f"layer {i}")]
+            ws += [_half(b.down_proj.weight, f"layer {i}")]
+            ws += [b.input_layernorm.weight.detach().float().contiguous()]
+            ws += [b.post_attention_layernorm.weight.detach().float().contiguous()]
+            self.keep += ws
+            layers[i] = _LayerW(*[w.data_ptr() for w in ws])
+        mw = _ModelW(
+            c.n_layers if not self.mtp else 1,
+            c.dim,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            c.hidden_dim,
+            c.vocab_size,
+            c.norm_eps,
+        )
+        mw.layers = ctypes.cast(layers, ctypes.c_void_p)
+        if isinstance(model, MTPModule):
+            table = model.token_table(target.embed_tokens.weight).detach().contiguous()
+            wh = _half(model.eh_proj.weight[:, : c.dim], "eh_proj")  # [d, d]: the h half
+            g_h = model.hnorm.weight.detach().float().contiguous()
+            self.keep += [table, wh, g_h]
+            mw.table, mw.wh, mw.ldh, mw.g_h = table.data_ptr(), wh.data_ptr(), c.dim, g_h.data_ptr()
+        else:
+            head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            embed, head16 = _half(model.embed_tokens.weight, "embed_tokens"), _half(head, "head")
+            g = model.norm.weight.detach().float().contiguous()
+            self.keep += [embed, head16, g]
+            mw.embed, mw.head, mw.g_final = embed.data_ptr(), head16.data_ptr(), g.data_ptr()
+        self.layers_c, self.mw = layers, mw
+        self.cfg = c
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}
+        self._heads: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # a chain's head rows, by ids
+        if isinstance(model, MTPModule):  # the target's head and final norm, for the greedy chain
+            w = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+            self.head_all = _half(w, "the target's head")
+            self.g_final = target.norm.weight.detach().float().contiguous()
+        register(self)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copy of the model gets no native steps: these read this model's weights (as copied here)."""
+        return None
+
+    def trig(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, P] of a pass's new positions, start .. length - 1."""
+        return self.rope[0][start:length], self.rope[1][start:length]
+
+    def get(self, T: int, head: bool, last: bool) -> StepFn | None:
+        if T > MAX_T:
+            return None
+        if self.mtp:
+            return lambda h, tokens, cos, sin, past: self._run(tokens, h, cos, sin, past, False, last)
+        return lambda tokens, cos, sin, past: self._run(tokens, None, cos, sin, past, head, last)
+
+    def prepare(self, shapes: list[tuple[int, bool, bool]], build: bool = True) -> int:
+        return sum(T <= MAX_T for T, _, _ in shapes)
+
+    def fused(self, name: str) -> None:
+        return None  # the proposers' fused graphs are the compiled engine's; here they step
+
+    def prepare_fused(self, fused: object, build: bool = True) -> bool:
+        return False
+
+    def _need(self, T: int, threads: int) -> int:
+        """Floats of smallem_step's scratch for a pass over T tokens."""
+        c = self.cfg
+        Q, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_dim
+        return T * (c.dim + Q + c.n_heads * c.head_dim + 3 * F) + threads * (self.positions + T)
+
+    def chain(
+        self, ids: torch.Tensor | None, out: torch.Tensor, k: int, view: torch.Tensor, L: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP module's greedy chain (`smallem_mtp_chain`): k guesses from its state `out`
+        [1, d], with the head cut to `ids` (None: whole) -> (tokens [k], their probabilities [k]).
+        `view` [1, 2, Hkv, >= L+k-1, D]: the module's cache, positions L.. reserved for the chain."""
+        assert self.mtp and k >= 1
+        if id(ids) not in self._heads:  # the cut head's rows, float16, once per head
+            self._heads[id(ids)] = (ids, self.head_all if ids is None else self.head_all[ids].contiguous())
+        ids_t, rows = self._heads[id(ids)]
+        c, threads = self.cfg, torch.get_num_threads()
+        need = self._need(1, threads)
+        scratch = torch.empty(need + 4 * c.dim + 2 * c.n_kv_heads * c.head_dim + rows.shape[0])
+        tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
+        cos, sin = self.trig(L, L + k - 1)
+        out = out.contiguous()
+        strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
+        self.lib.smallem_mtp_chain(
+            ctypes.addressof(self.mw), rows.data_ptr(), rows.shape[0], self.g_final.data_ptr(),
+            None if ids_t is None else ids_t.data_ptr(), out.data_ptr(), k, cos.data_ptr(), sin.data_ptr(),
+            view.data_ptr(), ctypes.addressof(strides), L, tokens.data_ptr(), tops.data_ptr(), scratch.data_ptr(),
+            need, threads,
+        )  # fmt: skip
+        return tokens, tops
+
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        h: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: torch.Tensor,
+        head: bool,
+        last: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        c = self.cfg
+        T, S = tokens.shape[0], past.shape[3]
+        L = 1 if self.mtp else c.n_layers
+        threads = torch.get_num_threads()
+        scratch = self._scratch.get((T, threads))
+        need = self._need(T, threads)
+        if scratch is None or scratch.numel() < need:
+            scratch = self._scratch[(T, threads)] = torch.empty(need)
+        x = torch.empty(T, c.dim)
+        new = torch.empty(L, 2, c.n_kv_heads, T, c.head_dim)
+        t_head = (1 if last else T) if head else 0
+        logits = torch.empty(t_head, c.vocab_size)
+        assert past.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and tokens.is_contiguous()
+        strides = (ctypes.c_int64 * 4)(*past.stride()[:4])
+        h = None if h is None else h.contiguous()  # held here: the C code reads it
+        self.lib.smallem_step(
+            ctypes.addressof(self.mw),
+            tokens.data_ptr(),
+            None if h is None else h.data_ptr(),
+            T,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            past.data_ptr(),
+            ctypes.addressof(strides),
+            S,
+            x.data_ptr(),
+            logits.data_ptr(),
+            t_head,
+            new.data_ptr(),
+            scratch.data_ptr(),
+            threads,
+        )
+        out = x[-1:] if last else x
+        if self.mtp:
+            return out, new
+        return (logits if head else x[:0]), out, new
+
+
+def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path) -> bool:
+    """Give a model native steps (`model.native`) -> whether it has them; where they cannot
+    serve, one line through `log` and the model stays on the other engines."""
+    if model.native is not None:
+        return True
+    try:
+        model.native = NativeSteps(model, target, log, root)
+    except (NativeUnavailable, OSError) as e:
+        log(f"native decode step unavailable ({type(model).__name__}): {e}")
+        return False
+    return True
+
+
+def prepare(target: Transformer, models: list[Transformer | MTPModule], log: Log, root: Path) -> tuple[int, int]:
+    """Native steps for the target and the proposer's models -> (models with them, models)."""
+    every = list({id(m): m for m in [target, *models]}.values())
+    return sum(attach(m, target, log, root) for m in every), len(every)

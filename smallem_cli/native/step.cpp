@@ -1,0 +1,298 @@
+// One decode pass of a Smallem model (a Transformer or the MTP module) over T new tokens,
+// reading its 16-bit weights as they lie in the checkpoint (`native.py` builds and loads it).
+//
+// Why: on a CPU a small model's one-token pass is bound by reading its weights. The target
+// holds 36 MB of float32 weights, more than this machine's 32 MB L3, so every token reads
+// them from DRAM; as float16 they are 18 MB, which stay in L3 from one token to the next.
+// The checkpoints are float16, so computing with them (converted to float32 in registers,
+// float32 accumulation) is the same model, with no rounding of its own.
+//
+// Same contract as the compiled graphs (`graphs.py`): the cache is only read (the past, a
+// strided view of the slab), the new K/V come back in `out_new` [L, 2, Hkv, T, D] and the
+// caller writes them. Every output row is computed the same way whatever T is (each dot
+// product in the same order), so a token's numbers do not depend on the pass that held it.
+//
+// Layout: weights [out, in] row-major (nn.Linear's), rows of Wq/Wk permuted so that each
+// rotary pair is two adjacent columns (`model.interleave_halves`), as the eager path's cache.
+// One OpenMP region per pass; each product is split over output rows between the threads.
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+struct LayerW {
+    const uint16_t *qkv;  // [(H + 2Hkv) D, d]
+    const uint16_t *o;    // [d, H D]
+    const uint16_t *gu;   // [2F, d]: gate rows, then up rows
+    const uint16_t *down; // [d, F]
+    const float *g1, *g2; // RMSNorm weights before attention and before the MLP [d]
+};
+
+struct ModelW {
+    int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
+    float eps;
+    const LayerW *layers;
+    const uint16_t *embed; // [V, d] (a Transformer's token embedding; unused by the MTP module)
+    const uint16_t *head;  // [V, d] output head, or null (no head: the MTP module)
+    const float *g_final;  // [d] final norm, or null
+    // The MTP module's prologue: x = table[token] + (unit_rms(h) * g_h) @ Wh^T
+    const float *table;    // [V, d] float32 (the token's half, `MTPModule.token_table`), or null
+    const uint16_t *wh;    // [d, ldh] the h half of eh_proj
+    int ldh;
+    const float *g_h;      // [d]
+};
+
+// float32 exp, vectorised (Cephes' polynomial, as in avx_mathfun): about 1 ulp.
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 load_h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+// y[m, n] (+)= sum_k x[m, k] W[n, k] for m < M, n in this thread's share of N. K % 8 == 0.
+// Four output rows at a time (four independent sums, so the adds do not wait on each other),
+// up to three input rows at a time against them: 12 accumulators, W's rows read from L1 again.
+#ifndef PF
+#define PF 8
+#endif
+template <int MB>
+static inline void dot_block(const float *x, int ldx, const uint16_t *w, int ldw, int K, float *y, int ldy, int n,
+                             bool add) {
+    __m256 acc[MB][4];
+    for (int m = 0; m < MB; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8) {
+        if ((k & 31) == 0)  // the rows PF blocks ahead, a cache line per row as this block reads one
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w + (size_t)(n + 4 * PF + j) * ldw + k), _MM_HINT_T0);
+        // one row of W at a time against every input row: 12 accumulators + w + x fit the 16
+        // registers (holding four rows of W too would spill an accumulator to the stack)
+        for (int j = 0; j < 4; j++) {
+            __m256 wj = load_h(w + (size_t)(n + j) * ldw + k);
+            for (int m = 0; m < MB; m++) acc[m][j] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(x + (size_t)m * ldx + k), acc[m][j]);
+        }
+    }
+    for (int m = 0; m < MB; m++) {  // the four sums at once: two levels of pairwise adds, then the halves
+        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[m][0], acc[m][1]), _mm256_hadd_ps(acc[m][2], acc[m][3]));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        float *out = y + (size_t)m * ldy + n;
+        _mm_storeu_ps(out, add ? _mm_add_ps(_mm_loadu_ps(out), s) : s);
+    }
+}
+
+// Called inside the parallel region by every thread: the rows of W are shared out (`omp for`).
+static void matmul(const float *x, int M, int ldx, const uint16_t *w, int ldw, int N, int K, float *y, int ldy,
+                   bool add) {
+#pragma omp for schedule(static)
+    for (int n = 0; n < N; n += 4) {
+        int m = 0;
+        for (; m + 3 <= M; m += 3) dot_block<3>(x + (size_t)m * ldx, ldx, w, ldw, K, y + (size_t)m * ldy, ldy, n, add);
+        if (M - m == 2) dot_block<2>(x + (size_t)m * ldx, ldx, w, ldw, K, y + (size_t)m * ldy, ldy, n, add);
+        if (M - m == 1) dot_block<1>(x + (size_t)m * ldx, ldx, w, ldw, K, y + (size_t)m * ldy, ldy, n, add);
+    }
+}
+
+// out[t] = x[t] / rms(x[t]) * g, for rows t shared out between the threads.
+static void rms_rows(const float *x, int T, int d, float eps, const float *g, float *out) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float *r = x + (size_t)t * d;
+        __m256 s = _mm256_setzero_ps();
+        for (int i = 0; i < d; i += 8) {
+            __m256 v = _mm256_loadu_ps(r + i);
+            s = _mm256_fmadd_ps(v, v, s);
+        }
+        float inv = 1.0f / sqrtf(hsum(s) / d + eps);
+        for (int i = 0; i < d; i++) out[(size_t)t * d + i] = r[i] * inv * g[i];
+    }
+}
+
+// Attention of query row t, head h, over S past keys (a strided view of the slab) and the
+// pass's new keys 0..t (causal), softmax in float32. q is pre-scaled; out [D].
+static void attend_one(const float *q, const float *pk, const float *pv, long ps, const float *nk, const float *nv,
+                       long ns, int S, int t, int D, float *scores, float *out) {
+    int n = S + t + 1;
+    float mx = -INFINITY;
+    for (int s = 0; s < n; s++) {
+        const float *k = s < S ? pk + (size_t)s * ps : nk + (size_t)(s - S) * ns;
+        __m256 a = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+        float v = hsum(a);
+        scores[s] = v;
+        mx = v > mx ? v : mx;
+    }
+    __m256 vm = _mm256_set1_ps(mx), tot = _mm256_setzero_ps();
+    int s = 0;
+    for (; s + 8 <= n; s += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), vm));
+        _mm256_storeu_ps(scores + s, e);
+        tot = _mm256_add_ps(tot, e);
+    }
+    float sum = hsum(tot);
+    for (; s < n; s++) {
+        float e = expf(scores[s] - mx);
+        scores[s] = e;
+        sum += e;
+    }
+    float inv = 1.0f / sum;
+    for (int i = 0; i < D; i += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const float *v = j < S ? pv + (size_t)j * ps : nv + (size_t)(j - S) * ns;
+            a = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v + i), a);
+        }
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_set1_ps(inv)));
+    }
+}
+
+// Scratch per pass: sized by the caller (`native.scratch_floats`).
+//   xn [T, d], y [T, (H+2Hkv) D], att [T, H D], gu [T, 2F], hf [T, F], scores [threads, S + T]
+//
+// past: [L, 2, Hkv, S, D] with element strides past_st[0..3] of its first four dims (D's is 1);
+// cos, sin [T, P] with P = (H + 2Hkv) D / 2: each adjacent column pair of the QKV row turns.
+// tokens [T]; h [T, d] (the MTP module's input, else null); x [T, d] output: the hidden states
+// (every row; the caller keeps the last one for `last`); logits [T_head, V] of the last
+// T_head rows when the model has a head and T_head > 0; out_new [L, 2, Hkv, T, D].
+extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
+                  const float *sin_t, const float *past, const int64_t *past_st, int S, float *x, float *logits,
+                  int T_head, float *out_new, float *scratch, int threads) {
+    const int d = mw->dim, H = mw->n_heads, Hkv = mw->n_kv_heads, D = mw->head_dim, F = mw->hidden;
+    const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = Q / 2;
+    float *xn = scratch, *y = xn + (size_t)T * d, *att = y + (size_t)T * Q, *gu = att + (size_t)T * H * D;
+    float *hf = gu + (size_t)T * 2 * F, *scores = hf + (size_t)T * F;
+    const float qscale = 1.0f / sqrtf((float)D);
+
+#pragma omp parallel num_threads(threads)
+    {
+        // embedding: a Transformer's token rows (float16), or the MTP module's prologue
+        if (mw->table) {
+            rms_rows(h, T, d, mw->eps, mw->g_h, xn);
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) memcpy(x + (size_t)t * d, mw->table + (size_t)tokens[t] * d, d * sizeof(float));
+            matmul(xn, T, d, mw->wh, mw->ldh, d, d, x, d, true);
+        } else {
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                const uint16_t *e = mw->embed + (size_t)tokens[t] * d;
+                for (int i = 0; i < d; i += 8) _mm256_storeu_ps(x + (size_t)t * d + i, load_h(e + i));
+            }
+        }
+        for (int l = 0; l < mw->n_layers; l++) {
+            const LayerW &L = mw->layers[l];
+            rms_rows(x, T, d, mw->eps, L.g1, xn);
+            matmul(xn, T, d, L.qkv, d, Q, d, y, Q, false);
+            // rotary turn of each adjacent pair (v's pairs turn by 0), the attention scale on q,
+            // and the new K/V out: [2, Hkv, T, D] of this layer
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                float *r = y + (size_t)t * Q;
+                const float *c = cos_t + (size_t)t * P, *sn = sin_t + (size_t)t * P;
+                for (int p = 0; p < P; p++) {
+                    float a = r[2 * p], b = r[2 * p + 1];
+                    r[2 * p] = a * c[p] - b * sn[p];
+                    r[2 * p + 1] = a * sn[p] + b * c[p];
+                }
+                for (int i = 0; i < H * D; i++) r[i] *= qscale;
+                for (int kv = 0; kv < 2; kv++)
+                    for (int g = 0; g < Hkv; g++)
+                        memcpy(out_new + ((((size_t)l * 2 + kv) * Hkv + g) * T + t) * D, r + (H + kv * Hkv + g) * D,
+                               D * sizeof(float));
+            }
+            const float *pl = past + (size_t)l * past_st[0];
+            const float *nl = out_new + (size_t)l * 2 * Hkv * T * D;
+#pragma omp for schedule(static)
+            for (int i = 0; i < H * T; i++) {
+                int hh = i / T, t = i % T, g = hh / G;
+                const float *pk = pl + (size_t)g * past_st[2], *pv = pk + past_st[1];
+                const float *nk = nl + (size_t)g * T * D, *nv = nl + ((size_t)Hkv + g) * T * D;
+                attend_one(y + (size_t)t * Q + hh * D, pk, pv, past_st[3], nk, nv, D, S, t, D,
+                           scores + (size_t)omp_get_thread_num() * (S + T), att + (size_t)t * H * D + hh * D);
+            }
+            matmul(att, T, H * D, L.o, H * D, d, H * D, x, d, true);
+            rms_rows(x, T, d, mw->eps, L.g2, xn);
+            matmul(xn, T, d, L.gu, d, 2 * F, d, gu, 2 * F, false);
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                const float *a = gu + (size_t)t * 2 * F, *b = a + F;
+                float *o = hf + (size_t)t * F;
+                for (int i = 0; i < F; i += 8) {
+                    __m256 av = _mm256_loadu_ps(a + i);
+                    __m256 sg = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                              _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), av))));
+                    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(av, sg), _mm256_loadu_ps(b + i)));
+                }
+            }
+            matmul(hf, T, F, L.down, F, d, F, x, d, true);
+        }
+        if (mw->head && T_head > 0) {
+            rms_rows(x + (size_t)(T - T_head) * d, T_head, d, mw->eps, mw->g_final, xn);
+            matmul(xn, T_head, d, mw->head, d, mw->vocab, d, logits, mw->vocab, false);
+        }
+    }
+}
+
+
+// The MTP module's greedy chain of k guesses in one call (as `chain.MTPChain`): the head
+// picks guess 1 from h0 (the module's state after its catch-up), then each further guess
+// feeds the last one back through the module at the next position. The chained entries'
+// K/V are written into `view` at positions L, L+1, .. (the caller reserved them, and drops
+// them after the round), so that each step reads them as past.
+//   head_rows [N, d] float16 (the proposer's head: maybe cut to N rows; `ids` [N] maps a
+//   row to its token, null: row = token), g_final [d] the final norm; cos, sin [k-1, P];
+//   view: the module's cache [1, 2, Hkv, >= L+k-1, D] with strides st[0..3];
+//   out: tokens [k], tops [k] (the head's probability of each guess, for p-min).
+// scratch: smallem_step's for T=1, then 4 d + 2 Hkv D + N floats.
+extern "C" void smallem_mtp_chain(const ModelW *mw, const uint16_t *head_rows, int N, const float *g_final,
+                                  const int64_t *ids, const float *h0, int k, const float *cos_t, const float *sin_t,
+                                  float *view, const int64_t *st, int L, int64_t *tokens, float *tops, float *scratch,
+                                  int step_scratch, int threads) {
+    const int d = mw->dim, Hkv = mw->n_kv_heads, D = mw->head_dim, P = (mw->n_heads + 2 * Hkv) * D / 2;
+    float *state = scratch + step_scratch, *next = state + d, *xn = next + d, *nw = xn + d, *logits = nw + 2 * Hkv * D;
+    memcpy(state, h0, d * sizeof(float));
+    for (int j = 0; j < k; j++) {
+#pragma omp parallel num_threads(threads)
+        {
+            rms_rows(state, 1, d, mw->eps, g_final, xn);
+            matmul(xn, 1, d, head_rows, d, N, d, logits, N, false);
+        }
+        int best = 0;
+        for (int i = 1; i < N; i++)
+            if (logits[i] > logits[best]) best = i;
+        float sum = 0.0f;
+        for (int i = 0; i < N; i++) sum += expf(logits[i] - logits[best]);
+        tokens[j] = ids ? ids[best] : best;
+        tops[j] = 1.0f / sum;
+        if (j == k - 1) break;
+        int64_t tok = tokens[j];
+        smallem_step(mw, &tok, state, 1, cos_t + (size_t)j * P, sin_t + (size_t)j * P, view, st, L + j, next, nullptr,
+                     0, nw, scratch, threads);
+        for (int kv = 0; kv < 2; kv++)  // this step's K/V into the cache, where the next step reads them
+            for (int g = 0; g < Hkv; g++)
+                memcpy(view + kv * st[1] + g * st[2] + (size_t)(L + j) * st[3], nw + ((size_t)kv * Hkv + g) * D,
+                       D * sizeof(float));
+        memcpy(state, next, d * sizeof(float));
+    }
+}

@@ -1,0 +1,233 @@
+"""The native engine (`smallem_cli/native/`): C++ kernels over a model's float16 weights.
+
+Every check compares it with the eager path, the reference: a pass's logits, hidden states
+and K/V to float32 rounding, greedy generations token for token (target alone, MTP chain,
+draft), the MTP chain's guesses against the step-by-step ones. Then what it refuses
+(weights float16 cannot hold, widths its kernels do not tile, a compiler that fails, a
+shared cache folder), that it builds its library once, and the CLI.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DRAFT_CFG, PROMPT, TINY, Family, noisy_copy, random_model, random_mtp
+from typer.testing import CliRunner
+
+from smallem_cli import aot, native
+from smallem_cli.cli import app
+from smallem_cli.generate import generate
+from smallem_cli.model import MTPModule, Transformer
+from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
+from smallem_cli.sampling import Sampling
+from smallem_cli.steps import switch
+
+no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
+
+
+def halved(model: Transformer | MTPModule) -> Transformer | MTPModule:
+    """A copy whose weights are float16 values (as a checkpoint's), packed again."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.half().float())
+    return m.pack()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("native-cache")
+
+
+@pytest.fixture(scope="module")
+def pair(root: Path) -> tuple[Transformer, MTPModule]:
+    """A float16-exact target (GQA: 4 heads on 2 kv heads) and MTP module, with native steps."""
+    target, mtp = halved(random_model(TINY, seed=0)), halved(random_mtp(TINY, seed=2))
+    log: list[str] = []
+    assert native.prepare(target, [mtp], log.append, root) == (2, 2), log  # type: ignore[arg-type]
+    return target, mtp  # type: ignore[return-value]
+
+
+def eager_and_native(fn):
+    """fn() run on the eager path, then on the native one."""
+    switch("eager")
+    try:
+        with torch.no_grad():
+            a = fn()
+            switch("native")
+            return a, fn()
+    finally:
+        switch(None)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to float32 rounding: the kernels sum in another order (and apply the norms' weights
+    to the activations, where the eager path folds them into its float32 weights)."""
+    if a.shape != b.shape or a.numel() == 0:
+        return a.shape == b.shape
+    return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max())))
+
+
+@pytest.mark.parametrize(
+    ("T", "head", "last"), [(1, True, False), (2, False, True), (3, True, True), (5, True, False), (16, True, False)]
+)
+def test_target_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule], T: int, head: bool, last: bool) -> None:
+    """Logits, hidden states and the K/V a pass writes match the eager pass's, for any T."""
+    target, _ = pair
+    cache = target.new_cache(4)
+    seq = cache.new_sequence()
+    tokens = torch.randint(0, TINY.vocab_size, (40,), generator=torch.Generator().manual_seed(T))
+    target(tokens[:20], cache, seq)
+
+    def one() -> tuple[torch.Tensor, ...]:
+        logits, hidden = target(tokens[20 : 20 + T], cache, seq, head=head, last=last)
+        kv = cache.kv[:, :, :, 20 : 20 + T].clone()
+        cache.keep(seq, 20)
+        return logits, hidden, kv
+
+    a, b = eager_and_native(one)
+    assert all(close(x, y) for x, y in zip(a, b, strict=True)), [(x - y).abs().max() for x, y in zip(a, b, strict=True)]
+    assert b[1].shape[0] == (1 if last else T) and b[0].shape[0] == (0 if not head else 1 if last else T)
+
+
+def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule]) -> None:
+    target, mtp = pair
+    prop = MTPProposer(target, mtp, 64)
+    g = torch.Generator().manual_seed(1)
+    h, nxt = torch.randn(12, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (12,), generator=g)
+    prop.step(h[:8], nxt[:8])
+
+    def one() -> tuple[torch.Tensor, torch.Tensor]:
+        out = prop.step(h[8:], nxt[8:])
+        kv = prop.cache.kv[:, :, :, 8:12].clone()
+        prop.cache.keep(prop.seq, 8)
+        return out, kv
+
+    a, b = eager_and_native(one)
+    assert close(a[0], b[0]) and close(a[1], b[1])
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_mtp_chain_guesses_as_the_steps_do(pair: tuple[Transformer, MTPModule], cut: bool) -> None:
+    """The native chain (one call for k guesses) guesses what the step-by-step loop guesses,
+    with the whole head or one cut to some tokens, and leaves the module's cache as it was."""
+    target, mtp = pair
+    head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:40]) if cut else None
+    g = torch.Generator().manual_seed(3)
+    for trial in range(4):
+        h, nxt = torch.randn(10, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (10,), generator=g)
+
+        def guesses(h: torch.Tensor = h, nxt: torch.Tensor = nxt) -> list[int]:
+            prop = MTPProposer(target, mtp, 64, head)
+            prop.start(nxt[:1], nxt[1:2], h[:1])
+            prop.pending_h, prop.pending_next = h, nxt
+            tokens, _ = prop.propose(4, None, None)
+            assert prop.cache.length(prop.seq) >= prop.true_len == 10
+            prop.accept(0, nxt[:1], h[:1])
+            assert prop.cache.length(prop.seq) == 10  # the chain's entries dropped
+            return tokens.tolist()
+
+        a, b = eager_and_native(guesses)
+        assert a == b, (trial, a, b)
+
+
+@pytest.mark.parametrize("kind", ["none", "mtp", "draft"])
+def test_generation_is_the_eager_one(pair: tuple[Transformer, MTPModule], root: Path, kind: str) -> None:
+    """Greedy tokens equal the eager run's, with the same guesses kept (the chain's and the
+    draft's included); seeded sampling too."""
+    target, mtp = pair
+    draft = halved(noisy_copy(target, 0.05, seed=5))  # agrees often, not always
+    assert native.attach(draft, target, lambda _: None, root)  # type: ignore[arg-type]
+
+    def make() -> NoProposer | MTPProposer | DraftProposer:
+        if kind == "mtp":
+            return MTPProposer(target, mtp, 200)
+        return DraftProposer(draft, 200) if kind == "draft" else NoProposer()  # type: ignore[arg-type]
+
+    for sampling in (Sampling(), Sampling(temperature=1.0, seed=7)):
+        a, b = eager_and_native(lambda s=sampling: generate(target, make(), PROMPT, 80, 0 if kind == "none" else 3, s))
+        assert a[0] == b[0] and len(set(a[0])) >= 10, sampling
+        assert (a[1].proposed, a[1].accepted) == (b[1].proposed, b[1].accepted)
+
+
+def test_refuses_weights_and_widths_it_cannot_serve(root: Path) -> None:
+    """float32 weights (float16 would change the model) and a head width its kernels do not
+    tile: one line each, the model left on the eager path."""
+    log: list[str] = []
+    f32 = random_model(TINY, seed=0)
+    assert not native.attach(f32, f32, log.append, root) and f32.native is None
+    narrow = halved(random_model(DRAFT_CFG, seed=1))  # head_dim 12
+    assert not native.attach(narrow, narrow, log.append, root)  # type: ignore[arg-type]
+    assert len(log) == 2 and "float16-exact" in log[0] and "multiples of 8" in log[1], log
+    out, _ = generate(f32, NoProposer(), PROMPT, 10, 0)
+    assert len(out) == 10
+
+
+def test_library_is_built_once_and_failures_are_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pair: tuple[Transformer, MTPModule]
+) -> None:
+    monkeypatch.setattr(native, "_LIB", None)
+    log: list[str] = []
+    native.library(tmp_path / "a", log.append)
+    assert len(log) == 1 and log[0].startswith("building the native decode step")
+    assert len(list((tmp_path / "a" / "native").glob("step-*.so"))) == 1
+
+    def no_compiler(*a, **kw):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    native.library(tmp_path / "a", log.append)  # from the cache: no compiler
+    assert len(log) == 1
+    monkeypatch.undo()
+
+    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    target = halved(random_model(TINY, seed=0))
+    assert not native.attach(target, target, log.append, tmp_path / "b")  # type: ignore[arg-type]
+    assert len(log) == 3 and "the C++ compiler failed" in log[-1] and log[-2].startswith("building"), log
+    monkeypatch.setenv("CXX", "g++")
+    shared = tmp_path / "c"
+    (shared / "native").mkdir(parents=True)
+    (shared / "native").chmod(0o777)  # a library that gets loaded: never from a folder others can write
+    assert not native.attach(target, target, log.append, shared)  # type: ignore[arg-type]
+    assert "writable by others" in log[-1]
+
+
+def test_engine_names_and_bench_engines() -> None:
+    cpu = torch.device("cpu")
+    assert aot.bench_engines("auto", cpu) == ("eager", "native")
+    assert aot.bench_engines("native,compiled", cpu) == ("native", "compiled")
+    with pytest.raises(ValueError, match="native"):
+        aot.bench_engines("native,bogus", cpu)
+
+
+def test_cli_native_engine_prints_the_eager_text(
+    family: Family, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--engine native` (and auto, its default on a CPU) print the eager engine's text; the
+    first run builds the library (one line), later runs only load it."""
+    monkeypatch.setenv("SMALLEM_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_LIB", None)
+    runner = CliRunner()
+
+    def run(*args: str):
+        argv = ["generate", "The quick brown fox", "--target", str(family.target), "-n", "30", *args]
+        return runner.invoke(app, argv)
+
+    eager = run("--engine", "eager")
+    first = run("--engine", "native")
+    assert first.exit_code == 0 and first.stdout == eager.stdout and eager.stdout.strip()
+    lines = first.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("building the native") and lines[1].endswith(", native)"), lines
+    monkeypatch.setattr(native, "_LIB", None)
+    again = run("--engine", "auto", "--proposer", "mtp", "-k", "3")
+    mtp_eager = run("--engine", "eager", "--proposer", "mtp", "-k", "3")
+    assert again.exit_code == 0 and again.stdout == mtp_eager.stdout == eager.stdout
+    assert again.stderr.splitlines()[-1].endswith(", native)") and len(again.stderr.splitlines()) == 1, again.stderr
