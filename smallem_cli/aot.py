@@ -348,8 +348,8 @@ BENCH_ENGINES = ("eager", "compiled", "native")
 
 
 def engine_mode(engine: str, device: torch.device) -> str | None:
-    """--engine -> None (eager), "cached" (compiled steps already built, nothing compiled),
-    "build" (compiled: build what the cache lacks) or "native" (`native/`; auto on a CPU).
+    """--engine -> None (eager), "build" (compiled: load inductor's steps, building what the
+    cache lacks) or "native" (`native/`; auto on a CPU).
     ValueError for an unknown name, or an engine for a CPU on another device."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")

@@ -348,12 +348,8 @@ def generate(
         raise fail(str(e)) from None
     ready, passes = 0, 1
     if mode and not tree:  # every pass this run may take, loaded (or built) before the clock starts
-        ready, passes = aot.prepare_engine(mode, tgt.model, make_proposer(8), [kk], err.print, temperature == 0)
-        if ready < passes and not quiet and mode != "native":
-            err.print(
-                f"eager for {passes - ready} of {passes} kinds of pass: `--engine compiled` builds their "
-                f"compiled steps once for this machine (about a minute each), cached in {aot.cache_root()}"
-            )
+        log = (lambda _: None) if quiet else err.print
+        ready, passes = aot.prepare_engine(mode, tgt.model, make_proposer(8), [kk], log, temperature == 0)
     name = "native" if mode == "native" else "compiled"
     used = name if ready == passes else "eager" if not ready else f"partly {name}"
 

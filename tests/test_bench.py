@@ -86,7 +86,7 @@ def test_run_bench_engines_side_by_side(family: Family) -> None:
     )
     assert bench.generations(both, 3) == 4 * 3  # eager none, compiled none, mtp on each engine
     assert aot.bench_engines("eager,compiled", dev) == ("eager", "compiled")
-    assert aot.bench_engines("auto", dev) == ("eager", "compiled")
+    assert aot.bench_engines("auto", dev) == ("eager", "native")
     with pytest.raises(ValueError, match="--engines"):
         aot.bench_engines("eager,fast", dev)
 
