@@ -137,7 +137,10 @@ class PagedKVCache:
 
     def write_all(self, step: Step, kv: torch.Tensor) -> None:
         """Store K/V of the new tokens for every layer at once. kv: [layer, K or V, kv heads, T, head dim]."""
-        self.kv.index_copy_(3, step.slots, kv)
+        if step.view is not None:  # consecutive pages: the new positions are a slice, no index to build
+            step.view[:, :, :, step.start : step.length].copy_(kv)
+        else:
+            self.kv.index_copy_(3, step.slots, kv)
 
     def read(self, layer: int, step: Step) -> torch.Tensor:
         """K/V of every visible position, in order: [K or V, kv heads, length, head dim].

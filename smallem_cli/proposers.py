@@ -324,7 +324,7 @@ class MTPProposer:
                 tokens = tokens[: sure.index(False) if False in sure else k]
             return tokens, None
         plain = isinstance(warp, Warper) and warp.plain and not self.p_min
-        if plain and (chain := self._chain(k, False)) is not None:  # sampled, a temperature alone
+        if plain and (chain := self._native_chain(k) or self._chain(k, False)) is not None:  # a temperature alone
             assert isinstance(warp, Warper)
             inv_t = torch.full((1,), 1.0 / warp.temperature, device=out.device)
             tokens, q = chain(out, inv_t, noise((k, self.head.w.shape[1]), generator, out))
@@ -345,9 +345,9 @@ class MTPProposer:
         are in the base key)."""
         return f"mtp-chain k={k} {'greedy' if greedy else 'sampled'} {self._head_key}"
 
-    def _native_chain(self, k: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
-        """The native engine's greedy chain (`native.NativeSteps.chain`), its k-1 chained
-        positions reserved in the module's cache (`accept` drops them), or None."""
+    def _native_chain(self, k: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+        """The native engine's chain (`native.NativeSteps.chain`, greedy or sampled), its k-1
+        chained positions reserved in the module's cache (`accept` drops them), or None."""
         steps, L = self.mtp.native, self.true_len
         if k < 2 or steps is None or not steps.enabled or L < MIN_PAST or L + k - 1 > steps.positions:
             return None
@@ -356,7 +356,7 @@ class MTPProposer:
             self.cache.keep(self.seq, L)
             return None
         view = where.view
-        return lambda out: steps.chain(self.head.ids, out, k, view, L)
+        return lambda out, *sampled: steps.chain(self.head.ids, out, k, view, L, *sampled)
 
     def _chain(self, k: int, greedy: bool) -> Callable[..., tuple[torch.Tensor, ...]] | None:
         """The compiled chain for k guesses from the state `out` [1, d] (and, sampled, 1/T and the

@@ -26,6 +26,7 @@ from smallem_cli.model import MTPModule, Transformer
 from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
 from smallem_cli.sampling import Sampling
 from smallem_cli.steps import switch
+from smallem_cli.verify import Warper
 
 no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
@@ -113,28 +114,36 @@ def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule]) -> None:
     assert close(a[0], b[0]) and close(a[1], b[1])
 
 
-@pytest.mark.parametrize("cut", [False, True])
-def test_mtp_chain_guesses_as_the_steps_do(pair: tuple[Transformer, MTPModule], cut: bool) -> None:
+@pytest.mark.parametrize(("cut", "sampled"), [(False, False), (True, False), (False, True), (True, True)])
+def test_mtp_chain_guesses_as_the_steps_do(pair: tuple[Transformer, MTPModule], cut: bool, sampled: bool) -> None:
     """The native chain (one call for k guesses) guesses what the step-by-step loop guesses,
-    with the whole head or one cut to some tokens, and leaves the module's cache as it was."""
+    with the whole head or one cut to some tokens, greedy or sampled (the same draws of the
+    run's generator, and the q each guess was drawn from), and leaves the module's cache as
+    it was."""
     target, mtp = pair
     head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:40]) if cut else None
     g = torch.Generator().manual_seed(3)
     for trial in range(4):
         h, nxt = torch.randn(10, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (10,), generator=g)
 
-        def guesses(h: torch.Tensor = h, nxt: torch.Tensor = nxt) -> list[int]:
+        def guesses(
+            h: torch.Tensor = h, nxt: torch.Tensor = nxt, seed: int = trial
+        ) -> tuple[list[int], torch.Tensor | None]:
             prop = MTPProposer(target, mtp, 64, head)
             prop.start(nxt[:1], nxt[1:2], h[:1])
             prop.pending_h, prop.pending_next = h, nxt
-            tokens, _ = prop.propose(4, None, None)
+            warp = Warper(1.3) if sampled else None
+            tokens, q = prop.propose(4, warp, torch.Generator().manual_seed(seed))
             assert prop.cache.length(prop.seq) >= prop.true_len == 10
             prop.accept(0, nxt[:1], h[:1])
             assert prop.cache.length(prop.seq) == 10  # the chain's entries dropped
-            return tokens.tolist()
+            return torch.as_tensor(tokens).view(-1).tolist(), q
 
-        a, b = eager_and_native(guesses)
+        (a, qa), (b, qb) = eager_and_native(guesses)
         assert a == b, (trial, a, b)
+        assert (qa is None) == (qb is None) == (not sampled)
+        if sampled:
+            assert close(qa, qb) and torch.allclose(qb.sum(-1), torch.ones(4))
 
 
 @pytest.mark.parametrize("kind", ["none", "mtp", "draft"])

@@ -94,7 +94,8 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
     ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp), argument by argument
     lib.smallem_step.restype = lib.smallem_mtp_chain.restype = None
     lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num]
-    lib.smallem_mtp_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 3 + [num] * 2
+    lib.smallem_mtp_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr]
+    lib.smallem_mtp_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
     _LIB = lib
     return lib
 
@@ -209,29 +210,42 @@ class NativeSteps:
         return T * (c.dim + Q + c.n_heads * c.head_dim + 3 * F) + threads * (self.positions + T)
 
     def chain(
-        self, ids: torch.Tensor | None, out: torch.Tensor, k: int, view: torch.Tensor, L: int
+        self,
+        ids: torch.Tensor | None,
+        out: torch.Tensor,
+        k: int,
+        view: torch.Tensor,
+        L: int,
+        inv_t: torch.Tensor | None = None,
+        e: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP module's greedy chain (`smallem_mtp_chain`): k guesses from its state `out`
-        [1, d], with the head cut to `ids` (None: whole) -> (tokens [k], their probabilities [k]).
-        `view` [1, 2, Hkv, >= L+k-1, D]: the module's cache, positions L.. reserved for the chain."""
+        """The MTP module's chain (`smallem_mtp_chain`): k guesses from its state `out` [1, d],
+        with the head cut to `ids` (None: whole). `view` [1, 2, Hkv, >= L+k-1, D]: the module's
+        cache, positions L.. reserved for the chain. Greedy -> (tokens [k], their probabilities
+        [k]); sampled (1/T [1] and Exp(1) draws e [k, N]) -> (tokens [k], q [k, N])."""
         assert self.mtp and k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, float16, once per head
             self._heads[id(ids)] = (ids, self.head_all if ids is None else self.head_all[ids].contiguous())
         ids_t, rows = self._heads[id(ids)]
-        c, threads = self.cfg, torch.get_num_threads()
+        c, threads, N = self.cfg, torch.get_num_threads(), rows.shape[0]
         need = self._need(1, threads)
-        scratch = torch.empty(need + 4 * c.dim + 2 * c.n_kv_heads * c.head_dim + rows.shape[0])
+        scratch = torch.empty(need + 3 * c.dim + 2 * c.n_kv_heads * c.head_dim + N)
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
+        q = torch.empty(k, N) if e is not None else tops[:0]
+        if e is not None:
+            e = e.contiguous()
+            assert tuple(e.shape) == (k, N) and inv_t is not None
         cos, sin = self.trig(L, L + k - 1)
         out = out.contiguous()
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
         self.lib.smallem_mtp_chain(
-            ctypes.addressof(self.mw), rows.data_ptr(), rows.shape[0], self.g_final.data_ptr(),
+            ctypes.addressof(self.mw), rows.data_ptr(), N, self.g_final.data_ptr(),
             None if ids_t is None else ids_t.data_ptr(), out.data_ptr(), k, cos.data_ptr(), sin.data_ptr(),
-            view.data_ptr(), ctypes.addressof(strides), L, tokens.data_ptr(), tops.data_ptr(), scratch.data_ptr(),
-            need, threads,
+            view.data_ptr(), ctypes.addressof(strides), L, None if e is None else e.data_ptr(),
+            0.0 if inv_t is None else float(inv_t), tokens.data_ptr(), tops.data_ptr(), q.data_ptr(),
+            scratch.data_ptr(), need, threads,
         )  # fmt: skip
-        return tokens, tops
+        return (tokens, q) if e is not None else (tokens, tops)
 
     def _run(
         self,

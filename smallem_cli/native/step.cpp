@@ -255,20 +255,23 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
 }
 
 
-// The MTP module's greedy chain of k guesses in one call (as `chain.MTPChain`): the head
-// picks guess 1 from h0 (the module's state after its catch-up), then each further guess
-// feeds the last one back through the module at the next position. The chained entries'
-// K/V are written into `view` at positions L, L+1, .. (the caller reserved them, and drops
-// them after the round), so that each step reads them as past.
+// The MTP module's chain of k guesses in one call (as `chain.MTPChain` and `MTPSampledChain`):
+// the head picks guess 1 from h0 (the module's state after its catch-up), then each further
+// guess feeds the last one back through the module at the next position. The chained
+// entries' K/V are written into `view` at positions L, L+1, .. (the caller reserved them, and
+// drops them after the round), so that each step reads them as past.
 //   head_rows [N, d] float16 (the proposer's head: maybe cut to N rows; `ids` [N] maps a
 //   row to its token, null: row = token), g_final [d] the final norm; cos, sin [k-1, P];
-//   view: the module's cache [1, 2, Hkv, >= L+k-1, D] with strides st[0..3];
-//   out: tokens [k], tops [k] (the head's probability of each guess, for p-min).
-// scratch: smallem_step's for T=1, then 4 d + 2 Hkv D + N floats.
+//   view: the module's cache [1, 2, Hkv, >= L+k-1, D] with strides st[0..3].
+//   Greedy (e null): tokens [k] the head's argmax, tops [k] its probability (for p-min).
+//   Sampled: q_j = softmax(logits_j * inv_t) into q [k, N], and guess j = argmax(q_j / e_j)
+//   on Exp(1) draws e [k, N] made by the caller from the run's generator (`verify.sample`'s
+//   exponential race).
+// scratch: smallem_step's for T=1 (step_scratch floats), then 3 d + 2 Hkv D + N floats.
 extern "C" void smallem_mtp_chain(const ModelW *mw, const uint16_t *head_rows, int N, const float *g_final,
                                   const int64_t *ids, const float *h0, int k, const float *cos_t, const float *sin_t,
-                                  float *view, const int64_t *st, int L, int64_t *tokens, float *tops, float *scratch,
-                                  int step_scratch, int threads) {
+                                  float *view, const int64_t *st, int L, const float *e, float inv_t, int64_t *tokens,
+                                  float *tops, float *q, float *scratch, int step_scratch, int threads) {
     const int d = mw->dim, Hkv = mw->n_kv_heads, D = mw->head_dim, P = (mw->n_heads + 2 * Hkv) * D / 2;
     float *state = scratch + step_scratch, *next = state + d, *xn = next + d, *nw = xn + d, *logits = nw + 2 * Hkv * D;
     memcpy(state, h0, d * sizeof(float));
@@ -281,10 +284,29 @@ extern "C" void smallem_mtp_chain(const ModelW *mw, const uint16_t *head_rows, i
         int best = 0;
         for (int i = 1; i < N; i++)
             if (logits[i] > logits[best]) best = i;
-        float sum = 0.0f;
-        for (int i = 0; i < N; i++) sum += expf(logits[i] - logits[best]);
+        if (e) {  // q = softmax(logits / T), then the race: argmax q / e
+            float *qj = q + (size_t)j * N;
+            const float top = logits[best] * inv_t;
+            float sum = 0.0f;
+            for (int i = 0; i < N; i++) {
+                qj[i] = expf(logits[i] * inv_t - top);
+                sum += qj[i];
+            }
+            const float inv = 1.0f / sum, *ej = e + (size_t)j * N;
+            best = 0;
+            float win = -1.0f;
+            for (int i = 0; i < N; i++) {
+                qj[i] *= inv;
+                float r = qj[i] / ej[i];
+                if (r > win) win = r, best = i;
+            }
+            tops[j] = qj[best];
+        } else {
+            float sum = 0.0f;
+            for (int i = 0; i < N; i++) sum += expf(logits[i] - logits[best]);
+            tops[j] = 1.0f / sum;
+        }
         tokens[j] = ids ? ids[best] : best;
-        tops[j] = 1.0f / sum;
         if (j == k - 1) break;
         int64_t tok = tokens[j];
         smallem_step(mw, &tok, state, 1, cos_t + (size_t)j * P, sin_t + (size_t)j * P, view, st, L + j, next, nullptr,
