@@ -308,7 +308,9 @@ def generate(
     engine: Annotated[
         str, typer.Option(help="auto (native on a CPU) | native | eager | compiled (build inductor's steps)")
     ] = D.ENGINE,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="CPU threads (default: all, fewer when other processes are running)")
+    ] = None,
     p_min: Annotated[
         float,
         typer.Option("--draft-p-min", help="adaptive depth: stop a round's guesses below this confidence (0 = off)"),
@@ -342,8 +344,9 @@ def generate(
         ids = tok.encode(text).ids
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
         mode = aot.engine_mode(engine, dev)
-        if O.threads(threads):
-            torch.set_num_threads(threads)  # type: ignore[arg-type]
+        n_threads = O.threads(threads) or O.threads_for_load(torch.get_num_threads())
+        if n_threads:
+            torch.set_num_threads(n_threads)
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
     ready, passes = 0, 1

@@ -164,6 +164,23 @@ def threads(n: int | None) -> int | None:
     return n
 
 
+LOADAVG = Path("/proc/loadavg")
+
+
+def threads_for_load(cores: int) -> int | None:
+    """`generate`'s default thread count: None (torch's, all cores) unless other processes are
+    running right now (the runnable count of /proc/loadavg, less this one), then the cores they
+    leave, at least 1. Measured (README, "Threads"): with another process spinning on one of
+    2 cores, 2 threads fell to a third of 1 thread's speed, whose barriers never wait on a
+    descheduled sibling; quiet, 2 threads were faster."""
+    try:
+        running = int(LOADAVG.read_text().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = running - 1
+    return max(1, cores - busy) if busy > 0 and cores > 1 else None
+
+
 def p_min(value: float) -> float:
     """--draft-p-min: a probability in [0, 1) (0 turns adaptive depth off)."""
     if not (math.isfinite(value) and 0 <= value < 1):

@@ -240,3 +240,16 @@ def test_cli_native_engine_prints_the_eager_text(
     mtp_eager = run("--engine", "eager", "--proposer", "mtp", "-k", "3")
     assert again.exit_code == 0 and again.stdout == mtp_eager.stdout == eager.stdout
     assert again.stderr.splitlines()[-1].endswith(", native)") and len(again.stderr.splitlines()) == 1, again.stderr
+
+
+def test_threads_follow_the_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """generate's default threads: all cores on a quiet machine, the cores others leave free
+    while they run (at least one), torch's default where /proc/loadavg cannot be read."""
+    from smallem_cli import options
+
+    loadavg = tmp_path / "loadavg"
+    monkeypatch.setattr(options, "LOADAVG", loadavg)
+    assert options.threads_for_load(2) is None  # unreadable
+    for running, cores, want in [(1, 2, None), (2, 2, 1), (3, 2, 1), (3, 8, 6), (2, 1, None)]:
+        loadavg.write_text(f"0.50 0.40 0.30 {running}/300 12345\n")
+        assert options.threads_for_load(cores) == want, (running, cores)
