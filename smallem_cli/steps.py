@@ -4,7 +4,7 @@ A model may hold two sets of steps beside its eager path: `model.native` (`nativ
 float16 kernels) and `model.compiled` (`aot.py`, inductor's graphs). Both take the same
 inputs (tokens or the MTP's states, the rope rows of the new positions, the past as a view
 of the slab) and return the new K/V for the caller to write, so every caller asks here for
-the one that is switched on (`aot.switch`) and runs it the same way.
+the one that is switched on (`switch`, below) and runs it the same way.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _ALL: weakref.WeakSet[Any] = weakref.WeakSet()  # every model's steps, both engi
 class Steps(Protocol):
     """What `aot.CompiledSteps` and `native.NativeSteps` both offer."""
 
-    kind: str  # "compiled" or "native": the engine that `aot.switch` turns on
+    kind: str  # "compiled" or "native": the engine that `switch` turns on
     enabled: bool
     positions: int  # the context: no pass may reach past it
     slab_shape: tuple[int, ...] | None  # the slab layout the steps need, None: any

@@ -11,7 +11,7 @@ is, not rounded.
 
 The step has the compiled graphs' contract (`graphs.py`): it reads the past as a strided
 view of the slab and returns the new K/V for the caller to write. So `NativeSteps` stands
-where `aot.CompiledSteps` does (`model.native`, chosen by `aot.switch`), for every T, with
+where `aot.CompiledSteps` does (`model.native`, chosen by `steps.switch`), for every T, with
 no per-shape build: one library, built once by the system's C++ compiler (the one inductor
 uses) and cached on disk by the hash of its source and flags.
 
@@ -173,7 +173,7 @@ class NativeSteps:
         self.cfg = c
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
         self._heads: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # a chain's head rows, by ids
-        if isinstance(model, MTPModule):  # the target's head and final norm, for the greedy chain
+        if isinstance(model, MTPModule):  # the target's head and final norm, for the chain of guesses
             w = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
             self.head_all = _half(w, "the target's head")
             self.g_final = target.norm.weight.detach().float().contiguous()
@@ -193,15 +193,6 @@ class NativeSteps:
         if self.mtp:
             return lambda h, tokens, cos, sin, past: self._run(tokens, h, cos, sin, past, False, last)
         return lambda tokens, cos, sin, past: self._run(tokens, None, cos, sin, past, head, last)
-
-    def prepare(self, shapes: list[tuple[int, bool, bool]], build: bool = True) -> int:
-        return sum(T <= MAX_T for T, _, _ in shapes)
-
-    def fused(self, name: str) -> None:
-        return None  # the proposers' fused graphs are the compiled engine's; here they step
-
-    def prepare_fused(self, fused: object, build: bool = True) -> bool:
-        return False
 
     def _need(self, T: int, threads: int) -> int:
         """Floats of smallem_step's scratch for a pass over T tokens."""
