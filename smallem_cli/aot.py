@@ -27,7 +27,7 @@ import tempfile
 import time
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -344,7 +344,13 @@ def use(models: list[nn.Module], compiled: bool) -> None:
 
 
 ENGINES = ("auto", "eager", "compiled", "native")
-BENCH_ENGINES = ("eager", "compiled", "native")
+BENCH_ENGINES = ("eager", "compiled", "native")  # slowest first
+
+
+def fastest(engines: Iterable[str]) -> str:
+    """The fastest of these engines (by BENCH_ENGINES' order): the one a peer is compared with."""
+    given = set(engines)
+    return next((e for e in reversed(BENCH_ENGINES) if e in given), "eager")
 
 
 def engine_mode(engine: str, device: torch.device) -> str | None:

@@ -258,27 +258,24 @@ def cost_readings(
     return out
 
 
-def prepare_compiled(target: Transformer, plan: Plan, passes: list[int] | None, log: aot.Log) -> None:
-    """Build (or load) the compiled steps of every pass the plan takes: the target alone (or
-    the pass sizes `passes` of --costs), then each proposer at each of its k."""
+def prepare_engines(target: Transformer, plan: Plan, passes: list[int] | None, log: aot.Log) -> None:
+    """Build (or load) what each engine of the plan runs, before anything is timed: the
+    compiled steps of the target alone's passes (or of --costs' pass sizes `passes`), then for
+    either CPU engine the steps of each proposer at each of its k (and the target's)."""
     top = max((k for ks in plan.ks.values() for k in ks), default=1)
-    aot.prepare(target, NoProposer(), [0], log, also=tuple(passes or range(1, top + 2)))
-    for mode, factories in plan.proposers.items():
-        for name, make in factories.items():
-            aot.prepare(target, make(8), plan.ks[name], log, greedy=mode == "greedy")
-
-
-def prepare_native(target: Transformer, plan: Plan, log: aot.Log) -> None:
-    """The native engine's steps for the target and every proposer's models."""
-    for mode, factories in plan.proposers.items():
-        for name, make in factories.items():
-            aot.prepare_engine("native", target, make(8), plan.ks[name], log, greedy=mode == "greedy")
+    for engine in plan.engines:
+        mode = aot.engine_mode(engine, target.embed_tokens.weight.device)
+        if mode == "build":
+            aot.prepare(target, NoProposer(), [0], log, also=tuple(passes or range(1, top + 2)))
+        for kind, factories in plan.proposers.items():
+            for name, make in factories.items():
+                aot.prepare_engine(mode, target, make(8), plan.ks[name], log, greedy=kind == "greedy")
 
 
 def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, ProposerFactory, int] | None:
     """The fastest greedy speculative row of a run, of its fastest engine: (proposer, factory, k),
     for a peer to be timed against (None if the run had none)."""
-    engine = next((e for e in ("native", "compiled", "eager") if e in plan.engines), "eager")
+    engine = aot.fastest(plan.engines)
     found = [r for r in rows if r.mode == "greedy" and r.k > 0 and r.engine == engine and "@" not in r.proposer]
     if not found or "greedy" not in plan.proposers:
         return None

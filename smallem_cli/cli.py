@@ -208,10 +208,7 @@ def bench(
         {m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature, 0, engine_list
     )
     passes = list(D.COST_PASSES) if costs else None
-    if "compiled" in engine_list:  # every pass the bench takes, built or loaded before anything is timed
-        B.prepare_compiled(tgt.model, plan, passes, err.print)
-    if "native" in engine_list:
-        B.prepare_native(tgt.model, plan, err.print)
+    B.prepare_engines(tgt.model, plan, passes, err.print)  # every pass the bench takes, before the clock
     if costs:
         readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats, passes)
         if json_out:

@@ -44,7 +44,7 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     def ours(name: str, k: int) -> float:
         """Our greedy row's tokens/s, of the fastest engine the bench ran (native, compiled, eager)."""
         found = {r.engine: r.tokens_per_s for r in rows if r.proposer == name and r.k == k and r.mode == "greedy"}
-        return next((found[e] for e in ("native", "compiled", "eager") if e in found), float("nan"))
+        return found[aot.fastest(found)] if found else float("nan")
 
     out: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -279,10 +279,10 @@ def llamacpp_peer(
     _llama_cpp()
     model = target.model
     threads = torch.get_num_threads()
-    engine = next((e for e in ("native", "compiled") if e in engines), "eager")
+    engine = aot.fastest(engines)
     n_ctx = min(1024, model.cfg.max_seq_len)
     passes = [1, *LLAMACPP_PASSES]
-    mode = {"native": "native", "compiled": "build"}.get(engine)
+    mode = aot.engine_mode(engine, model.embed_tokens.weight.device)
     # our passes over T tokens (and the proposer's), built (or loaded) before anything is timed
     aot.prepare_engine(mode, model, NoProposer(), [T - 1 for T in passes], log)
     if spec is not None:
@@ -320,18 +320,17 @@ def llamacpp_peer(
         switch(None)
     ours_tps = statistics.median(runs["ours"][0])
     out = []
-    spec_tps = statistics.median(runs["spec"][0]) if spec is not None else None
     for dtype, secs in costs.items():
         tps = statistics.median(runs[dtype][0])
-        if spec is not None and spec_tps is not None:
+        out_spec = {}
+        if spec is not None:
+            spec_tps = statistics.median(runs["spec"][0])
             out_spec = {
                 "spec": f"{spec[0]} k={spec[2]}",
                 "spec_tokens_per_s": spec_tps,
                 "spec_over_peer": spec_tps / tps,
                 "spec_identical": f"{runs['spec'][1]}/{len(prompts)}",
             }
-        else:
-            out_spec = {}
         out.append(
             {
                 "peer": f"llama.cpp {dtype} ({threads} threads)",

@@ -2,9 +2,9 @@
 
 Why: a one-token pass of the target is bound by reading its weights. As float32 (what
 the eager and compiled engines read) they are 36 MB, more than this machine's L3, so each
-token reads them from memory; as the float16 they are stored in, 18 MB, they stay in L3
-from one token to the next, and are half the bytes anyway. Neither ATen nor inductor has a
-fast float16 x float32 product on an AVX2 CPU, so `step.cpp` is one: every product
+token reads them from memory; as the float16 they are stored in they are 18 MB, half the
+bytes, and less than the L3. Inductor's float16 products, tried here, were slower than its
+float32 ones (README, "How it works"), so `step.cpp` has its own: every product
 converts the weights to float32 in registers and accumulates in float32, so a model whose
 weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
 is, not rounded.
@@ -171,7 +171,7 @@ class NativeSteps:
             mw.embed, mw.head, mw.g_final = embed.data_ptr(), head16.data_ptr(), g.data_ptr()
         self.layers_c, self.mw = layers, mw
         self.cfg = c
-        self._scratch: dict[tuple[int, int], torch.Tensor] = {}
+        self._scratch: dict[tuple[int, int, int], torch.Tensor] = {}  # by (T, threads, extra floats)
         self._heads: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # a chain's head rows, by ids
         if isinstance(model, MTPModule):  # the target's head and final norm, for the chain of guesses
             w = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
@@ -200,6 +200,13 @@ class NativeSteps:
         Q, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_dim
         return T * (c.dim + Q + c.n_heads * c.head_dim + 3 * F) + threads * (self.positions + T)
 
+    def _scratch_for(self, T: int, threads: int, more: int = 0) -> torch.Tensor:
+        """The C code's scratch for a pass over T tokens (plus `more` floats), made once per size."""
+        key = (T, threads, more)
+        if key not in self._scratch:
+            self._scratch[key] = torch.empty(self._need(T, threads) + more)
+        return self._scratch[key]
+
     def chain(
         self,
         ids: torch.Tensor | None,
@@ -220,7 +227,7 @@ class NativeSteps:
         ids_t, rows = self._heads[id(ids)]
         c, threads, N = self.cfg, torch.get_num_threads(), rows.shape[0]
         need = self._need(1, threads)
-        scratch = torch.empty(need + 3 * c.dim + 2 * c.n_kv_heads * c.head_dim + N)
+        scratch = self._scratch_for(1, threads, 3 * c.dim + 2 * c.n_kv_heads * c.head_dim + N)
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
         q = torch.empty(k, N) if e is not None else tops[:0]
         if e is not None:
@@ -252,10 +259,7 @@ class NativeSteps:
         T, S = tokens.shape[0], past.shape[3]
         L = 1 if self.mtp else c.n_layers
         threads = torch.get_num_threads()
-        scratch = self._scratch.get((T, threads))
-        need = self._need(T, threads)
-        if scratch is None or scratch.numel() < need:
-            scratch = self._scratch[(T, threads)] = torch.empty(need)
+        scratch = self._scratch_for(T, threads)
         x = torch.empty(T, c.dim)
         new = torch.empty(L, 2, c.n_kv_heads, T, c.head_dim)
         t_head = (1 if last else T) if head else 0

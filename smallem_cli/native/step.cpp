@@ -168,7 +168,7 @@ static void attend_one(const float *q, const float *pk, const float *pv, long ps
     }
 }
 
-// Scratch per pass: sized by the caller (`native.scratch_floats`).
+// Scratch per pass: sized by the caller (`NativeSteps._need`).
 //   xn [T, d], y [T, (H+2Hkv) D], att [T, H D], gu [T, 2F], hf [T, F], scores [threads, S + T]
 //
 // past: [L, 2, Hkv, S, D] with element strides past_st[0..3] of its first four dims (D's is 1);
