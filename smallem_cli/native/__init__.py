@@ -56,7 +56,6 @@ class _ModelW(ctypes.Structure):
         *[(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")],
         ("eps", ctypes.c_float),
         *[(n, ctypes.c_void_p) for n in ("layers", "embed", "head", "g_final", "table", "wh")],
-        ("ldh", ctypes.c_int),
         ("g_h", ctypes.c_void_p),
     ]
 
@@ -108,6 +107,16 @@ def _half(w: torch.Tensor, name: str) -> torch.Tensor:
     return h
 
 
+def panels(w: torch.Tensor, name: str) -> torch.Tensor:
+    """W [out, in] -> float16 panels of eight output rows [ceil(out / 8), in, 8] (`step.cpp`'s
+    layout: a product reads each panel front to back), the last one padded with zero rows."""
+    h = _half(w, name)
+    pad = -h.shape[0] % 8
+    if pad:
+        h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
+    return h.view(-1, 8, h.shape[1]).transpose(1, 2).contiguous()
+
+
 def _rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     """Rows of Wq or Wk [heads*D, in] reordered so that each rotary pair is adjacent (as `Block.pack`)."""
     return w.view(n_heads, head_dim, -1)[:, interleave_halves(head_dim)].reshape(n_heads * head_dim, -1)
@@ -124,8 +133,6 @@ class NativeSteps:
         c = model.cfg
         if c.dim % 8 or c.head_dim % 8 or c.hidden_dim % 8 or c.n_heads % c.n_kv_heads:
             raise NativeUnavailable("the model's widths are not multiples of 8")
-        if (c.n_heads + 2 * c.n_kv_heads) * c.head_dim % 4 or c.vocab_size % 4:
-            raise NativeUnavailable("the model's output widths are not multiples of 4")
         own = target if isinstance(model, MTPModule) else model  # the MTP module turns as its target
         assert own.rope_cos is not None and own.rope_sin is not None, "pack() the model first"
         self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
@@ -139,9 +146,9 @@ class NativeSteps:
         for i, b in enumerate(blocks):
             H, Hkv, D = b.n_heads, b.n_kv_heads, b.head_dim
             qkv = torch.cat([_rope_rows(b.q_proj.weight, H, D), _rope_rows(b.k_proj.weight, Hkv, D), b.v_proj.weight])
-            ws = [_half(qkv, f"layer {i}"), _half(b.o_proj.weight, f"layer {i}")]
-            ws += [_half(torch.cat([b.gate_proj.weight, b.up_proj.weight]), f"layer {i}")]
-            ws += [_half(b.down_proj.weight, f"layer {i}")]
+            ws = [panels(qkv, f"layer {i}"), panels(b.o_proj.weight, f"layer {i}")]
+            ws += [panels(torch.cat([b.gate_proj.weight, b.up_proj.weight]), f"layer {i}")]
+            ws += [panels(b.down_proj.weight, f"layer {i}")]
             ws += [b.input_layernorm.weight.detach().float().contiguous()]
             ws += [b.post_attention_layernorm.weight.detach().float().contiguous()]
             self.keep += ws
@@ -159,13 +166,13 @@ class NativeSteps:
         mw.layers = ctypes.cast(layers, ctypes.c_void_p)
         if isinstance(model, MTPModule):
             table = model.token_table(target.embed_tokens.weight).detach().contiguous()
-            wh = _half(model.eh_proj.weight[:, : c.dim], "eh_proj")  # [d, d]: the h half
+            wh = panels(model.eh_proj.weight[:, : c.dim], "eh_proj")  # [d, d]: the h half
             g_h = model.hnorm.weight.detach().float().contiguous()
             self.keep += [table, wh, g_h]
-            mw.table, mw.wh, mw.ldh, mw.g_h = table.data_ptr(), wh.data_ptr(), c.dim, g_h.data_ptr()
+            mw.table, mw.wh, mw.g_h = table.data_ptr(), wh.data_ptr(), g_h.data_ptr()
         else:
             head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-            embed, head16 = _half(model.embed_tokens.weight, "embed_tokens"), _half(head, "head")
+            embed, head16 = _half(model.embed_tokens.weight, "embed_tokens"), panels(head, "head")
             g = model.norm.weight.detach().float().contiguous()
             self.keep += [embed, head16, g]
             mw.embed, mw.head, mw.g_final = embed.data_ptr(), head16.data_ptr(), g.data_ptr()
@@ -222,10 +229,12 @@ class NativeSteps:
         cache, positions L.. reserved for the chain. Greedy -> (tokens [k], their probabilities
         [k]); sampled (1/T [1] and Exp(1) draws e [k, N]) -> (tokens [k], q [k, N])."""
         assert self.mtp and k >= 1
-        if id(ids) not in self._heads:  # the cut head's rows, float16, once per head
-            self._heads[id(ids)] = (ids, self.head_all if ids is None else self.head_all[ids].contiguous())
+        if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
+            rows = self.head_all if ids is None else self.head_all[ids]
+            self._heads[id(ids)] = (ids, panels(rows, "the target's head"))
         ids_t, rows = self._heads[id(ids)]
-        c, threads, N = self.cfg, torch.get_num_threads(), rows.shape[0]
+        c, threads = self.cfg, torch.get_num_threads()
+        N = c.vocab_size if ids_t is None else ids_t.numel()
         need = self._need(1, threads)
         scratch = self._scratch_for(1, threads, 3 * c.dim + 2 * c.n_kv_heads * c.head_dim + N)
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)

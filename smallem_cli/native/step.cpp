@@ -9,10 +9,10 @@
 //
 // Same contract as the compiled graphs (`graphs.py`): the cache is only read (the past, a
 // strided view of the slab), the new K/V come back in `out_new` [L, 2, Hkv, T, D] and the
-// caller writes them. Every output row is computed the same way whatever T is (each dot
-// product in the same order), so a token's numbers do not depend on the pass that held it.
+// caller writes them. Every output row is computed the same way whatever T is (each sum
+// in the same order), so a token's numbers do not depend on the pass that held it.
 //
-// Layout: weights [out, in] row-major (nn.Linear's), rows of Wq/Wk permuted so that each
+// Layout: weights in panels of eight output rows (below), rows of Wq/Wk permuted so that each
 // rotary pair is two adjacent columns (`model.interleave_halves`), as the eager path's cache.
 // One OpenMP region per pass; each product is split over output rows between the threads.
 
@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+// Every matrix W [out, in] is stored in panels of eight output rows (`native.panels`):
+// float16 [ceil(out / 8), in, 8], so that a product reads each panel front to back.
 struct LayerW {
     const uint16_t *qkv;  // [(H + 2Hkv) D, d]
     const uint16_t *o;    // [d, H D]
@@ -34,13 +36,12 @@ struct ModelW {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
     float eps;
     const LayerW *layers;
-    const uint16_t *embed; // [V, d] (a Transformer's token embedding; unused by the MTP module)
+    const uint16_t *embed; // [V, d] row-major (a Transformer's token embedding; unused by the MTP module)
     const uint16_t *head;  // [V, d] output head, or null (no head: the MTP module)
     const float *g_final;  // [d] final norm, or null
     // The MTP module's prologue: x = table[token] + (unit_rms(h) * g_h) @ Wh^T
     const float *table;    // [V, d] float32 (the token's half, `MTPModule.token_table`), or null
-    const uint16_t *wh;    // [d, ldh] the h half of eh_proj
-    int ldh;
+    const uint16_t *wh;    // [d, d] the h half of eh_proj
     const float *g_h;      // [d]
 };
 
@@ -73,46 +74,105 @@ static inline float hsum(__m256 v) {
 
 static inline __m256 load_h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-// y[m, n] (+)= sum_k x[m, k] W[n, k] for m < M, n in this thread's share of N. K % 8 == 0.
-// Four output rows at a time (four independent sums, so the adds do not wait on each other),
-// up to three input rows at a time against them: 12 accumulators, W's rows read from L1 again.
-#ifndef PF
-#define PF 8
-#endif
-template <int MB>
-static inline void dot_block(const float *x, int ldx, const uint16_t *w, int ldw, int K, float *y, int ldy, int n,
-                             bool add) {
-    __m256 acc[MB][4];
-    for (int m = 0; m < MB; m++)
-        for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
-    for (int k = 0; k < K; k += 8) {
-        if ((k & 31) == 0)  // the rows PF blocks ahead, a cache line per row as this block reads one
-            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w + (size_t)(n + 4 * PF + j) * ldw + k), _MM_HINT_T0);
-        // one row of W at a time against every input row: 12 accumulators + w + x fit the 16
-        // registers (holding four rows of W too would spill an accumulator to the stack)
-        for (int j = 0; j < 4; j++) {
-            __m256 wj = load_h(w + (size_t)(n + j) * ldw + k);
-            for (int m = 0; m < MB; m++) acc[m][j] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(x + (size_t)m * ldx + k), acc[m][j]);
+// y[m, n] (+)= sum_k x[m, k] W[n, k] for m < M, n < N, with W in panels of eight output
+// columns (`native.panels`): wp[(n / 8) K + k][n % 8], float16, the last panel padded.
+//
+// A tile holds MR input rows x NV panels in 12 accumulators (16 registers: 12 + the panels
+// or the broadcast inputs + one temporary): each k adds x[m, k] * W[n .. n+8, k] to every
+// one of them, one FMA per accumulator, no horizontal sums at the end. Every output is one
+// float32 sum over k = 0 .. K-1 in order, whatever tile holds it: a token's numbers do not
+// depend on how many rows the pass has.
+#define ACC12(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11)
+template <int MR, int NV>
+static inline void tile(const float *x, int ldx, const uint16_t *wp, int K, float *y, int ldy, int n, int N,
+                        bool add) {
+    static_assert(MR * NV <= 12 && MR >= 1 && NV >= 1, "at most 12 accumulators");
+    const __m256 z = _mm256_setzero_ps();
+#define DECL(i) __m256 c##i = z;
+    ACC12(DECL)
+#undef DECL
+    const uint16_t *p = wp + (size_t)(n / 8) * K * 8;  // panel n / 8; panel v of the tile at p + v K 8
+    for (int k = 0; k < K; k++, p += 8, x++) {
+        // Several rows read the panels at the pace of their arithmetic, too slowly for the
+        // hardware's prefetcher: each panel's line 4 KB ahead is asked for as this one is read
+        // (4 KB read best of 0.25 to 16 KB; one row reads fast enough without)
+        if constexpr (MR > 1)
+            if ((k & 3) == 0)
+                for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(p + (size_t)v * K * 8 + 2048), _MM_HINT_T0);
+        if constexpr (MR >= 4) {  // NV <= 3 panels in registers, one broadcast input at a time
+            __m256 w[NV], b;
+            for (int v = 0; v < NV; v++) w[v] = load_h(p + (size_t)v * K * 8);
+#define FMA(i) if constexpr (i < MR * NV) { if constexpr (i % NV == 0) b = _mm256_broadcast_ss(x + (size_t)(i / NV) * ldx); \
+                                             c##i = _mm256_fmadd_ps(b, w[i % NV], c##i); }
+            ACC12(FMA)
+#undef FMA
+        } else {  // MR <= 3 inputs in registers, one panel at a time
+            __m256 b[MR], w;
+            for (int m = 0; m < MR; m++) b[m] = _mm256_broadcast_ss(x + (size_t)m * ldx);
+#define FMA(i) if constexpr (i < MR * NV) { if constexpr (i % MR == 0) w = load_h(p + (size_t)(i / MR) * K * 8); \
+                                             c##i = _mm256_fmadd_ps(b[i % MR], w, c##i); }
+            ACC12(FMA)
+#undef FMA
         }
     }
-    for (int m = 0; m < MB; m++) {  // the four sums at once: two levels of pairwise adds, then the halves
-        __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(acc[m][0], acc[m][1]), _mm256_hadd_ps(acc[m][2], acc[m][3]));
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        float *out = y + (size_t)m * ldy + n;
-        _mm_storeu_ps(out, add ? _mm_add_ps(_mm_loadu_ps(out), s) : s);
+    // accumulator i: row i / NV, panel i % NV (MR >= 4), or row i % MR, panel i / MR
+    __m256 acc[12] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+    for (int i = 0; i < MR * NV; i++) {
+        int m = MR >= 4 ? i / NV : i % MR, v = MR >= 4 ? i % NV : i / MR, col = n + 8 * v;
+        float *o = y + (size_t)m * ldy + col;
+        if (col + 8 <= N) {
+            _mm256_storeu_ps(o, add ? _mm256_add_ps(_mm256_loadu_ps(o), acc[i]) : acc[i]);
+        } else {  // the last, padded panel: only its real columns
+            float t[8];
+            _mm256_storeu_ps(t, acc[i]);
+            for (int c = 0; c < N - col; c++) o[c] = add ? o[c] + t[c] : t[c];
+        }
+    }
+}
+#undef ACC12
+
+// Tiles of MR rows over panels [0, np) of a chunk: NV panels at a time, then the rest.
+template <int MR, int NV>
+static inline void tiles(const float *x, int ldx, const uint16_t *wp, int K, float *y, int ldy, int n0, int np, int N,
+                         bool add) {
+    int v = 0;
+    for (; v + NV <= np; v += NV) tile<MR, NV>(x, ldx, wp, K, y, ldy, n0 + 8 * v, N, add);
+    if constexpr (NV > 1)
+        if (np - v > 0) tiles<MR, NV - 1>(x, ldx, wp, K, y, ldy, n0 + 8 * v, np - v, N, add);
+}
+
+// Every input row against the np panels of one chunk (wp: its first panel, y: its first
+// column, N: the real columns from there on): rows in groups of six, then the rest (7 = 4 + 3
+// and 8 = 4 + 4 rows, so that no group has one or two).
+static void rows_against(const float *x, int M, int ldx, const uint16_t *wp, int K, float *y, int ldy, int np, int N,
+                         bool add) {
+    int m = 0;
+    for (; M - m >= 6 && M - m != 7 && M - m != 8; m += 6)
+        tiles<6, 2>(x + (size_t)m * ldx, ldx, wp, K, y + (size_t)m * ldy, ldy, 0, np, N, add);
+    while (m < M) {
+        const float *xm = x + (size_t)m * ldx;
+        float *ym = y + (size_t)m * ldy;
+        switch (M - m) {
+        case 5: tiles<5, 2>(xm, ldx, wp, K, ym, ldy, 0, np, N, add); m += 5; break;
+        case 3: tiles<3, 4>(xm, ldx, wp, K, ym, ldy, 0, np, N, add); m += 3; break;
+        case 2: tiles<2, 6>(xm, ldx, wp, K, ym, ldy, 0, np, N, add); m += 2; break;
+        case 1: tiles<1, 12>(xm, ldx, wp, K, ym, ldy, 0, np, N, add); m += 1; break;
+        default: tiles<4, 3>(xm, ldx, wp, K, ym, ldy, 0, np, N, add); m += 4; break;  // 4, 7 or 8 rows
+        }
     }
 }
 
-// Called inside the parallel region by every thread: the rows of W are shared out (`omp for`).
-static void matmul(const float *x, int M, int ldx, const uint16_t *w, int ldw, int N, int K, float *y, int ldy,
-                   bool add) {
-#pragma omp for schedule(static)
-    for (int n = 0; n < N; n += 4) {
-        int m = 0;
-        for (; m + 3 <= M; m += 3) dot_block<3>(x + (size_t)m * ldx, ldx, w, ldw, K, y + (size_t)m * ldy, ldy, n, add);
-        if (M - m == 2) dot_block<2>(x + (size_t)m * ldx, ldx, w, ldw, K, y + (size_t)m * ldy, ldy, n, add);
-        if (M - m == 1) dot_block<1>(x + (size_t)m * ldx, ldx, w, ldw, K, y + (size_t)m * ldy, ldy, n, add);
+// Called inside the parallel region by every thread: each takes an equal share of the panels
+// (whole panels, so no `omp for`), in chunks of 12 that every row group reads while they sit
+// in L2, then a barrier.
+static void matmul(const float *x, int M, int ldx, const uint16_t *wp, int N, int K, float *y, int ldy, bool add) {
+    const int panels = (N + 7) / 8, nt = omp_get_num_threads(), me = omp_get_thread_num();
+    const int v0 = (int)((long)panels * me / nt), v1 = (int)((long)panels * (me + 1) / nt);
+    for (int c = v0; c < v1; c += 12) {
+        const int np = v1 - c < 12 ? v1 - c : 12;
+        rows_against(x, M, ldx, wp + (size_t)c * K * 8, K, y + 8 * c, ldy, np, N - 8 * c, add);
     }
+#pragma omp barrier
 }
 
 // out[t] = x[t] / rms(x[t]) * g, for rows t shared out between the threads.
@@ -130,19 +190,51 @@ static void rms_rows(const float *x, int T, int d, float eps, const float *g, fl
     }
 }
 
+// out[0 .. NB*8) = sum_j p[j] v_j over n rows v_j (past rows at stride ps, then new rows at
+// stride ns): NB accumulators in registers, so the adds of one row do not wait on each other.
+template <int NB>
+static inline void weigh_rows(const float *p, int n, const float *pv, long ps, const float *nv, long ns, int S,
+                              float inv, float *out) {
+    __m256 a[NB];
+    for (int b = 0; b < NB; b++) a[b] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const float *v = j < S ? pv + (size_t)j * ps : nv + (size_t)(j - S) * ns;
+        __m256 w = _mm256_set1_ps(p[j]);
+        for (int b = 0; b < NB; b++) a[b] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * b), a[b]);
+    }
+    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out + 8 * b, _mm256_mul_ps(a[b], _mm256_set1_ps(inv)));
+}
+
 // Attention of query row t, head h, over S past keys (a strided view of the slab) and the
 // pass's new keys 0..t (causal), softmax in float32. q is pre-scaled; out [D].
+// Every score is summed the same way (four keys at a time, each its own sum, reduced by the
+// same pairwise adds), and a token at position P always sees P + 1 keys: its numbers do not
+// depend on the pass that holds it.
 static void attend_one(const float *q, const float *pk, const float *pv, long ps, const float *nk, const float *nv,
                        long ns, int S, int t, int D, float *scores, float *out) {
-    int n = S + t + 1;
+    const int n = S + t + 1;
     float mx = -INFINITY;
-    for (int s = 0; s < n; s++) {
-        const float *k = s < S ? pk + (size_t)s * ps : nk + (size_t)(s - S) * ns;
-        __m256 a = _mm256_setzero_ps();
-        for (int i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
-        float v = hsum(a);
-        scores[s] = v;
-        mx = v > mx ? v : mx;
+    for (int s0 = 0; s0 < n; s0 += 4) {
+        const float *k4[4];
+        for (int j = 0; j < 4; j++) {  // past the last key: q itself, a valid row whose score is dropped
+            int s = s0 + j;
+            k4[j] = s >= n ? q : s < S ? pk + (size_t)s * ps : nk + (size_t)(s - S) * ns;
+        }
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < D; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4[0] + i), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4[1] + i), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4[2] + i), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4[3] + i), a3);
+        }
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        float four[4];
+        _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        for (int j = 0; j < 4 && s0 + j < n; j++) {
+            scores[s0 + j] = four[j];
+            mx = four[j] > mx ? four[j] : mx;
+        }
     }
     __m256 vm = _mm256_set1_ps(mx), tot = _mm256_setzero_ps();
     int s = 0;
@@ -157,14 +249,13 @@ static void attend_one(const float *q, const float *pk, const float *pv, long ps
         scores[s] = e;
         sum += e;
     }
-    float inv = 1.0f / sum;
-    for (int i = 0; i < D; i += 8) {
-        __m256 a = _mm256_setzero_ps();
-        for (int j = 0; j < n; j++) {
-            const float *v = j < S ? pv + (size_t)j * ps : nv + (size_t)(j - S) * ns;
-            a = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v + i), a);
-        }
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_set1_ps(inv)));
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < D;) {  // up to 64 columns at a time, each in its own register
+        int left = (D - i) / 8;
+        if (left >= 8) weigh_rows<8>(scores, n, pv + i, ps, nv + i, ns, S, inv, out + i), i += 64;
+        else if (left >= 4) weigh_rows<4>(scores, n, pv + i, ps, nv + i, ns, S, inv, out + i), i += 32;
+        else if (left >= 2) weigh_rows<2>(scores, n, pv + i, ps, nv + i, ns, S, inv, out + i), i += 16;
+        else weigh_rows<1>(scores, n, pv + i, ps, nv + i, ns, S, inv, out + i), i += 8;
     }
 }
 
@@ -192,7 +283,7 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
             rms_rows(h, T, d, mw->eps, mw->g_h, xn);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) memcpy(x + (size_t)t * d, mw->table + (size_t)tokens[t] * d, d * sizeof(float));
-            matmul(xn, T, d, mw->wh, mw->ldh, d, d, x, d, true);
+            matmul(xn, T, d, mw->wh, d, d, x, d, true);
         } else {
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
@@ -203,7 +294,7 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
         for (int l = 0; l < mw->n_layers; l++) {
             const LayerW &L = mw->layers[l];
             rms_rows(x, T, d, mw->eps, L.g1, xn);
-            matmul(xn, T, d, L.qkv, d, Q, d, y, Q, false);
+            matmul(xn, T, d, L.qkv, Q, d, y, Q, false);
             // rotary turn of each adjacent pair (v's pairs turn by 0), the attention scale on q,
             // and the new K/V out: [2, Hkv, T, D] of this layer
 #pragma omp for schedule(static)
@@ -231,9 +322,9 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
                 attend_one(y + (size_t)t * Q + hh * D, pk, pv, past_st[3], nk, nv, D, S, t, D,
                            scores + (size_t)omp_get_thread_num() * (S + T), att + (size_t)t * H * D + hh * D);
             }
-            matmul(att, T, H * D, L.o, H * D, d, H * D, x, d, true);
+            matmul(att, T, H * D, L.o, d, H * D, x, d, true);
             rms_rows(x, T, d, mw->eps, L.g2, xn);
-            matmul(xn, T, d, L.gu, d, 2 * F, d, gu, 2 * F, false);
+            matmul(xn, T, d, L.gu, 2 * F, d, gu, 2 * F, false);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 const float *a = gu + (size_t)t * 2 * F, *b = a + F;
@@ -245,11 +336,11 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
                     _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(av, sg), _mm256_loadu_ps(b + i)));
                 }
             }
-            matmul(hf, T, F, L.down, F, d, F, x, d, true);
+            matmul(hf, T, F, L.down, d, F, x, d, true);
         }
         if (mw->head && T_head > 0) {
             rms_rows(x + (size_t)(T - T_head) * d, T_head, d, mw->eps, mw->g_final, xn);
-            matmul(xn, T_head, d, mw->head, d, mw->vocab, d, logits, mw->vocab, false);
+            matmul(xn, T_head, d, mw->head, mw->vocab, d, logits, mw->vocab, false);
         }
     }
 }
@@ -260,7 +351,7 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
 // guess feeds the last one back through the module at the next position. The chained
 // entries' K/V are written into `view` at positions L, L+1, .. (the caller reserved them, and
 // drops them after the round), so that each step reads them as past.
-//   head_rows [N, d] float16 (the proposer's head: maybe cut to N rows; `ids` [N] maps a
+//   head_rows: N rows of d, in panels (the proposer's head: maybe cut to N rows; `ids` [N] maps a
 //   row to its token, null: row = token), g_final [d] the final norm; cos, sin [k-1, P];
 //   view: the module's cache [1, 2, Hkv, >= L+k-1, D] with strides st[0..3].
 //   Greedy (e null): tokens [k] the head's argmax, tops [k] its probability (for p-min).
@@ -279,7 +370,7 @@ extern "C" void smallem_mtp_chain(const ModelW *mw, const uint16_t *head_rows, i
 #pragma omp parallel num_threads(threads)
         {
             rms_rows(state, 1, d, mw->eps, g_final, xn);
-            matmul(xn, 1, d, head_rows, d, N, d, logits, N, false);
+            matmul(xn, 1, d, head_rows, N, d, logits, N, false);
         }
         int best = 0;
         for (int i = 1; i < N; i++)
