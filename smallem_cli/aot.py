@@ -108,6 +108,7 @@ class CompiledSteps:
         self.build, self.inputs, self.slab_shape = build, inputs, slab_shape
         self.rope = rope  # cos, sin [context, P]: the graphs' rotary inputs, position by position
         self.positions = rope[0].shape[0]  # the context: no pass may reach past it
+        self.min_past = MIN_PAST  # the tracer special-cases a past of 0 or 1 positions
         self.log = log or (lambda _: None)
         self.root = root or cache_root()
         self.base = "|".join(

@@ -258,12 +258,12 @@ class Transformer(nn.Module):
         assert self.rope_packed is not None
         step = cache.append(seq, tokens.shape[0])
         steps = active_steps(self)
-        fn = None if last_only else compiled_step(steps, cache, step, head, last)
+        fn = compiled_step(steps, cache, step, head and not last_only, last)
         if fn is not None:
             assert steps is not None
             logits, x, new = fn(tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
             cache.write_all(step, new)  # the graph reads the cache; the new K/V go in here
-            return logits, x
+            return (self.logits(x[-1:]) if head and last_only else logits), x
         rope = self.rope_packed[step.start : step.length]
         x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
         for i, blk in enumerate(self.layers):

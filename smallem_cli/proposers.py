@@ -349,7 +349,7 @@ class MTPProposer:
         """The native engine's chain (`native.NativeSteps.chain`, greedy or sampled), its k-1
         chained positions reserved in the module's cache (`accept` drops them), or None."""
         steps, L = self.mtp.native, self.true_len
-        if k < 2 or steps is None or not steps.enabled or L < MIN_PAST or L + k - 1 > steps.positions:
+        if k < 2 or steps is None or not steps.enabled or L < steps.min_past or L + k - 1 > steps.positions:
             return None
         where = self.cache.append(self.seq, k - 1)
         if where.view is None:  # pages out of order: the step-by-step path

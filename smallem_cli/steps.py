@@ -30,6 +30,7 @@ class Steps(Protocol):
     enabled: bool
     positions: int  # the context: no pass may reach past it
     slab_shape: tuple[int, ...] | None  # the slab layout the steps need, None: any
+    min_past: int  # the shortest past a step serves (MIN_PAST for graphs, 0 for native steps)
 
     def get(self, T: int, head: bool, last: bool) -> StepFn | None: ...
 
@@ -76,12 +77,12 @@ def compiled_for(
     """The step for a pass over positions start .. length - 1, or None (eager) when there is
     none or it cannot serve it.
 
-    A compiled graph assumes the slab layout it was built for; every step needs a past of at
-    least MIN_PAST positions (laid out as one view: the caller checks) and positions inside
+    A compiled graph assumes the slab layout it was built for; a step needs a past of at
+    least `steps.min_past` positions (laid out as one view: the caller checks) and positions inside
     the context (the slab holds a page more, but past the context the rope tables run short,
     and a step checks no shapes: it would read out of bounds).
     """
-    if steps is None or not steps.enabled or start < MIN_PAST or length > steps.positions:
+    if steps is None or not steps.enabled or start < steps.min_past or length > steps.positions:
         return None
     if steps.slab_shape is not None and slab_shape != steps.slab_shape:
         return None

@@ -46,25 +46,36 @@ class Target:
 
     def verify_pass(self, seqs: list[Seq], ids: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [N] (counts[b] new tokens of seqs[b], from its cached length) -> logits [N, V],
-        hidden [N, d]. A sequence alone whose pages lie in order (a pool of one sequence hands
-        them out so) runs the model's compiled step for this pass when it has one (`aot`):
-        the graph reads the past as one view of the slab, and the new K/V it returns are
-        written here. Anything else runs the flattened eager pass."""
-        if len(seqs) == 1:
-            s, T = seqs[0], counts[0]
-            table = self.pool.tables[s.uid]
-            start, end = s.cached, s.cached + T
-            steps = active_steps(self.model)
-            fn = compiled_for(steps, tuple(self.slab.shape), start, end, True, False)
-            page = B.in_order(table, len(table))
-            if fn is not None and page is not None:
-                assert steps is not None
-                base = page * self.pool.page_size
-                past = self.slab[:, :, :, base : base + start]  # [L, K or V, Hkv, start, D]: a view
-                logits, hidden, new = fn(ids.contiguous(), *steps.trig(start, end), past)
-                self.slab[:, :, :, base + start : base + end].copy_(new)  # in order: a slice, no index
-                return logits, hidden
+        hidden [N, d]: the model's step for this pass where it has one (`one_pass`), else the
+        flattened eager pass."""
+        got = self.one_pass(seqs, ids, counts, head=True)
+        if got is not None:
+            return got
         return transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), head="all")
+
+    def one_pass(
+        self, seqs: list[Seq], ids: torch.Tensor, counts: list[int], head: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A sequence alone whose pages lie in order (a pool of one sequence hands them out so)
+        runs the model's compiled or native step for this pass when it has one: the step reads
+        the past as one view of the slab, and the new K/V it returns are written here.
+        -> (logits [N, V] or empty without `head`, hidden [N, d]), or None (no such step)."""
+        if len(seqs) != 1:
+            return None
+        s, T = seqs[0], counts[0]
+        table = self.pool.tables[s.uid]
+        start, end = s.cached, s.cached + T
+        steps = active_steps(self.model)
+        fn = compiled_for(steps, tuple(self.slab.shape), start, end, head, False)
+        page = B.in_order(table, len(table))
+        if fn is None or page is None:
+            return None
+        assert steps is not None
+        base = page * self.pool.page_size
+        past = self.slab[:, :, :, base : base + start]  # [L, K or V, Hkv, start, D]: a view
+        logits, hidden, new = fn(ids.contiguous(), *steps.trig(start, end), past)
+        self.slab[:, :, :, base + start : base + end].copy_(new)  # in order: a slice, no index
+        return logits, hidden
 
 
 def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
@@ -76,8 +87,13 @@ def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | N
         torch.tensor(s.tokens if f else s.tokens[:-1], dtype=torch.long, device=dev)
         for s, f in zip(seqs, fresh, strict=True)
     ]
-    b = t.step(seqs, [x.shape[0] for x in fed])
-    logits, hidden = transformer_pass(t.model, t.slab, torch.cat(fed), b, head="last")  # [B, V], [N, d]
+    counts = [x.shape[0] for x in fed]
+    got = t.one_pass(seqs, torch.cat(fed), counts, head=False)  # a prompt alone: the model's step
+    if got is not None:
+        hidden = got[1]  # [N, d]
+        logits = t.model.logits(hidden[-1:])  # [1, V]: the last position's alone
+    else:  # logits [B, V] of each sequence's last position, hidden [N, d]
+        logits, hidden = transformer_pass(t.model, t.slab, torch.cat(fed), t.step(seqs, counts), head="last")
     firsts = []
     for i, (s, f) in enumerate(zip(seqs, fresh, strict=True)):
         s.cached = fed[i].shape[0]
@@ -91,7 +107,7 @@ def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | N
     values = torch.cat([*firsts, finite_flag(logits)]).tolist()  # one sync
     if values[-1] != 1:
         raise NonFiniteError("the target's logits are not finite (NaN or inf)")
-    proposer.start(seqs, fed, list(hidden.split(b.counts)))
+    proposer.start(seqs, fed, list(hidden.split(counts)))
     return [v if f else None for v, f in zip(values[:-1], fresh, strict=True)]
 
 

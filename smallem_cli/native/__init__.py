@@ -138,6 +138,7 @@ class NativeSteps:
         self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
         self.slab_shape: tuple[int, ...] | None = None  # any layout: the past comes with its strides
+        self.min_past = 0  # a prompt's pass too: its past is empty
         self.enabled = True
         self.mtp = isinstance(model, MTPModule)
         self.keep: list[torch.Tensor] = []  # every tensor the C struct points at, alive as long as it
