@@ -40,7 +40,7 @@ from .steps import MIN_PAST, StepFn, register
 
 Log = Callable[[str], None]
 EXAMPLE_PAST = 16  # the past's length while tracing (S is dynamic; any length >= MIN_PAST would do)
-INPUTS_VERSION = 1  # bump when the example inputs below (`for_transformer`, `for_mtp`) change layout
+INPUTS_VERSION = 2  # bump when the example inputs below (`for_transformer`, `for_mtp`) change layout
 # Inductor settings: frozen weights and its C++ GEMM template alone (no ATen choice: its
 # small-M GEMMs are what this replaces, and no autotuning means no benchmark to skew on a busy
 # machine, and a faster compile). Where the template cannot serve, INDUCTOR_FALLBACK (autotuned).

@@ -19,8 +19,8 @@ the first doubtful one are dropped on the host: one sync a round, where the step
 loop syncs at every guess.
 
 Sampled (`MTPSampledChain`, for a plain temperature: no top-k, no top-p), each guess is
-drawn inside the graph by `verify.sample`'s exponential race, argmax(q / e), on Exp(1)
-draws e [k, N] made outside from the run's generator; the graph returns the guesses and
+drawn inside the graph by `verify.pick` (the inverse CDF) on uniform draws u [k] made outside
+from the run's generator, as `verify.sample` draws them; the graph returns the guesses and
 the distributions q [k, N] they were drawn from, which verification needs.
 """
 
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .graphs import MTPStep, _rope, unit_rms
 from .model import MTPModule
+from .verify import pick
 
 
 class MTPChain(MTPStep):
@@ -106,21 +107,21 @@ class MTPChain(MTPStep):
 
 
 class MTPSampledChain(MTPChain):
-    """k sampled guesses: q_j = softmax(head(out_j) / T), x_j = argmax(q_j / e_j)."""
+    """k sampled guesses: q_j = softmax(head(out_j) / T), x_j = pick(q_j, u_j)."""
 
     def forward(  # type: ignore[override]
         self,
         out: torch.Tensor,
         inv_temperature: torch.Tensor,
-        e: torch.Tensor,
+        u: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         past: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """out [1, d], inv_temperature [1], e [k, N] -> (guesses [k], q [k, N])."""
+        """out [1, d], inv_temperature [1], u [k] float64 -> (guesses [k], q [k, N])."""
 
         def draw(i: int, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             q = torch.softmax(unit_rms(state, self.eps) @ self.head_w * inv_temperature, dim=-1)  # [1, N]
-            return self.ids[(q / e[i : i + 1]).argmax(-1)], q
+            return self.ids[pick(q, u[i : i + 1])], q
 
         return self.run(out, cos, sin, past, draw)

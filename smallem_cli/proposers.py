@@ -43,7 +43,7 @@ from .chain import MTPChain, MTPSampledChain
 from .defaults import PAGE_SIZE
 from .model import MTPModule, Transformer, unit_rms
 from .steps import MIN_PAST
-from .verify import Warper, noise, sample
+from .verify import Warper, sample, uniforms
 
 Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
 
@@ -327,7 +327,7 @@ class MTPProposer:
         if plain and (chain := self._native_chain(k) or self._chain(k, False)) is not None:  # a temperature alone
             assert isinstance(warp, Warper)
             inv_t = torch.full((1,), 1.0 / warp.temperature, device=out.device)
-            tokens, q = chain(out, inv_t, noise((k, self.head.w.shape[1]), generator, out))
+            tokens, q = chain(out, inv_t, uniforms((k,), generator, out))
             return tokens, self.head.expand(q)
         tokens, qs = [], []
         for i in range(k):
@@ -360,7 +360,7 @@ class MTPProposer:
 
     def _chain(self, k: int, greedy: bool) -> Callable[..., tuple[torch.Tensor, ...]] | None:
         """The compiled chain for k guesses from the state `out` [1, d] (and, sampled, 1/T and the
-        race's draws) -> (guesses [k], their probabilities [k] or q [k, N]), or None where it
+        uniform draws u [k]) -> (guesses [k], their probabilities [k] or q [k, N]), or None where it
         cannot serve (not prepared, a layout or positions it was not built for)."""
         steps = self.mtp.compiled
         if k < 2 or steps is None:
@@ -405,7 +405,7 @@ class MTPProposer:
         runs; those with top-k or top-p, or with adaptive depth, go step by step)."""
         if k < 2:
             return []
-        d, N = self.mtp.cfg.dim, self.head.w.shape[1]
+        d = self.mtp.cfg.dim
         kind = MTPChain if greedy else MTPSampledChain
 
         def module() -> nn.Module:
@@ -413,6 +413,6 @@ class MTPProposer:
 
         def inputs() -> tuple[torch.Tensor, ...]:
             out = torch.zeros(1, d)
-            return (out,) if greedy else (out, torch.ones(1), torch.ones(k, N))
+            return (out,) if greedy else (out, torch.ones(1), torch.full((k,), 0.5, dtype=torch.float64))
 
         return [(self.mtp, (self._chain_name(k, greedy), k - 1, module, inputs))]

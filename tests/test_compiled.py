@@ -29,7 +29,7 @@ from smallem_cli.model import MTPModule, Transformer
 from smallem_cli.proposers import Head, MTPProposer, NoProposer
 from smallem_cli.sampling import Sampling
 from smallem_cli.steps import MIN_PAST, compiled_step
-from smallem_cli.verify import Warper, noise
+from smallem_cli.verify import Warper, uniforms
 
 ATOL = RTOL = 1e-4
 TS = (1, 2, 3, 4, 5, 16)
@@ -160,9 +160,9 @@ def test_mtp_chain_guesses_as_step_by_step(eager_models, eager_mtp, k: int, cut:
         p.pending_h, p.pending_next, p.proposed = hidden[-2:-1], prompt[-1:], False
         sampled, q_eager = p.propose(k, Warper(0.8), torch.Generator().manual_seed(S))
         assert q_eager is not None
-        e = noise((k, head.w.shape[1]), torch.Generator().manual_seed(S), out)
+        u = uniforms((k,), torch.Generator().manual_seed(S), out)
         module = MTPSampledChain(mtp, target.embed_tokens.weight, head.w, head.ids, k)
-        fused, q = module(out, torch.tensor([1 / 0.8]), e, cos, sin, where.past())
+        fused, q = module(out, torch.tensor([1 / 0.8]), u, cos, sin, where.past())
         assert fused.tolist() == sampled.tolist(), (S, k, cut)
         close(head.expand(q), q_eager, f"sampled chain q, S={S} k={k}")
         p.release()

@@ -223,12 +223,12 @@ class NativeSteps:
         view: torch.Tensor,
         L: int,
         inv_t: torch.Tensor | None = None,
-        e: torch.Tensor | None = None,
+        u: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP module's chain (`smallem_mtp_chain`): k guesses from its state `out` [1, d],
         with the head cut to `ids` (None: whole). `view` [1, 2, Hkv, >= L+k-1, D]: the module's
         cache, positions L.. reserved for the chain. Greedy -> (tokens [k], their probabilities
-        [k]); sampled (1/T [1] and Exp(1) draws e [k, N]) -> (tokens [k], q [k, N])."""
+        [k]); sampled (1/T [1] and uniform draws u [k], float64) -> (tokens [k], q [k, N])."""
         assert self.mtp and k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
             rows = self.head_all if ids is None else self.head_all[ids]
@@ -239,21 +239,21 @@ class NativeSteps:
         need = self._need(1, threads)
         scratch = self._scratch_for(1, threads, 3 * c.dim + 2 * c.n_kv_heads * c.head_dim + N)
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
-        q = torch.empty(k, N) if e is not None else tops[:0]
-        if e is not None:
-            e = e.contiguous()
-            assert tuple(e.shape) == (k, N) and inv_t is not None
+        q = torch.empty(k, N) if u is not None else tops[:0]
+        if u is not None:
+            u = u.contiguous()
+            assert tuple(u.shape) == (k,) and u.dtype == torch.float64 and inv_t is not None
         cos, sin = self.trig(L, L + k - 1)
         out = out.contiguous()
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
         self.lib.smallem_mtp_chain(
             ctypes.addressof(self.mw), rows.data_ptr(), N, self.g_final.data_ptr(),
             None if ids_t is None else ids_t.data_ptr(), out.data_ptr(), k, cos.data_ptr(), sin.data_ptr(),
-            view.data_ptr(), ctypes.addressof(strides), L, None if e is None else e.data_ptr(),
+            view.data_ptr(), ctypes.addressof(strides), L, None if u is None else u.data_ptr(),
             0.0 if inv_t is None else float(inv_t), tokens.data_ptr(), tops.data_ptr(), q.data_ptr(),
             scratch.data_ptr(), need, threads,
         )  # fmt: skip
-        return (tokens, q) if e is not None else (tokens, tops)
+        return (tokens, q) if u is not None else (tokens, tops)
 
     def _run(
         self,

@@ -355,13 +355,13 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
 //   row to its token, null: row = token), g_final [d] the final norm; cos, sin [k-1, P];
 //   view: the module's cache [1, 2, Hkv, >= L+k-1, D] with strides st[0..3].
 //   Greedy (e null): tokens [k] the head's argmax, tops [k] its probability (for p-min).
-//   Sampled: q_j = softmax(logits_j * inv_t) into q [k, N], and guess j = argmax(q_j / e_j)
-//   on Exp(1) draws e [k, N] made by the caller from the run's generator (`verify.sample`'s
-//   exponential race).
+//   Sampled: q_j = softmax(logits_j * inv_t) into q [k, N], and guess j by the inverse CDF on
+//   the uniform draw u [j] made by the caller from the run's generator (`verify.pick`: the
+//   first token whose running sum of q_j, in float64 and in order, exceeds u_j times the total).
 // scratch: smallem_step's for T=1 (step_scratch floats), then 3 d + 2 Hkv D + N floats.
 extern "C" void smallem_mtp_chain(const ModelW *mw, const uint16_t *head_rows, int N, const float *g_final,
                                   const int64_t *ids, const float *h0, int k, const float *cos_t, const float *sin_t,
-                                  float *view, const int64_t *st, int L, const float *e, float inv_t, int64_t *tokens,
+                                  float *view, const int64_t *st, int L, const double *u, float inv_t, int64_t *tokens,
                                   float *tops, float *q, float *scratch, int step_scratch, int threads) {
     const int d = mw->dim, Hkv = mw->n_kv_heads, D = mw->head_dim, P = (mw->n_heads + 2 * Hkv) * D / 2;
     float *state = scratch + step_scratch, *next = state + d, *xn = next + d, *nw = xn + d, *logits = nw + 2 * Hkv * D;
@@ -375,7 +375,7 @@ extern "C" void smallem_mtp_chain(const ModelW *mw, const uint16_t *head_rows, i
         int best = 0;
         for (int i = 1; i < N; i++)
             if (logits[i] > logits[best]) best = i;
-        if (e) {  // q = softmax(logits / T), then the race: argmax q / e
+        if (u) {  // q = softmax(logits / T), then the inverse CDF at u_j
             float *qj = q + (size_t)j * N;
             const float top = logits[best] * inv_t;
             float sum = 0.0f;
@@ -383,13 +383,21 @@ extern "C" void smallem_mtp_chain(const ModelW *mw, const uint16_t *head_rows, i
                 qj[i] = expf(logits[i] * inv_t - top);
                 sum += qj[i];
             }
-            const float inv = 1.0f / sum, *ej = e + (size_t)j * N;
-            best = 0;
-            float win = -1.0f;
+            const float inv = 1.0f / sum;
+            double total = 0.0;
             for (int i = 0; i < N; i++) {
                 qj[i] *= inv;
-                float r = qj[i] / ej[i];
-                if (r > win) win = r, best = i;
+                total += qj[i];
+            }
+            const double v = u[j] * total;
+            double run = 0.0;
+            best = N - 1;  // v rounded up to the total: the last
+            for (int i = 0; i < N; i++) {
+                run += qj[i];
+                if (run > v) {
+                    best = i;
+                    break;
+                }
             }
             tops[j] = qj[best];
         } else {
