@@ -9,6 +9,7 @@ prompts and token counts:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -113,11 +114,12 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
             if "spec" in r
             else ["", "", "", ""]
         )
+        ran = not math.isnan(r["ours_tokens_per_s"])  # our row of that proposer was in the plan
         t.add_row(
             r["peer"],
             f"{r['tokens_per_s']:.1f}",
-            f"{r['ours_tokens_per_s']:.1f}",
-            f"×{r['ours_over_peer']:.2f}",
+            f"{r['ours_tokens_per_s']:.1f}" if ran else "not run",
+            f"×{r['ours_over_peer']:.2f}" if ran else "–",
             r["identical"],
             *step,
             *(more if spec else []),

@@ -232,3 +232,21 @@ def test_bench_batch(family: Family, tmp_path: Path) -> None:
     assert table.exit_code == 0 and "batch engine" in table.stdout
     bad = CliRunner().invoke(app, [*args, "--batch", "0,4"])
     assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "batch sizes" in bad.stderr
+
+
+def test_peer_table_marks_a_row_we_did_not_run() -> None:
+    """--peer hf with the MTP module alone: the assisted row has no draft-2l row of ours to
+    compare with; the table says so instead of printing nan."""
+    from rich.console import Console
+
+    from smallem_cli.peer import peer_table
+
+    rows = [
+        {"peer": "plain", "tokens_per_s": 70.0, "ours_tokens_per_s": 700.0, "ours_over_peer": 10.0, "identical": "8/8"},
+        {"peer": "assisted", "tokens_per_s": 70.0, "ours_tokens_per_s": math.nan, "ours_over_peer": math.nan,
+         "identical": "8/8"},
+    ]  # fmt: skip
+    con = Console(width=200, record=True)
+    con.print(peer_table(rows))
+    text = con.export_text()
+    assert "nan" not in text and "not run" in text and "×10.00" in text
