@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .cache import PagedKVCache
 from .chain import MTPChain, MTPSampledChain
 from .defaults import PAGE_SIZE
 from .model import MTPModule, Transformer, unit_rms
@@ -134,6 +135,51 @@ def guess(
     return None if top < p_min else (x, q)
 
 
+def native_chain(
+    model: Transformer | MTPModule, cache: PagedKVCache, seq: int, head: Head, k: int
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The native engine's chain of k guesses for a proposer's model (`NativeSteps.chain`,
+    greedy or sampled), its k-1 chained positions appended to the model's cache (the caller
+    keeps or drops them), or None: no native steps, or a cache it cannot serve."""
+    steps, L = model.native, cache.length(seq)
+    if k < 2 or steps is None or not steps.enabled or L < steps.min_past or L + k - 1 > steps.positions:
+        return None
+    where = cache.append(seq, k - 1)
+    if where.view is None:  # pages out of order: the step-by-step path
+        cache.keep(seq, L)
+        return None
+    view = where.view
+    return lambda out, *sampled: steps.chain(head.ids, out, k, view, L, *sampled)
+
+
+def run_chain(
+    chain: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    head: Head,
+    out: torch.Tensor,
+    k: int,
+    warp: Warp | None,
+    generator: torch.Generator | None,
+    p_min: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chain's k guesses from the state `out` [1, d]: greedy (cut at the first guess less
+    sure than p_min: one sync), or sampled with a plain temperature (q over the vocabulary)."""
+    if warp is None:
+        tokens, tops = chain(out)
+        if p_min:  # keep the guesses before the first doubtful one: one sync
+            sure = [t >= p_min for t in tops.tolist()]
+            tokens = tokens[: sure.index(False) if False in sure else k]
+        return tokens, None
+    assert isinstance(warp, Warper)
+    inv_t = torch.full((1,), 1.0 / warp.temperature, device=out.device)
+    tokens, q = chain(out, inv_t, uniforms((k,), generator, out))
+    return tokens, head.expand(q)
+
+
+def chains(warp: Warp | None, p_min: float) -> bool:
+    """Whether a chain can draw this round's guesses: greedy, or a plain temperature without p-min."""
+    return warp is None or (isinstance(warp, Warper) and warp.plain and not p_min)
+
+
 def _collect(
     tokens: list[torch.Tensor], qs: list[torch.Tensor | None], empty: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -214,17 +260,20 @@ class DraftProposer:
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens, qs = [], []
-        x = self.pending  # catch up (1 or 2 tokens), then one guess at a time
+        h = self._feed(self.pending)  # catch up (1 or 2 tokens), then one guess at a time
         self.fed_guesses = k - 1  # the last guess is never fed
+        self.proposed = True
+        if chains(warp, self.p_min) and (chain := native_chain(self.model, self.cache, self.seq, self.head, k)):
+            return run_chain(chain, self.head, h, k, warp, generator, self.p_min)  # one call: k-1 fed
         for i in range(k):
-            got = guess(self.head, self._feed(x), warp, generator, self.p_min)
+            if i:
+                h = self._feed(tokens[-1])
+            got = guess(self.head, h, warp, generator, self.p_min)
             if got is None:  # unsure: stop here; the guesses so far were all fed
                 self.fed_guesses = i
                 break
-            x, q = got
-            tokens.append(x)
-            qs.append(q)
-        self.proposed = True
+            tokens.append(got[0])
+            qs.append(got[1])
         return _collect(tokens, qs, self.pending[:0])
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -317,18 +366,8 @@ class MTPProposer:
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
         self.proposed = True
-        if warp is None and (chain := self._native_chain(k) or self._chain(k, True)) is not None:  # one call
-            tokens, tops = chain(out)
-            if self.p_min:  # keep the guesses before the first doubtful one: one sync
-                sure = [t >= self.p_min for t in tops.tolist()]
-                tokens = tokens[: sure.index(False) if False in sure else k]
-            return tokens, None
-        plain = isinstance(warp, Warper) and warp.plain and not self.p_min
-        if plain and (chain := self._native_chain(k) or self._chain(k, False)) is not None:  # a temperature alone
-            assert isinstance(warp, Warper)
-            inv_t = torch.full((1,), 1.0 / warp.temperature, device=out.device)
-            tokens, q = chain(out, inv_t, uniforms((k,), generator, out))
-            return tokens, self.head.expand(q)
+        if chains(warp, self.p_min) and (chain := self._native_chain(k) or self._chain(k, warp is None)):  # one call
+            return run_chain(chain, self.head, out, k, warp, generator, self.p_min)
         tokens, qs = [], []
         for i in range(k):
             if i:
@@ -346,17 +385,9 @@ class MTPProposer:
         return f"mtp-chain k={k} {'greedy' if greedy else 'sampled'} {self._head_key}"
 
     def _native_chain(self, k: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-        """The native engine's chain (`native.NativeSteps.chain`, greedy or sampled), its k-1
-        chained positions reserved in the module's cache (`accept` drops them), or None."""
-        steps, L = self.mtp.native, self.true_len
-        if k < 2 or steps is None or not steps.enabled or L < steps.min_past or L + k - 1 > steps.positions:
-            return None
-        where = self.cache.append(self.seq, k - 1)
-        if where.view is None:  # pages out of order: the step-by-step path
-            self.cache.keep(self.seq, L)
-            return None
-        view = where.view
-        return lambda out, *sampled: steps.chain(self.head.ids, out, k, view, L, *sampled)
+        """The native engine's chain (`native_chain`), its k-1 chained positions reserved in the
+        module's cache after its true states (`accept` drops them), or None."""
+        return native_chain(self.mtp, self.cache, self.seq, self.head, k)
 
     def _chain(self, k: int, greedy: bool) -> Callable[..., tuple[torch.Tensor, ...]] | None:
         """The compiled chain for k guesses from the state `out` [1, d] (and, sampled, 1/T and the

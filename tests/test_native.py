@@ -146,6 +146,43 @@ def test_mtp_chain_guesses_as_the_steps_do(pair: tuple[Transformer, MTPModule], 
             assert close(qa, qb) and torch.allclose(qb.sum(-1), torch.ones(4))
 
 
+@pytest.mark.parametrize("cut", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_draft_chain_guesses_as_the_steps_do(
+    pair: tuple[Transformer, MTPModule], root: Path, cut: bool, sampled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft's chain (one call for k guesses, each fed through the draft) guesses what its
+    step-by-step loop guesses, whole head or cut, greedy or sampled (same draws, same q), and
+    leaves the draft's cache where the loop leaves it: the k-1 fed guesses, then the ones the
+    target kept."""
+    target, _ = pair
+    draft = halved(noisy_copy(target, 0.05, seed=5))
+    assert native.attach(draft, target, lambda _: None, root)  # type: ignore[arg-type]
+    head = Head(draft, torch.arange(TINY.vocab_size - 1, -1, -1)[:40]) if cut else None  # type: ignore[arg-type]
+    calls = []
+    chain = native.NativeSteps.chain
+    monkeypatch.setattr(native.NativeSteps, "chain", lambda self, *a: calls.append(1) or chain(self, *a))
+    g = torch.Generator().manual_seed(4)
+    for trial in range(4):
+        prompt = torch.randint(0, TINY.vocab_size, (9,), generator=g)
+
+        def guesses(prompt: torch.Tensor = prompt, seed: int = trial) -> tuple[list[int], torch.Tensor | None, int]:
+            prop = DraftProposer(draft, 64, head=head)  # type: ignore[arg-type]
+            prop.start(prompt[:-1], prompt[-1:], torch.empty(0))
+            warp = Warper(1.3) if sampled else None
+            tokens, q = prop.propose(4, warp, torch.Generator().manual_seed(seed))
+            assert prop.cache.length(prop.seq) == 9 + 3  # the catch-up, then guesses 1 .. 3 fed
+            prop.accept(2, torch.cat([tokens[:2], tokens[:1]]), torch.empty(0))
+            return torch.as_tensor(tokens).view(-1).tolist(), q, prop.cache.length(prop.seq)
+
+        (a, qa, na), (b, qb, nb) = eager_and_native(guesses)
+        assert a == b and na == nb == 9 + 2, (trial, a, b, na, nb)
+        assert len(calls) == trial + 1  # the native run's guesses came from the chain, in one call
+        assert (qa is None) == (qb is None) == (not sampled)
+        if sampled:
+            assert close(qa, qb) and torch.allclose(qb.sum(-1), torch.ones(4))
+
+
 @pytest.mark.parametrize("kind", ["none", "mtp", "draft"])
 def test_generation_is_the_eager_one(pair: tuple[Transformer, MTPModule], root: Path, kind: str) -> None:
     """Greedy tokens equal the eager run's, with the same guesses kept (the chain's and the

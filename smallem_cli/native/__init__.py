@@ -91,10 +91,10 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
             shutil.rmtree(tmp, ignore_errors=True)
     lib = ctypes.CDLL(str(path))
     ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp), argument by argument
-    lib.smallem_step.restype = lib.smallem_mtp_chain.restype = None
+    lib.smallem_step.restype = lib.smallem_chain.restype = None
     lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num]
-    lib.smallem_mtp_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr]
-    lib.smallem_mtp_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
+    lib.smallem_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr]
+    lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
     _LIB = lib
     return lib
 
@@ -181,10 +181,11 @@ class NativeSteps:
         self.cfg = c
         self._scratch: dict[tuple[int, int, int], torch.Tensor] = {}  # by (T, threads, extra floats)
         self._heads: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # a chain's head rows, by ids
-        if isinstance(model, MTPModule):  # the target's head and final norm, for the chain of guesses
-            w = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-            self.head_all = _half(w, "the target's head")
-            self.g_final = target.norm.weight.detach().float().contiguous()
+        # The head and final norm a chain of guesses reads (`chain`): the target's for the MTP
+        # module, a draft's own; packed at the chain's first call, per cut of the head.
+        head_of = target if isinstance(model, MTPModule) else model
+        self.head_src = (head_of.embed_tokens.weight if head_of.lm_head is None else head_of.lm_head.weight).detach()
+        self.g_final = head_of.norm.weight.detach().float().contiguous()
         register(self)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -225,19 +226,21 @@ class NativeSteps:
         inv_t: torch.Tensor | None = None,
         u: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP module's chain (`smallem_mtp_chain`): k guesses from its state `out` [1, d],
-        with the head cut to `ids` (None: whole). `view` [1, 2, Hkv, >= L+k-1, D]: the module's
-        cache, positions L.. reserved for the chain. Greedy -> (tokens [k], their probabilities
+        """A proposer's chain (`smallem_chain`): k guesses from its state `out` [1, d] (the MTP
+        module's, or a draft's final state), with the head cut to `ids` (None: whole). `view`
+        [layers, 2, Hkv, >= L+k-1, D]: the model's cache, positions L.. reserved for the chain
+        (it writes the K/V of guesses 1 .. k-1 there). Greedy -> (tokens [k], their probabilities
         [k]); sampled (1/T [1] and uniform draws u [k], float64) -> (tokens [k], q [k, N])."""
-        assert self.mtp and k >= 1
+        assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
-            rows = self.head_all if ids is None else self.head_all[ids]
-            self._heads[id(ids)] = (ids, panels(rows, "the target's head"))
+            rows = self.head_src if ids is None else self.head_src[ids]
+            self._heads[id(ids)] = (ids, panels(rows, "the proposer's head"))
         ids_t, rows = self._heads[id(ids)]
         c, threads = self.cfg, torch.get_num_threads()
         N = c.vocab_size if ids_t is None else ids_t.numel()
         need = self._need(1, threads)
-        scratch = self._scratch_for(1, threads, 3 * c.dim + 2 * c.n_kv_heads * c.head_dim + N)
+        layers = 1 if self.mtp else c.n_layers
+        scratch = self._scratch_for(1, threads, 3 * c.dim + layers * 2 * c.n_kv_heads * c.head_dim + N)
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
         q = torch.empty(k, N) if u is not None else tops[:0]
         if u is not None:
@@ -246,7 +249,7 @@ class NativeSteps:
         cos, sin = self.trig(L, L + k - 1)
         out = out.contiguous()
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
-        self.lib.smallem_mtp_chain(
+        self.lib.smallem_chain(
             ctypes.addressof(self.mw), rows.data_ptr(), N, self.g_final.data_ptr(),
             None if ids_t is None else ids_t.data_ptr(), out.data_ptr(), k, cos.data_ptr(), sin.data_ptr(),
             view.data_ptr(), ctypes.addressof(strides), L, None if u is None else u.data_ptr(),

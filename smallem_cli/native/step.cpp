@@ -346,25 +346,29 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
 }
 
 
-// The MTP module's chain of k guesses in one call (as `chain.MTPChain` and `MTPSampledChain`):
-// the head picks guess 1 from h0 (the module's state after its catch-up), then each further
-// guess feeds the last one back through the module at the next position. The chained
-// entries' K/V are written into `view` at positions L, L+1, .. (the caller reserved them, and
-// drops them after the round), so that each step reads them as past.
+// A proposer's chain of k guesses in one call (for the MTP module as `chain.MTPChain` and
+// `MTPSampledChain`): the head picks guess 1 from h0 (the model's state after its catch-up),
+// then each further guess feeds the last one back through the model at the next position:
+// the MTP module reads its own last state with it, a draft its token alone. The chained
+// entries' K/V are written into `view` at positions L, L+1, .. (the caller reserved them; the
+// MTP module drops them after the round, a draft keeps those the target confirms), so that
+// each step reads them as past.
 //   head_rows: N rows of d, in panels (the proposer's head: maybe cut to N rows; `ids` [N] maps a
 //   row to its token, null: row = token), g_final [d] the final norm; cos, sin [k-1, P];
-//   view: the module's cache [1, 2, Hkv, >= L+k-1, D] with strides st[0..3].
-//   Greedy (e null): tokens [k] the head's argmax, tops [k] its probability (for p-min).
+//   view: the model's cache [layers, 2, Hkv, >= L+k-1, D] with strides st[0..3].
+//   Greedy (u null): tokens [k] the head's argmax, tops [k] its probability (for p-min).
 //   Sampled: q_j = softmax(logits_j * inv_t) into q [k, N], and guess j by the inverse CDF on
 //   the uniform draw u [j] made by the caller from the run's generator (`verify.pick`: the
 //   first token whose running sum of q_j, in float64 and in order, exceeds u_j times the total).
-// scratch: smallem_step's for T=1 (step_scratch floats), then 3 d + 2 Hkv D + N floats.
-extern "C" void smallem_mtp_chain(const ModelW *mw, const uint16_t *head_rows, int N, const float *g_final,
-                                  const int64_t *ids, const float *h0, int k, const float *cos_t, const float *sin_t,
-                                  float *view, const int64_t *st, int L, const double *u, float inv_t, int64_t *tokens,
-                                  float *tops, float *q, float *scratch, int step_scratch, int threads) {
+// scratch: smallem_step's for T=1 (step_scratch floats), then 3 d + layers 2 Hkv D + N floats.
+extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N, const float *g_final,
+                              const int64_t *ids, const float *h0, int k, const float *cos_t, const float *sin_t,
+                              float *view, const int64_t *st, int L, const double *u, float inv_t, int64_t *tokens,
+                              float *tops, float *q, float *scratch, int step_scratch, int threads) {
     const int d = mw->dim, Hkv = mw->n_kv_heads, D = mw->head_dim, P = (mw->n_heads + 2 * Hkv) * D / 2;
-    float *state = scratch + step_scratch, *next = state + d, *xn = next + d, *nw = xn + d, *logits = nw + 2 * Hkv * D;
+    const int NL = mw->n_layers;
+    float *state = scratch + step_scratch, *next = state + d, *xn = next + d, *nw = xn + d;
+    float *logits = nw + (size_t)NL * 2 * Hkv * D;
     memcpy(state, h0, d * sizeof(float));
     for (int j = 0; j < k; j++) {
 #pragma omp parallel num_threads(threads)
@@ -408,12 +412,13 @@ extern "C" void smallem_mtp_chain(const ModelW *mw, const uint16_t *head_rows, i
         tokens[j] = ids ? ids[best] : best;
         if (j == k - 1) break;
         int64_t tok = tokens[j];
-        smallem_step(mw, &tok, state, 1, cos_t + (size_t)j * P, sin_t + (size_t)j * P, view, st, L + j, next, nullptr,
-                     0, nw, scratch, threads);
-        for (int kv = 0; kv < 2; kv++)  // this step's K/V into the cache, where the next step reads them
-            for (int g = 0; g < Hkv; g++)
-                memcpy(view + kv * st[1] + g * st[2] + (size_t)(L + j) * st[3], nw + ((size_t)kv * Hkv + g) * D,
-                       D * sizeof(float));
+        smallem_step(mw, &tok, mw->table ? state : nullptr, 1, cos_t + (size_t)j * P, sin_t + (size_t)j * P, view, st,
+                     L + j, next, nullptr, 0, nw, scratch, threads);
+        for (int l = 0; l < NL; l++)  // this step's K/V into the cache, where the next step reads them
+            for (int kv = 0; kv < 2; kv++)
+                for (int g = 0; g < Hkv; g++)
+                    memcpy(view + l * st[0] + kv * st[1] + g * st[2] + (size_t)(L + j) * st[3],
+                           nw + (((size_t)l * 2 + kv) * Hkv + g) * D, D * sizeof(float));
         memcpy(state, next, d * sizeof(float));
     }
 }
