@@ -9,6 +9,7 @@ list truncation: no tensor is touched, stale K/V past the length are simply neve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,10 +28,21 @@ class Step:
     length: int  # start + T: keys visible after the write
     slots: torch.Tensor  # [T] long: flat slot (page * page_size + offset) of each new token
     pages: torch.Tensor  # [ceil(length / page_size)] long: the sequence's pages, in order
-    bias: torch.Tensor | None  # [T, length] causal mask as 0 / -inf, None when T == 1 (all visible)
     # Consecutive pages: every layer's visible K/V as one view of the slab,
     # [layer, K or V, kv head, length, head dim], so a layer's read is one index.
     view: torch.Tensor | None = None
+    dtype: torch.dtype = torch.float32  # the cache's, for the mask
+
+    @cached_property
+    def bias(self) -> torch.Tensor | None:
+        """[T, length] causal mask as 0 / -inf, None when T == 1 (all visible). Built on first
+        use: the native and compiled steps never ask for it (three tensor calls per pass)."""
+        n = self.length - self.start
+        if n <= 1:
+            return None
+        pos = torch.arange(self.length, device=self.slots.device)
+        bias = torch.zeros(n, self.length, dtype=self.dtype, device=self.slots.device)
+        return bias.masked_fill_(pos[None, :] > pos[self.start :, None], float("-inf"))
 
     def past(self) -> torch.Tensor:
         """The K/V of the positions before the new tokens: [layer, K or V, kv head, start, head dim]."""
@@ -110,13 +122,8 @@ class PagedKVCache:
             cached = pages, table[0] if consecutive else None, (pages[:, None] * ps + offsets).flatten()
             self._table_tensors[seq] = cached
         pages, first, position_slots = cached
-        bias = None
-        if n > 1:
-            pos = torch.arange(length, device=self.device)
-            bias = torch.zeros(n, length, dtype=self.kv.dtype, device=self.device)
-            bias.masked_fill_(pos[None, :] > pos[start:, None], float("-inf"))
         view = None if first is None else self.kv[:, :, :, first * ps : first * ps + length]
-        return Step(start, length, position_slots[start:length], pages, bias, view)
+        return Step(start, length, position_slots[start:length], pages, view, self.kv.dtype)
 
     def keep(self, seq: int, n: int) -> None:
         """Roll `seq` back to its first n tokens; emptied pages return to the pool."""
