@@ -175,6 +175,9 @@ def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generat
     accepted it is a bonus draw from p_k. out[:, n+1:] holds drafts, to be ignored.
     """
     B, k = drafts.shape
+    if k == 0:  # no guess: a draw from p_0, what the rule below comes to, without its tensors
+        nxt = sample(p[:, 0].float(), generator)  # [B]
+        return nxt.new_zeros(B), nxt.unsqueeze(1)
     V = p.shape[-1]
     idx = drafts.unsqueeze(-1)  # [B, k, 1]
     q_x = q.gather(-1, idx).squeeze(-1).float()  # [B, k]

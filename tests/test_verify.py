@@ -507,3 +507,15 @@ def test_cuda_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == out2.shape == (8, 4) and n.device == n2.device == dev
     assert p_m.shape == (8, 4, 100) and p_m.device == dev
+
+
+def test_verify_sample_without_guesses_is_a_draw_from_p():
+    """No guess (the target alone, an n-gram round without a match): n = 0 and the token is
+    `sample`'s draw from p_0 with the same generator; over many draws, p_0's law."""
+    p = torch.tensor([[[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]]]).expand(4000, 2, 3)[:, :1]  # [B, 1, V]
+    drafts = torch.zeros(4000, 0, dtype=torch.long)
+    n, out = verify_sample(drafts, torch.zeros(4000, 0, 3), p, torch.Generator().manual_seed(5))
+    assert n.tolist() == [0] * 4000 and out.shape == (4000, 1)
+    assert torch.equal(out[:, 0], sample(p[:, 0], torch.Generator().manual_seed(5)))
+    freq = torch.bincount(out[:, 0], minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.1, 0.6, 0.3]), atol=0.03), freq
