@@ -22,18 +22,27 @@ Sampled (`MTPSampledChain`, for a plain temperature: no top-k, no top-p), each g
 drawn inside the graph by `verify.pick` (the inverse CDF) on uniform draws u [k] made outside
 from the run's generator, as `verify.sample` draws them; the graph returns the guesses and
 the distributions q [k, N] they were drawn from, which verification needs.
+
+The native engine runs a proposer's chain as one C++ call instead (`NativeSteps.chain`, for
+the MTP module and for drafts); `native_chain` and `run_chain` below reserve its positions
+and read its guesses, for either proposer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from .cache import PagedKVCache
 from .graphs import MTPStep, _rope, unit_rms
-from .model import MTPModule
-from .verify import pick
+from .model import MTPModule, Transformer
+from .verify import Warper, pick, uniforms
+
+if TYPE_CHECKING:
+    from .proposers import Head, Warp
 
 
 class MTPChain(MTPStep):
@@ -125,3 +134,48 @@ class MTPSampledChain(MTPChain):
             return self.ids[pick(q, u[i : i + 1])], q
 
         return self.run(out, cos, sin, past, draw)
+
+
+def native_chain(
+    model: Transformer | MTPModule, cache: PagedKVCache, seq: int, head: Head, k: int
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The native engine's chain of k guesses for a proposer's model (`NativeSteps.chain`,
+    greedy or sampled), its k-1 chained positions appended to the model's cache (the caller
+    keeps or drops them), or None: no native steps, or a cache it cannot serve."""
+    steps, L = model.native, cache.length(seq)
+    if k < 2 or steps is None or not steps.enabled or L < steps.min_past or L + k - 1 > steps.positions:
+        return None
+    where = cache.append(seq, k - 1)
+    if where.view is None:  # pages out of order: the step-by-step path
+        cache.keep(seq, L)
+        return None
+    view = where.view
+    return lambda out, *sampled: steps.chain(head.ids, out, k, view, L, *sampled)
+
+
+def run_chain(
+    chain: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    head: Head,
+    out: torch.Tensor,
+    k: int,
+    warp: Warp | None,
+    generator: torch.Generator | None,
+    p_min: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chain's k guesses from the state `out` [1, d]: greedy (cut at the first guess less
+    sure than p_min: one sync), or sampled with a plain temperature (q over the vocabulary)."""
+    if warp is None:
+        tokens, tops = chain(out)
+        if p_min:  # keep the guesses before the first doubtful one: one sync
+            sure = [t >= p_min for t in tops.tolist()]
+            tokens = tokens[: sure.index(False) if False in sure else k]
+        return tokens, None
+    assert isinstance(warp, Warper)
+    inv_t = torch.full((1,), 1.0 / warp.temperature, device=out.device)
+    tokens, q = chain(out, inv_t, uniforms((k,), generator, out))
+    return tokens, head.expand(q)
+
+
+def chains(warp: Warp | None, p_min: float) -> bool:
+    """Whether a chain can draw this round's guesses: greedy, or a plain temperature without p-min."""
+    return warp is None or (isinstance(warp, Warper) and warp.plain and not p_min)

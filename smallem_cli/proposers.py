@@ -39,12 +39,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .cache import PagedKVCache
-from .chain import MTPChain, MTPSampledChain
+from .chain import MTPChain, MTPSampledChain, chains, native_chain, run_chain
 from .defaults import PAGE_SIZE
 from .model import MTPModule, Transformer, unit_rms
 from .steps import MIN_PAST
-from .verify import Warper, sample, uniforms
+from .verify import sample
 
 Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
 
@@ -133,51 +132,6 @@ def guess(
         return head.pick(h, warp, gen)
     x, q, top = head.pick_sure(h, warp, gen)
     return None if top < p_min else (x, q)
-
-
-def native_chain(
-    model: Transformer | MTPModule, cache: PagedKVCache, seq: int, head: Head, k: int
-) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """The native engine's chain of k guesses for a proposer's model (`NativeSteps.chain`,
-    greedy or sampled), its k-1 chained positions appended to the model's cache (the caller
-    keeps or drops them), or None: no native steps, or a cache it cannot serve."""
-    steps, L = model.native, cache.length(seq)
-    if k < 2 or steps is None or not steps.enabled or L < steps.min_past or L + k - 1 > steps.positions:
-        return None
-    where = cache.append(seq, k - 1)
-    if where.view is None:  # pages out of order: the step-by-step path
-        cache.keep(seq, L)
-        return None
-    view = where.view
-    return lambda out, *sampled: steps.chain(head.ids, out, k, view, L, *sampled)
-
-
-def run_chain(
-    chain: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-    head: Head,
-    out: torch.Tensor,
-    k: int,
-    warp: Warp | None,
-    generator: torch.Generator | None,
-    p_min: float,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A chain's k guesses from the state `out` [1, d]: greedy (cut at the first guess less
-    sure than p_min: one sync), or sampled with a plain temperature (q over the vocabulary)."""
-    if warp is None:
-        tokens, tops = chain(out)
-        if p_min:  # keep the guesses before the first doubtful one: one sync
-            sure = [t >= p_min for t in tops.tolist()]
-            tokens = tokens[: sure.index(False) if False in sure else k]
-        return tokens, None
-    assert isinstance(warp, Warper)
-    inv_t = torch.full((1,), 1.0 / warp.temperature, device=out.device)
-    tokens, q = chain(out, inv_t, uniforms((k,), generator, out))
-    return tokens, head.expand(q)
-
-
-def chains(warp: Warp | None, p_min: float) -> bool:
-    """Whether a chain can draw this round's guesses: greedy, or a plain temperature without p-min."""
-    return warp is None or (isinstance(warp, Warper) and warp.plain and not p_min)
 
 
 def _collect(
