@@ -4,8 +4,9 @@ Why: a one-token pass of the target is bound by reading its weights. As float32 
 the eager and compiled engines read) they are 36 MB, more than this machine's L3, so each
 token reads them from memory; as the float16 they are stored in they are 18 MB, half the
 bytes, and less than the L3. Inductor's float16 products, tried here, were slower than its
-float32 ones (README, "How it works"), so `step.cpp` has its own: every product
-converts the weights to float32 in registers and accumulates in float32, so a model whose
+float32 ones (README, "How it works"), so `step.cpp` has its own, over weights packed at
+load in panels of eight output rows (`panels`): every product converts the weights to
+float32 in registers and accumulates in float32, so a model whose
 weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
 is, not rounded.
 
@@ -124,7 +125,8 @@ def _rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
 
 class NativeSteps:
     """A model's native decode steps: the interface of `aot.CompiledSteps` (`get`, `trig`,
-    `enabled`, `positions`, `slab_shape`) over one library that serves every T."""
+    `enabled`, `positions`, `slab_shape`, `min_past`) over one library that serves every T,
+    and a proposer's chain of guesses in one call (`chain`)."""
 
     kind = "native"
 
