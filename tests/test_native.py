@@ -10,6 +10,7 @@ shared cache folder), that it builds its library once, and the CLI.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
@@ -97,6 +98,24 @@ def test_target_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule], T: in
     assert b[1].shape[0] == (1 if last else T) and b[0].shape[0] == (0 if not head else 1 if last else T)
 
 
+def test_widths_not_multiples_of_eight(root: Path) -> None:
+    """A vocabulary of 61 tokens: the head's last panel of eight rows is padded, and only its
+    real columns are written (a prompt's pass over an empty past, then a verify-sized pass)."""
+    model = halved(random_model(dataclasses.replace(TINY, vocab_size=61), seed=9))
+    assert native.attach(model, model, lambda _: None, root)  # type: ignore[arg-type]
+    tokens = torch.randint(0, 61, (24,), generator=torch.Generator().manual_seed(9))
+
+    def passes() -> tuple[torch.Tensor, ...]:
+        cache = model.new_cache(4)  # type: ignore[union-attr]
+        seq = cache.new_sequence()
+        first, _ = model(tokens[:19], cache, seq)  # type: ignore[operator]
+        logits, hidden = model(tokens[19:], cache, seq)  # type: ignore[operator]
+        return first, logits, hidden
+
+    a, b = eager_and_native(passes)
+    assert b[1].shape == (5, 61) and all(close(x, y) for x, y in zip(a, b, strict=True))
+
+
 def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule]) -> None:
     target, mtp = pair
     prop = MTPProposer(target, mtp, 64)
@@ -114,14 +133,14 @@ def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule]) -> None:
     assert close(a[0], b[0]) and close(a[1], b[1])
 
 
-@pytest.mark.parametrize(("cut", "sampled"), [(False, False), (True, False), (False, True), (True, True)])
-def test_mtp_chain_guesses_as_the_steps_do(pair: tuple[Transformer, MTPModule], cut: bool, sampled: bool) -> None:
+@pytest.mark.parametrize(("cut", "sampled"), [(0, False), (40, False), (37, False), (0, True), (37, True)])
+def test_mtp_chain_guesses_as_the_steps_do(pair: tuple[Transformer, MTPModule], cut: int, sampled: bool) -> None:
     """The native chain (one call for k guesses) guesses what the step-by-step loop guesses,
-    with the whole head or one cut to some tokens, greedy or sampled (the same draws of the
-    run's generator, and the q each guess was drawn from), and leaves the module's cache as
-    it was."""
+    with the whole head or one cut to some tokens (37: the last panel of eight rows padded),
+    greedy or sampled (the same draws of the run's generator, and the q each guess was drawn
+    from), and leaves the module's cache as it was."""
     target, mtp = pair
-    head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:40]) if cut else None
+    head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:cut]) if cut else None
     g = torch.Generator().manual_seed(3)
     for trial in range(4):
         h, nxt = torch.randn(10, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (10,), generator=g)
