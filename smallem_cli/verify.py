@@ -130,8 +130,10 @@ def pick(probs: Tensor, u: Tensor) -> Tensor:
     needs V (Exp(1) draws over 8,192 tokens cost ten times these few reductions here).
     """
     c = probs.double().cumsum(dim=-1)  # [..., V]
-    below = c <= (u * c[..., -1]).unsqueeze(-1)  # [..., V]: the intervals wholly below the point
-    return below.sum(dim=-1).clamp_max_(probs.shape[-1] - 1)  # u * c_V rounded up to c_V: the last
+    # the number of intervals wholly below the point (a binary search: counting them by a
+    # comparison over the row cost 41 µs on 8,192 tokens here, the search 16)
+    below = torch.searchsorted(c, (u * c[..., -1]).unsqueeze(-1), right=True).squeeze(-1)  # [...]
+    return below.clamp_max_(probs.shape[-1] - 1)  # u * c_V rounded up to c_V: the last
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
