@@ -320,7 +320,11 @@ class MTPProposer:
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
         self.proposed = True
-        if chains(warp, self.p_min) and (chain := self._native_chain(k) or self._chain(k, warp is None)):  # one call
+        # one call: the native chain (its k-1 positions after the true states, which `accept`
+        # drops), else the compiled one
+        if chains(warp, self.p_min) and (
+            chain := native_chain(self.mtp, self.cache, self.seq, self.head, k) or self._chain(k, warp is None)
+        ):
             return run_chain(chain, self.head, out, k, warp, generator, self.p_min)
         tokens, qs = [], []
         for i in range(k):
@@ -337,11 +341,6 @@ class MTPProposer:
         """The chain graph's key: k, the mode and the head it guesses with (the module's weights
         are in the base key)."""
         return f"mtp-chain k={k} {'greedy' if greedy else 'sampled'} {self._head_key}"
-
-    def _native_chain(self, k: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-        """The native engine's chain (`native_chain`), its k-1 chained positions reserved in the
-        module's cache after its true states (`accept` drops them), or None."""
-        return native_chain(self.mtp, self.cache, self.seq, self.head, k)
 
     def _chain(self, k: int, greedy: bool) -> Callable[..., tuple[torch.Tensor, ...]] | None:
         """The compiled chain for k guesses from the state `out` [1, d] (and, sampled, 1/T and the

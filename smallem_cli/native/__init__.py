@@ -167,6 +167,9 @@ class NativeSteps:
             c.norm_eps,
         )
         mw.layers = ctypes.cast(layers, ctypes.c_void_p)
+        # a chain's head rows in panels, by ids (held, so that their id stays theirs); a draft's
+        # whole head is the one its passes read
+        self._heads: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         if isinstance(model, MTPModule):
             table = model.token_table(target.embed_tokens.weight).detach().contiguous()
             wh = panels(model.eh_proj.weight[:, : c.dim], "eh_proj")  # [d, d]: the h half
@@ -179,10 +182,10 @@ class NativeSteps:
             g = model.norm.weight.detach().float().contiguous()
             self.keep += [embed, head16, g]
             mw.embed, mw.head, mw.g_final = embed.data_ptr(), head16.data_ptr(), g.data_ptr()
+            self._heads[id(None)] = (None, head16)
         self.layers_c, self.mw = layers, mw
         self.cfg = c
         self._scratch: dict[tuple[int, int, int], torch.Tensor] = {}  # by (T, threads, extra floats)
-        self._heads: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # a chain's head rows, by ids
         # The head and final norm a chain of guesses reads (`chain`): the target's for the MTP
         # module, a draft's own; packed at the chain's first call, per cut of the head.
         head_of = target if isinstance(model, MTPModule) else model
