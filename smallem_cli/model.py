@@ -261,7 +261,7 @@ class Transformer(nn.Module):
         fn = compiled_step(steps, cache, step, head and not last_only, last)
         if fn is not None:
             assert steps is not None
-            logits, x, new = fn(tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
+            logits, x, new, *_ = fn(tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
             cache.write_all(step, new)  # the graph reads the cache; the new K/V go in here
             return (self.logits(x[-1:]) if head and last_only else logits), x
         rope = self.rope_packed[step.start : step.length]

@@ -87,6 +87,8 @@ class Head:
     def __init__(self, model: Transformer, vocab: torch.Tensor | None = None) -> None:
         assert model.head_t is not None, "pack() the model first"
         self.eps, self.size = model.cfg.norm_eps, model.cfg.vocab_size
+        if vocab is not None and vocab.numel() == self.size:  # every token: no cut (q's columns in token order)
+            vocab = None
         self.ids = vocab
         self.w = model.head_t if vocab is None else model.head_t[:, vocab].contiguous()  # [d, V or N]
         self.rows = self.w.t().contiguous()  # [V or N, d]: for a few rows at once (`model.head_matmul`)
@@ -104,8 +106,9 @@ class Head:
         return (i if self.ids is None else self.ids[i]), self.expand(q)
 
     def expand(self, q: torch.Tensor) -> torch.Tensor:
-        """q over the head's tokens [m, N] -> over the vocabulary [m, V] (zero outside a cut head)."""
-        if self.ids is None:
+        """q over the head's tokens [m, N] -> over the vocabulary [m, V] (zero outside a cut head);
+        a q already over the vocabulary (a native chain's) as it is."""
+        if self.ids is None or q.shape[-1] == self.size:
             return q
         return q.new_zeros(q.shape[0], self.size).index_copy_(1, self.ids, q)
 

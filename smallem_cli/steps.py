@@ -4,7 +4,9 @@ A model may hold two sets of steps beside its eager path: `model.native` (`nativ
 float16 kernels) and `model.compiled` (`aot.py`, inductor's graphs). Both take the same
 inputs (tokens or the MTP's states, the rope rows of the new positions, the past as a view
 of the slab) and return the new K/V for the caller to write, so every caller asks here for
-the one that is switched on (`switch`, below) and runs it the same way.
+the one that is switched on (`switch`, below) and runs it the same way. A native pass with a
+head returns one more tensor, [rows + 1] long: each row's argmax, then 1 if every logit is
+finite (a greedy verification reads it, and runs no reduction of its own over the logits).
 """
 
 from __future__ import annotations

@@ -98,6 +98,88 @@ def test_target_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule], T: in
     assert b[1].shape[0] == (1 if last else T) and b[0].shape[0] == (0 if not head else 1 if last else T)
 
 
+def test_verify_pass_reads_its_argmax_and_finite_flag(root: Path) -> None:
+    """A pass with a head also returns each row's argmax (torch's) and 1 if every logit is finite;
+    with a NaN in the final norm the flag is 0, and a generation stops at its first round with
+    NonFiniteError (its prefill's logits, from the eager head, were finite: one token came out)."""
+    from smallem_cli.generate import stream
+    from smallem_cli.sampling import NonFiniteError
+
+    model = halved(random_model(TINY, seed=4))
+    assert native.attach(model, model, lambda _: None, root)  # type: ignore[arg-type]
+    steps = model.native
+    assert steps is not None
+    cache = model.new_cache(4)  # type: ignore[union-attr]
+    seq = cache.new_sequence()
+    tokens = torch.randint(0, TINY.vocab_size, (24,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(tokens[:19], cache, seq)  # type: ignore[operator]
+        past = cache.append(seq, 0).past()
+        logits, _, _, top = steps.get(5, True, False)(tokens[19:], *steps.trig(19, 24), past)  # type: ignore[misc]
+        assert top.tolist() == [*logits.argmax(-1).tolist(), 1]
+        g = next(t for t in steps.keep if t.data_ptr() == steps.mw.g_final)  # the final norm the C code reads
+        g[3] = float("nan")
+        _, _, _, top = steps.get(5, True, False)(tokens[19:], *steps.trig(19, 24), past)  # type: ignore[misc]
+        assert top[-1] == 0
+    switch("native")
+    chunks: list[list[int]] = []
+    try:
+        with pytest.raises(NonFiniteError, match="not finite"):
+            for chunk in stream(model, NoProposer(), PROMPT, 20, 0):  # type: ignore[arg-type]
+                chunks.append(chunk)
+    finally:
+        switch(None)
+    assert len(chunks) == 1
+
+
+def native_rule(logits: torch.Tensor, temperature: float, drafts: torch.Tensor, q: torch.Tensor, g: torch.Generator):
+    """`smallem_verify_sample` over B independent rows (logits [B, k+1, V], guesses [B, k], q [B, k, V]),
+    one call per row on uniforms drawn for all of them at once -> [B, k + 2]: n, then the tokens."""
+    lib = native._LIB
+    assert lib is not None
+    B, k, V = drafts.shape[0], drafts.shape[1], logits.shape[-1]
+    logits, q, drafts = logits.float().contiguous(), q.float().contiguous(), drafts.contiguous()
+    u, u_next = torch.rand(B, k, generator=g), torch.rand(B, generator=g, dtype=torch.float64)
+    out, r = torch.empty(B, k + 2, dtype=torch.long), torch.empty(V)
+    ptrs = [t.data_ptr() for t in (logits, drafts, q, u, u_next, out)]
+    sizes = [(k + 1) * V * 4, k * 8, k * V * 4, k * 4, 8, (k + 2) * 8]  # bytes per row
+    for i in range(B):
+        lg, dr, qq, uu, un, o = (p + i * s for p, s in zip(ptrs, sizes, strict=True))
+        lib.smallem_verify_sample(lg, k, V, 1.0 / temperature, dr, qq, uu, un, r.data_ptr(), o)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_native_verification_is_exact(pair: tuple[Transformer, MTPModule], temperature: float) -> None:
+    """The C rule a native run verifies sampled guesses with (`native.verify_sample`, whose draws
+    are `verify_sample`'s: test_generation_is_the_eager_one), from raw logits and a temperature:
+    the seed's chi-square on 200,000 two-token generations (as test_verify's) passes against
+    the target, fails against the proposer."""
+    from test_verify import CHI2_CRIT, P1, P2, Q1, Q2, chi_square
+
+    from smallem_cli.verify import sample, warp
+
+    assert pair  # the library is loaded
+    L1, L2 = P1.log(), P2.log()  # raw logits: the target's law is warp(L, temperature)
+    p1, p2 = warp(L1, temperature), warp(L2, temperature)
+    g = torch.Generator().manual_seed(21)
+    N, V = 200_000, 5
+    d1 = sample(Q1.expand(N, V), g)
+    d2 = sample(Q2[d1], g)
+    logits = torch.stack([L1.expand(N, V), L2[d1], L2[d2]], dim=1)  # [N, 3, V]
+    out = native_rule(logits, temperature, torch.stack([d1, d2], 1), torch.stack([Q1.expand(N, V), Q2[d1]], 1), g)
+    n, t1 = out[:, 0], out[:, 1]
+    assert torch.equal(t1[n >= 1], d1[n >= 1])
+    d = sample(Q2[t1], g)  # the second token, after a rejection: a round of its own from t1
+    second = native_rule(torch.stack([L2[t1], L2[t1]], 1), temperature, d[:, None], Q2[t1][:, None], g)
+    t2 = torch.where(n >= 1, out[:, 2], second[:, 1])
+    counts = torch.bincount(t1 * V + t2, minlength=V * V).view(V, V)
+    chi_p, df, impossible = chi_square(counts, N * p1[:, None] * p2)
+    assert impossible == 0 and chi_p < CHI2_CRIT[df], (chi_p, df)
+    chi_q, _, _ = chi_square(counts, N * Q1[:, None] * Q2)
+    assert chi_q > 1000, chi_q
+
+
 def test_widths_not_multiples_of_eight(root: Path) -> None:
     """A vocabulary of 61 tokens: the head's last panel of eight rows is padded, and only its
     real columns are written (a prompt's pass over an empty past, then a verify-sized pass)."""

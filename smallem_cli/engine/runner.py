@@ -14,16 +14,18 @@ One host sync per round: the verdicts of every sequence come back together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .. import defaults as D
+from .. import native
 from ..model import Transformer
 from ..sampling import NonFiniteError, context_mask, finite_flag, first_token
 from ..steps import active_steps, compiled_for
 from ..tree import tree_mask, verify_tree_greedy, verify_tree_sample
-from ..verify import penalize, verify_sample
+from ..verify import Warper, penalize, verify_sample
 from . import batch as B
 from .forward import transformer_pass
 from .pool import PagePool
@@ -44,22 +46,31 @@ class Target:
         tables = [self.pool.tables[s.uid] for s in seqs]
         return B.build(tables, [s.cached for s in seqs], counts, self.pool.page_size, self.slab.device)
 
-    def verify_pass(self, seqs: list[Seq], ids: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify_pass(
+        self, seqs: list[Seq], ids: torch.Tensor, counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """ids [N] (counts[b] new tokens of seqs[b], from its cached length) -> logits [N, V],
-        hidden [N, d]: the model's step for this pass where it has one (`one_pass`), else the
-        flattened eager pass."""
+        hidden [N, d], and from a native step each row's argmax and the finite flag [N + 1] (else
+        None): the model's step for this pass where it has one (`one_pass`), else the flattened
+        eager pass."""
         got = self.one_pass(seqs, ids, counts, head=True)
         if got is not None:
             return got
-        return transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), head="all")
+        return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), head="all"), None
+
+    def native_verify(self) -> Callable[..., torch.Tensor] | None:
+        """With native steps running this target's passes, their verification of a plain
+        temperature's guesses (`native.verify_sample`), else None (`verify.verify_sample`)."""
+        return native.verify_sample if isinstance(active_steps(self.model), native.NativeSteps) else None
 
     def one_pass(
         self, seqs: list[Seq], ids: torch.Tensor, counts: list[int], head: bool
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """A sequence alone whose pages lie in order (a pool of one sequence hands them out so)
         runs the model's compiled or native step for this pass when it has one: the step reads
         the past as one view of the slab, and the new K/V it returns are written here.
-        -> (logits [N, V] or empty without `head`, hidden [N, d]), or None (no such step)."""
+        -> (logits [N, V] or empty without `head`, hidden [N, d], the native step's argmaxes and
+        finite flag [N + 1] or None), or None (no such step)."""
         if len(seqs) != 1:
             return None
         s, T = seqs[0], counts[0]
@@ -73,9 +84,9 @@ class Target:
         assert steps is not None
         base = page * self.pool.page_size
         past = self.slab[:, :, :, base : base + start]  # [L, K or V, Hkv, start, D]: a view
-        logits, hidden, new = fn(ids.contiguous(), *steps.trig(start, end), past)
+        logits, hidden, new, *top = fn(ids.contiguous(), *steps.trig(start, end), past)
         self.slab[:, :, :, base + start : base + end].copy_(new)  # in order: a slice, no index
-        return logits, hidden
+        return logits, hidden, top[0] if top else None
 
 
 def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
@@ -117,25 +128,29 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
     guesses = proposer.propose(seqs, [s.k for s in seqs])
     counts = [g[0].shape[0] + 1 for g in guesses]
     ids = torch.cat([torch.cat([s.last.view(1), g[0]]) for s, g in zip(seqs, guesses, strict=True)])  # [N]
-    logits, hidden = t.verify_pass(seqs, ids, counts)  # [N, V], [N, d]
-    # [N]: greedy sequences are verified on the host from these (none to verify: no argmax)
-    best = logits.argmax(-1) if any(s.warp is None for s in seqs) else ids
+    logits, hidden, top = t.verify_pass(seqs, ids, counts)  # [N, V], [N, d], [N + 1] or None
+    if top is None:  # [N]: greedy sequences are verified on the host from these (none to verify: no argmax)
+        top = torch.cat([logits.argmax(-1) if any(s.warp is None for s in seqs) else ids, finite_flag(logits)])
+    best = top[:-1]
     sampled = []
     first = 0
+    native_verify = t.native_verify()
     for s, g, c in zip(seqs, guesses, counts, strict=True):
         rows = logits[first : first + c]  # [m+1, V]
         if s.seen is not None:  # each row scored with the context up to its own position
             rows = penalize(rows, s.seen, ids[first : first + c], s.req.sampling.repetition_penalty)
             if s.warp is None:
                 best[first : first + c] = rows.argmax(-1)
-        if s.warp is not None:
+        if native_verify is not None and isinstance(s.warp, Warper) and s.warp.plain:  # the rule below, one call
+            sampled.append(native_verify(rows, s.warp.temperature, *g, s.gen))
+        elif s.warp is not None:
             drafts, q = g
             p = s.warp(rows)  # [m+1, V]
             q = q if q is not None else p[:0]
             n, out = verify_sample(drafts[None], q[None], p[None], s.gen)
             sampled.append(torch.cat([n, out[0]]))
         first += c
-    values = torch.cat([ids, best, *sampled, finite_flag(logits)]).tolist()  # the one sync
+    values = torch.cat([ids, best, *sampled, top[-1:]]).tolist()  # the one sync
     if values[-1] != 1:
         raise NonFiniteError("the target's logits are not finite (NaN or inf)")
     N = len(ids)

@@ -36,6 +36,7 @@ import torch
 
 from ..model import MTPModule, Transformer, interleave_halves
 from ..steps import StepFn, register
+from ..verify import uniforms
 
 Log = Callable[[str], None]
 SOURCE = Path(__file__).with_name("step.cpp")
@@ -93,9 +94,11 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp), argument by argument
     lib.smallem_step.restype = lib.smallem_chain.restype = None
-    lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num]
+    lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num, ptr]
     lib.smallem_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr]
     lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
+    lib.smallem_verify_sample.restype = None
+    lib.smallem_verify_sample.argtypes = [ptr, num, num, ctypes.c_float] + [ptr] * 6
     _LIB = lib
     return lib
 
@@ -235,7 +238,8 @@ class NativeSteps:
         module's, or a draft's final state), with the head cut to `ids` (None: whole). `view`
         [layers, 2, Hkv, >= L+k-1, D]: the model's cache, positions L.. reserved for the chain
         (it writes the K/V of guesses 1 .. k-1 there). Greedy -> (tokens [k], their probabilities
-        [k]); sampled (1/T [1] and uniform draws u [k], float64) -> (tokens [k], q [k, N])."""
+        [k]); sampled (1/T [1] and uniform draws u [k], float64) -> (tokens [k], q [k, V] over the
+        vocabulary, zero outside a cut head's tokens: the verification reads it so)."""
         assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
             rows = self.head_src if ids is None else self.head_src[ids]
@@ -247,7 +251,7 @@ class NativeSteps:
         layers = 1 if self.mtp else c.n_layers
         scratch = self._scratch_for(1, threads, 3 * c.dim + layers * 2 * c.n_kv_heads * c.head_dim + N)
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
-        q = torch.empty(k, N) if u is not None else tops[:0]
+        q = (torch.empty(k, N) if ids_t is None else torch.zeros(k, c.vocab_size)) if u is not None else tops[:0]
         if u is not None:
             u = u.contiguous()
             assert tuple(u.shape) == (k,) and u.dtype == torch.float64 and inv_t is not None
@@ -282,6 +286,7 @@ class NativeSteps:
         new = torch.empty(L, 2, c.n_kv_heads, T, c.head_dim)
         t_head = (1 if last else T) if head else 0
         logits = torch.empty(t_head, c.vocab_size)
+        top = torch.empty(t_head + 1 if t_head else 0, dtype=torch.long)  # each row's argmax, the finite flag
         assert past.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and tokens.is_contiguous()
         strides = (ctypes.c_int64 * 4)(*past.stride()[:4])
         h = None if h is None else h.contiguous()  # held here: the C code reads it
@@ -301,11 +306,42 @@ class NativeSteps:
             new.data_ptr(),
             scratch.data_ptr(),
             threads,
+            top.data_ptr() if t_head else None,
         )
         out = x[-1:] if last else x
         if self.mtp:
             return out, new
-        return (logits if head else x[:0]), out, new
+        if not head:
+            return x[:0], out, new
+        return logits, out, new, top
+
+
+def verify_sample(
+    logits: torch.Tensor,
+    temperature: float,
+    drafts: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """`verify.verify_sample` for one sequence under a plain temperature (`Warper.plain`), in one
+    call of the loaded library (`smallem_verify_sample`): raw logits [k+1, V] of the verify pass,
+    the guesses [k] and their q [k, V] (None: no guess) -> [k + 2] long: n kept, then the k+1
+    tokens. It draws what `verify_sample` draws, in the same order, from `generator`."""
+    assert _LIB is not None, "the native library is not loaded (`library`)"
+    k, V = drafts.shape[0], logits.shape[-1]
+    assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
+    u = torch.rand(1, k, generator=generator)  # as verify_sample's acceptance draws
+    u_next = uniforms((1,), generator, logits)  # as its `sample` of the next token
+    if k:
+        assert q is not None and tuple(q.shape) == (k, V)
+        q, drafts = q.float().contiguous(), drafts.contiguous()
+    out, r = torch.empty(k + 2, dtype=torch.long), torch.empty(V)  # r: the C code's scratch, held here
+    _LIB.smallem_verify_sample(
+        logits.data_ptr(), k, V, 1.0 / temperature, drafts.data_ptr() if k else None,
+        q.data_ptr() if k and q is not None else None, u.data_ptr(), u_next.data_ptr(),
+        r.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out
 
 
 def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path) -> bool:

@@ -72,6 +72,30 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// The first index of the largest of x[0 .. n) (torch.argmax's choice), and whether every
+// value is finite: x - x is NaN exactly where x is NaN or infinite.
+static inline int64_t argmax_finite(const float *x, int n, bool *finite) {
+    __m256 mx = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v, v), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+        mx = _mm256_max_ps(mx, v);
+    }
+    float m[8], top = -INFINITY;
+    _mm256_storeu_ps(m, mx);
+    for (int j = 0; j < 8; j++) top = m[j] > top ? m[j] : top;
+    bool ok = _mm256_movemask_ps(bad) == 0;
+    for (; i < n; i++) {
+        ok = ok && x[i] - x[i] == 0.0f;
+        top = x[i] > top ? x[i] : top;
+    }
+    *finite = ok;
+    for (i = 0; i < n; i++)
+        if (x[i] == top) return i;
+    return 0;  // no value equals the largest: a NaN row (not finite)
+}
+
 static inline __m256 load_h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 // y[m, n] (+)= sum_k x[m, k] W[n, k] for m < M, n < N, with W in panels of eight output
@@ -266,10 +290,13 @@ static void attend_one(const float *q, const float *pk, const float *pv, long ps
 // cos, sin [T, P] with P = (H + 2Hkv) D / 2: each adjacent column pair of the QKV row turns.
 // tokens [T]; h [T, d] (the MTP module's input, else null); x [T, d] output: the hidden states
 // (every row; the caller keeps the last one for `last`); logits [T_head, V] of the last
-// T_head rows when the model has a head and T_head > 0; out_new [L, 2, Hkv, T, D].
+// T_head rows when the model has a head and T_head > 0; out_new [L, 2, Hkv, T, D];
+// top [T_head + 1] (or null): each logits row's argmax, then 1 if every logit is finite, else 0
+// (what a greedy verification reads, without a pass of its own over the logits).
 extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
                   const float *sin_t, const float *past, const int64_t *past_st, int S, float *x, float *logits,
-                  int T_head, float *out_new, float *scratch, int threads) {
+                  int T_head, float *out_new, float *scratch, int threads, int64_t *top) {
+    int finite = 1;
     const int d = mw->dim, H = mw->n_heads, Hkv = mw->n_kv_heads, D = mw->head_dim, F = mw->hidden;
     const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = Q / 2;
     float *xn = scratch, *y = xn + (size_t)T * d, *att = y + (size_t)T * Q, *gu = att + (size_t)T * H * D;
@@ -341,8 +368,20 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
         if (mw->head && T_head > 0) {
             rms_rows(x + (size_t)(T - T_head) * d, T_head, d, mw->eps, mw->g_final, xn);
             matmul(xn, T_head, d, mw->head, mw->vocab, d, logits, mw->vocab, false);
+            if (top) {
+#pragma omp for schedule(static)
+                for (int t = 0; t < T_head; t++) {
+                    bool ok;
+                    top[t] = argmax_finite(logits + (size_t)t * mw->vocab, mw->vocab, &ok);
+                    if (!ok) {
+#pragma omp atomic write
+                        finite = 0;
+                    }
+                }
+            }
         }
     }
+    if (top && mw->head && T_head > 0) top[T_head] = finite;
 }
 
 
@@ -357,7 +396,8 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
 //   row to its token, null: row = token), g_final [d] the final norm; cos, sin [k-1, P];
 //   view: the model's cache [layers, 2, Hkv, >= L+k-1, D] with strides st[0..3].
 //   Greedy (u null): tokens [k] the head's argmax, tops [k] its probability (for p-min).
-//   Sampled: q_j = softmax(logits_j * inv_t) into q [k, N], and guess j by the inverse CDF on
+//   Sampled: q_j = softmax(logits_j * inv_t) into q [k, N], or with `ids` into q [k, V] (zeroed by
+//   the caller: a cut head's q is zero outside its tokens), and guess j by the inverse CDF on
 //   the uniform draw u [j] made by the caller from the run's generator (`verify.pick`: the
 //   first token whose running sum of q_j, in float64 and in order, exceeds u_j times the total).
 // scratch: smallem_step's for T=1 (step_scratch floats), then 3 d + layers 2 Hkv D + N floats.
@@ -380,30 +420,33 @@ extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N
         for (int i = 1; i < N; i++)
             if (logits[i] > logits[best]) best = i;
         if (u) {  // q = softmax(logits / T), then the inverse CDF at u_j
-            float *qj = q + (size_t)j * N;
+            // q_j over the vocabulary: row i of a cut head is token ids[i]'s column
+            float *qj = q + (size_t)j * (ids ? mw->vocab : N);
+            auto col = [&](int i) { return ids ? ids[i] : (int64_t)i; };
             const float top = logits[best] * inv_t;
             float sum = 0.0f;
             for (int i = 0; i < N; i++) {
-                qj[i] = expf(logits[i] * inv_t - top);
-                sum += qj[i];
+                float e = expf(logits[i] * inv_t - top);
+                qj[col(i)] = e;
+                sum += e;
             }
             const float inv = 1.0f / sum;
             double total = 0.0;
             for (int i = 0; i < N; i++) {
-                qj[i] *= inv;
-                total += qj[i];
+                qj[col(i)] *= inv;
+                total += qj[col(i)];
             }
             const double v = u[j] * total;
             double run = 0.0;
             best = N - 1;  // v rounded up to the total: the last
             for (int i = 0; i < N; i++) {
-                run += qj[i];
+                run += qj[col(i)];
                 if (run > v) {
                     best = i;
                     break;
                 }
             }
-            tops[j] = qj[best];
+            tops[j] = qj[col(best)];
         } else {
             float sum = 0.0f;
             for (int i = 0; i < N; i++) sum += expf(logits[i] - logits[best]);
@@ -413,7 +456,7 @@ extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N
         if (j == k - 1) break;
         int64_t tok = tokens[j];
         smallem_step(mw, &tok, mw->table ? state : nullptr, 1, cos_t + (size_t)j * P, sin_t + (size_t)j * P, view, st,
-                     L + j, next, nullptr, 0, nw, scratch, threads);
+                     L + j, next, nullptr, 0, nw, scratch, threads, nullptr);
         for (int l = 0; l < NL; l++)  // this step's K/V into the cache, where the next step reads them
             for (int kv = 0; kv < 2; kv++)
                 for (int g = 0; g < Hkv; g++)
@@ -421,4 +464,68 @@ extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N
                            nw + (((size_t)l * 2 + kv) * Hkv + g) * D, D * sizeof(float));
         memcpy(state, next, d * sizeof(float));
     }
+}
+
+// Speculative sampling's verification of one sequence under a plain temperature, as
+// `verify.verify_sample` after `verify.warp` (the same draws from the same uniforms): guess j
+// is kept when u[j] q[j, x_j] < p_j(x_j), p_j = softmax(logits_j inv_t); at the first guess
+// kept not, n, the next token is drawn from max(0, p_n - q_n) (from p_n if that is all zero),
+// and after k kept from p_k, by the inverse CDF on u_next (`verify.pick`: float64 running sums
+// in token order). logits [k+1, V], drafts [k], q [k, V] (null when k = 0), u [k] float32,
+// u_next [1] float64; r: V floats of scratch. out [k + 2]: n, then the k+1 tokens (the guesses
+// with the drawn token at n; the ones after it to be ignored).
+extern "C" void smallem_verify_sample(const float *logits, int k, int V, float inv_t, const int64_t *drafts,
+                                      const float *q, const float *u, const double *u_next, float *r, int64_t *out) {
+    // r = exp(logits_j inv_t - max) over the row -> its sum (p_j = r / sum)
+    auto weights = [&](int j) {
+        const float *l = logits + (size_t)j * V;
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        int i = 0;
+        for (; i + 8 <= V; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(l + i));
+        float m[8], mx = -INFINITY;
+        _mm256_storeu_ps(m, m8);
+        for (int j = 0; j < 8; j++) mx = m[j] > mx ? m[j] : mx;
+        for (; i < V; i++) mx = l[i] > mx ? l[i] : mx;
+        const float top = mx * inv_t;
+        __m256 vt = _mm256_set1_ps(top), vi = _mm256_set1_ps(inv_t), acc = _mm256_setzero_ps();
+        for (i = 0; i + 8 <= V; i += 8) {
+            __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(l + i), vi, vt));
+            _mm256_storeu_ps(r + i, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        float sum = hsum(acc);
+        for (; i < V; i++) sum += (r[i] = expf(l[i] * inv_t - top));
+        return sum;
+    };
+    int n = 0;
+    float sum = 0.0f;
+    for (; n <= k; n++) {
+        sum = weights(n);
+        if (n == k || !(u[n] * q[(size_t)n * V + drafts[n]] < r[drafts[n]] / sum)) break;
+    }
+    const float inv = 1.0f / sum;
+    double total = 0.0;
+    for (int i = 0; i < V; i++) {
+        float p = r[i] * inv;
+        r[i] = n < k ? (p - q[(size_t)n * V + i] > 0.0f ? p - q[(size_t)n * V + i] : 0.0f) : p;
+        total += r[i];
+    }
+    if (!(total > 0.0)) {  // p_n == q_n to rounding: draw from p_n
+        weights(n);
+        total = 0.0;
+        for (int i = 0; i < V; i++) total += (r[i] *= inv);
+    }
+    const double v = u_next[0] * total;
+    double run = 0.0;
+    int64_t next = V - 1;  // v rounded up to the total: the last
+    for (int i = 0; i < V; i++) {
+        run += r[i];
+        if (run > v) {
+            next = i;
+            break;
+        }
+    }
+    out[0] = n;
+    for (int j = 0; j < k; j++) out[1 + j] = drafts[j];
+    out[1 + n] = next;
 }
