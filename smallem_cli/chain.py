@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from .cache import PagedKVCache
 from .graphs import MTPStep, _rope, unit_rms
 from .model import MTPModule, Transformer
+from .native import MAX_T
 from .verify import Warper, pick, uniforms
 
 if TYPE_CHECKING:
@@ -136,43 +137,51 @@ class MTPSampledChain(MTPChain):
         return self.run(out, cos, sin, past, draw)
 
 
+Start = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]  # `NativeSteps.chain`'s `start`
+
+
 def native_chain(
-    model: Transformer | MTPModule, cache: PagedKVCache, seq: int, head: Head, k: int
+    model: Transformer | MTPModule, cache: PagedKVCache, seq: int, head: Head, k: int, start: Start
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The native engine's chain of k guesses for a proposer's model (`NativeSteps.chain`,
-    greedy or sampled), its k-1 chained positions appended to the model's cache (the caller
-    keeps or drops them), or None: no native steps, or a cache it cannot serve."""
+    greedy or sampled) from `start`: a state [1, d], or the entries the round confirmed (tokens
+    [m], the MTP module's target states or None), fed in the same call. Their m positions and
+    the chain's k-1 are appended to the model's cache (the caller keeps or drops the chain's).
+    None: no native steps, or a cache it cannot serve."""
     steps, L = model.native, cache.length(seq)
-    if k < 2 or steps is None or not steps.enabled or L < steps.min_past or L + k - 1 > steps.positions:
+    m = start[0].shape[0] if isinstance(start, tuple) else 0
+    if k < 2 or steps is None or not steps.enabled or L < steps.min_past or L + m + k - 1 > steps.positions:
         return None
-    where = cache.append(seq, k - 1)
+    if isinstance(start, tuple) and not 0 < m <= MAX_T:  # no catch-up, or one longer than a native pass serves
+        return None
+    where = cache.append(seq, m + k - 1)
     if where.view is None:  # pages out of order: the step-by-step path
         cache.keep(seq, L)
         return None
     view = where.view
-    return lambda out, *sampled: steps.chain(head.ids, out, k, view, L, *sampled)
+    return lambda *sampled: steps.chain(head.ids, k, view, L, start, *sampled)
 
 
 def run_chain(
     chain: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     head: Head,
-    out: torch.Tensor,
     k: int,
     warp: Warp | None,
     generator: torch.Generator | None,
     p_min: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A chain's k guesses from the state `out` [1, d]: greedy (cut at the first guess less
-    sure than p_min: one sync), or sampled with a plain temperature (q over the vocabulary)."""
+    """A chain's k guesses (its start bound): greedy (cut at the first guess less sure than
+    p_min: one sync), or sampled with a plain temperature (q over the vocabulary)."""
     if warp is None:
-        tokens, tops = chain(out)
+        tokens, tops = chain()
         if p_min:  # keep the guesses before the first doubtful one: one sync
             sure = [t >= p_min for t in tops.tolist()]
             tokens = tokens[: sure.index(False) if False in sure else k]
         return tokens, None
     assert isinstance(warp, Warper)
-    inv_t = torch.full((1,), 1.0 / warp.temperature, device=out.device)
-    tokens, q = chain(out, inv_t, uniforms((k,), generator, out))
+    dev = head.w.device
+    inv_t = torch.full((1,), 1.0 / warp.temperature, device=dev)
+    tokens, q = chain(inv_t, uniforms((k,), generator, head.w))
     return tokens, head.expand(q)
 
 

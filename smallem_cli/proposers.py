@@ -217,11 +217,14 @@ class DraftProposer:
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens, qs = [], []
-        h = self._feed(self.pending)  # catch up (1 or 2 tokens), then one guess at a time
         self.fed_guesses = k - 1  # the last guess is never fed
         self.proposed = True
-        if chains(warp, self.p_min) and (chain := native_chain(self.model, self.cache, self.seq, self.head, k)):
-            return run_chain(chain, self.head, h, k, warp, generator, self.p_min)  # one call: k-1 fed
+        # one native call: the catch-up (1 or 2 tokens), then the guesses, k-1 of them fed
+        if chains(warp, self.p_min) and (
+            chain := native_chain(self.model, self.cache, self.seq, self.head, k, (self.pending, None))
+        ):
+            return run_chain(chain, self.head, k, warp, generator, self.p_min)
+        h = self._feed(self.pending)  # catch up, then one guess at a time
         for i in range(k):
             if i:
                 h = self._feed(tokens[-1])
@@ -314,6 +317,12 @@ class MTPProposer:
         self, k: int, warp: Warp | None, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h, nxt = self.pending_h, self.pending_next
+        self.proposed = True
+        # one native call: the catch-up on the true states, then the chain (its k-1 positions
+        # after the true states, which `accept` drops)
+        if chains(warp, self.p_min) and (chain := native_chain(self.mtp, self.cache, self.seq, self.head, k, (nxt, h))):
+            self.true_len = self.cache.length(self.seq) - (k - 1)
+            return run_chain(chain, self.head, k, warp, generator, self.p_min)
         # The prompt, at the first round, in one pass; later, a backlog (rounds another proposer
         # guessed) in passes of k+1 pairs, the sizes compiled for.
         chunk = k + 1 if self.true_len else h.shape[0]
@@ -322,13 +331,8 @@ class MTPProposer:
             h, nxt = h[chunk:], nxt[chunk:]
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
-        self.proposed = True
-        # one call: the native chain (its k-1 positions after the true states, which `accept`
-        # drops), else the compiled one
-        if chains(warp, self.p_min) and (
-            chain := native_chain(self.mtp, self.cache, self.seq, self.head, k) or self._chain(k, warp is None)
-        ):
-            return run_chain(chain, self.head, out, k, warp, generator, self.p_min)
+        if chains(warp, self.p_min) and (chain := self._chain(k, warp is None, out)):  # the compiled chain
+            return run_chain(chain, self.head, k, warp, generator, self.p_min)
         tokens, qs = [], []
         for i in range(k):
             if i:
@@ -345,8 +349,8 @@ class MTPProposer:
         are in the base key)."""
         return f"mtp-chain k={k} {'greedy' if greedy else 'sampled'} {self._head_key}"
 
-    def _chain(self, k: int, greedy: bool) -> Callable[..., tuple[torch.Tensor, ...]] | None:
-        """The compiled chain for k guesses from the state `out` [1, d] (and, sampled, 1/T and the
+    def _chain(self, k: int, greedy: bool, out: torch.Tensor) -> Callable[..., tuple[torch.Tensor, ...]] | None:
+        """The compiled chain for k guesses from the state `out` [1, d]: (sampled: 1/T and the
         uniform draws u [k]) -> (guesses [k], their probabilities [k] or q [k, N]), or None where it
         cannot serve (not prepared, a layout or positions it was not built for)."""
         steps = self.mtp.compiled
@@ -361,7 +365,7 @@ class MTPProposer:
             return None
         cos, sin = steps.rope[0][L : L + k - 1], steps.rope[1][L : L + k - 1]
         past = where.past()
-        return lambda out, *more: fn(out.contiguous(), *more, cos, sin, past)
+        return lambda *more: fn(out.contiguous(), *more, cos, sin, past)
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         if not self.proposed:  # another proposer guessed: these pairs wait to be fed

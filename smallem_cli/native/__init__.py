@@ -39,7 +39,8 @@ from ..steps import StepFn, register
 from ..verify import uniforms
 
 Log = Callable[[str], None]
-SOURCE = Path(__file__).with_name("step.cpp")
+HERE = Path(__file__).parent
+SOURCES = ("step.cpp", "verify.cpp")  # compiled together; they include the headers beside them
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
 _LIB: ctypes.CDLL | None = None
@@ -73,7 +74,8 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise NativeUnavailable(f"no C++ compiler ({cxx}) on PATH")
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, cxx)).encode()).hexdigest()[:24]
+    code = b"".join(f.name.encode() + f.read_bytes() for f in sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")]))
+    key = hashlib.sha256(code + repr((FLAGS, cxx)).encode()).hexdigest()[:24]
     path = root / "native" / f"step-{key}.so"
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = path.parent.stat()
@@ -84,7 +86,8 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
         try:
             out = tmp / "step.so"
-            r = subprocess.run([cxx, *FLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+            sources = [str(HERE / s) for s in SOURCES]
+            r = subprocess.run([cxx, *FLAGS, "-o", str(out), *sources], capture_output=True, text=True)
             if r.returncode != 0:
                 first = (r.stderr.strip().splitlines() or ["no message"])[0][:200]
                 raise NativeUnavailable(f"the C++ compiler failed: {first}")
@@ -92,10 +95,10 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     lib = ctypes.CDLL(str(path))
-    ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp), argument by argument
+    ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp, verify.cpp), argument by argument
     lib.smallem_step.restype = lib.smallem_chain.restype = None
     lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num, ptr]
-    lib.smallem_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr]
+    lib.smallem_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]
     lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
     lib.smallem_verify_sample.restype = None
     lib.smallem_verify_sample.argtypes = [ptr, num, num, ctypes.c_float] + [ptr] * 6
@@ -227,18 +230,20 @@ class NativeSteps:
     def chain(
         self,
         ids: torch.Tensor | None,
-        out: torch.Tensor,
         k: int,
         view: torch.Tensor,
         L: int,
+        start: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
         inv_t: torch.Tensor | None = None,
         u: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A proposer's chain (`smallem_chain`): k guesses from its state `out` [1, d] (the MTP
-        module's, or a draft's final state), with the head cut to `ids` (None: whole). `view`
-        [layers, 2, Hkv, >= L+k-1, D]: the model's cache, positions L.. reserved for the chain
-        (it writes the K/V of guesses 1 .. k-1 there). Greedy -> (tokens [k], their probabilities
-        [k]); sampled (1/T [1] and uniform draws u [k], float64) -> (tokens [k], q [k, V] over the
+        """A proposer's chain (`smallem_chain`): k guesses, with the head cut to `ids` (None: whole).
+        `start`: the state guess 1 is made from [1, d] (the MTP module's, or a draft's final state),
+        or the entries a round confirmed, fed first in the same call: (tokens [m], the MTP module's
+        target states [m, d] or None for a draft), their K/V kept at L .. L+m-1 (m = 0 without).
+        `view` [layers, 2, Hkv, >= L+m+k-1, D]: the model's cache, positions L.. reserved (the K/V
+        of guesses 1 .. k-1 go to L+m ..). Greedy -> (tokens [k], their probabilities [k]);
+        sampled (1/T [1] and uniform draws u [k], float64) -> (tokens [k], q [k, V] over the
         vocabulary, zero outside a cut head's tokens: the verification reads it so)."""
         assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
@@ -247,23 +252,30 @@ class NativeSteps:
         ids_t, rows = self._heads[id(ids)]
         c, threads = self.cfg, torch.get_num_threads()
         N = c.vocab_size if ids_t is None else ids_t.numel()
-        need = self._need(1, threads)
+        if isinstance(start, tuple):
+            out, (feed, feed_h) = None, start
+            feed, feed_h = feed.contiguous(), None if feed_h is None else feed_h.contiguous()
+            m = feed.shape[0]
+        else:
+            out, feed, feed_h, m = start.contiguous(), None, None, 0
+        T = max(m, 1)  # the widest step of the call
+        need = self._need(T, threads)
         layers = 1 if self.mtp else c.n_layers
-        scratch = self._scratch_for(1, threads, 3 * c.dim + layers * 2 * c.n_kv_heads * c.head_dim + N)
+        more = 3 * c.dim + layers * 2 * c.n_kv_heads * c.head_dim * T + N + m * c.dim
+        scratch = self._scratch_for(T, threads, more)
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
         q = (torch.empty(k, N) if ids_t is None else torch.zeros(k, c.vocab_size)) if u is not None else tops[:0]
         if u is not None:
             u = u.contiguous()
             assert tuple(u.shape) == (k,) and u.dtype == torch.float64 and inv_t is not None
-        cos, sin = self.trig(L, L + k - 1)
-        out = out.contiguous()
+        cos, sin = self.trig(L, L + m + k - 1)
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.lib.smallem_chain(
-            ctypes.addressof(self.mw), rows.data_ptr(), N, self.g_final.data_ptr(),
-            None if ids_t is None else ids_t.data_ptr(), out.data_ptr(), k, cos.data_ptr(), sin.data_ptr(),
-            view.data_ptr(), ctypes.addressof(strides), L, None if u is None else u.data_ptr(),
-            0.0 if inv_t is None else float(inv_t), tokens.data_ptr(), tops.data_ptr(), q.data_ptr(),
-            scratch.data_ptr(), need, threads,
+            ctypes.addressof(self.mw), rows.data_ptr(), N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
+            ptr(feed), ptr(feed_h), m, k, cos.data_ptr(), sin.data_ptr(), view.data_ptr(),
+            ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else float(inv_t), tokens.data_ptr(),
+            tops.data_ptr(), q.data_ptr(), scratch.data_ptr(), need, threads,
         )  # fmt: skip
         return (tokens, q) if u is not None else (tokens, tops)
 
