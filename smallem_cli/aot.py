@@ -109,6 +109,7 @@ class CompiledSteps:
         self.rope = rope  # cos, sin [context, P]: the graphs' rotary inputs, position by position
         self.positions = rope[0].shape[0]  # the context: no pass may reach past it
         self.min_past = MIN_PAST  # the tracer special-cases a past of 0 or 1 positions
+        self.in_place = False  # the graph returns the new K/V; the caller writes them
         self.log = log or (lambda _: None)
         self.root = root or cache_root()
         self.base = "|".join(

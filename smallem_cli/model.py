@@ -262,7 +262,8 @@ class Transformer(nn.Module):
         if fn is not None:
             assert steps is not None
             logits, x, new, *_ = fn(tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
-            cache.write_all(step, new)  # the graph reads the cache; the new K/V go in here
+            if not steps.in_place:  # the graph reads the cache; the new K/V go in here
+                cache.write_all(step, new)
             return (self.logits(x[-1:]) if head and last_only else logits), x
         rope = self.rope_packed[step.start : step.length]
         x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
@@ -342,7 +343,8 @@ class MTPModule(nn.Module):
         if fn is not None:
             assert steps is not None
             x, new = fn(h.contiguous(), tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
-            cache.write_all(step, new)
+            if not steps.in_place:
+                cache.write_all(step, new)
             return x
         d = self.cfg.dim
         x = torch.addmm(F.embedding(tokens, self.token_table(embed)), unit_rms(h, self.cfg.norm_eps), self.proj_t[:d])

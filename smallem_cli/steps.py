@@ -3,8 +3,9 @@
 A model may hold two sets of steps beside its eager path: `model.native` (`native/`, the
 float16 kernels) and `model.compiled` (`aot.py`, inductor's graphs). Both take the same
 inputs (tokens or the MTP's states, the rope rows of the new positions, the past as a view
-of the slab) and return the new K/V for the caller to write, so every caller asks here for
-the one that is switched on (`switch`, below) and runs it the same way. A native pass with a
+of the slab) and return the new K/V (for the caller to write, unless the steps write them in
+place: `in_place`), so every caller asks here for the one that is switched on (`switch`,
+below) and runs it the same way. A native pass with a
 head returns one more tensor, [rows + 1] long: each row's argmax, then 1 if every logit is
 finite (a greedy verification reads it, and runs no reduction of its own over the logits).
 """
@@ -33,6 +34,10 @@ class Steps(Protocol):
     positions: int  # the context: no pass may reach past it
     slab_shape: tuple[int, ...] | None  # the slab layout the steps need, None: any
     min_past: int  # the shortest past a step serves (MIN_PAST for graphs, 0 for native steps)
+    # the steps write the new K/V into the slab themselves, right after the past they read (the
+    # caller reserved those positions), and return them as a view there: native steps. Else
+    # (graphs: the cache is read-only inside them) the caller writes what they return.
+    in_place: bool
 
     def get(self, T: int, head: bool, last: bool) -> StepFn | None: ...
 

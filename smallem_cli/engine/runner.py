@@ -85,7 +85,8 @@ class Target:
         base = page * self.pool.page_size
         past = self.slab[:, :, :, base : base + start]  # [L, K or V, Hkv, start, D]: a view
         logits, hidden, new, *top = fn(ids.contiguous(), *steps.trig(start, end), past)
-        self.slab[:, :, :, base + start : base + end].copy_(new)  # in order: a slice, no index
+        if not steps.in_place:
+            self.slab[:, :, :, base + start : base + end].copy_(new)  # in order: a slice, no index
         return logits, hidden, top[0] if top else None
 
 
@@ -127,7 +128,8 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
     offered m, kept n, the tokens emitted)."""
     guesses = proposer.propose(seqs, [s.k for s in seqs])
     counts = [g[0].shape[0] + 1 for g in guesses]
-    ids = torch.cat([torch.cat([s.last.view(1), g[0]]) for s, g in zip(seqs, guesses, strict=True)])  # [N]
+    fed_each = [torch.cat([s.last.view(1), g[0]]) for s, g in zip(seqs, guesses, strict=True)]
+    ids = fed_each[0] if len(seqs) == 1 else torch.cat(fed_each)  # [N]
     logits, hidden, top = t.verify_pass(seqs, ids, counts)  # [N, V], [N, d], [N + 1] or None
     if top is None:  # [N]: greedy sequences are verified on the host from these (none to verify: no argmax)
         top = torch.cat([logits.argmax(-1) if any(s.warp is None for s in seqs) else ids, finite_flag(logits)])
@@ -153,7 +155,7 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
     values = torch.cat([ids, best, *sampled, top[-1:]]).tolist()  # the one sync
     if values[-1] != 1:
         raise NonFiniteError("the target's logits are not finite (NaN or inf)")
-    N = len(ids)
+    N = sum(counts)
     fed, top, rest = values[:N], values[N : 2 * N], values[2 * N : -1]
     verdicts: list[tuple[int, int, list[int]]] = []
     first = 0

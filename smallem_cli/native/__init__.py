@@ -10,8 +10,9 @@ float32 in registers and accumulates in float32, so a model whose
 weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
 is, not rounded.
 
-The step has the compiled graphs' contract (`graphs.py`): it reads the past as a strided
-view of the slab and returns the new K/V for the caller to write. So `NativeSteps` stands
+The step has the compiled graphs' inputs (`graphs.py`): it reads the past as a strided view
+of the slab; it writes the new K/V into the slab itself, right after the past (`in_place`:
+the caller's copy and a buffer saved), and returns them as a view there. So `NativeSteps` stands
 where `aot.CompiledSteps` does (`model.native`, chosen by `steps.switch`), for every T, with
 no per-shape build: one library, built once by the system's C++ compiler (the one inductor
 uses) and cached on disk by the hash of its source and flags.
@@ -97,7 +98,7 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp, verify.cpp), argument by argument
     lib.smallem_step.restype = lib.smallem_chain.restype = None
-    lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num, ptr]
+    lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 3 + [num, ptr]
     lib.smallem_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]
     lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
     lib.smallem_verify_sample.restype = None
@@ -147,6 +148,7 @@ class NativeSteps:
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
         self.slab_shape: tuple[int, ...] | None = None  # any layout: the past comes with its strides
         self.min_past = 0  # a prompt's pass too: its past is empty
+        self.in_place = True  # a pass writes its K/V into the slab after the past it reads
         self.enabled = True
         self.mtp = isinstance(model, MTPModule)
         self.keep: list[torch.Tensor] = []  # every tensor the C struct points at, alive as long as it
@@ -260,8 +262,7 @@ class NativeSteps:
             out, feed, feed_h, m = start.contiguous(), None, None, 0
         T = max(m, 1)  # the widest step of the call
         need = self._need(T, threads)
-        layers = 1 if self.mtp else c.n_layers
-        more = 3 * c.dim + layers * 2 * c.n_kv_heads * c.head_dim * T + N + m * c.dim
+        more = 3 * c.dim + N + m * c.dim
         scratch = self._scratch_for(T, threads, more)
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
         q = (torch.empty(k, N) if ids_t is None else torch.zeros(k, c.vocab_size)) if u is not None else tops[:0]
@@ -295,7 +296,12 @@ class NativeSteps:
         threads = torch.get_num_threads()
         scratch = self._scratch_for(T, threads)
         x = torch.empty(T, c.dim)
-        new = torch.empty(L, 2, c.n_kv_heads, T, c.head_dim)
+        # the new K/V [L, 2, Hkv, T, D]: in the slab, right after the past (`in_place`), which must hold them
+        at = past.storage_offset() + S * past.stride(3)
+        dims = zip(past.shape[:3], past.stride()[:3], strict=True)
+        reach = at + sum((n - 1) * s for n, s in dims) + (T - 1) * past.stride(3) + c.head_dim
+        assert reach <= past.untyped_storage().nbytes() // past.element_size(), "no room after the past"
+        new = past.as_strided((L, 2, c.n_kv_heads, T, c.head_dim), past.stride(), at)
         t_head = (1 if last else T) if head else 0
         logits = torch.empty(t_head, c.vocab_size)
         top = torch.empty(t_head + 1 if t_head else 0, dtype=torch.long)  # each row's argmax, the finite flag
@@ -316,6 +322,7 @@ class NativeSteps:
             logits.data_ptr(),
             t_head,
             new.data_ptr(),
+            ctypes.addressof(strides),  # the slab's
             scratch.data_ptr(),
             threads,
             top.data_ptr() if t_head else None,

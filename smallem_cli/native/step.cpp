@@ -7,10 +7,11 @@
 // The checkpoints are float16, so computing with them (converted to float32 in registers,
 // float32 accumulation) is the same model, with no rounding of its own.
 //
-// Same contract as the compiled graphs (`graphs.py`): the cache is only read (the past, a
-// strided view of the slab), the new K/V come back in `out_new` [L, 2, Hkv, T, D] and the
-// caller writes them. Every output row is computed the same way whatever T is (each sum
-// in the same order), so a token's numbers do not depend on the pass that held it.
+// The past is read as a strided view of the slab, as the compiled graphs read it (`graphs.py`);
+// the new K/V go to `out_new` [L, 2, Hkv, T, D]: the slab itself, right after the past (the
+// positions the caller reserved), or a buffer. Every output row is computed the same way
+// whatever T is (each sum in the same order), so a token's numbers do not depend on the pass
+// that held it.
 //
 // Layout: weights in panels of eight output rows (below), rows of Wq/Wk permuted so that each
 // rotary pair is two adjacent columns (`model.interleave_halves`), as the eager path's cache.
@@ -50,13 +51,18 @@ struct ModelW {
 // cos, sin [T, P] with P = (H + 2Hkv) D / 2: each adjacent column pair of the QKV row turns.
 // tokens [T]; h [T, d] (the MTP module's input, else null); x [T, d] output: the hidden states
 // (every row; the caller keeps the last one for `last`); logits [T_head, V] of the last
-// T_head rows when the model has a head and T_head > 0; out_new [L, 2, Hkv, T, D];
+// T_head rows when the model has a head and T_head > 0; out_new [L, 2, Hkv, T, D] with element
+// strides new_st[0..3] (null: contiguous): the new K/V, in a buffer or in place in the slab, right
+// after the past (the caller reserved those positions);
 // top [T_head + 1] (or null): each logits row's argmax, then 1 if every logit is finite, else 0
 // (what a greedy verification reads, without a pass of its own over the logits).
 extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
                   const float *sin_t, const float *past, const int64_t *past_st, int S, float *x, float *logits,
-                  int T_head, float *out_new, float *scratch, int threads, int64_t *top) {
+                  int T_head, float *out_new, const int64_t *new_st, float *scratch, int threads, int64_t *top) {
     int finite = 1;
+    const int64_t packed[4] = {(int64_t)2 * mw->n_kv_heads * T * mw->head_dim, (int64_t)mw->n_kv_heads * T * mw->head_dim,
+                               (int64_t)T * mw->head_dim, mw->head_dim};
+    const int64_t *ns = new_st ? new_st : packed;
     const int d = mw->dim, H = mw->n_heads, Hkv = mw->n_kv_heads, D = mw->head_dim, F = mw->hidden;
     const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = Q / 2;
     float *xn = scratch, *y = xn + (size_t)T * d, *att = y + (size_t)T * Q, *gu = att + (size_t)T * H * D;
@@ -96,17 +102,17 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
                 for (int i = 0; i < H * D; i++) r[i] *= qscale;
                 for (int kv = 0; kv < 2; kv++)
                     for (int g = 0; g < Hkv; g++)
-                        memcpy(out_new + ((((size_t)l * 2 + kv) * Hkv + g) * T + t) * D, r + (H + kv * Hkv + g) * D,
+                        memcpy(out_new + l * ns[0] + kv * ns[1] + g * ns[2] + t * ns[3], r + (H + kv * Hkv + g) * D,
                                D * sizeof(float));
             }
             const float *pl = past + (size_t)l * past_st[0];
-            const float *nl = out_new + (size_t)l * 2 * Hkv * T * D;
+            const float *nl = out_new + l * ns[0];
 #pragma omp for schedule(static)
             for (int i = 0; i < H * T; i++) {
                 int hh = i / T, t = i % T, g = hh / G;
                 const float *pk = pl + (size_t)g * past_st[2], *pv = pk + past_st[1];
-                const float *nk = nl + (size_t)g * T * D, *nv = nl + ((size_t)Hkv + g) * T * D;
-                attend_one(y + (size_t)t * Q + hh * D, pk, pv, past_st[3], nk, nv, D, S, t, D,
+                const float *nk = nl + g * ns[2], *nv = nk + ns[1];
+                attend_one(y + (size_t)t * Q + hh * D, pk, pv, past_st[3], nk, nv, ns[3], S, t, D,
                            scores + (size_t)omp_get_thread_num() * (S + T), att + (size_t)t * H * D + hh * D);
             }
             matmul(att, T, H * D, L.o, d, H * D, x, d, true);
@@ -163,29 +169,17 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
 //   the caller: a cut head's q is zero outside its tokens), and guess j by the inverse CDF on
 //   the uniform draw u [j] made by the caller from the run's generator (`verify.pick`: the
 //   first token whose running sum of q_j, in float64 and in order, exceeds u_j times the total).
-// scratch: smallem_step's for T = max(m, 1) (step_scratch floats), then 3 d + layers 2 Hkv D max(m, 1)
-// + N + m d floats.
+// scratch: smallem_step's for T = max(m, 1) (step_scratch floats), then 3 d + N + m d floats.
 extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N, const float *g_final,
                               const int64_t *ids, const float *h0, const int64_t *feed, const float *feed_h, int m,
                               int k, const float *cos_t, const float *sin_t, float *view, const int64_t *st, int L,
                               const double *u, float inv_t, int64_t *tokens, float *tops, float *q, float *scratch,
                               int step_scratch, int threads) {
-    const int d = mw->dim, Hkv = mw->n_kv_heads, D = mw->head_dim, P = (mw->n_heads + 2 * Hkv) * D / 2;
-    const int NL = mw->n_layers;
-    float *state = scratch + step_scratch, *next = state + d, *xn = next + d, *nw = xn + d;
-    float *logits = nw + (size_t)NL * 2 * Hkv * D * (m > 1 ? m : 1), *xs = logits + N;
-    // K/V [layers, 2, Hkv, T, D] of a step over T entries into the cache from position `at`
-    auto keep = [&](int T, int at) {
-        for (int l = 0; l < NL; l++)
-            for (int kv = 0; kv < 2; kv++)
-                for (int g = 0; g < Hkv; g++)
-                    for (int t = 0; t < T; t++)
-                        memcpy(view + l * st[0] + kv * st[1] + g * st[2] + (size_t)(at + t) * st[3],
-                               nw + ((((size_t)l * 2 + kv) * Hkv + g) * T + t) * D, D * sizeof(float));
-    };
-    if (m > 0) {  // the catch-up: its last state is where the guesses start
-        smallem_step(mw, feed, feed_h, m, cos_t, sin_t, view, st, L, xs, nullptr, 0, nw, scratch, threads, nullptr);
-        keep(m, L);
+    const int d = mw->dim, P = (mw->n_heads + 2 * mw->n_kv_heads) * mw->head_dim / 2;
+    float *state = scratch + step_scratch, *next = state + d, *xn = next + d, *logits = xn + d, *xs = logits + N;
+    if (m > 0) {  // the catch-up (its K/V into the cache at L ..): its last state is where the guesses start
+        smallem_step(mw, feed, feed_h, m, cos_t, sin_t, view, st, L, xs, nullptr, 0, view + L * st[3], st, scratch,
+                     threads, nullptr);
         memcpy(state, xs + (size_t)(m - 1) * d, d * sizeof(float));
         cos_t += (size_t)m * P, sin_t += (size_t)m * P, L += m;
     } else {
@@ -237,8 +231,7 @@ extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N
         if (j == k - 1) break;
         int64_t tok = tokens[j];
         smallem_step(mw, &tok, mw->table ? state : nullptr, 1, cos_t + (size_t)j * P, sin_t + (size_t)j * P, view, st,
-                     L + j, next, nullptr, 0, nw, scratch, threads, nullptr);
-        keep(1, L + j);  // this step's K/V into the cache, where the next step reads them
+                     L + j, next, nullptr, 0, view + (L + j) * st[3], st, scratch, threads, nullptr);  // K/V in place
         memcpy(state, next, d * sizeof(float));
     }
 }
