@@ -41,7 +41,7 @@ from ..verify import uniforms
 
 Log = Callable[[str], None]
 HERE = Path(__file__).parent
-SOURCES = ("step.cpp", "verify.cpp")  # compiled together; they include the headers beside them
+SOURCES = ("step.cpp",)  # it includes the headers beside it
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
 _LIB: ctypes.CDLL | None = None
@@ -96,7 +96,7 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     lib = ctypes.CDLL(str(path))
-    ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp, verify.cpp), argument by argument
+    ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp, verify.h), argument by argument
     lib.smallem_step.restype = lib.smallem_chain.restype = None
     lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 3 + [num, ptr]
     lib.smallem_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]

@@ -20,6 +20,7 @@
 #include "attention.h"
 #include "matmul.h"
 #include "vec.h"
+#include "verify.h"  // smallem_verify_sample: one library, one translation unit (one compile)
 
 // Every matrix W [out, in] is stored in panels of eight output rows (`native.panels`):
 // float16 [ceil(out / 8), in, 8], so that a product reads each panel front to back.

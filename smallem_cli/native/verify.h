@@ -1,4 +1,5 @@
 // Speculative sampling's rule over one sequence's raw logits, in one call (`native.verify_sample`).
+#pragma once
 
 #include "vec.h"
 
