@@ -26,12 +26,26 @@ class Step:
 
     start: int  # position of the first new token
     length: int  # start + T: keys visible after the write
-    slots: torch.Tensor  # [T] long: flat slot (page * page_size + offset) of each new token
-    pages: torch.Tensor  # [ceil(length / page_size)] long: the sequence's pages, in order
+    # the flat slot (page * page_size + offset) of every position the sequence's table covers
+    # (or covered: a prefix of it is the table), and those pages in order [>= ceil(length / page_size)]
+    position_slots: torch.Tensor
+    table: torch.Tensor
+    page_size: int
     # Consecutive pages: every layer's visible K/V as one view of the slab,
     # [layer, K or V, kv head, length, head dim], so a layer's read is one index.
     view: torch.Tensor | None = None
     dtype: torch.dtype = torch.float32  # the cache's, for the mask
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        """[T] long: the flat slot of each new token (built on first use: native and compiled
+        steps write through `view`)."""
+        return self.position_slots[self.start : self.length]
+
+    @cached_property
+    def pages(self) -> torch.Tensor:
+        """[ceil(length / page_size)] long: the sequence's pages, in order (for a gather)."""
+        return self.table[: -(-self.length // self.page_size)]
 
     @cached_property
     def bias(self) -> torch.Tensor | None:
@@ -76,10 +90,12 @@ class PagedKVCache:
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._next_id = 0
-        # Per sequence, rebuilt only when its table changes: the table on the device, the
-        # first page if the pages are consecutive, and the flat slot of every position the
-        # table covers (so a step's slots are a slice, not a tensor built from a list).
-        self._table_tensors: dict[int, tuple[torch.Tensor, int | None, torch.Tensor]] = {}
+        # Per sequence, rebuilt only when its table grows past what they were built for (a
+        # rollback keeps a prefix of the table, and the free stack hands the same pages back):
+        # the table they were built for, on the device, the first page if those pages are
+        # consecutive, and the flat slot of every position they cover (a step's slots are a
+        # slice, not a tensor built from a list).
+        self._table_tensors: dict[int, tuple[list[int], torch.Tensor, int | None, torch.Tensor]] = {}
 
     # --- allocator -------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -111,19 +127,18 @@ class PagedKVCache:
             raise CacheFullError(f"KV cache is full: {need} more pages needed, {len(self.free)} free of {self.n_pages}")
         if need > 0:
             table.extend(self.free.pop() for _ in range(need))
-            self._table_tensors.pop(seq, None)
         self.lengths[seq] = length
         cached = self._table_tensors.get(seq)
         ps = self.page_size
-        if cached is None:
+        if cached is None or len(table) > len(cached[0]) or cached[0][: len(table)] != table:
             consecutive = bool(table) and table[-1] - table[0] == len(table) - 1 and table == sorted(table)
             pages = torch.tensor(table, dtype=torch.long, device=self.device)
             offsets = torch.arange(ps, device=self.device)
-            cached = pages, table[0] if consecutive else None, (pages[:, None] * ps + offsets).flatten()
+            cached = list(table), pages, table[0] if consecutive else None, (pages[:, None] * ps + offsets).flatten()
             self._table_tensors[seq] = cached
-        pages, first, position_slots = cached
+        _, pages, first, position_slots = cached
         view = None if first is None else self.kv[:, :, :, first * ps : first * ps + length]
-        return Step(start, length, position_slots[start:length], pages, view, self.kv.dtype)
+        return Step(start, length, position_slots, pages, ps, view, self.kv.dtype)
 
     def keep(self, seq: int, n: int) -> None:
         """Roll `seq` back to its first n tokens; emptied pages return to the pool."""
@@ -132,10 +147,9 @@ class PagedKVCache:
             raise ValueError(f"cannot keep {n} tokens of a sequence of {self.lengths[seq]}")
         self.lengths[seq] = n
         n_pages = -(-n // self.page_size)
-        if n_pages < len(table):
+        if n_pages < len(table):  # its table tensors stay: they serve a prefix (`append`)
             self.free.extend(reversed(table[n_pages:]))
             del table[n_pages:]
-            self._table_tensors.pop(seq, None)
 
     # --- tensors ---------------------------------------------------------------------
     def write(self, layer: int, step: Step, kv: torch.Tensor) -> None:
