@@ -215,29 +215,35 @@ def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule]) -> None:
     assert close(a[0], b[0]) and close(a[1], b[1])
 
 
-@pytest.mark.parametrize(("cut", "sampled"), [(0, False), (40, False), (37, False), (0, True), (37, True)])
-def test_mtp_chain_guesses_as_the_steps_do(pair: tuple[Transformer, MTPModule], cut: int, sampled: bool) -> None:
-    """The native chain (one call for k guesses) guesses what the step-by-step loop guesses,
-    with the whole head or one cut to some tokens (37: the last panel of eight rows padded),
-    greedy or sampled (the same draws of the run's generator, and the q each guess was drawn
-    from), and leaves the module's cache as it was."""
+@pytest.mark.parametrize(
+    ("cut", "sampled", "n"),
+    [(0, False, 10), (40, False, 10), (37, False, 10), (0, True, 10), (37, True, 10), (0, False, 70)],
+)
+def test_mtp_chain_guesses_as_the_steps_do(
+    pair: tuple[Transformer, MTPModule], cut: int, sampled: bool, n: int
+) -> None:
+    """The native chain (one call for the catch-up on n pairs and k guesses) guesses what the
+    step-by-step loop guesses, with the whole head or one cut to some tokens (37: the last panel
+    of eight rows padded), greedy or sampled (the same draws of the run's generator, and the q
+    each guess was drawn from), and leaves the module's cache as it was; a backlog longer than
+    a native pass (70 pairs) catches up first, then chains from the state."""
     target, mtp = pair
     head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:cut]) if cut else None
     g = torch.Generator().manual_seed(3)
     for trial in range(4):
-        h, nxt = torch.randn(10, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (10,), generator=g)
+        h, nxt = torch.randn(n, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (n,), generator=g)
 
         def guesses(
             h: torch.Tensor = h, nxt: torch.Tensor = nxt, seed: int = trial
         ) -> tuple[list[int], torch.Tensor | None]:
-            prop = MTPProposer(target, mtp, 64, head)
+            prop = MTPProposer(target, mtp, 128, head)
             prop.start(nxt[:1], nxt[1:2], h[:1])
             prop.pending_h, prop.pending_next = h, nxt
             warp = Warper(1.3) if sampled else None
             tokens, q = prop.propose(4, warp, torch.Generator().manual_seed(seed))
-            assert prop.cache.length(prop.seq) >= prop.true_len == 10
+            assert prop.cache.length(prop.seq) >= prop.true_len == n
             prop.accept(0, nxt[:1], h[:1])
-            assert prop.cache.length(prop.seq) == 10  # the chain's entries dropped
+            assert prop.cache.length(prop.seq) == n  # the chain's entries dropped
             return torch.as_tensor(tokens).view(-1).tolist(), q
 
         (a, qa), (b, qb) = eager_and_native(guesses)
