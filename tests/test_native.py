@@ -180,6 +180,21 @@ def test_native_verification_is_exact(pair: tuple[Transformer, MTPModule], tempe
     assert chi_q > 1000, chi_q
 
 
+def test_pass_refuses_a_slab_without_room(pair: tuple[Transformer, MTPModule]) -> None:
+    """A pass writes its K/V into the slab right after the past it reads: with no room there
+    (a past that ends the slab) it refuses, rather than write past the slab's memory."""
+    target, _ = pair
+    c, steps = target.cfg, target.native
+    assert steps is not None
+    slab = torch.zeros(c.n_layers, 2, c.n_kv_heads, 20, c.head_dim)
+    with pytest.raises(ValueError, match="no room in the slab for 1 positions after a past of 20"):
+        steps.get(1, True, False)(torch.tensor([3]), *steps.trig(20, 21), slab)  # type: ignore[misc]
+    step = steps.get(1, True, False)
+    assert step is not None
+    new = step(torch.tensor([3]), *steps.trig(19, 20), slab[:, :, :, :19])[2]
+    assert new.data_ptr() == slab[:, :, :, 19:].data_ptr() and slab[:, :, :, 19].abs().sum() > 0  # written in place
+
+
 def test_widths_not_multiples_of_eight(root: Path) -> None:
     """A vocabulary of 61 tokens: the head's last panel of eight rows is padded, and only its
     real columns are written (a prompt's pass over an empty past, then a verify-sized pass)."""

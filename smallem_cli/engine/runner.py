@@ -68,7 +68,8 @@ class Target:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """A sequence alone whose pages lie in order (a pool of one sequence hands them out so)
         runs the model's compiled or native step for this pass when it has one: the step reads
-        the past as one view of the slab, and the new K/V it returns are written here.
+        the past as one view of the slab, and the new K/V it returns are written here (unless it
+        wrote them there itself: `Steps.in_place`).
         -> (logits [N, V] or empty without `head`, hidden [N, d], the native step's argmaxes and
         finite flag [N + 1] or None), or None (no such step)."""
         if len(seqs) != 1:

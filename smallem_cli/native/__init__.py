@@ -300,7 +300,8 @@ class NativeSteps:
         at = past.storage_offset() + S * past.stride(3)
         dims = zip(past.shape[:3], past.stride()[:3], strict=True)
         reach = at + sum((n - 1) * s for n, s in dims) + (T - 1) * past.stride(3) + c.head_dim
-        assert reach <= past.untyped_storage().nbytes() // past.element_size(), "no room after the past"
+        if reach > past.untyped_storage().nbytes() // past.element_size():  # the C code would write past the slab
+            raise ValueError(f"no room in the slab for {T} positions after a past of {S}")
         new = past.as_strided((L, 2, c.n_kv_heads, T, c.head_dim), past.stride(), at)
         t_head = (1 if last else T) if head else 0
         logits = torch.empty(t_head, c.vocab_size)
