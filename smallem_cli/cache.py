@@ -54,8 +54,9 @@ class Step:
         n = self.length - self.start
         if n <= 1:
             return None
-        pos = torch.arange(self.length, device=self.slots.device)
-        bias = torch.zeros(n, self.length, dtype=self.dtype, device=self.slots.device)
+        dev = self.position_slots.device
+        pos = torch.arange(self.length, device=dev)
+        bias = torch.zeros(n, self.length, dtype=self.dtype, device=dev)
         return bias.masked_fill_(pos[None, :] > pos[self.start :, None], float("-inf"))
 
     def past(self) -> torch.Tensor:

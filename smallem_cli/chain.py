@@ -179,9 +179,7 @@ def run_chain(
             tokens = tokens[: sure.index(False) if False in sure else k]
         return tokens, None
     assert isinstance(warp, Warper)
-    dev = head.w.device
-    inv_t = torch.full((1,), 1.0 / warp.temperature, device=dev)
-    tokens, q = chain(inv_t, uniforms((k,), generator, head.w))
+    tokens, q = chain(1.0 / warp.temperature, uniforms((k,), generator, head.w))
     return tokens, head.expand(q)
 
 

@@ -353,9 +353,9 @@ class MTPProposer:
         return f"mtp-chain k={k} {'greedy' if greedy else 'sampled'} {self._head_key}"
 
     def _chain(self, k: int, greedy: bool, out: torch.Tensor) -> Callable[..., tuple[torch.Tensor, ...]] | None:
-        """The compiled chain for k guesses from the state `out` [1, d]: (sampled: 1/T and the
-        uniform draws u [k]) -> (guesses [k], their probabilities [k] or q [k, N]), or None where it
-        cannot serve (not prepared, a layout or positions it was not built for)."""
+        """The compiled chain for k guesses from the state `out` [1, d]: (sampled: 1/T, a float,
+        and the uniform draws u [k]) -> (guesses [k], their probabilities [k] or q [k, N]), or None
+        where it cannot serve (not prepared, a layout or positions it was not built for)."""
         steps = self.mtp.compiled
         if k < 2 or steps is None:
             return None
@@ -368,7 +368,12 @@ class MTPProposer:
             return None
         cos, sin = steps.rope[0][L : L + k - 1], steps.rope[1][L : L + k - 1]
         past = where.past()
-        return lambda *more: fn(out.contiguous(), *more, cos, sin, past)
+
+        def run(*sampled: float | torch.Tensor) -> tuple[torch.Tensor, ...]:
+            more = [torch.full((1,), sampled[0], device=out.device), sampled[1]] if sampled else []  # the graph's 1/T
+            return fn(out.contiguous(), *more, cos, sin, past)
+
+        return run
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         if not self.proposed:  # another proposer guessed: these pairs wait to be fed

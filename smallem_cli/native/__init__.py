@@ -236,7 +236,7 @@ class NativeSteps:
         view: torch.Tensor,
         L: int,
         start: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
-        inv_t: torch.Tensor | None = None,
+        inv_t: float | None = None,
         u: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A proposer's chain (`smallem_chain`): k guesses, with the head cut to `ids` (None: whole).
@@ -245,7 +245,7 @@ class NativeSteps:
         target states [m, d] or None for a draft), their K/V kept at L .. L+m-1 (m = 0 without).
         `view` [layers, 2, Hkv, >= L+m+k-1, D]: the model's cache, positions L.. reserved (the K/V
         of guesses 1 .. k-1 go to L+m ..). Greedy -> (tokens [k], their probabilities [k]);
-        sampled (1/T [1] and uniform draws u [k], float64) -> (tokens [k], q [k, V] over the
+        sampled (1/T and uniform draws u [k], float64) -> (tokens [k], q [k, V] over the
         vocabulary, zero outside a cut head's tokens: the verification reads it so)."""
         assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
@@ -275,7 +275,7 @@ class NativeSteps:
         self.lib.smallem_chain(
             ctypes.addressof(self.mw), rows.data_ptr(), N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
             ptr(feed), ptr(feed_h), m, k, cos.data_ptr(), sin.data_ptr(), view.data_ptr(),
-            ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else float(inv_t), tokens.data_ptr(),
+            ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else inv_t, tokens.data_ptr(),
             tops.data_ptr(), q.data_ptr(), scratch.data_ptr(), need, threads,
         )  # fmt: skip
         return (tokens, q) if u is not None else (tokens, tops)
@@ -305,7 +305,7 @@ class NativeSteps:
         new = past.as_strided((L, 2, c.n_kv_heads, T, c.head_dim), past.stride(), at)
         t_head = (1 if last else T) if head else 0
         logits = torch.empty(t_head, c.vocab_size)
-        top = torch.empty(t_head + 1 if t_head else 0, dtype=torch.long)  # each row's argmax, the finite flag
+        top = torch.empty(t_head + 1, dtype=torch.long) if t_head else None  # each row's argmax, the finite flag
         assert past.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and tokens.is_contiguous()
         strides = (ctypes.c_int64 * 4)(*past.stride()[:4])
         h = None if h is None else h.contiguous()  # held here: the C code reads it
@@ -326,12 +326,12 @@ class NativeSteps:
             ctypes.addressof(strides),  # the slab's
             scratch.data_ptr(),
             threads,
-            top.data_ptr() if t_head else None,
+            None if top is None else top.data_ptr(),
         )
         out = x[-1:] if last else x
         if self.mtp:
             return out, new
-        if not head:
+        if top is None:  # no head (or no row of it)
             return x[:0], out, new
         return logits, out, new, top
 
@@ -350,16 +350,17 @@ def verify_sample(
     assert _LIB is not None, "the native library is not loaded (`library`)"
     k, V = drafts.shape[0], logits.shape[-1]
     assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
-    u = torch.rand(1, k, generator=generator)  # as verify_sample's acceptance draws
-    u_next = uniforms((1,), generator, logits)  # as its `sample` of the next token
+    u = None  # without a guess, nothing to accept: verify_sample draws only the next token
     if k:
         assert q is not None and tuple(q.shape) == (k, V)
         q, drafts = q.float().contiguous(), drafts.contiguous()
+        u = torch.rand(1, k, generator=generator)  # as verify_sample's acceptance draws
+    u_next = uniforms((1,), generator, logits)  # as its `sample` of the next token
     out, r = torch.empty(k + 2, dtype=torch.long), torch.empty(V)  # r: the C code's scratch, held here
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     _LIB.smallem_verify_sample(
-        logits.data_ptr(), k, V, 1.0 / temperature, drafts.data_ptr() if k else None,
-        q.data_ptr() if k and q is not None else None, u.data_ptr(), u_next.data_ptr(),
-        r.data_ptr(), out.data_ptr(),
+        logits.data_ptr(), k, V, 1.0 / temperature, ptr(drafts) if k else None, ptr(q) if k else None, ptr(u),
+        u_next.data_ptr(), r.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     return out
 
