@@ -63,7 +63,7 @@ def eval_cmd(
         raise fail(f"{val_txt} is not valid UTF-8 (byte {e.start})") from None
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
-    reports = evaluate_family(fam.target.model, ids, n_bytes, fam.drafts, fam.mtp)
+    reports = evaluate_family(fam.target.model, ids, n_bytes, fam.drafts, fam.mtp, cuts=fam.cuts)
     try:
         kept = chain_agreement(fam.target.model, ids, fam.drafts, fam.mtp)
     except ValueError as e:

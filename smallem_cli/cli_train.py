@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -12,6 +12,9 @@ from . import defaults as D
 from .cli import app, err, fail
 from .config import PRESETS, ModelConfig
 from .console import progress_printer
+
+if TYPE_CHECKING:
+    from .fit import Fit
 
 
 # --- data and training ------------------------------------------------------------------
@@ -69,6 +72,15 @@ def train(
     chain: Annotated[
         int, typer.Option(help="mtp: fit the chain of this many guesses as it runs, each step's own loss (0: off)")
     ] = 0,
+    fit_temperatures: Annotated[
+        str, typer.Option(help="mtp, --distill: fit q to the target's p warped at these temperatures (comma-separated)")
+    ] = "1",
+    fit_tv: Annotated[
+        float, typer.Option(help="mtp, --distill: weight of the sampled rejection probability 1 - sum min(p, q)")
+    ] = 0.0,
+    fit_vocab: Annotated[
+        int, typer.Option(help="mtp, --distill: fit q over the N most frequent tokens, as a cut head runs (0: all)")
+    ] = 0,
     budget: Annotated[float, typer.Option(help="training seconds")] = D.TRAIN_SECONDS,
     tokens: Annotated[
         int, typer.Option(help="token budget: stop after this many training tokens, not --budget seconds (0: off)")
@@ -97,6 +109,9 @@ def train(
         raise fail("--budget must be > 0 seconds and --tokens >= 0")
     if (chain and kind is not Kind.mtp) or not 0 <= chain <= D.MAX_K:
         raise fail(f"--chain applies to an MTP module, between 1 and {D.MAX_K} guesses")
+    fit = _fit(fit_temperatures, fit_tv, fit_vocab)
+    if not fit.plain and not (kind is Kind.mtp or distill):
+        raise fail("--fit-temperatures, --fit-tv and --fit-vocab apply to an MTP module or a draft with --distill")
     if init and kind is Kind.target:
         raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
     if kind is Kind.draft and init and not distill:
@@ -146,6 +161,7 @@ def train(
         batch_size=batch_size,
         feature_weight=feature_weight,
         chain=chain,
+        fit=fit,
     )
     cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
@@ -158,6 +174,16 @@ def train(
         raise fail(str(e)) from None
     also = f", its MTP module -> {mtp_dest}" if mtp_dest else ""
     err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}{also}")
+
+
+def _fit(temperatures: str, tv: float, vocab: int) -> Fit:
+    """The --fit-* options as a Fit, or one line on stderr."""
+    from .fit import Fit
+
+    try:
+        return Fit(tuple(float(t) for t in temperatures.split(",")), tv, vocab)
+    except ValueError as e:
+        raise fail(f"--fit-temperatures takes numbers > 0 (e.g. 1,0.7); --fit-tv, --fit-vocab >= 0: {e}") from None
 
 
 def _preset(name: str, tokenizer: Path) -> ModelConfig:

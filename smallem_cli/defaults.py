@@ -87,6 +87,10 @@ COST_PASSES = (1, 2, 3, 4, 5, 8, 16)
 PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 
 
+# `smallem eval` reads how often a sampled first guess is kept at these temperatures.
+EVAL_TEMPERATURES = (1.0, 0.7)
+
+
 def proposer_vocab(greedy: bool, chosen: int | None = None) -> int:
     """The user's --proposer-vocab if given, else the default for the mode."""
     return PROPOSER_VOCAB["greedy" if greedy else "sample"] if chosen is None else chosen

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from . import checkpoint, family
 from . import defaults as D
+from .fit import acceptance
 from .model import MTPModule, Transformer
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ class Report:
     nats_per_byte: float
     agreement: float | None = None  # with the target's argmax, for proposers
     kept_at: list[float] | None = None  # the chain's guesses 1..j all equal to the target's greedy ones
+    # a sampled first guess kept, sum min(p_T, q_T), at each of D.EVAL_TEMPERATURES (q over the cut head)
+    sampled: list[float] | None = None
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Members:
     drafts: dict[str, Transformer]
     mtp: MTPModule | None
     facts: dict[str, dict[str, Any]]  # each checkpoint's training facts, by name
+    cuts: dict[str, torch.Tensor | None]  # each proposer's sampled head (`proposers.Head`): its tokens, or None
 
 
 def load_members(target: Path, drafts: list[str] | None, mtp_file: Path | None = None) -> Members:
@@ -54,15 +58,23 @@ def load_members(target: Path, drafts: list[str] | None, mtp_file: Path | None =
     tgt = family.load_target(target, torch.device("cpu"))
     shipped = [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
     models, facts = {}, {"target": checkpoint.facts(checkpoint.read_meta(target))}
+    cuts: dict[str, torch.Tensor | None] = {}
+    V, cut = tgt.model.cfg.vocab_size, D.proposer_vocab(greedy=False)
+
+    def noted(name: str, path: Path, meta: dict[str, str]) -> None:
+        facts[name] = checkpoint.facts(meta)
+        rank = checkpoint.vocab_rank(meta, path, V)
+        cuts[name] = torch.tensor(rank[:cut]) if cut and rank else None
+
     for n in shipped if drafts is None else drafts:
         path = family.proposer_path(n, target.parent)
         models[path.stem], meta = checkpoint.load_model(path)
-        facts[path.stem] = checkpoint.facts(meta)
+        noted(path.stem, path, meta)
     mtp = None
     if (mtp_path := mtp_file or target.parent / "mtp.safetensors").exists() or mtp_file:
         mtp, meta = checkpoint.load_mtp(mtp_path, tgt.model)
-        facts["mtp"] = checkpoint.facts(meta)
-    return Members(tgt, models, mtp, facts)
+        noted("mtp", mtp_path, meta)
+    return Members(tgt, models, mtp, facts, cuts)
 
 
 def windows(ids: np.ndarray, seq_len: int) -> list[torch.Tensor]:
@@ -83,11 +95,22 @@ def evaluate_family(
     drafts: dict[str, Transformer],
     mtp: MTPModule | None,
     seq_len: int = D.TRAIN_SEQ_LEN,
+    cuts: dict[str, torch.Tensor | None] | None = None,
 ) -> list[Report]:
-    """Loss of each model over the whole stream, and each proposer's agreement with the target."""
+    """Loss of each model over the whole stream, each proposer's agreement with the target, and
+    how often its sampled first guess is kept at each of D.EVAL_TEMPERATURES, its q over its cut
+    head (`cuts`: the tokens by proposer name; absent: the whole vocabulary)."""
     models = {"target": target, **drafts}
     nats = dict.fromkeys(models, 0.0)
     agree = dict.fromkeys([*drafts, "mtp"], 0)
+    temps = D.EVAL_TEMPERATURES
+    kept = {name: [0.0] * len(temps) for name in agree}
+
+    def sampled(name: str, t_logits: torch.Tensor, logits: torch.Tensor) -> None:
+        ids = (cuts or {}).get(name)
+        for i, T in enumerate(temps):
+            kept[name][i] += acceptance(t_logits, logits if ids is None else logits[:, ids], ids, T).sum().item()
+
     n_tok = n_mtp = 0
     mtp_nats = 0.0
     for w in windows(val_ids, seq_len):
@@ -101,6 +124,7 @@ def evaluate_family(
             logits = d.logits(d.hidden(x))[0]
             nats[name] += F.cross_entropy(logits, y[0], reduction="sum").item()
             agree[name] += (logits.argmax(-1) == t_best).sum().item()
+            sampled(name, t_logits, logits)
         n_tok += T
         if mtp is not None and T >= 2:
             # position i: h_i and token i+1 -> token i+2, compared with the target's argmax at i+1
@@ -108,13 +132,16 @@ def evaluate_family(
             m_logits = target.logits(hm)[0]  # [T-1, V]
             mtp_nats += F.cross_entropy(m_logits, y[0, 1:], reduction="sum").item()
             agree["mtp"] += (m_logits.argmax(-1) == t_best[1:]).sum().item()
+            sampled("mtp", t_logits[1:], m_logits)
             n_mtp += T - 1
     per_byte = n_tok / n_bytes  # tokens per byte of the stream
     reports = [Report(name, nats[name] / n_tok, nats[name] / n_tok * per_byte) for name in models]
     for r in reports[1:]:
-        r.agreement = agree[r.name] / n_tok
+        r.agreement, r.sampled = agree[r.name] / n_tok, [a / n_tok for a in kept[r.name]]
     if mtp is not None:
-        reports.append(Report("mtp", mtp_nats / n_mtp, mtp_nats / n_mtp * per_byte, agree["mtp"] / n_mtp))
+        m = Report("mtp", mtp_nats / n_mtp, mtp_nats / n_mtp * per_byte, agree["mtp"] / n_mtp)
+        m.sampled = [a / n_mtp for a in kept["mtp"]]
+        reports.append(m)
     return reports
 
 
@@ -184,7 +211,9 @@ def report_table(reports: list[Report], facts: dict[str, dict[str, Any]], n_toke
     from rich.table import Table
 
     table = Table(title=f"validation: {n_tokens:,} tokens, {n_bytes:,} bytes")
-    cols = ("model", "nats/token", "nats/byte", "agreement with target", "chain kept at 1 / 2 / 3 / 4")
+    temps = " / ".join(f"{t:g}" for t in D.EVAL_TEMPERATURES)
+    cols = ("model", "nats/token", "nats/byte", "agreement with target", "chain kept at 1 / 2 / 3 / 4",
+            f"sampled kept at T = {temps}")  # fmt: skip
     for col in (*cols, "steps", "tokens seen", "trained for"):
         table.add_column(col, justify="right")
     for r in reports:
@@ -195,6 +224,7 @@ def report_table(reports: list[Report], facts: dict[str, dict[str, Any]], n_toke
             f"{r.nats_per_byte:.3f}",
             "" if r.agreement is None else f"{r.agreement:.3f}",
             "" if r.kept_at is None else " / ".join(f"{a:.2f}" for a in r.kept_at),
+            "" if r.sampled is None else " / ".join(f"{a:.3f}" for a in r.sampled),
             f"{total(f, 'steps'):,}" if "steps" in f else "",
             f"{total(f, 'tokens_seen'):,}" if "tokens_seen" in f else "",
             f"{total(f, 'train_seconds'):.0f} s" if "train_seconds" in f else "",

@@ -2,15 +2,16 @@
 
 - Batches are random windows of the token stream, drawn from a generator seeded by
   (seed, step), so a resumed run draws the batches it would have drawn.
-- The budget is wall-clock seconds of training; the learning rate follows it (warm-up,
-  then cosine to 10%), so a resumed run continues the same schedule.
+- The budget is training tokens (`budget_tokens`) or else wall-clock seconds; the learning
+  rate follows it (warm-up, then cosine to 10%), so a resumed run continues the same schedule.
 - Every `save_every` seconds the full state (weights, optimizer, step, time) goes to
   `run_dir/state.safetensors` (see runstate: no pickle); a rerun with the same run_dir
   resumes from it.
 - The target and its MTP module train jointly (DeepSeek-V3's MTP loss, weight
   `mtp_weight`): the trunk then learns to carry next-next-token information in h_i,
   which is what the module reads when it proposes. `train_mtp` instead fits a module
-  to a frozen target, distilling the target's own next-token distribution.
+  to a frozen target, distilling the target's own next-token distribution (`fit.py`:
+  at the temperatures users run, over the cut head it proposes with, if asked).
 
 Library code: progress goes to the `on_progress` callback, never to stdout.
 """
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from . import defaults as D
 from . import runstate
 from .config import ModelConfig
+from .fit import Fit, fit_loss, student_logits
 from .model import MTPModule, Transformer
 
 
@@ -50,6 +52,7 @@ class TrainSettings:
     mtp_weight: float = 0.3
     feature_weight: float = 0.0  # MTP distillation: weight of the state-matching loss (EAGLE's feature loss)
     chain: int = 0  # MTP distillation: > 0 fits the whole chain of this many guesses (`train_chain.py`)
+    fit: Fit = field(default_factory=Fit)  # distillation: what q is fitted to (temperatures, TV, cut head)
     seed: int = D.TRAIN_SEED
     save_every_s: float = 120.0
     eval_every_s: float = 300.0
@@ -278,19 +281,20 @@ def train_mtp(
     _freeze(target)
     mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
     T = settings.seq_len
+    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit)
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            teacher = F.log_softmax(target.logits(h[:, 1:]), dim=-1)  # target's view of token i+2
+            teacher = target.logits(h[:, 1:])  # target's view of token i+2
         hm = mtp(h[:, :-1], target.embed_tokens(inp[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
-        kl = _kl(teacher, target.logits(hm))
+        loss, extra = fit_loss(settings.fit, teacher, student_logits(target, hm, ids), ids)
         if not settings.feature_weight:
-            return kl, {}
+            return loss, extra
         d = h.shape[-1]
         feat = F.smooth_l1_loss(F.rms_norm(hm, (d,)), F.rms_norm(h[:, 1:], (d,)))  # [B, T-1, d] both
-        return kl + settings.feature_weight * feat, {"kl": kl.item(), "feature": feat.item()}
+        return loss + settings.feature_weight * feat, extra | {"feature": feat.item()}
 
     facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
     facts |= evaluate(target, val_ids, settings.seq_len, mtp)
@@ -315,12 +319,13 @@ def train_draft_distill(
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"draft vocabulary {draft.cfg.vocab_size} != target's {target.cfg.vocab_size}")
     _freeze(target)
+    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit)
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inp = x[:, :-2]
         with torch.no_grad():
-            teacher = F.log_softmax(target.logits(target.hidden(inp)), dim=-1)  # [B, T, V]
-        return _kl(teacher, draft.logits(draft.hidden(inp))), {}
+            teacher = target.logits(target.hidden(inp))  # [B, T, V]
+        return fit_loss(settings.fit, teacher, student_logits(draft, draft.hidden(inp), ids), ids)
 
     def eval_fn() -> float:
         return evaluate(draft, val_ids, settings.seq_len)["val_loss"]
@@ -336,10 +341,10 @@ def _freeze(teacher: Transformer) -> None:
     teacher.eval()
 
 
-def _kl(teacher: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) per position, averaged: teacher log-probs and student logits [B, T, V]."""
-    student = F.log_softmax(student_logits, dim=-1)
-    return F.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean")
+def cut_ids(train_ids: np.ndarray, vocab_size: int, fit: Fit) -> torch.Tensor | None:
+    """The tokens a cut head keeps (the checkpoint's `vocab_rank`, which `save_family_member`
+    computes from the same stream), or None for the whole vocabulary."""
+    return torch.tensor(vocab_rank(train_ids, vocab_size)[: fit.vocab]) if fit.vocab else None
 
 
 RANKED_TOKENS = 4096  # how many of the most frequent training tokens a checkpoint lists

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .fit import fit_loss, student_logits
 from .model import MTPModule, Transformer, apply_rope
-from .train import ProgressFn, TrainSettings, _freeze, _kl, _train_loop, evaluate, new_mtp
+from .train import ProgressFn, TrainSettings, _freeze, _train_loop, cut_ids, evaluate, new_mtp
 
 
 def _chain_attention(
@@ -95,22 +96,27 @@ def train_mtp_chain(
     on_progress: ProgressFn | None = None,
     init: MTPModule | None = None,
 ) -> tuple[MTPModule, dict[str, Any]]:
-    """Fit the module's chain of `depth` guesses to the frozen target: the mean of the KLs of
-    every step (the guesses the proposer runs at k = depth)."""
+    """Fit the module's chain of `depth` guesses to the frozen target: the mean of every
+    step's fit (`settings.fit`; the guesses the proposer runs at k = depth)."""
     if depth < 1:
         raise ValueError(f"the chain needs a depth >= 1, got {depth}")
     _freeze(target)
     mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
+    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit)
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            teacher = F.log_softmax(target.logits(h), dim=-1)  # [B, T, V]: row j predicts token j+1
+            teacher = target.logits(h)  # [B, T, V]: row j predicts token j+1
         outs = chain_states(mtp, target, h, inp, depth)
         # out_d[t] guesses token t+d+1: the target's view of it is row t+d
-        kls = [_kl(teacher[:, d : d + o.shape[1]], target.logits(o)) for d, o in enumerate(outs, 1)]
-        return torch.stack(kls).mean(), {f"kl{d}": kl.item() for d, kl in enumerate(kls, 1)}
+        losses, extra = [], {}
+        for d, o in enumerate(outs, 1):
+            loss, read = fit_loss(settings.fit, teacher[:, d : d + o.shape[1]], student_logits(target, o, ids), ids)
+            losses.append(loss)
+            extra |= {f"{k}/{d}": v for k, v in read.items()}
+        return torch.stack(losses).mean(), extra
 
     facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
     facts |= evaluate(target, val_ids, settings.seq_len, mtp)

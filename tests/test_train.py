@@ -14,6 +14,7 @@ from conftest import CORPUS, DRAFT_CFG, Family, Trained, _FakeClock
 from typer.testing import CliRunner
 
 from smallem_cli import checkpoint
+from smallem_cli import defaults as D
 from smallem_cli.cli import app
 from smallem_cli.config import PRESETS
 from smallem_cli.evaluate import evaluate_family
@@ -103,7 +104,7 @@ def test_mtp_feature_loss_pulls_its_state_to_the_targets(
     seen: list[dict[str, float]] = []
     monkeypatch.setattr("smallem_cli.train.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
     train_mtp(trained.model, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.extra), start)
-    assert len(seen) == 80 and {"kl", "feature"} <= set(seen[0])
+    assert len(seen) == 80 and {"kl@1", "feature"} <= set(seen[0])
     assert seen[-1]["feature"] < 0.5 * seen[0]["feature"], (seen[0], seen[-1])
 
 
@@ -134,6 +135,23 @@ def test_train_target_then_mtp_commands(family: Family, tmp_path: Path, monkeypa
     assert facts2["trained"] == "distilled from the frozen target, starting from mtp.safetensors"
     assert facts2["before"] == mtp_facts and facts2["steps"] == 2 and facts2["tokens_seen"] == 1024  # 2 x 256 a step
 
+    # the fit options: a chain of 2 fitted at two temperatures, with the TV term, over a cut head
+    fitted = tmp_path / "mtp-3.safetensors"
+    fit = ["--chain", "2", "--fit-temperatures", "1,0.7", "--fit-tv", "1", "--fit-vocab", "100"]
+    argv = ["train", "mtp", *base, "--target", str(out), "--init", str(again), "--out", str(fitted), "--tokens", "512"]
+    result = CliRunner().invoke(app, [*argv, *fit, "--run-dir", str(tmp_path / "r3")])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    assert checkpoint.facts(checkpoint.read_meta(fitted))["chain_depth"] == 2
+    # bad fit options, or fit options for what is not distilled: refused before any training
+    for bad in (["--fit-temperatures", "1,x"], ["--fit-temperatures", "0"], ["--fit-vocab", "-1"]):
+        result = CliRunner().invoke(
+            app, ["train", "mtp", *base, "--target", str(out), "--out", str(tmp_path / "no"), *bad]
+        )
+        assert result.exit_code == 2 and result.stderr.startswith("error: --fit-temperatures"), result.stderr
+    result = CliRunner().invoke(app, ["train", "draft", *base, "--preset", "probe", "--fit-tv", "1"])
+    assert result.exit_code == 2 and "apply to an MTP module or a draft with --distill" in result.stderr
+    assert not (tmp_path / "no").exists()
+
     # a target starts from scratch: --init is refused before any training
     result = CliRunner().invoke(app, ["train", "target", *base, "--preset", "probe", "--init", str(out)])
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and "--init" in result.stderr
@@ -152,6 +170,8 @@ def test_eval_command_reports_every_member(family: Family, tmp_path: Path) -> No
     assert list(rows) == ["target", "draft-2l", "mtp"] and out["val_bytes"] == 3 * len(CORPUS.encode())
     assert rows["target"]["agreement"] is None and all(r["nats_per_byte"] > 0 for r in rows.values())
     assert rows["draft-2l"]["agreement"] > 0.5 > 0.1 > rows["mtp"]["agreement"], rows
+    assert rows["target"]["sampled"] is None and len(rows["mtp"]["sampled"]) == len(D.EVAL_TEMPERATURES)
+    assert all(1 >= a > b >= 0 for a, b in zip(rows["draft-2l"]["sampled"], rows["mtp"]["sampled"], strict=True)), rows
     assert rows["draft-2l"]["training"] == checkpoint.facts(checkpoint.read_meta(family.draft))
 
     # --mtp: another module in the MTP row (here the draft's file, which is no MTP module: refused)

@@ -53,5 +53,6 @@ def test_chain_training_lowers_every_step(tmp_path) -> None:
     s = TrainSettings(budget_s=1e9, budget_tokens=40 * 8 * 34, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=2,
                       save_every_s=1e9, eval_every_s=1e9)  # fmt: skip
     _, facts = train_mtp_chain(target, stream, stream[:400], s, tmp_path / "run", 3, on_progress=seen)
-    assert facts["chain_depth"] == 3 and set(first) == {"kl1", "kl2", "kl3"}
-    assert all(last[k] < first[k] for k in first)
+    kls = [f"kl@1/{d}" for d in (1, 2, 3)]
+    assert facts["chain_depth"] == 3 and set(first) == {*kls, "accept@1/1", "accept@1/2", "accept@1/3"}
+    assert all(last[k] < first[k] for k in kls)

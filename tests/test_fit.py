@@ -1,0 +1,82 @@
+"""The distillation objective (`fit.py`) and `smallem eval`'s sampled acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY, random_model
+
+from smallem_cli.evaluate import evaluate_family, windows
+from smallem_cli.fit import Fit, acceptance, fit_loss
+
+V = 64
+
+
+def _logits(seed: int, *shape: int, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(*shape, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_the_plain_fit_is_distillation() -> None:
+    """Fit(): KL(p || q) at T = 1 over the whole vocabulary, as plain distillation computes it."""
+    t, s = _logits(0, 3, 5), _logits(1, 3, 5)
+    loss, extra = fit_loss(Fit(), t, s, None)
+    ref = F.kl_div(F.log_softmax(s, -1).flatten(0, 1), F.log_softmax(t, -1).flatten(0, 1), log_target=True,
+                   reduction="batchmean")  # fmt: skip
+    torch.testing.assert_close(loss, ref)
+    assert set(extra) == {"kl@1", "accept@1"} and Fit().plain and not Fit((1.0, 0.7)).plain
+
+
+@pytest.mark.parametrize("T", [1.0, 0.7])
+def test_acceptance_is_the_kept_probability(T: float) -> None:
+    """sum over the cut of min(p_T, q_T), p over the whole vocabulary, q over the cut's tokens."""
+    t = _logits(2, 4)
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:40]
+    s = _logits(3, 4)[:, :40]
+    p, q = torch.softmax(t / T, -1)[:, ids], torch.softmax(s / T, -1)
+    torch.testing.assert_close(acceptance(t, s, ids, T), torch.minimum(p, q).sum(-1))
+    # q = p restricted to the cut and renormalised: no KL left, and a guess is kept unless p's
+    # mass lies outside the cut
+    loss, extra = fit_loss(Fit((T,), vocab=40), t, t[:, ids], ids)
+    assert loss.item() < 1e-6
+    mass = p.sum(-1).mean().item()
+    assert extra[f"accept@{T:g}"] == pytest.approx(mass, rel=1e-5) and mass < 0.9
+
+
+def test_the_tv_term_raises_sampled_acceptance() -> None:
+    """Descending the TV term alone (no KL weight can hide it: 1 - accept is the loss's only
+    moving part beside the KL's) keeps more sampled guesses at both temperatures."""
+    t = _logits(4, 16)
+    s = (t + _logits(5, 16, scale=2.0)).requires_grad_(True)
+    fit = Fit((1.0, 0.7), tv=20.0)
+    first = {k: v for k, v in fit_loss(fit, t, s, None)[1].items() if k.startswith("accept")}
+    opt = torch.optim.SGD([s], lr=0.5)
+    for _ in range(100):
+        opt.zero_grad()
+        fit_loss(fit, t, s, None)[0].backward()
+        opt.step()
+    last = fit_loss(fit, t, s, None)[1]
+    assert all(last[k] > first[k] + 0.05 for k in first), (first, last)
+
+
+@pytest.mark.parametrize("bad", [{"temperatures": ()}, {"temperatures": (0.0,)}, {"tv": -1.0}, {"vocab": -2}])
+def test_a_bad_fit_is_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        Fit(**bad)
+
+
+def test_eval_reads_sampled_acceptance() -> None:
+    """A draft that is the target keeps every sampled guess over the whole vocabulary, and over a
+    cut exactly p's mass on the cut; another model keeps fewer."""
+    target, other = random_model(TINY, seed=0, scale=1.0), random_model(TINY, seed=1, scale=1.0)
+    ids = np.random.default_rng(0).integers(0, TINY.vocab_size, 300).astype(np.uint16)
+    cut = torch.arange(32)
+    same = {"same": target, "cut": target, "other": other}
+    with torch.no_grad():
+        reports = {r.name: r for r in evaluate_family(target, ids, 300, same, None, seq_len=64, cuts={"cut": cut})}
+        logits = torch.cat([target.logits(target.hidden(w[:, :-1]))[0] for w in windows(ids, 64)])  # every position
+        mass = [torch.softmax(logits / T, -1)[:, :32].sum(-1).mean().item() for T in (1.0, 0.7)]
+    assert reports["same"].sampled == pytest.approx([1.0, 1.0], abs=1e-5)
+    assert reports["cut"].sampled == pytest.approx(mass, rel=1e-4)
+    assert all(a < 0.95 for a in reports["other"].sampled or [1.0])
