@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,6 +70,8 @@ def train_member(
                 student = new_model(cfg, settings.seed)
             member, facts = train_draft_distill(tgt, student, train_ids, val_ids, settings, run_dir, on_progress)
             facts["trained"] = f"distilled from {teacher.name}" + source
+        if not settings.fit.plain:  # what q was fitted to, beside how long
+            facts["fit"] = dataclasses.asdict(settings.fit)
         save_family_member(dest, member, tokenizer_json, facts | before, train_ids)
         return facts
     assert cfg is not None, f"{kind} from scratch needs a config"

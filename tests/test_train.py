@@ -141,7 +141,13 @@ def test_train_target_then_mtp_commands(family: Family, tmp_path: Path, monkeypa
     argv = ["train", "mtp", *base, "--target", str(out), "--init", str(again), "--out", str(fitted), "--tokens", "512"]
     result = CliRunner().invoke(app, [*argv, *fit, "--run-dir", str(tmp_path / "r3")])
     assert result.exit_code == 0, (result.stderr, result.exception)
-    assert checkpoint.facts(checkpoint.read_meta(fitted))["chain_depth"] == 2
+    fitted_facts = checkpoint.facts(checkpoint.read_meta(fitted))
+    assert fitted_facts["chain_depth"] == 2 and fitted_facts["fit"] == {
+        "temperatures": [1.0, 0.7],
+        "tv": 1.0,
+        "vocab": 100,
+    }
+    assert "fit" not in facts2  # a plain distillation says nothing of a fit
     # bad fit options, or fit options for what is not distilled: refused before any training
     for bad in (["--fit-temperatures", "1,x"], ["--fit-temperatures", "0"], ["--fit-vocab", "-1"]):
         result = CliRunner().invoke(
