@@ -59,7 +59,10 @@ def student_logits(model: Transformer, h: torch.Tensor, ids: torch.Tensor | None
 def acceptance(teacher: torch.Tensor, student: torch.Tensor, ids: torch.Tensor | None, T: float) -> torch.Tensor:
     """The probability that a guess drawn from q_T is kept, sum_x min(p_T(x), q_T(x)), per position:
     teacher logits [..., V], student logits [..., V] or [..., N] over the cut `ids` -> [...]."""
-    lp, lq = _log_p(teacher, ids, T), F.log_softmax(student / T, dim=-1)
+    return _kept(_log_p(teacher, ids, T), F.log_softmax(student / T, dim=-1))
+
+
+def _kept(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
     return torch.minimum(lp, lq).exp().sum(-1)
 
 
@@ -69,20 +72,36 @@ def _log_p(teacher: torch.Tensor, ids: torch.Tensor | None, T: float) -> torch.T
     return lp if ids is None else lp[..., ids]
 
 
-def fit_loss(
-    fit: Fit, teacher: torch.Tensor, student: torch.Tensor, ids: torch.Tensor | None
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """teacher: the target's logits [..., V]; student: the proposer's [..., V], or [..., N] over
-    the cut `ids` -> (the loss, and what it reads: "kl" and "accept@T" = mean sum min(p_T, q_T))."""
-    teacher = teacher.detach()
+# The target's side of a fit, one pair per temperature: log p_T on the cut (what acceptance
+# reads) and renormalised over it (what the KL fits; the same tensor over the whole vocabulary).
+Teacher = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@torch.no_grad()
+def teacher_log_p(fit: Fit, teacher: torch.Tensor, ids: torch.Tensor | None) -> Teacher:
+    """The target's logits [..., V] -> its side of the fit, computed once per batch (a chain's
+    steps each read a slice of it: `[(a[:, s], b[:, s]) for a, b in teacher]`)."""
+    out = []
+    for T in fit.temperatures:
+        lp = _log_p(teacher, ids, T)
+        out.append((lp, lp - torch.logsumexp(lp, dim=-1, keepdim=True) if ids is not None else lp))
+    return out
+
+
+def fit_loss(fit: Fit, teacher: Teacher, student: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """teacher: `teacher_log_p`'s; student: the proposer's logits [..., V], or [..., N] over the
+    cut -> (the loss, and what it reads: "kl@T" and "accept@T" = mean sum min(p_T, q_T))."""
     total = student.new_zeros(())
     extra: dict[str, float] = {}
-    for T in fit.temperatures:
-        lp, lq = _log_p(teacher, ids, T), F.log_softmax(student / T, dim=-1)
-        # KL(p~ || q), p~ = p renormalised over what q covers (the whole vocabulary: p itself)
-        lp_cut = lp - torch.logsumexp(lp, dim=-1, keepdim=True) if ids is not None else lp
-        kl = F.kl_div(lq.flatten(0, -2), lp_cut.flatten(0, -2), log_target=True, reduction="batchmean")
-        accept = torch.minimum(lp, lq).exp().sum(-1).mean()
-        total = total + kl + fit.tv * (1 - accept)
+    for T, (lp, lp_fit) in zip(fit.temperatures, teacher, strict=True):
+        lq = F.log_softmax(student / T, dim=-1)
+        kl = F.kl_div(lq.flatten(0, -2), lp_fit.flatten(0, -2), log_target=True, reduction="batchmean")
+        if fit.tv:
+            accept = _kept(lp, lq).mean()
+            total = total + kl + fit.tv * (1 - accept)
+        else:  # read, not fitted: no gradient to carry
+            total = total + kl
+            with torch.no_grad():
+                accept = _kept(lp, lq).mean()
         extra[f"kl@{T:g}"], extra[f"accept@{T:g}"] = kl.item(), accept.item()
     return total / len(fit.temperatures), extra

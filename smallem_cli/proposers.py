@@ -331,11 +331,10 @@ class MTPProposer:
             h, nxt = h[chunk:], nxt[chunk:]
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
-        mtp, cache, seq = self.mtp, self.cache, self.seq  # a backlog past a native pass's size, or compiled:
-        if chains(warp, self.p_min) and (
-            chain := native_chain(mtp, cache, seq, self.head, k, out) or self._chain(k, warp is None, out)
-        ):
-            return run_chain(chain, self.head, k, warp, generator, self.p_min)
+        if chains(warp, self.p_min):  # from the caught-up state: natively (a long backlog), else compiled
+            chain = native_chain(self.mtp, self.cache, self.seq, self.head, k, out) or self._chain(k, warp is None, out)
+            if chain is not None:
+                return run_chain(chain, self.head, k, warp, generator, self.p_min)
         tokens, qs = [], []
         for i in range(k):
             if i:

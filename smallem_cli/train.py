@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from . import defaults as D
 from . import runstate
 from .config import ModelConfig
-from .fit import Fit, fit_loss, student_logits
+from .fit import Fit, fit_loss, student_logits, teacher_log_p
 from .model import MTPModule, Transformer
 
 
@@ -287,9 +287,9 @@ def train_mtp(
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            teacher = target.logits(h[:, 1:])  # target's view of token i+2
+            teacher = teacher_log_p(settings.fit, target.logits(h[:, 1:]), ids)  # target's view of token i+2
         hm = mtp(h[:, :-1], target.embed_tokens(inp[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
-        loss, extra = fit_loss(settings.fit, teacher, student_logits(target, hm, ids), ids)
+        loss, extra = fit_loss(settings.fit, teacher, student_logits(target, hm, ids))
         if not settings.feature_weight:
             return loss, extra
         d = h.shape[-1]
@@ -324,8 +324,8 @@ def train_draft_distill(
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inp = x[:, :-2]
         with torch.no_grad():
-            teacher = target.logits(target.hidden(inp))  # [B, T, V]
-        return fit_loss(settings.fit, teacher, student_logits(draft, draft.hidden(inp), ids), ids)
+            teacher = teacher_log_p(settings.fit, target.logits(target.hidden(inp)), ids)  # [B, T, V or N] each
+        return fit_loss(settings.fit, teacher, student_logits(draft, draft.hidden(inp), ids))
 
     def eval_fn() -> float:
         return evaluate(draft, val_ids, settings.seq_len)["val_loss"]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .fit import fit_loss, student_logits
+from .fit import fit_loss, student_logits, teacher_log_p
 from .model import MTPModule, Transformer, apply_rope
 from .train import ProgressFn, TrainSettings, _freeze, _train_loop, cut_ids, evaluate, new_mtp
 
@@ -108,12 +108,14 @@ def train_mtp_chain(
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            teacher = target.logits(h)  # [B, T, V]: row j predicts token j+1
+            teacher = teacher_log_p(settings.fit, target.logits(h), ids)  # [B, T, V or N]: row j predicts token j+1
         outs = chain_states(mtp, target, h, inp, depth)
         # out_d[t] guesses token t+d+1: the target's view of it is row t+d
         losses, extra = [], {}
         for d, o in enumerate(outs, 1):
-            loss, read = fit_loss(settings.fit, teacher[:, d : d + o.shape[1]], student_logits(target, o, ids), ids)
+            rows = slice(d, d + o.shape[1])
+            view = [(lp[:, rows], lp_fit[:, rows]) for lp, lp_fit in teacher]
+            loss, read = fit_loss(settings.fit, view, student_logits(target, o, ids))
             losses.append(loss)
             extra |= {f"{k}/{d}": v for k, v in read.items()}
         return torch.stack(losses).mean(), extra

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import TINY, random_model
 
 from smallem_cli.evaluate import evaluate_family, windows
-from smallem_cli.fit import Fit, acceptance, fit_loss
+from smallem_cli.fit import Fit, acceptance, fit_loss, teacher_log_p
 
 V = 64
 
@@ -21,7 +21,7 @@ def _logits(seed: int, *shape: int, scale: float = 3.0) -> torch.Tensor:
 def test_the_plain_fit_is_distillation() -> None:
     """Fit(): KL(p || q) at T = 1 over the whole vocabulary, as plain distillation computes it."""
     t, s = _logits(0, 3, 5), _logits(1, 3, 5)
-    loss, extra = fit_loss(Fit(), t, s, None)
+    loss, extra = fit_loss(Fit(), teacher_log_p(Fit(), t, None), s)
     ref = F.kl_div(F.log_softmax(s, -1).flatten(0, 1), F.log_softmax(t, -1).flatten(0, 1), log_target=True,
                    reduction="batchmean")  # fmt: skip
     torch.testing.assert_close(loss, ref)
@@ -38,7 +38,8 @@ def test_acceptance_is_the_kept_probability(T: float) -> None:
     torch.testing.assert_close(acceptance(t, s, ids, T), torch.minimum(p, q).sum(-1))
     # q = p restricted to the cut and renormalised: no KL left, and a guess is kept unless p's
     # mass lies outside the cut
-    loss, extra = fit_loss(Fit((T,), vocab=40), t, t[:, ids], ids)
+    fit = Fit((T,), vocab=40)
+    loss, extra = fit_loss(fit, teacher_log_p(fit, t, ids), t[:, ids])
     assert loss.item() < 1e-6
     mass = p.sum(-1).mean().item()
     assert extra[f"accept@{T:g}"] == pytest.approx(mass, rel=1e-5) and mass < 0.9
@@ -50,13 +51,14 @@ def test_the_tv_term_raises_sampled_acceptance() -> None:
     t = _logits(4, 16)
     s = (t + _logits(5, 16, scale=2.0)).requires_grad_(True)
     fit = Fit((1.0, 0.7), tv=20.0)
-    first = {k: v for k, v in fit_loss(fit, t, s, None)[1].items() if k.startswith("accept")}
+    teacher = teacher_log_p(fit, t, None)
+    first = {k: v for k, v in fit_loss(fit, teacher, s)[1].items() if k.startswith("accept")}
     opt = torch.optim.SGD([s], lr=0.5)
     for _ in range(100):
         opt.zero_grad()
-        fit_loss(fit, t, s, None)[0].backward()
+        fit_loss(fit, teacher, s)[0].backward()
         opt.step()
-    last = fit_loss(fit, t, s, None)[1]
+    last = fit_loss(fit, teacher, s)[1]
     assert all(last[k] > first[k] + 0.05 for k in first), (first, last)
 
 
