@@ -28,12 +28,14 @@ from . import family
 from . import options as O
 from .engine.request import Request
 from .engine.scheduler import Engine
+from .steps import switch
 
-EngineFactory = Callable[[str, int | None, int], Engine]  # (proposer, k or None, max batch) -> an engine
+EngineFactory = Callable[[str, int | None, int, str], Engine]  # (proposer, k or None, max batch, engine) -> one
 
 
 @dataclass
 class BatchRow:
+    engine: str  # the passes' engine: eager or native
     proposer: str
     k: str  # "auto" (the load policy's) or the fixed k
     batch: int
@@ -57,45 +59,51 @@ def run(
     ks: list[int | None],
     max_new_tokens: int,
     step: Callable[[str], None] | None = None,
+    engines: tuple[str, ...] = ("eager",),
 ) -> list[BatchRow]:
-    """Rows for the target alone, then each proposer at each k, at every batch size."""
+    """Rows for the target alone, then each proposer at each k, at every batch size, per engine
+    (each engine's passes switched on in turn: `steps.switch`)."""
     reference: list[list[int]] | None = None
     rows = []
     configs = [("none", None)] + [(n, k) for n in names if n != "none" for k in ks]
-    for name, k in configs:
-        for size in sizes:
-            if step:
-                step(f"{name} k={k or 'auto'} batch {size}")
-            eng = make(name, k, size)
-            reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
+    for engine, (name, k), size in ((e, c, s) for e in engines for c in configs for s in sizes):
+        if step:
+            step(f"{engine} {name} k={k or 'auto'} batch {size}")
+        eng = make(name, k, size, engine)
+        reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
+        switch(engine)
+        try:
             t0 = time.perf_counter()
             done = {f.request.index: f for f in eng.run(reqs)}
             wall = time.perf_counter() - t0
-            out = [done[i].tokens for i in range(len(prompts))]
-            if reference is None:
-                reference = out
-            same = sum(a == b for a, b in zip(out, reference, strict=True))
-            st = [f.stats for f in done.values()]
-            tokens = sum(len(o) for o in out)
-            passes = sum(s["target_passes"] for s in st)  # type: ignore[misc]
-            acc = [float(s["acceptance_rate"]) for s in st]  # type: ignore[arg-type]
-            rows.append(
-                BatchRow(
-                    name,
-                    "auto" if k is None else str(k),
-                    size,
-                    len(prompts),
-                    tokens,
-                    wall,
-                    tokens / wall,
-                    statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
-                    statistics.mean(acc),
-                    tokens / max(1, passes),
-                    eng.rounds,
-                    eng.preemptions,
-                    f"{same}/{len(prompts)}",
-                )
+        finally:
+            switch(None)
+        out = [done[i].tokens for i in range(len(prompts))]
+        if reference is None:
+            reference = out
+        same = sum(a == b for a, b in zip(out, reference, strict=True))
+        st = [f.stats for f in done.values()]
+        tokens = sum(len(o) for o in out)
+        passes = sum(s["target_passes"] for s in st)  # type: ignore[misc]
+        acc = [float(s["acceptance_rate"]) for s in st]  # type: ignore[arg-type]
+        rows.append(
+            BatchRow(
+                engine,
+                name,
+                "auto" if k is None else str(k),
+                size,
+                len(prompts),
+                tokens,
+                wall,
+                tokens / wall,
+                statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
+                statistics.mean(acc),
+                tokens / max(1, passes),
+                eng.rounds,
+                eng.preemptions,
+                f"{same}/{len(prompts)}",
             )
+        )
     return rows
 
 
@@ -103,6 +111,7 @@ def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) 
     n = rows[0].requests if rows else 0
     t = Table(title=f"batch engine: {n} prompts x {max_new_tokens} new tokens, greedy, {device}, {threads} threads")
     cols = (
+        "engine",
         "proposer",
         "k",
         "batch",
@@ -117,10 +126,11 @@ def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) 
     )
     for c in cols:
         t.add_column(c, justify="left" if c == "proposer" else "right")
-    alone = {r.batch: r.tokens_per_s for r in rows if r.proposer == "none"}
+    alone = {(r.engine, r.batch): r.tokens_per_s for r in rows if r.proposer == "none"}
     for r in rows:
-        base = alone.get(r.batch)
+        base = alone.get((r.engine, r.batch))
         t.add_row(
+            r.engine,
             r.proposer,
             r.k,
             str(r.batch),
@@ -137,16 +147,16 @@ def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) 
 
 
 def plot(rows: list[BatchRow], path: Path) -> None:
-    """Throughput against batch size, one line per proposer and k (needs matplotlib: smallem[plot])."""
+    """Throughput against batch size, one line per engine, proposer and k (needs matplotlib: smallem[plot])."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, k in dict.fromkeys((r.proposer, r.k) for r in rows):
-        pts = [(r.batch, r.tokens_per_s) for r in rows if (r.proposer, r.k) == (name, k)]
-        ax.plot(*zip(*pts, strict=True), marker="o", label=name if name == "none" else f"{name} k={k}")
+    for e, name, k in dict.fromkeys((r.engine, r.proposer, r.k) for r in rows):
+        pts = [(r.batch, r.tokens_per_s) for r in rows if (r.engine, r.proposer, r.k) == (e, name, k)]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=f"{e} " + (name if name == "none" else f"{name} k={k}"))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (sequences decoded together)")
     ax.set_ylabel("generated tokens/s, all requests")
@@ -167,6 +177,7 @@ def from_cli(
     out: Console,
     json_out: bool,
     plot_file: Path | None,
+    engines: tuple[str, ...] = ("eager",),
 ) -> list[BatchRow]:
     """`smallem bench --batch`: run every configuration with a progress bar on stderr, then print
     the table (or JSON) on stdout; ks empty: the load policy's k (`auto`)."""
@@ -175,14 +186,15 @@ def from_cli(
 
     from .engine.build import build_engine
 
-    def make(name: str, k: int | None, size: int) -> Engine:
+    def make(name: str, k: int | None, size: int, engine: str) -> Engine:
         base, _, budget = name.partition("@tree")  # a row with token trees (`options.tree_names`)
         tree = O.tree(int(budget)) if budget else None
+        log = err.print if engine == "native" else None
         return build_engine(
-            tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree
+            tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree, native_log=log
         )
 
-    configs = (1 + sum(n != "none" for n in names) * max(1, len(ks))) * len(sizes)
+    configs = (1 + sum(n != "none" for n in names) * max(1, len(ks))) * len(sizes) * len(engines)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("bench --batch", total=configs)
         rows = run(
@@ -193,6 +205,7 @@ def from_cli(
             list(ks) or [None],
             max_new_tokens,
             lambda label: bar.update(task, advance=1, description=escape(label)),
+            engines,
         )
     if plot_file:
         plot(rows, plot_file)

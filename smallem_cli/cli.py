@@ -176,7 +176,12 @@ def bench(
             sizes = O.parse_sizes(batch)
             found = O.read_prompts(prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]})
             names = names + list(trees)
-            rows = from_cli(tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file)
+            batch_engines = aot.bench_engines(engines, dev)
+            if "compiled" in batch_engines:
+                raise O.UsageError("--batch times the eager and native engines (compiled steps serve one sequence)")
+            rows = from_cli(
+                tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file, batch_engines
+            )
             if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
                 raise fail("greedy identity FAILED in the batch engine", 1)
             return
@@ -347,7 +352,8 @@ def generate(
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
     ready, passes = 0, 1
-    if mode and not tree:  # every pass this run may take, loaded (or built) before the clock starts
+    if mode == "native" or (mode and not tree):  # every pass this run may take, loaded (or built) before the clock
+        # starts; a tree's passes are the batch engine's: native ones, or eager
         log = (lambda _: None) if quiet else err.print
         ready, passes = aot.prepare_engine(mode, tgt.model, make_proposer(8), [kk], log, temperature == 0)
     name = "native" if mode == "native" else "compiled"

@@ -190,6 +190,9 @@ def batch(
     ] = False,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = D.DEVICE,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    engine_name: Annotated[
+        str, typer.Option("--engine", help="auto (native on a CPU) | native | eager: what runs every pass")
+    ] = D.ENGINE,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")] = None,
     proposer_vocab: Annotated[
         int | None,
@@ -211,8 +214,8 @@ def batch(
     """
     import torch
 
+    from . import aot, family
     from . import batch_io as B
-    from . import family
     from .sampling import NonFiniteError
     from .tokenizer import load_tokenizer
 
@@ -230,6 +233,9 @@ def batch(
         if O.threads(threads):
             torch.set_num_threads(threads)  # type: ignore[arg-type]
         dev = family.pick_device(device)
+        mode = aot.engine_mode(engine_name, dev)
+        if mode == "build":
+            raise O.UsageError("--engine compiled serves `smallem generate` alone; batch takes auto, native or eager")
         source = open_input(file)  # before the models load: a missing file fails at once
         tgt = family.load_target(target, dev, tokenizer)
         tok = load_tokenizer(tgt.tokenizer)
@@ -243,6 +249,7 @@ def batch(
             eot=tok.token_to_id(EOT),
             decode=tok.decode,
             tree=O.tree(tree),
+            native_log=((lambda _: None) if quiet else err.print) if mode == "native" else None,
         )
     except O.INPUT_ERRORS as e:
         if source is not None and source is not sys.stdin.buffer:

@@ -47,7 +47,7 @@ TREE_WIDTH = 4
 # A sampled request's tree: each expanded node gets TREE_DRAWS children drawn from the module's
 # q (SpecInfer's rule verifies them); fewer children per node leave room for more depth.
 TREE_DRAWS = 2
-TREE_HELP = "token trees of N guesses per round, k levels deep (MTP only; eager rounds; 0 = a chain)"
+TREE_HELP = "token trees of N guesses per round, k levels deep (MTP only; 0 = a chain)"
 MAX_TREE = 64
 
 

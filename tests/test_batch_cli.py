@@ -524,6 +524,8 @@ def test_an_empty_input_is_no_error(family: Family, fake: FakeEngine) -> None:
         (["--proposer-vocab", "-1"], r"--proposer-vocab must be >= 0, got -1"),
         (["--threads", "0"], r"--threads must be >= 1, got 0"),
         (["--device", "tpu"], r"unknown device 'tpu'"),
+        (["--engine", "turbo"], r"unknown engine 'turbo'"),
+        (["--engine", "compiled"], r"--engine compiled serves `smallem generate` alone; batch takes auto, native"),
         (["no-such-file.txt"], r"input file not found: no-such-file\.txt"),
         (["."], r"cannot read \."),
     ],
@@ -616,6 +618,18 @@ def test_the_real_engine_matches_generate(family: Family) -> None:
         want = json.loads(ref.stdout)
         assert a["tokens"] == want["tokens"] and a["text"] == want["text"]
         assert a["stats"]["new_tokens"] == len(a["tokens"])
+
+
+def test_the_native_and_eager_engines_answer_alike(family: Family) -> None:
+    """`--engine native` (every pass one C call) and `--engine eager` give the same tokens, and the
+    native one serves this family (no line saying it cannot)."""
+    lines = "The quick brown fox\nIn the beginning was\nSpeculative decoding guesses\n"
+    got = {}
+    for e in ("eager", "native"):
+        res = batch(family, "--ordered", "-n", "16", "--max-batch", "2", "--engine", e, input=lines)
+        assert res.exit_code == 0 and "unavailable" not in res.stderr, res.stderr
+        got[e] = [a["tokens"] for a in answers(res)]
+    assert got["eager"] == got["native"] and any(got["native"])
 
 
 def test_the_real_engine_refuses_a_bad_proposer(family: Family) -> None:

@@ -7,10 +7,12 @@ batch. Attention is per sequence: each row attends to its own sequence's positio
 its own (a block-diagonal causal mask), read through the page tables.
 
     ids       [N]        the new tokens
+    seq       [N]        each row's sequence
     positions [N]        their positions (the rotary angle)
     slots     [N]        where their K/V are written in a slab
     kv_slots  [B, S]     the slots of each sequence's visible positions 0 .. S-1, padded
                          (S = the longest sequence after the write; padding points at slot 0)
+  the eager pass's padded layout, made when first read:
     q_rows    [B, Tm]    the flat row of each sequence's t-th new token (Tm = max n_b;
                          padding repeats row 0, and its output is dropped)
     bias      [B, Tm, S] 0 where a key is visible to a query, -inf elsewhere
@@ -19,32 +21,72 @@ its own (a block-diagonal causal mask), read through the page tables.
     base      int|None   one sequence whose pages lie in order: the slot of its position 0
                          (its keys are then one view of a slab, no gather)
 
+The native engine reads the same step as slots to write and, per row, the slots it sees
+(`visible`): one C pass over the flat batch (`native.NativeSteps.batch`).
+
 Every slab (target, draft, MTP module) of the pool uses the same slots: page tables are
 the pool's, shared by all caches of a sequence.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+Masks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q_rows, bias, out_rows)
 
 
 @dataclass
 class BatchStep:
+    """A pass's inputs. The eager pass's padded layout (q_rows, bias, out_rows) is made when first
+    read (`masks`): the native pass does without it, reading its keys as slots (`visible`)."""
+
     positions: torch.Tensor
     slots: torch.Tensor
     kv_slots: torch.Tensor
-    q_rows: torch.Tensor
-    bias: torch.Tensor
-    out_rows: torch.Tensor
+    seq: torch.Tensor  # [N] each row's sequence
     last: torch.Tensor
     counts: list[int]  # n_b per sequence
+    masks: Callable[[], Masks]
     base: int | None = None
+    prefix: bool = True  # row i sees its sequence's positions 0 .. positions[i] (a tree's rows do not)
+
+    @cached_property
+    def _masks(self) -> Masks:
+        return self.masks()
+
+    @property
+    def q_rows(self) -> torch.Tensor:
+        return self._masks[0]
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self._masks[1]
+
+    @property
+    def out_rows(self) -> torch.Tensor:
+        return self._masks[2]
 
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+def visible(b: BatchStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys each flat row sees, as slots: (vis, start [N], count [N]): row i sees the slots
+    vis[start[i] .. start[i] + count[i]), in position order: its sequence's positions up to its
+    own (kv_slots' row, no copy), or a tree node's prefix and ancestors (where its row of `bias`
+    is 0). The native engine's batch pass reads its keys so (`native.NativeSteps.batch`)."""
+    if b.prefix:
+        return b.kv_slots.reshape(-1), b.seq * b.kv_slots.shape[1], b.positions + 1
+    Tm = b.bias.shape[1]
+    seq, t = b.out_rows // Tm, b.out_rows % Tm  # [N]: each row's sequence and place in it
+    seen = b.bias[seq, t] == 0  # [N, S]
+    count = seen.sum(1)
+    return b.kv_slots[seq][seen], torch.cumsum(count, 0) - count, count
 
 
 def in_order(table: list[int], n_pages: int) -> int | None:
@@ -54,25 +96,25 @@ def in_order(table: list[int], n_pages: int) -> int | None:
     return first if table[:n_pages] == list(range(first, first + n_pages)) else None
 
 
-def _layout(
-    tables: list[list[int]], counts: list[int], S: int, page_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What every pass over a flattened batch needs, whatever its positions and mask ->
-    (kv_slots [B, S], seq [N] (each row's sequence), valid [B, Tm], q_rows [B, Tm] (padding
-    repeats row 0), out_rows [N], last [B])."""
-    B, Tm = len(tables), max(counts)
+def _slots(tables: list[list[int]], S: int, page_size: int) -> torch.Tensor:
+    """kv_slots [B, S]: the slot of each sequence's positions 0 .. S-1 (past a table's end: slot 0)."""
     max_pages = -(-S // page_size)
     table = torch.tensor([t[:max_pages] + [0] * (max_pages - len(t[:max_pages])) for t in tables], dtype=torch.long)
-    j = torch.arange(S)
-    kv_slots = table[:, j // page_size] * page_size + j % page_size  # [B, S]
+    return (table[:, :, None] * page_size + torch.arange(page_size)).view(len(tables), -1)[:, :S]
+
+
+def _padded(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager pass's padded layout: (valid [B, Tm], q_rows [B, Tm] (padding repeats row 0),
+    out_rows [N]: where each flat row sits in [B * Tm])."""
+    Tm = max(counts)
     n = torch.tensor(counts)
-    seq = torch.repeat_interleave(torch.arange(B), n)  # [N]
+    seq = torch.repeat_interleave(torch.arange(len(counts)), n)  # [N]
     first = torch.tensor([0, *counts[:-1]]).cumsum(0)  # [B] flat row of each sequence's first token
     t = torch.arange(Tm)
     valid = t[None, :] < n[:, None]  # [B, Tm]
     q_rows = torch.where(valid, first[:, None] + t[None, :], 0)  # [B, Tm]
     out_rows = seq * Tm + (torch.arange(int(seq.shape[0])) - first[seq])  # [N]
-    return kv_slots, seq, valid, q_rows, out_rows, first + n - 1
+    return valid, q_rows, out_rows
 
 
 def build(
@@ -85,21 +127,25 @@ def build(
     B = len(tables)
     assert B and len(starts) == len(counts) == B and min(counts) >= 1
     lengths = [s + n for s, n in zip(starts, counts, strict=True)]
-    S, Tm = max(lengths), max(counts)
+    S = max(lengths)
     if B == 1 and (page := in_order(tables[0], -(-S // page_size))) is not None:
         return _one_in_order(page * page_size, starts[0], counts[0], device)
     for t, n in zip(tables, lengths, strict=True):
         assert len(t) * page_size >= n, "reserve pages before building a step"
-    kv_slots, seq, valid, q_rows, out_rows, last = _layout(tables, counts, S, page_size)
-    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])  # [N]
-    t = torch.arange(Tm)
-    q_pos = torch.where(valid, torch.tensor(starts)[:, None] + t[None, :], S - 1)  # padding sees every key
-    bias = torch.zeros(B, Tm, S).masked_fill_(torch.arange(S)[None, None, :] > q_pos[:, :, None], float("-inf"))
-    slots = kv_slots[seq, pos]  # [N]
     d = device
-    return BatchStep(
-        pos.to(d), slots.to(d), kv_slots.to(d), q_rows.to(d), bias.to(d), out_rows.to(d), last.to(d), list(counts)
-    )
+    kv_slots = _slots(tables, S, page_size)
+    seq = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))  # [N]
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])  # [N]
+
+    def masks() -> Masks:
+        valid, q_rows, out_rows = _padded(counts)
+        Tm = max(counts)
+        q_pos = torch.where(valid, torch.tensor(starts)[:, None] + torch.arange(Tm)[None, :], S - 1)  # pad: all keys
+        bias = torch.zeros(B, Tm, S).masked_fill_(torch.arange(S)[None, None, :] > q_pos[:, :, None], float("-inf"))
+        return q_rows.to(d), bias.to(d), out_rows.to(d)
+
+    last = torch.tensor(counts).cumsum(0) - 1  # [B] flat row of each sequence's last token
+    return BatchStep(pos.to(d), kv_slots[seq, pos].to(d), kv_slots.to(d), seq.to(d), last.to(d), list(counts), masks)
 
 
 def _one_in_order(base: int, start: int, n: int, device: torch.device) -> BatchStep:
@@ -108,14 +154,17 @@ def _one_in_order(base: int, start: int, n: int, device: torch.device) -> BatchS
     S = start + n
     pos = torch.arange(start, S, device=device)  # [n]
     rows = torch.arange(n, device=device)  # [n]
-    if n > 1:
-        j = torch.arange(S, device=device)
-        bias = torch.zeros(1, n, S, device=device).masked_fill_(j > pos[:, None], float("-inf"))  # [1, n, S]
-    else:
-        bias = torch.zeros(1, 1, S, device=device)  # one token sees every key
-    return BatchStep(
-        pos, pos + base, (base + torch.arange(S, device=device))[None], rows[None], bias, rows, rows[-1:], [n], base
-    )
+
+    def masks() -> Masks:
+        if n > 1:
+            j = torch.arange(S, device=device)
+            bias = torch.zeros(1, n, S, device=device).masked_fill_(j > pos[:, None], float("-inf"))  # [1, n, S]
+        else:
+            bias = torch.zeros(1, 1, S, device=device)  # one token sees every key
+        return rows[None], bias, rows
+
+    kv = (base + torch.arange(S, device=device))[None]
+    return BatchStep(pos, pos + base, kv, torch.zeros_like(rows), rows[-1:], [n], masks, base)
 
 
 def build_tree(
@@ -136,7 +185,9 @@ def build_tree(
     counts = [len(r) for r in rows]
     assert B and len(starts) == len(parents) == B and min(counts) >= 1
     S = max(s + len(p) for s, p in zip(starts, parents, strict=True))
-    kv_slots, _, _, q_rows, out_rows, last = _layout(tables, counts, S, page_size)
+    kv_slots = _slots(tables, S, page_size)
+    _, q_rows, out_rows = _padded(counts)
+    last = torch.tensor(counts).cumsum(0) - 1  # [B] flat row of each sequence's last node
     bias = torch.zeros(B, max(counts), S)  # padding rows see every key
     pos, slots = [], []
     for b, (s, par, r) in enumerate(zip(starts, parents, rows, strict=True)):
@@ -156,13 +207,15 @@ def build_tree(
         pos.append(s + torch.tensor(depth)[ri])
         slots.append(kv_slots[b, s + ri])
     d = device
+    seq = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+    masks = (q_rows.to(d), bias.to(d), out_rows.to(d))
     return BatchStep(
         torch.cat(pos).to(d),
         torch.cat(slots).to(d),
         kv_slots.to(d),
-        q_rows.to(d),
-        bias.to(d),
-        out_rows.to(d),
+        seq.to(d),
         last.to(d),
         counts,
+        lambda: masks,
+        prefix=False,
     )

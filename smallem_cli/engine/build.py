@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from .. import aot, family
 from .. import defaults as D
-from .. import family
 from ..ngram import Fallback, NgramProposer
 from ..proposers import DraftProposer, MTPProposer, NoProposer, Proposer
 from .forward import slab_for
@@ -53,9 +53,12 @@ def build_engine(
     n_pages: int | None = None,
     page_size: int = D.PAGE_SIZE,
     tree: tuple[int, int] | None = None,
+    native_log: Callable[[str], None] | None = None,
 ) -> Engine:
     """k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`).
-    tree: (guesses per tree, candidates per node) for token trees (`tree_guess`), MTP only."""
+    tree: (guesses per tree, candidates per node) for token trees (`tree_guess`), MTP only.
+    native_log: give the target and the proposer's models native steps (`--engine native`: every
+    pass of the batch one C call), saying through it why a model cannot have them."""
     model = tgt.model
     pool = PagePool(n_pages or pool_pages(max_batch, model.cfg.max_seq_len, page_size, tree), page_size)
     slab = slab_for(model, pool.n_pages * page_size, device)
@@ -63,12 +66,14 @@ def build_engine(
     # so the head is chosen by what the batch serves by default: greedy's.
     one = family.load_proposer(proposer, tgt, device, D.proposer_vocab(True, proposer_vocab), tree=tree)(1)
     bp = batch_proposer(one, pool)
-    one.release()
     if proposer == "none":
         kg = ks = 0
     else:
         kg = k if k is not None else D.default_k(proposer, True)
         ks = k if k is not None else D.default_k(proposer, False)
+    if native_log is not None:
+        aot.prepare_engine("native", model, one, [max(kg, ks, 1)], native_log)
+    one.release()
     return Engine(
         Target(model, slab, pool),
         bp,

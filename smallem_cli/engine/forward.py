@@ -1,5 +1,8 @@
 """Passes over a flattened batch (`batch.BatchStep`): the target, a draft, the MTP module.
 
+With the native engine switched on for a model, its pass is one C call (`native.NativeSteps.batch`,
+the same numbers as its one-sequence pass); what follows is the eager pass, the reference.
+
 The same packed weights as the one-sequence path (`model.Block.decode`): the matmuls run
 over all N rows of the batch at once, attention runs per sequence on the K/V gathered
 from the slab through the page tables, padded to [B, S] and masked.
@@ -14,8 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import native
 from ..decode_ops import attend
 from ..model import Block, MTPModule, Transformer, unit_rms
+from ..steps import active_steps
 from .batch import BatchStep
 
 
@@ -61,7 +66,12 @@ def transformer_pass(
     model: Transformer, slab: torch.Tensor, ids: torch.Tensor, b: BatchStep, head: str = "all"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [N] -> (logits, hidden [N, d]). head: "all" logits [N, V], "last" [B, V] (each
-    sequence's last row), "none" an empty [0, V]."""
+    sequence's last row), "none" an empty [0, V]. With native steps switched on, one C pass."""
+    steps = _native(model, slab)
+    if steps is not None:
+        rows = None if head == "none" else b.last if head == "last" else torch.arange(ids.shape[0])
+        logits, x = steps.batch(ids, None, slab, b, rows)
+        return (x[:0] if head == "none" else logits), x
     if model.rope_packed is None:
         model.pack()
     assert model.rope_packed is not None
@@ -78,8 +88,17 @@ def mtp_pass(
     mtp: MTPModule, target: Transformer, slab: torch.Tensor, h: torch.Tensor, ids: torch.Tensor, b: BatchStep
 ) -> torch.Tensor:
     """Pairs (h_j [N, d], token j+1 [N]) -> the module's states [N, d], through its one-layer slab."""
+    steps = _native(mtp, slab)
+    if steps is not None:
+        return steps.batch(ids, h, slab, b, None)[1]
     assert mtp.proj_t is not None and target.rope_packed is not None, "pack() first"
     d = mtp.cfg.dim
     table = mtp.token_table(target.embed_tokens.weight)
     x = torch.addmm(F.embedding(ids, table), unit_rms(h, mtp.cfg.norm_eps), mtp.proj_t[:d])
     return block_pass(mtp.block, x, target.rope_packed[b.positions], slab[0], b)
+
+
+def _native(model: Transformer | MTPModule, slab: torch.Tensor) -> native.NativeSteps | None:
+    """The model's native steps when they are switched on (`--engine native`) for a slab they can read."""
+    steps = active_steps(model)
+    return steps if isinstance(steps, native.NativeSteps) and slab.device.type == "cpu" else None

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
+from ..engine.batch import BatchStep, visible
 from ..model import MTPModule, Transformer, interleave_halves
 from ..steps import StepFn, register
-from ..verify import uniforms
 
 Log = Callable[[str], None]
 HERE = Path(__file__).parent
@@ -101,6 +101,8 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
     lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 3 + [num, ptr]
     lib.smallem_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]
     lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
+    lib.smallem_batch_step.restype = None
+    lib.smallem_batch_step.argtypes = [ptr] * 3 + [num] + [ptr] * 8 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num, ptr]
     lib.smallem_verify_sample.restype = None
     lib.smallem_verify_sample.argtypes = [ptr, num, num, ctypes.c_float] + [ptr] * 6
     _LIB = lib
@@ -194,6 +196,7 @@ class NativeSteps:
         self.layers_c, self.mw = layers, mw
         self.cfg = c
         self._scratch: dict[tuple[int, int, int], torch.Tensor] = {}  # by (T, threads, extra floats)
+        self._batch_scratch = torch.empty(0)  # a batch pass's (`batch`), for its largest batch so far
         # The head and final norm a chain of guesses reads (`chain`): the target's for the MTP
         # module, a draft's own; packed at the chain's first call, per cut of the head.
         head_of = target if isinstance(model, MTPModule) else model
@@ -280,6 +283,45 @@ class NativeSteps:
         )  # fmt: skip
         return (tokens, q) if u is not None else (tokens, tops)
 
+    def batch(
+        self,
+        tokens: torch.Tensor,
+        h: torch.Tensor | None,
+        slab: torch.Tensor,
+        b: BatchStep,
+        head_rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's target
+        states h [N, d]) at `b`'s positions, their K/V written into `slab` [L, 2, Hkv, slots, D] at
+        b.slots, each row attending to the slots its mask shows (`batch.visible`).
+        head_rows [R] (None: no head) -> (logits [R, V], hidden [N, d])."""
+        c, threads = self.cfg, torch.get_num_threads()
+        N = tokens.shape[0]
+        vis, first, count = (t.contiguous() for t in visible(b))
+        keys = int(count.max())
+        cos, sin = self.rope[0][b.positions], self.rope[1][b.positions]  # [N, P]
+        R = 0 if head_rows is None or not self._has_head() else head_rows.shape[0]
+        x, logits = torch.empty(N, c.dim), torch.empty(R, c.vocab_size)
+        rows = None if head_rows is None else head_rows.contiguous()
+        h = None if h is None else h.contiguous()  # held here: the C code reads it
+        tokens, slots = tokens.contiguous(), b.slots.contiguous()
+        assert slab.is_contiguous() and keys <= self.positions + N
+        need = self._need(N, threads)
+        if self._batch_scratch.numel() < need:  # one buffer for every batch size, grown as needed
+            self._batch_scratch = torch.empty(need)
+        scratch = self._batch_scratch
+        strides = (ctypes.c_int64 * 4)(*slab.stride()[:4])
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.lib.smallem_batch_step(
+            ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), N, cos.data_ptr(), sin.data_ptr(), slab.data_ptr(),
+            ctypes.addressof(strides), slots.data_ptr(), vis.data_ptr(), first.data_ptr(), count.data_ptr(), keys,
+            x.data_ptr(), logits.data_ptr(), R, ptr(rows) if R else None, scratch.data_ptr(), threads, None,
+        )  # fmt: skip
+        return logits, x
+
+    def _has_head(self) -> bool:
+        return not self.mtp
+
     def _run(
         self,
         tokens: torch.Tensor,
@@ -336,35 +378,6 @@ class NativeSteps:
         return logits, out, new, top
 
 
-def verify_sample(
-    logits: torch.Tensor,
-    temperature: float,
-    drafts: torch.Tensor,
-    q: torch.Tensor | None,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """`verify.verify_sample` for one sequence under a plain temperature (`Warper.plain`), in one
-    call of the loaded library (`smallem_verify_sample`): raw logits [k+1, V] of the verify pass,
-    the guesses [k] and their q [k, V] (None: no guess) -> [k + 2] long: n kept, then the k+1
-    tokens. It draws what `verify_sample` draws, in the same order, from `generator`."""
-    assert _LIB is not None, "the native library is not loaded (`library`)"
-    k, V = drafts.shape[0], logits.shape[-1]
-    assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
-    u = None  # without a guess, nothing to accept: verify_sample draws only the next token
-    if k:
-        assert q is not None and tuple(q.shape) == (k, V)
-        q, drafts = q.float().contiguous(), drafts.contiguous()
-        u = torch.rand(1, k, generator=generator)  # as verify_sample's acceptance draws
-    u_next = uniforms((1,), generator, logits)  # as its `sample` of the next token
-    out, r = torch.empty(k + 2, dtype=torch.long), torch.empty(V)  # r: the C code's scratch, held here
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    _LIB.smallem_verify_sample(
-        logits.data_ptr(), k, V, 1.0 / temperature, ptr(drafts) if k else None, ptr(q) if k else None, ptr(u),
-        u_next.data_ptr(), r.data_ptr(), out.data_ptr(),
-    )  # fmt: skip
-    return out
-
-
 def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path) -> bool:
     """Give a model native steps (`model.native`) -> whether it has them; where they cannot
     serve, one line through `log` and the model stays on the other engines."""
@@ -382,3 +395,8 @@ def prepare(target: Transformer, models: list[Transformer | MTPModule], log: Log
     """Native steps for the target and the proposer's models -> (models with them, models)."""
     every = list({id(m): m for m in [target, *models]}.values())
     return sum(attach(m, target, log, root) for m in every), len(every)
+
+
+from .sampled import verify_sample  # noqa: E402  (the engine reaches it as native.verify_sample)
+
+__all__ = ["NativeSteps", "NativeUnavailable", "attach", "prepare", "verify_sample"]

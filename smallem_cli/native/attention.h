@@ -1,37 +1,35 @@
-// Attention of one query row over the past (a strided view of the slab) and the new keys.
+// Attention of one query row over the keys it sees: a sequence's past and new keys, or a paged batch's slots.
 #pragma once
 
 #include "vec.h"
 
-// out[0 .. NB*8) = sum_j p[j] v_j over n rows v_j (past rows at stride ps, then new rows at
-// stride ns): NB accumulators in registers, so the adds of one row do not wait on each other.
-template <int NB>
-static inline void weigh_rows(const float *p, int n, const float *pv, long ps, const float *nv, long ns, int S,
-                              float inv, float *out) {
+// out[0 .. NB*8) = sum_j p[j] v_j over n rows v_j = row(j) (offset by the caller to the columns
+// wanted): NB accumulators in registers, so the adds of one row do not wait on each other.
+template <int NB, class Row>
+static inline void weigh_rows(const float *p, int n, Row row, int col, float inv, float *out) {
     __m256 a[NB];
     for (int b = 0; b < NB; b++) a[b] = _mm256_setzero_ps();
     for (int j = 0; j < n; j++) {
-        const float *v = j < S ? pv + (size_t)j * ps : nv + (size_t)(j - S) * ns;
+        const float *v = row(j) + col;
         __m256 w = _mm256_set1_ps(p[j]);
         for (int b = 0; b < NB; b++) a[b] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * b), a[b]);
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out + 8 * b, _mm256_mul_ps(a[b], _mm256_set1_ps(inv)));
 }
 
-// Attention of query row t, head h, over S past keys (a strided view of the slab) and the
-// pass's new keys 0..t (causal), softmax in float32. q is pre-scaled; out [D].
-// Every score is summed the same way (four keys at a time, each its own sum, reduced by the
-// same pairwise adds), and a token at position P always sees P + 1 keys: its numbers do not
-// depend on the pass that holds it.
-static void attend_one(const float *q, const float *pk, const float *pv, long ps, const float *nk, const float *nv,
-                       long ns, int S, int t, int D, float *scores, float *out) {
-    const int n = S + t + 1;
+// Attention of one query row over n keys key(0 .. n-1) and their values val(j), softmax in
+// float32. q is pre-scaled; out [D]. Every score is summed the same way (four keys at a
+// time, each its own sum, reduced by the same pairwise adds), so a row that sees the same
+// keys in the same order gets the same numbers, whatever pass holds it and however its keys
+// are addressed (a strided view of one sequence, or slots of a paged batch).
+template <class Key, class Val>
+static void attend_keys(const float *q, Key key, Val val, int n, int D, float *scores, float *out) {
     float mx = -INFINITY;
     for (int s0 = 0; s0 < n; s0 += 4) {
         const float *k4[4];
         for (int j = 0; j < 4; j++) {  // past the last key: q itself, a valid row whose score is dropped
             int s = s0 + j;
-            k4[j] = s >= n ? q : s < S ? pk + (size_t)s * ps : nk + (size_t)(s - S) * ns;
+            k4[j] = s >= n ? q : key(s);
         }
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int i = 0; i < D; i += 8) {
@@ -65,9 +63,19 @@ static void attend_one(const float *q, const float *pk, const float *pv, long ps
     const float inv = 1.0f / sum;
     for (int i = 0; i < D;) {  // up to 64 columns at a time, each in its own register
         int left = (D - i) / 8;
-        if (left >= 8) weigh_rows<8>(scores, n, pv + i, ps, nv + i, ns, S, inv, out + i), i += 64;
-        else if (left >= 4) weigh_rows<4>(scores, n, pv + i, ps, nv + i, ns, S, inv, out + i), i += 32;
-        else if (left >= 2) weigh_rows<2>(scores, n, pv + i, ps, nv + i, ns, S, inv, out + i), i += 16;
-        else weigh_rows<1>(scores, n, pv + i, ps, nv + i, ns, S, inv, out + i), i += 8;
+        if (left >= 8) weigh_rows<8>(scores, n, val, i, inv, out + i), i += 64;
+        else if (left >= 4) weigh_rows<4>(scores, n, val, i, inv, out + i), i += 32;
+        else if (left >= 2) weigh_rows<2>(scores, n, val, i, inv, out + i), i += 16;
+        else weigh_rows<1>(scores, n, val, i, inv, out + i), i += 8;
     }
+}
+
+// Query row t of a pass over one sequence: S past keys (a strided view of the slab, rows ps
+// apart) and the pass's new keys 0 .. t (causal, rows ns apart): a token at position P always
+// sees P + 1 keys.
+static void attend_one(const float *q, const float *pk, const float *pv, long ps, const float *nk, const float *nv,
+                       long ns, int S, int t, int D, float *scores, float *out) {
+    auto key = [=](int s) { return s < S ? pk + (size_t)s * ps : nk + (size_t)(s - S) * ns; };
+    auto val = [=](int s) { return s < S ? pv + (size_t)s * ps : nv + (size_t)(s - S) * ns; };
+    attend_keys(q, key, val, S + t + 1, D, scores, out);
 }

@@ -45,27 +45,59 @@ struct ModelW {
     const float *g_h;      // [d]
 };
 
-// Scratch per pass: sized by the caller (`NativeSteps._need`).
-//   xn [T, d], y [T, (H+2Hkv) D], att [T, H D], gu [T, 2F], hf [T, F], scores [threads, S + T]
+// Where a pass's new K/V go, and which keys each of its rows sees.
+//   Strided: one sequence. The past [L, 2, Hkv, S, D] is a strided view of the slab (element
+//   strides st[0..3], D's is 1); the new K/V go to out_new [L, 2, Hkv, T, D] (strides ns[0..3]),
+//   right after that past; row t sees the past and the new rows 0 .. t.
+//   Paged: a flat batch (`engine.batch.BatchStep`). The slab [L, 2, Hkv, slots, D] (strides
+//   st[0..3]); row t's K/V go to slot slots[t]; it sees the count[t] slots from vis + start[t],
+//   in order (its sequence's positions up to its own, or a tree node's prefix and ancestors).
+struct Strided {
+    const float *past;
+    const int64_t *st;
+    int S;
+    float *out_new;
+    const int64_t *ns;
+    int keys(int T) const { return S + T; }  // the most keys a row sees
+    float *dst(int l, int kv, int g, int t) const { return out_new + l * ns[0] + kv * ns[1] + g * ns[2] + t * ns[3]; }
+    void attend(int l, int g, int t, const float *q, int D, float *scores, float *out) const {
+        const float *pk = past + (size_t)l * st[0] + g * st[2], *nk = out_new + l * ns[0] + g * ns[2];
+        attend_one(q, pk, pk + st[1], st[3], nk, nk + ns[1], ns[3], S, t, D, scores, out);
+    }
+};
+
+struct Paged {
+    float *slab;
+    const int64_t *st, *slots, *vis, *start, *count;
+    int max_keys;
+    int keys(int) const { return max_keys; }
+    float *dst(int l, int kv, int g, int t) const { return slab + l * st[0] + kv * st[1] + g * st[2] + slots[t] * st[3]; }
+    void attend(int l, int g, int t, const float *q, int D, float *scores, float *out) const {
+        const float *k = slab + (size_t)l * st[0] + g * st[2], *v = k + st[1];
+        const int64_t *seen = vis + start[t], ps = st[3];
+        auto key = [=](int j) { return k + seen[j] * ps; };
+        auto val = [=](int j) { return v + seen[j] * ps; };
+        attend_keys(q, key, val, (int)count[t], D, scores, out);
+    }
+};
+
+// One decode pass over T new tokens, their K/V addressed by `kv` (above).
+// Scratch: sized by the caller (`NativeSteps._need`).
+//   xn [T, d], y [T, (H+2Hkv) D], att [T, H D], gu [T, 2F], hf [T, F], scores [threads, kv.keys(T)]
 //
-// past: [L, 2, Hkv, S, D] with element strides past_st[0..3] of its first four dims (D's is 1);
 // cos, sin [T, P] with P = (H + 2Hkv) D / 2: each adjacent column pair of the QKV row turns.
 // tokens [T]; h [T, d] (the MTP module's input, else null); x [T, d] output: the hidden states
-// (every row; the caller keeps the last one for `last`); logits [T_head, V] of the last
-// T_head rows when the model has a head and T_head > 0; out_new [L, 2, Hkv, T, D] with element
-// strides new_st[0..3] (null: contiguous): the new K/V, in a buffer or in place in the slab, right
-// after the past (the caller reserved those positions);
+// (every row; the caller keeps the last one for `last`); logits [T_head, V] of the rows
+// head_rows[0 .. T_head) (null: the last T_head rows) when the model has a head and T_head > 0;
 // top [T_head + 1] (or null): each logits row's argmax, then 1 if every logit is finite, else 0
 // (what a greedy verification reads, without a pass of its own over the logits).
-extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
-                  const float *sin_t, const float *past, const int64_t *past_st, int S, float *x, float *logits,
-                  int T_head, float *out_new, const int64_t *new_st, float *scratch, int threads, int64_t *top) {
+template <class KV>
+static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
+                 const float *sin_t, const KV &kv, float *x, float *logits, int T_head, const int64_t *head_rows,
+                 float *scratch, int threads, int64_t *top) {
     int finite = 1;
-    const int64_t packed[4] = {(int64_t)2 * mw->n_kv_heads * T * mw->head_dim, (int64_t)mw->n_kv_heads * T * mw->head_dim,
-                               (int64_t)T * mw->head_dim, mw->head_dim};
-    const int64_t *ns = new_st ? new_st : packed;
     const int d = mw->dim, H = mw->n_heads, Hkv = mw->n_kv_heads, D = mw->head_dim, F = mw->hidden;
-    const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = Q / 2;
+    const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = Q / 2, K = kv.keys(T);
     float *xn = scratch, *y = xn + (size_t)T * d, *att = y + (size_t)T * Q, *gu = att + (size_t)T * H * D;
     float *hf = gu + (size_t)T * 2 * F, *scores = hf + (size_t)T * F;
     const float qscale = 1.0f / sqrtf((float)D);
@@ -101,20 +133,15 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
                     r[2 * p + 1] = a * sn[p] + b * c[p];
                 }
                 for (int i = 0; i < H * D; i++) r[i] *= qscale;
-                for (int kv = 0; kv < 2; kv++)
+                for (int c = 0; c < 2; c++)
                     for (int g = 0; g < Hkv; g++)
-                        memcpy(out_new + l * ns[0] + kv * ns[1] + g * ns[2] + t * ns[3], r + (H + kv * Hkv + g) * D,
-                               D * sizeof(float));
+                        memcpy(kv.dst(l, c, g, t), r + (H + c * Hkv + g) * D, D * sizeof(float));
             }
-            const float *pl = past + (size_t)l * past_st[0];
-            const float *nl = out_new + l * ns[0];
 #pragma omp for schedule(static)
             for (int i = 0; i < H * T; i++) {
-                int hh = i / T, t = i % T, g = hh / G;
-                const float *pk = pl + (size_t)g * past_st[2], *pv = pk + past_st[1];
-                const float *nk = nl + g * ns[2], *nv = nk + ns[1];
-                attend_one(y + (size_t)t * Q + hh * D, pk, pv, past_st[3], nk, nv, ns[3], S, t, D,
-                           scores + (size_t)omp_get_thread_num() * (S + T), att + (size_t)t * H * D + hh * D);
+                int hh = i / T, t = i % T;
+                kv.attend(l, hh / G, t, y + (size_t)t * Q + hh * D, D, scores + (size_t)omp_get_thread_num() * K,
+                          att + (size_t)t * H * D + hh * D);
             }
             matmul(att, T, H * D, L.o, d, H * D, x, d, true);
             rms_rows(x, T, d, mw->eps, L.g2, xn);
@@ -133,7 +160,13 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
             matmul(hf, T, F, L.down, d, F, x, d, true);
         }
         if (mw->head && T_head > 0) {
-            rms_rows(x + (size_t)(T - T_head) * d, T_head, d, mw->eps, mw->g_final, xn);
+            if (head_rows) {  // the rows asked for, gathered (a batch's last rows)
+#pragma omp for schedule(static)
+                for (int t = 0; t < T_head; t++) memcpy(xn + (size_t)t * d, x + (size_t)head_rows[t] * d, d * sizeof(float));
+                rms_rows(xn, T_head, d, mw->eps, mw->g_final, xn);
+            } else {
+                rms_rows(x + (size_t)(T - T_head) * d, T_head, d, mw->eps, mw->g_final, xn);
+            }
             matmul(xn, T_head, d, mw->head, mw->vocab, d, logits, mw->vocab, false);
             if (top) {
 #pragma omp for schedule(static)
@@ -151,6 +184,30 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
     if (top && mw->head && T_head > 0) top[T_head] = finite;
 }
 
+// A pass over one sequence (see `pass`, `Strided`): past [L, 2, Hkv, S, D] with element strides
+// past_st[0..3]; out_new [L, 2, Hkv, T, D] with strides new_st[0..3] (null: contiguous): the new
+// K/V, in a buffer or in place in the slab, right after the past (the caller reserved those
+// positions); logits of the last T_head rows.
+extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
+                  const float *sin_t, const float *past, const int64_t *past_st, int S, float *x, float *logits,
+                  int T_head, float *out_new, const int64_t *new_st, float *scratch, int threads, int64_t *top) {
+    const int64_t packed[4] = {(int64_t)2 * mw->n_kv_heads * T * mw->head_dim, (int64_t)mw->n_kv_heads * T * mw->head_dim,
+                               (int64_t)T * mw->head_dim, mw->head_dim};
+    const Strided kv{past, past_st, S, out_new, new_st ? new_st : packed};
+    pass(mw, tokens, h, T, cos_t, sin_t, kv, x, logits, T_head, nullptr, scratch, threads, top);
+}
+
+// A pass over a flat batch (see `pass`, `Paged`): the slab [L, 2, Hkv, slots, D] with element
+// strides slab_st[0..3]; row t's K/V to slots[t], its keys the count[t] slots from vis + start[t]
+// (at most max_keys); logits of the rows head_rows[0 .. T_head) (null: the last T_head).
+extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
+                                   const float *sin_t, float *slab, const int64_t *slab_st, const int64_t *slots,
+                                   const int64_t *vis, const int64_t *start, const int64_t *count, int max_keys,
+                                   float *x, float *logits,
+                                   int T_head, const int64_t *head_rows, float *scratch, int threads, int64_t *top) {
+    const Paged kv{slab, slab_st, slots, vis, start, count, max_keys};
+    pass(mw, tokens, h, T, cos_t, sin_t, kv, x, logits, T_head, head_rows, scratch, threads, top);
+}
 
 // A proposer's chain of k guesses in one call (for the MTP module as `chain.MTPChain` and
 // `MTPSampledChain`): the head picks guess 1 from h0 (the model's state after its catch-up), or

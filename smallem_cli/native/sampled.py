@@ -1,0 +1,38 @@
+"""The native sampled verification of one sequence (`verify.h`), called from the engine's round."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import native
+from ..verify import uniforms
+
+
+def verify_sample(
+    logits: torch.Tensor,
+    temperature: float,
+    drafts: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """`verify.verify_sample` for one sequence under a plain temperature (`Warper.plain`), in one
+    call of the loaded library (`smallem_verify_sample`): raw logits [k+1, V] of the verify pass,
+    the guesses [k] and their q [k, V] (None: no guess) -> [k + 2] long: n kept, then the k+1
+    tokens. It draws what `verify_sample` draws, in the same order, from `generator`."""
+    lib = native._LIB
+    assert lib is not None, "the native library is not loaded (`library`)"
+    k, V = drafts.shape[0], logits.shape[-1]
+    assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
+    u = None  # without a guess, nothing to accept: verify_sample draws only the next token
+    if k:
+        assert q is not None and tuple(q.shape) == (k, V)
+        q, drafts = q.float().contiguous(), drafts.contiguous()
+        u = torch.rand(1, k, generator=generator)  # as verify_sample's acceptance draws
+    u_next = uniforms((1,), generator, logits)  # as its `sample` of the next token
+    out, r = torch.empty(k + 2, dtype=torch.long), torch.empty(V)  # r: the C code's scratch, held here
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    lib.smallem_verify_sample(
+        logits.data_ptr(), k, V, 1.0 / temperature, ptr(drafts) if k else None, ptr(q) if k else None, ptr(u),
+        u_next.data_ptr(), r.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    return out
