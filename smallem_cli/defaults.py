@@ -25,9 +25,10 @@ PROPOSER_HELP = (
 # on the shipped family (README, "The default k"; the drafts' re-measured on the native engine,
 # whose cheaper passes and one-call chains moved draft-4l greedy from 3 to 4 and draft-2l
 # sampled from 2 to 5; with the native sampled verification, mtp sampled from 4 to 3; the
-# longer-distilled draft-2l sampled back to 2: x1.25 against x1.21, x1.16, x1.06 at 3, 4, 5).
+# longer-distilled draft-2l sampled back to 2: x1.25 against x1.21, x1.16, x1.06 at 3, 4, 5;
+# distilled a third time, 3: x1.23 against x1.14, x1.21, x1.18 at 2, 4, 5).
 K = {"none": 0, "draft-2l": 4, "draft-4l": 4, "mtp": 4, "ngram": 4}
-K_SAMPLE = {"none": 0, "draft-2l": 2, "draft-4l": 2, "mtp": 3, "ngram": 4}
+K_SAMPLE = {"none": 0, "draft-2l": 3, "draft-4l": 2, "mtp": 3, "ngram": 4}
 K_OTHER = 3  # a proposer given by path
 # The model-free proposer (prompt lookup): the last NGRAM_MAX..NGRAM_MIN tokens looked up in
 # the text so far, longest first. A 1-gram matches almost always and guesses badly.

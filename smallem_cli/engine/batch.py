@@ -78,8 +78,9 @@ class BatchStep:
 def visible(b: BatchStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The keys each flat row sees, as slots: (vis, start [N], count [N]): row i sees the slots
     vis[start[i] .. start[i] + count[i]), in position order: its sequence's positions up to its
-    own (kv_slots' row, no copy), or a tree node's prefix and ancestors (where its row of `bias`
-    is 0). The native engine's batch pass reads its keys so (`native.NativeSteps.batch`)."""
+    own (a prefix of its row of kv_slots: no mask is made), or a tree node's prefix and
+    ancestors (where its row of `bias` is 0). The native engine's batch pass reads its keys so
+    (`native.NativeSteps.batch`)."""
     if b.prefix:
         return b.kv_slots.reshape(-1), b.seq * b.kv_slots.shape[1], b.positions + 1
     Tm = b.bias.shape[1]
