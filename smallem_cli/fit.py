@@ -45,15 +45,10 @@ class Fit:
         return self.temperatures == (1.0,) and not self.tv and not self.vocab
 
 
-def head_weight(model: Transformer, ids: torch.Tensor | None) -> torch.Tensor:
-    """The output head's rows [V or N, d] (the cut's rows, in `ids` order, for a cut head)."""
-    w = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return w if ids is None else w[ids]
-
-
 def student_logits(model: Transformer, h: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     """A proposer's logits through `model`'s final norm and head, cut to `ids`: [..., d] -> [..., V or N]."""
-    return F.linear(model.norm(h), head_weight(model, ids))
+    w = model.head_weight  # [V, d]; a cut head's rows in `ids` order
+    return F.linear(model.norm(h), w if ids is None else w[ids])
 
 
 def acceptance(teacher: torch.Tensor, student: torch.Tensor, ids: torch.Tensor | None, T: float) -> torch.Tensor:

@@ -93,7 +93,7 @@ def export_mimo(
         return t.detach().to(dtype).clone().contiguous()  # clone: the tied head is its own tensor here
 
     tensors = {_hf_name(k): put(v) for k, v in model.state_dict().items()}
-    tensors["lm_head.weight"] = put(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+    tensors["lm_head.weight"] = put(model.head_weight)
     tensors.update({mtp_name(k): put(v) for k, v in mtp.state_dict().items()})
     tensors[f"{MTP_LAYER}.final_layernorm.weight"] = put(model.norm.weight)  # the module ends on the target's norm
     for prefix in [f"model.layers.{i}" for i in range(cfg.n_layers)] + [MTP_LAYER]:

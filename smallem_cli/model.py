@@ -211,12 +211,17 @@ class Transformer(nn.Module):
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output head's rows [vocab, dim]: the tied token embedding, or lm_head's."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def pack(self) -> Transformer:
         """Prepare for inference: packed block weights, transposed head, per-column rope tables."""
         for blk in self.layers:
             blk.pack()  # type: ignore[operator]
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head_t = (w.detach().t() * self.norm.weight.detach()[:, None]).contiguous()  # final norm folded in
+        # [dim, vocab], the final norm folded in
+        self.head_t = (self.head_weight.detach().t() * self.norm.weight.detach()[:, None]).contiguous()
         self.head_rows = self.head_t.t().contiguous()  # [vocab, dim]: the same, for passes over a few rows
         self.rope_packed = packed_rope(self.cfg, self.cos, self.sin)
         self.rope_cos, self.rope_sin = self.rope_packed.real.contiguous(), self.rope_packed.imag.contiguous()
@@ -226,7 +231,7 @@ class Transformer(nn.Module):
         """Final norm and output head: [..., dim] -> [..., vocab]. The MTP module shares it."""
         if self.head_t is not None and self.head_rows is not None:
             return head_matmul(unit_rms(h, self.cfg.norm_eps), self.head_t, self.head_rows)
-        return F.linear(self.norm(h), self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return F.linear(self.norm(h), self.head_weight)
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """Training trunk: tokens [B, T] -> final hidden states [B, T, dim] (before the final norm)."""

@@ -69,9 +69,7 @@ def transformer_pass(
     sequence's last row), "none" an empty [0, V]. With native steps switched on, one C pass."""
     steps = _native(model, slab)
     if steps is not None:
-        rows = None if head == "none" else b.last if head == "last" else torch.arange(ids.shape[0])
-        logits, x = steps.batch(ids, None, slab, b, rows)
-        return (x[:0] if head == "none" else logits), x
+        return steps.batch(ids, None, slab, b, head)
     if model.rope_packed is None:
         model.pack()
     assert model.rope_packed is not None
@@ -80,7 +78,7 @@ def transformer_pass(
     for i, blk in enumerate(model.layers):
         x = block_pass(blk, x, rope, slab[i], b)  # type: ignore[arg-type]
     if head == "none":
-        return x[:0], x
+        return x.new_empty(0, model.cfg.vocab_size), x
     return model.logits(x[b.last] if head == "last" else x), x
 
 
@@ -90,7 +88,7 @@ def mtp_pass(
     """Pairs (h_j [N, d], token j+1 [N]) -> the module's states [N, d], through its one-layer slab."""
     steps = _native(mtp, slab)
     if steps is not None:
-        return steps.batch(ids, h, slab, b, None)[1]
+        return steps.batch(ids, h, slab, b)[1]
     assert mtp.proj_t is not None and target.rope_packed is not None, "pack() first"
     d = mtp.cfg.dim
     table = mtp.token_table(target.embed_tokens.weight)

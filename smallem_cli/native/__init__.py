@@ -187,8 +187,7 @@ class NativeSteps:
             self.keep += [table, wh, g_h]
             mw.table, mw.wh, mw.g_h = table.data_ptr(), wh.data_ptr(), g_h.data_ptr()
         else:
-            head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-            embed, head16 = _half(model.embed_tokens.weight, "embed_tokens"), panels(head, "head")
+            embed, head16 = _half(model.embed_tokens.weight, "embed_tokens"), panels(model.head_weight, "head")
             g = model.norm.weight.detach().float().contiguous()
             self.keep += [embed, head16, g]
             mw.embed, mw.head, mw.g_final = embed.data_ptr(), head16.data_ptr(), g.data_ptr()
@@ -200,7 +199,7 @@ class NativeSteps:
         # The head and final norm a chain of guesses reads (`chain`): the target's for the MTP
         # module, a draft's own; packed at the chain's first call, per cut of the head.
         head_of = target if isinstance(model, MTPModule) else model
-        self.head_src = (head_of.embed_tokens.weight if head_of.lm_head is None else head_of.lm_head.weight).detach()
+        self.head_src = head_of.head_weight.detach()
         self.g_final = head_of.norm.weight.detach().float().contiguous()
         register(self)
 
@@ -289,20 +288,21 @@ class NativeSteps:
         h: torch.Tensor | None,
         slab: torch.Tensor,
         b: BatchStep,
-        head_rows: torch.Tensor | None,
+        head: str = "none",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's target
         states h [N, d]) at `b`'s positions, their K/V written into `slab` [L, 2, Hkv, slots, D] at
         b.slots, each row attending to the slots its mask shows (`batch.visible`).
-        head_rows [R] (None: no head) -> (logits [R, V], hidden [N, d])."""
+        head (`forward.transformer_pass`'s): "all" rows, each sequence's "last", or "none"
+        -> (logits [N, V], [B, V] or [0, V], hidden [N, d])."""
         c, threads = self.cfg, torch.get_num_threads()
         N = tokens.shape[0]
         vis, first, count = (t.contiguous() for t in visible(b))
         keys = int(count.max())
         cos, sin = self.rope[0][b.positions], self.rope[1][b.positions]  # [N, P]
-        R = 0 if head_rows is None or not self._has_head() else head_rows.shape[0]
+        rows = b.last.contiguous() if head == "last" else None  # gathered; "all": the last N rows are all
+        R = 0 if head == "none" or self.mtp else N if head == "all" else len(b.counts)
         x, logits = torch.empty(N, c.dim), torch.empty(R, c.vocab_size)
-        rows = None if head_rows is None else head_rows.contiguous()
         h = None if h is None else h.contiguous()  # held here: the C code reads it
         tokens, slots = tokens.contiguous(), b.slots.contiguous()
         assert slab.is_contiguous() and keys <= self.positions + N
@@ -315,12 +315,9 @@ class NativeSteps:
         self.lib.smallem_batch_step(
             ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), N, cos.data_ptr(), sin.data_ptr(), slab.data_ptr(),
             ctypes.addressof(strides), slots.data_ptr(), vis.data_ptr(), first.data_ptr(), count.data_ptr(), keys,
-            x.data_ptr(), logits.data_ptr(), R, ptr(rows) if R else None, scratch.data_ptr(), threads, None,
+            x.data_ptr(), logits.data_ptr(), R, ptr(rows), scratch.data_ptr(), threads, None,
         )  # fmt: skip
         return logits, x
-
-    def _has_head(self) -> bool:
-        return not self.mtp
 
     def _run(
         self,
@@ -397,6 +394,4 @@ def prepare(target: Transformer, models: list[Transformer | MTPModule], log: Log
     return sum(attach(m, target, log, root) for m in every), len(every)
 
 
-from .sampled import verify_sample  # noqa: E402  (the engine reaches it as native.verify_sample)
-
-__all__ = ["NativeSteps", "NativeUnavailable", "attach", "prepare", "verify_sample"]
+from .sampled import verify_sample as verify_sample  # noqa: E402  (re-exported: the engine calls native.verify_sample)
