@@ -148,6 +148,13 @@ def bench(
         str | None,
         typer.Option("--tree", help="also rows with token trees of N guesses (N or N,M,..): each MTP proposer"),
     ] = None,
+    weights: Annotated[
+        str,
+        typer.Option(
+            "--proposer-weights",
+            help=f"int8 | f16 | int8,f16 (also rows P@f16): the proposer's native matrices [{D.PROPOSER_WEIGHTS}]",
+        ),
+    ] = D.PROPOSER_WEIGHTS,
 ) -> None:
     """The seed's measurement table: tokens/s, speed-up, acceptance, cost model."""
     import json
@@ -187,7 +194,9 @@ def bench(
             return
         prompts_file = prompts_file or D.PROMPTS
         adaptive = O.adaptive_names(names, O.p_min(p_min)) if p_min else {}  # "mtp@p0.4" -> "mtp"
-        names += list(adaptive) + list(trees)
+        first, *others = O.weights_list(weights)
+        stored = O.weights_names(names, others)  # "mtp@f16" -> ("mtp", "f16")
+        names += list(adaptive) + list(trees) + list(stored)
         ks = O.bench_ks(names, mode_list, extra, sweep)
         prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks)
         O.check_vocab(proposer_vocab)
@@ -195,12 +204,13 @@ def bench(
         loaded = {
             v: {
                 n: family.load_proposer(
-                    adaptive.get(n, trees[n][0] if n in trees else n),
+                    adaptive.get(n, trees[n][0] if n in trees else stored[n][0] if n in stored else n),
                     tgt,
                     dev,
                     v,
                     (p_min or 0.0) * (n in adaptive),
                     O.tree(trees[n][1]) if n in trees else None,
+                    stored[n][1] if n in stored else first,
                 )
                 for n in names
             }
@@ -318,6 +328,7 @@ def generate(
         typer.Option("--draft-p-min", help="adaptive depth: stop a round's guesses below this confidence (0 = off)"),
     ] = D.P_MIN,
     tree: Annotated[int, typer.Option("--tree", help=D.TREE_HELP)] = D.TREE,
+    weights: Annotated[str, typer.Option("--proposer-weights", help=D.WEIGHTS_HELP)] = D.PROPOSER_WEIGHTS,
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
     import json
@@ -340,7 +351,13 @@ def generate(
         tgt = family.load_target(target, dev, tokenizer)
         O.check_vocab(proposer_vocab)
         make_proposer = family.load_proposer(
-            proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab), O.p_min(p_min), O.tree(tree)
+            proposer,
+            tgt,
+            dev,
+            D.proposer_vocab(temperature == 0, proposer_vocab),
+            O.p_min(p_min),
+            O.tree(tree),
+            weights,
         )
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids

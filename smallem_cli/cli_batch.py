@@ -200,6 +200,7 @@ def batch(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="nothing on stderr but errors")] = False,
     tree: Annotated[int, typer.Option("--tree", help=D.TREE_HELP)] = D.TREE,
+    weights: Annotated[str, typer.Option("--proposer-weights", help=D.WEIGHTS_HELP)] = D.PROPOSER_WEIGHTS,
 ) -> None:
     """Answer many requests, one a line of FILE (or stdin), decoded together: a JSON line each on stdout.
 
@@ -250,6 +251,7 @@ def batch(
             decode=tok.decode,
             tree=O.tree(tree),
             native_log=((lambda _: None) if quiet else err.print) if mode == "native" else None,
+            weights=weights,
         )
     except O.INPUT_ERRORS as e:
         if source is not None and source is not sys.stdin.buffer:

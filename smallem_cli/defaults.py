@@ -89,6 +89,14 @@ COST_PASSES = (1, 2, 3, 4, 5, 8, 16)
 PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 
 
+# How the native engine stores a proposer's matrices (`--proposer-weights`): "int8" (per-row
+# scales, `native.panels8`: half the bytes a guess reads; its guesses kept as often, measured by
+# `smallem bench --proposer-weights int8,f16`) or "f16", its checkpoint's values. The target's
+# are always its own float16 values: the text is the target's either way.
+PROPOSER_WEIGHTS = "int8"
+WEIGHTS = ("int8", "f16")
+WEIGHTS_HELP = f"int8 | f16: how the native engine stores the proposer's matrices [default: {PROPOSER_WEIGHTS}]"
+
 # `smallem eval` reads how often a sampled first guess is kept at these temperatures.
 EVAL_TEMPERATURES = (1.0, 0.7)
 

@@ -88,6 +88,7 @@ def load_proposer(
     vocab: int = 0,
     p_min: float = 0.0,
     tree: tuple[int, int] | None = None,
+    weights: str = D.PROPOSER_WEIGHTS,
 ) -> ProposerFactory:
     """`spec` -> a factory of proposers (each generation gets its own caches).
 
@@ -95,7 +96,11 @@ def load_proposer(
     the checkpoint records them (see proposers.Head); 0 keeps the whole head. p_min > 0: a
     model proposer stops a round's guesses once it is less sure than that (adaptive depth).
     tree (guesses, width): the MTP module grows token trees (`engine.tree_guess`); MTP only.
+    weights: "int8" or "f16", how the native engine stores the proposer's matrices
+    (`native.panels8`; the eager and compiled engines read its own values either way).
     """
+    if weights not in D.WEIGHTS:
+        raise CheckpointError(f"--proposer-weights takes {' or '.join(D.WEIGHTS)}, got {weights!r}")
     if tree is not None and not _is_mtp(spec, target):
         raise CheckpointError(f"--tree needs the MTP module as proposer, not {spec!r}")
     if spec == "none":
@@ -107,7 +112,7 @@ def load_proposer(
         rest = spec[len(D.NGRAM) + 1 :]
         if rest in ("none", D.NGRAM) or rest.startswith(D.NGRAM + "+"):
             raise CheckpointError(f"proposer {spec!r}: {D.NGRAM}+ takes a model proposer (a draft or an MTP module)")
-        other = load_proposer(rest, target, device, vocab, p_min)
+        other = load_proposer(rest, target, device, vocab, p_min, weights=weights)
         return lambda n: Fallback(NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST), other(n))
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
@@ -116,6 +121,7 @@ def load_proposer(
         _same_vocab(target, fp, draft.cfg.vocab_size, path)
         _fits(target, draft, path)
         draft.pack()
+        draft.native_int8 = weights == "int8"
         return lambda n: DraftProposer(draft, n, name, p_min=p_min)
     meta = checkpoint.read_meta(path)  # the tensors load once, below
     vocab_size = checkpoint.config_of(meta, path).vocab_size
@@ -125,11 +131,13 @@ def load_proposer(
     if meta.get("kind") == "mtp":
         mtp, _ = checkpoint.load_mtp(path, target.model, device)
         mtp.pack()
+        mtp.native_int8 = weights == "int8"
         mtp_head = Head(target.model, ids)
         return lambda n: MTPProposer(target.model, mtp, n, mtp_head, p_min=p_min, tree=tree)
     draft, _ = checkpoint.load_model(path, device)
     _fits(target, draft, path)
     draft.pack()
+    draft.native_int8 = weights == "int8"
     head = Head(draft, ids)
     return lambda n: DraftProposer(draft, n, name, head, p_min=p_min)
 

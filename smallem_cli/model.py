@@ -200,6 +200,8 @@ class Transformer(nn.Module):
         self.rope_sin: torch.Tensor | None = None
         self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
         self.native: NativeSteps | None = None  # set by `native.attach`: the native engine's
+        # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
+        self.native_int8 = False
 
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 style init; residual projections scaled down with depth."""
@@ -315,6 +317,8 @@ class MTPModule(nn.Module):
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, its projected rows)
         self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
         self.native: NativeSteps | None = None  # set by `native.attach`: the native engine's
+        # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
+        self.native_int8 = False
 
     def pack(self) -> MTPModule:
         self.block.pack()

@@ -217,6 +217,19 @@ def adaptive_names(names: list[str], p: float) -> dict[str, str]:
     return {f"{n}@p{p:g}": n for n in names if n not in ("none", D.NGRAM)}
 
 
+def weights_list(text: str) -> list[str]:
+    """bench --proposer-weights: "int8", or "int8,f16" (rows for the second as well)."""
+    got = [w.strip() for w in text.split(",") if w.strip()]
+    if not 1 <= len(got) <= len(D.WEIGHTS) or len(set(got)) < len(got) or not set(got) <= set(D.WEIGHTS):
+        raise UsageError(f"--proposer-weights takes {', '.join(D.WEIGHTS)} or both, comma-separated, got {text!r}")
+    return got
+
+
+def weights_names(names: list[str], others: list[str]) -> dict[str, tuple[str, str]]:
+    """bench --proposer-weights A,B: a row name for each model proposer stored as B -> (it, B)."""
+    return {f"{n}@{w}": (n, w) for n in names if n not in ("none", D.NGRAM) for w in others}
+
+
 def check_vocab(proposer_vocab: int | None) -> None:
     if proposer_vocab is not None and proposer_vocab < 0:
         raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")

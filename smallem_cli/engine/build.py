@@ -54,17 +54,20 @@ def build_engine(
     page_size: int = D.PAGE_SIZE,
     tree: tuple[int, int] | None = None,
     native_log: Callable[[str], None] | None = None,
+    weights: str = D.PROPOSER_WEIGHTS,
 ) -> Engine:
     """k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`).
     tree: (guesses per tree, candidates per node) for token trees (`tree_guess`), MTP only.
     native_log: give the target and the proposer's models native steps (`--engine native`: every
-    pass of the batch one C call), saying through it why a model cannot have them."""
+    pass of the batch one C call), saying through it why a model cannot have them.
+    weights: how the native engine stores the proposer's matrices (`family.load_proposer`)."""
     model = tgt.model
     pool = PagePool(n_pages or pool_pages(max_batch, model.cfg.max_seq_len, page_size, tree), page_size)
     slab = slab_for(model, pool.n_pages * page_size, device)
     # The greedy and the sampled proposer heads differ (`D.PROPOSER_VOCAB`); a batch mixes modes,
     # so the head is chosen by what the batch serves by default: greedy's.
-    one = family.load_proposer(proposer, tgt, device, D.proposer_vocab(True, proposer_vocab), tree=tree)(1)
+    vocab = D.proposer_vocab(True, proposer_vocab)
+    one = family.load_proposer(proposer, tgt, device, vocab, tree=tree, weights=weights)(1)
     bp = batch_proposer(one, pool)
     if proposer == "none":
         kg = ks = 0

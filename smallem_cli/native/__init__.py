@@ -36,8 +36,9 @@ from pathlib import Path
 import torch
 
 from ..engine.batch import BatchStep, visible
-from ..model import MTPModule, Transformer, interleave_halves
+from ..model import MTPModule, Transformer
 from ..steps import StepFn, register
+from .pack import NativeUnavailable, half_exact, panels, panels8, rope_rows
 
 Log = Callable[[str], None]
 HERE = Path(__file__).parent
@@ -47,19 +48,24 @@ MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longe
 _LIB: ctypes.CDLL | None = None
 
 
-class NativeUnavailable(RuntimeError):
-    """The native engine cannot serve this machine or this model (the message says why)."""
+class _Mat(ctypes.Structure):
+    """A matrix in panels (`matmul.h`'s `Mat`): float16, or int8 with its rows' scales."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
 
 
 class _LayerW(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_void_p) for n in ("qkv", "o", "gu", "down", "g1", "g2")]
+    _fields_ = [*[(n, _Mat) for n in ("qkv", "o", "gu", "down")], *[(n, ctypes.c_void_p) for n in ("g1", "g2")]]
 
 
 class _ModelW(ctypes.Structure):
     _fields_ = [
         *[(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")],
         ("eps", ctypes.c_float),
-        *[(n, ctypes.c_void_p) for n in ("layers", "embed", "head", "g_final", "table", "wh")],
+        *[(n, ctypes.c_void_p) for n in ("layers", "embed")],
+        ("head", _Mat),
+        *[(n, ctypes.c_void_p) for n in ("g_final", "table")],
+        ("wh", _Mat),
         ("g_h", ctypes.c_void_p),
     ]
 
@@ -99,7 +105,7 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
     ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp, verify.h), argument by argument
     lib.smallem_step.restype = lib.smallem_chain.restype = None
     lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 3 + [num, ptr]
-    lib.smallem_chain.argtypes = [ptr] * 2 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]
+    lib.smallem_chain.argtypes = [ptr] * 3 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]
     lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
     lib.smallem_batch_step.restype = None
     lib.smallem_batch_step.argtypes = [ptr] * 3 + [num] + [ptr] * 8 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num, ptr]
@@ -107,29 +113,6 @@ def library(root: Path, log: Log) -> ctypes.CDLL:
     lib.smallem_verify_sample.argtypes = [ptr, num, num, ctypes.c_float] + [ptr] * 6
     _LIB = lib
     return lib
-
-
-def _half(w: torch.Tensor, name: str) -> torch.Tensor:
-    """w as float16, refusing any weight float16 cannot hold exactly (the model would change)."""
-    h = w.detach().to(torch.float16).contiguous()
-    if not torch.equal(h.float(), w.detach().float()):
-        raise NativeUnavailable(f"{name} is not float16-exact (a model trained or loaded in float32)")
-    return h
-
-
-def panels(w: torch.Tensor, name: str) -> torch.Tensor:
-    """W [out, in] -> float16 panels of eight output rows [ceil(out / 8), in, 8] (`step.cpp`'s
-    layout: a product reads each panel front to back), the last one padded with zero rows."""
-    h = _half(w, name)
-    pad = -h.shape[0] % 8
-    if pad:
-        h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
-    return h.view(-1, 8, h.shape[1]).transpose(1, 2).contiguous()
-
-
-def _rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """Rows of Wq or Wk [heads*D, in] reordered so that each rotary pair is adjacent (as `Block.pack`)."""
-    return w.view(n_heads, head_dim, -1)[:, interleave_halves(head_dim)].reshape(n_heads * head_dim, -1)
 
 
 class NativeSteps:
@@ -141,6 +124,9 @@ class NativeSteps:
 
     def __init__(self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path) -> None:
         self.lib = library(root, log)
+        # a proposer's matrices as int8 where it was loaded so (`panels8`): fewer bytes a guess;
+        # the target's never
+        self.int8 = model.native_int8 and model is not target
         c = model.cfg
         if c.dim % 8 or c.head_dim % 8 or c.hidden_dim % 8 or c.n_heads % c.n_kv_heads:
             raise NativeUnavailable("the model's widths are not multiples of 8")
@@ -158,14 +144,11 @@ class NativeSteps:
         layers = (_LayerW * len(blocks))()
         for i, b in enumerate(blocks):
             H, Hkv, D = b.n_heads, b.n_kv_heads, b.head_dim
-            qkv = torch.cat([_rope_rows(b.q_proj.weight, H, D), _rope_rows(b.k_proj.weight, Hkv, D), b.v_proj.weight])
-            ws = [panels(qkv, f"layer {i}"), panels(b.o_proj.weight, f"layer {i}")]
-            ws += [panels(torch.cat([b.gate_proj.weight, b.up_proj.weight]), f"layer {i}")]
-            ws += [panels(b.down_proj.weight, f"layer {i}")]
-            ws += [b.input_layernorm.weight.detach().float().contiguous()]
-            ws += [b.post_attention_layernorm.weight.detach().float().contiguous()]
-            self.keep += ws
-            layers[i] = _LayerW(*[w.data_ptr() for w in ws])
+            qkv = torch.cat([rope_rows(b.q_proj.weight, H, D), rope_rows(b.k_proj.weight, Hkv, D), b.v_proj.weight])
+            mats = [qkv, b.o_proj.weight, torch.cat([b.gate_proj.weight, b.up_proj.weight]), b.down_proj.weight]
+            norms = [w.weight.detach().float().contiguous() for w in (b.input_layernorm, b.post_attention_layernorm)]
+            self.keep += norms
+            layers[i] = _LayerW(*[self._mat(w, f"layer {i}") for w in mats], *[w.data_ptr() for w in norms])
         mw = _ModelW(
             c.n_layers if not self.mtp else 1,
             c.dim,
@@ -179,19 +162,20 @@ class NativeSteps:
         mw.layers = ctypes.cast(layers, ctypes.c_void_p)
         # a chain's head rows in panels, by ids (held, so that their id stays theirs); a draft's
         # whole head is the one its passes read
-        self._heads: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._heads: dict[int, tuple[torch.Tensor | None, _Mat]] = {}
         if isinstance(model, MTPModule):
             table = model.token_table(target.embed_tokens.weight).detach().contiguous()
-            wh = panels(model.eh_proj.weight[:, : c.dim], "eh_proj")  # [d, d]: the h half
             g_h = model.hnorm.weight.detach().float().contiguous()
-            self.keep += [table, wh, g_h]
-            mw.table, mw.wh, mw.g_h = table.data_ptr(), wh.data_ptr(), g_h.data_ptr()
+            self.keep += [table, g_h]
+            mw.wh = self._mat(model.eh_proj.weight[:, : c.dim], "eh_proj")  # [d, d]: the h half
+            mw.table, mw.g_h = table.data_ptr(), g_h.data_ptr()
         else:
-            embed, head16 = _half(model.embed_tokens.weight, "embed_tokens"), panels(model.head_weight, "head")
+            embed = half_exact(model.embed_tokens.weight, "embed_tokens")
             g = model.norm.weight.detach().float().contiguous()
-            self.keep += [embed, head16, g]
-            mw.embed, mw.head, mw.g_final = embed.data_ptr(), head16.data_ptr(), g.data_ptr()
-            self._heads[id(None)] = (None, head16)
+            self.keep += [embed, g]
+            mw.head = self._mat(model.head_weight, "head")
+            mw.embed, mw.g_final = embed.data_ptr(), g.data_ptr()
+            self._heads[id(None)] = (None, mw.head)
         self.layers_c, self.mw = layers, mw
         self.cfg = c
         self._scratch: dict[tuple[int, int, int], torch.Tensor] = {}  # by (T, threads, extra floats)
@@ -202,6 +186,16 @@ class NativeSteps:
         self.head_src = head_of.head_weight.detach()
         self.g_final = head_of.norm.weight.detach().float().contiguous()
         register(self)
+
+    def _mat(self, w: torch.Tensor, name: str) -> _Mat:
+        """W [out, in] in panels, held: float16 (refused if not float16-exact), or int8 (`int8`)."""
+        if self.int8:
+            q, scale = panels8(w)
+            self.keep += [q, scale]
+            return _Mat(q.data_ptr(), scale.data_ptr())
+        h = panels(w, name)
+        self.keep.append(h)
+        return _Mat(h.data_ptr(), None)
 
     def __deepcopy__(self, memo: dict) -> None:
         """A copy of the model gets no native steps: these read this model's weights (as copied here)."""
@@ -252,7 +246,7 @@ class NativeSteps:
         assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
             rows = self.head_src if ids is None else self.head_src[ids]
-            self._heads[id(ids)] = (ids, panels(rows, "the proposer's head"))
+            self._heads[id(ids)] = (ids, self._mat(rows, "the proposer's head"))
         ids_t, rows = self._heads[id(ids)]
         c, threads = self.cfg, torch.get_num_threads()
         N = c.vocab_size if ids_t is None else ids_t.numel()
@@ -275,7 +269,7 @@ class NativeSteps:
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.lib.smallem_chain(
-            ctypes.addressof(self.mw), rows.data_ptr(), N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
+            ctypes.addressof(self.mw), rows.w, rows.scale, N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
             ptr(feed), ptr(feed_h), m, k, cos.data_ptr(), sin.data_ptr(), view.data_ptr(),
             ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else inv_t, tokens.data_ptr(),
             tops.data_ptr(), q.data_ptr(), scratch.data_ptr(), need, threads,

@@ -23,12 +23,13 @@
 #include "verify.h"  // smallem_verify_sample: one library, one translation unit (one compile)
 
 // Every matrix W [out, in] is stored in panels of eight output rows (`native.panels`):
-// float16 [ceil(out / 8), in, 8], so that a product reads each panel front to back.
+// [ceil(out / 8), in, 8], so that a product reads each panel front to back; float16, or a
+// proposer's int8 with its rows' scales (`Mat`, matmul.h).
 struct LayerW {
-    const uint16_t *qkv;  // [(H + 2Hkv) D, d]
-    const uint16_t *o;    // [d, H D]
-    const uint16_t *gu;   // [2F, d]: gate rows, then up rows
-    const uint16_t *down; // [d, F]
+    Mat qkv;  // [(H + 2Hkv) D, d]
+    Mat o;    // [d, H D]
+    Mat gu;   // [2F, d]: gate rows, then up rows
+    Mat down; // [d, F]
     const float *g1, *g2; // RMSNorm weights before attention and before the MLP [d]
 };
 
@@ -37,11 +38,11 @@ struct ModelW {
     float eps;
     const LayerW *layers;
     const uint16_t *embed; // [V, d] row-major (a Transformer's token embedding; unused by the MTP module)
-    const uint16_t *head;  // [V, d] output head, or null (no head: the MTP module)
+    Mat head;              // [V, d] output head, or w null (no head: the MTP module)
     const float *g_final;  // [d] final norm, or null
     // The MTP module's prologue: x = table[token] + (unit_rms(h) * g_h) @ Wh^T
     const float *table;    // [V, d] float32 (the token's half, `MTPModule.token_table`), or null
-    const uint16_t *wh;    // [d, d] the h half of eh_proj
+    Mat wh;                // [d, d] the h half of eh_proj
     const float *g_h;      // [d]
 };
 
@@ -159,7 +160,7 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
             }
             matmul(hf, T, F, L.down, d, F, x, d, true);
         }
-        if (mw->head && T_head > 0) {
+        if (mw->head.w && T_head > 0) {
             if (head_rows) {  // the rows asked for, gathered (a batch's last rows)
 #pragma omp for schedule(static)
                 for (int t = 0; t < T_head; t++) memcpy(xn + (size_t)t * d, x + (size_t)head_rows[t] * d, d * sizeof(float));
@@ -181,7 +182,7 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
             }
         }
     }
-    if (top && mw->head && T_head > 0) top[T_head] = finite;
+    if (top && mw->head.w && T_head > 0) top[T_head] = finite;
 }
 
 // A pass over one sequence (see `pass`, `Strided`): past [L, 2, Hkv, S, D] with element strides
@@ -219,7 +220,7 @@ extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, cons
 // entries' K/V are written into `view` at positions L, L+1, .. (the caller reserved them; the
 // MTP module drops them after the round, a draft keeps those the target confirms), so that
 // each step reads them as past.
-//   head_rows: N rows of d, in panels (the proposer's head: maybe cut to N rows; `ids` [N] maps a
+//   head_rows: N rows of d, in panels, float16 or int8 with head_scale (the proposer's head: maybe cut to N rows; `ids` [N] maps a
 //   row to its token, null: row = token), g_final [d] the final norm; cos, sin [m+k-1, P];
 //   view: the model's cache [layers, 2, Hkv, >= L+m+k-1, D] with strides st[0..3].
 //   Greedy (u null): tokens [k] the head's argmax, tops [k] its probability (for p-min).
@@ -228,7 +229,7 @@ extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, cons
 //   the uniform draw u [j] made by the caller from the run's generator (`verify.pick`: the
 //   first token whose running sum of q_j, in float64 and in order, exceeds u_j times the total).
 // scratch: smallem_step's for T = max(m, 1) (step_scratch floats), then 3 d + N + m d floats.
-extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N, const float *g_final,
+extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const float *head_scale, int N, const float *g_final,
                               const int64_t *ids, const float *h0, const int64_t *feed, const float *feed_h, int m,
                               int k, const float *cos_t, const float *sin_t, float *view, const int64_t *st, int L,
                               const double *u, float inv_t, int64_t *tokens, float *tops, float *q, float *scratch,
@@ -247,7 +248,7 @@ extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N
 #pragma omp parallel num_threads(threads)
         {
             rms_rows(state, 1, d, mw->eps, g_final, xn);
-            matmul(xn, 1, d, head_rows, N, d, logits, N, false);
+            matmul(xn, 1, d, Mat{head_rows, head_scale}, N, d, logits, N, false);
         }
         int best = 0;
         for (int i = 1; i < N; i++)
@@ -256,17 +257,10 @@ extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N
             // q_j over the vocabulary: row i of a cut head is token ids[i]'s column
             float *qj = q + (size_t)j * (ids ? mw->vocab : N);
             auto col = [&](int i) { return ids ? ids[i] : (int64_t)i; };
-            const float top = logits[best] * inv_t;
-            float sum = 0.0f;
-            for (int i = 0; i < N; i++) {
-                float e = expf(logits[i] * inv_t - top);
-                qj[col(i)] = e;
-                sum += e;
-            }
-            const float inv = 1.0f / sum;
+            const float inv = 1.0f / exp_sum(logits, logits, N, inv_t, logits[best] * inv_t);  // logits -> weights
             double total = 0.0;
             for (int i = 0; i < N; i++) {
-                qj[col(i)] *= inv;
+                qj[col(i)] = logits[i] * inv;
                 total += qj[col(i)];
             }
             const double v = u[j] * total;
@@ -281,9 +275,7 @@ extern "C" void smallem_chain(const ModelW *mw, const uint16_t *head_rows, int N
             }
             tops[j] = qj[col(best)];
         } else {
-            float sum = 0.0f;
-            for (int i = 0; i < N; i++) sum += expf(logits[i] - logits[best]);
-            tops[j] = 1.0f / sum;
+            tops[j] = 1.0f / exp_sum(logits, logits, N, 1.0f, logits[best]);
         }
         tokens[j] = ids ? ids[best] : best;
         if (j == k - 1) break;

@@ -34,6 +34,22 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// out[i] = exp(x[i] scale - shift) for i < n (out may be x) -> their sum: a softmax's weights,
+// shift being the largest x times scale, so that none overflows.
+static inline float exp_sum(const float *x, float *out, int n, float scale, float shift) {
+    const __m256 vs = _mm256_set1_ps(scale), vt = _mm256_set1_ps(shift);
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(x + i), vs, vt));
+        _mm256_storeu_ps(out + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += (out[i] = expf(x[i] * scale - shift));
+    return sum;
+}
+
 // The first index of the largest of x[0 .. n) (torch.argmax's choice), and whether every
 // value is finite: x - x is NaN exactly where x is NaN or infinite.
 static inline int64_t argmax_finite(const float *x, int n, bool *finite) {

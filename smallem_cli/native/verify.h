@@ -23,16 +23,7 @@ extern "C" void smallem_verify_sample(const float *logits, int k, int V, float i
         _mm256_storeu_ps(m, m8);
         for (int j = 0; j < 8; j++) mx = m[j] > mx ? m[j] : mx;
         for (; i < V; i++) mx = l[i] > mx ? l[i] : mx;
-        const float top = mx * inv_t;
-        __m256 vt = _mm256_set1_ps(top), vi = _mm256_set1_ps(inv_t), acc = _mm256_setzero_ps();
-        for (i = 0; i + 8 <= V; i += 8) {
-            __m256 e = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(l + i), vi, vt));
-            _mm256_storeu_ps(r + i, e);
-            acc = _mm256_add_ps(acc, e);
-        }
-        float sum = hsum(acc);
-        for (; i < V; i++) sum += (r[i] = expf(l[i] * inv_t - top));
-        return sum;
+        return exp_sum(l, r, V, inv_t, mx * inv_t);
     };
     int n = 0;
     float sum = 0.0f;

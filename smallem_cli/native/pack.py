@@ -1,0 +1,49 @@
+"""The native engine's weight layouts: float16 panels (the checkpoint's values), and a
+proposer's int8 panels with a scale per row (`matmul.h`'s `Mat`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import interleave_halves
+
+
+class NativeUnavailable(RuntimeError):
+    """The native engine cannot serve this machine or this model (the message says why)."""
+
+
+def half_exact(w: torch.Tensor, name: str) -> torch.Tensor:
+    """w as float16, refusing any weight float16 cannot hold exactly (the model would change)."""
+    h = w.detach().to(torch.float16).contiguous()
+    if not torch.equal(h.float(), w.detach().float()):
+        raise NativeUnavailable(f"{name} is not float16-exact (a model trained or loaded in float32)")
+    return h
+
+
+def panels(w: torch.Tensor, name: str) -> torch.Tensor:
+    """W [out, in] -> float16 panels of eight output rows [ceil(out / 8), in, 8] (`step.cpp`'s
+    layout: a product reads each panel front to back), the last one padded with zero rows."""
+    h = half_exact(w, name)
+    pad = -h.shape[0] % 8
+    if pad:
+        h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
+    return h.view(-1, 8, h.shape[1]).transpose(1, 2).contiguous()
+
+
+def panels8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> int8 panels [ceil(out / 8), in, 8] (`panels`' layout) and float32 scales
+    [ceil(out / 8) * 8]: row n is scale[n] * q[n], q[n] = round(W[n] / scale[n]) with
+    scale[n] = max |W[n]| / 127 (symmetric, per output row). For a proposer only (`Mat`)."""
+    w = w.detach().float()
+    top = w.abs().amax(dim=1)
+    scale = torch.where(top > 0, top / 127, torch.ones_like(top))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    pad = -w.shape[0] % 8
+    if pad:
+        q, scale = torch.cat([q, q.new_zeros(pad, w.shape[1])]), torch.cat([scale, scale.new_ones(pad)])
+    return q.view(-1, 8, w.shape[1]).transpose(1, 2).contiguous(), scale.contiguous()
+
+
+def rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Rows of Wq or Wk [heads*D, in] reordered so that each rotary pair is adjacent (as `Block.pack`)."""
+    return w.view(n_heads, head_dim, -1)[:, interleave_halves(head_dim)].reshape(n_heads * head_dim, -1)

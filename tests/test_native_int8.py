@@ -1,0 +1,217 @@
+"""A proposer's matrices as int8 on the native engine (`--proposer-weights int8`, `native.panels8`).
+
+A proposer's numbers change only how often its guesses are kept, so the native engine may store
+its matrices as int8 with a scale per row. What is checked: the rule (each row within half a step
+of its scale); that the int8 kernels compute what the eager path computes on the dequantized
+weights (scale x q), to float32 rounding: the MTP module's pass, the MTP and draft chains (greedy
+and sampled: the same guesses, the same q) and whole generations, token for token; that greedy
+text stays the target's alone and the target's own matrices are never quantized; the option.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PROMPT, TINY, Family, noisy_copy, random_model, random_mtp
+from test_native import close, eager_and_native, halved, no_native
+from typer.testing import CliRunner
+
+from smallem_cli import family as fam
+from smallem_cli import native
+from smallem_cli.cli import app
+from smallem_cli.generate import generate
+from smallem_cli.model import MTPModule, Transformer
+from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
+from smallem_cli.sampling import Sampling
+from smallem_cli.verify import Warper
+
+pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
+
+BLOCK = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def roundtrip(w: torch.Tensor) -> torch.Tensor:
+    """W [out, in] as the int8 kernels read it: scale[n] * q[n], from `panels8`'s own panels."""
+    q, scale = native.panels8(w)
+    rows = q.transpose(1, 2).reshape(-1, w.shape[1]).float() * scale[:, None]  # [panels * 8, in]
+    return rows[: w.shape[0]]
+
+
+def dequantize_block(block: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name in BLOCK:
+            lin = getattr(block, name)
+            lin.weight.copy_(roundtrip(lin.weight))
+
+
+def with_head(model: Transformer, head: torch.Tensor) -> Transformer:
+    """A copy of `model` whose output head is `head` (its own lm_head: the embedding stays), packed."""
+    cfg = dataclasses.replace(model.cfg, tie_embeddings=False)
+    m = Transformer(cfg)
+    m.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        m.lm_head.weight.copy_(head)  # type: ignore[union-attr]
+    return m.pack()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("native-int8")
+
+
+@pytest.fixture(scope="module")
+def models(root: Path) -> dict[str, torch.nn.Module]:
+    """The target (float16, native), its MTP module and a draft stored as int8 (native), and their
+    eager references: the same models with the int8 round trip of every matrix the native
+    engine quantizes (the MTP module's block and the h half of eh_proj, a draft's blocks and head,
+    and the head rows the chains guess with: the target's for the MTP module)."""
+    target = halved(random_model(TINY, seed=0))
+    mtp, draft = halved(random_mtp(TINY, seed=2)), halved(noisy_copy(target, 0.05, seed=5))  # type: ignore[arg-type]
+    mtp.native_int8 = draft.native_int8 = True
+    log: list[str] = []
+    assert native.prepare(target, [mtp, draft], log.append, root) == (3, 3), log  # type: ignore[arg-type]
+    mtp_ref = copy.deepcopy(mtp)
+    dequantize_block(mtp_ref.block)  # type: ignore[attr-defined]
+    with torch.no_grad():
+        eh = mtp_ref.eh_proj.weight  # type: ignore[attr-defined]
+        eh[:, : TINY.dim] = roundtrip(eh[:, : TINY.dim])
+    draft_ref = copy.deepcopy(draft)
+    for b in draft_ref.layers:  # type: ignore[attr-defined]
+        dequantize_block(b)
+    draft_ref = with_head(draft_ref, roundtrip(draft.head_weight.detach()))  # type: ignore[arg-type, operator]
+    target_ref = with_head(target, roundtrip(target.head_weight.detach()))  # type: ignore[arg-type, operator]
+    return {
+        "target": target,
+        "mtp": mtp,
+        "draft": draft,
+        "target_ref": target_ref,
+        "mtp_ref": mtp_ref.pack(),  # type: ignore[operator]
+        "draft_ref": draft_ref,
+    }
+
+
+def test_rule() -> None:
+    """Symmetric, per row: |q| <= 127, the largest entry of a row at 127, every weight within half
+    a step of its value; a zero row stays zero; rows padded to whole panels (61 rows: 64)."""
+    w = torch.randn(61, 40, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 5, 61)[:, None]
+    w[7] = 0
+    q, scale = native.panels8(w)
+    assert q.dtype == torch.int8 and tuple(q.shape) == (8, 40, 8) and tuple(scale.shape) == (64,)
+    rows = q.transpose(1, 2).reshape(64, 40)[:61].float()
+    assert rows.abs().max() <= 127 and torch.equal(rows.abs().amax(1)[w.abs().amax(1) > 0], torch.full((60,), 127.0))
+    back = roundtrip(w)
+    assert torch.all((back - w).abs() <= scale[:61, None] / 2 * (1 + 1e-6)) and back[7].abs().sum() == 0
+
+
+def test_target_is_never_quantized(models: dict[str, torch.nn.Module]) -> None:
+    """Even flagged, the target's own steps read float16 (a proposer's flag is a proposer's)."""
+    target, mtp = models["target"], models["mtp"]
+    assert target.native is not None and not target.native.int8  # type: ignore[union-attr]
+    assert mtp.native is not None and mtp.native.int8  # type: ignore[union-attr]
+    assert mtp.native.mw.head.w is None  # type: ignore[union-attr]  # the module has no head of its own
+
+
+def test_mtp_pass_is_the_dequantized_one(models: dict[str, torch.nn.Module]) -> None:
+    target = models["target"]
+    g = torch.Generator().manual_seed(1)
+    h, nxt = torch.randn(12, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (12,), generator=g)
+    out = {}
+    for name in ("mtp", "mtp_ref"):
+
+        def one(name: str = name) -> tuple[torch.Tensor, torch.Tensor]:
+            prop = MTPProposer(target, models[name], 64)  # type: ignore[arg-type]
+            prop.step(h[:8], nxt[:8])
+            return prop.step(h[8:], nxt[8:]), prop.cache.kv[:, :, :, :12].clone()
+
+        out[name] = eager_and_native(one)[1 if name == "mtp" else 0]
+    assert close(out["mtp"][0], out["mtp_ref"][0]) and close(out["mtp"][1], out["mtp_ref"][1])
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_chain_guesses_as_the_dequantized_steps(models: dict[str, torch.nn.Module], kind: str, sampled: bool) -> None:
+    """A chain of 4 guesses with the head cut to 40 tokens: the int8 native chain guesses what the
+    eager reference's step-by-step loop guesses, with the same q when sampled."""
+    cut = torch.arange(TINY.vocab_size - 1, -1, -1)[:40]
+    g = torch.Generator().manual_seed(4)
+    for trial in range(4):
+        prompt = torch.randint(0, TINY.vocab_size, (10,), generator=g)
+        h = torch.randn(10, TINY.dim, generator=g) * 3
+        got = {}
+        for which in ("", "_ref"):
+            tgt = models["target" + which]
+
+            def guesses(
+                which: str = which,
+                tgt: torch.nn.Module = tgt,
+                prompt: torch.Tensor = prompt,
+                h: torch.Tensor = h,
+                trial: int = trial,
+            ) -> tuple[list[int], torch.Tensor | None]:
+                if kind == "mtp":
+                    prop = MTPProposer(tgt, models["mtp" + which], 64, Head(tgt, cut))  # type: ignore[arg-type]
+                    prop.start(prompt[:1], prompt[1:2], h[:1])
+                    prop.pending_h, prop.pending_next = h, prompt
+                else:
+                    draft = models["draft" + which]
+                    prop = DraftProposer(draft, 64, head=Head(draft, cut))  # type: ignore[arg-type, assignment]
+                    prop.start(prompt[:-1], prompt[-1:], torch.empty(0))
+                warp = Warper(1.3) if sampled else None
+                tokens, q = prop.propose(4, warp, torch.Generator().manual_seed(trial))
+                return torch.as_tensor(tokens).view(-1).tolist(), q
+
+            got[which] = eager_and_native(guesses)[0 if which else 1]
+        (a, qa), (b, qb) = got["_ref"], got[""]
+        assert a == b, (trial, a, b)
+        if sampled:
+            assert qa is not None and qb is not None and close(qa, qb)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft"])
+def test_generation(models: dict[str, torch.nn.Module], kind: str) -> None:
+    """Greedy: the target's own text, with the guesses the eager reference keeps; seeded sampling:
+    the reference's draws, token for token."""
+    target = models["target"]
+
+    def run(which: str, sampling: Sampling) -> tuple[list[int], tuple[int, int]]:
+        tgt = target if not which else models["target_ref"]
+        if kind == "mtp":
+            p = MTPProposer(tgt, models["mtp" + which], 200)  # type: ignore[arg-type]
+        else:
+            p = DraftProposer(models["draft" + which], 200)  # type: ignore[arg-type, assignment]
+        out, st = generate(target, p, PROMPT, 80, 3, sampling)  # type: ignore[arg-type]
+        return out, (st.proposed, st.accepted)
+
+    alone = eager_and_native(lambda: generate(target, NoProposer(), PROMPT, 80, 0)[0])  # type: ignore[arg-type]
+    for sampling in (Sampling(), Sampling(temperature=1.0, seed=7)):
+        ref = eager_and_native(lambda s=sampling: run("_ref", s))[0]
+        got = eager_and_native(lambda s=sampling: run("", s))[1]
+        assert got == ref, sampling
+        if sampling.temperature == 0:
+            assert got[0] == alone[0] == alone[1]
+
+
+def test_the_option(family: Family) -> None:
+    """load_proposer marks the models it loads (int8 by default, f16 when asked, never the target);
+    a bad value is one line, exit 2, for generate, batch and bench."""
+    tgt = fam.load_target(family.target, torch.device("cpu"))
+    for weights, flag in (("int8", True), ("f16", False)):
+        for spec in ("mtp", "draft-2l", "ngram+mtp"):
+            p = fam.load_proposer(spec, tgt, torch.device("cpu"), weights=weights)(64)
+            p = getattr(p, "other", p)
+            model = p.mtp if isinstance(p, MTPProposer) else p.model  # type: ignore[attr-defined]
+            assert isinstance(model, MTPModule | Transformer) and model.native_int8 is flag, (spec, weights)
+    assert not tgt.model.native_int8
+    runner = CliRunner()
+    t = str(family.target)
+    for args in (
+        ["generate", "hi", "--target", t, "--proposer-weights", "int4", "-n", "2"],
+        ["bench", "--target", t, "--proposer-weights", "int8,int8"],
+        ["bench", "--target", t, "--proposer-weights", "fp8"],
+    ):
+        r = runner.invoke(app, args)
+        assert r.exit_code != 0 and "--proposer-weights" in r.output and "Traceback" not in r.output, (args, r.output)
