@@ -129,21 +129,26 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
     offered m, kept n, the tokens emitted)."""
     guesses = proposer.propose(seqs, [s.k for s in seqs])
     counts = [g[0].shape[0] + 1 for g in guesses]
-    fed_each = [torch.cat([s.last.view(1), g[0]]) for s, g in zip(seqs, guesses, strict=True)]
+    fed_each = [
+        torch.cat([s.last.view(1), g[0]]) if c > 1 else s.last.view(1)
+        for s, g, c in zip(seqs, guesses, counts, strict=True)
+    ]
     ids = fed_each[0] if len(seqs) == 1 else torch.cat(fed_each)  # [N]
     logits, hidden, top = t.verify_pass(seqs, ids, counts)  # [N, V], [N, d], [N + 1] or None
     if top is None:  # [N]: greedy sequences are verified on the host from these (none to verify: no argmax)
         top = torch.cat([logits.argmax(-1) if any(s.warp is None for s in seqs) else ids, finite_flag(logits)])
-    best = top[:-1]
-    sampled = []
+    sampled = []  # top: each row's argmax [N], then the finite flag
     first = 0
     native_verify = t.native_verify()
     for s, g, c in zip(seqs, guesses, counts, strict=True):
+        if s.seen is None and s.warp is None:  # greedy: `top` holds its verdict
+            first += c
+            continue
         rows = logits[first : first + c]  # [m+1, V]
         if s.seen is not None:  # each row scored with the context up to its own position
             rows = penalize(rows, s.seen, ids[first : first + c], s.req.sampling.repetition_penalty)
             if s.warp is None:
-                best[first : first + c] = rows.argmax(-1)
+                top[first : first + c] = rows.argmax(-1)
         if native_verify is not None and isinstance(s.warp, Warper) and s.warp.plain:  # the rule below, one call
             sampled.append(native_verify(rows, s.warp.temperature, *g, s.gen))
         elif s.warp is not None:
@@ -153,7 +158,7 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
             n, out = verify_sample(drafts[None], q[None], p[None], s.gen)
             sampled.append(torch.cat([n, out[0]]))
         first += c
-    values = torch.cat([ids, best, *sampled, top[-1:]]).tolist()  # the one sync
+    values = torch.cat([ids, top[:-1], *sampled, top[-1:]] if sampled else [ids, top]).tolist()  # the one sync
     if values[-1] != 1:
         raise NonFiniteError("the target's logits are not finite (NaN or inf)")
     N = sum(counts)

@@ -261,20 +261,22 @@ class NativeSteps:
         more = 3 * c.dim + N + m * c.dim
         scratch = self._scratch_for(T, threads, more)
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
-        q = (torch.empty(k, N) if ids_t is None else torch.zeros(k, c.vocab_size)) if u is not None else tops[:0]
+        q = None  # greedy: no q (the C code reads it only with u)
         if u is not None:
+            q = torch.empty(k, N) if ids_t is None else torch.zeros(k, c.vocab_size)
             u = u.contiguous()
             assert tuple(u.shape) == (k,) and u.dtype == torch.float64 and inv_t is not None
-        cos, sin = self.trig(L, L + m + k - 1)
+        assert L + m + k - 1 <= self.positions
+        row = self.rope[0].stride(0) * self.rope[0].element_size()  # cos, sin from position L: by address
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.lib.smallem_chain(
             ctypes.addressof(self.mw), rows.w, rows.scale, N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
-            ptr(feed), ptr(feed_h), m, k, cos.data_ptr(), sin.data_ptr(), view.data_ptr(),
-            ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else inv_t, tokens.data_ptr(),
-            tops.data_ptr(), q.data_ptr(), scratch.data_ptr(), need, threads,
+            ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + L * row, self.rope[1].data_ptr() + L * row,
+            view.data_ptr(), ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else inv_t,
+            tokens.data_ptr(), tops.data_ptr(), ptr(q), scratch.data_ptr(), need, threads,
         )  # fmt: skip
-        return (tokens, q) if u is not None else (tokens, tops)
+        return (tokens, q) if q is not None else (tokens, tops)
 
     def batch(
         self,
