@@ -24,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from . import defaults as D
 from . import family
 from . import options as O
 from .engine.request import Request
@@ -178,21 +179,26 @@ def from_cli(
     json_out: bool,
     plot_file: Path | None,
     engines: tuple[str, ...] = ("eager",),
+    weights: str = D.PROPOSER_WEIGHTS,
 ) -> list[BatchRow]:
     """`smallem bench --batch`: run every configuration with a progress bar on stderr, then print
-    the table (or JSON) on stdout; ks empty: the load policy's k (`auto`)."""
+    the table (or JSON) on stdout; ks empty: the load policy's k (`auto`). A row named P@tree12
+    grows token trees, P@f16 (or @int8) stores the proposer so (`options.weights_names`); the
+    others store it as `weights`."""
     from rich.markup import escape
     from rich.progress import Progress
 
     from .engine.build import build_engine
 
     def make(name: str, k: int | None, size: int, engine: str) -> Engine:
-        base, _, budget = name.partition("@tree")  # a row with token trees (`options.tree_names`)
-        tree = O.tree(int(budget)) if budget else None
+        base, _, suffix = name.partition("@")  # token trees (`options.tree_names`), or weights
+        tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
         log = err.print if engine == "native" else None
+        stored = suffix if suffix in D.WEIGHTS else weights
         return build_engine(
-            tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree, native_log=log
-        )
+            tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree,
+            native_log=log, weights=stored,
+        )  # fmt: skip
 
     configs = (1 + sum(n != "none" for n in names) * max(1, len(ks))) * len(sizes) * len(engines)
     with Progress(console=err, transient=True) as bar:

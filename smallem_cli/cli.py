@@ -177,25 +177,26 @@ def bench(
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
         trees = O.tree_names(names, O.tree_budgets(tree)) if tree else {}  # "mtp@tree12" -> ("mtp", 12)
+        first, *others = O.weights_list(weights)
+        stored = O.weights_names(names, others)  # "mtp@f16" -> ("mtp", "f16")
         if batch:  # the batch engine's table instead: greedy, one run per size
             from .bench_batch import from_cli
 
             sizes = O.parse_sizes(batch)
             found = O.read_prompts(prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]})
-            names = names + list(trees)
+            names = names + list(trees) + list(stored)
             batch_engines = aot.bench_engines(engines, dev)
             if "compiled" in batch_engines:
                 raise O.UsageError("--batch times the eager and native engines (compiled steps serve one sequence)")
             rows = from_cli(
-                tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file, batch_engines
-            )
+                tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file, batch_engines,
+                first,
+            )  # fmt: skip
             if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
                 raise fail("greedy identity FAILED in the batch engine", 1)
             return
         prompts_file = prompts_file or D.PROMPTS
         adaptive = O.adaptive_names(names, O.p_min(p_min)) if p_min else {}  # "mtp@p0.4" -> "mtp"
-        first, *others = O.weights_list(weights)
-        stored = O.weights_names(names, others)  # "mtp@f16" -> ("mtp", "f16")
         names += list(adaptive) + list(trees) + list(stored)
         ks = O.bench_ks(names, mode_list, extra, sweep)
         prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks)

@@ -215,3 +215,23 @@ def test_the_option(family: Family) -> None:
     ):
         r = runner.invoke(app, args)
         assert r.exit_code != 0 and "--proposer-weights" in r.output and "Traceback" not in r.output, (args, r.output)
+
+
+def test_bench_rows_for_both(family: Family, tmp_path: Path) -> None:
+    """`bench --proposer-weights int8,f16`: the proposer's rows, and P@f16 rows beside them, all
+    identical to the target alone; in the batch engine's table too."""
+    import json
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"tokens": list(range(5 + i, 15 + i)), "text": ""}) + "\n" for i in range(4)))
+    args = ["bench", "--target", str(family.target), "--prompts", str(prompts), "-n", "12", "--proposers", "mtp"]
+    args += ["--engines", "native", "--proposer-weights", "int8,f16", "-k", "3", "--json"]
+    res = CliRunner().invoke(app, [*args, "--modes", "greedy", "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    rows = [r for r in json.loads(res.stdout)["rows"] if r["engine"] == "native"]
+    assert {r["proposer"] for r in rows} == {"mtp", "mtp@f16", "none"}
+    assert all(r["identical"] == "4/4" for r in rows)
+    res = CliRunner().invoke(app, [*args, "--batch", "2"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["batch_rows"]
+    assert [r["proposer"] for r in rows] == ["none", "mtp", "mtp@f16"] and all(r["identical"] == "4/4" for r in rows)
