@@ -8,7 +8,9 @@ float32 ones (README, "How it works"), so `step.cpp` has its own, over weights p
 load in panels of eight output rows (`panels`): every product converts the weights to
 float32 in registers and accumulates in float32, so a model whose
 weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
-is, not rounded.
+is, not rounded. A proposer loaded so (`--proposer-weights int8`, `model.native_int8`) has
+its matrices as int8 with a scale per row instead (`pack.panels8`): half the bytes a guess
+reads; the target's are always its own values, so the text is the target's.
 
 The step has the compiled graphs' inputs (`graphs.py`): it reads the past as a strided view
 of the slab; it writes the new K/V into the slab itself, right after the past (`in_place`:
