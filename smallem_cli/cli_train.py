@@ -90,6 +90,9 @@ def train(
     lr: Annotated[float, typer.Option()] = D.TRAIN_LR,
     batch_size: Annotated[int, typer.Option()] = D.TRAIN_BATCH,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    compile_loss: Annotated[
+        bool, typer.Option("--compile/--no-compile", help="run the loss through torch.compile (once a run)")
+    ] = D.TRAIN_COMPILE,
     text: Annotated[
         list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data first)")
     ] = None,
@@ -162,6 +165,7 @@ def train(
         feature_weight=feature_weight,
         chain=chain,
         fit=fit,
+        compile=compile_loss,
     )
     cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)

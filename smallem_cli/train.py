@@ -54,6 +54,7 @@ class TrainSettings:
     chain: int = 0  # MTP distillation: > 0 fits the whole chain of this many guesses (`train_chain.py`)
     fit: Fit = field(default_factory=Fit)  # distillation: what q is fitted to (temperatures, TV, cut head)
     seed: int = D.TRAIN_SEED
+    compile: bool = D.TRAIN_COMPILE  # the loss through torch.compile (`_train_loop`)
     save_every_s: float = 120.0
     eval_every_s: float = 300.0
 
@@ -164,6 +165,10 @@ def _train_loop(
     def save_state() -> None:
         runstate.save(run_dir, modules, opt, runstate.Position(step, tokens, elapsed), dataclasses.asdict(settings))
 
+    # compiled: the loss's forward and backward run as inductor's fused kernels (one graph for the
+    # run's fixed batch shape; a `.item()` in a loss ends its graph there). Its time counts as
+    # training time, as a warm-up would.
+    fn = torch.compile(loss_fn, dynamic=False) if settings.compile else loss_fn
     last_save = last_eval = elapsed
     val_loss = None
     t_prev = time.perf_counter()
@@ -173,7 +178,7 @@ def _train_loop(
         x = batch(train_ids, settings, step)
         for g in opt.param_groups:
             g["lr"] = lr_at(settings, step, done)
-        loss, extra = loss_fn(x)
+        loss, extra = fn(x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
