@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -130,6 +132,8 @@ def train(
         mtp_dest = train_outputs(dest, f"--{option}", mtp_out, joint, teacher, overwrite)
     except OutputError as e:
         raise fail(str(e)) from None
+    if compile_loss and shutil.which(os.environ.get("CXX", "g++")) is None:
+        raise fail("--compile needs a C++ compiler (g++, or $CXX) for torch.compile: train without it")
     if threads:
         torch.set_num_threads(threads)
     if text:  # the user's own corpus: build its split where --data points
@@ -176,6 +180,8 @@ def train(
         )  # fmt: skip
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         raise fail(str(e)) from None
+    except torch._dynamo.exc.BackendCompilerFailed as e:  # --compile: the saved state resumes without it
+        raise fail(f"torch.compile failed ({type(e.inner_exception).__name__}): rerun without --compile") from None
     also = f", its MTP module -> {mtp_dest}" if mtp_dest else ""
     err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}{also}")
 

@@ -80,6 +80,13 @@ def test_train_draft_distill_command(family: Family, tmp_path: Path) -> None:
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and "--distill" in result.stderr
 
+    # --compile without a C++ compiler for torch.compile: one line, before any training
+    argv = ["train", "draft", *common, "--init", str(family.draft), "--distill", "--compile"]
+    argv += ["--out", str(tmp_path / "other.safetensors")]
+    result = CliRunner().invoke(app, argv, env={"CXX": "no-such-compiler"})
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "needs a C++ compiler" in result.stderr
+    assert not (tmp_path / "other.safetensors").exists()
+
 
 def test_train_without_validation_text_is_refused(family: Family, tmp_path: Path) -> None:
     text = tmp_path / "corpus.txt"
