@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -132,8 +130,13 @@ def train(
         mtp_dest = train_outputs(dest, f"--{option}", mtp_out, joint, teacher, overwrite)
     except OutputError as e:
         raise fail(str(e)) from None
-    if compile_loss and shutil.which(os.environ.get("CXX", "g++")) is None:
-        raise fail("--compile needs a C++ compiler (g++, or $CXX) for torch.compile: train without it")
+    if compile_loss:  # the compiler torch.compile will call, found as it finds it
+        from torch._inductor import cpp_builder, exc
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except exc.InvalidCxxCompiler:
+            raise fail("--compile needs a C++ compiler (g++, or $CXX) for torch.compile: train without it") from None
     if threads:
         torch.set_num_threads(threads)
     if text:  # the user's own corpus: build its split where --data points

@@ -73,7 +73,7 @@ TRAIN_SEQ_LEN = 256
 TRAIN_LR = 2e-3
 TRAIN_SEED = 1234
 # `train --compile`: the loss (forward and backward) through torch.compile's inductor, compiled
-# once a run (about 50 s here for the target's). Off by default: the Makefile's recipe asks for it.
+# once a run (about 30 s cold for the target's). Off by default: the Makefile's recipe asks for it.
 TRAIN_COMPILE = False
 TEMPERATURE = 0.0
 SEED = 0

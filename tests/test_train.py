@@ -83,7 +83,10 @@ def test_train_draft_distill_command(family: Family, tmp_path: Path) -> None:
     # --compile without a C++ compiler for torch.compile: one line, before any training
     argv = ["train", "draft", *common, "--init", str(family.draft), "--distill", "--compile"]
     argv += ["--out", str(tmp_path / "other.safetensors")]
-    result = CliRunner().invoke(app, argv, env={"CXX": "no-such-compiler"})
+    import torch._inductor.config as inductor
+
+    with inductor.patch({"cpp.cxx": ("no-such-compiler",)}):  # what $CXX sets when torch loads
+        result = CliRunner().invoke(app, argv)
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "needs a C++ compiler" in result.stderr
     assert not (tmp_path / "other.safetensors").exists()
 

@@ -158,11 +158,11 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
             n, out = verify_sample(drafts[None], q[None], p[None], s.gen)
             sampled.append(torch.cat([n, out[0]]))
         first += c
-    values = torch.cat([ids, top[:-1], *sampled, top[-1:]] if sampled else [ids, top]).tolist()  # the one sync
-    if values[-1] != 1:
-        raise NonFiniteError("the target's logits are not finite (NaN or inf)")
     N = sum(counts)
-    fed, top, rest = values[:N], values[N : 2 * N], values[2 * N : -1]
+    values = torch.cat([ids, top, *sampled]).tolist()  # the one sync: fed [N], argmaxes [N], finite, verdicts
+    if values[2 * N] != 1:
+        raise NonFiniteError("the target's logits are not finite (NaN or inf)")
+    fed, top, rest = values[:N], values[N : 2 * N], values[2 * N + 1 :]
     verdicts: list[tuple[int, int, list[int]]] = []
     first = 0
     for s, c in zip(seqs, counts, strict=True):

@@ -135,6 +135,7 @@ class NativeSteps:
         own = target if isinstance(model, MTPModule) else model  # the MTP module turns as its target
         assert own.rope_cos is not None and own.rope_sin is not None, "pack() the model first"
         self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
+        self._rope_row = own.rope_cos.stride(0) * own.rope_cos.element_size()  # bytes a position (`chain`)
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
         self.slab_shape: tuple[int, ...] | None = None  # any layout: the past comes with its strides
         self.min_past = 0  # a prompt's pass too: its past is empty
@@ -269,7 +270,7 @@ class NativeSteps:
             u = u.contiguous()
             assert tuple(u.shape) == (k,) and u.dtype == torch.float64 and inv_t is not None
         assert L + m + k - 1 <= self.positions
-        row = self.rope[0].stride(0) * self.rope[0].element_size()  # cos, sin from position L: by address
+        row = self._rope_row  # cos, sin from position L: by address
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.lib.smallem_chain(

@@ -24,7 +24,7 @@ struct I8 {
 };
 
 // y[m, n] (+)= sum_k x[m, k] W[n, k] for m < M, n < N, with W in panels of eight output
-// columns (`native.panels`): wp[(n / 8) K + k][n % 8], float16, the last panel padded.
+// columns (`native.panels`): wp[(n / 8) K + k][n % 8], float16 or int8 (`Mat`), the last panel padded.
 //
 // A tile holds MR input rows x NV panels in 12 accumulators (16 registers: 12 + the panels
 // or the broadcast inputs + one temporary): each k adds x[m, k] * W[n .. n+8, k] to every

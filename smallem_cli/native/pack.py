@@ -23,11 +23,15 @@ def half_exact(w: torch.Tensor, name: str) -> torch.Tensor:
 def panels(w: torch.Tensor, name: str) -> torch.Tensor:
     """W [out, in] -> float16 panels of eight output rows [ceil(out / 8), in, 8] (`step.cpp`'s
     layout: a product reads each panel front to back), the last one padded with zero rows."""
-    h = half_exact(w, name)
-    pad = -h.shape[0] % 8
+    return _in_panels(half_exact(w, name))
+
+
+def _in_panels(rows: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 8), in, 8], the last panel padded with zero rows."""
+    pad = -rows.shape[0] % 8
     if pad:
-        h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
-    return h.view(-1, 8, h.shape[1]).transpose(1, 2).contiguous()
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    return rows.view(-1, 8, rows.shape[1]).transpose(1, 2).contiguous()
 
 
 def panels8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,10 +42,8 @@ def panels8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     top = w.abs().amax(dim=1)
     scale = torch.where(top > 0, top / 127, torch.ones_like(top))
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    pad = -w.shape[0] % 8
-    if pad:
-        q, scale = torch.cat([q, q.new_zeros(pad, w.shape[1])]), torch.cat([scale, scale.new_ones(pad)])
-    return q.view(-1, 8, w.shape[1]).transpose(1, 2).contiguous(), scale.contiguous()
+    pad = -w.shape[0] % 8  # the padding rows' scales: 1 (their outputs are never stored)
+    return _in_panels(q), torch.cat([scale, scale.new_ones(pad)]).contiguous()
 
 
 def rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
