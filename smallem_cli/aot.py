@@ -345,8 +345,9 @@ def use(models: list[nn.Module], compiled: bool) -> None:
             steps.enabled = compiled
 
 
-ENGINES = ("auto", "eager", "compiled", "native")
-BENCH_ENGINES = ("eager", "compiled", "native")  # slowest first
+NATIVE = ("native", "native-avx2")  # `native.ENGINES`: the widest build this CPU runs, and the AVX2 one
+ENGINES = ("auto", "eager", "compiled", *NATIVE)
+BENCH_ENGINES = ("eager", "compiled", "native-avx2", "native")  # slowest first
 
 
 def fastest(engines: Iterable[str]) -> str:
@@ -357,15 +358,17 @@ def fastest(engines: Iterable[str]) -> str:
 
 def engine_mode(engine: str, device: torch.device) -> str | None:
     """--engine -> None (eager), "build" (compiled: load inductor's steps, building what the
-    cache lacks) or "native" (`native/`; auto on a CPU).
+    cache lacks), "native" (`native/`; auto on a CPU) or "native-avx2" (its AVX2 build).
     ValueError for an unknown name, or an engine for a CPU on another device."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
-    if engine in ("compiled", "native") and device.type != "cpu":
+    if engine in ("compiled", *NATIVE) and device.type != "cpu":
         raise ValueError(f"--engine {engine} runs on a CPU only (it has not been run on a GPU): use eager there")
     if engine == "compiled":
         return "build"
-    return "native" if engine in ("auto", "native") and device.type == "cpu" else None
+    if engine == "auto":
+        return "native" if device.type == "cpu" else None
+    return engine if engine in NATIVE else None
 
 
 def prepare_engine(
@@ -378,18 +381,18 @@ def prepare_engine(
 ) -> tuple[int, int]:
     """Load (or build) what `engine_mode`'s mode runs, before anything is timed ->
     (passes or models ready, of how many). None: eager, nothing to do."""
-    if mode == "native":
+    if mode in NATIVE:
         from . import native  # its kernels are built by the system's compiler, once
 
         models = [m for k in ks for m, *_ in proposer.passes(k)]
-        return native.prepare(target, models, log or (lambda _: None), cache_root())  # type: ignore[arg-type]
+        return native.prepare(target, models, log or (lambda _: None), cache_root(), mode)  # type: ignore[arg-type]
     if mode is None:
         return 0, 1
     return prepare(target, proposer, ks, log, build=mode == "build", greedy=greedy)
 
 
 def bench_engines(engines: str, device: torch.device) -> tuple[str, ...]:
-    """--engines of bench: "auto" or a comma-separated list of eager, compiled and native."""
+    """--engines of bench: "auto" or a comma-separated list of eager, compiled, native-avx2 and native."""
     if engines == "auto":
         return ("eager", "native") if engine_mode("auto", device) else ("eager",)
     names = tuple(dict.fromkeys(e.strip() for e in engines.split(",") if e.strip()))

@@ -24,8 +24,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from . import aot, family
 from . import defaults as D
-from . import family
 from . import options as O
 from .engine.request import Request
 from .engine.scheduler import Engine
@@ -193,11 +193,11 @@ def from_cli(
     def make(name: str, k: int | None, size: int, engine: str) -> Engine:
         base, _, suffix = name.partition("@")  # token trees (`options.tree_names`), or weights
         tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
-        log = err.print if engine == "native" else None
+        log = err.print if engine in aot.NATIVE else None
         stored = suffix if suffix in D.WEIGHTS else weights
         return build_engine(
             tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree,
-            native_log=log, weights=stored,
+            native_log=log, weights=stored, native=engine if engine in aot.NATIVE else "native",
         )  # fmt: skip
 
     configs = (1 + sum(n != "none" for n in names) * max(1, len(ks))) * len(sizes) * len(engines)

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from .cache import PagedKVCache
 from .graphs import MTPStep, _rope, unit_rms
 from .model import MTPModule, Transformer
-from .native import MAX_T
+from .native import MAX_T, NativeSteps
+from .steps import active_steps
 from .verify import Warper, pick, uniforms
 
 if TYPE_CHECKING:
@@ -148,9 +149,9 @@ def native_chain(
     [m], the MTP module's target states or None), fed in the same call. Their m positions and
     the chain's k-1 are appended to the model's cache (the caller keeps or drops the chain's).
     None: no native steps, or a cache it cannot serve."""
-    steps, L = model.native, cache.length(seq)
+    steps, L = active_steps(model), cache.length(seq)
     m = start[0].shape[0] if isinstance(start, tuple) else 0
-    if k < 2 or steps is None or not steps.enabled or L < steps.min_past or L + m + k - 1 > steps.positions:
+    if k < 2 or not isinstance(steps, NativeSteps) or L < steps.min_past or L + m + k - 1 > steps.positions:
         return None
     if isinstance(start, tuple) and not 0 < m <= MAX_T:  # no catch-up, or one longer than a native pass serves
         return None

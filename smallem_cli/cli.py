@@ -142,7 +142,7 @@ def bench(
         typer.Option("--draft-p-min", help="also rows with adaptive depth: each model proposer at this p-min"),
     ] = None,
     engines: Annotated[
-        str, typer.Option(help="eager, compiled, native, comma-separated (auto: eager,native on a CPU)")
+        str, typer.Option(help="eager, compiled, native-avx2, native, comma-separated (auto: eager,native on a CPU)")
     ] = D.ENGINE,
     tree: Annotated[
         str | None,
@@ -319,7 +319,7 @@ def generate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
     engine: Annotated[
-        str, typer.Option(help="auto (native on a CPU) | native | eager | compiled (build inductor's steps)")
+        str, typer.Option(help="auto (native on a CPU) | native | native-avx2 | eager | compiled (inductor's steps)")
     ] = D.ENGINE,
     threads: Annotated[
         int | None, typer.Option(help="CPU threads (default: all, fewer when other processes are running)")
@@ -370,11 +370,11 @@ def generate(
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
     ready, passes = 0, 1
-    if mode == "native" or (mode and not tree):  # every pass this run may take, loaded (or built) before the clock
+    if mode in aot.NATIVE or (mode and not tree):  # every pass this run may take, loaded (or built) before the clock
         # starts; a tree's passes are the batch engine's: native ones, or eager
         log = (lambda _: None) if quiet else err.print
         ready, passes = aot.prepare_engine(mode, tgt.model, make_proposer(8), [kk], log, temperature == 0)
-    name = "native" if mode == "native" else "compiled"
+    name = mode if mode in aot.NATIVE else "compiled"
     used = name if ready == passes else "eager" if not ready else f"partly {name}"
 
     sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)

@@ -191,7 +191,7 @@ def batch(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = D.DEVICE,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     engine_name: Annotated[
-        str, typer.Option("--engine", help="auto (native on a CPU) | native | eager: what runs every pass")
+        str, typer.Option("--engine", help="auto (native on a CPU) | native | native-avx2 | eager: every pass")
     ] = D.ENGINE,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")] = None,
     proposer_vocab: Annotated[
@@ -250,7 +250,8 @@ def batch(
             eot=tok.token_to_id(EOT),
             decode=tok.decode,
             tree=O.tree(tree),
-            native_log=((lambda _: None) if quiet else err.print) if mode == "native" else None,
+            native_log=((lambda _: None) if quiet else err.print) if mode in aot.NATIVE else None,
+            native=mode if mode in aot.NATIVE else "native",
             weights=weights,
         )
     except O.INPUT_ERRORS as e:

@@ -80,9 +80,10 @@ SEED = 0
 DEVICE = "auto"
 # `smallem batch`: at most this many requests decoded together (more wait for a free place).
 MAX_BATCH = 16
-# Decode steps: "native" (C++ over the float16 weights, `native/`), "compiled" (inductor's
-# graphs, ahead of time, cached on disk), "eager" (the reference); "auto": native on a CPU,
-# eager on a GPU (neither CPU engine has been run on one).
+# Decode steps: "native" (C++ over the float16 weights, `native/`, built for AVX-512 where the
+# CPU has it), "native-avx2" (its AVX2 build, to compare), "compiled" (inductor's graphs, ahead of
+# time, cached on disk), "eager" (the reference); "auto": native on a CPU, eager on a GPU
+# (neither CPU engine has been run on one).
 ENGINE = os.environ.get("SMALLEM_ENGINE", "auto")
 # `bench --costs` reads v for passes over these many tokens (verify passes, catch-ups, batches).
 COST_PASSES = (1, 2, 3, 4, 5, 8, 16)

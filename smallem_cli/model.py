@@ -200,6 +200,7 @@ class Transformer(nn.Module):
         self.rope_sin: torch.Tensor | None = None
         self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
         self.native: NativeSteps | None = None  # set by `native.attach`: the native engine's
+        self.native_avx2: NativeSteps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
         # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
         self.native_int8 = False
 
@@ -317,6 +318,7 @@ class MTPModule(nn.Module):
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, its projected rows)
         self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
         self.native: NativeSteps | None = None  # set by `native.attach`: the native engine's
+        self.native_avx2: NativeSteps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
         # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
         self.native_int8 = False
 

@@ -1,7 +1,8 @@
 """Which decode step a pass runs: the native engine's, the compiled engine's, or eager (None).
 
-A model may hold two sets of steps beside its eager path: `model.native` (`native/`, the
-float16 kernels) and `model.compiled` (`aot.py`, inductor's graphs). Both take the same
+A model may hold steps beside its eager path: `model.native` (`native/`, the
+float16 kernels; `model.native_avx2` their AVX2 build, beside the AVX-512 one, to compare) and
+`model.compiled` (`aot.py`, inductor's graphs). All take the same
 inputs (tokens or the MTP's states, the rope rows of the new positions, the past as a view
 of the slab) and return the new K/V (for the caller to write, unless the steps write them in
 place: `in_place`), so every caller asks here for the one that is switched on (`switch`,
@@ -29,7 +30,7 @@ _ALL: weakref.WeakSet[Any] = weakref.WeakSet()  # every model's steps, both engi
 class Steps(Protocol):
     """What `aot.CompiledSteps` and `native.NativeSteps` both offer."""
 
-    kind: str  # "compiled" or "native": the engine that `switch` turns on
+    kind: str  # "compiled", "native" or "native-avx2": the engine that `switch` turns on
     enabled: bool
     positions: int  # the context: no pass may reach past it
     slab_shape: tuple[int, ...] | None  # the slab layout the steps need, None: any
@@ -57,7 +58,7 @@ def switch(engine: str | None) -> None:
 
 def active_steps(model: object) -> Steps | None:
     """The steps switched on for this model (the native engine's first), or None: eager."""
-    for steps in (getattr(model, "native", None), getattr(model, "compiled", None)):
+    for steps in (getattr(model, n, None) for n in ("native", "native_avx2", "compiled")):
         if steps is not None and steps.enabled:
             return steps
     return None

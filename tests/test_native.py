@@ -135,8 +135,7 @@ def test_verify_pass_reads_its_argmax_and_finite_flag(root: Path) -> None:
 def native_rule(logits: torch.Tensor, temperature: float, drafts: torch.Tensor, q: torch.Tensor, g: torch.Generator):
     """`smallem_verify_sample` over B independent rows (logits [B, k+1, V], guesses [B, k], q [B, k, V]),
     one call per row on uniforms drawn for all of them at once -> [B, k + 2]: n, then the tokens."""
-    lib = native._LIB
-    assert lib is not None
+    lib = native.kernels.loaded()
     B, k, V = drafts.shape[0], drafts.shape[1], logits.shape[-1]
     logits, q, drafts = logits.float().contiguous(), q.float().contiguous(), drafts.contiguous()
     u, u_next = torch.rand(B, k, generator=g), torch.rand(B, generator=g, dtype=torch.float64)
@@ -340,7 +339,7 @@ def test_refuses_weights_and_widths_it_cannot_serve(root: Path) -> None:
 def test_library_is_built_once_and_failures_are_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pair: tuple[Transformer, MTPModule]
 ) -> None:
-    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native.kernels, "_LIBS", {})
     log: list[str] = []
     native.library(tmp_path / "a", log.append)
     assert len(log) == 1 and log[0].startswith("building the native decode step")
@@ -349,13 +348,13 @@ def test_library_is_built_once_and_failures_are_one_line(
     def no_compiler(*a, **kw):
         raise AssertionError("compiled again")
 
-    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native.kernels, "_LIBS", {})
     monkeypatch.setattr(subprocess, "run", no_compiler)
     native.library(tmp_path / "a", log.append)  # from the cache: no compiler
     assert len(log) == 1
     monkeypatch.undo()
 
-    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native.kernels, "_LIBS", {})
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     target = halved(random_model(TINY, seed=0))
     assert not native.attach(target, target, log.append, tmp_path / "b")  # type: ignore[arg-type]
@@ -368,10 +367,59 @@ def test_library_is_built_once_and_failures_are_one_line(
     assert "writable by others" in log[-1]
 
 
+def test_the_avx2_build_beside_the_widest_gives_the_same_numbers(root: Path) -> None:
+    """`--engine native-avx2`: the AVX2 build (panels of 8 rows) beside the widest one this CPU
+    runs (panels of 16 with AVX-512). Every output is the same float32 sum, in the same order, in
+    either build: passes (T = 1, 5, 16: whole and padded panels), the MTP chain's guesses and q
+    (a head cut to 37 rows), and whole generations, greedy and sampled, agree bit for bit."""
+    target, mtp = halved(random_model(TINY, seed=6)), halved(random_mtp(TINY, seed=7))
+    for engine in native.ENGINES:
+        assert native.prepare(target, [mtp], print, root, engine) == (2, 2)  # type: ignore[arg-type]
+    assert target.native is not None and target.native_avx2 is not None
+    assert target.native_avx2.width == 8 and mtp.native_avx2.width == 8  # type: ignore[union-attr]
+    assert target.native.width == (16 if native.kernels.best_isa() == "avx512" else 8)
+    tokens = torch.randint(0, TINY.vocab_size, (60,), generator=torch.Generator().manual_seed(1))
+    head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:37])
+
+    def run() -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        cache = target.new_cache(8)
+        seq = cache.new_sequence()
+        _, prompt_h = target(tokens[:20], cache, seq)  # [20, d]
+        for T in (1, 5, 16):
+            logits, hidden = target(tokens[20 : 20 + T], cache, seq)
+            out += [logits, hidden, cache.kv[:, :, :, 20 : 20 + T].clone()]
+            cache.keep(seq, 20)
+        for warp in (None, Warper(0.8)):
+            prop = MTPProposer(target, mtp, 128, head)
+            prop.start(tokens[:20], tokens[20:21], prompt_h)
+            guesses, q = prop.propose(4, warp, torch.Generator().manual_seed(2))
+            out += [torch.as_tensor(guesses).view(-1)] + ([] if q is None else [q])
+            prop.release()
+        for sampling in (Sampling(), Sampling(temperature=0.9, seed=5)):
+            gen, _ = generate(target, MTPProposer(target, mtp, 200), PROMPT, 30, 3, sampling)
+            out.append(torch.tensor(gen))
+        return out
+
+    got = {}
+    try:
+        with torch.no_grad():
+            for engine in native.ENGINES:
+                switch(engine)
+                got[engine] = run()
+    finally:
+        switch(None)
+    a, b = got["native"], got["native-avx2"]
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def test_engine_names_and_bench_engines() -> None:
     cpu = torch.device("cpu")
     assert aot.bench_engines("auto", cpu) == ("eager", "native")
     assert aot.bench_engines("native,compiled", cpu) == ("native", "compiled")
+    assert aot.bench_engines("native-avx2,native", cpu) == ("native-avx2", "native")
+    assert aot.fastest(("native", "native-avx2", "eager")) == "native"
+    assert aot.engine_mode("native-avx2", cpu) == "native-avx2" and aot.engine_mode("auto", cpu) == "native"
     with pytest.raises(ValueError, match="native"):
         aot.bench_engines("native,bogus", cpu)
 
@@ -382,7 +430,7 @@ def test_cli_native_engine_prints_the_eager_text(
     """`--engine native` (and auto, its default on a CPU) print the eager engine's text; the
     first run builds the library (one line), later runs only load it."""
     monkeypatch.setenv("SMALLEM_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native.kernels, "_LIBS", {})
     runner = CliRunner()
 
     def run(*args: str):
@@ -394,7 +442,7 @@ def test_cli_native_engine_prints_the_eager_text(
     assert first.exit_code == 0 and first.stdout == eager.stdout and eager.stdout.strip()
     lines = first.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith("building the native") and lines[1].endswith(", native)"), lines
-    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native.kernels, "_LIBS", {})
     again = run("--engine", "auto", "--proposer", "mtp", "-k", "3")
     mtp_eager = run("--engine", "eager", "--proposer", "mtp", "-k", "3")
     assert again.exit_code == 0 and again.stdout == mtp_eager.stdout == eager.stdout

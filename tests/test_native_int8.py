@@ -36,7 +36,7 @@ BLOCK = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 def roundtrip(w: torch.Tensor) -> torch.Tensor:
     """W [out, in] as the int8 kernels read it: scale[n] * q[n], from `panels8`'s own panels."""
-    q, scale = native.panels8(w)
+    q, scale = native.panels8(w, 8)
     rows = q.transpose(1, 2).reshape(-1, w.shape[1]).float() * scale[:, None]  # [panels * 8, in]
     return rows[: w.shape[0]]
 
@@ -99,7 +99,7 @@ def test_rule() -> None:
     a step of its value; a zero row stays zero; rows padded to whole panels (61 rows: 64)."""
     w = torch.randn(61, 40, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 5, 61)[:, None]
     w[7] = 0
-    q, scale = native.panels8(w)
+    q, scale = native.panels8(w, 8)
     assert q.dtype == torch.int8 and tuple(q.shape) == (8, 40, 8) and tuple(scale.shape) == (64,)
     rows = q.transpose(1, 2).reshape(64, 40)[:61].float()
     assert rows.abs().max() <= 127 and torch.equal(rows.abs().amax(1)[w.abs().amax(1) > 0], torch.full((60,), 127.0))

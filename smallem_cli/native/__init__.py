@@ -5,7 +5,7 @@ the eager and compiled engines read) they are 36 MB, more than this machine's L3
 token reads them from memory; as the float16 they are stored in they are 18 MB, half the
 bytes, and less than the L3. Inductor's float16 products, tried here, were slower than its
 float32 ones (README, "How it works"), so `step.cpp` has its own, over weights packed at
-load in panels of eight output rows (`panels`): every product converts the weights to
+load in panels of 16 output rows with AVX-512, 8 with AVX2 (`panels`, `isa`): every product converts the weights to
 float32 in registers and accumulates in float32, so a model whose
 weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
 is, not rounded. A proposer loaded so (`--proposer-weights int8`, `model.native_int8`) has
@@ -27,12 +27,6 @@ line through `log`.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,14 +34,13 @@ import torch
 from ..engine.batch import BatchStep, visible
 from ..model import MTPModule, Transformer
 from ..steps import StepFn, register
+from .kernels import Log, library
 from .pack import NativeUnavailable, half_exact, panels, panels8, rope_rows
 
-Log = Callable[[str], None]
-HERE = Path(__file__).parent
-SOURCES = ("step.cpp",)  # it includes the headers beside it
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# The engines (`--engine`): the widest build this CPU runs, and the AVX2 one beside it (on an
+# AVX-512 CPU, to time both in one run); each is a model's attribute of that name, "-" as "_".
+ENGINES = {"native": None, "native-avx2": "avx2"}
 MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
-_LIB: ctypes.CDLL | None = None
 
 
 class _Mat(ctypes.Structure):
@@ -72,60 +65,17 @@ class _ModelW(ctypes.Structure):
     ]
 
 
-def library(root: Path, log: Log) -> ctypes.CDLL:
-    """The compiled kernels, built into `root`/native once (keyed by source, flags and compiler)."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in ("AVX2", "AVX512"):
-        raise NativeUnavailable(f"this CPU lacks AVX2 (torch reports {cap})")
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise NativeUnavailable(f"no C++ compiler ({cxx}) on PATH")
-    code = b"".join(f.name.encode() + f.read_bytes() for f in sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")]))
-    key = hashlib.sha256(code + repr((FLAGS, cxx)).encode()).hexdigest()[:24]
-    path = root / "native" / f"step-{key}.so"
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = path.parent.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:  # a library that gets loaded: only from a private folder
-        raise NativeUnavailable(f"{path.parent} is writable by others or not yours")
-    if not path.is_file():
-        log(f"building the native decode step for this machine (once, cached in {root})")
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
-        try:
-            out = tmp / "step.so"
-            sources = [str(HERE / s) for s in SOURCES]
-            r = subprocess.run([cxx, *FLAGS, "-o", str(out), *sources], capture_output=True, text=True)
-            if r.returncode != 0:
-                first = (r.stderr.strip().splitlines() or ["no message"])[0][:200]
-                raise NativeUnavailable(f"the C++ compiler failed: {first}")
-            os.replace(out, path)  # whole or absent, even with another process building the same key
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    lib = ctypes.CDLL(str(path))
-    ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp, verify.h), argument by argument
-    lib.smallem_step.restype = lib.smallem_chain.restype = None
-    lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 3 + [num, ptr]
-    lib.smallem_chain.argtypes = [ptr] * 3 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]
-    lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
-    lib.smallem_batch_step.restype = None
-    lib.smallem_batch_step.argtypes = [ptr] * 3 + [num] + [ptr] * 8 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num, ptr]
-    lib.smallem_verify_sample.restype = None
-    lib.smallem_verify_sample.argtypes = [ptr, num, num, ctypes.c_float] + [ptr] * 6
-    _LIB = lib
-    return lib
-
-
 class NativeSteps:
     """A model's native decode steps: the interface of `aot.CompiledSteps` (`get`, `trig`,
     `enabled`, `positions`, `slab_shape`, `min_past`) over one library that serves every T,
     and a proposer's chain of guesses in one call (`chain`)."""
 
-    kind = "native"
-
-    def __init__(self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path) -> None:
-        self.lib = library(root, log)
+    def __init__(
+        self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native"
+    ) -> None:
+        self.kind = engine  # what `steps.switch` turns on: a key of ENGINES
+        self.lib = library(root, log, ENGINES[engine])
+        self.width = self.lib.smallem_panel()  # a panel's output rows, as this library reads them
         # a proposer's matrices as int8 where it was loaded so (`panels8`): fewer bytes a guess;
         # the target's never
         self.int8 = model.native_int8 and model is not target
@@ -193,10 +143,10 @@ class NativeSteps:
     def _mat(self, w: torch.Tensor, name: str) -> _Mat:
         """W [out, in] in panels, held: float16 (refused if not float16-exact), or int8 (`int8`)."""
         if self.int8:
-            q, scale = panels8(w)
+            q, scale = panels8(w, self.width)
             self.keep += [q, scale]
             return _Mat(q.data_ptr(), scale.data_ptr())
-        h = panels(w, name)
+        h = panels(w, name, self.width)
         self.keep.append(h)
         return _Mat(h.data_ptr(), None)
 
@@ -374,23 +324,26 @@ class NativeSteps:
         return logits, out, new, top
 
 
-def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path) -> bool:
-    """Give a model native steps (`model.native`) -> whether it has them; where they cannot
-    serve, one line through `log` and the model stays on the other engines."""
-    if model.native is not None:
+def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native") -> bool:
+    """Give a model native steps (`model.native`, or `model.native_avx2` for that engine) -> whether
+    it has them; where they cannot serve, one line through `log` and the model stays on the others."""
+    attr = engine.replace("-", "_")
+    if getattr(model, attr) is not None:
         return True
     try:
-        model.native = NativeSteps(model, target, log, root)
+        setattr(model, attr, NativeSteps(model, target, log, root, engine))
     except (NativeUnavailable, OSError) as e:
         log(f"native decode step unavailable ({type(model).__name__}): {e}")
         return False
     return True
 
 
-def prepare(target: Transformer, models: list[Transformer | MTPModule], log: Log, root: Path) -> tuple[int, int]:
+def prepare(
+    target: Transformer, models: list[Transformer | MTPModule], log: Log, root: Path, engine: str = "native"
+) -> tuple[int, int]:
     """Native steps for the target and the proposer's models -> (models with them, models)."""
     every = list({id(m): m for m in [target, *models]}.values())
-    return sum(attach(m, target, log, root) for m in every), len(every)
+    return sum(attach(m, target, log, root, engine) for m in every), len(every)
 
 
 from .sampled import verify_sample as verify_sample  # noqa: E402  (re-exported: the engine calls native.verify_sample)

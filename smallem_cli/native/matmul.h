@@ -3,6 +3,40 @@
 
 #include "vec.h"
 
+// A panel is one vector register of output rows: sixteen where the library is built for
+// AVX-512 (`native.isa`), else eight (AVX2). This CPU's AVX-512 units do twice the FMA work
+// of AVX2's a cycle, which a pass over a few rows is bound by; the vector helpers (vec.h,
+// attention.h) stay AVX2.
+#if defined(__AVX512F__)
+#define PANEL 16
+typedef __m512 vec;
+static inline vec v_zero() { return _mm512_setzero_ps(); }
+static inline vec v_bcast(const float *x) { return _mm512_set1_ps(*x); }
+static inline vec v_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec v_add(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec v_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec load16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vec load8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+#define PANEL 8
+typedef __m256 vec;
+static inline vec v_zero() { return _mm256_setzero_ps(); }
+static inline vec v_bcast(const float *x) { return _mm256_broadcast_ss(x); }
+static inline vec v_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec v_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void v_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec v_add(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec v_mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec load16(const uint16_t *p) { return load_h(p); }
+static inline vec load8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
 // A weight matrix in panels (below): float16 (the checkpoint's own values: the target, always),
 // or int8 with a float32 scale per output row, row n being scale[n] * q[n] (a proposer's, where
 // the caller asks for it: `native.panels8`). A proposer's numbers change only how often its
@@ -10,38 +44,46 @@
 // verified against the q it was drawn from.
 struct Mat {
     const void *w;
-    const float *scale;  // [panels * 8] (the last panel's padding included), or null: float16
+    const float *scale;  // [panels * PANEL] (the last panel's padding included), or null: float16
 };
 struct F16 {
     using T = uint16_t;
-    static inline __m256 load(const uint16_t *p) { return load_h(p); }
+    static inline vec load(const uint16_t *p) { return load16(p); }
 };
 struct I8 {
     using T = int8_t;
-    static inline __m256 load(const int8_t *p) {
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    }
+    static inline vec load(const int8_t *p) { return load8(p); }
 };
 
-// y[m, n] (+)= sum_k x[m, k] W[n, k] for m < M, n < N, with W in panels of eight output
-// columns (`native.panels`): wp[(n / 8) K + k][n % 8], float16 or int8 (`Mat`), the last panel padded.
+// y[m, n] (+)= sum_k x[m, k] W[n, k] for m < M, n < N, with W in panels of PANEL output
+// columns (`native.panels`): wp[(n / PANEL) K + k][n % PANEL], float16 or int8 (`Mat`), the last
+// panel padded.
 //
-// A tile holds MR input rows x NV panels in 12 accumulators (16 registers: 12 + the panels
-// or the broadcast inputs + one temporary): each k adds x[m, k] * W[n .. n+8, k] to every
-// one of them, one FMA per accumulator, no horizontal sums at the end. Every output is one
-// float32 sum over k = 0 .. K-1 in order, whatever tile holds it: a token's numbers do not
-// depend on how many rows the pass has.
-#define ACC12(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11)
+// A tile holds MR input rows x NV panels in ACC accumulators: 12 of AVX2's 16 registers, 24 of
+// AVX-512's 32 (the rest: the panels or the broadcast inputs, and one temporary). Each k adds
+// x[m, k] * W[n .. n+PANEL, k] to every one of them, one FMA per accumulator, no horizontal sums
+// at the end. Every output is one float32 sum over k = 0 .. K-1 in order, whatever tile holds
+// it: a token's numbers do not depend on how many rows the pass has, nor on the build.
+#if PANEL == 16
+#define ACC 24
+#define MAX_MR 8
+#else
+#define ACC 12
+#define MAX_MR 6
+#endif
+#define ACC24(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) \
+                 F(12) F(13) F(14) F(15) F(16) F(17) F(18) F(19) F(20) F(21) F(22) F(23)
 template <class W, int MR, int NV>
 static inline void tile(const float *x, int ldx, const typename W::T *wp, const float *scale, int K, float *y, int ldy,
                         int n, int N, bool add) {
-    static_assert(MR * NV <= 12 && MR >= 1 && NV >= 1, "at most 12 accumulators");
-    const __m256 z = _mm256_setzero_ps();
-#define DECL(i) __m256 c##i = z;
-    ACC12(DECL)
+    static_assert(MR * NV <= ACC && MR >= 1 && NV >= 1, "too many accumulators");
+    const vec z = v_zero();
+#define DECL(i) vec c##i = z;
+    ACC24(DECL)
 #undef DECL
-    const typename W::T *p = wp + (size_t)(n / 8) * K * 8;  // panel n / 8; panel v of the tile at p + v K 8
-    for (int k = 0; k < K; k++, p += 8, x++) {
+    const typename W::T *p = wp + (size_t)(n / PANEL) * K * PANEL;  // panel v of the tile at p + v K PANEL
+    constexpr int line = 64 / (PANEL * sizeof(typename W::T));  // the k a cache line of a panel holds
+    for (int k = 0; k < K; k++, p += PANEL, x++) {
         // Several rows read the panels at the pace of their arithmetic, too slowly for the
         // hardware's prefetcher: the next tile's panels (the NV after these) are asked for at the
         // same k, a tile ahead (against 4 KB ahead in each panel: passes over 2, 5 and 16 rows
@@ -49,70 +91,73 @@ static inline void tile(const float *x, int ldx, const typename W::T *wp, const 
         // two tiles ahead, or into L2 only, no better). One row reads fast enough without (a
         // prefetch there made its pass 31% slower).
         if constexpr (MR > 1)
-            if ((k & 3) == 0)
-                for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(p + (size_t)(v + NV) * K * 8), _MM_HINT_T0);
-        if constexpr (MR >= 4) {  // NV <= 3 panels in registers, one broadcast input at a time
-            __m256 w[NV], b;
-            for (int v = 0; v < NV; v++) w[v] = W::load(p + (size_t)v * K * 8);
-#define FMA(i) if constexpr (i < MR * NV) { if constexpr (i % NV == 0) b = _mm256_broadcast_ss(x + (size_t)(i / NV) * ldx); \
-                                             c##i = _mm256_fmadd_ps(b, w[i % NV], c##i); }
-            ACC12(FMA)
+            if (k % line == 0)
+                for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(p + (size_t)(v + NV) * K * PANEL), _MM_HINT_T0);
+        if constexpr (MR >= 4) {  // NV panels in registers, one broadcast input at a time
+            vec w[NV], b;
+            for (int v = 0; v < NV; v++) w[v] = W::load(p + (size_t)v * K * PANEL);
+#define FMA(i) if constexpr (i < MR * NV) { if constexpr (i % NV == 0) b = v_bcast(x + (size_t)(i / NV) * ldx); \
+                                             c##i = v_fma(b, w[i % NV], c##i); }
+            ACC24(FMA)
 #undef FMA
         } else {  // MR <= 3 inputs in registers, one panel at a time
-            __m256 b[MR], w;
-            for (int m = 0; m < MR; m++) b[m] = _mm256_broadcast_ss(x + (size_t)m * ldx);
-#define FMA(i) if constexpr (i < MR * NV) { if constexpr (i % MR == 0) w = W::load(p + (size_t)(i / MR) * K * 8); \
-                                             c##i = _mm256_fmadd_ps(b[i % MR], w, c##i); }
-            ACC12(FMA)
+            vec b[MR], w;
+            for (int m = 0; m < MR; m++) b[m] = v_bcast(x + (size_t)m * ldx);
+#define FMA(i) if constexpr (i < MR * NV) { if constexpr (i % MR == 0) w = W::load(p + (size_t)(i / MR) * K * PANEL); \
+                                             c##i = v_fma(b[i % MR], w, c##i); }
+            ACC24(FMA)
 #undef FMA
         }
     }
     // accumulator i: row i / NV, panel i % NV (MR >= 4), or row i % MR, panel i / MR
-    __m256 acc[12] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+#define LIST(i) c##i,
+    vec acc[24] = {ACC24(LIST)};
+#undef LIST
     for (int i = 0; i < MR * NV; i++) {
-        int m = MR >= 4 ? i / NV : i % MR, v = MR >= 4 ? i % NV : i / MR, col = n + 8 * v;
+        int m = MR >= 4 ? i / NV : i % MR, v = MR >= 4 ? i % NV : i / MR, col = n + PANEL * v;
         float *o = y + (size_t)m * ldy + col;
-        if (scale) acc[i] = _mm256_mul_ps(acc[i], _mm256_loadu_ps(scale + col));  // int8: the rows' scales
-        if (col + 8 <= N) {
-            _mm256_storeu_ps(o, add ? _mm256_add_ps(_mm256_loadu_ps(o), acc[i]) : acc[i]);
+        if (scale) acc[i] = v_mul(acc[i], v_load(scale + col));  // int8: the rows' scales
+        if (col + PANEL <= N) {
+            v_store(o, add ? v_add(v_load(o), acc[i]) : acc[i]);
         } else {  // the last, padded panel: only its real columns
-            float t[8];
-            _mm256_storeu_ps(t, acc[i]);
+            float t[PANEL];
+            v_store(t, acc[i]);
             for (int c = 0; c < N - col; c++) o[c] = add ? o[c] + t[c] : t[c];
         }
     }
 }
-#undef ACC12
+#undef ACC24
 
 // Tiles of MR rows over panels [0, np) of a chunk: NV panels at a time, then the rest.
 template <class W, int MR, int NV>
 static inline void tiles(const float *x, int ldx, const typename W::T *wp, const float *scale, int K, float *y, int ldy,
                          int n0, int np, int N, bool add) {
     int v = 0;
-    for (; v + NV <= np; v += NV) tile<W, MR, NV>(x, ldx, wp, scale, K, y, ldy, n0 + 8 * v, N, add);
+    for (; v + NV <= np; v += NV) tile<W, MR, NV>(x, ldx, wp, scale, K, y, ldy, n0 + PANEL * v, N, add);
     if constexpr (NV > 1)
-        if (np - v > 0) tiles<W, MR, NV - 1>(x, ldx, wp, scale, K, y, ldy, n0 + 8 * v, np - v, N, add);
+        if (np - v > 0) tiles<W, MR, NV - 1>(x, ldx, wp, scale, K, y, ldy, n0 + PANEL * v, np - v, N, add);
 }
 
+// Panels a tile of MR rows holds: as many as the accumulators allow, at most a chunk's 12.
+static constexpr int nv_for(int mr) { return ACC / mr < 12 ? ACC / mr : 12; }
+
 // Every input row against the np panels of one chunk (wp: its first panel, y: its first
-// column, N: the real columns from there on): rows in groups of six, then the rest (7 = 4 + 3
-// and 8 = 4 + 4 rows, so that no group has one or two).
+// column, N: the real columns from there on): the rows in as few groups as tiles of MAX_MR
+// allow, of sizes as equal as can be (16 = 8 + 8 and 9 = 5 + 4 with AVX-512; 7 = 4 + 3 with
+// AVX2), each group reading the chunk's panels once.
 template <class W>
 static void rows_against(const float *x, int M, int ldx, const typename W::T *wp, const float *scale, int K, float *y,
                          int ldy, int np, int N, bool add) {
-    int m = 0;
-    for (; M - m >= 6 && M - m != 7 && M - m != 8; m += 6)
-        tiles<W, 6, 2>(x + (size_t)m * ldx, ldx, wp, scale, K, y + (size_t)m * ldy, ldy, 0, np, N, add);
-    while (m < M) {
+    for (int m = 0, groups = (M + MAX_MR - 1) / MAX_MR; m < M; groups--) {
+        const int r = (M - m + groups - 1) / groups;
         const float *xm = x + (size_t)m * ldx;
         float *ym = y + (size_t)m * ldy;
-        switch (M - m) {
-        case 5: tiles<W, 5, 2>(xm, ldx, wp, scale, K, ym, ldy, 0, np, N, add); m += 5; break;
-        case 3: tiles<W, 3, 4>(xm, ldx, wp, scale, K, ym, ldy, 0, np, N, add); m += 3; break;
-        case 2: tiles<W, 2, 6>(xm, ldx, wp, scale, K, ym, ldy, 0, np, N, add); m += 2; break;
-        case 1: tiles<W, 1, 12>(xm, ldx, wp, scale, K, ym, ldy, 0, np, N, add); m += 1; break;
-        default: tiles<W, 4, 3>(xm, ldx, wp, scale, K, ym, ldy, 0, np, N, add); m += 4; break;  // 4, 7 or 8 rows
+        switch (r) {
+#define ROWS(R) case R: if constexpr (R <= MAX_MR) tiles<W, R, nv_for(R)>(xm, ldx, wp, scale, K, ym, ldy, 0, np, N, add); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
         }
+        m += r;
     }
 }
 
@@ -122,12 +167,12 @@ static void rows_against(const float *x, int M, int ldx, const typename W::T *wp
 template <class W>
 static void matmul_of(const float *x, int M, int ldx, const typename W::T *wp, const float *scale, int N, int K, float *y,
                       int ldy, bool add) {
-    const int panels = (N + 7) / 8, nt = omp_get_num_threads(), me = omp_get_thread_num();
+    const int panels = (N + PANEL - 1) / PANEL, nt = omp_get_num_threads(), me = omp_get_thread_num();
     const int v0 = (int)((long)panels * me / nt), v1 = (int)((long)panels * (me + 1) / nt);
     for (int c = v0; c < v1; c += 12) {
         const int np = v1 - c < 12 ? v1 - c : 12;
-        rows_against<W>(x, M, ldx, wp + (size_t)c * K * 8, scale ? scale + 8 * c : nullptr, K, y + 8 * c, ldy, np,
-                        N - 8 * c, add);
+        rows_against<W>(x, M, ldx, wp + (size_t)c * K * PANEL, scale ? scale + PANEL * c : nullptr, K, y + PANEL * c,
+                        ldy, np, N - PANEL * c, add);
     }
 #pragma omp barrier
 }

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import native
 from ..verify import uniforms
+from . import kernels
 
 
 def verify_sample(
@@ -19,8 +19,7 @@ def verify_sample(
     call of the loaded library (`smallem_verify_sample`): raw logits [k+1, V] of the verify pass,
     the guesses [k] and their q [k, V] (None: no guess) -> [k + 2] long: n kept, then the k+1
     tokens. It draws what `verify_sample` draws, in the same order, from `generator`."""
-    lib = native._LIB
-    assert lib is not None, "the native library is not loaded (`library`)"
+    lib = kernels.loaded()
     k, V = drafts.shape[0], logits.shape[-1]
     assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
     u = None  # without a guess, nothing to accept: verify_sample draws only the next token

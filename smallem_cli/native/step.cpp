@@ -13,7 +13,7 @@
 // whatever T is (each sum in the same order), so a token's numbers do not depend on the pass
 // that held it.
 //
-// Layout: weights in panels of eight output rows (below), rows of Wq/Wk permuted so that each
+// Layout: weights in panels of PANEL output rows (below, matmul.h), rows of Wq/Wk permuted so that each
 // rotary pair is two adjacent columns (`model.interleave_halves`), as the eager path's cache.
 // One OpenMP region per pass; each product is split over output rows between the threads.
 
@@ -22,9 +22,12 @@
 #include "vec.h"
 #include "verify.h"  // smallem_verify_sample: one library, one translation unit (one compile)
 
-// Every matrix W [out, in] is stored in panels of eight output rows (`native.panels`):
-// [ceil(out / 8), in, 8], so that a product reads each panel front to back; float16, or a
-// proposer's int8 with its rows' scales (`Mat`, matmul.h).
+// Every matrix W [out, in] is stored in panels of PANEL output rows (`native.panels`):
+// [ceil(out / PANEL), in, PANEL], so that a product reads each panel front to back; float16, or
+// a proposer's int8 with its rows' scales (`Mat`, matmul.h).
+
+// The panel width this library was built for (16 with AVX-512, else 8): the packing must match.
+extern "C" int smallem_panel() { return PANEL; }
 struct LayerW {
     Mat qkv;  // [(H + 2Hkv) D, d]
     Mat o;    // [d, H D]
