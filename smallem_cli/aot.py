@@ -35,6 +35,7 @@ from torch import nn
 
 from . import chain, graphs
 from .defaults import PAGE_SIZE
+from .native.kernels import ENGINES as NATIVE_BUILDS
 from .proposers import Fused, Pass, Proposer
 from .steps import MIN_PAST, StepFn, register
 
@@ -345,9 +346,9 @@ def use(models: list[nn.Module], compiled: bool) -> None:
             steps.enabled = compiled
 
 
-NATIVE = ("native", "native-avx2")  # `native.ENGINES`: the widest build this CPU runs, and the AVX2 one
+NATIVE = tuple(NATIVE_BUILDS)  # the native engine's builds: the widest this CPU runs, and its AVX2 one
 ENGINES = ("auto", "eager", "compiled", *NATIVE)
-BENCH_ENGINES = ("eager", "compiled", "native-avx2", "native")  # slowest first
+BENCH_ENGINES = ("eager", "compiled", *NATIVE[::-1])  # slowest first: the AVX2 build before the widest
 
 
 def fastest(engines: Iterable[str]) -> str:

@@ -5,9 +5,9 @@ the eager and compiled engines read) they are 36 MB, more than this machine's L3
 token reads them from memory; as the float16 they are stored in they are 18 MB, half the
 bytes, and less than the L3. Inductor's float16 products, tried here, were slower than its
 float32 ones (README, "How it works"), so `step.cpp` has its own, over weights packed at
-load in panels of 16 output rows with AVX-512, 8 with AVX2 (`panels`, `isa`): every product converts the weights to
-float32 in registers and accumulates in float32, so a model whose
-weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
+load in panels of 16 output rows in the AVX-512 build, 8 in the AVX2 one (`panels`, `kernels`):
+every product converts the weights to float32 in registers and accumulates in float32, so a
+model whose weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
 is, not rounded. A proposer loaded so (`--proposer-weights int8`, `model.native_int8`) has
 its matrices as int8 with a scale per row instead (`pack.panels8`): half the bytes a guess
 reads; the target's are always its own values, so the text is the target's.
@@ -34,12 +34,9 @@ import torch
 from ..engine.batch import BatchStep, visible
 from ..model import MTPModule, Transformer
 from ..steps import StepFn, register
-from .kernels import Log, library
+from .kernels import ENGINES, Log, library
 from .pack import NativeUnavailable, half_exact, panels, panels8, rope_rows
 
-# The engines (`--engine`): the widest build this CPU runs, and the AVX2 one beside it (on an
-# AVX-512 CPU, to time both in one run); each is a model's attribute of that name, "-" as "_".
-ENGINES = {"native": None, "native-avx2": "avx2"}
 MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
 
 

@@ -28,6 +28,9 @@ HERE = Path(__file__).parent
 SOURCES = ("step.cpp",)  # it includes the headers beside it
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f"]}
+# The engines (`--engine`) and their builds: the widest this CPU runs, and the AVX2 one beside it
+# (on an AVX-512 CPU, to time both in one run); each a model's attribute of that name, "-" as "_".
+ENGINES = {"native": None, "native-avx2": "avx2"}
 _LIBS: dict[str, ctypes.CDLL] = {}  # by ISA, loaded once a process
 
 
