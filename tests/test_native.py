@@ -77,7 +77,8 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("T", "head", "last"), [(1, True, False), (2, False, True), (3, True, True), (5, True, False), (16, True, False)]
+    ("T", "head", "last"),
+    [(1, True, False), (2, False, True), (3, True, True), (5, True, False), (11, True, False), (16, True, False)],
 )
 def test_target_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule], T: int, head: bool, last: bool) -> None:
     """Logits, hidden states and the K/V a pass writes match the eager pass's, for any T."""
@@ -370,7 +371,7 @@ def test_library_is_built_once_and_failures_are_one_line(
 def test_the_avx2_build_beside_the_widest_gives_the_same_numbers(root: Path) -> None:
     """`--engine native-avx2`: the AVX2 build (panels of 8 rows) beside the widest one this CPU
     runs (panels of 16 with AVX-512). Every output is the same float32 sum, in the same order, in
-    either build: passes (T = 1, 5, 16: whole and padded panels), the MTP chain's guesses and q
+    either build: passes (T = 1, 5, 11, 16: tiles of each shape, whole and padded panels), the MTP chain's guesses and q
     (a head cut to 37 rows), and whole generations, greedy and sampled, agree bit for bit."""
     target, mtp = halved(random_model(TINY, seed=6)), halved(random_mtp(TINY, seed=7))
     for engine in native.ENGINES:
@@ -386,7 +387,7 @@ def test_the_avx2_build_beside_the_widest_gives_the_same_numbers(root: Path) -> 
         cache = target.new_cache(8)
         seq = cache.new_sequence()
         _, prompt_h = target(tokens[:20], cache, seq)  # [20, d]
-        for T in (1, 5, 16):
+        for T in (1, 5, 11, 16):
             logits, hidden = target(tokens[20 : 20 + T], cache, seq)
             out += [logits, hidden, cache.kv[:, :, :, 20 : 20 + T].clone()]
             cache.keep(seq, 20)
