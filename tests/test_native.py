@@ -448,6 +448,9 @@ def test_cli_native_engine_prints_the_eager_text(
     mtp_eager = run("--engine", "eager", "--proposer", "mtp", "-k", "3")
     assert again.exit_code == 0 and again.stdout == mtp_eager.stdout == eager.stdout
     assert again.stderr.splitlines()[-1].endswith(", native)") and len(again.stderr.splitlines()) == 1, again.stderr
+    avx2 = run("--engine", "native-avx2", "--proposer", "mtp", "-k", "3")  # the AVX2 build: the same text
+    assert avx2.exit_code == 0 and avx2.stdout == eager.stdout
+    assert avx2.stderr.splitlines()[-1].endswith(", native-avx2)"), avx2.stderr
 
 
 def test_threads_follow_the_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,7 @@
 #include "vec.h"
 
 // A panel is one vector register of output rows: sixteen where the library is built for
-// AVX-512 (`native.isa`), else eight (AVX2). This CPU's AVX-512 units do twice the FMA work
+// AVX-512 (`native/kernels.py`), else eight (AVX2). This CPU's AVX-512 units do twice the FMA work
 // of AVX2's a cycle, which a pass over a few rows is bound by; the vector helpers (vec.h,
 // attention.h) stay AVX2.
 #if defined(__AVX512F__)
