@@ -414,6 +414,22 @@ def test_the_avx2_build_beside_the_widest_gives_the_same_numbers(root: Path) -> 
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def test_builds_follow_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The widest build is the CPU's: AVX-512 where torch finds it, else AVX2; the AVX-512 build
+    is refused on a CPU without it, and a CPU without AVX2 gets neither (one line, no build)."""
+    from smallem_cli.native import kernels
+
+    monkeypatch.setattr(kernels, "_LIBS", {})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert kernels.best_isa() == "avx2"
+    with pytest.raises(native.NativeUnavailable, match="does not run the avx512 build"):
+        kernels.library(tmp_path, print, "avx512")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(native.NativeUnavailable, match="lacks AVX2"):
+        kernels.library(tmp_path, print)
+    assert not (tmp_path / "native").exists()  # refused before anything was built
+
+
 def test_engine_names_and_bench_engines() -> None:
     cpu = torch.device("cpu")
     assert aot.bench_engines("auto", cpu) == ("eager", "native")
