@@ -193,11 +193,10 @@ def from_cli(
     def make(name: str, k: int | None, size: int, engine: str) -> Engine:
         base, _, suffix = name.partition("@")  # token trees (`options.tree_names`), or weights
         tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
-        log = err.print if engine in aot.NATIVE else None
         stored = suffix if suffix in D.WEIGHTS else weights
         return build_engine(
             tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree,
-            native_log=log, weights=stored, native=engine if engine in aot.NATIVE else "native",
+            native=engine if engine in aot.NATIVE else None, native_log=err.print, weights=stored,
         )  # fmt: skip
 
     configs = (1 + sum(n != "none" for n in names) * max(1, len(ks))) * len(sizes) * len(engines)

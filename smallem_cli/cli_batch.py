@@ -250,8 +250,8 @@ def batch(
             eot=tok.token_to_id(EOT),
             decode=tok.decode,
             tree=O.tree(tree),
-            native_log=((lambda _: None) if quiet else err.print) if mode in aot.NATIVE else None,
-            native=mode if mode in aot.NATIVE else "native",
+            native=mode,  # a native engine's name, or None (eager): "build" was refused above
+            native_log=None if quiet else err.print,
             weights=weights,
         )
     except O.INPUT_ERRORS as e:

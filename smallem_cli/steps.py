@@ -58,7 +58,11 @@ def switch(engine: str | None) -> None:
 
 def active_steps(model: object) -> Steps | None:
     """The steps switched on for this model (the native engine's first), or None: eager."""
-    for steps in (getattr(model, n, None) for n in ("native", "native_avx2", "compiled")):
+    for steps in (
+        getattr(model, "native", None),
+        getattr(model, "native_avx2", None),
+        getattr(model, "compiled", None),
+    ):
         if steps is not None and steps.enabled:
             return steps
     return None

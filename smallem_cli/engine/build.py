@@ -53,15 +53,15 @@ def build_engine(
     n_pages: int | None = None,
     page_size: int = D.PAGE_SIZE,
     tree: tuple[int, int] | None = None,
+    native: str | None = None,
     native_log: Callable[[str], None] | None = None,
     weights: str = D.PROPOSER_WEIGHTS,
-    native: str = "native",
 ) -> Engine:
     """k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`).
     tree: (guesses per tree, candidates per node) for token trees (`tree_guess`), MTP only.
-    native_log: give the target and the proposer's models native steps (`--engine native`: every
-    pass of the batch one C call; `native`: which build, `native.ENGINES`), saying through it why a
-    model cannot have them.
+    native: give the target and the proposer's models this native engine's steps ("native" or
+    "native-avx2", `native.ENGINES`: every pass of the batch one C call), None: none; native_log
+    says why a model cannot have them (None: nothing said).
     weights: how the native engine stores the proposer's matrices (`family.load_proposer`)."""
     model = tgt.model
     pool = PagePool(n_pages or pool_pages(max_batch, model.cfg.max_seq_len, page_size, tree), page_size)
@@ -76,7 +76,7 @@ def build_engine(
     else:
         kg = k if k is not None else D.default_k(proposer, True)
         ks = k if k is not None else D.default_k(proposer, False)
-    if native_log is not None:
+    if native is not None:
         aot.prepare_engine(native, model, one, [max(kg, ks, 1)], native_log)
     one.release()
     return Engine(
