@@ -23,13 +23,32 @@ def data(
     files: Annotated[list[Path] | None, typer.Argument(help="UTF-8 text files (default: the KJV Bible)")] = None,
     out: Annotated[Path, typer.Option(help="output folder")] = D.DATA_DIR,
     overwrite: Annotated[bool, typer.Option(help="replace a different corpus already in --out")] = False,
+    continuations: Annotated[
+        int, typer.Option(help="instead: the target's continuations of this many contexts of --source (0: off)")
+    ] = 0,
+    source: Annotated[
+        Path, typer.Option(help="continuations: the corpus the contexts and the validation split come from")
+    ] = D.DATA_DIR,
+    target: Annotated[Path, typer.Option(help="continuations: the target that writes them")] = D.TARGET,
+    context_tokens: Annotated[int, typer.Option(help="continuations: tokens of a context")] = D.GEN_CONTEXT,
+    new_tokens: Annotated[int, typer.Option(help="continuations: tokens the target adds to each")] = D.GEN_NEW,
+    sampled_every: Annotated[
+        int, typer.Option(help="continuations: one in this many sampled at T=1, the rest greedy (0: all greedy)")
+    ] = D.GEN_SAMPLED_EVERY,
+    seed: Annotated[int, typer.Option(help="continuations: contexts and draws")] = 0,
 ) -> None:
-    """Build the corpus and its deterministic train/validation split."""
+    """Build the corpus and its deterministic train/validation split; or, with --continuations,
+    a corpus of the target's own text to fit proposers on (`continuations.py`)."""
     import subprocess
 
     from . import data as corpus
     from .outputs import OutputError, write_corpus
 
+    if continuations:
+        if files:
+            raise fail("--continuations reads the corpus in --source: give no text files")
+        _continuations(out, overwrite, continuations, source, target, context_tokens, new_tokens, sampled_every, seed)
+        return
     try:
         chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
         train_path, val_path = write_corpus(out, chunks, overwrite, "--out")
@@ -39,6 +58,73 @@ def data(
         f"{len(chunks)} chunks -> {train_path} ({train_path.stat().st_size} bytes), "
         f"{val_path} ({val_path.stat().st_size} bytes)"
     )
+
+
+def _continuations(
+    out: Path,
+    overwrite: bool,
+    n: int,
+    source: Path,
+    target: Path,
+    context_tokens: int,
+    new_tokens: int,
+    sampled_every: int,
+    seed: int,
+) -> None:
+    """`smallem data --continuations N`: the target continues N contexts of --source's training
+    split on the batch engine (native where it can); the documents go to --out's train.txt, the
+    source's validation split to its val.txt. Checked before any work: nothing is replaced
+    unasked, and --out is not --source."""
+    import time
+
+    import torch
+
+    from . import aot, family
+    from . import continuations as C
+    from . import data as corpus
+    from .engine.build import build_engine
+    from .tokenizer import load_tokenizer
+
+    if n < 0 or context_tokens < 1 or new_tokens < 1 or sampled_every < 0:
+        raise fail("--continuations, --sampled-every >= 0; --context-tokens, --new-tokens >= 1")
+    train_txt, val_txt = source / "train.txt", source / "val.txt"
+    if not train_txt.is_file() or not val_txt.is_file():
+        raise fail(f"no corpus in {source}: run `smallem data` (or `make data`) first")
+    if out.resolve() == source.resolve():
+        raise fail(f"--out {out} is the corpus the contexts come from: choose another folder")
+    taken = [p for p in (out / "train.txt", out / "val.txt") if p.exists()]
+    if taken and not overwrite:
+        raise fail(f"{taken[0]} exists: pass --overwrite to replace it, or --out to write elsewhere")
+    try:
+        dev = family.pick_device("auto")
+        tgt = family.load_target(target, dev)
+        if context_tokens + new_tokens > tgt.model.cfg.max_seq_len:
+            positions = tgt.model.cfg.max_seq_len
+            raise ValueError(f"a context and its continuation exceed the target's {positions} positions")
+        tok = load_tokenizer(tgt.tokenizer)
+        eot = tok.token_to_id(corpus.EOT)
+        ids = corpus.token_file(tgt.tokenizer, train_txt)
+        reqs = C.requests(C.contexts(ids, n, context_tokens, seed, eot), new_tokens, sampled_every, seed)
+        engine = build_engine(
+            tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, eot=eot, decode=tok.decode,
+            native=aot.engine_mode("auto", dev), native_log=err.print,
+        )  # fmt: skip
+        val = corpus.read_documents(val_txt)
+    except (family.CheckpointError, ValueError, OSError, UnicodeDecodeError) as e:
+        raise fail(str(e)) from None
+    t0 = time.perf_counter()
+
+    def done(k: int) -> None:
+        if k % 256 == 0 or k == n:
+            err.print(f"{k}/{n} continuations, {time.perf_counter() - t0:.0f} s")
+
+    with torch.inference_mode():
+        docs = C.documents(engine.run(reqs), tok.decode, done)
+    try:
+        train_path, val_path = corpus.write_parts(out, (docs, val))
+    except OSError as e:
+        raise fail(str(e)) from None
+    err.print(f"{len(docs)} continuations -> {train_path} ({train_path.stat().st_size} bytes), {val_path}")
 
 
 class Kind(str, Enum):

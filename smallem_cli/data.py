@@ -66,11 +66,16 @@ def split(chunks: list[str]) -> tuple[list[str], list[str]]:
 
 
 def write_corpus(out_dir: Path, chunks: list[str]) -> tuple[Path, Path]:
-    """Write train.txt and val.txt, chunks separated by the end-of-text marker."""
+    """Write train.txt and val.txt of `chunks`' split."""
+    return write_parts(out_dir, split(chunks))
+
+
+def write_parts(out_dir: Path, parts: tuple[list[str], list[str]]) -> tuple[Path, Path]:
+    """Write train.txt and val.txt, the (train, validation) documents separated by the end-of-text
+    marker, each file whole or as it was (written aside, then renamed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    train, val = split(chunks)
     paths = out_dir / "train.txt", out_dir / "val.txt"
-    for path, part in zip(paths, (train, val), strict=True):
+    for path, part in zip(paths, parts, strict=True):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(EOT.join(part), encoding="utf-8")
         tmp.replace(path)

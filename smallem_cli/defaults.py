@@ -135,3 +135,12 @@ def load_cap(proposer: str, batch: int) -> int:
         if batch <= size:
             return cap
     return MAX_K
+
+
+# `smallem data --continuations`: the target's own text for its proposers (`continuations.py`).
+# A context as long as a bench prompt, a continuation to fill a training window of 256 tokens;
+# one context in three sampled at T = 1 (sampled requests meet sampled text), the rest greedy.
+GEN_CONTEXT = 32
+GEN_NEW = 224
+GEN_SAMPLED_EVERY = 3
+GEN_BATCH = 32  # sequences decoded together (the batch engine, target alone)

@@ -15,11 +15,27 @@ from .train import ProgressFn, TrainSettings, new_model, train_draft_distill, tr
 
 
 def save_family_member(
-    path: Path, model: Transformer | MTPModule, tokenizer_json: Path, facts: dict[str, Any], train_ids: np.ndarray
+    path: Path,
+    model: Transformer | MTPModule,
+    tokenizer_json: Path,
+    facts: dict[str, Any],
+    train_ids: np.ndarray,
+    rank: list[int] | None = None,
 ) -> None:
+    """Save a trained member with the tokens its cut head keeps (`vocab_rank`): `rank`, else the
+    training text's tokens by frequency."""
     fp = checkpoint.tokenizer_fingerprint(tokenizer_json)
-    rank = vocab_rank(train_ids, model.cfg.vocab_size)
-    checkpoint.save(path, model, tokenizer=fp, facts=facts, vocab_rank=rank)
+    checkpoint.save(
+        path, model, tokenizer=fp, facts=facts, vocab_rank=rank or vocab_rank(train_ids, model.cfg.vocab_size)
+    )
+
+
+def kept_rank(init: Path | None, vocab_size: int) -> list[int] | None:
+    """A continued proposer's cut (its checkpoint's `vocab_rank`), None for a new one or a file
+    that lists none. A proposer continued on other text (the target's own: `continuations.py`)
+    keeps it: ranked on the target's continuations instead, the sampled head's 2,048 tokens kept
+    fewer guesses at T = 1 and 0.7 (README, "Fitting the proposers on the target's own text")."""
+    return checkpoint.vocab_rank(checkpoint.read_meta(init), init, vocab_size) if init else None
 
 
 def train_member(
@@ -48,6 +64,7 @@ def train_member(
     if kind in ("mtp", "distill"):
         assert teacher is not None, f"{kind} needs a teacher"
         tgt = checkpoint.load_model(teacher)[0]
+        rank = kept_rank(init, tgt.cfg.vocab_size)
         source = f", starting from {init.name}" if init else ""
         if kind == "mtp":
             start = checkpoint.load_mtp(init, tgt)[0] if init else None
@@ -55,10 +72,10 @@ def train_member(
                 from .train_chain import train_mtp_chain
 
                 member, facts = train_mtp_chain(
-                    tgt, train_ids, val_ids, settings, run_dir, settings.chain, on_progress, start
+                    tgt, train_ids, val_ids, settings, run_dir, settings.chain, on_progress, start, rank
                 )
             else:
-                member, facts = train_mtp(tgt, train_ids, val_ids, settings, run_dir, on_progress, start)
+                member, facts = train_mtp(tgt, train_ids, val_ids, settings, run_dir, on_progress, start, rank)
             facts["trained"] = (
                 "distilled from the frozen target" + (f", chain of {settings.chain}" if settings.chain else "") + source
             )
@@ -68,11 +85,11 @@ def train_member(
             else:
                 assert cfg is not None, "a draft to distill needs init or cfg"
                 student = new_model(cfg, settings.seed)
-            member, facts = train_draft_distill(tgt, student, train_ids, val_ids, settings, run_dir, on_progress)
+            member, facts = train_draft_distill(tgt, student, train_ids, val_ids, settings, run_dir, on_progress, rank)
             facts["trained"] = f"distilled from {teacher.name}" + source
         if not settings.fit.plain:  # what q was fitted to, beside how long
             facts["fit"] = dataclasses.asdict(settings.fit)
-        save_family_member(dest, member, tokenizer_json, facts | before, train_ids)
+        save_family_member(dest, member, tokenizer_json, facts | before, train_ids, rank)
         return facts
     assert cfg is not None, f"{kind} from scratch needs a config"
     model, mtp, facts = train_model(cfg, train_ids, val_ids, settings, run_dir, on_progress)

@@ -38,17 +38,24 @@ def train_outputs(
     return mtp_dest
 
 
-def corpus_replaces(out_dir: Path, chunks: list[str]) -> Path | None:
-    """The first of `out_dir`'s train.txt and val.txt that writing `chunks` would change, or
-    None: a rerun that writes the same corpus again replaces nothing."""
-    for path, part in zip((out_dir / "train.txt", out_dir / "val.txt"), data.split(chunks), strict=True):
+def corpus_replaces(out_dir: Path, parts: tuple[list[str], list[str]]) -> Path | None:
+    """The first of `out_dir`'s train.txt and val.txt that writing the (train, validation)
+    documents `parts` would change, or None: a rerun that writes the same corpus again
+    replaces nothing."""
+    for path, part in zip((out_dir / "train.txt", out_dir / "val.txt"), parts, strict=True):
         if path.exists() and (not path.is_file() or path.read_bytes() != data.EOT.join(part).encode("utf-8")):
             return path
     return None
 
 
-def write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str) -> tuple[Path, Path]:
-    """data.write_corpus, unless it would replace another corpus in `out_dir` (named by `option`) unasked."""
-    if (taken := corpus_replaces(out_dir, chunks)) and not overwrite:
+def check_corpus(out_dir: Path, parts: tuple[list[str], list[str]], overwrite: bool, option: str) -> None:
+    """Refuse to replace another corpus in `out_dir` (named by `option`) unasked."""
+    if (taken := corpus_replaces(out_dir, parts)) and not overwrite:
         raise OutputError(f"{taken} holds another corpus: pass --overwrite to replace it, or {option} to use another")
-    return data.write_corpus(out_dir, chunks)
+
+
+def write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str) -> tuple[Path, Path]:
+    """data.write_corpus, unless it would replace another corpus in `out_dir` unasked (`check_corpus`)."""
+    parts = data.split(chunks)
+    check_corpus(out_dir, parts, overwrite, option)
+    return data.write_parts(out_dir, parts)

@@ -274,6 +274,7 @@ def train_mtp(
     run_dir: Path,
     on_progress: ProgressFn | None = None,
     init: MTPModule | None = None,
+    rank: list[int] | None = None,
 ) -> tuple[MTPModule, dict[str, Any]]:
     """Fit an MTP module to a frozen target by distillation: match the target's
     distribution for token i+2 (its logits at i+1), from h_i and the true token i+1.
@@ -286,7 +287,7 @@ def train_mtp(
     _freeze(target)
     mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
     T = settings.seq_len
-    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit)
+    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inp = x[:, :-2]
@@ -314,6 +315,7 @@ def train_draft_distill(
     settings: TrainSettings,
     run_dir: Path,
     on_progress: ProgressFn | None = None,
+    rank: list[int] | None = None,
 ) -> tuple[Transformer, dict[str, Any]]:
     """Fit a draft to a frozen target: KL(target || draft) over the whole next-token distribution.
 
@@ -324,7 +326,7 @@ def train_draft_distill(
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"draft vocabulary {draft.cfg.vocab_size} != target's {target.cfg.vocab_size}")
     _freeze(target)
-    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit)
+    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inp = x[:, :-2]
@@ -346,10 +348,13 @@ def _freeze(teacher: Transformer) -> None:
     teacher.eval()
 
 
-def cut_ids(train_ids: np.ndarray, vocab_size: int, fit: Fit) -> torch.Tensor | None:
-    """The tokens a cut head keeps (the checkpoint's `vocab_rank`, which `save_family_member`
-    computes from the same stream), or None for the whole vocabulary."""
-    return torch.tensor(vocab_rank(train_ids, vocab_size)[: fit.vocab]) if fit.vocab else None
+def cut_ids(train_ids: np.ndarray, vocab_size: int, fit: Fit, rank: list[int] | None = None) -> torch.Tensor | None:
+    """The tokens a cut head keeps, or None for the whole vocabulary: the first of `rank` (a
+    continued proposer's own, as `save_family_member` keeps it), else of the training stream's
+    ranking (which it saves for a new one)."""
+    if not fit.vocab:
+        return None
+    return torch.tensor((rank or vocab_rank(train_ids, vocab_size))[: fit.vocab])
 
 
 RANKED_TOKENS = 4096  # how many of the most frequent training tokens a checkpoint lists

@@ -95,6 +95,7 @@ def train_mtp_chain(
     depth: int,
     on_progress: ProgressFn | None = None,
     init: MTPModule | None = None,
+    rank: list[int] | None = None,
 ) -> tuple[MTPModule, dict[str, Any]]:
     """Fit the module's chain of `depth` guesses to the frozen target: the mean of every
     step's fit (`settings.fit`; the guesses the proposer runs at k = depth)."""
@@ -102,7 +103,7 @@ def train_mtp_chain(
         raise ValueError(f"the chain needs a depth >= 1, got {depth}")
     _freeze(target)
     mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
-    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit)
+    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inp = x[:, :-2]
