@@ -77,8 +77,6 @@ def _continuations(
     unasked, and --out is not --source."""
     import time
 
-    import torch
-
     from . import aot, family
     from . import continuations as C
     from . import data as corpus
@@ -118,8 +116,7 @@ def _continuations(
         if k % 256 == 0 or k == n:
             err.print(f"{k}/{n} continuations, {time.perf_counter() - t0:.0f} s")
 
-    with torch.inference_mode():
-        docs = C.documents(engine.run(reqs), tok.decode, done)
+    docs = C.documents(engine.run(reqs), tok.decode, done)  # the engine's loop runs under inference_mode
     try:
         train_path, val_path = corpus.write_parts(out, (docs, val))
     except OSError as e:
