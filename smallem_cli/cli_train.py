@@ -81,6 +81,7 @@ def _continuations(
     from . import continuations as C
     from . import data as corpus
     from .engine.build import build_engine
+    from .outputs import OutputError, continuations_out
     from .tokenizer import load_tokenizer
 
     if n < 0 or context_tokens < 1 or new_tokens < 1 or sampled_every < 0:
@@ -88,11 +89,10 @@ def _continuations(
     train_txt, val_txt = source / "train.txt", source / "val.txt"
     if not train_txt.is_file() or not val_txt.is_file():
         raise fail(f"no corpus in {source}: run `smallem data` (or `make data`) first")
-    if out.resolve() == source.resolve():
-        raise fail(f"--out {out} is the corpus the contexts come from: choose another folder")
-    taken = [p for p in (out / "train.txt", out / "val.txt") if p.exists()]
-    if taken and not overwrite:
-        raise fail(f"{taken[0]} exists: pass --overwrite to replace it, or --out to write elsewhere")
+    try:
+        continuations_out(out, source, overwrite)
+    except OutputError as e:
+        raise fail(str(e)) from None
     try:
         dev = family.pick_device("auto")
         tgt = family.load_target(target, dev)

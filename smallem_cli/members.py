@@ -30,12 +30,14 @@ def save_family_member(
     )
 
 
-def kept_rank(init: Path | None, vocab_size: int) -> list[int] | None:
-    """A continued proposer's cut (its checkpoint's `vocab_rank`), None for a new one or a file
-    that lists none. A proposer continued on other text (the target's own: `continuations.py`)
-    keeps it: ranked on the target's continuations instead, the sampled head's 2,048 tokens kept
-    fewer guesses at T = 1 and 0.7 (README, "Fitting the proposers on the target's own text")."""
-    return checkpoint.vocab_rank(checkpoint.read_meta(init), init, vocab_size) if init else None
+def proposer_rank(init: Path | None, meta: dict[str, str], train_ids: np.ndarray, vocab_size: int) -> list[int]:
+    """The tokens a proposer's cut head keeps, most frequent first: a continued proposer's own
+    (the `vocab_rank` in `meta`, its checkpoint `init`'s), else the training text's. A proposer
+    continued on other text (the target's own: `continuations.py`) keeps its ranking: ranked on
+    the target's continuations instead, the sampled head's 2,048 tokens kept fewer guesses at
+    T = 1 and 0.7 (README, "Fitting the proposers on the target's own text")."""
+    own = checkpoint.vocab_rank(meta, init, vocab_size) if init else None
+    return own or vocab_rank(train_ids, vocab_size)
 
 
 def train_member(
@@ -60,11 +62,12 @@ def train_member(
     A checkpoint started from `init` keeps the facts of that earlier training as "before".
     """
     train_ids, val_ids = data
-    before = {"before": checkpoint.facts(checkpoint.read_meta(init))} if init else {}
+    meta = checkpoint.read_meta(init) if init else {}
+    before = {"before": checkpoint.facts(meta)} if init else {}
     if kind in ("mtp", "distill"):
         assert teacher is not None, f"{kind} needs a teacher"
         tgt = checkpoint.load_model(teacher)[0]
-        rank = kept_rank(init, tgt.cfg.vocab_size)
+        rank = proposer_rank(init, meta, train_ids, tgt.cfg.vocab_size)  # fitted to (`--fit-vocab`), saved
         source = f", starting from {init.name}" if init else ""
         if kind == "mtp":
             start = checkpoint.load_mtp(init, tgt)[0] if init else None

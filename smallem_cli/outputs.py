@@ -48,14 +48,20 @@ def corpus_replaces(out_dir: Path, parts: tuple[list[str], list[str]]) -> Path |
     return None
 
 
-def check_corpus(out_dir: Path, parts: tuple[list[str], list[str]], overwrite: bool, option: str) -> None:
-    """Refuse to replace another corpus in `out_dir` (named by `option`) unasked."""
+def write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str) -> tuple[Path, Path]:
+    """data.write_corpus, unless it would replace another corpus in `out_dir` (named by `option`) unasked."""
+    parts = data.split(chunks)
     if (taken := corpus_replaces(out_dir, parts)) and not overwrite:
         raise OutputError(f"{taken} holds another corpus: pass --overwrite to replace it, or {option} to use another")
-
-
-def write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str) -> tuple[Path, Path]:
-    """data.write_corpus, unless it would replace another corpus in `out_dir` unasked (`check_corpus`)."""
-    parts = data.split(chunks)
-    check_corpus(out_dir, parts, overwrite, option)
     return data.write_parts(out_dir, parts)
+
+
+def continuations_out(out_dir: Path, source: Path, overwrite: bool) -> None:
+    """Check `smallem data --continuations`' folder before the target writes a word: not the
+    corpus its contexts come from, and no corpus there unless --overwrite (what it will hold is
+    known only once generated, so any corpus there counts)."""
+    if out_dir.resolve() == source.resolve():
+        raise OutputError(f"--out {out_dir} is the corpus the contexts come from: choose another folder")
+    taken = [p for p in (out_dir / "train.txt", out_dir / "val.txt") if p.exists()]
+    if taken and not overwrite:
+        raise OutputError(f"{taken[0]} exists: pass --overwrite to replace it, or --out to write elsewhere")

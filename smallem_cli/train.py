@@ -349,9 +349,8 @@ def _freeze(teacher: Transformer) -> None:
 
 
 def cut_ids(train_ids: np.ndarray, vocab_size: int, fit: Fit, rank: list[int] | None = None) -> torch.Tensor | None:
-    """The tokens a cut head keeps, or None for the whole vocabulary: the first of `rank` (a
-    continued proposer's own, as `save_family_member` keeps it), else of the training stream's
-    ranking (which it saves for a new one)."""
+    """The tokens a cut head keeps, or None for the whole vocabulary: the first of `rank` (the
+    ranking the member is saved with: `members.proposer_rank`), else of the training stream's."""
     if not fit.vocab:
         return None
     return torch.tensor((rank or vocab_rank(train_ids, vocab_size))[: fit.vocab])
