@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import aot
+from . import aot, atomic
 from . import defaults as D
 from .data import read_documents
 from .family import ProposerFactory
@@ -56,9 +56,7 @@ def write_prompts(
             ids = ids + tok.encode("\n").ids + ids[:restate]
         lines.append(json.dumps({"tokens": ids, "text": tok.decode(ids)}))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    tmp.replace(out)
+    atomic.replace_with(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
 
 
 def read_prompts(path: Path) -> list[list[int]]:

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from . import atomic
 from .config import ConfigError, ModelConfig
 from .model import MTPModule, Transformer
 from .tokenizer import load_tokenizer
@@ -58,9 +59,7 @@ def save(
     }
     if vocab_rank is not None:  # token ids, most frequent in the training text first
         meta["vocab_rank"] = json.dumps(vocab_rank)
-    tmp = path.with_name(path.name + ".tmp")
-    write_safetensors(tensors, tmp, meta)
-    tmp.replace(path)
+    atomic.replace_with(path, lambda tmp: write_safetensors(tensors, tmp, meta))
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:

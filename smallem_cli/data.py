@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import atomic
+
 EOT = "<|endoftext|>"
 HOLDOUT_EVERY = 20  # one chunk in 20 goes to validation: about 5%
 _REF = re.compile(r"^([1-3]?[A-Za-z]+)(\d+):(\d+) (.*)$")
@@ -76,9 +78,7 @@ def write_parts(out_dir: Path, parts: tuple[list[str], list[str]]) -> tuple[Path
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = out_dir / "train.txt", out_dir / "val.txt"
     for path, part in zip(paths, parts, strict=True):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(EOT.join(part), encoding="utf-8")
-        tmp.replace(path)
+        atomic.replace_with(path, lambda tmp, part=part: tmp.write_text(EOT.join(part), encoding="utf-8"))  # type: ignore[misc]
     return paths
 
 
@@ -105,7 +105,5 @@ def token_file(tokenizer_json: Path, text_path: Path) -> np.ndarray:
     newest = max(text_path.stat().st_mtime, tokenizer_json.stat().st_mtime)
     if not bin_path.exists() or bin_path.stat().st_mtime < newest:
         ids = encode_file(tokenizer_json, text_path)
-        tmp = bin_path.with_name(bin_path.name + ".tmp")
-        ids.tofile(tmp)
-        tmp.replace(bin_path)
+        atomic.replace_with(bin_path, ids.tofile)
     return np.fromfile(bin_path, dtype=np.uint16)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import atomic, checkpoint
 from .data import EOT
 from .exportdir import _sigterm_raises
 from .model import Transformer, interleave_halves
@@ -215,7 +215,7 @@ def export_gguf(
         raise GGUFExportError(f"{ckpt} was trained with another tokenizer than {tokenizer_json}")
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp = atomic.aside(out)
     with _sigterm_raises():
         try:
             write_gguf(model, tmp, tokenizer_json, dtype, ckpt.stem)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+
+from . import atomic
 
 FORMAT = "smallem-run-state"
 VERSION = "1"
@@ -76,15 +77,8 @@ def save(
         "settings": json.dumps(settings, sort_keys=True),
     }
     final = path_of(run_dir)
-    tmp = final.with_name(f".{NAME}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        with open(tmp, "rb+") as f:  # on disk before the rename: a crash cannot leave an empty state
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # on disk before the rename: a crash cannot leave an empty state
+    atomic.replace_with(final, lambda tmp: save_file(tensors, str(tmp), metadata=meta), sync=True)
 
 
 def load(run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer) -> Position | None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from . import atomic
 from .data import EOT, read_documents
 
 
@@ -21,9 +22,7 @@ def train_tokenizer(text_path: Path, out: Path, vocab_size: int = 8192) -> Token
     )
     tok.train_from_iterator(read_documents(text_path), trainer=trainer)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tok.save(str(tmp))
-    tmp.replace(out)
+    atomic.replace_with(out, lambda tmp: tok.save(str(tmp)))
     return tok
 
 

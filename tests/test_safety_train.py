@@ -175,7 +175,7 @@ def test_an_interrupted_save_keeps_the_old_state(tmp_path: Path, monkeypatch: py
     def crash(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("smallem_cli.runstate.os.replace", crash)
+    monkeypatch.setattr("smallem_cli.atomic.os.replace", crash)
     with pytest.raises(KeyboardInterrupt):
         runstate.save(run, modules, opt, runstate.Position(9, 9, 9.0), {})
     assert [p.name for p in run.iterdir()] == ["state.safetensors"]
