@@ -78,7 +78,8 @@ def write_parts(out_dir: Path, parts: tuple[list[str], list[str]]) -> tuple[Path
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = out_dir / "train.txt", out_dir / "val.txt"
     for path, part in zip(paths, parts, strict=True):
-        atomic.replace_with(path, lambda tmp, part=part: tmp.write_text(EOT.join(part), encoding="utf-8"))  # type: ignore[misc]
+        text = EOT.join(part)
+        atomic.replace_with(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))  # noqa: B023 (called at once)
     return paths
 
 

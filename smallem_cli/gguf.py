@@ -215,14 +215,8 @@ def export_gguf(
         raise GGUFExportError(f"{ckpt} was trained with another tokenizer than {tokenizer_json}")
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
-    tmp = atomic.aside(out)
     with _sigterm_raises():
-        try:
-            write_gguf(model, tmp, tokenizer_json, dtype, ckpt.stem)
-            os.replace(tmp, out)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        atomic.replace_with(out, lambda tmp: write_gguf(model, tmp, tokenizer_json, dtype, ckpt.stem))
 
 
 def _remove_stale(out: Path) -> None:
