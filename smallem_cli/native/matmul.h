@@ -84,13 +84,15 @@ static inline void tile(const float *x, int ldx, const typename W::T *wp, const 
     const typename W::T *p = wp + (size_t)(n / PANEL) * K * PANEL;  // panel v of the tile at p + v K PANEL
     constexpr int line = 64 / (PANEL * sizeof(typename W::T));  // the k a cache line of a panel holds
     for (int k = 0; k < K; k++, p += PANEL, x++) {
-        // Several rows read the panels at the pace of their arithmetic, too slowly for the
-        // hardware's prefetcher: the next tile's panels (the NV after these) are asked for at the
-        // same k, a tile ahead (against 4 KB ahead in each panel: passes over 2, 5 and 16 rows
-        // 8, 3 to 6 and 1 to 4% faster, the two libraries alternated pass by pass in one process;
-        // two tiles ahead, or into L2 only, no better). One row reads fast enough without (a
-        // prefetch there made its pass 31% slower).
-        if constexpr (MR > 1)
+        // Many rows read the panels at the pace of their arithmetic, too slowly for the hardware's
+        // prefetcher on some CPUs: the next tile's panels (the NV after these) are asked for at
+        // the same k, a tile ahead. On a Skylake server it made a 16-row product 2.2-2.5 ms
+        // against 3.0-3.1 without any (a prefetch 4 KB ahead in each panel was the slower
+        // alternative; two tiles ahead, or into L2 only, no better). Fewer rows go without: on an
+        // Emerald Rapids host, whole target passes (three libraries alternated pass by pass)
+        // over 2, 3, 4, 5 and 6 rows took 24, 17, 12, 7 and 5% less without it, over 8 and 16
+        // the same within 3%; one row was 31% slower with it (Skylake).
+        if constexpr (MR >= 8)
             if (k % line == 0)
                 for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(p + (size_t)(v + NV) * K * PANEL), _MM_HINT_T0);
         if constexpr (MR >= 4) {  // NV panels in registers, one broadcast input at a time
