@@ -28,10 +28,15 @@ DISTILL4_T ?= 1359872
 DISTILL2B_T ?= 2002944
 # and a third time (0.693 -> 0.713 agreement, 3.33 -> 3.49 tokens a pass at k=4)
 DISTILL2C_T ?= 2002944
-# The loss through torch.compile where it pays (seconds a step of 16 x 256 tokens, compile cache
-# warm, 2 cores, one reading each): the target's joint training 3.90 -> 2.65, draft-2l on the
-# text 0.70 -> 0.57, its distillation 2.08 -> 1.65; the MTP module's distillation 1.93 against
-# 2.00 (no gain: it stays eager). A cold compile adds about 30 s a stage. `COMPILE=` for none.
+# The loss through torch.compile (seconds a step of 16 x 256 tokens, compile cache warm, 2 cores,
+# one reading each): the target's joint training 3.90 -> 2.65, draft-2l on the text 0.70 -> 0.57,
+# its distillation 2.08 -> 1.65; the MTP module's distillation 1.93 against 2.00 on an earlier host, and
+# on the Emerald Rapids host of 2026-12-01 1.75 -> 1.44 (its stage 1) and 1.89 -> 1.44 (with the
+# feature loss), so it is compiled too. A cold compile adds 13 to 47 s a stage. `COMPILE=` for none.
+# On that host, from 24-step runs of each stage (compiled): target 2.17 s a step, MTP 1.44,
+# draft-2l 0.51 and its distillation 1.72, draft-4l 0.66 and 1.77; 128 continuations in 9 s.
+# With these budgets: about 143 minutes of training, 146 with the continuations and tokenizer
+# (an estimate from those rates, not a timing; evaluations and saves come on top).
 COMPILE ?= --compile
 
 # vLLM's CPU build, in a venv of its own (it pins its own torch build): `make vllm-check`, and
@@ -79,13 +84,13 @@ data: install
 checkpoints: data
 	$(BIN)/smallem train tokenizer --overwrite
 	$(BIN)/smallem train target --overwrite --preset target --tokens $(TARGET_T) $(COMPILE)
-	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --tokens $(MTP_T)
-	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --tokens $(MTP2_T) --run-dir runs/mtp-2
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --tokens $(MTP_T) $(COMPILE)
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --tokens $(MTP2_T) --run-dir runs/mtp-2 $(COMPILE)
 	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --tokens $(MTP3_T) --run-dir runs/mtp-3 \
-		--feature-weight 1.0
+		--feature-weight 1.0 $(COMPILE)
 	$(BIN)/smallem data --continuations $(CONTINUATIONS) --out runs/data-target --overwrite
 	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --data runs/data-target --lr 1e-3 \
-		--tokens $(MTP4_T) --run-dir runs/mtp-4 --feature-weight 1.0
+		--tokens $(MTP4_T) --run-dir runs/mtp-4 --feature-weight 1.0 $(COMPILE)
 	$(BIN)/smallem train draft --overwrite --preset draft-2l --tokens $(DRAFT2_T) $(COMPILE)
 	$(BIN)/smallem train draft --overwrite --preset draft-4l --tokens $(DRAFT4_T) $(COMPILE)
 	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --tokens $(DISTILL2_T) $(COMPILE)
