@@ -151,7 +151,7 @@ def native_chain(
     None: no native steps, or a cache it cannot serve."""
     steps, L = active_steps(model), cache.length(seq)
     m = start[0].shape[0] if isinstance(start, tuple) else 0
-    if k < 2 or not isinstance(steps, NativeSteps) or L < steps.min_past or L + m + k - 1 > steps.positions:
+    if k < 1 or not isinstance(steps, NativeSteps) or L < steps.min_past or L + m + k - 1 > steps.positions:
         return None
     if isinstance(start, tuple) and not 0 < m <= MAX_T:  # no catch-up, or one longer than a native pass serves
         return None

@@ -231,13 +231,22 @@ def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("cut", "sampled", "n"),
-    [(0, False, 10), (40, False, 10), (37, False, 10), (0, True, 10), (37, True, 10), (0, False, 70)],
+    ("cut", "sampled", "n", "k"),
+    [
+        (0, False, 10, 4),
+        (40, False, 10, 4),
+        (37, False, 10, 4),
+        (0, True, 10, 4),
+        (37, True, 10, 4),
+        (0, False, 70, 4),
+        (0, False, 10, 1),
+        (37, True, 10, 1),
+    ],
 )
 def test_mtp_chain_guesses_as_the_steps_do(
-    pair: tuple[Transformer, MTPModule], cut: int, sampled: bool, n: int
+    pair: tuple[Transformer, MTPModule], cut: int, sampled: bool, n: int, k: int
 ) -> None:
-    """The native chain (one call for the catch-up on n pairs and k guesses) guesses what the
+    """The native chain (one call for the catch-up on n pairs and k guesses, one guess too) guesses what the
     step-by-step loop guesses, with the whole head or one cut to some tokens (37: the last panel
     of eight rows padded), greedy or sampled (the same draws of the run's generator, and the q
     each guess was drawn from), and leaves the module's cache as it was; a backlog longer than
@@ -255,25 +264,26 @@ def test_mtp_chain_guesses_as_the_steps_do(
             prop.start(nxt[:1], nxt[1:2], h[:1])
             prop.pending_h, prop.pending_next = h, nxt
             warp = Warper(1.3) if sampled else None
-            tokens, q = prop.propose(4, warp, torch.Generator().manual_seed(seed))
+            tokens, q = prop.propose(k, warp, torch.Generator().manual_seed(seed))
             assert prop.cache.length(prop.seq) >= prop.true_len == n
             prop.accept(0, nxt[:1], h[:1])
             assert prop.cache.length(prop.seq) == n  # the chain's entries dropped
             return torch.as_tensor(tokens).view(-1).tolist(), q
 
         (a, qa), (b, qb) = eager_and_native(guesses)
-        assert a == b, (trial, a, b)
+        assert a == b and len(a) == k, (trial, a, b)
         assert (qa is None) == (qb is None) == (not sampled)
         if sampled:
-            assert close(qa, qb) and torch.allclose(qb.sum(-1), torch.ones(4))
+            assert close(qa, qb) and torch.allclose(qb.sum(-1), torch.ones(k))
 
 
+@pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_draft_chain_guesses_as_the_steps_do(
-    pair: tuple[Transformer, MTPModule], root: Path, cut: bool, sampled: bool, monkeypatch: pytest.MonkeyPatch
+    pair: tuple[Transformer, MTPModule], root: Path, cut: bool, sampled: bool, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A draft's chain (one call for k guesses, each fed through the draft) guesses what its
+    """A draft's chain (one call for k guesses, each fed through the draft; one guess too) guesses what its
     step-by-step loop guesses, whole head or cut, greedy or sampled (same draws, same q), and
     leaves the draft's cache where the loop leaves it: the k-1 fed guesses, then the ones the
     target kept."""
@@ -285,6 +295,7 @@ def test_draft_chain_guesses_as_the_steps_do(
     chain = native.NativeSteps.chain
     monkeypatch.setattr(native.NativeSteps, "chain", lambda self, *a: calls.append(1) or chain(self, *a))
     g = torch.Generator().manual_seed(4)
+    kept = min(2, k)  # guesses the target keeps
     for trial in range(4):
         prompt = torch.randint(0, TINY.vocab_size, (9,), generator=g)
 
@@ -292,17 +303,18 @@ def test_draft_chain_guesses_as_the_steps_do(
             prop = DraftProposer(draft, 64, head=head)  # type: ignore[arg-type]
             prop.start(prompt[:-1], prompt[-1:], torch.empty(0))
             warp = Warper(1.3) if sampled else None
-            tokens, q = prop.propose(4, warp, torch.Generator().manual_seed(seed))
-            assert prop.cache.length(prop.seq) == 9 + 3  # the catch-up, then guesses 1 .. 3 fed
-            prop.accept(2, torch.cat([tokens[:2], tokens[:1]]), torch.empty(0))
+            tokens, q = prop.propose(k, warp, torch.Generator().manual_seed(seed))
+            assert prop.cache.length(prop.seq) == 9 + k - 1  # the catch-up, then guesses 1 .. k-1 fed
+            prop.accept(kept, torch.cat([tokens[:kept], tokens[:1]]), torch.empty(0))
             return torch.as_tensor(tokens).view(-1).tolist(), q, prop.cache.length(prop.seq)
 
         (a, qa, na), (b, qb, nb) = eager_and_native(guesses)
-        assert a == b and na == nb == 9 + 2, (trial, a, b, na, nb)
+        # the fed guesses the target kept stay (a kept last guess was never fed: it comes next round)
+        assert a == b and len(a) == k and na == nb == 9 + min(kept, k - 1), (trial, a, b, na, nb)
         assert len(calls) == trial + 1  # the native run's guesses came from the chain, in one call
         assert (qa is None) == (qb is None) == (not sampled)
         if sampled:
-            assert close(qa, qb) and torch.allclose(qb.sum(-1), torch.ones(4))
+            assert close(qa, qb) and torch.allclose(qb.sum(-1), torch.ones(k))
 
 
 @pytest.mark.parametrize("kind", ["none", "mtp", "draft"])
@@ -371,8 +383,9 @@ def test_library_is_built_once_and_failures_are_one_line(
 def test_the_avx2_build_beside_the_widest_gives_the_same_numbers(root: Path) -> None:
     """`--engine native-avx2`: the AVX2 build (panels of 8 rows) beside the widest one this CPU
     runs (panels of 16 with AVX-512). Every output is the same float32 sum, in the same order, in
-    either build: passes (T = 1, 5, 11, 16: tiles of each shape, whole and padded panels), the MTP chain's guesses and q
-    (a head cut to 37 rows), and whole generations, greedy and sampled, agree bit for bit."""
+    either build: passes (T = 1, 2, 3, 5, 11, 16: tiles of each shape, whole and padded panels;
+    attention rows two by two and alone), the MTP chain's guesses and q (a head cut to 37 rows),
+    and whole generations, greedy and sampled, agree bit for bit."""
     target, mtp = halved(random_model(TINY, seed=6)), halved(random_mtp(TINY, seed=7))
     for engine in native.ENGINES:
         assert native.prepare(target, [mtp], print, root, engine) == (2, 2)  # type: ignore[arg-type]
@@ -387,7 +400,7 @@ def test_the_avx2_build_beside_the_widest_gives_the_same_numbers(root: Path) -> 
         cache = target.new_cache(8)
         seq = cache.new_sequence()
         _, prompt_h = target(tokens[:20], cache, seq)  # [20, d]
-        for T in (1, 5, 11, 16):
+        for T in (1, 2, 3, 5, 11, 16):
             logits, hidden = target(tokens[20 : 20 + T], cache, seq)
             out += [logits, hidden, cache.kv[:, :, :, 20 : 20 + T].clone()]
             cache.keep(seq, 20)

@@ -73,6 +73,7 @@ class NativeSteps:
         self.kind = engine  # what `steps.switch` turns on: a key of ENGINES
         self.lib = library(root, log, ENGINES[engine])
         self.width = self.lib.smallem_panel()  # a panel's output rows, as this library reads them
+        self.score_rows = self.lib.smallem_score_rows()  # rows of attention scores a thread's scratch holds
         # a proposer's matrices as int8 where it was loaded so (`panels8`): fewer bytes a guess;
         # the target's never
         self.int8 = model.native_int8 and model is not target
@@ -166,7 +167,7 @@ class NativeSteps:
         """Floats of smallem_step's scratch for a pass over T tokens."""
         c = self.cfg
         Q, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_dim
-        return T * (c.dim + Q + c.n_heads * c.head_dim + 3 * F) + threads * (self.positions + T)
+        return T * (c.dim + Q + c.n_heads * c.head_dim + 3 * F) + threads * self.score_rows * (self.positions + T + 8)
 
     def _scratch_for(self, T: int, threads: int, more: int = 0) -> torch.Tensor:
         """The C code's scratch for a pass over T tokens (plus `more` floats), made once per size."""

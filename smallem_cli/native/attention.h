@@ -17,36 +17,10 @@ static inline void weigh_rows(const float *p, int n, Row row, int col, float inv
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out + 8 * b, _mm256_mul_ps(a[b], _mm256_set1_ps(inv)));
 }
 
-// Attention of one query row over n keys key(0 .. n-1) and their values val(j), softmax in
-// float32. q is pre-scaled; out [D]. Every score is summed the same way (four keys at a
-// time, each its own sum, reduced by the same pairwise adds), so a row that sees the same
-// keys in the same order gets the same numbers, whatever pass holds it and however its keys
-// are addressed (a strided view of one sequence, or slots of a paged batch).
-template <class Key, class Val>
-static void attend_keys(const float *q, Key key, Val val, int n, int D, float *scores, float *out) {
+// The softmax weights of a row of n scores, in place: exp(score - max) -> 1 / their sum.
+static inline float softmax_weights(float *scores, int n) {
     float mx = -INFINITY;
-    for (int s0 = 0; s0 < n; s0 += 4) {
-        const float *k4[4];
-        for (int j = 0; j < 4; j++) {  // past the last key: q itself, a valid row whose score is dropped
-            int s = s0 + j;
-            k4[j] = s >= n ? q : key(s);
-        }
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int i = 0; i < D; i += 8) {
-            __m256 qv = _mm256_loadu_ps(q + i);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4[0] + i), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4[1] + i), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4[2] + i), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4[3] + i), a3);
-        }
-        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        float four[4];
-        _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-        for (int j = 0; j < 4 && s0 + j < n; j++) {
-            scores[s0 + j] = four[j];
-            mx = four[j] > mx ? four[j] : mx;
-        }
-    }
+    for (int s = 0; s < n; s++) mx = scores[s] > mx ? scores[s] : mx;
     __m256 vm = _mm256_set1_ps(mx), tot = _mm256_setzero_ps();
     int s = 0;
     for (; s + 8 <= n; s += 8) {
@@ -60,7 +34,45 @@ static void attend_keys(const float *q, Key key, Val val, int n, int D, float *s
         scores[s] = e;
         sum += e;
     }
-    const float inv = 1.0f / sum;
+    return 1.0f / sum;
+}
+
+// Attention of one query row over n keys key(0 .. n-1) and their values val(j), softmax in
+// float32. q is pre-scaled; out [D]; scores: room for n + 8 floats. Every score is one 8-lane
+// sum over D (lane i of chunk c adds q[8c + i] k[8c + i], c in order), reduced by the same
+// pairwise adds, so a row that sees the same keys in the same order gets the same numbers,
+// whatever pass holds it and however its keys are addressed (a strided view of one sequence,
+// or slots of a paged batch), and whether it runs here or beside another row (`attend_pairs`).
+// Scores of keys s0 .. s0 + G - 1 (G = 4 or 8: G independent sums) into scores[s0 ..]; past
+// the last key, q itself stands in (a valid row whose score lands in the caller's spare room).
+template <int G, class Key>
+static inline void score_keys(const float *q, Key key, int s0, int n, int D, float *scores) {
+    const float *kg[G];
+    for (int j = 0; j < G; j++) kg[j] = s0 + j >= n ? q : key(s0 + j);
+    __m256 a[G];
+    for (int j = 0; j < G; j++) a[j] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < G; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kg[j] + i), a[j]);
+    }
+    for (int j = 0; j < G; j += 4) {
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[j], a[j + 1]), _mm256_hadd_ps(a[j + 2], a[j + 3]));
+        _mm_storeu_ps(scores + s0 + j, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+}
+
+// Attention of one query row over n keys key(0 .. n-1) and their values val(j), softmax in
+// float32. q is pre-scaled; out [D]; scores: room for n + 8 floats. Every score is one 8-lane
+// sum over D (lane i of chunk c adds q[8c + i] k[8c + i], c in order), reduced by the same
+// pairwise adds, so a row that sees the same keys in the same order gets the same numbers,
+// whatever pass holds it and however its keys are addressed (a strided view of one sequence,
+// or slots of a paged batch), and whether it runs here or beside another row (`attend_pairs`).
+template <class Key, class Val>
+static void attend_keys(const float *q, Key key, Val val, int n, int D, float *scores, float *out) {
+    int s0 = 0;
+    for (; s0 + 8 <= n; s0 += 8) score_keys<8>(q, key, s0, n, D, scores);  // eight sums in flight
+    for (; s0 < n; s0 += 4) score_keys<4>(q, key, s0, n, D, scores);  // the rest: at most 3 wasted
+    const float inv = softmax_weights(scores, n);
     for (int i = 0; i < D;) {  // up to 64 columns at a time, each in its own register
         int left = (D - i) / 8;
         if (left >= 8) weigh_rows<8>(scores, n, val, i, inv, out + i), i += 64;
@@ -70,12 +82,135 @@ static void attend_keys(const float *q, Key key, Val val, int n, int D, float *s
     }
 }
 
-// Query row t of a pass over one sequence: S past keys (a strided view of the slab, rows ps
-// apart) and the pass's new keys 0 .. t (causal, rows ns apart): a token at position P always
-// sees P + 1 keys.
-static void attend_one(const float *q, const float *pk, const float *pv, long ps, const float *nk, const float *nv,
-                       long ns, int S, int t, int D, float *scores, float *out) {
+#if defined(__AVX512F__)
+// Rows of one head side by side, two to a 512-bit register: [row a's 8 lanes | row b's 8
+// lanes]. Each half does, lane for lane and in the same order, what attend_keys' 256-bit
+// register does for its row, so every row gets attend_keys' numbers bit for bit; a key or
+// value chunk is loaded once for all the rows (over 5 rows, attend_keys reads each key 5 times).
+static inline __m512 both_halves(const float *p) {  // p[0 .. 8) in each half
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)p)));
+}
+static inline __m512 halves(const float *a, const float *b) {  // a[0 .. 8) | b[0 .. 8)
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)a)),
+                                               _mm256_loadu_pd((const double *)b), 1));
+}
+// _mm256_hadd_ps in each half: [a0+a1, a2+a3, b0+b1, b2+b3] in every 128-bit lane.
+static inline __m512 hadd2(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Scores of NP pairs of rows (q[2p], q[2p+1]) against keys 0 .. n-1, eight keys at a time: 8 NP
+// accumulators, a key chunk in both halves of one register, a pair's query chunk in another.
+// sc[r] gets row r's scores (up to 7 past n: room the caller left).
+template <int NP, class Key>
+static void pair_scores(const float *const *q, Key key, int n, int D, float *const *sc) {
+    for (int s0 = 0; s0 < n; s0 += 8) {
+        const float *k8[8];
+        for (int j = 0; j < 8; j++) k8[j] = key(s0 + j < n ? s0 + j : s0);  // past the last key: a dropped score
+        __m512 a[NP][8];
+        for (int p = 0; p < NP; p++)
+            for (int j = 0; j < 8; j++) a[p][j] = _mm512_setzero_ps();
+        for (int i = 0; i < D; i += 8) {
+            __m512 qv[NP];
+            for (int p = 0; p < NP; p++) qv[p] = halves(q[2 * p] + i, q[2 * p + 1] + i);
+            for (int j = 0; j < 8; j++) {
+                const __m512 kb = both_halves(k8[j] + i);
+                for (int p = 0; p < NP; p++) a[p][j] = _mm512_fmadd_ps(qv[p], kb, a[p][j]);
+            }
+        }
+        for (int p = 0; p < NP; p++)
+            for (int j = 0; j < 8; j += 4) {  // attend_keys' reduction of four keys, in each half
+                __m512 h = hadd2(hadd2(a[p][j], a[p][j + 1]), hadd2(a[p][j + 2], a[p][j + 3]));
+                h = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(2, 3, 0, 1)));  // lane 0 + 1, 2 + 3
+                _mm_storeu_ps(sc[2 * p] + s0 + j, _mm512_extractf32x4_ps(h, 0));
+                _mm_storeu_ps(sc[2 * p + 1] + s0 + j, _mm512_extractf32x4_ps(h, 2));
+            }
+    }
+}
+
+// out[r][col .. col + 8 NC) = inv[r] sum_{j < n[r]} w[r][j] val(j) for the NP pairs of rows,
+// keys in order: rows that see fewer keys than the pair's other row skip the rest (a masked FMA).
+template <int NP, int NC, class Val>
+static void pair_weigh(const float *const *w, const int *n, Val val, int col, const float *inv, float *const *out) {
+    __m512 a[NP][NC];
+    int lo = n[0], hi = n[0];
+    for (int r = 1; r < 2 * NP; r++) lo = n[r] < lo ? n[r] : lo, hi = n[r] > hi ? n[r] : hi;
+    for (int p = 0; p < NP; p++)
+        for (int c = 0; c < NC; c++) a[p][c] = _mm512_setzero_ps();
+    for (int j = 0; j < hi; j++) {
+        const float *v = val(j) + col;
+        __m512 wp[NP];
+        __mmask16 m[NP];
+        for (int p = 0; p < NP; p++) {
+            wp[p] = _mm512_mask_broadcastss_ps(_mm512_set1_ps(w[2 * p][j]), 0xFF00, _mm_load_ss(w[2 * p + 1] + j));
+            m[p] = (__mmask16)((j < n[2 * p] ? 0x00FF : 0) | (j < n[2 * p + 1] ? 0xFF00 : 0));
+        }
+        for (int c = 0; c < NC; c++) {
+            const __m512 vb = both_halves(v + 8 * c);
+            for (int p = 0; p < NP; p++)
+                a[p][c] = j < lo ? _mm512_fmadd_ps(wp[p], vb, a[p][c]) : _mm512_mask3_fmadd_ps(wp[p], vb, a[p][c], m[p]);
+        }
+    }
+    for (int p = 0; p < NP; p++) {
+        const __m512 s = _mm512_mask_broadcastss_ps(_mm512_set1_ps(inv[2 * p]), 0xFF00, _mm_load_ss(inv + 2 * p + 1));
+        for (int c = 0; c < NC; c++) {
+            const __m512 o = _mm512_mul_ps(a[p][c], s);
+            _mm256_storeu_pd((double *)(out[2 * p] + col + 8 * c), _mm512_castpd512_pd256(_mm512_castps_pd(o)));
+            _mm256_storeu_pd((double *)(out[2 * p + 1] + col + 8 * c), _mm512_extractf64x4_pd(_mm512_castps_pd(o), 1));
+        }
+    }
+}
+
+// NP pairs of rows of one head: rows r = 0 .. 2 NP - 1 at q[r], seeing keys 0 .. n[r]-1, their
+// scores in sc[r] (n[r] + 8 floats each), their outputs to out[r].
+template <int NP, class Key, class Val>
+static void attend_pairs(const float *const *q, const int *n, Key key, Val val, int D, float *const *sc,
+                         float *const *out) {
+    int hi = n[0];
+    for (int r = 1; r < 2 * NP; r++) hi = n[r] > hi ? n[r] : hi;
+    pair_scores<NP>(q, key, hi, D, sc);
+    float inv[2 * NP];
+    for (int r = 0; r < 2 * NP; r++) inv[r] = softmax_weights(sc[r], n[r]);
+    for (int i = 0; i < D;) {
+        int left = (D - i) / 8;
+        if (left >= 8) pair_weigh<NP, 8>(sc, n, val, i, inv, out), i += 64;
+        else if (left >= 4) pair_weigh<NP, 4>(sc, n, val, i, inv, out), i += 32;
+        else if (left >= 2) pair_weigh<NP, 2>(sc, n, val, i, inv, out), i += 16;
+        else pair_weigh<NP, 1>(sc, n, val, i, inv, out), i += 8;
+    }
+}
+#endif
+
+// Rows 0 .. nq-1 (at most ROWS_AT_ONCE) of one head: row r's query at q + r ldq, its n[r] keys,
+// its scores at scores + r lds (lds >= n[r] + 8), its output at out + r ldo. With AVX-512,
+// rows two by two (`attend_pairs`), an odd last row alone; else each alone. The same numbers.
+#define ROWS_AT_ONCE 6
+template <class Key, class Val>
+static void attend_rows(const float *q, long ldq, const int *n, int nq, Key key, Val val, int D, float *scores,
+                        long lds, float *out, long ldo) {
+    int r = 0;
+#if defined(__AVX512F__)
+    const float *qs[ROWS_AT_ONCE];
+    float *sc[ROWS_AT_ONCE], *os[ROWS_AT_ONCE];
+    for (int i = 0; i < nq; i++) qs[i] = q + i * ldq, sc[i] = scores + i * lds, os[i] = out + i * ldo;
+    switch (nq / 2) {
+    case 3: attend_pairs<3>(qs, n, key, val, D, sc, os), r = 6; break;
+    case 2: attend_pairs<2>(qs, n, key, val, D, sc, os), r = 4; break;
+    case 1: attend_pairs<1>(qs, n, key, val, D, sc, os), r = 2; break;
+    }
+#endif
+    for (; r < nq; r++) attend_keys(q + r * ldq, key, val, n[r], D, scores + r * lds, out + r * ldo);
+}
+
+// Query rows t0 .. t0+nq-1 of a pass over one sequence: S past keys (a strided view of the slab,
+// rows ps apart) and the pass's new keys 0 .. t (causal, rows ns apart): a token at position P
+// always sees P + 1 keys.
+static void attend_seq(const float *q, long ldq, const float *pk, const float *pv, long ps, const float *nk,
+                       const float *nv, long ns, int S, int t0, int nq, int D, float *scores, long lds, float *out,
+                       long ldo) {
     auto key = [=](int s) { return s < S ? pk + (size_t)s * ps : nk + (size_t)(s - S) * ns; };
     auto val = [=](int s) { return s < S ? pv + (size_t)s * ps : nv + (size_t)(s - S) * ns; };
-    attend_keys(q, key, val, S + t + 1, D, scores, out);
+    int n[ROWS_AT_ONCE];
+    for (int r = 0; r < nq; r++) n[r] = S + t0 + r + 1;
+    attend_rows(q, ldq, n, nq, key, val, D, scores, lds, out, ldo);
 }

@@ -92,5 +92,6 @@ def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
     lib.smallem_verify_sample.restype = None
     lib.smallem_verify_sample.argtypes = [ptr, num, num, ctypes.c_float] + [ptr] * 6
     lib.smallem_panel.restype, lib.smallem_panel.argtypes = num, []
+    lib.smallem_score_rows.restype, lib.smallem_score_rows.argtypes = num, []
     _LIBS[isa] = lib
     return lib

@@ -28,6 +28,8 @@
 
 // The panel width this library was built for (16 with AVX-512, else 8): the packing must match.
 extern "C" int smallem_panel() { return PANEL; }
+// Rows of attention scores each thread's scratch holds (`pass`): the caller sizes it.
+extern "C" int smallem_score_rows() { return ROWS_AT_ONCE; }
 struct LayerW {
     Mat qkv;  // [(H + 2Hkv) D, d]
     Mat o;    // [d, H D]
@@ -64,9 +66,11 @@ struct Strided {
     const int64_t *ns;
     int keys(int T) const { return S + T; }  // the most keys a row sees
     float *dst(int l, int kv, int g, int t) const { return out_new + l * ns[0] + kv * ns[1] + g * ns[2] + t * ns[3]; }
-    void attend(int l, int g, int t, const float *q, int D, float *scores, float *out) const {
+    static constexpr int rows = ROWS_AT_ONCE;  // rows of one head attended in one call
+    void attend(int l, int g, int t0, int nq, const float *q, long ldq, int D, float *scores, long lds, float *out,
+                long ldo) const {
         const float *pk = past + (size_t)l * st[0] + g * st[2], *nk = out_new + l * ns[0] + g * ns[2];
-        attend_one(q, pk, pk + st[1], st[3], nk, nk + ns[1], ns[3], S, t, D, scores, out);
+        attend_seq(q, ldq, pk, pk + st[1], st[3], nk, nk + ns[1], ns[3], S, t0, nq, D, scores, lds, out, ldo);
     }
 };
 
@@ -76,7 +80,8 @@ struct Paged {
     int max_keys;
     int keys(int) const { return max_keys; }
     float *dst(int l, int kv, int g, int t) const { return slab + l * st[0] + kv * st[1] + g * st[2] + slots[t] * st[3]; }
-    void attend(int l, int g, int t, const float *q, int D, float *scores, float *out) const {
+    static constexpr int rows = 1;  // each row its own keys
+    void attend(int l, int g, int t, int, const float *q, long, int D, float *scores, long, float *out, long) const {
         const float *k = slab + (size_t)l * st[0] + g * st[2], *v = k + st[1];
         const int64_t *seen = vis + start[t], ps = st[3];
         auto key = [=](int j) { return k + seen[j] * ps; };
@@ -87,7 +92,7 @@ struct Paged {
 
 // One decode pass over T new tokens, their K/V addressed by `kv` (above).
 // Scratch: sized by the caller (`NativeSteps._need`).
-//   xn [T, d], y [T, (H+2Hkv) D], att [T, H D], gu [T, 2F], hf [T, F], scores [threads, kv.keys(T)]
+//   xn [T, d], y [T, (H+2Hkv) D], att [T, H D], gu [T, 2F], hf [T, F], scores [threads, ROWS_AT_ONCE, kv.keys(T) + 8]
 //
 // cos, sin [T, P] with P = (H + 2Hkv) D / 2: each adjacent column pair of the QKV row turns.
 // tokens [T]; h [T, d] (the MTP module's input, else null); x [T, d] output: the hidden states
@@ -101,7 +106,7 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                  float *scratch, int threads, int64_t *top) {
     int finite = 1;
     const int d = mw->dim, H = mw->n_heads, Hkv = mw->n_kv_heads, D = mw->head_dim, F = mw->hidden;
-    const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = Q / 2, K = kv.keys(T);
+    const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = Q / 2, lds = kv.keys(T) + 8, nb = (T + KV::rows - 1) / KV::rows;
     float *xn = scratch, *y = xn + (size_t)T * d, *att = y + (size_t)T * Q, *gu = att + (size_t)T * H * D;
     float *hf = gu + (size_t)T * 2 * F, *scores = hf + (size_t)T * F;
     const float qscale = 1.0f / sqrtf((float)D);
@@ -141,11 +146,13 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                     for (int g = 0; g < Hkv; g++)
                         memcpy(kv.dst(l, c, g, t), r + (H + c * Hkv + g) * D, D * sizeof(float));
             }
+            // each head's rows in nb groups of at most KV::rows, of sizes as equal as can be
 #pragma omp for schedule(static)
-            for (int i = 0; i < H * T; i++) {
-                int hh = i / T, t = i % T;
-                kv.attend(l, hh / G, t, y + (size_t)t * Q + hh * D, D, scores + (size_t)omp_get_thread_num() * K,
-                          att + (size_t)t * H * D + hh * D);
+            for (int i = 0; i < H * nb; i++) {
+                const int hh = i / nb, b = i % nb, t0 = T * b / nb, nq = T * (b + 1) / nb - t0;
+                kv.attend(l, hh / G, t0, nq, y + (size_t)t0 * Q + hh * D, Q, D,
+                          scores + (size_t)omp_get_thread_num() * ROWS_AT_ONCE * lds, lds,
+                          att + (size_t)t0 * H * D + hh * D, H * D);
             }
             matmul(att, T, H * D, L.o, d, H * D, x, d, true);
             rms_rows(x, T, d, mw->eps, L.g2, xn);
