@@ -13,7 +13,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -162,7 +162,7 @@ def run_prompt(
     target: Transformer, make: ProposerFactory, prompt: list[int], i: int, max_new: int, k: int, sampling: Sampling
 ) -> tuple[list[int], Stats]:
     """Prompt number i once; sampling seeded by (seed + i), so every configuration sees the same draws' seeds."""
-    s = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + i)
+    s = replace(sampling, seed=sampling.seed + i)  # every option kept, min-p and the penalty too
     return generate(target, make(len(prompt) + max_new + k + 1), prompt, max_new, k, s)
 
 
@@ -217,6 +217,10 @@ class Plan:
     # "eager" and/or "compiled" (steps prepared beforehand, `aot.prepare`). With compiled alone,
     # the eager target alone still runs, as the reference of identity and of `vs_eager`.
     engines: tuple[str, ...] = ("eager",)
+    # the sample mode's filters beside its temperature (None: off)
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
 
 
 @dataclass
@@ -315,7 +319,11 @@ def run_bench(
     v = {name: xs[0] for name, xs in costs.v.items()}
     rows: list[Row] = []
     for mode in plan.modes:
-        sampling = Sampling(0.0 if mode == "greedy" else plan.temperature, seed=plan.seed)
+        sampling = (
+            Sampling(seed=plan.seed)
+            if mode == "greedy"
+            else Sampling(plan.temperature, plan.top_k, plan.top_p, plan.seed, plan.min_p)
+        )
         configs = _configs(plan, mode)
         for engine, _, make, k in configs:
             switch(engine)

@@ -185,5 +185,6 @@ def run_chain(
 
 
 def chains(warp: Warp | None, p_min: float) -> bool:
-    """Whether a chain can draw this round's guesses: greedy, or a plain temperature without p-min."""
-    return warp is None or (isinstance(warp, Warper) and warp.plain and not p_min)
+    """Whether a chain can draw this round's guesses: greedy, or sampled (at the temperature
+    alone: `verify.proposal`) without p-min."""
+    return warp is None or (isinstance(warp, Warper) and not p_min)

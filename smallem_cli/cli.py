@@ -123,6 +123,9 @@ def bench(
     ] = None,
     repeats: Annotated[int, typer.Option(help="timed runs per configuration (median)")] = D.BENCH_REPEATS,
     temperature: Annotated[float, typer.Option(help="for the sample mode")] = D.BENCH_TEMPERATURE,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="for the sample mode")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="for the sample mode")] = None,
+    min_p: Annotated[float | None, typer.Option("--min-p", help="for the sample mode")] = None,
     device: Annotated[str, typer.Option()] = D.DEVICE,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
     proposer_vocab: Annotated[
@@ -173,7 +176,7 @@ def bench(
         extra = O.parse_ks(k) if k else []
         sweep = O.parse_ks(sweep_k) if sweep_k else []
         mode_list = O.check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
-        O.check_sampling(temperature, None, None)
+        O.check_sampling(temperature, top_k, top_p, min_p=min_p)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
         trees = O.tree_names(names, O.tree_budgets(tree)) if tree else {}  # "mtp@tree12" -> ("mtp", 12)
@@ -223,6 +226,7 @@ def bench(
     plan = B.Plan(
         {m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature, 0, engine_list
     )
+    plan.top_k, plan.top_p, plan.min_p = top_k, top_p, min_p
     passes = list(D.COST_PASSES) if costs else None
     B.prepare_engines(tgt.model, plan, passes, err.print)  # every pass the bench takes, before the clock
     if costs:

@@ -43,7 +43,7 @@ from .chain import MTPChain, MTPSampledChain, chains, native_chain, run_chain
 from .defaults import PAGE_SIZE
 from .model import MTPModule, Transformer, unit_rms
 from .steps import MIN_PAST
-from .verify import sample
+from .verify import proposal, sample
 
 Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
 
@@ -101,7 +101,7 @@ class Head:
             # The final norm scales a row by a positive number: the argmax needs no norm.
             i = (h @ self.w).argmax(-1)
             return (i if self.ids is None else self.ids[i]), None
-        q = warp(unit_rms(h, self.eps) @ self.w)  # [1, V or N]
+        q = proposal(warp)(unit_rms(h, self.eps) @ self.w)  # [1, V or N]: the temperature alone, as a chain draws
         i = sample(q, gen)
         return (i if self.ids is None else self.ids[i]), self.expand(q)
 

@@ -16,6 +16,7 @@ a run exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,19 +53,45 @@ def warp(
         x = x.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(x, dim=-1)  # [..., V]
     if top_p is not None and top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V] each
-        # [..., V] mass of the more probable tokens (an exclusive cumsum, no cancellation)
-        before = F.pad(sorted_p.cumsum(dim=-1)[..., :-1], (1, 0))
-        drop_sorted = before >= top_p  # [..., V]
-        drop_sorted[..., 0] = False  # the top token always stays
-        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [..., V] vocabulary order
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = _nucleus(probs, top_p)
     if min_p:
         # the top token always stays: its probability is max >= min_p * max
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+TOP_P_HEADS = (256, 2048)  # on the CPU, top-p first looks for its tokens among this many (`_nucleus`)
+
+
+def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """Top-p over probabilities [..., V]: keep, most probable first, the tokens whose more probable
+    ones hold less than top_p of the mass (the top token always), renormalised.
+
+    Sorting a whole row costs about 0.4 ms on this CPU for 8,192 tokens, and the tokens kept are
+    nearly always among the few most probable: on the CPU, where a look at the values costs no
+    device sync, the H most probable (topk: 22 us for 256 of them, 44 for 2,048) serve when their
+    mass reaches top_p in every row; every token past them is dropped then, as the full sort would
+    drop it (its running sum in sorted order is at least theirs, and a running sum's first terms
+    are the same, computed in the same order). Else, and on a GPU, the whole row is sorted."""
+    V = probs.shape[-1]
+    sorted_p = order = sums = None
+    if probs.device.type == "cpu":
+        for head in (h for h in TOP_P_HEADS if h < V):
+            sorted_p, order = probs.topk(head, dim=-1)  # [..., head] each, most probable first
+            sums = sorted_p.cumsum(dim=-1)
+            if bool((sums[..., -1] >= top_p).all()):
+                break
+            sorted_p = None
+    if sorted_p is None or order is None or sums is None:
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V] each
+        sums = sorted_p.cumsum(dim=-1)
+    # mass of the more probable tokens (an exclusive cumsum, no cancellation)
+    keep_sorted = F.pad(sums[..., :-1], (1, 0)) < top_p
+    keep_sorted[..., 0] = True  # the top token always stays
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)  # [..., V] vocabulary order
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestors: Tensor | None = None) -> Tensor:
@@ -111,6 +138,15 @@ class Warper:
     def plain(self) -> bool:
         """A temperature alone: no top-k, no top-p, no min-p."""
         return self.top_k is None and self.top_p is None and not self.min_p
+
+
+def proposal(w: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """The distribution a proposer draws its guesses from under the user's warp: the temperature
+    alone. Verification stays exact whatever q the guesses came from (the target's p is warped in
+    full), a chain of guesses computes a temperature inside itself (native or compiled, one call
+    for the round), and top-p would cost a sort of the head's row at every guess. So top-k,
+    top-p and min-p shape p alone; a guess they drop is rejected (its p is 0)."""
+    return Warper(w.temperature) if isinstance(w, Warper) and not w.plain else w
 
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, like: Tensor) -> Tensor:

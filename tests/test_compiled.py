@@ -500,7 +500,9 @@ def test_cli_auto_engine_compiles_no_graph(family: Family, monkeypatch: pytest.M
 @needs_compiler
 def test_compiled_mtp_chain_guesses_and_stays_exact(compiled: Compiled) -> None:
     """The MTP module's chain as one compiled graph (k=2, greedy and sampled: two compiles more):
-    runs take it every round and give the eager run's tokens; top-p goes step by step."""
+    runs take it every round and give the eager run's tokens, top-p too (its guesses drawn at the
+    temperature alone, `verify.proposal`, as the eager steps draw them); sampled guesses at
+    adaptive depth go step by step."""
     target, mtp = compiled.target, compiled.mtp
     proposer = MTPProposer(target, mtp, len(PROMPT) + 80 + 8)
     graphs_ = {greedy: proposer.fused(2, greedy) for greedy in (True, False)}
@@ -518,7 +520,8 @@ def test_compiled_mtp_chain_guesses_and_stays_exact(compiled: Compiled) -> None:
         (Sampling(), 0.0, True),
         (Sampling(), 0.6, True),
         (Sampling(temperature=1.0, seed=7), 0.0, True),
-        (Sampling(temperature=1.0, top_p=0.9, seed=7), 0.0, False),
+        (Sampling(temperature=1.0, top_p=0.9, seed=7), 0.0, True),
+        (Sampling(temperature=1.0, seed=7), 0.6, False),
     ]
     try:
         for sampling, p_min, fused in cases:

@@ -279,11 +279,17 @@ def test_mtp_chain_guesses_as_the_steps_do(
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("cut", [False, True])
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("sampled", [False, True, "top-p"])
 def test_draft_chain_guesses_as_the_steps_do(
-    pair: tuple[Transformer, MTPModule], root: Path, cut: bool, sampled: bool, k: int, monkeypatch: pytest.MonkeyPatch
+    pair: tuple[Transformer, MTPModule],
+    root: Path,
+    cut: bool,
+    sampled: bool | str,
+    k: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A draft's chain (one call for k guesses, each fed through the draft; one guess too) guesses what its
+    """A draft's chain (one call for k guesses, each fed through the draft; one guess too; under
+    top-p too, both drawing at the temperature alone: `verify.proposal`) guesses what its
     step-by-step loop guesses, whole head or cut, greedy or sampled (same draws, same q), and
     leaves the draft's cache where the loop leaves it: the k-1 fed guesses, then the ones the
     target kept."""
@@ -302,7 +308,7 @@ def test_draft_chain_guesses_as_the_steps_do(
         def guesses(prompt: torch.Tensor = prompt, seed: int = trial) -> tuple[list[int], torch.Tensor | None, int]:
             prop = DraftProposer(draft, 64, head=head)  # type: ignore[arg-type]
             prop.start(prompt[:-1], prompt[-1:], torch.empty(0))
-            warp = Warper(1.3) if sampled else None
+            warp = (Warper(1.3, top_p=0.9) if sampled == "top-p" else Warper(1.3)) if sampled else None
             tokens, q = prop.propose(k, warp, torch.Generator().manual_seed(seed))
             assert prop.cache.length(prop.seq) == 9 + k - 1  # the catch-up, then guesses 1 .. k-1 fed
             prop.accept(kept, torch.cat([tokens[:kept], tokens[:1]]), torch.empty(0))

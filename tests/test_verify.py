@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smallem_cli.verify import Warper, greedy_pick, penalize, sample, verify_greedy, verify_sample, warp
+from smallem_cli import verify
+from smallem_cli.verify import Warper, greedy_pick, penalize, proposal, sample, verify_greedy, verify_sample, warp
 
 # Pearson chi-square critical values at the 0.1% level, by degrees of freedom.
 CHI2_CRIT = {
@@ -519,3 +520,30 @@ def test_verify_sample_without_guesses_is_a_draw_from_p():
     assert torch.equal(out[:, 0], sample(p[:, 0], torch.Generator().manual_seed(5)))
     freq = torch.bincount(out[:, 0], minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.1, 0.6, 0.3]), atol=0.03), freq
+
+
+def test_top_p_among_the_most_probable_is_the_full_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU top-p first looks among the most probable tokens (`TOP_P_HEADS`): it keeps what
+    sorting the whole row keeps, bit for bit, whether the first look holds the mass, the second,
+    or neither (the sort then)."""
+    g = torch.Generator().manual_seed(0)
+    heads = verify.TOP_P_HEADS
+    tiers = set()
+    for t in range(48):
+        p = torch.softmax(torch.randn(1 + t % 3, 8192, generator=g) * (0.3, 1.0, 3.0, 8.0)[t % 4], dim=-1)
+        for top_p in (1e-9, 0.5, 0.9, 0.99):
+            mass = [p.topk(h, dim=-1).values.sum(-1).min().item() for h in heads]
+            tiers.add(next((i for i, m in enumerate(mass) if m >= top_p), len(heads)))
+            fast = verify._nucleus(p, top_p)
+            monkeypatch.setattr(verify, "TOP_P_HEADS", ())
+            full = verify._nucleus(p, top_p)
+            monkeypatch.setattr(verify, "TOP_P_HEADS", heads)
+            assert torch.equal(fast, full), (t, top_p)
+    assert tiers == {0, 1, 2}  # every way through was taken
+
+
+def test_proposals_are_drawn_at_the_temperature_alone() -> None:
+    """Top-k, top-p and min-p shape the target's p; a proposer draws at the temperature alone."""
+    assert proposal(Warper(0.7, top_k=5, top_p=0.9, min_p=0.1)) == Warper(0.7)
+    plain = Warper(1.3)
+    assert proposal(plain) is plain

@@ -37,7 +37,7 @@ import torch
 from ..decode_ops import head_matmul
 from ..model import unit_rms
 from ..proposers import Head
-from ..verify import sample
+from ..verify import proposal, sample
 from . import batch as B
 from .forward import mtp_pass
 from .proposers import MTPGuess
@@ -81,7 +81,7 @@ def _children(
     for r in sampled:  # `drawn` independent draws from q, in the head's own indices
         s = seqs[r]
         assert s.warp is not None
-        q = s.warp(logits[r : r + 1])  # [1, V or cut]
+        q = proposal(s.warp)(logits[r : r + 1])  # [1, V or cut]: the temperature alone
         draws = sample(q.expand(drawn, -1).contiguous(), s.gen)  # [drawn]
         parts += [q[0, draws].log(), draws if ids is None else ids[draws]]
         qs[r] = head.expand(q)[0]  # [V]
