@@ -18,10 +18,11 @@ true states are kept). With adaptive depth the whole chain runs and the guesses 
 the first doubtful one are dropped on the host: one sync a round, where the step-by-step
 loop syncs at every guess.
 
-Sampled (`MTPSampledChain`, for a plain temperature: no top-k, no top-p), each guess is
-drawn inside the graph by `verify.pick` (the inverse CDF) on uniform draws u [k] made outside
-from the run's generator, as `verify.sample` draws them; the graph returns the guesses and
-the distributions q [k, N] they were drawn from, which verification needs.
+Sampled (`MTPSampledChain`, at the temperature alone: a proposer's q ignores top-k, top-p
+and min-p, `verify.proposal`), each guess is drawn inside the graph by `verify.pick` (the
+inverse CDF) on uniform draws u [k] made outside from the run's generator, as `verify.sample`
+draws them; the graph returns the guesses and the distributions q [k, N] they were drawn
+from, which verification needs.
 
 The native engine runs a proposer's chain as one C++ call instead (`NativeSteps.chain`, for
 the MTP module and for drafts); `native_chain` and `run_chain` below reserve its positions
@@ -172,7 +173,7 @@ def run_chain(
     p_min: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A chain's k guesses (its start bound): greedy (cut at the first guess less sure than
-    p_min: one sync), or sampled with a plain temperature (q over the vocabulary)."""
+    p_min: one sync), or sampled at the warp's temperature alone (q over the vocabulary)."""
     if warp is None:
         tokens, tops = chain()
         if p_min:  # keep the guesses before the first doubtful one: one sync
