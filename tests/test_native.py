@@ -133,45 +133,64 @@ def test_verify_pass_reads_its_argmax_and_finite_flag(root: Path) -> None:
     assert len(chunks) == 1
 
 
-def native_rule(logits: torch.Tensor, temperature: float, drafts: torch.Tensor, q: torch.Tensor, g: torch.Generator):
+def native_rule(
+    logits: torch.Tensor,
+    temperature: float,
+    drafts: torch.Tensor,
+    q: torch.Tensor,
+    g: torch.Generator,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+):
     """`smallem_verify_sample` over B independent rows (logits [B, k+1, V], guesses [B, k], q [B, k, V]),
     one call per row on uniforms drawn for all of them at once -> [B, k + 2]: n, then the tokens."""
     lib = native.kernels.loaded()
     B, k, V = drafts.shape[0], drafts.shape[1], logits.shape[-1]
     logits, q, drafts = logits.float().contiguous(), q.float().contiguous(), drafts.contiguous()
     u, u_next = torch.rand(B, k, generator=g), torch.rand(B, generator=g, dtype=torch.float64)
-    out, r = torch.empty(B, k + 2, dtype=torch.long), torch.empty(V)
+    out, r = torch.empty(B, k + 2, dtype=torch.long), torch.empty(3 * V)
     ptrs = [t.data_ptr() for t in (logits, drafts, q, u, u_next, out)]
     sizes = [(k + 1) * V * 4, k * 8, k * V * 4, k * 4, 8, (k + 2) * 8]  # bytes per row
     for i in range(B):
         lg, dr, qq, uu, un, o = (p + i * s for p, s in zip(ptrs, sizes, strict=True))
-        lib.smallem_verify_sample(lg, k, V, 1.0 / temperature, dr, qq, uu, un, r.data_ptr(), o)
+        lib.smallem_verify_sample(lg, k, V, 1.0 / temperature, dr, qq, uu, un, r.data_ptr(), o, top_k, top_p, min_p)
     return out
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_native_verification_is_exact(pair: tuple[Transformer, MTPModule], temperature: float) -> None:
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 3, 0.85, 0.0), (0.8, 0, 0.85, 0.0), (1.0, 0, 1.0, 0.35)],
+)
+def test_native_verification_is_exact(
+    pair: tuple[Transformer, MTPModule], temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
     """The C rule a native run verifies sampled guesses with (`native.verify_sample`, whose draws
-    are `verify_sample`'s: test_generation_is_the_eager_one), from raw logits and a temperature:
-    the seed's chi-square on 200,000 two-token generations (as test_verify's) passes against
-    the target, fails against the proposer."""
+    are `verify_sample`'s: test_generation_is_the_eager_one), from raw logits and a temperature,
+    with top-k, top-p or min-p too: the seed's chi-square on 200,000 two-token generations (as
+    test_verify's) passes against the target's law (`warp`), fails against the proposer. The
+    filters' cut-offs lie clear of the targets' probabilities, and P2's rows are nudged apart
+    (no two equal): at a tie or on a boundary, which token stays is a convention, and the C
+    code's (token order) and torch's may differ."""
     from test_verify import CHI2_CRIT, P1, P2, Q1, Q2, chi_square
 
     from smallem_cli.verify import sample, warp
 
     assert pair  # the library is loaded
-    L1, L2 = P1.log(), P2.log()  # raw logits: the target's law is warp(L, temperature)
-    p1, p2 = warp(L1, temperature), warp(L2, temperature)
+    L1, L2 = P1.log(), P2.log() + torch.linspace(0, 0.01, 5)  # raw logits: the target's law is warp(L, temperature)
+    filters = {"top_k": top_k or None, "top_p": top_p, "min_p": min_p}
+    p1, p2 = warp(L1, temperature, **filters), warp(L2, temperature, **filters)
     g = torch.Generator().manual_seed(21)
     N, V = 200_000, 5
     d1 = sample(Q1.expand(N, V), g)
     d2 = sample(Q2[d1], g)
     logits = torch.stack([L1.expand(N, V), L2[d1], L2[d2]], dim=1)  # [N, 3, V]
-    out = native_rule(logits, temperature, torch.stack([d1, d2], 1), torch.stack([Q1.expand(N, V), Q2[d1]], 1), g)
+    cut = (top_k, top_p, min_p)
+    out = native_rule(logits, temperature, torch.stack([d1, d2], 1), torch.stack([Q1.expand(N, V), Q2[d1]], 1), g, *cut)
     n, t1 = out[:, 0], out[:, 1]
     assert torch.equal(t1[n >= 1], d1[n >= 1])
     d = sample(Q2[t1], g)  # the second token, after a rejection: a round of its own from t1
-    second = native_rule(torch.stack([L2[t1], L2[t1]], 1), temperature, d[:, None], Q2[t1][:, None], g)
+    second = native_rule(torch.stack([L2[t1], L2[t1]], 1), temperature, d[:, None], Q2[t1][:, None], g, *cut)
     t2 = torch.where(n >= 1, out[:, 2], second[:, 1])
     counts = torch.bincount(t1 * V + t2, minlength=V * V).view(V, V)
     chi_p, df, impossible = chi_square(counts, N * p1[:, None] * p2)

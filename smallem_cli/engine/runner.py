@@ -59,8 +59,8 @@ class Target:
         return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), head="all"), None
 
     def native_verify(self) -> Callable[..., torch.Tensor] | None:
-        """With native steps running this target's passes, their verification of a plain
-        temperature's guesses (`native.verify_sample`), else None (`verify.verify_sample`)."""
+        """With native steps running this target's passes, their verification of sampled guesses
+        (`native.verify_sample`, any `Warper`), else None (`verify.verify_sample`)."""
         return native.verify_sample if isinstance(active_steps(self.model), native.NativeSteps) else None
 
     def one_pass(
@@ -149,8 +149,8 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
             rows = penalize(rows, s.seen, ids[first : first + c], s.req.sampling.repetition_penalty)
             if s.warp is None:
                 top[first : first + c] = rows.argmax(-1)
-        if native_verify is not None and isinstance(s.warp, Warper) and s.warp.plain:  # the rule below, one call
-            sampled.append(native_verify(rows, s.warp.temperature, *g, s.gen))
+        if native_verify is not None and isinstance(s.warp, Warper):  # the rule below, one call
+            sampled.append(native_verify(rows, s.warp, *g, s.gen))
         elif s.warp is not None:
             drafts, q = g
             p = s.warp(rows)  # [m+1, V]

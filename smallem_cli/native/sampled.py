@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from ..verify import uniforms
+from ..verify import Warper, uniforms
 from . import kernels
 
 
 def verify_sample(
     logits: torch.Tensor,
-    temperature: float,
+    warp: Warper,
     drafts: torch.Tensor,
     q: torch.Tensor | None,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """`verify.verify_sample` for one sequence under a plain temperature (`Warper.plain`), in one
-    call of the loaded library (`smallem_verify_sample`): raw logits [k+1, V] of the verify pass,
-    the guesses [k] and their q [k, V] (None: no guess) -> [k + 2] long: n kept, then the k+1
-    tokens. It draws what `verify_sample` draws, in the same order, from `generator`."""
+    """`verify.verify_sample` for one sequence after `warp` (its temperature, top-k, top-p and
+    min-p), in one call of the loaded library (`smallem_verify_sample`): raw logits [k+1, V] of
+    the verify pass, the guesses [k] and their q [k, V] (None: no guess) -> [k + 2] long: n
+    kept, then the k+1 tokens. It draws what `verify_sample` draws, in the same order, from
+    `generator`."""
     lib = kernels.loaded()
     k, V = drafts.shape[0], logits.shape[-1]
     assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
@@ -28,10 +29,12 @@ def verify_sample(
         q, drafts = q.float().contiguous(), drafts.contiguous()
         u = torch.rand(1, k, generator=generator)  # as verify_sample's acceptance draws
     u_next = uniforms((1,), generator, logits)  # as its `sample` of the next token
-    out, r = torch.empty(k + 2, dtype=torch.long), torch.empty(V)  # r: the C code's scratch, held here
+    out, r = torch.empty(k + 2, dtype=torch.long), torch.empty(3 * V)  # r: the C code's scratch, held here
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    top_k = warp.top_k if warp.top_k is not None and warp.top_k < V else 0  # 0: off, as the C code reads it
+    top_p = warp.top_p if warp.top_p is not None else 1.0
     lib.smallem_verify_sample(
-        logits.data_ptr(), k, V, 1.0 / temperature, ptr(drafts) if k else None, ptr(q) if k else None, ptr(u),
-        u_next.data_ptr(), r.data_ptr(), out.data_ptr(),
+        logits.data_ptr(), k, V, 1.0 / warp.temperature, ptr(drafts) if k else None, ptr(q) if k else None, ptr(u),
+        u_next.data_ptr(), r.data_ptr(), out.data_ptr(), top_k, top_p, warp.min_p or 0.0,
     )  # fmt: skip
     return out

@@ -1,19 +1,84 @@
 // Speculative sampling's rule over one sequence's raw logits, in one call (`native.verify_sample`).
 #pragma once
 
+#include <algorithm>
+
 #include "vec.h"
 
-// Speculative sampling's verification of one sequence under a plain temperature, as
-// `verify.verify_sample` after `verify.warp` (the same draws from the same uniforms): guess j
-// is kept when u[j] q[j, x_j] < p_j(x_j), p_j = softmax(logits_j inv_t); at the first guess
-// kept not, n, the next token is drawn from max(0, p_n - q_n) (from p_n if that is all zero),
-// and after k kept from p_k, by the inverse CDF on u_next (`verify.pick`: float64 running sums
-// in token order). logits [k+1, V], drafts [k], q [k, V] (null when k = 0), u [k] float32,
-// u_next [1] float64; r: V floats of scratch. out [k + 2]: n, then the k+1 tokens (the guesses
-// with the drawn token at n; the ones after it to be ignored).
+// The filters of `verify.warp` beside the temperature, on one row's unnormalised weights
+// r[i] = exp(x_i - max) (x = logits inv_t) of sum `sum` -> the new sum; a token dropped gets
+// r[i] = 0. top_k (0: off): the top_k largest logits stay (ties at the last place in token
+// order); top_p (>= 1: off): most probable first, a token stays while the probability of
+// those before it sums to less than top_p (the top one always; among equal ones, token
+// order); min_p (0: off): a token below min_p times the top probability goes. Each as `warp`
+// orders them: top-k on the logits, then the softmax, top-p on it, then min-p. The sort of
+// top-p first looks at the 256, then 2,048 most probable (as `verify._nucleus`). `tmp`: V
+// floats, `idx`: V ints of scratch.
+static float filter_row(const float *l, float *r, int V, float sum, int top_k, float top_p, float min_p, float *tmp,
+                        int *idx) {
+    if (top_k > 0 && top_k < V) {
+        memcpy(tmp, l, V * sizeof(float));
+        std::nth_element(tmp, tmp + (top_k - 1), tmp + V, [](float a, float b) { return a > b; });
+        const float thr = tmp[top_k - 1];
+        int above = 0;
+        for (int i = 0; i < V; i++) above += l[i] > thr;
+        int ties = top_k - above;  // places left for logits equal to the threshold
+        sum = 0.0f;
+        for (int i = 0; i < V; i++) {
+            if (l[i] < thr || (l[i] == thr && ties-- <= 0)) r[i] = 0.0f;
+            sum += r[i];
+        }
+    }
+    if (top_p < 1.0f) {
+        const float inv = 1.0f / sum;
+        int m = 0;
+        for (int i = 0; i < V; i++)
+            if (r[i] > 0.0f) idx[m++] = i;
+        auto more = [&](int a, int b) { return r[a] > r[b] || (r[a] == r[b] && a < b); };
+        int head = 0;  // the sorted prefix idx[0 .. head) holds mass >= top_p, or is all of them
+        for (int h : {256, 2048, m}) {
+            h = std::min(h, m);
+            std::partial_sort(idx, idx + h, idx + m, more);
+            float run = 0.0f;
+            for (int i = 0; i < h; i++) run += r[idx[i]] * inv;
+            head = h;
+            if (run >= top_p || h == m) break;
+        }
+        float before = 0.0f;  // the probability of the more probable tokens kept so far
+        int keep = 0;
+        while (keep < head && (keep == 0 || before < top_p)) before += r[idx[keep++]] * inv;
+        for (int i = keep; i < m; i++) r[idx[i]] = 0.0f;
+        sum = 0.0f;
+        for (int i = 0; i < V; i++) sum += r[i];
+    }
+    if (min_p > 0.0f) {
+        float top = 0.0f;
+        for (int i = 0; i < V; i++) top = r[i] > top ? r[i] : top;
+        const float cut = min_p * (top / sum);
+        float kept = 0.0f;
+        for (int i = 0; i < V; i++) {
+            if (r[i] / sum < cut) r[i] = 0.0f;
+            kept += r[i];
+        }
+        sum = kept;
+    }
+    return sum;
+}
+
+// Speculative sampling's verification of one sequence, as `verify.verify_sample` after
+// `verify.warp` (the same draws from the same uniforms): guess j is kept when
+// u[j] q[j, x_j] < p_j(x_j), p_j = softmax(logits_j inv_t) filtered (`filter_row`); at the
+// first guess kept not, n, the next token is drawn from max(0, p_n - q_n) (from p_n if that
+// is all zero), and after k kept from p_k, by the inverse CDF on u_next (`verify.pick`:
+// float64 running sums in token order). logits [k+1, V], drafts [k], q [k, V] (null when
+// k = 0), u [k] float32, u_next [1] float64; r: 3 V floats of scratch. out [k + 2]: n, then
+// the k+1 tokens (the guesses with the drawn token at n; the ones after it to be ignored).
 extern "C" void smallem_verify_sample(const float *logits, int k, int V, float inv_t, const int64_t *drafts,
-                                      const float *q, const float *u, const double *u_next, float *r, int64_t *out) {
-    // r = exp(logits_j inv_t - max) over the row -> its sum (p_j = r / sum)
+                                      const float *q, const float *u, const double *u_next, float *r, int64_t *out,
+                                      int top_k, float top_p, float min_p) {
+    float *tmp = r + V;
+    int *idx = (int *)(r + 2 * (size_t)V);
+    // r = the filtered exp(logits_j inv_t - max) over the row -> its sum (p_j = r / sum)
     auto weights = [&](int j) {
         const float *l = logits + (size_t)j * V;
         __m256 m8 = _mm256_set1_ps(-INFINITY);
@@ -23,7 +88,8 @@ extern "C" void smallem_verify_sample(const float *logits, int k, int V, float i
         _mm256_storeu_ps(m, m8);
         for (int j = 0; j < 8; j++) mx = m[j] > mx ? m[j] : mx;
         for (; i < V; i++) mx = l[i] > mx ? l[i] : mx;
-        return exp_sum(l, r, V, inv_t, mx * inv_t);
+        const float sum = exp_sum(l, r, V, inv_t, mx * inv_t);
+        return top_k > 0 || top_p < 1.0f || min_p > 0.0f ? filter_row(l, r, V, sum, top_k, top_p, min_p, tmp, idx) : sum;
     };
     int n = 0;
     float sum = 0.0f;
