@@ -199,6 +199,30 @@ def test_native_verification_is_exact(
     assert chi_q > 1000, chi_q
 
 
+def test_native_penalty_is_torchs(pair: tuple[Transformer, MTPModule]) -> None:
+    """The repetition penalty a native round applies (`native.penalize_argmax`, in place) gives
+    `verify.penalize`'s numbers bit for bit, and each row's argmax as torch's (the first largest):
+    a context, tokens fed once or twice in the pass, logits of both signs, ties."""
+    from smallem_cli.verify import penalize
+
+    assert pair  # the library is loaded
+    g = torch.Generator().manual_seed(5)
+    V = 300
+    for trial in range(20):
+        T = 1 + trial % 6
+        rows = torch.randn(T, V, generator=g) * 3
+        rows[:, :8] = rows[0, 8]  # ties, some of them penalised
+        seen = torch.rand(V, generator=g) < 0.1
+        fed = torch.randint(0, V, (T,), generator=g)
+        if T > 2:
+            fed[2] = fed[0]  # fed twice
+        penalty = (1.2, 0.8, 3.0)[trial % 3]
+        want = penalize(rows, seen, fed, penalty)
+        got = rows.clone()
+        top = native.penalize_argmax(got, seen, fed, penalty)
+        assert torch.equal(got, want) and torch.equal(top, want.argmax(-1)), trial
+
+
 def test_pass_refuses_a_slab_without_room(pair: tuple[Transformer, MTPModule]) -> None:
     """A pass writes its K/V into the slab right after the past it reads: with no room there
     (a past that ends the slab) it refuses, rather than write past the slab's memory."""

@@ -146,9 +146,14 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
             continue
         rows = logits[first : first + c]  # [m+1, V]
         if s.seen is not None:  # each row scored with the context up to its own position
-            rows = penalize(rows, s.seen, ids[first : first + c], s.req.sampling.repetition_penalty)
+            fed, penalty = ids[first : first + c], s.req.sampling.repetition_penalty
+            if native_verify is not None and penalty != 1.0:  # in place, with the argmaxes: one call
+                best = native.penalize_argmax(rows, s.seen, fed, penalty)
+            else:
+                rows = penalize(rows, s.seen, fed, penalty)
+                best = rows.argmax(-1)
             if s.warp is None:
-                top[first : first + c] = rows.argmax(-1)
+                top[first : first + c] = best
         if native_verify is not None and isinstance(s.warp, Warper):  # the rule below, one call
             sampled.append(native_verify(rows, s.warp, *g, s.gen))
         elif s.warp is not None:

@@ -344,4 +344,6 @@ def prepare(
     return sum(attach(m, target, log, root, engine) for m in every), len(every)
 
 
-from .sampled import verify_sample as verify_sample  # noqa: E402  (re-exported: the engine calls native.verify_sample)
+# re-exported: the engine calls native.verify_sample and native.penalize_argmax
+from .sampled import penalize_argmax as penalize_argmax  # noqa: E402
+from .sampled import verify_sample as verify_sample  # noqa: E402

@@ -1,4 +1,5 @@
-"""The native sampled verification of one sequence (`verify.h`), called from the engine's round."""
+"""What a round verifies one sequence with, natively (`verify.h`): the sampled rule, and the
+repetition penalty with each row's argmax; called from the engine's round."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def verify_sample(
         u_next.data_ptr(), r.data_ptr(), out.data_ptr(), top_k, top_p, warp.min_p or 0.0,
     )  # fmt: skip
     return out
+
+
+def penalize_argmax(rows: torch.Tensor, seen: torch.Tensor, fed: torch.Tensor, penalty: float) -> torch.Tensor:
+    """`verify.penalize` over one sequence's rows [T, V] of a pass over `fed` [T], in place (the
+    same numbers: the same float32 operations), with the context `seen` [V] (bool) -> each
+    penalised row's argmax [T] (torch.argmax's choice: the first largest)."""
+    lib = kernels.loaded()
+    T, V = rows.shape
+    assert rows.dtype == torch.float32 and rows.is_contiguous() and seen.dtype == torch.bool and seen.numel() == V
+    fed, seen = fed.contiguous(), seen.contiguous()
+    top, mark = torch.empty(T, dtype=torch.long), torch.empty(V, dtype=torch.uint8)  # mark: the C code's scratch
+    ptrs = [t.data_ptr() for t in (seen, fed)]
+    lib.smallem_penalize(rows.data_ptr(), T, V, *ptrs, penalty, top.data_ptr(), mark.data_ptr())
+    return top

@@ -123,3 +123,22 @@ extern "C" void smallem_verify_sample(const float *logits, int k, int V, float i
     for (int j = 0; j < k; j++) out[1 + j] = drafts[j];
     out[1 + n] = next;
 }
+
+// The repetition penalty (`verify.penalize`) over the rows of one sequence's pass, in place, and
+// each penalised row's argmax: logits [T, V], row t predicting the token after fed[t]; its
+// context is seen [V] (bytes, 1: in the context before the pass) plus fed[0 .. t]. A token of
+// it has its logit divided by the penalty when positive, multiplied by it when not: the same
+// float32 operations as torch's, so the same numbers. top [T]: the first index of each row's
+// largest (torch.argmax's choice). mark: V bytes of scratch.
+extern "C" void smallem_penalize(float *logits, int T, int V, const uint8_t *seen, const int64_t *fed, float penalty,
+                                 int64_t *top, uint8_t *mark) {
+    memcpy(mark, seen, V);
+    for (int t = 0; t < T; t++) {
+        mark[fed[t]] = 1;
+        float *l = logits + (size_t)t * V;
+        for (int i = 0; i < V; i++)
+            if (mark[i]) l[i] = l[i] > 0.0f ? l[i] / penalty : l[i] * penalty;
+        bool finite;
+        top[t] = argmax_finite(l, V, &finite);
+    }
+}
