@@ -42,7 +42,7 @@ from .graphs import MTPStep, _rope, unit_rms
 from .model import MTPModule, Transformer
 from .native import MAX_T, NativeSteps
 from .steps import active_steps
-from .verify import Warper, pick, uniforms
+from .verify import Penalty, Warper, pick, uniforms
 
 if TYPE_CHECKING:
     from .proposers import Head, Warp
@@ -161,7 +161,7 @@ def native_chain(
         cache.keep(seq, L)
         return None
     view = where.view
-    return lambda *sampled: steps.chain(head.ids, k, view, L, start, *sampled)
+    return lambda *sampled, penalty=None: steps.chain(head.ids, k, view, L, start, *sampled, penalty=penalty)
 
 
 def run_chain(
@@ -171,17 +171,20 @@ def run_chain(
     warp: Warp | None,
     generator: torch.Generator | None,
     p_min: float,
+    penalty: Penalty | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A chain's k guesses (its start bound): greedy (cut at the first guess less sure than
-    p_min: one sync), or sampled at the warp's temperature alone (q over the vocabulary)."""
+    p_min: one sync), or sampled at the warp's temperature alone (q over the vocabulary); each
+    scored with the repetition `penalty` where given (a native chain's: `native_chain`)."""
+    kw = {} if penalty is None else {"penalty": penalty}
     if warp is None:
-        tokens, tops = chain()
+        tokens, tops = chain(**kw)
         if p_min:  # keep the guesses before the first doubtful one: one sync
             sure = [t >= p_min for t in tops.tolist()]
             tokens = tokens[: sure.index(False) if False in sure else k]
         return tokens, None
     assert isinstance(warp, Warper)
-    tokens, q = chain(1.0 / warp.temperature, uniforms((k,), generator, head.w))
+    tokens, q = chain(1.0 / warp.temperature, uniforms((k,), generator, head.w), **kw)
     return tokens, head.expand(q)
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .proposers import Fused, Pass, Proposer, Warp
+from .verify import Penalty
 
 
 class NgramIndex:
@@ -110,7 +111,7 @@ class NgramProposer:
         return first, then
 
     def propose(
-        self, k: int, warp: Warp | None, generator: torch.Generator | None
+        self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.looked = self.index.lookup(k)
         m = best_depth(*self.rates, k, self.guess_cost) if self.guess_cost else k
@@ -162,12 +163,12 @@ class Fallback:
         self.other.start(prompt, first, hidden)
 
     def propose(
-        self, k: int, warp: Warp | None, generator: torch.Generator | None
+        self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tokens, q = self.first.propose(k, warp, generator)
+        tokens, q = self.first.propose(k, warp, generator, penalty)
         if tokens.shape[0]:
             return tokens, q
-        return self.other.propose(k, warp, generator)
+        return self.other.propose(k, warp, generator, penalty)
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         self.first.accept(n, emitted, hidden)

@@ -43,7 +43,7 @@ from .chain import MTPChain, MTPSampledChain, chains, native_chain, run_chain
 from .defaults import PAGE_SIZE
 from .model import MTPModule, Transformer, unit_rms
 from .steps import MIN_PAST
-from .verify import proposal, sample
+from .verify import Penalty, proposal, sample
 
 Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
 
@@ -54,7 +54,7 @@ class Proposer(Protocol):
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None: ...
 
     def propose(
-        self, k: int, warp: Warp | None, generator: torch.Generator | None
+        self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None: ...
@@ -94,16 +94,30 @@ class Head:
         self.rows = self.w.t().contiguous()  # [V or N, d]: for a few rows at once (`model.head_matmul`)
 
     def pick(
-        self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None
+        self,
+        h: torch.Tensor,
+        warp: Warp | None,
+        gen: torch.Generator | None,
+        penalty: Penalty | None = None,
+        context: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final hidden state h [1, d] -> (token [1], q [1, V] or None when greedy)."""
+        """Final hidden state h [1, d] -> (token [1], q [1, V] or None when greedy); with a
+        `penalty`, the logits penalised over `context` [V] (bool) first, as the target's row."""
         if warp is None:
-            # The final norm scales a row by a positive number: the argmax needs no norm.
-            i = (h @ self.w).argmax(-1)
+            # The final norm scales a row by a positive number: the argmax needs no norm (nor
+            # does the penalty: it scales each logit by a factor of its sign's).
+            i = self._penalised(h @ self.w, penalty, context).argmax(-1)
             return (i if self.ids is None else self.ids[i]), None
-        q = proposal(warp)(unit_rms(h, self.eps) @ self.w)  # [1, V or N]: the temperature alone, as a chain draws
+        logits = self._penalised(unit_rms(h, self.eps) @ self.w, penalty, context)  # [1, V or N]
+        q = proposal(warp)(logits)  # the temperature alone, as a chain draws
         i = sample(q, gen)
         return (i if self.ids is None else self.ids[i]), self.expand(q)
+
+    def _penalised(self, logits: torch.Tensor, penalty: Penalty | None, context: torch.Tensor | None) -> torch.Tensor:
+        if penalty is None:
+            return logits
+        assert context is not None
+        return penalty.apply(logits, context, self.ids)
 
     def expand(self, q: torch.Tensor) -> torch.Tensor:
         """q over the head's tokens [m, N] -> over the vocabulary [m, V] (zero outside a cut head);
@@ -113,28 +127,44 @@ class Head:
         return q.new_zeros(q.shape[0], self.size).index_copy_(1, self.ids, q)
 
     def pick_sure(
-        self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None
+        self,
+        h: torch.Tensor,
+        warp: Warp | None,
+        gen: torch.Generator | None,
+        penalty: Penalty | None = None,
+        context: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """As `pick`, plus the proposer's top probability (the greedy guess's, or the top of q
         when sampling): how sure it is of this position. One host sync."""
         if warp is None:
-            logits = unit_rms(h, self.eps) @ self.w  # [1, V or N]
+            logits = self._penalised(unit_rms(h, self.eps) @ self.w, penalty, context)  # [1, V or N]
             i = logits.argmax(-1)
             top = torch.softmax(logits, dim=-1).amax()
             return (i if self.ids is None else self.ids[i]), None, float(top)
-        x, q = self.pick(h, warp, gen)
+        x, q = self.pick(h, warp, gen, penalty, context)
         assert q is not None
         return x, q, float(q.amax())
 
 
 def guess(
-    head: Head, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None, p_min: float
+    head: Head,
+    h: torch.Tensor,
+    warp: Warp | None,
+    gen: torch.Generator | None,
+    p_min: float,
+    penalty: Penalty | None = None,
+    context: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One guess from the final state h [1, d], or None when the proposer is less sure of it than p_min."""
+    """One guess from the final state h [1, d], or None when the proposer is less sure of it than
+    p_min; with a `penalty`, scored over `context` [V], which then takes the guess in."""
     if not p_min:
-        return head.pick(h, warp, gen)
-    x, q, top = head.pick_sure(h, warp, gen)
-    return None if top < p_min else (x, q)
+        got: tuple[torch.Tensor, torch.Tensor | None] | None = head.pick(h, warp, gen, penalty, context)
+    else:
+        x, q, top = head.pick_sure(h, warp, gen, penalty, context)
+        got = None if top < p_min else (x, q)
+    if got is not None and context is not None:
+        context.index_fill_(0, got[0].view(-1), True)
+    return got
 
 
 def _collect(
@@ -156,7 +186,7 @@ class NoProposer:
         self._empty = prompt[:0]
 
     def propose(
-        self, k: int, warp: Warp | None, generator: torch.Generator | None
+        self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._empty, None
 
@@ -214,7 +244,7 @@ class DraftProposer:
         return self.model(x, self.cache, self.seq, head=False, last=True)[1]
 
     def propose(
-        self, k: int, warp: Warp | None, generator: torch.Generator | None
+        self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens, qs = [], []
         self.fed_guesses = k - 1  # the last guess is never fed
@@ -223,12 +253,13 @@ class DraftProposer:
         if chains(warp, self.p_min) and (
             chain := native_chain(self.model, self.cache, self.seq, self.head, k, (self.pending, None))
         ):
-            return run_chain(chain, self.head, k, warp, generator, self.p_min)
+            return run_chain(chain, self.head, k, warp, generator, self.p_min, penalty)
         h = self._feed(self.pending)  # catch up, then one guess at a time
+        context = None if penalty is None else penalty.seen.clone()  # the penalty's, each guess added
         for i in range(k):
             if i:
                 h = self._feed(tokens[-1])
-            got = guess(self.head, h, warp, generator, self.p_min)
+            got = guess(self.head, h, warp, generator, self.p_min, penalty, context)
             if got is None:  # unsure: stop here; the guesses so far were all fed
                 self.fed_guesses = i
                 break
@@ -314,7 +345,7 @@ class MTPProposer:
         return self.mtp.decode(h, nxt, self.target.embed_tokens.weight, rope, self.cache, step, last)  # [T or 1, d]
 
     def propose(
-        self, k: int, warp: Warp | None, generator: torch.Generator | None
+        self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h, nxt = self.pending_h, self.pending_next
         self.proposed = True
@@ -322,7 +353,7 @@ class MTPProposer:
         # after the true states, which `accept` drops)
         if chains(warp, self.p_min) and (chain := native_chain(self.mtp, self.cache, self.seq, self.head, k, (nxt, h))):
             self.true_len = self.cache.length(self.seq) - (k - 1)
-            return run_chain(chain, self.head, k, warp, generator, self.p_min)
+            return run_chain(chain, self.head, k, warp, generator, self.p_min, penalty)
         # The prompt, at the first round, in one pass; later, a backlog (rounds another proposer
         # guessed) in passes of k+1 pairs, the sizes compiled for.
         chunk = k + 1 if self.true_len else h.shape[0]
@@ -332,14 +363,17 @@ class MTPProposer:
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
         if chains(warp, self.p_min):  # from the caught-up state: natively (a long backlog), else compiled
-            chain = native_chain(self.mtp, self.cache, self.seq, self.head, k, out) or self._chain(k, warp is None, out)
+            chain = native_chain(self.mtp, self.cache, self.seq, self.head, k, out)
+            if chain is None and penalty is None:  # the compiled chain knows no penalty
+                chain = self._chain(k, warp is None, out)
             if chain is not None:
-                return run_chain(chain, self.head, k, warp, generator, self.p_min)
+                return run_chain(chain, self.head, k, warp, generator, self.p_min, penalty)
         tokens, qs = [], []
+        context = None if penalty is None else penalty.seen.clone()  # the penalty's, each guess added
         for i in range(k):
             if i:
                 out = self.step(out, tokens[-1])  # chain on the module's own state
-            got = guess(self.head, out, warp, generator, self.p_min)
+            got = guess(self.head, out, warp, generator, self.p_min, penalty, context)
             if got is None:  # unsure: stop guessing this round
                 break
             tokens.append(got[0])

@@ -140,6 +140,21 @@ class Warper:
         return self.top_k is None and self.top_p is None and not self.min_p
 
 
+@dataclass(frozen=True)
+class Penalty:
+    """The repetition penalty a round's guesses are scored with, as the target's rows will be
+    (`penalize`): the context before the round, seen [V] (bool), then each guess before it."""
+
+    seen: Tensor
+    factor: float
+
+    def apply(self, logits: Tensor, context: Tensor, ids: Tensor | None = None) -> Tensor:
+        """`penalize` on one row of logits [1, N] with the context [V] (bool); a cut head's
+        columns are the tokens `ids` [N] (None: column = token)."""
+        hit = context if ids is None else context[ids]
+        return torch.where(hit, torch.where(logits > 0, logits / self.factor, logits * self.factor), logits)
+
+
 def proposal(w: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """The distribution a proposer draws its guesses from under the user's warp: the temperature
     alone. Verification stays exact whatever q the guesses came from (the target's p is warped in

@@ -146,7 +146,7 @@ class Oracle:
         self.inner.start(prompt, first, hidden)
         self.seq = prompt.tolist() + first.tolist()
 
-    def propose(self, k, warp, generator):
+    def propose(self, k, warp, generator, penalty=None):
         tokens, q = self.inner.propose(k, warp, generator)
         want, gaps = self.expect(self.seq, k)
         for got, w, gap in zip(tokens.tolist(), want, gaps, strict=True):
@@ -233,7 +233,7 @@ class Spy:
     def start(self, prompt, first, hidden) -> None:
         self.inner.start(prompt, first, hidden)
 
-    def propose(self, k, warp, generator):
+    def propose(self, k, warp, generator, penalty=None):
         tokens, q = self.inner.propose(k, warp, generator)
         self.guesses += tokens.tolist()
         if q is not None:  # q is a distribution over the whole vocabulary, zero outside the cut

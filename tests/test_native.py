@@ -27,7 +27,7 @@ from smallem_cli.model import MTPModule, Transformer
 from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
 from smallem_cli.sampling import Sampling
 from smallem_cli.steps import switch
-from smallem_cli.verify import Warper
+from smallem_cli.verify import Penalty, Warper
 
 no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
@@ -274,40 +274,44 @@ def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("cut", "sampled", "n", "k"),
+    ("cut", "sampled", "n", "k", "penalised"),
     [
-        (0, False, 10, 4),
-        (40, False, 10, 4),
-        (37, False, 10, 4),
-        (0, True, 10, 4),
-        (37, True, 10, 4),
-        (0, False, 70, 4),
-        (0, False, 10, 1),
-        (37, True, 10, 1),
+        (0, False, 10, 4, False),
+        (40, False, 10, 4, False),
+        (37, False, 10, 4, False),
+        (0, True, 10, 4, False),
+        (37, True, 10, 4, False),
+        (0, False, 70, 4, False),
+        (0, False, 10, 1, False),
+        (37, True, 10, 1, False),
+        (0, False, 10, 4, True),
+        (37, True, 10, 4, True),
     ],
 )
 def test_mtp_chain_guesses_as_the_steps_do(
-    pair: tuple[Transformer, MTPModule], cut: int, sampled: bool, n: int, k: int
+    pair: tuple[Transformer, MTPModule], cut: int, sampled: bool, n: int, k: int, penalised: bool
 ) -> None:
     """The native chain (one call for the catch-up on n pairs and k guesses, one guess too) guesses what the
     step-by-step loop guesses, with the whole head or one cut to some tokens (37: the last panel
     of eight rows padded), greedy or sampled (the same draws of the run's generator, and the q
     each guess was drawn from), and leaves the module's cache as it was; a backlog longer than
-    a native pass (70 pairs) catches up first, then chains from the state."""
+    a native pass (70 pairs) catches up first, then chains from the state; under a repetition
+    penalty too (each guess scored over the context and the guesses before it)."""
     target, mtp = pair
     head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:cut]) if cut else None
     g = torch.Generator().manual_seed(3)
     for trial in range(4):
         h, nxt = torch.randn(n, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (n,), generator=g)
+        penalty = Penalty(torch.rand(TINY.vocab_size, generator=g) < 0.3, 1.5) if penalised else None
 
         def guesses(
-            h: torch.Tensor = h, nxt: torch.Tensor = nxt, seed: int = trial
+            h: torch.Tensor = h, nxt: torch.Tensor = nxt, seed: int = trial, penalty: Penalty | None = penalty
         ) -> tuple[list[int], torch.Tensor | None]:
             prop = MTPProposer(target, mtp, 128, head)
             prop.start(nxt[:1], nxt[1:2], h[:1])
             prop.pending_h, prop.pending_next = h, nxt
             warp = Warper(1.3) if sampled else None
-            tokens, q = prop.propose(k, warp, torch.Generator().manual_seed(seed))
+            tokens, q = prop.propose(k, warp, torch.Generator().manual_seed(seed), penalty)
             assert prop.cache.length(prop.seq) >= prop.true_len == n
             prop.accept(0, nxt[:1], h[:1])
             assert prop.cache.length(prop.seq) == n  # the chain's entries dropped
@@ -342,7 +346,7 @@ def test_draft_chain_guesses_as_the_steps_do(
     head = Head(draft, torch.arange(TINY.vocab_size - 1, -1, -1)[:40]) if cut else None  # type: ignore[arg-type]
     calls = []
     chain = native.NativeSteps.chain
-    monkeypatch.setattr(native.NativeSteps, "chain", lambda self, *a: calls.append(1) or chain(self, *a))
+    monkeypatch.setattr(native.NativeSteps, "chain", lambda self, *a, **kw: calls.append(1) or chain(self, *a, **kw))
     g = torch.Generator().manual_seed(4)
     kept = min(2, k)  # guesses the target keeps
     for trial in range(4):

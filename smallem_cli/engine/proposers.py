@@ -25,6 +25,7 @@ from ..decode_ops import head_matmul
 from ..model import MTPModule, Transformer
 from ..ngram import NgramProposer
 from ..proposers import Head, Proposer
+from ..verify import Penalty
 from . import batch as B
 from .forward import mtp_pass, slab_for, transformer_pass
 from .pool import PagePool
@@ -61,6 +62,13 @@ class NoGuess:
         pass
 
 
+def penalty_of(s: Seq) -> Penalty | None:
+    """The repetition penalty `s`'s guesses are scored with, as its target rows are: its
+    context so far and the factor (None: no penalty)."""
+    factor = s.req.sampling.repetition_penalty
+    return None if s.seen is None or factor == 1.0 else Penalty(s.seen, factor)
+
+
 class EachGuess:
     """One single-sequence proposer (`proposers.Proposer`) per sequence, each with its own state:
     nothing is batched. It serves the n-gram lookup (no model: nothing to batch), and a
@@ -78,7 +86,7 @@ class EachGuess:
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
         return [
-            self.each[s.uid].propose(k, s.warp, s.gen) if k else (s.last[:0], None)
+            self.each[s.uid].propose(k, s.warp, s.gen, penalty_of(s)) if k else (s.last[:0], None)
             for s, k in zip(seqs, ks, strict=True)
         ]
 

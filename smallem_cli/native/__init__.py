@@ -34,6 +34,7 @@ import torch
 from ..engine.batch import BatchStep, visible
 from ..model import MTPModule, Transformer
 from ..steps import StepFn, register
+from ..verify import Penalty
 from .kernels import ENGINES, Log, library
 from .pack import NativeUnavailable, half_exact, panels, panels8, rope_rows
 
@@ -185,6 +186,7 @@ class NativeSteps:
         start: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
         inv_t: float | None = None,
         u: torch.Tensor | None = None,
+        penalty: Penalty | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A proposer's chain (`smallem_chain`): k guesses, with the head cut to `ids` (None: whole).
         `start`: the state guess 1 is made from [1, d] (the MTP module's, or a draft's final state),
@@ -193,7 +195,8 @@ class NativeSteps:
         `view` [layers, 2, Hkv, >= L+m+k-1, D]: the model's cache, positions L.. reserved (the K/V
         of guesses 1 .. k-1 go to L+m ..). Greedy -> (tokens [k], their probabilities [k]);
         sampled (1/T and uniform draws u [k], float64) -> (tokens [k], q [k, V] over the
-        vocabulary, zero outside a cut head's tokens: the verification reads it so)."""
+        vocabulary, zero outside a cut head's tokens: the verification reads it so). `penalty`: each
+        guess scored with the repetition penalty over its context (`verify.Penalty`)."""
         assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
             rows = self.head_src if ids is None else self.head_src[ids]
@@ -218,6 +221,10 @@ class NativeSteps:
             u = u.contiguous()
             assert tuple(u.shape) == (k,) and u.dtype == torch.float64 and inv_t is not None
         assert L + m + k - 1 <= self.positions
+        seen = mark = None  # the penalty's context [V] and the C code's scratch for it
+        if penalty is not None:
+            seen, mark = penalty.seen.contiguous(), torch.empty(c.vocab_size, dtype=torch.uint8)
+            assert seen.dtype == torch.bool and seen.numel() == c.vocab_size
         row = self._rope_row  # cos, sin from position L: by address
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
@@ -226,6 +233,7 @@ class NativeSteps:
             ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + L * row, self.rope[1].data_ptr() + L * row,
             view.data_ptr(), ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else inv_t,
             tokens.data_ptr(), tops.data_ptr(), ptr(q), scratch.data_ptr(), need, threads,
+            ptr(seen), 1.0 if penalty is None else penalty.factor, ptr(mark),
         )  # fmt: skip
         return (tokens, q) if q is not None else (tokens, tops)
 

@@ -86,7 +86,7 @@ def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
     lib.smallem_step.restype = lib.smallem_chain.restype = None
     lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 3 + [num, ptr]
     lib.smallem_chain.argtypes = [ptr] * 3 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]
-    lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2
+    lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2 + [ptr, ctypes.c_float, ptr]
     lib.smallem_batch_step.restype = None
     lib.smallem_batch_step.argtypes = [ptr] * 3 + [num] + [ptr] * 8 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num, ptr]
     lib.smallem_verify_sample.restype = None

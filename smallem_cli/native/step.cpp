@@ -239,11 +239,14 @@ extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, cons
 //   the uniform draw u [j] made by the caller from the run's generator (`verify.pick`: the
 //   first token whose running sum of q_j, in float64 and in order, exceeds u_j times the total).
 // scratch: smallem_step's for T = max(m, 1) (step_scratch floats), then 3 d + N + m d floats.
+// seen (V bytes, null: no penalty): the repetition penalty's context before the round; each
+// guess is scored as the target's row will be (`smallem_penalize`: seen and the guesses before
+// it), in `mark` (V bytes of scratch).
 extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const float *head_scale, int N, const float *g_final,
                               const int64_t *ids, const float *h0, const int64_t *feed, const float *feed_h, int m,
                               int k, const float *cos_t, const float *sin_t, float *view, const int64_t *st, int L,
                               const double *u, float inv_t, int64_t *tokens, float *tops, float *q, float *scratch,
-                              int step_scratch, int threads) {
+                              int step_scratch, int threads, const uint8_t *seen, float penalty, uint8_t *mark) {
     const int d = mw->dim, P = (mw->n_heads + 2 * mw->n_kv_heads) * mw->head_dim / 2;
     float *state = scratch + step_scratch, *next = state + d, *xn = next + d, *logits = xn + d, *xs = logits + N;
     if (m > 0) {  // the catch-up (its K/V into the cache at L ..): its last state is where the guesses start
@@ -254,12 +257,16 @@ extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const flo
     } else {
         memcpy(state, h0, d * sizeof(float));
     }
+    if (seen) memcpy(mark, seen, mw->vocab);  // the penalty's context: seen, then each guess
     for (int j = 0; j < k; j++) {
 #pragma omp parallel num_threads(threads)
         {
             rms_rows(state, 1, d, mw->eps, g_final, xn);
             matmul(xn, 1, d, Mat{head_rows, head_scale}, N, d, logits, N, false);
         }
+        if (seen)  // the repetition penalty, as the target's rows get it (`smallem_penalize`)
+            for (int i = 0; i < N; i++)
+                if (mark[ids ? ids[i] : i]) logits[i] = logits[i] > 0.0f ? logits[i] / penalty : logits[i] * penalty;
         int best = 0;
         for (int i = 1; i < N; i++)
             if (logits[i] > logits[best]) best = i;
@@ -288,6 +295,7 @@ extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const flo
             tops[j] = 1.0f / exp_sum(logits, logits, N, 1.0f, logits[best]);
         }
         tokens[j] = ids ? ids[best] : best;
+        if (seen) mark[tokens[j]] = 1;
         if (j == k - 1) break;
         int64_t tok = tokens[j];
         smallem_step(mw, &tok, mw->table ? state : nullptr, 1, cos_t + (size_t)j * P, sin_t + (size_t)j * P, view, st,
