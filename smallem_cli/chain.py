@@ -143,13 +143,20 @@ Start = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]  # `NativeSteps.
 
 
 def native_chain(
-    model: Transformer | MTPModule, cache: PagedKVCache, seq: int, head: Head, k: int, start: Start
+    model: Transformer | MTPModule,
+    cache: PagedKVCache,
+    seq: int,
+    head: Head,
+    k: int,
+    start: Start,
+    penalty: Penalty | None = None,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """The native engine's chain of k guesses for a proposer's model (`NativeSteps.chain`,
     greedy or sampled) from `start`: a state [1, d], or the entries the round confirmed (tokens
-    [m], the MTP module's target states or None), fed in the same call. Their m positions and
-    the chain's k-1 are appended to the model's cache (the caller keeps or drops the chain's).
-    None: no native steps, or a cache it cannot serve."""
+    [m], the MTP module's target states or None), fed in the same call; each guess scored with
+    the repetition `penalty` where given. Their m positions and the chain's k-1 are appended to
+    the model's cache (the caller keeps or drops the chain's). None: no native steps, or a
+    cache it cannot serve."""
     steps, L = active_steps(model), cache.length(seq)
     m = start[0].shape[0] if isinstance(start, tuple) else 0
     if k < 1 or not isinstance(steps, NativeSteps) or L < steps.min_past or L + m + k - 1 > steps.positions:
@@ -161,7 +168,7 @@ def native_chain(
         cache.keep(seq, L)
         return None
     view = where.view
-    return lambda *sampled, penalty=None: steps.chain(head.ids, k, view, L, start, *sampled, penalty=penalty)
+    return lambda *sampled: steps.chain(head.ids, k, view, L, start, *sampled, penalty=penalty)
 
 
 def run_chain(
@@ -171,20 +178,17 @@ def run_chain(
     warp: Warp | None,
     generator: torch.Generator | None,
     p_min: float,
-    penalty: Penalty | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A chain's k guesses (its start bound): greedy (cut at the first guess less sure than
-    p_min: one sync), or sampled at the warp's temperature alone (q over the vocabulary); each
-    scored with the repetition `penalty` where given (a native chain's: `native_chain`)."""
-    kw = {} if penalty is None else {"penalty": penalty}
+    """A chain's k guesses (its start and penalty bound): greedy (cut at the first guess less sure
+    than p_min: one sync), or sampled at the warp's temperature alone (q over the vocabulary)."""
     if warp is None:
-        tokens, tops = chain(**kw)
+        tokens, tops = chain()
         if p_min:  # keep the guesses before the first doubtful one: one sync
             sure = [t >= p_min for t in tops.tolist()]
             tokens = tokens[: sure.index(False) if False in sure else k]
         return tokens, None
     assert isinstance(warp, Warper)
-    tokens, q = chain(1.0 / warp.temperature, uniforms((k,), generator, head.w), **kw)
+    tokens, q = chain(1.0 / warp.temperature, uniforms((k,), generator, head.w))
     return tokens, head.expand(q)
 
 

@@ -224,9 +224,9 @@ def bench(
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
     plan = B.Plan(
-        {m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature, 0, engine_list
-    )
-    plan.top_k, plan.top_p, plan.min_p = top_k, top_p, min_p
+        {m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature, 0, engine_list,
+        top_k, top_p, min_p,
+    )  # fmt: skip
     passes = list(D.COST_PASSES) if costs else None
     B.prepare_engines(tgt.model, plan, passes, err.print)  # every pass the bench takes, before the clock
     if costs:

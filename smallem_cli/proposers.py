@@ -99,25 +99,21 @@ class Head:
         warp: Warp | None,
         gen: torch.Generator | None,
         penalty: Penalty | None = None,
-        context: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden state h [1, d] -> (token [1], q [1, V] or None when greedy); with a
-        `penalty`, the logits penalised over `context` [V] (bool) first, as the target's row."""
+        `penalty`, the logits penalised first, as the target's row."""
         if warp is None:
             # The final norm scales a row by a positive number: the argmax needs no norm (nor
             # does the penalty: it scales each logit by a factor of its sign's).
-            i = self._penalised(h @ self.w, penalty, context).argmax(-1)
+            i = self._penalised(h @ self.w, penalty).argmax(-1)
             return (i if self.ids is None else self.ids[i]), None
-        logits = self._penalised(unit_rms(h, self.eps) @ self.w, penalty, context)  # [1, V or N]
+        logits = self._penalised(unit_rms(h, self.eps) @ self.w, penalty)  # [1, V or N]
         q = proposal(warp)(logits)  # the temperature alone, as a chain draws
         i = sample(q, gen)
         return (i if self.ids is None else self.ids[i]), self.expand(q)
 
-    def _penalised(self, logits: torch.Tensor, penalty: Penalty | None, context: torch.Tensor | None) -> torch.Tensor:
-        if penalty is None:
-            return logits
-        assert context is not None
-        return penalty.apply(logits, context, self.ids)
+    def _penalised(self, logits: torch.Tensor, penalty: Penalty | None) -> torch.Tensor:
+        return logits if penalty is None else penalty.apply(logits, self.ids)
 
     def expand(self, q: torch.Tensor) -> torch.Tensor:
         """q over the head's tokens [m, N] -> over the vocabulary [m, V] (zero outside a cut head);
@@ -127,21 +123,16 @@ class Head:
         return q.new_zeros(q.shape[0], self.size).index_copy_(1, self.ids, q)
 
     def pick_sure(
-        self,
-        h: torch.Tensor,
-        warp: Warp | None,
-        gen: torch.Generator | None,
-        penalty: Penalty | None = None,
-        context: torch.Tensor | None = None,
+        self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
         """As `pick`, plus the proposer's top probability (the greedy guess's, or the top of q
         when sampling): how sure it is of this position. One host sync."""
         if warp is None:
-            logits = self._penalised(unit_rms(h, self.eps) @ self.w, penalty, context)  # [1, V or N]
+            logits = self._penalised(unit_rms(h, self.eps) @ self.w, penalty)  # [1, V or N]
             i = logits.argmax(-1)
             top = torch.softmax(logits, dim=-1).amax()
             return (i if self.ids is None else self.ids[i]), None, float(top)
-        x, q = self.pick(h, warp, gen, penalty, context)
+        x, q = self.pick(h, warp, gen, penalty)
         assert q is not None
         return x, q, float(q.amax())
 
@@ -153,17 +144,16 @@ def guess(
     gen: torch.Generator | None,
     p_min: float,
     penalty: Penalty | None = None,
-    context: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One guess from the final state h [1, d], or None when the proposer is less sure of it than
-    p_min; with a `penalty`, scored over `context` [V], which then takes the guess in."""
+    p_min; with a `penalty` (the proposer's own copy), scored with it, which then takes the guess in."""
     if not p_min:
-        got: tuple[torch.Tensor, torch.Tensor | None] | None = head.pick(h, warp, gen, penalty, context)
+        got: tuple[torch.Tensor, torch.Tensor | None] | None = head.pick(h, warp, gen, penalty)
     else:
-        x, q, top = head.pick_sure(h, warp, gen, penalty, context)
+        x, q, top = head.pick_sure(h, warp, gen, penalty)
         got = None if top < p_min else (x, q)
-    if got is not None and context is not None:
-        context.index_fill_(0, got[0].view(-1), True)
+    if got is not None and penalty is not None:
+        penalty.take(got[0])
     return got
 
 
@@ -251,15 +241,15 @@ class DraftProposer:
         self.proposed = True
         # one native call: the catch-up (1 or 2 tokens), then the guesses, k-1 of them fed
         if chains(warp, self.p_min) and (
-            chain := native_chain(self.model, self.cache, self.seq, self.head, k, (self.pending, None))
+            chain := native_chain(self.model, self.cache, self.seq, self.head, k, (self.pending, None), penalty)
         ):
-            return run_chain(chain, self.head, k, warp, generator, self.p_min, penalty)
+            return run_chain(chain, self.head, k, warp, generator, self.p_min)
         h = self._feed(self.pending)  # catch up, then one guess at a time
-        context = None if penalty is None else penalty.seen.clone()  # the penalty's, each guess added
+        penalty = None if penalty is None else penalty.copy()  # each guess added to its context
         for i in range(k):
             if i:
                 h = self._feed(tokens[-1])
-            got = guess(self.head, h, warp, generator, self.p_min, penalty, context)
+            got = guess(self.head, h, warp, generator, self.p_min, penalty)
             if got is None:  # unsure: stop here; the guesses so far were all fed
                 self.fed_guesses = i
                 break
@@ -351,9 +341,11 @@ class MTPProposer:
         self.proposed = True
         # one native call: the catch-up on the true states, then the chain (its k-1 positions
         # after the true states, which `accept` drops)
-        if chains(warp, self.p_min) and (chain := native_chain(self.mtp, self.cache, self.seq, self.head, k, (nxt, h))):
+        if chains(warp, self.p_min) and (
+            chain := native_chain(self.mtp, self.cache, self.seq, self.head, k, (nxt, h), penalty)
+        ):
             self.true_len = self.cache.length(self.seq) - (k - 1)
-            return run_chain(chain, self.head, k, warp, generator, self.p_min, penalty)
+            return run_chain(chain, self.head, k, warp, generator, self.p_min)
         # The prompt, at the first round, in one pass; later, a backlog (rounds another proposer
         # guessed) in passes of k+1 pairs, the sizes compiled for.
         chunk = k + 1 if self.true_len else h.shape[0]
@@ -363,17 +355,17 @@ class MTPProposer:
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
         if chains(warp, self.p_min):  # from the caught-up state: natively (a long backlog), else compiled
-            chain = native_chain(self.mtp, self.cache, self.seq, self.head, k, out)
+            chain = native_chain(self.mtp, self.cache, self.seq, self.head, k, out, penalty)
             if chain is None and penalty is None:  # the compiled chain knows no penalty
                 chain = self._chain(k, warp is None, out)
             if chain is not None:
-                return run_chain(chain, self.head, k, warp, generator, self.p_min, penalty)
+                return run_chain(chain, self.head, k, warp, generator, self.p_min)
         tokens, qs = [], []
-        context = None if penalty is None else penalty.seen.clone()  # the penalty's, each guess added
+        penalty = None if penalty is None else penalty.copy()  # each guess added to its context
         for i in range(k):
             if i:
                 out = self.step(out, tokens[-1])  # chain on the module's own state
-            got = guess(self.head, out, warp, generator, self.p_min, penalty, context)
+            got = guess(self.head, out, warp, generator, self.p_min, penalty)
             if got is None:  # unsure: stop guessing this round
                 break
             tokens.append(got[0])

@@ -74,24 +74,32 @@ def _nucleus(probs: Tensor, top_p: float) -> Tensor:
     mass reaches top_p in every row; every token past them is dropped then, as the full sort would
     drop it (its running sum in sorted order is at least theirs, and a running sum's first terms
     are the same, computed in the same order). Else, and on a GPU, the whole row is sorted."""
-    V = probs.shape[-1]
-    sorted_p = order = sums = None
-    if probs.device.type == "cpu":
-        for head in (h for h in TOP_P_HEADS if h < V):
-            sorted_p, order = probs.topk(head, dim=-1)  # [..., head] each, most probable first
-            sums = sorted_p.cumsum(dim=-1)
-            if bool((sums[..., -1] >= top_p).all()):
-                break
-            sorted_p = None
-    if sorted_p is None or order is None or sums is None:
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V] each
-        sums = sorted_p.cumsum(dim=-1)
+    order, sums = _most_probable(probs, top_p)
     # mass of the more probable tokens (an exclusive cumsum, no cancellation)
     keep_sorted = F.pad(sums[..., :-1], (1, 0)) < top_p
     keep_sorted[..., 0] = True  # the top token always stays
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)  # [..., V] vocabulary order
     probs = probs.masked_fill(~keep, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _most_probable(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """The most probable tokens of each row of probs [..., V], most probable first, and the
+    running sums of their probabilities: enough of them to hold top_p in every row (`_nucleus`)."""
+    if probs.device.type == "cpu":
+        for head in (h for h in TOP_P_HEADS if h < probs.shape[-1]):
+            top, order = probs.topk(head, dim=-1)  # [..., head] each
+            sums = top.cumsum(dim=-1)
+            if bool((sums[..., -1] >= top_p).all()):
+                return order, sums
+    top, order = probs.sort(dim=-1, descending=True)  # [..., V] each
+    return order, top.cumsum(dim=-1)
+
+
+def _repeated(logits: Tensor, hit: Tensor, factor: float) -> Tensor:
+    """CTRL's penalty where `hit` (bool, broadcast to logits): a logit divided by the factor
+    when positive, multiplied by it when not."""
+    return torch.where(hit, torch.where(logits > 0, logits / factor, logits * factor), logits)
 
 
 def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestors: Tensor | None = None) -> Tensor:
@@ -118,7 +126,7 @@ def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestor
         repeated = hits.cumsum(dim=-2, dtype=torch.int32).bool() | seen.unsqueeze(-2)
     else:  # [T, V]: the tokens on each row's path
         repeated = (ancestors.to(torch.float32) @ hits.to(torch.float32)).bool() | seen.unsqueeze(-2)
-    return torch.where(repeated, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return _repeated(logits, repeated, penalty)
 
 
 @dataclass(frozen=True)
@@ -143,16 +151,23 @@ class Warper:
 @dataclass(frozen=True)
 class Penalty:
     """The repetition penalty a round's guesses are scored with, as the target's rows will be
-    (`penalize`): the context before the round, seen [V] (bool), then each guess before it."""
+    (`penalize`): its context seen [V] (bool) and its factor. A proposer guessing one token at a
+    time works on its own `copy`, which `take`s in each guess as the next one's context."""
 
     seen: Tensor
     factor: float
 
-    def apply(self, logits: Tensor, context: Tensor, ids: Tensor | None = None) -> Tensor:
-        """`penalize` on one row of logits [1, N] with the context [V] (bool); a cut head's
-        columns are the tokens `ids` [N] (None: column = token)."""
-        hit = context if ids is None else context[ids]
-        return torch.where(hit, torch.where(logits > 0, logits / self.factor, logits * self.factor), logits)
+    def copy(self) -> Penalty:
+        return Penalty(self.seen.clone(), self.factor)
+
+    def apply(self, logits: Tensor, ids: Tensor | None = None) -> Tensor:
+        """`penalize` on one row of logits [1, N]; a cut head's columns are the tokens `ids` [N]
+        (None: column = token)."""
+        return _repeated(logits, self.seen if ids is None else self.seen[ids], self.factor)
+
+    def take(self, tokens: Tensor) -> None:
+        """Add tokens to the context (in place)."""
+        self.seen.index_fill_(0, tokens.view(-1), True)
 
 
 def proposal(w: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:

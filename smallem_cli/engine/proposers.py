@@ -64,9 +64,8 @@ class NoGuess:
 
 def penalty_of(s: Seq) -> Penalty | None:
     """The repetition penalty `s`'s guesses are scored with, as its target rows are: its
-    context so far and the factor (None: no penalty)."""
-    factor = s.req.sampling.repetition_penalty
-    return None if s.seen is None or factor == 1.0 else Penalty(s.seen, factor)
+    context so far (`seen`, held only under a penalty) and the factor."""
+    return None if s.seen is None else Penalty(s.seen, s.req.sampling.repetition_penalty)
 
 
 class EachGuess:

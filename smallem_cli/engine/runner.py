@@ -147,7 +147,7 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
         rows = logits[first : first + c]  # [m+1, V]
         if s.seen is not None:  # each row scored with the context up to its own position
             fed, penalty = ids[first : first + c], s.req.sampling.repetition_penalty
-            if native_verify is not None and penalty != 1.0:  # in place, with the argmaxes: one call
+            if native_verify is not None:  # in place, with the argmaxes: one call
                 best = native.penalize_argmax(rows, s.seen, fed, penalty)
             else:
                 rows = penalize(rows, s.seen, fed, penalty)

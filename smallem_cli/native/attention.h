@@ -37,12 +37,6 @@ static inline float softmax_weights(float *scores, int n) {
     return 1.0f / sum;
 }
 
-// Attention of one query row over n keys key(0 .. n-1) and their values val(j), softmax in
-// float32. q is pre-scaled; out [D]; scores: room for n + 8 floats. Every score is one 8-lane
-// sum over D (lane i of chunk c adds q[8c + i] k[8c + i], c in order), reduced by the same
-// pairwise adds, so a row that sees the same keys in the same order gets the same numbers,
-// whatever pass holds it and however its keys are addressed (a strided view of one sequence,
-// or slots of a paged batch), and whether it runs here or beside another row (`attend_pairs`).
 // Scores of keys s0 .. s0 + G - 1 (G = 4 or 8: G independent sums) into scores[s0 ..]; past
 // the last key, q itself stands in (a valid row whose score lands in the caller's spare room).
 template <int G, class Key>

@@ -32,11 +32,10 @@ def verify_sample(
     u_next = uniforms((1,), generator, logits)  # as its `sample` of the next token
     out, r = torch.empty(k + 2, dtype=torch.long), torch.empty(3 * V)  # r: the C code's scratch, held here
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    top_k = warp.top_k if warp.top_k is not None and warp.top_k < V else 0  # 0: off, as the C code reads it
-    top_p = warp.top_p if warp.top_p is not None else 1.0
     lib.smallem_verify_sample(
         logits.data_ptr(), k, V, 1.0 / warp.temperature, ptr(drafts) if k else None, ptr(q) if k else None, ptr(u),
-        u_next.data_ptr(), r.data_ptr(), out.data_ptr(), top_k, top_p, warp.min_p or 0.0,
+        u_next.data_ptr(), r.data_ptr(), out.data_ptr(),
+        warp.top_k or 0, 1.0 if warp.top_p is None else warp.top_p, warp.min_p or 0.0,  # 0, 1, 0: off
     )  # fmt: skip
     return out
 
