@@ -12,12 +12,12 @@ from smallem_cli.config import ModelConfig
 from smallem_cli.engine.build import pool_pages
 from smallem_cli.engine.forward import slab_for
 from smallem_cli.engine.pool import PagePool, PoolExhausted
-from smallem_cli.engine.proposers import DraftGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
+from smallem_cli.engine.proposers import DraftGuess, EachGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.runner import Target
 from smallem_cli.engine.scheduler import Engine
 from smallem_cli.generate import generate
-from smallem_cli.proposers import Head, NoProposer
+from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
 from smallem_cli.sampling import Sampling
 
 N = 60
@@ -124,6 +124,34 @@ def test_penalty_and_min_p_in_a_batch(models, kind: str) -> None:
         assert got[r.index] == ref, f"request {r.index}"
     plain, _ = generate(models["target"], NoProposer(), list(reqs[1].prompt), reqs[1].max_new_tokens, 0)
     assert got[1] != plain  # the penalty changed something
+
+
+@pytest.mark.parametrize("kind", ["near", "mtp"])
+def test_batched_guesses_score_the_penalty(models, kind: str) -> None:
+    """Under a repetition penalty a batched proposer guesses as the one-sequence proposer does,
+    each guess scored with its context and the guesses before it (`verify.Penalty`): the same
+    guesses kept, position by position, in every request of a batch."""
+    ps = prompts(8, 64, seed=7)
+    reqs = requests(ps, sampling=[Sampling(repetition_penalty=1.5)] * len(ps))
+    batched = {f.request.index: f.stats for f in engine(models, kind, 3, max_batch=8).run(reqs)}
+    target = models["target"]
+
+    def one():
+        if kind == "mtp":
+            return MTPProposer(target, models["mtp"], target.cfg.max_seq_len, Head(target))
+        return DraftProposer(models[kind], target.cfg.max_seq_len, kind, Head(models[kind]))
+
+    kept = 0
+    for r in reqs:
+        pool = PagePool(pool_pages(1, target.cfg.max_seq_len, PS), PS)
+        slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
+        eng = Engine(
+            Target(target, slab, pool), EachGuess(one, kind), 3, auto_k=False, max_batch=1, eot=None, decode=decode
+        )
+        alone = next(iter(eng.run([r]))).stats
+        assert batched[r.index]["accepted_at"] == alone["accepted_at"], f"request {r.index}"
+        kept += sum(alone["accepted_at"])  # type: ignore[arg-type]
+    assert kind == "mtp" or kept > 0
 
 
 @pytest.mark.parametrize(("kind", "cut"), [("near", 0), ("mtp", 0), ("ngram", 0), ("mtp", 40), ("ngram+near", 40)])

@@ -105,16 +105,23 @@ class NgramGuess(EachGuess):
         super().__init__(lambda: NgramProposer(vocab_size, min_n, max_n, guess_cost), "ngram")
 
 
-def pick(head: Head, h: torch.Tensor, seqs: list[Seq]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def pick(
+    head: Head, h: torch.Tensor, seqs: list[Seq], penalties: list[Penalty | None]
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] over the whole vocabulary
-    (`Head.pick` expands a cut head's; None when greedy):
-    greedy rows in one matmul, sampled rows each with its own warp and generator."""
-    best = head_matmul(h, head.w, head.rows).argmax(-1)  # [B]: the final norm scales a row, the argmax needs none
+    (`Head.pick` expands a cut head's; None when greedy): greedy rows in one matmul, sampled rows
+    each with its own warp and generator; a row with a penalty scored with it first, as its
+    target row will be."""
+    logits = head_matmul(h, head.w, head.rows)  # [B, N]: the final norm scales a row, the argmax needs none
+    for i, (s, pen) in enumerate(zip(seqs, penalties, strict=True)):
+        if pen is not None and s.warp is None:
+            logits[i : i + 1] = pen.apply(logits[i : i + 1], head.ids)
+    best = logits.argmax(-1)  # [B]
     tokens = best if head.ids is None else head.ids[best]
     qs: list[torch.Tensor | None] = [None] * len(seqs)
     for i, s in enumerate(seqs):
         if s.warp is not None:
-            x, q = head.pick(h[i : i + 1], s.warp, s.gen)
+            x, q = head.pick(h[i : i + 1], s.warp, s.gen, penalties[i])
             tokens = tokens.index_copy(0, torch.tensor([i], device=tokens.device), x.view(1))
             qs[i] = q
     return tokens, qs
@@ -158,6 +165,8 @@ class _ModelGuess:
         qs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
         if live:
             group = [seqs[i] for i in live]
+            # each sequence's penalty, on a copy that takes in its guesses as the next one's context
+            pens = [None if k == 0 or (p := penalty_of(s)) is None else p.copy() for s, k in zip(seqs, ks, strict=True)]
             out = self._feed_pending(group)  # [G, d]: the state after each one's last true token
             x = out.new_empty(0, dtype=torch.long)  # the previous depth's guesses
             for depth in range(max(ks)):
@@ -167,10 +176,12 @@ class _ModelGuess:
                     group = [seqs[i] for i in live]
                     idx = torch.tensor(keep, device=out.device)
                     out = self._feed_guess(group, out.index_select(0, idx), x.index_select(0, idx))
-                x, q = pick(self.head, out, group)
+                x, q = pick(self.head, out, group, [pens[i] for i in live])
                 for j, i in enumerate(live):
                     tokens[i].append(x[j : j + 1])
                     qs[i].append(q[j])
+                    if (pen := pens[i]) is not None:
+                        pen.take(x[j : j + 1])
         result: list[Guesses] = []
         for s, t, q, k in zip(seqs, tokens, qs, ks, strict=True):
             st = self.state[s.uid]
