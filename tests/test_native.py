@@ -546,3 +546,13 @@ def test_threads_follow_the_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for running, cores, want in [(1, 2, None), (2, 2, 1), (3, 2, 1), (3, 8, 6), (2, 1, None)]:
         loadavg.write_text(f"0.50 0.40 0.30 {running}/300 12345\n")
         assert options.threads_for_load(cores) == want, (running, cores)
+
+
+def test_prefetch_rows_by_maker() -> None:
+    """The products' prefetch threshold follows the CPU's maker, as measured (`kernels.prefetch_rows`)."""
+    from smallem_cli.native.kernels import prefetch_rows
+
+    assert prefetch_rows("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n") == 5
+    assert prefetch_rows("vendor_id\t: GenuineIntel\n") == 8
+    assert prefetch_rows("") == 8
+    assert prefetch_rows() in (5, 8)

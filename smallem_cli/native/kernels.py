@@ -35,6 +35,19 @@ ENGINES = {"native": None, "native-avx2": "avx2"}
 _LIBS: dict[str, ctypes.CDLL] = {}  # by ISA, loaded once a process
 
 
+def prefetch_rows(cpuinfo: str | None = None) -> int:
+    """The fewest input rows a product tile prefetches its next panels for (`matmul.h`
+    PREFETCH_ROWS), by the CPU's maker (`cpuinfo`: /proc/cpuinfo's text, read when None): 5 on
+    AMD, 8 elsewhere. Measured, whole target passes alternated pass by pass: over 5 to 7 rows an
+    AMD Zen 4 host took 2-12% less with it; an Emerald Rapids host 5-7% more at 5 and 6 rows."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    return 5 if "AuthenticAMD" in cpuinfo else 8
+
+
 def best_isa() -> str:
     """The widest build this CPU runs: "avx512" or "avx2" (NativeUnavailable: neither)."""
     cap = torch.backends.cpu.get_cpu_capability()
@@ -57,7 +70,7 @@ def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
         raise NativeUnavailable(f"this CPU does not run the {isa} build")
     if isa in _LIBS:
         return _LIBS[isa]
-    flags = FLAGS + ISA_FLAGS[isa]
+    flags = FLAGS + ISA_FLAGS[isa] + [f"-DPREFETCH_ROWS={prefetch_rows()}"]
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise NativeUnavailable(f"no C++ compiler ({cxx}) on PATH")

@@ -64,6 +64,10 @@ struct I8 {
 // x[m, k] * W[n .. n+PANEL, k] to every one of them, one FMA per accumulator, no horizontal sums
 // at the end. Every output is one float32 sum over k = 0 .. K-1 in order, whatever tile holds
 // it: a token's numbers do not depend on how many rows the pass has, nor on the build.
+// The fewest rows a tile prefetches its next panels for (`tile`): the build's -D, else 8.
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 8
+#endif
 #if PANEL == 16
 #define ACC 24
 #define MAX_MR 12  // rows a tile holds: 12 x 2 panels
@@ -91,8 +95,10 @@ static inline void tile(const float *x, int ldx, const typename W::T *wp, const 
         // alternative; two tiles ahead, or into L2 only, no better). Fewer rows go without: on an
         // Emerald Rapids host, whole target passes (three libraries alternated pass by pass)
         // over 2, 3, 4, 5 and 6 rows took 24, 17, 12, 7 and 5% less without it, over 8 and 16
-        // the same within 3%; one row was 31% slower with it (Skylake).
-        if constexpr (MR >= 8)
+        // the same within 3%; one row was 31% slower with it (Skylake). An AMD Zen 4 host
+        // differs from 5 rows on: over 5, 6 and 7 rows 2-10, 3-10 and 6-12% less with it (five
+        // runs), over 1, 2 and 4 the same within 1.5% (`kernels.prefetch_rows` builds so there).
+        if constexpr (MR >= PREFETCH_ROWS)
             if (k % line == 0)
                 for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(p + (size_t)(v + NV) * K * PANEL), _MM_HINT_T0);
         if constexpr (MR >= 4) {  // NV panels in registers, one broadcast input at a time
