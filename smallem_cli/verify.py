@@ -161,9 +161,9 @@ class Penalty:
         return Penalty(self.seen.clone(), self.factor)
 
     def apply(self, logits: Tensor, ids: Tensor | None = None) -> Tensor:
-        """`penalize` on one row of logits [1, N]; a cut head's columns are the tokens `ids` [N]
-        (None: column = token)."""
-        return _repeated(logits, self.seen if ids is None else self.seen[ids], self.factor)
+        """`penalize` on rows of logits [R, N] (seen [V] for every row, or [R, V] one each); a cut
+        head's columns are the tokens `ids` [N] (None: column = token)."""
+        return _repeated(logits, self.seen if ids is None else self.seen[..., ids], self.factor)
 
     def take(self, tokens: Tensor) -> None:
         """Add tokens to the context (in place)."""

@@ -89,6 +89,24 @@ def test_trained_mtp_trees_keep_more_than_its_chain(trained) -> None:
         assert passes[1] < passes[0], passes  # the same tokens in fewer target passes
 
 
+def test_tree_guesses_score_the_penalty(trained) -> None:
+    """Under a repetition penalty a tree scores each node's children with the context and the
+    node's path, as the chain scores its guesses: a tree of width 1 keeps, position by position,
+    what the chain keeps."""
+    target, mtp, period = trained.model, trained.mtp, trained.period
+    ps = [period[i : i + 10] for i in (0, 3, 7, 12)] + [[7, 7, 7, 2, 9, 61, 33], [5, 1, 5, 1, 40]]
+    reqs = [Request(i, i, tuple(p), 40, Sampling(repetition_penalty=3.0)) for i, p in enumerate(ps)]
+    tree = {f.request.index: f.stats for f in tree_engine(target, mtp, 3, (3, 1), max_batch=8).run(reqs)}
+    pool = PagePool(pool_pages(8, target.cfg.max_seq_len, PS), PS)
+    slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
+    chain_eng = Engine(
+        Target(target, slab, pool), MTPGuess(target, mtp, pool, Head(target)), 3, auto_k=False, max_batch=8, eot=None
+    )
+    chain = {f.request.index: f.stats for f in chain_eng.run(reqs)}
+    for r in reqs:
+        assert tree[r.index]["accepted_at"] == chain[r.index]["accepted_at"], f"request {r.index}"
+
+
 def triple_law(model, prompt: list[int]) -> torch.Tensor:
     """P(x1, x2, x3 | prompt) [5, 5, 5], exactly, from the model's own logits."""
     out = torch.zeros(5, 5, 5, dtype=torch.float64)

@@ -37,10 +37,10 @@ import torch
 from ..decode_ops import head_matmul
 from ..model import unit_rms
 from ..proposers import Head
-from ..verify import proposal, sample
+from ..verify import Penalty, proposal, sample
 from . import batch as B
 from .forward import mtp_pass
-from .proposers import MTPGuess
+from .proposers import MTPGuess, penalty_of
 from .sequence import Seq
 
 
@@ -67,12 +67,14 @@ class _Cand:
 
 
 def _children(
-    head: Head, h: torch.Tensor, eps: float, width: int, drawn: int, seqs: list[Seq]
+    head: Head, h: torch.Tensor, eps: float, width: int, drawn: int, seqs: list[Seq], paths: list[list[int]]
 ) -> tuple[list[list[float]], list[list[int]], list[torch.Tensor | None]]:
-    """States h [F, d] (row r a node of seqs[r]) -> per row the log-probabilities and tokens of
-    its children (`width` best, or `drawn` draws for a sampled request), on the host in one
-    sync, and the distribution [V] they were drawn from (None: greedy)."""
-    logits = head_matmul(unit_rms(h, eps), head.w, head.rows)  # [F, V or cut]
+    """States h [F, d] (row r a node of seqs[r], `paths[r]` the tokens from the root's child down
+    to that node) -> per row the log-probabilities and tokens of its children (`width` best, or
+    `drawn` draws for a sampled request), on the host in one sync, and the distribution [V] they
+    were drawn from (None: greedy). A row of a penalised sequence is scored with the penalty
+    over its context and its path first, as the target's row at that node will be."""
+    logits = _penalised(head_matmul(unit_rms(h, eps), head.w, head.rows), seqs, paths, head.ids)  # [F, V or cut]
     vals, idx = torch.log_softmax(logits, dim=-1).topk(min(width, logits.shape[-1]), dim=-1)  # [F, w]
     sampled = [r for r, s in enumerate(seqs) if s.warp is not None]
     qs: list[torch.Tensor | None] = [None] * len(seqs)
@@ -110,7 +112,7 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
     roots: list[torch.Tensor | None] = [None] * len(seqs)  # sampled: what the root's children were drawn from
     entries: list[list[int]] = [[] for _ in seqs]  # parent entry (-1: the true entries) per tree entry
     states = out
-    vals, toks, qs = _children(head, out, eps, width, drawn, seqs)
+    vals, toks, qs = _children(head, out, eps, width, drawn, seqs, [[] for _ in seqs])
     # per sequence, the candidates whose states were just computed: (row in `states`, cand id)
     frontier: list[list[tuple[int, int]]] = [[(b, -1)] if depth[b] else [] for b in range(len(seqs))]
     for level in range(1, max(depth, default=0) + 1):
@@ -158,12 +160,42 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
         tok = torch.tensor(ids, dtype=torch.long, device=out.device)
         states = mtp_pass(p.mtp, p.target, p.slab, torch.stack(h), tok, step)  # [F, d]
         row_seqs = [seqs[b] for b in active for _ in picks[b]]
-        vals, toks, qs = _children(head, states, eps, width, drawn, row_seqs)
+        vals, toks, qs = _children(
+            head, states, eps, width, drawn, row_seqs, [_path(cands[b], i) for b in active for i in picks[b]]
+        )
         frontier, r = [[] for _ in seqs], 0
         for b in active:
             frontier[b] = [(r + j, i) for j, i in enumerate(picks[b])]
             r += len(picks[b])
     return [_tree(cb, budget, root, out.device) for cb, root in zip(cands, roots, strict=True)]
+
+
+def _penalised(logits: torch.Tensor, seqs: list[Seq], paths: list[list[int]], ids: torch.Tensor | None) -> torch.Tensor:
+    """logits [F, N] (row r a node of seqs[r]) with the repetition penalty of each penalised
+    sequence, over its context and the row's path (in place; a few tensor calls per sequence)."""
+    rows: dict[int, list[int]] = {}
+    for r, s in enumerate(seqs):
+        if s.seen is not None:
+            rows.setdefault(s.uid, []).append(r)
+    for mine in rows.values():
+        pen = penalty_of(seqs[mine[0]])
+        assert pen is not None
+        seen = pen.seen.expand(len(mine), -1).clone()  # [R, V]: each row its own context
+        at = [(j, t) for j, r in enumerate(mine) for t in paths[r]]
+        if at:
+            seen[tuple(torch.tensor(at, device=seen.device).t())] = True
+        idx = torch.tensor(mine, device=logits.device)
+        logits[idx] = Penalty(seen, pen.factor).apply(logits[idx], ids)
+    return logits
+
+
+def _path(cands: list[_Cand], i: int) -> list[int]:
+    """The tokens from the root's child down to candidate i."""
+    path = []
+    while i >= 0:
+        path.append(cands[i].token)
+        i = cands[i].parent
+    return path[::-1]
 
 
 def _tree(cands: list[_Cand], budget: int, root_q: torch.Tensor | None, device: torch.device) -> TreeGuess:
