@@ -64,16 +64,16 @@ struct I8 {
 // x[m, k] * W[n .. n+PANEL, k] to every one of them, one FMA per accumulator, no horizontal sums
 // at the end. Every output is one float32 sum over k = 0 .. K-1 in order, whatever tile holds
 // it: a token's numbers do not depend on how many rows the pass has, nor on the build.
-// The fewest rows a tile prefetches its next panels for (`tile`): the build's -D, else 8.
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 8
-#endif
 #if PANEL == 16
 #define ACC 24
 #define MAX_MR 12  // rows a tile holds: 12 x 2 panels
 #else
 #define ACC 12
 #define MAX_MR 6
+#endif
+// The fewest rows a tile prefetches its next panels for (`tile`): the build's -D, else 8.
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 8
 #endif
 #define ACC24(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) \
                  F(12) F(13) F(14) F(15) F(16) F(17) F(18) F(19) F(20) F(21) F(22) F(23)
