@@ -147,7 +147,7 @@ class Oracle:
         self.seq = prompt.tolist() + first.tolist()
 
     def propose(self, k, warp, generator, penalty=None):
-        tokens, q = self.inner.propose(k, warp, generator)
+        tokens, q = self.inner.propose(k, warp, generator, penalty)
         want, gaps = self.expect(self.seq, k)
         for got, w, gap in zip(tokens.tolist(), want, gaps, strict=True):
             if gap < 1e-4:  # a near-tie: rounding may pick either, and later guesses follow from it
@@ -234,7 +234,7 @@ class Spy:
         self.inner.start(prompt, first, hidden)
 
     def propose(self, k, warp, generator, penalty=None):
-        tokens, q = self.inner.propose(k, warp, generator)
+        tokens, q = self.inner.propose(k, warp, generator, penalty)
         self.guesses += tokens.tolist()
         if q is not None:  # q is a distribution over the whole vocabulary, zero outside the cut
             assert q.shape == (k, 64) and torch.allclose(q.sum(-1), torch.ones(k))

@@ -266,7 +266,7 @@ extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const flo
         }
         if (seen)  // the repetition penalty, as the target's rows get it (`smallem_penalize`)
             for (int i = 0; i < N; i++)
-                if (mark[ids ? ids[i] : i]) logits[i] = logits[i] > 0.0f ? logits[i] / penalty : logits[i] * penalty;
+                if (mark[ids ? ids[i] : i]) logits[i] = repeated(logits[i], penalty);
         int best = 0;
         for (int i = 1; i < N; i++)
             if (logits[i] > logits[best]) best = i;

@@ -124,6 +124,10 @@ extern "C" void smallem_verify_sample(const float *logits, int k, int V, float i
     out[1 + n] = next;
 }
 
+// CTRL's repetition penalty on one logit of a token in the context (`verify._repeated`): divided
+// by the penalty when positive, multiplied by it when not.
+static inline float repeated(float x, float penalty) { return x > 0.0f ? x / penalty : x * penalty; }
+
 // The repetition penalty (`verify.penalize`) over the rows of one sequence's pass, in place, and
 // each penalised row's argmax: logits [T, V], row t predicting the token after fed[t]; its
 // context is seen [V] (bytes, 1: in the context before the pass) plus fed[0 .. t]. A token of
@@ -137,7 +141,7 @@ extern "C" void smallem_penalize(float *logits, int T, int V, const uint8_t *see
         mark[fed[t]] = 1;
         float *l = logits + (size_t)t * V;
         for (int i = 0; i < V; i++)
-            if (mark[i]) l[i] = l[i] > 0.0f ? l[i] / penalty : l[i] * penalty;
+            if (mark[i]) l[i] = repeated(l[i], penalty);
         bool finite;
         top[t] = argmax_finite(l, V, &finite);
     }
