@@ -38,6 +38,10 @@ DISTILL2C_T ?= 2002944
 # With these budgets: about 143 minutes of training, 146 with the continuations and tokenizer
 # (an estimate from those rates, not a timing; evaluations and saves come on top).
 COMPILE ?= --compile
+# The loss's products in bfloat16 (autocast; weights, optimiser and losses stay float32): on a CPU
+# with bfloat16 dot products (AVX512_BF16 or AMX) a step costs about two thirds of float32's. On one
+# without them, `PRECISION=` trains in float32.
+PRECISION ?= --precision bf16
 
 # vLLM's CPU build, in a venv of its own (it pins its own torch build): `make vllm-check`, and
 # `smallem bench --peer vllm`. Not part of `make test`: a 3.4 GB venv, minutes of runs.
@@ -83,21 +87,21 @@ data: install
 # Resumable: rerun after an interruption.
 checkpoints: data
 	$(BIN)/smallem train tokenizer --overwrite
-	$(BIN)/smallem train target --overwrite --preset target --tokens $(TARGET_T) $(COMPILE)
-	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --tokens $(MTP_T) $(COMPILE)
-	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --tokens $(MTP2_T) --run-dir runs/mtp-2 $(COMPILE)
+	$(BIN)/smallem train target --overwrite --preset target --tokens $(TARGET_T) $(COMPILE) $(PRECISION)
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --tokens $(MTP_T) $(COMPILE) $(PRECISION)
+	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --tokens $(MTP2_T) --run-dir runs/mtp-2 $(COMPILE) $(PRECISION)
 	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --lr 1e-3 --tokens $(MTP3_T) --run-dir runs/mtp-3 \
-		--feature-weight 1.0 $(COMPILE)
+		--feature-weight 1.0 $(COMPILE) $(PRECISION)
 	$(BIN)/smallem data --continuations $(CONTINUATIONS) --out runs/data-target --overwrite
 	$(BIN)/smallem train mtp --overwrite --init checkpoints/mtp.safetensors --data runs/data-target --lr 1e-3 \
-		--tokens $(MTP4_T) --run-dir runs/mtp-4 --feature-weight 1.0 $(COMPILE)
-	$(BIN)/smallem train draft --overwrite --preset draft-2l --tokens $(DRAFT2_T) $(COMPILE)
-	$(BIN)/smallem train draft --overwrite --preset draft-4l --tokens $(DRAFT4_T) $(COMPILE)
-	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --tokens $(DISTILL2_T) $(COMPILE)
-	$(BIN)/smallem train draft --overwrite --preset draft-4l --init checkpoints/draft-4l.safetensors --distill --lr 1e-3 --tokens $(DISTILL4_T) $(COMPILE)
-	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --tokens $(DISTILL2B_T) $(COMPILE) \
+		--tokens $(MTP4_T) --run-dir runs/mtp-4 --feature-weight 1.0 $(COMPILE) $(PRECISION)
+	$(BIN)/smallem train draft --overwrite --preset draft-2l --tokens $(DRAFT2_T) $(COMPILE) $(PRECISION)
+	$(BIN)/smallem train draft --overwrite --preset draft-4l --tokens $(DRAFT4_T) $(COMPILE) $(PRECISION)
+	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --tokens $(DISTILL2_T) $(COMPILE) $(PRECISION)
+	$(BIN)/smallem train draft --overwrite --preset draft-4l --init checkpoints/draft-4l.safetensors --distill --lr 1e-3 --tokens $(DISTILL4_T) $(COMPILE) $(PRECISION)
+	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --tokens $(DISTILL2B_T) $(COMPILE) $(PRECISION) \
 		--run-dir runs/draft-2l-distill-2
-	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --tokens $(DISTILL2C_T) $(COMPILE) \
+	$(BIN)/smallem train draft --overwrite --preset draft-2l --init checkpoints/draft-2l.safetensors --distill --lr 1e-3 --tokens $(DISTILL2C_T) $(COMPILE) $(PRECISION) \
 		--run-dir runs/draft-2l-distill-3
 
 bench: install

@@ -176,6 +176,9 @@ def train(
     compile_loss: Annotated[
         bool, typer.Option("--compile/--no-compile", help="run the loss through torch.compile (once a run)")
     ] = D.TRAIN_COMPILE,
+    precision: Annotated[
+        str, typer.Option(help="fp32, or bf16: the loss's products in bfloat16 (fast on CPUs with AVX512_BF16 or AMX)")
+    ] = D.TRAIN_PRECISION,
     text: Annotated[
         list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data first)")
     ] = None,
@@ -198,6 +201,8 @@ def train(
     fit = _fit(fit_temperatures, fit_tv, fit_vocab)
     if not fit.plain and not (kind is Kind.mtp or distill):
         raise fail("--fit-temperatures, --fit-tv and --fit-vocab apply to an MTP module or a draft with --distill")
+    if precision not in tr.PRECISIONS:
+        raise fail(f"--precision takes {' or '.join(tr.PRECISIONS)}, not {precision!r}")
     if init and kind is Kind.target:
         raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
     if kind is Kind.draft and init and not distill:
@@ -256,6 +261,7 @@ def train(
         chain=chain,
         fit=fit,
         compile=compile_loss,
+        precision=precision,
     )
     cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)

@@ -48,7 +48,7 @@ class Fit:
 def student_logits(model: Transformer, h: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     """A proposer's logits through `model`'s final norm and head, cut to `ids`: [..., d] -> [..., V or N]."""
     w = model.head_weight  # [V, d]; a cut head's rows in `ids` order
-    return F.linear(model.norm(h), w if ids is None else w[ids])
+    return F.linear(model.norm(h), w if ids is None else w[ids]).float()  # float32 under bf16 autocast
 
 
 def acceptance(teacher: torch.Tensor, student: torch.Tensor, ids: torch.Tensor | None, T: float) -> torch.Tensor:

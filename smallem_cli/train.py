@@ -55,6 +55,7 @@ class TrainSettings:
     fit: Fit = field(default_factory=Fit)  # distillation: what q is fitted to (temperatures, TV, cut head)
     seed: int = D.TRAIN_SEED
     compile: bool = D.TRAIN_COMPILE  # the loss through torch.compile (`_train_loop`)
+    precision: str = D.TRAIN_PRECISION  # "fp32" or "bf16": the loss's products under bfloat16 autocast
     save_every_s: float = 120.0
     eval_every_s: float = 300.0
 
@@ -100,12 +101,13 @@ def lm_loss(model: Transformer, x: torch.Tensor, mtp: MTPModule | None) -> tuple
     """x: [B, T+2]. Next-token loss on positions 0..T-1, and the MTP loss (token i+2 from h_i, token i+1)."""
     inp, tgt, tgt2 = x[:, :-2], x[:, 1:-1], x[:, 2:]
     h = model.hidden(inp)  # [B, T, d]
-    loss = F.cross_entropy(model.logits(h).flatten(0, 1), tgt.flatten())
+    # logits in float32 whatever the products ran in (`precision`): a bfloat16 softmax over 8,192 loses the tail
+    loss = F.cross_entropy(model.logits(h).float().flatten(0, 1), tgt.flatten())
     if mtp is None:
         return loss, None
     T = h.shape[1]
     hm = mtp(h, model.embed_tokens(tgt), model.cos[:T], model.sin[:T])
-    return loss, F.cross_entropy(model.logits(hm).flatten(0, 1), tgt2.flatten())
+    return loss, F.cross_entropy(model.logits(hm).float().flatten(0, 1), tgt2.flatten())
 
 
 @torch.no_grad()
@@ -178,7 +180,8 @@ def _train_loop(
         x = batch(train_ids, settings, step)
         for g in opt.param_groups:
             g["lr"] = lr_at(settings, step, done)
-        loss, extra = fn(x)
+        with autocast(settings.precision):
+            loss, extra = fn(x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -218,7 +221,19 @@ def _train_loop(
         "seq_len": settings.seq_len,
         "lr": settings.lr,
         "seed": settings.seed,
+        "precision": settings.precision,
     }
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def autocast(precision: str) -> torch.autocast:
+    """The loss's products in bfloat16 under "bf16" (weights, gradients and the optimiser stay
+    float32, and every loss reads float32 logits); a no-op under "fp32". Training runs on the CPU."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 def new_model(cfg: ModelConfig, seed: int) -> Transformer:
@@ -293,13 +308,13 @@ def train_mtp(
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            teacher = teacher_log_p(settings.fit, target.logits(h[:, 1:]), ids)  # target's view of token i+2
+            teacher = teacher_log_p(settings.fit, target.logits(h[:, 1:]).float(), ids)  # target's view of token i+2
         hm = mtp(h[:, :-1], target.embed_tokens(inp[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
         loss, extra = fit_loss(settings.fit, teacher, student_logits(target, hm, ids))
         if not settings.feature_weight:
             return loss, extra
         d = h.shape[-1]
-        feat = F.smooth_l1_loss(F.rms_norm(hm, (d,)), F.rms_norm(h[:, 1:], (d,)))  # [B, T-1, d] both
+        feat = F.smooth_l1_loss(F.rms_norm(hm.float(), (d,)), F.rms_norm(h[:, 1:].float(), (d,)))  # [B, T-1, d] both
         return loss + settings.feature_weight * feat, extra | {"feature": feat.item()}
 
     facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
@@ -331,7 +346,7 @@ def train_draft_distill(
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         inp = x[:, :-2]
         with torch.no_grad():
-            teacher = teacher_log_p(settings.fit, target.logits(target.hidden(inp)), ids)  # [B, T, V or N] each
+            teacher = teacher_log_p(settings.fit, target.logits(target.hidden(inp)).float(), ids)  # [B, T, V or N] each
         return fit_loss(settings.fit, teacher, student_logits(draft, draft.hidden(inp), ids))
 
     def eval_fn() -> float:

@@ -109,7 +109,8 @@ def train_mtp_chain(
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            teacher = teacher_log_p(settings.fit, target.logits(h), ids)  # [B, T, V or N]: row j predicts token j+1
+            # [B, T, V or N]: row j predicts token j+1
+            teacher = teacher_log_p(settings.fit, target.logits(h).float(), ids)
         outs = chain_states(mtp, target, h, inp, depth)
         # out_d[t] guesses token t+d+1: the target's view of it is row t+d
         losses, extra = [], {}
