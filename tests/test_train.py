@@ -257,3 +257,34 @@ def test_compiled_loss_trains_as_the_eager_one(trained: Trained, tmp_path: Path)
     assert moved > 1e-3  # the steps did move the weights
     for k, v in eager.items():
         assert torch.allclose(v, fused[k], rtol=1e-3, atol=1e-5), (k, float((v - fused[k]).abs().max()))
+
+
+def test_bf16_products_learn_as_float32_does(trained: Trained, tmp_path: Path) -> None:
+    """`train --precision bf16`: the loss's products run in bfloat16 (the weights come out
+    otherwise than float32's), the weights stay float32, and the draft learns the target's
+    argmax as the float32 run does."""
+    stream = np.tile(trained.period, 50).astype(np.uint16)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        student = Transformer(DRAFT_CFG)
+        student.init_weights(3)
+        settings = TrainSettings(
+            budget_tokens=150 * 8 * 32, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=10, save_every_s=1e9,
+            eval_every_s=1e9, precision=precision,
+        )  # fmt: skip
+        model, facts = train_draft_distill(trained.model, student, stream, stream[:400], settings, tmp_path / precision)
+        runs[precision] = (model, facts)
+    (m32, f32), (m16, f16) = runs["fp32"], runs["bf16"]
+    assert f32["precision"] == "fp32" and f16["precision"] == "bf16" and f16["steps"] == 150
+    assert all(p.dtype == torch.float32 for p in m16.parameters())
+    differ = max(float((a - b).abs().max()) for a, b in zip(m32.parameters(), m16.parameters(), strict=True))
+    assert differ > 1e-4, differ  # bfloat16 products round otherwise: the run did use them
+    assert _agreement(trained.model, m32, stream[:400]) > 0.9
+    assert _agreement(trained.model, m16, stream[:400]) > 0.9
+
+
+def test_train_refuses_an_unknown_precision(family: Family, tmp_path: Path) -> None:
+    argv = ["train", "draft", "--precision", "fp16", "--tokenizer", str(family.tokenizer), "--out", str(tmp_path / "d")]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2 and result.stderr.startswith("error: --precision takes fp32 or bf16")
+    assert not (tmp_path / "d").exists()
