@@ -83,11 +83,12 @@ def teacher_log_p(fit: Fit, teacher: torch.Tensor, ids: torch.Tensor | None) -> 
     return out
 
 
-def fit_loss(fit: Fit, teacher: Teacher, student: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def fit_loss(fit: Fit, teacher: Teacher, student: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """teacher: `teacher_log_p`'s; student: the proposer's logits [..., V], or [..., N] over the
-    cut -> (the loss, and what it reads: "kl@T" and "accept@T" = mean sum min(p_T, q_T))."""
+    cut -> (the loss, and what it reads: "kl@T" and "accept@T" = mean sum min(p_T, q_T), as
+    0-dim tensors, read on the host by the training loop: no `.item()` breaks a compiled loss's graph)."""
     total = student.new_zeros(())
-    extra: dict[str, float] = {}
+    extra: dict[str, torch.Tensor] = {}
     for T, (lp, lp_fit) in zip(fit.temperatures, teacher, strict=True):
         lq = F.log_softmax(student / T, dim=-1)
         kl = F.kl_div(lq.flatten(0, -2), lp_fit.flatten(0, -2), log_target=True, reduction="batchmean")
@@ -98,5 +99,5 @@ def fit_loss(fit: Fit, teacher: Teacher, student: torch.Tensor) -> tuple[torch.T
             total = total + kl
             with torch.no_grad():
                 accept = _kept(lp, lq).mean()
-        extra[f"kl@{T:g}"], extra[f"accept@{T:g}"] = kl.item(), accept.item()
+        extra[f"kl@{T:g}"], extra[f"accept@{T:g}"] = kl.detach(), accept.detach()
     return total / len(fit.temperatures), extra

@@ -143,7 +143,7 @@ def evaluate(
 
 def _train_loop(
     params: list[torch.nn.Parameter],
-    loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+    loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     modules: dict[str, torch.nn.Module],
     train_ids: np.ndarray,
     settings: TrainSettings,
@@ -167,8 +167,10 @@ def _train_loop(
     def save_state() -> None:
         runstate.save(run_dir, modules, opt, runstate.Position(step, tokens, elapsed), dataclasses.asdict(settings))
 
-    # compiled: the loss's forward and backward run as inductor's fused kernels (one graph for the
-    # run's fixed batch shape; a `.item()` in a loss ends its graph there). Its time counts as
+    # compiled: the loss's forward and backward run as inductor's fused kernels, one graph for the
+    # run's fixed batch shape. A loss hands back what it reads as tensors, read on the host below:
+    # an `.item()` inside would break the graph there, and the frame resumed after it was guarded on
+    # the values read, so it recompiled every step up to dynamo's limit. Compile time counts as
     # training time, as a warm-up would.
     fn = torch.compile(loss_fn, dynamic=False) if settings.compile else loss_fn
     last_save = last_eval = elapsed
@@ -209,7 +211,7 @@ def _train_loop(
                     x.numel() / max(dt, 1e-9),
                     tokens,
                     val_loss,
-                    extra,
+                    {k: v.item() for k, v in extra.items()},
                 )
             )
     save_state()
@@ -267,11 +269,11 @@ def train_model(
         modules["mtp"] = mtp
         params += list(mtp.parameters())
 
-    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         main, aux = lm_loss(model, x, mtp)
         if aux is None:
             return main, {}
-        return main + settings.mtp_weight * aux, {"mtp_loss": aux.item()}
+        return main + settings.mtp_weight * aux, {"mtp_loss": aux.detach()}
 
     def eval_fn() -> float:
         return evaluate(model, val_ids, settings.seq_len)["val_loss"]
@@ -304,7 +306,7 @@ def train_mtp(
     T = settings.seq_len
     ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
 
-    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
@@ -315,7 +317,7 @@ def train_mtp(
             return loss, extra
         d = h.shape[-1]
         feat = F.smooth_l1_loss(F.rms_norm(hm.float(), (d,)), F.rms_norm(h[:, 1:].float(), (d,)))  # [B, T-1, d] both
-        return loss + settings.feature_weight * feat, extra | {"feature": feat.item()}
+        return loss + settings.feature_weight * feat, extra | {"feature": feat.detach()}
 
     facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
     facts |= evaluate(target, val_ids, settings.seq_len, mtp)
@@ -343,7 +345,7 @@ def train_draft_distill(
     _freeze(target)
     ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
 
-    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         inp = x[:, :-2]
         with torch.no_grad():
             teacher = teacher_log_p(settings.fit, target.logits(target.hidden(inp)).float(), ids)  # [B, T, V or N] each

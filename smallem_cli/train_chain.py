@@ -105,7 +105,7 @@ def train_mtp_chain(
     mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
     ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
 
-    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)

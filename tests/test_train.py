@@ -19,7 +19,7 @@ from smallem_cli.cli import app
 from smallem_cli.config import PRESETS
 from smallem_cli.evaluate import evaluate_family
 from smallem_cli.model import MTPModule, Transformer
-from smallem_cli.train import TrainSettings, lr_at, spent, train_draft_distill, train_mtp
+from smallem_cli.train import Progress, TrainSettings, lr_at, spent, train_draft_distill, train_mtp
 
 
 def _agreement(target: Transformer, draft: Transformer, ids: np.ndarray) -> float:
@@ -239,6 +239,7 @@ def test_compiled_loss_trains_as_the_eager_one(trained: Trained, tmp_path: Path)
     another order), and both runs count the same steps and tokens."""
     stream = np.tile(trained.period, 50).astype(np.uint16)
     runs = {}
+    torch._dynamo.utils.counters.clear()
     for compiled in (False, True):
         student = Transformer(DRAFT_CFG)
         student.init_weights(3)
@@ -247,8 +248,13 @@ def test_compiled_loss_trains_as_the_eager_one(trained: Trained, tmp_path: Path)
             eval_every_s=1e9, compile=compiled,
         )  # fmt: skip
         run = tmp_path / f"{compiled}"
-        model, facts = train_draft_distill(trained.model, student, stream, stream[:400], settings, run)
+        seen: list[Progress] = []
+        model, facts = train_draft_distill(trained.model, student, stream, stream[:400], settings, run, seen.append)
         runs[compiled] = (model.state_dict(), facts)
+        read = seen[-1].extra  # what the loss read, as numbers on the host
+        assert len(seen) == 5 and "kl@1" in read and all(isinstance(v, float) for v in read.values())
+    # one graph: the loss's reads come back as tensors, so no `.item()` breaks it
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     (eager, f0), (fused, f1) = runs[False], runs[True]
     assert f0["steps"] == f1["steps"] == 5 and f0["tokens_seen"] == f1["tokens_seen"]
     start = Transformer(DRAFT_CFG)
