@@ -35,8 +35,8 @@ DISTILL2C_T ?= 2002944
 # feature loss), so it is compiled too. A cold compile adds 13 to 47 s a stage. `COMPILE=` for none.
 # On that host, from 24-step runs of each stage (compiled): target 2.17 s a step, MTP 1.44,
 # draft-2l 0.51 and its distillation 1.72, draft-4l 0.66 and 1.77; 128 continuations in 9 s.
-# With these budgets: about 143 minutes of training, 146 with the continuations and tokenizer
-# (an estimate from those rates, not a timing; evaluations and saves come on top).
+# With these budgets and bfloat16 products (PRECISION), `make checkpoints` from a clean clone
+# took 118.6 minutes end to end on a 2-core AMD EPYC (2026-12-02; README, "The model family").
 COMPILE ?= --compile
 # The loss's products in bfloat16 (autocast; weights, optimiser and losses stay float32): on a CPU
 # with bfloat16 dot products (AVX512_BF16 or AMX) a step costs about two thirds of float32's. On one
