@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -233,23 +235,27 @@ def test_a_token_budget_ignores_the_clock(trained: Trained, tmp_path: Path, monk
     assert lr_at(settings, 12, 0.5) == pytest.approx(mid)
 
 
+def _distil(
+    trained: Trained, steps: int, run: Path, on_progress: Callable[[Progress], None] | None = None, **settings: Any
+) -> tuple[Transformer, dict[str, Any]]:
+    """A fresh draft (seed 3) distilled from the trained target for `steps` steps of 8 x 32 tokens."""
+    stream = np.tile(trained.period, 50).astype(np.uint16)
+    student = Transformer(DRAFT_CFG)
+    student.init_weights(3)
+    kw = {"lr": 1e-2, "warmup_steps": 2, "save_every_s": 1e9, "eval_every_s": 1e9} | settings
+    config = TrainSettings(budget_tokens=steps * 8 * 32, batch_size=8, seq_len=32, **kw)
+    return train_draft_distill(trained.model, student, stream, stream[:400], config, run, on_progress)
+
+
 def test_compiled_loss_trains_as_the_eager_one(trained: Trained, tmp_path: Path) -> None:
     """`train --compile`: the loss through torch.compile. Five steps of distillation move the
     draft's weights as the eager loss's five do, to float32 rounding (the fused kernels sum in
     another order), and both runs count the same steps and tokens."""
-    stream = np.tile(trained.period, 50).astype(np.uint16)
     runs = {}
     torch._dynamo.utils.counters.clear()
     for compiled in (False, True):
-        student = Transformer(DRAFT_CFG)
-        student.init_weights(3)
-        settings = TrainSettings(
-            budget_tokens=5 * 8 * 32, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2, save_every_s=1e9,
-            eval_every_s=1e9, compile=compiled,
-        )  # fmt: skip
-        run = tmp_path / f"{compiled}"
         seen: list[Progress] = []
-        model, facts = train_draft_distill(trained.model, student, stream, stream[:400], settings, run, seen.append)
+        model, facts = _distil(trained, 5, tmp_path / f"{compiled}", seen.append, compile=compiled)
         runs[compiled] = (model.state_dict(), facts)
         read = seen[-1].extra  # what the loss read, as numbers on the host
         assert len(seen) == 5 and "kl@1" in read and all(isinstance(v, float) for v in read.values())
@@ -270,16 +276,7 @@ def test_bf16_products_learn_as_float32_does(trained: Trained, tmp_path: Path) -
     otherwise than float32's), the weights stay float32, and the draft learns the target's
     argmax as the float32 run does."""
     stream = np.tile(trained.period, 50).astype(np.uint16)
-    runs = {}
-    for precision in ("fp32", "bf16"):
-        student = Transformer(DRAFT_CFG)
-        student.init_weights(3)
-        settings = TrainSettings(
-            budget_tokens=150 * 8 * 32, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=10, save_every_s=1e9,
-            eval_every_s=1e9, precision=precision,
-        )  # fmt: skip
-        model, facts = train_draft_distill(trained.model, student, stream, stream[:400], settings, tmp_path / precision)
-        runs[precision] = (model, facts)
+    runs = {p: _distil(trained, 150, tmp_path / p, warmup_steps=10, precision=p) for p in ("fp32", "bf16")}
     (m32, f32), (m16, f16) = runs["fp32"], runs["bf16"]
     assert f32["precision"] == "fp32" and f16["precision"] == "bf16" and f16["steps"] == 150
     assert all(p.dtype == torch.float32 for p in m16.parameters())
