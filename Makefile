@@ -38,9 +38,9 @@ DISTILL2C_T ?= 2002944
 # With these budgets and bfloat16 products (PRECISION), `make checkpoints` from a clean clone
 # took 118.6 minutes end to end on a 2-core AMD EPYC (2026-12-02; README, "The model family").
 COMPILE ?= --compile
-# The loss's products in bfloat16 (autocast; weights, optimiser and losses stay float32): on a CPU
-# with bfloat16 dot products (AVX512_BF16 or AMX) a step costs about two thirds of float32's. On one
-# without them, `PRECISION=` trains in float32.
+# The loss's products in bfloat16 (autocast; weights, optimiser and losses stay float32): on the
+# AMD Zen 4 host of 2026-12-02 (AVX512_BF16) a step cost about two thirds of float32's. Not measured
+# on a CPU without bfloat16 instructions: `PRECISION=` trains in float32.
 PRECISION ?= --precision bf16
 
 # vLLM's CPU build, in a venv of its own (it pins its own torch build): `make vllm-check`, and

@@ -177,7 +177,7 @@ def train(
         bool, typer.Option("--compile/--no-compile", help="run the loss through torch.compile (once a run)")
     ] = D.TRAIN_COMPILE,
     precision: Annotated[
-        str, typer.Option(help="fp32, or bf16: the loss's products in bfloat16 (fast on CPUs with AVX512_BF16 or AMX)")
+        str, typer.Option(help="fp32, or bf16: the loss's products in bfloat16 (for CPUs with bfloat16 instructions)")
     ] = D.TRAIN_PRECISION,
     text: Annotated[
         list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data first)")

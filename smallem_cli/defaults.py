@@ -76,8 +76,8 @@ TRAIN_SEED = 1234
 # once a run (about 30 s cold for the target's). Off by default: the Makefile's recipe asks for it.
 TRAIN_COMPILE = False
 # `train --precision`: "fp32", or "bf16" (the loss's matrix products in bfloat16 under autocast, the
-# weights, the optimiser and every loss in float32). bf16 pays only on a CPU with bfloat16 dot
-# products (AVX512_BF16 or AMX); the Makefile's recipe asks for it.
+# weights, the optimiser and every loss in float32). Measured faster on an AMD Zen 4 host
+# (AVX512_BF16; README); the Makefile's recipe asks for it.
 TRAIN_PRECISION = "fp32"
 TEMPERATURE = 0.0
 SEED = 0

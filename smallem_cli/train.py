@@ -36,6 +36,8 @@ from .config import ModelConfig
 from .fit import Fit, fit_loss, student_logits, teacher_log_p
 from .model import MTPModule, Transformer
 
+PRECISIONS = ("fp32", "bf16")  # `TrainSettings.precision`
+
 
 @dataclass
 class TrainSettings:
@@ -58,6 +60,10 @@ class TrainSettings:
     precision: str = D.TRAIN_PRECISION  # "fp32" or "bf16": the loss's products under bfloat16 autocast
     save_every_s: float = 120.0
     eval_every_s: float = 300.0
+
+    def __post_init__(self) -> None:  # checked when made, not at the first step
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
 
 @dataclass
@@ -101,7 +107,7 @@ def lm_loss(model: Transformer, x: torch.Tensor, mtp: MTPModule | None) -> tuple
     """x: [B, T+2]. Next-token loss on positions 0..T-1, and the MTP loss (token i+2 from h_i, token i+1)."""
     inp, tgt, tgt2 = x[:, :-2], x[:, 1:-1], x[:, 2:]
     h = model.hidden(inp)  # [B, T, d]
-    # logits in float32 whatever the products ran in (`precision`): a bfloat16 softmax over 8,192 loses the tail
+    # logits in float32 whatever the products ran in (`precision`): no softmax runs in bfloat16
     loss = F.cross_entropy(model.logits(h).float().flatten(0, 1), tgt.flatten())
     if mtp is None:
         return loss, None
@@ -169,9 +175,9 @@ def _train_loop(
 
     # compiled: the loss's forward and backward run as inductor's fused kernels, one graph for the
     # run's fixed batch shape. A loss hands back what it reads as tensors, read on the host below:
-    # an `.item()` inside would break the graph there, and the frame resumed after it was guarded on
-    # the values read, so it recompiled every step up to dynamo's limit. Compile time counts as
-    # training time, as a warm-up would.
+    # an `.item()` inside would break the graph there (with the MTP feature loss, the frame resumed
+    # after it was guarded on the values read and recompiled every step up to dynamo's limit).
+    # Compile time counts as training time, as a warm-up would.
     fn = torch.compile(loss_fn, dynamic=False) if settings.compile else loss_fn
     last_save = last_eval = elapsed
     val_loss = None
@@ -227,14 +233,9 @@ def _train_loop(
     }
 
 
-PRECISIONS = ("fp32", "bf16")
-
-
 def autocast(precision: str) -> torch.autocast:
     """The loss's products in bfloat16 under "bf16" (weights, gradients and the optimiser stay
     float32, and every loss reads float32 logits); a no-op under "fp32". Training runs on the CPU."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
