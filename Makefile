@@ -35,8 +35,8 @@ DISTILL2C_T ?= 2002944
 # feature loss), so it is compiled too. A cold compile adds 13 to 47 s a stage. `COMPILE=` for none.
 # On that host, from 24-step runs of each stage (compiled): target 2.17 s a step, MTP 1.44,
 # draft-2l 0.51 and its distillation 1.72, draft-4l 0.66 and 1.77; 128 continuations in 9 s.
-# With these budgets and bfloat16 products (PRECISION), `make checkpoints` from a clean clone
-# took 118.6 minutes end to end on a 2-core AMD EPYC (2026-12-02; README, "The model family").
+# With these budgets and bfloat16 products (PRECISION), `make checkpoints` from a clean clone of
+# commit c9ea673 took 118.6 minutes end to end on a 2-core AMD EPYC (2026-12-02; README, "The model family").
 COMPILE ?= --compile
 # The loss's products in bfloat16 (autocast; weights, optimiser and losses stay float32): on the
 # AMD Zen 4 host of 2026-12-02 (AVX512_BF16) a step cost about two thirds of float32's. Not measured
