@@ -149,6 +149,9 @@ def train(
     target: Annotated[Path, typer.Option(help="target checkpoint (the teacher of mtp and --distill)")] = D.TARGET,
     init: Annotated[Path | None, typer.Option(help="start from this checkpoint (an MTP module or a draft)")] = None,
     distill: Annotated[bool, typer.Option(help="draft: fit the target's distribution, not the corpus")] = False,
+    mtp_weight: Annotated[
+        float, typer.Option(help="target: weight of its MTP module's loss in their joint training")
+    ] = D.TRAIN_MTP_WEIGHT,
     feature_weight: Annotated[
         float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
     ] = 0.0,
@@ -201,6 +204,8 @@ def train(
     fit = _fit(fit_temperatures, fit_tv, fit_vocab)
     if not fit.plain and not (kind is Kind.mtp or distill):
         raise fail("--fit-temperatures, --fit-tv and --fit-vocab apply to an MTP module or a draft with --distill")
+    if mtp_weight < 0 or (mtp_weight != D.TRAIN_MTP_WEIGHT and kind is not Kind.target):
+        raise fail("--mtp-weight applies to a target (trained with its MTP module), and is >= 0")
     if precision not in tr.PRECISIONS:
         raise fail(f"--precision takes {' or '.join(tr.PRECISIONS)}, not {precision!r}")
     if init and kind is Kind.target:
@@ -257,6 +262,7 @@ def train(
         seed=seed,
         lr=lr,
         batch_size=batch_size,
+        mtp_weight=mtp_weight,
         feature_weight=feature_weight,
         chain=chain,
         fit=fit,

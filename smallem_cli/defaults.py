@@ -72,6 +72,9 @@ TRAIN_BATCH = 16
 TRAIN_SEQ_LEN = 256
 TRAIN_LR = 2e-3
 TRAIN_SEED = 1234
+# `train target`: the weight of its MTP module's loss in their joint training (DeepSeek-V3's lambda,
+# which it set to 0.3 for most of its run)
+TRAIN_MTP_WEIGHT = 0.3
 # `train --compile`: the loss (forward and backward) through torch.compile's inductor, compiled
 # once a run (about 30 s cold for the target's). Off by default: the Makefile's recipe asks for it.
 TRAIN_COMPILE = False

@@ -51,7 +51,7 @@ class TrainSettings:
     min_lr_frac: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    mtp_weight: float = 0.3
+    mtp_weight: float = D.TRAIN_MTP_WEIGHT  # a target's joint training: main loss + this x its MTP loss
     feature_weight: float = 0.0  # MTP distillation: weight of the state-matching loss (EAGLE's feature loss)
     chain: int = 0  # MTP distillation: > 0 fits the whole chain of this many guesses (`train_chain.py`)
     fit: Fit = field(default_factory=Fit)  # distillation: what q is fitted to (temperatures, TV, cut head)
@@ -281,6 +281,8 @@ def train_model(
 
     facts = _train_loop(params, loss_fn, modules, train_ids, settings, run_dir, on_progress, eval_fn)
     facts |= evaluate(model, val_ids, settings.seq_len, mtp)
+    if mtp is not None:
+        facts["joint_weight"] = settings.mtp_weight  # both files: the trunk learnt under it too
     return model, mtp, facts
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import CORPUS, DRAFT_CFG, Family, Trained, _FakeClock
+from conftest import CORPUS, DRAFT_CFG, TINY, Family, Trained, _FakeClock
 from typer.testing import CliRunner
 
 from smallem_cli import checkpoint
@@ -21,7 +21,7 @@ from smallem_cli.cli import app
 from smallem_cli.config import PRESETS
 from smallem_cli.evaluate import evaluate_family
 from smallem_cli.model import MTPModule, Transformer
-from smallem_cli.train import Progress, TrainSettings, lr_at, spent, train_draft_distill, train_mtp
+from smallem_cli.train import Progress, TrainSettings, lr_at, spent, train_draft_distill, train_model, train_mtp
 
 
 def _agreement(target: Transformer, draft: Transformer, ids: np.ndarray) -> float:
@@ -120,6 +120,24 @@ def test_mtp_feature_loss_pulls_its_state_to_the_targets(
     assert seen[-1]["feature"] < 0.5 * seen[0]["feature"], (seen[0], seen[-1])
 
 
+def test_the_joint_weight_is_what_the_trunk_learns_from(tmp_path: Path) -> None:
+    """`mtp_weight` scales the MTP module's loss in the target's gradient: at 0 the target learns
+    exactly as a target trained alone (the same batches, bit for bit); at the default it does not."""
+    rng = np.random.default_rng(3)
+    stream = rng.integers(1, TINY.vocab_size, size=4000).astype(np.uint16)
+    settings = TrainSettings(budget_tokens=6 * 4 * 32, batch_size=4, seq_len=32, save_every_s=1e9, eval_every_s=1e9)
+    alone, _, _ = train_model(dataclasses.replace(TINY, mtp=False), stream, stream[:200], settings, tmp_path / "a")
+    runs = {}
+    for weight in (0.0, D.TRAIN_MTP_WEIGHT):
+        s = dataclasses.replace(settings, mtp_weight=weight)
+        model, mtp, facts = train_model(TINY, stream, stream[:200], s, tmp_path / f"w{weight}")
+        assert mtp is not None and facts["joint_weight"] == weight
+        runs[weight] = model.state_dict()
+    for name, w in alone.state_dict().items():
+        assert torch.equal(w, runs[0.0][name]), name
+    assert not all(torch.equal(w, runs[D.TRAIN_MTP_WEIGHT][n]) for n, w in alone.state_dict().items())
+
+
 def test_train_target_then_mtp_commands(family: Family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`smallem train target` writes the target and its jointly trained MTP module; `train mtp
     --init` continues that module on the frozen target, its facts chained to the joint run's."""
@@ -138,6 +156,7 @@ def test_train_target_then_mtp_commands(family: Family, tmp_path: Path, monkeypa
     assert facts["steps"] > 0 and "val_loss" in facts and not any(k.startswith("mtp_") for k in facts)
     assert mtp_facts["trained"] == "jointly with probe.safetensors" and "mtp_val_loss" in mtp_facts
     assert checkpoint.load_model(out)[0].cfg == cfg
+    assert facts["joint_weight"] == mtp_facts["joint_weight"] == D.TRAIN_MTP_WEIGHT
 
     again = tmp_path / "mtp-2.safetensors"
     argv = ["train", "mtp", *base, "--target", str(out), "--init", str(joint), "--out", str(again), "--tokens", "1024"]
@@ -168,6 +187,12 @@ def test_train_target_then_mtp_commands(family: Family, tmp_path: Path, monkeypa
         assert result.exit_code == 2 and result.stderr.startswith("error: --fit-temperatures"), result.stderr
     result = CliRunner().invoke(app, ["train", "draft", *base, "--preset", "probe", "--fit-tv", "1"])
     assert result.exit_code == 2 and "apply to an MTP module or a draft with --distill" in result.stderr
+    assert not (tmp_path / "no").exists()
+
+    # --mtp-weight: the target's joint loss; refused for what is not a target, or below 0
+    for bad in (["train", "mtp", "--mtp-weight", "1"], ["train", "target", "--mtp-weight", "-1"]):
+        result = CliRunner().invoke(app, [*bad, *base, "--target", str(out), "--out", str(tmp_path / "no")])
+        assert result.exit_code == 2 and result.stderr.startswith("error: --mtp-weight"), result.stderr
     assert not (tmp_path / "no").exists()
 
     # a target starts from scratch: --init is refused before any training
