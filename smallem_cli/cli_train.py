@@ -204,8 +204,6 @@ def train(
     fit = _fit(fit_temperatures, fit_tv, fit_vocab)
     if not fit.plain and not (kind is Kind.mtp or distill):
         raise fail("--fit-temperatures, --fit-tv and --fit-vocab apply to an MTP module or a draft with --distill")
-    if mtp_weight < 0 or (mtp_weight != D.TRAIN_MTP_WEIGHT and kind is not Kind.target):
-        raise fail("--mtp-weight applies to a target (trained with its MTP module), and is >= 0")
     if precision not in tr.PRECISIONS:
         raise fail(f"--precision takes {' or '.join(tr.PRECISIONS)}, not {precision!r}")
     if init and kind is Kind.target:
@@ -218,6 +216,8 @@ def train(
     dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
     dest, option = (tokenizer, "tokenizer") if kind is Kind.tokenizer else (dest, "out")
     joint = kind is Kind.target and name in PRESETS and PRESETS[name].mtp
+    if mtp_weight < 0 or (mtp_weight != D.TRAIN_MTP_WEIGHT and not joint):
+        raise fail("--mtp-weight applies to a target trained with its MTP module, and is >= 0")
     teacher = target if job in ("mtp", "distill") else None
     try:
         mtp_dest = train_outputs(dest, f"--{option}", mtp_out, joint, teacher, overwrite)

@@ -189,8 +189,9 @@ def test_train_target_then_mtp_commands(family: Family, tmp_path: Path, monkeypa
     assert result.exit_code == 2 and "apply to an MTP module or a draft with --distill" in result.stderr
     assert not (tmp_path / "no").exists()
 
-    # --mtp-weight: the target's joint loss; refused for what is not a target, or below 0
-    for bad in (["train", "mtp", "--mtp-weight", "1"], ["train", "target", "--mtp-weight", "-1"]):
+    # --mtp-weight: the target's joint loss; refused where no MTP module trains with it, or below 0
+    lone = ["train", "target", "--preset", "draft-2l", "--mtp-weight", "1"]  # a target without its module
+    for bad in (["train", "mtp", "--mtp-weight", "1"], ["train", "target", "--mtp-weight", "-1"], lone):
         result = CliRunner().invoke(app, [*bad, *base, "--target", str(out), "--out", str(tmp_path / "no")])
         assert result.exit_code == 2 and result.stderr.startswith("error: --mtp-weight"), result.stderr
     assert not (tmp_path / "no").exists()
