@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .console import quiet_ctrl_c
+from .console import BROKEN_PIPE_EXIT, StdoutClosed, StdoutError, guard_streams, quiet_ctrl_c, stdout_to_devnull
 
 quiet_ctrl_c()  # first: Ctrl-C while the libraries below load exits 130, without a traceback
 
@@ -27,8 +27,17 @@ app = typer.Typer(
 )
 # Markup off: messages hold paths and names the user chose, and `[/]` in one is not markup.
 err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
-# Tables go to stdout; wide enough to stay readable when piped to a file.
-tables = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
+
+
+class _Tables:
+    """Tables go to stdout (whatever it is when they print); wide enough to stay readable when piped."""
+
+    def print(self, *objects: object) -> None:
+        width = None if sys.stdout.isatty() else 200
+        Console(file=sys.stdout, width=width, markup=False, highlight=False).print(*objects)
+
+
+tables = _Tables()
 
 
 def fail(msg: str, code: int = 2) -> typer.Exit:
@@ -182,7 +191,7 @@ def bench(
         trees = O.tree_names(names, O.tree_budgets(tree)) if tree else {}  # "mtp@tree12" -> ("mtp", 12)
         first, *others = O.weights_list(weights)
         stored = O.weights_names(names, others)  # "mtp@f16" -> ("mtp", "f16")
-        if batch:  # the batch engine's table instead: greedy, one run per size
+        if batch is not None:  # the batch engine's table instead: greedy, one run per size
             from .bench_batch import from_cli
 
             sizes = O.parse_sizes(batch)
@@ -418,8 +427,20 @@ from . import cli_batch, cli_export, cli_train  # noqa: E402, F401  (register `b
 
 
 def main() -> None:
-    """The `smallem` entry point. Ctrl-C anywhere, the libraries' import included, exits 130 quietly."""
+    """The `smallem` entry point. Ctrl-C anywhere, the libraries' import included, exits 130 quietly;
+    a reader of stdout that goes away ends the run quietly (141); stdout closed or full is one line, exit 1."""
+    guard_streams()
     try:
-        app()  # typer turns a KeyboardInterrupt in a command into exit 130
+        try:
+            app()  # typer turns a KeyboardInterrupt in a command into exit 130
+        finally:
+            sys.stdout.flush()  # here, not at exit: a failure is told like any other write's
     except KeyboardInterrupt:  # one that lands in typer's own set-up, before any command runs
         raise SystemExit(130) from None
+    except StdoutClosed:
+        stdout_to_devnull()
+        raise SystemExit(BROKEN_PIPE_EXIT) from None
+    except StdoutError as e:
+        stdout_to_devnull()
+        err.print(Text.assemble(("error:", "red"), f" {e}"), soft_wrap=True)
+        raise SystemExit(1) from None

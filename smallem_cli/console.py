@@ -1,20 +1,27 @@
-"""Terminal helpers for the CLI: Ctrl-C, a training progress display, a streaming text writer."""
+"""Terminal helpers for the CLI: Ctrl-C, closed or full standard streams, a training progress
+display, a streaming text writer."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Protocol, TextIO
+from typing import TYPE_CHECKING, Protocol, TextIO, TypeVar
 
 if TYPE_CHECKING:  # train imports torch: seconds the command line does not wait for before it parses
     from rich.console import Console
 
     from .train import Progress as P
     from .train import ProgressFn
+
+
+T = TypeVar("T")
 
 
 def quiet_ctrl_c() -> None:
@@ -32,6 +39,87 @@ def quiet_ctrl_c() -> None:
 
     if threading.current_thread() is threading.main_thread():  # where Python handles signals
         signal.signal(signal.SIGINT, on_ctrl_c)
+
+
+BROKEN_PIPE_EXIT = 128 + 13  # what a command killed by SIGPIPE gives: the reader went away
+
+
+class StdoutClosed(Exception):
+    """The reader of stdout went away (`smallem generate | head -c 10`): a quiet end. Not an
+    OSError, so that no handler of bad input (or click's own, which exits 1) takes it for one."""
+
+
+class StdoutError(Exception):
+    """stdout cannot be written (closed, or a full disk): one line on stderr, exit 1."""
+
+
+class _Closed(io.TextIOBase):
+    """What stands for a stdout the process was started without (`>&-`): every write fails, so
+    that a command that prints fails with one line, and one that prints nothing is not hindered."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
+
+
+class _Guarded(io.TextIOBase):
+    """sys.stdout whose failures are told apart from any other OSError: a write or a flush that
+    fails raises StdoutClosed for a broken pipe, StdoutError otherwise."""
+
+    def __init__(self, raw: TextIO) -> None:
+        self.raw = raw
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except BrokenPipeError:
+            raise StdoutClosed from None
+        except OSError as e:
+            raise StdoutError(f"cannot write to stdout: {e.strerror or e}") from None
+
+    def write(self, s: str) -> int:
+        return self._call(lambda: self.raw.write(s))
+
+    def flush(self) -> None:
+        self._call(self.raw.flush)
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self.raw.isatty()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.raw.encoding
+
+
+def guard_streams() -> None:
+    """A closed stdin reads as empty input; a closed stdout fails only when written; every failed
+    write to stdout is one StdoutError or StdoutClosed (`main` turns them into one line or a quiet exit)."""
+    if sys.stdin is None:
+        sys.stdin = open(os.devnull, encoding="utf-8")
+    if sys.stdout is None:
+        sys.stdout = _Closed()
+    if not isinstance(sys.stdout, _Guarded):
+        sys.stdout = _Guarded(sys.stdout)
+
+
+def stdout_to_devnull() -> None:
+    """After stdout failed: Python flushes stdout at exit, and a failed flush prints a traceback-like
+    warning. Pointing stdout at /dev/null is what Python's documentation recommends (signal module)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # not a file: nothing to redirect
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def progress_printer(name: str, err: Console) -> ProgressFn:

@@ -87,6 +87,18 @@ SEED = 0
 DEVICE = "auto"
 # `smallem batch`: at most this many requests decoded together (more wait for a free place).
 MAX_BATCH = 16
+# `smallem batch`: a request line's bytes before its `\n`, at most (`batch_io.max_line_bytes`). A longer
+# line is answered with an error, never read whole nor tokenized: a 50 MB line took 10 GB in the
+# tokenizer to be refused for its length. 1 MiB is some 250,000 tokens of English text, far past the
+# shipped context (1,024 tokens); a target of a longer context gets LINE_BYTES_PER_TOKEN bytes a
+# position of it (a JSON escape such as \u00e9 writes one character in 6 bytes, a token holds several).
+MAX_LINE_BYTES = 1 << 20
+LINE_BYTES_PER_TOKEN = 64
+# The batch engine's K/V cache (`engine.build.cache_budget`) takes at most this share of the memory
+# free when it is built (the GPU's, or the machine's for a CPU); the rest is left to the passes'
+# activations. A --max-batch whose sequences would not fit at the full context is lowered to what fits
+# (`bench --batch` refuses it: a row runs at the size it names).
+CACHE_MEMORY_SHARE = 0.5
 # Decode steps: "native" (C++ over the float16 weights, `native/`, built for AVX-512 where the
 # CPU has it), "native-avx2" (its AVX2 build, to compare), "compiled" (inductor's graphs, ahead of
 # time, cached on disk), "eager" (the reference); "auto": native on a CPU, eager on a GPU
@@ -151,3 +163,11 @@ GEN_CONTEXT = 32
 GEN_NEW = 224
 GEN_SAMPLED_EVERY = 3
 GEN_BATCH = 32  # sequences decoded together (the batch engine, target alone)
+
+# The repetition penalty's accepted range: a logit is divided by it (or multiplied), then by the
+# temperature, so beyond these a float32 logit of the model's size could overflow to infinity
+# (1e-38 made every token the last id) or a whole row vanish to -inf; 1 is off.
+MIN_PENALTY = 1e-3
+MAX_PENALTY = 1e3
+# `bench --prompts`: the most bytes read from the file (a device such as /dev/zero never ends).
+MAX_PROMPTS_BYTES = 64 << 20

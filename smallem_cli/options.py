@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,18 +31,20 @@ def one_line(msg: str) -> str:
 
 
 def parse_ks(text: str) -> list[int]:
-    """'2', '1,3,5' or '1..6' -> sorted k values."""
+    """'2', '1,3,5' or '1..6' -> sorted k values, each in 1..MAX_K (checked before a range is built)."""
     try:
         if ".." in text:
-            lo, hi = text.split("..")
-            ks = list(range(int(lo), int(hi) + 1))
+            lo, hi = (int(x) for x in text.split(".."))
+            if lo > hi:
+                raise UsageError(f"bad k range {text!r}: the first k is larger than the last")
+            bounds = [lo, hi]
         else:
-            ks = [int(x) for x in text.split(",")]
+            bounds = [int(x) for x in text.split(",")]
     except ValueError:
         raise UsageError(f"bad k list {text!r}: use 2, 1,3,5 or 1..6") from None
-    if not ks or not all(1 <= k <= D.MAX_K for k in ks):
+    if not bounds or not all(1 <= k <= D.MAX_K for k in bounds):
         raise UsageError(f"k values must be between 1 and {D.MAX_K}: {text!r}")
-    return sorted(set(ks))
+    return list(range(bounds[0], bounds[1] + 1)) if ".." in text else sorted(set(bounds))
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -50,7 +53,9 @@ def parse_sizes(text: str) -> list[int]:
         sizes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"bad --batch {text!r}: use sizes such as 1,4,16,64") from None
-    if not sizes or min(sizes) < 1:
+    if not sizes:
+        raise UsageError(f"--batch needs sizes such as 1,4,16,64, got {text!r}")
+    if min(sizes) < 1:
         raise UsageError(f"batch sizes must be >= 1: {text!r}")
     return sizes
 
@@ -105,8 +110,11 @@ def check_sampling(
         raise UsageError(f"top-p must be in (0, 1], got {top_p}")
     if min_p is not None and not (math.isfinite(min_p) and 0 <= min_p < 1):
         raise UsageError(f"--min-p must be in [0, 1), got {min_p}")
-    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-        raise UsageError(f"--repetition-penalty must be > 0 and finite (1 = off), got {repetition_penalty}")
+    if not D.MIN_PENALTY <= repetition_penalty <= D.MAX_PENALTY:  # NaN too
+        raise UsageError(
+            f"--repetition-penalty must be between {D.MIN_PENALTY:g} and {D.MAX_PENALTY:g} (1 = off), "
+            f"got {repetition_penalty}"
+        )
     if stops is not None and "" in stops:
         raise UsageError("--stop needs a string that is not empty")
     if not 0 <= seed <= D.MAX_SEED:
@@ -118,7 +126,11 @@ def read_prompts(path: Path, cfg: ModelConfig, max_new: int, ks: dict[str, list[
     checked to leave room in the model's context for max_new tokens and the largest k's pass."""
     vocab_size = cfg.vocab_size
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with open(path, "rb") as f:  # bounded: a device such as /dev/zero never ends
+            raw = f.read(D.MAX_PROMPTS_BYTES + 1)
+        if len(raw) > D.MAX_PROMPTS_BYTES:
+            raise UsageError(f"prompts file {path} is larger than {D.MAX_PROMPTS_BYTES >> 20} MiB")
+        lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise UsageError(f"prompts file {path} is not valid UTF-8 (byte {e.start})") from None
     except FileNotFoundError:
@@ -158,9 +170,11 @@ def check_context(prompt_tokens: int, max_new: int, k: int, ctx: int) -> None:
 
 
 def threads(n: int | None) -> int | None:
-    """--threads: None (torch's default) or a count >= 1."""
-    if n is not None and n < 1:
-        raise UsageError(f"--threads must be >= 1, got {n}")
+    """--threads: None (torch's default) or a count from 1 to the CPUs this process may run on
+    (more only make each pass's barriers wait for threads that share a core)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if n is not None and not 1 <= n <= cpus:
+        raise UsageError(f"--threads must be between 1 and {cpus} (the CPUs this process may use), got {n}")
     return n
 
 

@@ -201,3 +201,28 @@ def test_prompts_never_replace_a_file_without_overwrite(tmp_path: Path) -> None:
     out.write_text("mine\n")
     res = CliRunner().invoke(app, ["prompts", "--data", str(data), "--out", str(out), "--count", "1", "--length", "8"])
     assert res.exit_code == 2 and "--overwrite" in res.stderr and out.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sweep-k", "1..100000000"], r"k values must be between 1 and 16"),  # refused before the range is built
+        (["--sweep-k", "9..1"], r"bad k range '9\.\.1': the first k is larger than the last"),
+        (["--threads", "1000"], r"--threads must be between 1 and \d+ \(the CPUs this process may use\)"),
+        (["--batch", ""], r"--batch needs sizes such as 1,4,16,64"),
+        (["--prompts", "/dev/zero"], r"prompts file /dev/zero is larger than 64 MiB"),
+    ],
+)
+def test_bench_sizes_are_bounded_before_any_work(family: Family, args: list[str], message: str) -> None:
+    import resource
+    import time
+
+    t0, before = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    bench = ["bench", "--target", str(family.target), "--proposers", "draft-2l", "-n", "4", "--repeats", "1"]
+    refused(CliRunner().invoke(app, [*bench, *args]), message)
+    assert time.monotonic() - t0 < 5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: no range or file held whole
+
+
+def test_threads_beyond_the_cpus_are_refused(family: Family) -> None:
+    refused(generate(family, "--threads", "1000"), r"--threads must be between 1 and \d+")

@@ -276,6 +276,64 @@ def test_sampling_in_a_batch_follows_the_target() -> None:
     assert vs_q > 200
 
 
+def penalized_pair_law(model, prompt: list[int], penalty: float, temperature: float) -> torch.Tensor:
+    """P(x1, x2 | prompt) [5, 5] under CTRL's penalty (each row's context: the prompt and what
+    came before) at the temperature, from the model's own logits in float64."""
+    out = torch.zeros(5, 5, dtype=torch.float64)
+
+    def law(row: torch.Tensor, seen: list[int]) -> torch.Tensor:
+        hit = torch.zeros(5, dtype=torch.bool)
+        hit[seen] = True
+        row = torch.where(hit, torch.where(row > 0, row / penalty, row * penalty), row)
+        return torch.softmax(row / temperature, -1)
+
+    with torch.inference_mode():
+        for x1 in range(5):
+            c = model.new_cache(8, 16)
+            logits, _ = model(torch.tensor([*prompt, x1]), c, c.new_sequence())
+            logits = logits.double()
+            out[x1] = law(logits[-2], prompt)[x1] * law(logits[-1], [*prompt, x1])
+    return out
+
+
+# the accepted range's ends (defaults.MIN/MAX_PENALTY); models whose logits the penalty leaves
+# a law to test (at 1e-3 a logit of the usual size would make the law a point mass)
+@pytest.mark.parametrize(("penalty", "scale"), [(1e-3, 0.01), (1e3, 3.0)])
+def test_sampling_at_the_penalty_range_ends_follows_the_target(penalty: float, scale: float) -> None:
+    """At either end of the repetition penalty's range, with a temperature of 0.5, sampled pairs
+    with a draft guessing 2 follow the penalised target's law (cells the law gives under 5
+    draws are pooled into one), and not the unpenalised one's: no logit overflows on the way."""
+    from smallem_cli import defaults as D
+
+    assert (D.MIN_PENALTY, D.MAX_PENALTY) == (1e-3, 1e3)
+    target, draft = random_model(V5, seed=0, scale=scale), random_model(V5, seed=1, scale=scale)
+    prompt, temperature, n = [1, 3], 0.5, 8_000
+    law = penalized_pair_law(target, prompt, penalty, temperature).flatten()
+    plain = penalized_pair_law(target, prompt, 1.0, temperature).flatten()
+    eng = engine({"target": target, "draft": draft}, "draft", 2, max_batch=64)
+    sampling = [Sampling(temperature, seed=i, repetition_penalty=penalty) for i in range(n)]
+    reqs = (Request(i, i, tuple(prompt), 2, sampling[i]) for i in range(n))
+    counts = torch.zeros(25, dtype=torch.float64)
+    for f in eng.run(reqs):
+        counts[f.tokens[0] * 5 + f.tokens[1]] += 1
+
+    def pooled_chi2(law: torch.Tensor) -> tuple[float, int]:
+        expected = law * n
+        big = expected >= 5
+        e = torch.cat([expected[big], expected[~big].sum().view(1)])
+        o = torch.cat([counts[big], counts[~big].sum().view(1)])
+        keep = e > 0
+        assert (o[~keep] == 0).all()  # nothing drawn where the law puts nothing
+        return float(((o[keep] - e[keep]) ** 2 / e[keep]).sum()), int(keep.sum()) - 1
+
+    vs_p, df = pooled_chi2(law)
+    vs_plain, _ = pooled_chi2(plain)
+    print(f"penalty {penalty:g}: chi2 vs penalised target {vs_p:.1f} ({df} dof), vs unpenalised {vs_plain:.1f}")
+    assert df >= 3
+    assert vs_p < df + 4 * (2 * df) ** 0.5 + 10  # far inside the tail for these dof
+    assert vs_plain > 10 * (df + 10)
+
+
 def test_load_policy_caps_greedy_drafts_only() -> None:
     from smallem_cli import defaults as D
     from smallem_cli.engine.scheduler import load_k
