@@ -56,12 +56,13 @@ INDUCTOR_FALLBACK = INDUCTOR | {"max_autotune_gemm_backends": "ATEN,CPP"}
 
 
 def cache_root() -> Path:
-    """$SMALLEM_CACHE, else $XDG_CACHE_HOME/smallem, else ~/.cache/smallem."""
+    """$SMALLEM_CACHE, else $XDG_CACHE_HOME/smallem, else ~/.cache/smallem; a leading ~ in either
+    is the home folder (as a shell would have it), not a folder named `~`."""
     env = os.environ.get("SMALLEM_CACHE")
     if env:
-        return Path(env)
+        return Path(os.path.expanduser(env))
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "smallem"
+    return (Path(os.path.expanduser(xdg)) if xdg else Path.home() / ".cache") / "smallem"
 
 
 def _fused_version() -> str:

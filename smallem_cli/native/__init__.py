@@ -332,14 +332,14 @@ class NativeSteps:
 
 def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native") -> bool:
     """Give a model native steps (`model.native`, or `model.native_avx2` for that engine) -> whether
-    it has them; where they cannot serve, one line through `log` and the model stays on the others."""
+    it has them; where they cannot serve, why through `log` and the model stays on the others."""
     attr = engine.replace("-", "_")
     if getattr(model, attr) is not None:
         return True
     try:
         setattr(model, attr, NativeSteps(model, target, log, root, engine))
     except (NativeUnavailable, OSError) as e:
-        log(f"native decode step unavailable ({type(model).__name__}): {e}")
+        log(str(e))
         return False
     return True
 
@@ -347,9 +347,17 @@ def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: 
 def prepare(
     target: Transformer, models: list[Transformer | MTPModule], log: Log, root: Path, engine: str = "native"
 ) -> tuple[int, int]:
-    """Native steps for the target and the proposer's models -> (models with them, models)."""
+    """Native steps for the target and the proposer's models -> (models with them, models). A reason
+    that holds for every model (no compiler, an unsafe cache folder) is said once, not per model."""
     every = list({id(m): m for m in [target, *models]}.values())
-    return sum(attach(m, target, log, root, engine) for m in every), len(every)
+    said: dict[str, list[str]] = {}
+    ready = sum(
+        attach(m, target, lambda why, m=m: said.setdefault(why, []).append(type(m).__name__), root, engine)
+        for m in every
+    )
+    for why, names in said.items():
+        log(f"native decode step unavailable ({', '.join(names)}): {why}")
+    return ready, len(every)
 
 
 # re-exported: the engine calls native.verify_sample and native.penalize_argmax

@@ -11,10 +11,13 @@ else. An AVX-512 CPU can load the AVX2 build beside it (`--engine native-avx2`),
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -33,6 +36,12 @@ ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f"]}
 # (on an AVX-512 CPU, to time both in one run); each a model's attribute of that name, "-" as "_".
 ENGINES = {"native": None, "native-avx2": "avx2"}
 _LIBS: dict[str, ctypes.CDLL] = {}  # by ISA, loaded once a process
+_FAILED: dict[str, str] = {}  # build key -> why its build failed: a compiler is tried once a process
+BUILD_TIMEOUT = 300.0  # seconds a build may run (one takes ~6 s here): a hung compiler must not hang generate
+SYMBOLS = (  # what every build exports (step.cpp, verify.h): a library without one is not ours
+    "smallem_step", "smallem_chain", "smallem_batch_step", "smallem_verify_sample",
+    "smallem_penalize", "smallem_panel", "smallem_score_rows",
+)  # fmt: skip
 
 
 def prefetch_rows(cpuinfo: str | None = None) -> int:
@@ -62,8 +71,119 @@ def loaded() -> ctypes.CDLL:
     return next(iter(_LIBS.values()))
 
 
+def private_folder(folder: Path) -> Path:
+    """`folder` (made 0700 where missing) -> its real path, where no one but this user and root
+    could have written it or anything above it: every folder from it up to / is theirs, and not
+    writable by group or others (above `folder`, sticky ones such as /tmp are, as others cannot
+    move what is ours in them). NativeUnavailable naming the first folder that fails."""
+    me = os.geteuid()
+    given = Path(os.path.abspath(folder))
+    chain = [given, *given.parents]
+    for p in reversed(chain):  # from / down: a symlink someone else owns could be repointed at any time
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            try:
+                os.mkdir(p, 0o700)  # each missing one private, whatever the umask (mkdir(parents=) is not)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise NativeUnavailable(f"cannot make the cache folder {p}: {e.strerror}") from None
+            continue
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, me):
+            raise NativeUnavailable(f"{p} is a symlink someone else owns: no native library is loaded through it")
+    # Then the real folders, checked with lstat and used from here on by their real path: once each
+    # is ours (or root's) and closed to others, no one else can change any of them after the check.
+    real = Path(os.path.realpath(given))
+    for p in [real, *real.parents]:
+        st = os.lstat(p)
+        sticky = p != real and st.st_mode & stat.S_ISVTX
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, me) or (st.st_mode & 0o022 and not sticky):
+            raise NativeUnavailable(f"{p} is writable by others or not yours: no library is loaded from under it")
+    return real
+
+
+def _load(data: bytes, folder: Path) -> ctypes.CDLL | str:
+    """`data` loaded as a library with every one of SYMBOLS -> it, or why not (a line).
+
+    Why a copy: CDLL takes a path, looked up again when it loads, so the bytes hashed from the
+    cache could differ from the bytes mapped. These are written into a fresh mkdtemp folder (0700,
+    inside the checked `folder`, not /tmp, which may be mounted noexec), which no one else can
+    enter, and loaded from there: what was hashed is what runs. The copy is removed once loaded:
+    the mapping keeps its inode in use (never unloaded), so no later copy gets the same one and is
+    taken by the loader, which matches loaded objects by device and inode, for this library."""
+    tmp = tempfile.mkdtemp(prefix=".load-", dir=folder)
+    try:
+        copy = os.path.join(tmp, "step.so")
+        with open(copy, "xb") as f:
+            f.write(data)
+        lib = ctypes.CDLL(copy)
+    except OSError as e:  # not a library of this machine: truncated, garbage, another arch
+        return f"does not load ({str(e).rsplit(': ', 1)[-1][:200]})"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    missing = [s for s in SYMBOLS if not hasattr(lib, s)]  # before argtypes: no AttributeError later
+    return f"lacks {missing[0]}" if missing else lib
+
+
+def _cached(path: Path, digest: str, folder: Path) -> ctypes.CDLL | str:
+    """The library at `path`, if its bytes are the ones built (sha256 `digest`, in its name) -> it,
+    or why not. O_NOFOLLOW: a symlink is refused; O_NONBLOCK: a FIFO does not hang the open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return f"cannot be opened ({e.strerror})"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return "is not a private file of this user"
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != digest:  # truncated, overwritten: mapped, it could SIGBUS
+        return "is damaged (its digest differs)"
+    return _load(data, folder)
+
+
+def _build(cxx: str, flags: list[str], key: str, folder: Path) -> ctypes.CDLL:
+    """Compile the kernels in a private folder, load them, and only then publish them in `folder`
+    as step-`key`-<sha256 of their bytes>.so (a build that does not load is never cached)."""
+    if shutil.which(cxx) is None:
+        raise NativeUnavailable(f"no C++ compiler ({cxx}) on PATH")
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))  # 0700: no one else can enter
+    try:
+        out = tmp / "step.so"
+        argv = [cxx, *flags, "-o", str(out), *(str(HERE / s) for s in SOURCES)]
+        # a session of its own: on a timeout the compiler's children (cc1plus) are killed with it,
+        # and none of them is left holding the stderr pipe open
+        p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _, err = p.communicate(timeout=BUILD_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise NativeUnavailable(f"the C++ compiler ({cxx}) ran over {BUILD_TIMEOUT:g} s") from None
+        if p.returncode != 0:
+            first = (err.strip().splitlines() or ["no message"])[0][:200]
+            raise NativeUnavailable(f"the C++ compiler failed: {first}")
+        try:
+            data = out.read_bytes()
+        except OSError:
+            raise NativeUnavailable(f"the C++ compiler ({cxx}) wrote no library") from None
+        lib = _load(data, folder)
+        if isinstance(lib, str):
+            raise NativeUnavailable(f"the library the C++ compiler built {lib}")
+        out.chmod(0o500)  # not the umask's: a group-writable file would fail its check when next loaded
+        # whole or absent, even with another process building the same key
+        os.replace(out, folder / f"step-{key}-{hashlib.sha256(data).hexdigest()}.so")
+        return lib
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
-    """The kernels for `isa` (None: `best_isa`), built into `root`/native once."""
+    """The kernels for `isa` (None: `best_isa`), built into `root`/native once, and loaded only if
+    no one else could have written them (`private_folder`) and they are the bytes built (`_cached`).
+    A cached library that fails its check is removed and built again."""
     best = best_isa()
     isa = isa or best
     if isa not in ISA_FLAGS or (isa == "avx512" and best != "avx512"):
@@ -72,30 +192,34 @@ def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
         return _LIBS[isa]
     flags = FLAGS + ISA_FLAGS[isa] + [f"-DPREFETCH_ROWS={prefetch_rows()}"]
     cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise NativeUnavailable(f"no C++ compiler ({cxx}) on PATH")
     code = b"".join(f.name.encode() + f.read_bytes() for f in sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")]))
     key = hashlib.sha256(code + repr((flags, cxx)).encode()).hexdigest()[:24]
-    path = root / "native" / f"step-{key}.so"
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = path.parent.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:  # a library that gets loaded: only from a private folder
-        raise NativeUnavailable(f"{path.parent} is writable by others or not yours")
-    if not path.is_file():
+    if key in _FAILED:  # this compiler already failed on this build in this process: once is enough
+        raise NativeUnavailable(_FAILED[key])
+    folder = private_folder(Path(root) / "native")
+    why = None
+    for path in sorted(folder.glob(f"step-{key}-*.so")):
+        lib = _cached(path, path.name[len(f"step-{key}-") : -len(".so")], folder)
+        if not isinstance(lib, str):
+            return _bind(isa, lib)
+        why = lib
+        with contextlib.suppress(OSError):
+            path.unlink()
+    if why is None:
         log(f"building the native decode step for this machine ({isa}; once, cached in {root})")
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=path.parent))
-        try:
-            out = tmp / "step.so"
-            sources = [str(HERE / s) for s in SOURCES]
-            r = subprocess.run([cxx, *flags, "-o", str(out), *sources], capture_output=True, text=True)
-            if r.returncode != 0:
-                first = (r.stderr.strip().splitlines() or ["no message"])[0][:200]
-                raise NativeUnavailable(f"the C++ compiler failed: {first}")
-            os.replace(out, path)  # whole or absent, even with another process building the same key
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    lib = ctypes.CDLL(str(path))
-    ptr, num = ctypes.c_void_p, ctypes.c_int  # the C signatures (step.cpp, verify.h), argument by argument
+    else:
+        log(f"building the native decode step again ({isa}): the cached one {why}")
+    try:
+        lib = _build(cxx, flags, key, folder)
+    except NativeUnavailable as e:
+        _FAILED[key] = str(e)
+        raise
+    return _bind(isa, lib)
+
+
+def _bind(isa: str, lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with its functions' C signatures (step.cpp, verify.h), argument by argument; kept for `isa`."""
+    ptr, num = ctypes.c_void_p, ctypes.c_int
     lib.smallem_step.restype = lib.smallem_chain.restype = None
     lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 3 + [num, ptr]
     lib.smallem_chain.argtypes = [ptr] * 3 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]
