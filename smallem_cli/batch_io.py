@@ -13,6 +13,18 @@ Input: one request per line (lines end at `\\n`; a `\\r` before it is dropped). 
 A line whose first non-blank character is `{` is read as JSON. The default id is the line's
 1-based number in the input.
 
+Ids: a line whose id (its own, or its number) repeats an earlier line's is answered
+`{"id": ..., "error": "duplicate id ..."}` and not decoded: each answer's id names one line. An
+id is a JSON value: 3 and "3" are two ids. The earlier lines' ids are remembered for the whole
+run (the ids the lines gave; the line numbers cost nothing).
+
+Line length: a line's bytes before its `\\n` are at most `max_line_bytes` (defaults.MAX_LINE_BYTES,
+1 MiB; for a target of a longer context, LINE_BYTES_PER_TOKEN bytes a position of it: far more than
+any prompt that fits the context). The input is read in bounded chunks: a longer line is never
+held whole in memory, nor parsed, nor tokenized; its rest is read and dropped chunk by chunk, it is
+answered `{"id": N, "error": "line too long: ..."}` (N its line number: its own id is never read)
+and the next lines go on.
+
 Blank lines: each line of the input is a request, so an empty (or all-blank) line is answered
 `{"id": N, "error": "empty prompt"}`, not skipped: the answers stay one per line, and line N's
 answer carries id N. The newline that ends the last line is no line of its own: a file ending in
@@ -21,7 +33,9 @@ answer carries id N. The newline that ends the last line is no line of its own: 
 Output: each input line gets exactly one line, `{"id", "text", "tokens", "stats"}` ("tokens": the
 generated ids) or `{"id", "error"}` for a line that is not a valid request. Each line goes out as
 one write and a flush, so an interrupted run leaves whole lines behind. `OrderedWriter` holds
-answers back until every earlier line's answer is out (`--ordered`).
+answers back until every earlier line's answer is out (`--ordered`); at the end of a run, or when it
+is interrupted, what it still holds goes out in input order, the lines never answered left out
+(`OrderedWriter.close`).
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from . import defaults as D
 from . import options as O
@@ -230,17 +244,82 @@ def decode_line(raw: bytes) -> str:
     return raw.removesuffix(b"\n").removesuffix(b"\r").decode("utf-8")
 
 
-def parse_lines(
-    lines: Iterable[bytes], defaults: Defaults, encode: Encode, max_len: int, k: int = 0
-) -> Iterator[Request | Rejected]:
-    """Raw lines (a binary file's, `\\n` kept or not) -> one Request or Rejected each, lazily."""
-    for lineno, raw in enumerate(lines, 1):
-        try:
-            line = decode_line(raw)
-        except UnicodeDecodeError as e:
-            yield Rejected(lineno - 1, lineno, f"not valid UTF-8 (byte {e.start})")
+def max_line_bytes(max_len: int) -> int:
+    """A request line's bytes (before its `\\n`) at most, for a target of context max_len."""
+    return max(D.MAX_LINE_BYTES, max_len * D.LINE_BYTES_PER_TOKEN)
+
+
+_DROP_CHUNK = 1 << 16  # bytes read at a time from the rest of a line too long to keep
+
+
+def read_lines(source: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """A binary file's lines (`\\n` kept), None for a line of more than `limit` bytes before its
+    `\\n`: memory stays within `limit` + a chunk whatever the input holds (a plain `for line in
+    file` reads a line whole, however long)."""
+    while True:
+        raw = source.readline(limit + 1)  # one byte more than a line may have: its `\n`, or too long
+        if not raw:
+            return
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw
             continue
-        yield parse_line(line, lineno, defaults, encode, max_len, k)
+        while raw and not raw.endswith(b"\n"):  # the rest of the line, dropped as it comes
+            raw = source.readline(_DROP_CHUNK)
+        yield None
+
+
+class SeenIds:
+    """The ids of the lines so far, to tell a repeated one. A line's number is its default id,
+    and numbers never repeat: only the ids the lines gave, and which lines gave one, are kept."""
+
+    def __init__(self) -> None:
+        self.given: dict[str | int, int] = {}  # an id a line gave (other than its number) -> the first such line
+        self.renamed: set[int] = set()  # the lines answered under another id than their number
+
+    def claim(self, rid: str | int, lineno: int) -> int | None:
+        """Line `lineno` answers as `rid`: the earlier line whose answer has that id, if one has."""
+        if type(rid) is int and rid == lineno:  # its own number: taken only by an earlier line that gave it
+            return self.given.get(rid)
+        self.renamed.add(lineno)
+        first = self.given.setdefault(rid, lineno)
+        if first != lineno:
+            return first
+        if type(rid) is int and 1 <= rid < lineno and rid not in self.renamed:
+            return rid  # an earlier line answered under its number, which this line now gives
+        return None
+
+
+def parse_lines(
+    lines: Iterable[bytes] | BinaryIO,
+    defaults: Defaults,
+    encode: Encode,
+    max_len: int,
+    k: int = 0,
+    max_bytes: int | None = None,
+) -> Iterator[Request | Rejected]:
+    """Raw lines (a binary file's, read in bounded chunks; or bytes, `\\n` kept or not) -> one
+    Request or Rejected each, lazily. max_bytes: a line's limit [default: max_line_bytes(max_len)]."""
+    limit = max_line_bytes(max_len) if max_bytes is None else max_bytes
+    raws: Iterable[bytes | None] = read_lines(lines, limit) if hasattr(lines, "readline") else lines  # type: ignore[arg-type]
+    seen = SeenIds()
+    for lineno, raw in enumerate(raws, 1):
+        item = _parse_raw(raw, lineno, limit, defaults, encode, max_len, k)
+        first = seen.claim(item.id, lineno)
+        if first is not None:
+            item = Rejected(item.index, item.id, f"duplicate id {_shown(item.id)}: line {first} has it too")
+        yield item
+
+
+def _parse_raw(
+    raw: bytes | None, lineno: int, limit: int, defaults: Defaults, encode: Encode, max_len: int, k: int
+) -> Request | Rejected:
+    if raw is None or len(raw.removesuffix(b"\n")) > limit:  # checked before anything reads the line
+        return Rejected(lineno - 1, lineno, f"line too long: over {limit} bytes")
+    try:
+        line = decode_line(raw)
+    except UnicodeDecodeError as e:
+        return Rejected(lineno - 1, lineno, f"not valid UTF-8 (byte {e.start})")
+    return parse_line(line, lineno, defaults, encode, max_len, k)
 
 
 # --- output --------------------------------------------------------------------------------------
@@ -274,12 +353,12 @@ class LineWriter:
     def write(self, record: Record) -> None:
         line = json.dumps(record) + "\n"
         try:
-            with self.guard():
+            with self.guard():  # a Ctrl-C held by the guard is raised at its end: the line is counted first
                 self.out.write(line)
                 self.out.flush()
+                self.written += 1
         except BrokenPipeError:
             raise OutputClosed from None
-        self.written += 1
 
     def held(self) -> int:
         """Answers held back, not written yet."""
@@ -290,7 +369,10 @@ class LineWriter:
 
 
 class OrderedWriter(LineWriter):
-    """Writes the answers in input order: each waits until every earlier line's answer is out."""
+    """Writes the answers in input order: each waits until every earlier line's answer is out.
+
+    An answer is taken off the held ones before its write: a Ctrl-C raised at the end of a write
+    leaves nothing that `close` would write twice."""
 
     def __init__(self, out: TextIO, guard: Guard = nullcontext, start: int = 0) -> None:
         super().__init__(out, guard)
@@ -302,16 +384,19 @@ class OrderedWriter(LineWriter):
             raise ValueError(f"a second answer to input line {index + 1}")
         self.waiting[index] = record
         while self.next in self.waiting:
-            self.write(self.waiting[self.next])
-            del self.waiting[self.next]
+            record = self.waiting.pop(self.next)
             self.next += 1
+            self.write(record)
 
     def held(self) -> int:
         return len(self.waiting)
 
     def close(self) -> None:
-        """Answers still held (an earlier one never came: an engine that lost a request) go out
-        in their order rather than be lost."""
+        """Answers still held go out in their order rather than be lost: at the end of a run (an
+        engine that lost a request), and after a Ctrl-C (the answers finished while an earlier
+        line's was not). "In order" is ascending input order: the output never goes back to an
+        earlier line, and the lines never answered are missing from it (each answer has its id)."""
         for index in sorted(self.waiting):
-            self.write(self.waiting.pop(index))
+            record = self.waiting.pop(index)
             self.next = index + 1
+            self.write(record)

@@ -9,6 +9,8 @@ acceptance and tokens per pass.
 Every request's tokens are compared with the first row's (the target alone at the
 smallest batch size): greedy identity, whatever the batch and the proposer. The engine
 itself asserts after every run that each page went back to the pool.
+A batch size whose cache (every sequence at the full context) does not fit the memory is
+refused in one line before anything runs (`check_sizes`), not lowered: a row runs at its size.
 """
 
 from __future__ import annotations
@@ -166,6 +168,15 @@ def plot(rows: list[BatchRow], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def check_sizes(tgt: family.Target, device: torch.device, sizes: list[int]) -> None:
+    """UsageError, before any row runs, for a batch size whose target cache alone does not fit the
+    memory (`engine.build.fit_batch`); a proposer's cache on top is checked as its engine is built."""
+    from .engine.build import cache_budget, fit_batch, sequence_bytes
+
+    per_sequence = sequence_bytes([tgt.model], tgt.model.cfg.max_seq_len, D.PAGE_SIZE)
+    fit_batch(max(sizes), per_sequence, cache_budget(device), strict=True)  # the largest fits: all do
+
+
 def from_cli(
     tgt: family.Target,
     device: torch.device,
@@ -196,9 +207,10 @@ def from_cli(
         stored = suffix if suffix in D.WEIGHTS else weights
         return build_engine(
             tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree,
-            native=engine if engine in aot.NATIVE else None, native_log=err.print, weights=stored,
+            native=engine if engine in aot.NATIVE else None, native_log=err.print, weights=stored, strict=True,
         )  # fmt: skip
 
+    check_sizes(tgt, device, sizes)
     configs = (1 + sum(n != "none" for n in names) * max(1, len(ks))) * len(sizes) * len(engines)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("bench --batch", total=configs)

@@ -5,7 +5,12 @@ display on stderr, Ctrl-C and a reader that goes away.
 
     Ctrl-C       the lines already written stay whole (a Ctrl-C during a line's write waits for
                  its end; a second one does not wait); one line `interrupted` on stderr, exit 130.
-                 With --ordered, answers held back for an earlier one are not written.
+                 With --ordered, the answers held back for an earlier line's are written first, in
+                 input order (`batch_io.OrderedWriter.close`: the lines not answered are left out);
+                 a second Ctrl-C stops that at the end of a line.
+    --max-batch  the sequences decoded together are at most as many as the memory holds the cache
+                 of at the full context (`engine.build.fit_batch`): a larger --max-batch is lowered
+                 to that, said in one line on stderr (not with --quiet).
     broken pipe  (`smallem batch f | head -1`) stdout is pointed at /dev/null, so that nothing is
                  left to fail at exit, and the run ends at once, quietly, exit 141 (128 + SIGPIPE,
                  what a command killed by the signal would give).
@@ -13,7 +18,6 @@ display on stderr, Ctrl-C and a reader that goes away.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -28,6 +32,7 @@ import typer
 from . import defaults as D
 from . import options as O
 from .cli import app, err, fail
+from .console import BROKEN_PIPE_EXIT, stdout_to_devnull
 
 if TYPE_CHECKING:  # torch, through the engine: loaded once the command runs, not to parse it
     from rich.progress import Progress, TaskID
@@ -35,7 +40,6 @@ if TYPE_CHECKING:  # torch, through the engine: loaded once the command runs, no
     from .engine.request import Request
 
 EOT = "<|endoftext|>"
-BROKEN_PIPE_EXIT = 128 + 13  # SIGPIPE
 
 
 def make_engine(*args: Any, **kwargs: Any) -> Any:
@@ -89,16 +93,17 @@ def whole_line() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def stdout_to_devnull() -> None:
-    """After a broken pipe: Python flushes stdout at exit, and a failed flush prints a traceback-like
-    warning. Pointing stdout at /dev/null is what Python's documentation recommends (signal module)."""
+def write_held(writer: Any, closed: type[Exception]) -> None:
+    """After a Ctrl-C: the answers an OrderedWriter still holds (finished, but waiting for an
+    earlier line's) go out in input order rather than be lost. A second Ctrl-C stops this at the
+    end of a line; a reader gone away (`closed`, batch_io's OutputClosed) stops it quietly: the
+    run is ending on the Ctrl-C anyway."""
     try:
-        fd = sys.stdout.fileno()
-    except (OSError, ValueError, AttributeError):  # not a file (a test's capture): nothing to redirect
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
+        writer.close()
+    except KeyboardInterrupt:
+        pass
+    except closed:
+        stdout_to_devnull()
 
 
 class Display:
@@ -274,6 +279,9 @@ def batch(
             else:
                 yield item
 
+    fits = getattr(engine, "max_batch", max_batch)  # (a test's fake engine may not say)
+    if fits < max_batch and not quiet:
+        err.print(f"--max-batch {max_batch} lowered to {fits}: the memory here holds the cache of {fits} sequences")
     try:
         for fin in engine.run(requests(), progress=shown.progress):
             writer.put(fin.request.index, B.answer(fin))
@@ -281,6 +289,7 @@ def batch(
         writer.close()
     except KeyboardInterrupt:
         shown.stop()  # the bar goes before the line
+        write_held(writer, B.OutputClosed)
         err.print("interrupted")
         raise typer.Exit(130) from None
     except B.OutputClosed:  # the reader went away: nobody is left to tell

@@ -1,13 +1,26 @@
-"""An engine for a loaded target and a named proposer (the names `smallem generate` takes)."""
+"""An engine for a loaded target and a named proposer (the names `smallem generate` takes).
+
+Its cache (the page pool, and one K/V slab per model over it) may grow to max_batch
+sequences at the full context, so that a request that fits the context always fits, and
+that must fit the memory: max_batch is lowered to what `cache_budget` holds (`fit_batch`), or
+refused (`strict`, for `bench --batch`, whose rows must run at the size they name). It is
+allocated as the requests need it: at first for the default batch (D.MAX_BATCH sequences at
+the full context), doubled by the scheduler while short (`grower`). A --max-batch of 100000
+allocated 1.7 TB up front, for 40 requests, and ended in a traceback.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from .. import aot, family
 from .. import defaults as D
+from .. import options as O
+from ..model import MTPModule, Transformer
 from ..ngram import Fallback, NgramProposer
 from ..proposers import DraftProposer, MTPProposer, NoProposer, Proposer
 from .forward import slab_for
@@ -40,6 +53,156 @@ def pool_pages(max_batch: int, context: int, page_size: int, tree: tuple[int, in
     return max_batch * (-(-(context + round_ahead(D.MAX_K, tree)) // page_size))
 
 
+# --- what the cache may take ---------------------------------------------------------------------
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except (OSError, ValueError):
+        return None
+
+
+def _kib_field(text: str | None, name: str) -> int | None:
+    """`Name:  123 kB` of /proc/meminfo or /proc/self/status, in bytes."""
+    for line in (text or "").splitlines():
+        if line.startswith(name + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """What the cgroup (a container's memory limit) has left, where it has a limit; /proc/meminfo
+    tells the whole host's memory, not the container's."""
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+    ):
+        limit, usage = _read(limit_file), _read(usage_file)
+        if limit and usage and limit.strip().isdigit() and usage.strip().isdigit():
+            return max(0, int(limit) - int(usage))
+    return None
+
+
+def _address_space_room() -> int | None:
+    """The address space left under RLIMIT_AS (`ulimit -v`), where one is set."""
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    used = _kib_field(_read("/proc/self/status"), "VmSize")
+    if soft == resource.RLIM_INFINITY or used is None:
+        return None
+    return max(0, soft - used)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on `device`: a GPU's free memory; for the CPU the least of what
+    the machine has available (MemAvailable), the cgroup has left and the address space allows."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    known = [
+        room
+        for room in (_kib_field(_read("/proc/meminfo"), "MemAvailable"), _cgroup_room(), _address_space_room())
+        if room is not None
+    ]
+    if known:
+        return min(known)
+    try:  # no /proc (macOS): the physical memory, all of it
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 1 << 32  # nothing to go by: 4 GiB
+
+
+def cache_budget(device: torch.device) -> int:
+    """Bytes the batch engine's cache may take now: D.CACHE_MEMORY_SHARE of the free memory."""
+    return int(D.CACHE_MEMORY_SHARE * free_memory(device))
+
+
+def _cached(one: Proposer) -> list[Transformer | MTPModule]:
+    """The models of a proposer that get a slab over the pool (`batch_proposer`'s)."""
+    if isinstance(one, Fallback):
+        return _cached(one.other)
+    if isinstance(one, DraftProposer):
+        return [one.model]
+    if isinstance(one, MTPProposer):
+        return [one.mtp]
+    return []
+
+
+def sequence_bytes(
+    models: list[Transformer | MTPModule], context: int, page_size: int, tree: tuple[int, int] | None = None
+) -> int:
+    """The cache one sequence at the full context takes in the slabs of `models` (`forward.slab_for`)."""
+    per_slot = torch.empty(0).element_size() * sum(
+        (1 if isinstance(m, MTPModule) else m.cfg.n_layers) * 2 * m.cfg.n_kv_heads * m.cfg.head_dim for m in models
+    )
+    return pool_pages(1, context, page_size, tree) * page_size * per_slot
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB", "TB", "PB", "EB", "ZB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} YB"
+
+
+def fit_batch(max_batch: int, per_sequence: int, budget: int, strict: bool = False) -> int:
+    """The sequences to decode together: max_batch, or as many as `budget` holds the cache of at
+    `per_sequence` bytes each, if fewer. UsageError if not even one fits, or (strict) if max_batch
+    does not: each names the largest that fits."""
+    fits = budget // per_sequence
+    if fits < 1:
+        raise O.UsageError(
+            f"not enough memory for the batch engine: one sequence's cache takes {_size(per_sequence)}, "
+            f"{_size(budget)} is free for it"
+        )
+    if strict and max_batch > fits:
+        raise O.UsageError(
+            f"batch size {max_batch}: its cache would take {_size(max_batch * per_sequence)}, "
+            f"{_size(budget)} is free for it: at most {fits} sequences fit"
+        )
+    return min(max_batch, fits)
+
+
+def _widened(slab: torch.Tensor, slots: int) -> torch.Tensor:
+    """`slab` [L, K or V, Hkv, slots, D] with `slots` slots: its own first, zeros after (attention
+    reads a masked slot too: it must hold a finite value)."""
+    wide = slab.new_zeros(*slab.shape[:3], slots, slab.shape[4])
+    wide[:, :, :, : slab.shape[3]].copy_(slab)
+    return wide
+
+
+def _out_of_memory(e: RuntimeError) -> bool:
+    """A failed allocation: torch's OutOfMemoryError on a GPU, a plain RuntimeError on the CPU."""
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def grower(target: Target, bp: BatchProposer) -> Callable[[int], bool]:
+    """The scheduler's `grow`: the pool made n pages large, and every slab over it (the target's,
+    a draft's or the MTP module's) widened to match (every pass is given its slab as it runs).
+    False, with nothing changed, where the memory is no longer there (taken since the budget was
+    measured): the pool stays as it is."""
+    other = bp.other if isinstance(bp, FallbackGuess) else bp
+    holders = [other] if isinstance(other, DraftGuess | MTPGuess) else []
+
+    def grow(n_pages: int) -> bool:
+        slots = n_pages * target.pool.page_size
+        try:  # every slab allocated before any is replaced: a failure leaves them all as they were
+            wide = [_widened(target.slab, slots), *(_widened(h.slab, slots) for h in holders)]
+        except RuntimeError as e:
+            if not _out_of_memory(e):
+                raise
+            return False
+        target.slab = wide[0]
+        for h, slab in zip(holders, wide[1:], strict=True):
+            h.slab = slab
+        target.pool.grow(n_pages)
+        return True
+
+    return grow
+
+
 def build_engine(
     tgt: family.Target,
     proposer: str,
@@ -56,20 +219,30 @@ def build_engine(
     native: str | None = None,
     native_log: Callable[[str], None] | None = None,
     weights: str = D.PROPOSER_WEIGHTS,
+    strict: bool = False,
 ) -> Engine:
     """k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`).
     tree: (guesses per tree, candidates per node) for token trees (`tree_guess`), MTP only.
     native: give the target and the proposer's models this native engine's steps ("native" or
     "native-avx2", `native.ENGINES`: every pass of the batch one C call), None: none; native_log
     says why a model cannot have them (None: nothing said).
-    weights: how the native engine stores the proposer's matrices (`family.load_proposer`)."""
+    weights: how the native engine stores the proposer's matrices (`family.load_proposer`).
+    n_pages: the pool's size, fixed. Without it, the pool grows as the requests need it, up to
+    max_batch sequences at the full context, max_batch lowered to what fits the memory
+    (`fit_batch`; strict: refused instead, UsageError); the engine's max_batch says it."""
     model = tgt.model
-    pool = PagePool(n_pages or pool_pages(max_batch, model.cfg.max_seq_len, page_size, tree), page_size)
-    slab = slab_for(model, pool.n_pages * page_size, device)
     # The greedy and the sampled proposer heads differ (`D.PROPOSER_VOCAB`); a batch mixes modes,
     # so the head is chosen by what the batch serves by default: greedy's.
     vocab = D.proposer_vocab(True, proposer_vocab)
     one = family.load_proposer(proposer, tgt, device, vocab, tree=tree, weights=weights)(1)
+    max_pages = 0  # a pool of n_pages does not grow
+    if n_pages is None:  # measured with the models loaded, before any slab is allocated
+        per_sequence = sequence_bytes([model, *_cached(one)], model.cfg.max_seq_len, page_size, tree)
+        max_batch = fit_batch(max_batch, per_sequence, cache_budget(device), strict)
+        max_pages = pool_pages(max_batch, model.cfg.max_seq_len, page_size, tree)
+        n_pages = pool_pages(min(max_batch, D.MAX_BATCH), model.cfg.max_seq_len, page_size, tree)
+    pool = PagePool(n_pages, page_size)
+    slab = slab_for(model, pool.n_pages * page_size, device)
     bp = batch_proposer(one, pool)
     if proposer == "none":
         kg = ks = 0
@@ -79,8 +252,9 @@ def build_engine(
     if native is not None:
         aot.prepare_engine(native, model, one, [max(kg, ks, 1)], native_log)
     one.release()
+    target = Target(model, slab, pool)
     return Engine(
-        Target(model, slab, pool),
+        target,
         bp,
         kg,
         auto_k=k is None,
@@ -89,4 +263,6 @@ def build_engine(
         decode=decode,
         k_sample=ks,
         tree=tree,
+        grow=grower(target, bp) if max_pages > n_pages else None,
+        max_pages=max_pages,
     )

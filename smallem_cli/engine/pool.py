@@ -25,6 +25,14 @@ class PagePool:
         self.free: list[int] = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out pages in order
         self.tables: dict[int, list[int]] = {}
 
+    def grow(self, n_pages: int) -> None:
+        """The pool made n_pages large (the slabs over it were widened to match: `engine.build`). The
+        new pages go under the free ones: the pages already free are still handed out first, in order."""
+        if n_pages < self.n_pages:
+            raise ValueError(f"a pool grows, it does not shrink: {n_pages} pages < {self.n_pages}")
+        self.free[:0] = range(n_pages - 1, self.n_pages - 1, -1)
+        self.n_pages = n_pages
+
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 

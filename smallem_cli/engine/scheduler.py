@@ -5,11 +5,14 @@ and yields each answer as soon as its request ends. At most `max_batch` sequence
 together; a request joins as soon as a sequence finishes and the pool has pages for it.
 
 Pages: a running sequence reserves, before each round, what the round may write (its
-cached positions + k + 2: the target's verify pass and the proposer's guesses). When the
-pool cannot give them, the most recently admitted sequence is preempted: its pages all go
-back, its proposer state is dropped, and it waits at the head of the queue, to be
-recomputed from its tokens (nothing it emitted is lost or redrawn). After a run every page
-is back in the pool (checked: `PagePool.check`).
+cached positions + k + 2: the target's verify pass and the proposer's guesses). A request
+is admitted only while the pool has the pages of its prompt and first round. A pool short
+of pages grows first where it can (`grow`, doubling up to `max_pages`: `engine.build`
+allocates the cache as the requests need it, not all up front). When the pool cannot give
+them, the most recently admitted sequence is preempted: its pages all go back, its
+proposer state is dropped, and it waits at the head of the queue, to be recomputed from
+its tokens (nothing it emitted is lost or redrawn). After a run every page is back in the
+pool (checked: `PagePool.check`).
 """
 
 from __future__ import annotations
@@ -87,7 +90,12 @@ class Engine:
         decode: Callable[[list[int]], str] | None = None,
         k_sample: int | None = None,
         tree: tuple[int, int] | None = None,
+        grow: Callable[[int], bool] | None = None,
+        max_pages: int = 0,
     ) -> None:
+        """grow(n): the pool and every slab over it made n pages large, called when the pool is
+        short and smaller than max_pages; False where the memory was not there (None: the pool
+        stays its size)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.t, self.proposer, self.max_batch = target, proposer, max_batch
@@ -98,6 +106,7 @@ class Engine:
         if tree is not None and not isinstance(proposer, MTPGuess):
             raise ValueError(f"token trees need the MTP module as proposer, not {proposer.name!r}")
         self._decoder = _Decoder(decode) if decode is not None else None
+        self.grow, self.max_pages = grow, max_pages
         self._uid = 0
         self.rounds = 0
         self.preemptions = 0
@@ -161,6 +170,15 @@ class Engine:
     def _round_need(self, s: Seq) -> int:
         return s.cached + round_ahead(s.k, self.tree)
 
+    def _grow(self, short: int) -> None:
+        """`short` more free pages wanted: the pool doubles (at least by `short`, at most to
+        max_pages) where it can grow; else nothing (the caller waits or preempts). A growth the
+        memory refused is not tried again: the pool keeps its size."""
+        n = self.pool.n_pages
+        if short > 0 and self.grow is not None and n < self.max_pages:
+            if not self.grow(min(self.max_pages, max(2 * n, n + short))):
+                self.max_pages = n
+
     def _preempt(self, s: Seq, waiting: deque[Seq]) -> None:
         self.pool.release(s.uid)
         self.proposer.drop(s)
@@ -174,6 +192,7 @@ class Engine:
         i = 0
         while i < len(kept):
             s = kept[i]
+            self._grow(self.pool.need(s.uid, self._round_need(s)) - len(self.pool.free))
             while self.pool.need(s.uid, self._round_need(s)) > len(self.pool.free) and kept[-1] is not s:
                 self._preempt(kept.pop(), waiting)
             if self.pool.need(s.uid, self._round_need(s)) > len(self.pool.free):  # alone and still short
@@ -239,13 +258,15 @@ class Engine:
                 admitted: list[Seq] = []
                 while waiting and len(running) + len(admitted) < self.max_batch:
                     s = waiting[0]
-                    if not self.pool.can_allocate(len(s.tokens) + round_ahead(s.k, self.tree)):
+                    need = len(s.tokens) + round_ahead(s.k, self.tree)
+                    self._grow(self.pool.pages_for(need) - len(self.pool.free))
+                    if not self.pool.can_allocate(need):
                         if not running and not admitted:
                             raise RuntimeError(f"the page pool ({self.pool.n_pages} pages) cannot hold one request")
                         break
                     waiting.popleft()
                     self.pool.add(s.uid)
-                    self.pool.reserve(s.uid, len(s.tokens) + round_ahead(s.k, self.tree))
+                    self.pool.reserve(s.uid, need)
                     admitted.append(s)
                 for group in _groups(admitted, D.PREFILL_TOKENS):
                     running.extend(group)  # from here on, a stop drops them with the others
