@@ -194,8 +194,9 @@ def export_gguf(
 
     The file is written under a temporary name beside `out_file` and renamed into place, so
     an interrupted export (an exception, Ctrl-C or SIGTERM) leaves no half file. An existing
-    `out_file` is replaced only with `overwrite`, else FileExistsError; the checkpoint and the
-    tokenizer themselves are never written over (GGUFExportError).
+    `out_file` is replaced only with `overwrite`, else FileExistsError, and only if it is a regular
+    file (a device, a FIFO, a socket or a link: atomic.NotRegularFileError, even with `overwrite`);
+    the checkpoint and the tokenizer themselves are never written over (GGUFExportError).
     """
     ckpt, out, tokenizer_json = Path(checkpoint_path), Path(out_file), Path(tokenizer_json)
     if dtype not in DTYPES:
@@ -206,7 +207,9 @@ def export_gguf(
             raise GGUFExportError(f"cannot export over the input {src}: choose another file")
     if out.is_dir():
         raise FileExistsError(f"{out} is a folder: give the path of the .gguf file to write")
-    if out.exists() and not overwrite:
+    # Only a regular file or nothing, judged before the checkpoint is read so that the refusal comes
+    # at once (replace_with judges it again just before its rename); --overwrite changes nothing here.
+    if atomic.check_replaceable(out) and not overwrite:
         raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
     if not tokenizer_json.is_file():
         raise GGUFExportError(f"tokenizer.json not found: {tokenizer_json}")

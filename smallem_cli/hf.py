@@ -268,8 +268,10 @@ def export_hf(
 
     The folder is built under a temporary name beside `outdir` and renamed into place, so an
     interrupted export (an exception, Ctrl-C or SIGTERM) leaves no half folder. An existing
-    non-empty `outdir` is replaced only with `overwrite`, else FileExistsError; a folder that
-    holds the checkpoint or the tokenizer is never replaced (HFFormatError).
+    non-empty `outdir` is replaced only with `overwrite`, else FileExistsError; anything but a
+    folder (a file, a link, a device, a FIFO, a socket) is never replaced, with or without it
+    (FileExistsError, before the checkpoint is read); a folder that holds the checkpoint or the
+    tokenizer is never replaced (HFFormatError).
     """
     ckpt, outdir, tokenizer_json = Path(checkpoint_path), Path(outdir), Path(tokenizer_json)
     check_destination(outdir, (ckpt, tokenizer_json), overwrite)
