@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import aot, atomic
+from . import atomic, engines
 from . import defaults as D
 from .data import read_documents
 from .family import ProposerFactory
@@ -214,7 +214,7 @@ class Plan:
     repeats: int = D.BENCH_REPEATS
     temperature: float = D.BENCH_TEMPERATURE
     seed: int = 0
-    # "eager" and/or "compiled" (steps prepared beforehand, `aot.prepare`). With compiled alone,
+    # "eager", "native-avx2" and/or "native" (steps loaded beforehand, `prepare_engines`). Without eager,
     # the eager target alone still runs, as the reference of identity and of `vs_eager`.
     engines: tuple[str, ...] = ("eager",)
     # the sample mode's filters beside its temperature (None: off)
@@ -260,24 +260,20 @@ def cost_readings(
     return out
 
 
-def prepare_engines(target: Transformer, plan: Plan, passes: list[int] | None, log: aot.Log) -> None:
-    """Build (or load) what each engine of the plan runs, before anything is timed: the
-    compiled steps of the target alone's passes (or of --costs' pass sizes `passes`), then for
-    either CPU engine the steps of each proposer at each of its k (and the target's)."""
-    top = max((k for ks in plan.ks.values() for k in ks), default=1)
+def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
+    """Build (or load) what each engine of the plan runs, before anything is timed: for either
+    native engine the steps of the target and of each proposer."""
     for engine in plan.engines:
-        mode = aot.engine_mode(engine, target.embed_tokens.weight.device)
-        if mode == "build":
-            aot.prepare(target, NoProposer(), [0], log, also=tuple(passes or range(1, top + 2)))
-        for kind, factories in plan.proposers.items():
+        mode = engines.engine_mode(engine, target.embed_tokens.weight.device)
+        for factories in plan.proposers.values():
             for name, make in factories.items():
-                aot.prepare_engine(mode, target, make(8), plan.ks[name], log, greedy=kind == "greedy")
+                engines.prepare_engine(mode, target, make(8), plan.ks[name], log)
 
 
 def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, ProposerFactory, int] | None:
     """The fastest greedy speculative row of a run, of its fastest engine: (proposer, factory, k),
     for a peer to be timed against (None if the run had none)."""
-    engine = aot.fastest(plan.engines)
+    engine = engines.fastest(plan.engines)
     found = [r for r in rows if r.mode == "greedy" and r.k > 0 and r.engine == engine and "@" not in r.proposer]
     if not found or "greedy" not in plan.proposers:
         return None

@@ -26,11 +26,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import aot, family
 from . import defaults as D
+from . import family
 from . import options as O
 from .engine.request import Request
 from .engine.scheduler import Engine
+from .engines import NATIVE
 from .steps import switch
 
 EngineFactory = Callable[[str, int | None, int, str], Engine]  # (proposer, k or None, max batch, engine) -> one
@@ -207,7 +208,7 @@ def from_cli(
         stored = suffix if suffix in D.WEIGHTS else weights
         return build_engine(
             tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree,
-            native=engine if engine in aot.NATIVE else None, native_log=err.print, weights=stored, strict=True,
+            native=engine if engine in NATIVE else None, native_log=err.print, weights=stored, strict=True,
         )  # fmt: skip
 
     check_sizes(tgt, device, sizes)

@@ -153,8 +153,8 @@ def bench(
         float | None,
         typer.Option("--draft-p-min", help="also rows with adaptive depth: each model proposer at this p-min"),
     ] = None,
-    engines: Annotated[
-        str, typer.Option(help="eager, compiled, native-avx2, native, comma-separated (auto: eager,native on a CPU)")
+    engine_names: Annotated[
+        str, typer.Option("--engines", help="eager, native-avx2, native, comma-separated (auto: eager,native on a CPU)")
     ] = D.ENGINE,
     tree: Annotated[
         str | None,
@@ -173,8 +173,8 @@ def bench(
 
     import torch
 
-    from . import aot, family
     from . import bench as B
+    from . import engines, family
     from . import report as R
     from .peer import peer_table, run_peer
 
@@ -197,9 +197,7 @@ def bench(
             sizes = O.parse_sizes(batch)
             found = O.read_prompts(prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]})
             names = names + list(trees) + list(stored)
-            batch_engines = aot.bench_engines(engines, dev)
-            if "compiled" in batch_engines:
-                raise O.UsageError("--batch times the eager and native engines (compiled steps serve one sequence)")
+            batch_engines = engines.bench_engines(engines.chosen(engine_names), dev)
             rows = from_cli(
                 tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file, batch_engines,
                 first,
@@ -229,7 +227,7 @@ def bench(
             }
             for v in set(vocab.values())
         }
-        engine_list = aot.bench_engines(engines, dev)
+        engine_list = engines.bench_engines(engines.chosen(engine_names), dev)
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
     plan = B.Plan(
@@ -237,7 +235,7 @@ def bench(
         top_k, top_p, min_p,
     )  # fmt: skip
     passes = list(D.COST_PASSES) if costs else None
-    B.prepare_engines(tgt.model, plan, passes, err.print)  # every pass the bench takes, before the clock
+    B.prepare_engines(tgt.model, plan, err.print)  # every pass the bench takes, before the clock
     if costs:
         readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats, passes)
         if json_out:
@@ -332,7 +330,7 @@ def generate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
     engine: Annotated[
-        str, typer.Option(help="auto (native on a CPU) | native | native-avx2 | eager | compiled (inductor's steps)")
+        str, typer.Option(help="auto (native on a CPU; $SMALLEM_ENGINE if set) | native | native-avx2 | eager")
     ] = D.ENGINE,
     threads: Annotated[
         int | None, typer.Option(help="CPU threads (default: all, fewer when other processes are running)")
@@ -349,7 +347,7 @@ def generate(
 
     import torch
 
-    from . import aot, family
+    from . import engines, family
     from .generate import stream
     from .sampling import NonFiniteError, Sampling
     from .stats import Stats
@@ -376,19 +374,16 @@ def generate(
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
-        mode = aot.engine_mode(engine, dev)
+        mode = engines.engine_mode(engines.chosen(engine), dev)
         n_threads = O.threads(threads) or O.threads_for_load(torch.get_num_threads())
         if n_threads:
             torch.set_num_threads(n_threads)
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
-    ready, passes = 0, 1
-    if mode in aot.NATIVE or (mode and not tree):  # every pass this run may take, loaded (or built) before the clock
-        # starts; a tree's passes are the batch engine's: native ones, or eager
-        log = (lambda _: None) if quiet else err.print
-        ready, passes = aot.prepare_engine(mode, tgt.model, make_proposer(8), [kk], log, temperature == 0)
-    name = mode if mode in aot.NATIVE else "compiled"
-    used = name if ready == passes else "eager" if not ready else f"partly {name}"
+    # every model this run may use, given its native steps (built once) before the clock starts
+    log = (lambda _: None) if quiet else err.print
+    ready, passes = engines.prepare_engine(mode, tgt.model, make_proposer(8), [kk], log)
+    used = mode if mode and ready == passes else "eager" if not ready else f"partly {mode}"
 
     sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)
     stats = Stats(proposer, kk)

@@ -220,8 +220,8 @@ def batch(
     """
     import torch
 
-    from . import aot, family
     from . import batch_io as B
+    from . import engines, family
     from .sampling import NonFiniteError
     from .tokenizer import load_tokenizer
 
@@ -239,9 +239,7 @@ def batch(
         if O.threads(threads):
             torch.set_num_threads(threads)  # type: ignore[arg-type]
         dev = family.pick_device(device)
-        mode = aot.engine_mode(engine_name, dev)
-        if mode == "build":
-            raise O.UsageError("--engine compiled serves `smallem generate` alone; batch takes auto, native or eager")
+        mode = engines.engine_mode(engines.chosen(engine_name), dev)
         source = open_input(file)  # before the models load: a missing file fails at once
         tgt = family.load_target(target, dev, tokenizer)
         tok = load_tokenizer(tgt.tokenizer)
@@ -255,7 +253,7 @@ def batch(
             eot=tok.token_to_id(EOT),
             decode=tok.decode,
             tree=O.tree(tree),
-            native=mode,  # a native engine's name, or None (eager): "build" was refused above
+            native=mode,  # a native engine's name, or None (eager)
             native_log=None if quiet else err.print,
             weights=weights,
         )

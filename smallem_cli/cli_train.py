@@ -77,9 +77,9 @@ def _continuations(
     unasked, and --out is not --source."""
     import time
 
-    from . import aot, family
     from . import continuations as C
     from . import data as corpus
+    from . import engines, family
     from .engine.build import build_engine
     from .outputs import OutputError, continuations_out
     from .tokenizer import load_tokenizer
@@ -105,7 +105,7 @@ def _continuations(
         reqs = C.requests(C.contexts(ids, n, context_tokens, seed, eot), new_tokens, sampled_every, seed)
         engine = build_engine(
             tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, eot=eot, decode=tok.decode,
-            native=aot.engine_mode("auto", dev), native_log=err.print,
+            native=engines.engine_mode(engines.chosen("auto"), dev), native_log=err.print,
         )  # fmt: skip
         val = corpus.read_documents(val_txt)
     except (family.CheckpointError, ValueError, OSError, UnicodeDecodeError) as e:

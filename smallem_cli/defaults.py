@@ -1,6 +1,5 @@
 """Every default of the command line, declared once."""
 
-import os
 from pathlib import Path
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
@@ -99,11 +98,11 @@ LINE_BYTES_PER_TOKEN = 64
 # activations. A --max-batch whose sequences would not fit at the full context is lowered to what fits
 # (`bench --batch` refuses it: a row runs at the size it names).
 CACHE_MEMORY_SHARE = 0.5
-# Decode steps: "native" (C++ over the float16 weights, `native/`, built for AVX-512 where the
-# CPU has it), "native-avx2" (its AVX2 build, to compare), "compiled" (inductor's graphs, ahead of
-# time, cached on disk), "eager" (the reference); "auto": native on a CPU, eager on a GPU
-# (neither CPU engine has been run on one).
-ENGINE = os.environ.get("SMALLEM_ENGINE", "auto")
+# Decode steps (`engines`): "native" (C++ over the float16 weights, `native/`, built for AVX-512
+# where the CPU has it), "native-avx2" (its AVX2 build, to compare), "eager" (PyTorch: the
+# reference, and the GPU's); "auto": $SMALLEM_ENGINE where it is set, else native on a CPU and
+# eager elsewhere.
+ENGINE = "auto"
 # `bench --costs` reads v for passes over these many tokens (verify passes, catch-ups, batches).
 COST_PASSES = (1, 2, 3, 4, 5, 8, 16)
 # A proposer's head keeps the rows of this many most frequent tokens (0: all of them), greedy

@@ -29,7 +29,6 @@ from .model import Transformer
 from .proposers import MTPProposer, Proposer
 from .sampling import Sampling
 from .stats import Stats
-from .steps import active_steps, whole_context
 
 
 def cache_pages(n_tokens: int, page_size: int = PAGE_SIZE) -> int:
@@ -41,12 +40,10 @@ def engine_for_one(
 ) -> Engine:
     """An engine for one sequence of a prompt and new tokens, n_tokens positions in all.
 
-    With compiled steps the slab is the whole context, the layout they were built for. An MTP
-    proposer set to grow token trees (`MTPProposer.tree`) runs in the engine's batched form,
+    An MTP proposer set to grow token trees (`MTPProposer.tree`) runs in the engine's batched form,
     its module's cache in the pool beside the target's."""
     tree = proposer.tree if isinstance(proposer, MTPProposer) else None
     n_pages = cache_pages(n_tokens + round_ahead(k, tree), page_size)
-    n_pages = whole_context(active_steps(target), n_pages, page_size)
     pool = PagePool(n_pages, page_size)
     t = Target(target, slab_for(target, n_pages * page_size, target.embed_tokens.weight.device), pool)
     if isinstance(proposer, MTPProposer) and tree is not None:

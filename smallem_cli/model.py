@@ -24,10 +24,9 @@ from .cache import PagedKVCache, Step
 from .config import ModelConfig
 from .decode_ops import attend, head_matmul
 from .defaults import PAGE_SIZE
-from .steps import active_steps, compiled_step, whole_context
+from .steps import active_steps, compiled_step
 
 if TYPE_CHECKING:
-    from .aot import CompiledSteps
     from .native import NativeSteps
 
 
@@ -196,9 +195,8 @@ class Transformer(nn.Module):
         self.head_t: torch.Tensor | None = None  # [dim, vocab], set by pack()
         self.head_rows: torch.Tensor | None = None  # [vocab, dim], set by pack() (`head_matmul`)
         self.rope_packed: torch.Tensor | None = None  # complex [max_seq_len, (H+2Hkv)*D/2]
-        self.rope_cos: torch.Tensor | None = None  # its real and imaginary parts, for compiled steps
+        self.rope_cos: torch.Tensor | None = None  # its real and imaginary parts, for the native steps
         self.rope_sin: torch.Tensor | None = None
-        self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
         self.native: NativeSteps | None = None  # set by `native.attach`: the native engine's
         self.native_avx2: NativeSteps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
         # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
@@ -269,9 +267,7 @@ class Transformer(nn.Module):
         fn = compiled_step(steps, cache, step, head and not last_only, last)
         if fn is not None:
             assert steps is not None
-            logits, x, new, *_ = fn(tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
-            if not steps.in_place:  # the graph reads the cache; the new K/V go in here
-                cache.write_all(step, new)
+            logits, x, *_ = fn(tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
             return (self.logits(x[-1:]) if head and last_only else logits), x
         rope = self.rope_packed[step.start : step.length]
         x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
@@ -282,9 +278,7 @@ class Transformer(nn.Module):
         return self.logits(x[-1:] if last_only else x), x
 
     def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
-        """At least n_pages; the whole context with compiled steps (they are built for its layout)."""
         c = self.cfg
-        n_pages = whole_context(active_steps(self), n_pages, page_size)
         return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, n_pages, page_size, self.cos.dtype, self.cos.device)
 
 
@@ -316,7 +310,6 @@ class MTPModule(nn.Module):
         self.block = Block(cfg)
         self.proj_t: torch.Tensor | None = None
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, its projected rows)
-        self.compiled: CompiledSteps | None = None  # set by `aot.attach`: compiled decode steps
         self.native: NativeSteps | None = None  # set by `native.attach`: the native engine's
         self.native_avx2: NativeSteps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
         # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
@@ -353,9 +346,7 @@ class MTPModule(nn.Module):
         fn = compiled_step(steps, cache, step, True, last)
         if fn is not None:
             assert steps is not None
-            x, new = fn(h.contiguous(), tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
-            if not steps.in_place:
-                cache.write_all(step, new)
+            x, _ = fn(h.contiguous(), tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
             return x
         d = self.cfg.dim
         x = torch.addmm(F.embedding(tokens, self.token_table(embed)), unit_rms(h, self.cfg.norm_eps), self.proj_t[:d])
@@ -372,5 +363,4 @@ class MTPModule(nn.Module):
     def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
         c = self.cfg
         dev = self.eh_proj.weight.device
-        n_pages = whole_context(active_steps(self), n_pages, page_size)
         return PagedKVCache(1, c.n_kv_heads, c.head_dim, n_pages, page_size, torch.float32, dev)

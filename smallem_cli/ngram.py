@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from .proposers import Fused, Pass, Proposer, Warp
+from .proposers import Pass, Proposer, Warp
 from .verify import Penalty
 
 
@@ -147,9 +146,6 @@ class NgramProposer:
     def counts(self, k: int) -> list[int]:
         return list(range(k + 1))
 
-    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
-        return []
-
 
 class Fallback:
     """The n-gram lookup's guesses when it matches, else another proposer's."""
@@ -185,6 +181,3 @@ class Fallback:
 
     def counts(self, k: int) -> list[int]:
         return sorted({*self.first.counts(k), *self.other.counts(k)})
-
-    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
-        return self.other.fused(k, greedy)

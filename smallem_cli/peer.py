@@ -21,9 +21,9 @@ import torch
 from rich.console import Group
 from rich.table import Table
 
-from . import aot
 from .bench import Row, forward_costs, sync
 from .defaults import default_k
+from .engines import engine_mode, fastest, prepare_engine
 from .family import ProposerFactory, Target
 from .generate import generate
 from .proposers import NoProposer
@@ -43,9 +43,9 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     from .hf import export_hf
 
     def ours(name: str, k: int) -> float:
-        """Our greedy row's tokens/s, of the fastest engine the bench ran (native, compiled, eager)."""
+        """Our greedy row's tokens/s, of the fastest engine the bench ran (native, else eager)."""
         found = {r.engine: r.tokens_per_s for r in rows if r.proposer == name and r.k == k and r.mode == "greedy"}
-        return found[aot.fastest(found)] if found else float("nan")
+        return found[fastest(found)] if found else float("nan")
 
     out: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,7 +270,7 @@ def llamacpp_peer(
 ) -> list[dict]:
     """llama.cpp on the target's weights (exported as GGUF, f32 and f16), greedy, on torch's
     thread count; timed prompt by prompt in alternation with our target alone (the native
-    engine if the bench ran it, else compiled steps if it ran them, else eager) and, with
+    engine if the bench ran it, else eager) and, with
     `spec` (name, factory, k), our speculative decoding with that proposer, `repeats` times
     (median of the runs' tokens/s). Its tokens are checked against our eager target alone's;
     the pass costs over T tokens (LLAMACPP_PASSES) are read for both engines."""
@@ -281,14 +281,14 @@ def llamacpp_peer(
     _llama_cpp()
     model = target.model
     threads = torch.get_num_threads()
-    engine = aot.fastest(engines)
+    engine = fastest(engines)
     n_ctx = min(1024, model.cfg.max_seq_len)
     passes = [1, *LLAMACPP_PASSES]
-    mode = aot.engine_mode(engine, model.embed_tokens.weight.device)
+    mode = engine_mode(engine, model.embed_tokens.weight.device)
     # our passes over T tokens (and the proposer's), built (or loaded) before anything is timed
-    aot.prepare_engine(mode, model, NoProposer(), [T - 1 for T in passes], log)
+    prepare_engine(mode, model, NoProposer(), [T - 1 for T in passes], log)
     if spec is not None:
-        aot.prepare_engine(mode, model, spec[1](8), [spec[2]], log)
+        prepare_engine(mode, model, spec[1](8), [spec[2]], log)
 
     def ours(p: list[int]) -> tuple[list[int], float]:
         out, st = generate(model, NoProposer(), p, max_new, 0)

@@ -16,9 +16,7 @@ The protocol, in the loop's order:
 - `cost_step()`: one guess from the current state, which it leaves as it was: what
   `bench` times as the proposer's cost c.
 - `passes(k)`: the decode passes a round with k guesses may run, as (model, T, head,
-  last), so that compiled steps can be built before anything is timed (`aot.prepare`).
-- `fused(k, greedy)`: graphs of the proposer's own for a round with k guesses (the MTP
-  module's whole greedy chain, `chain.py`), as (model, Fused), compiled with the passes.
+  last), so that the native engine can load each model's steps before anything is timed.
 - `counts(k)`: how many guesses a round with k may offer (the target's verify pass is
   over one more token): [k] for a fixed depth, 0..k when the proposer may stop early.
 
@@ -32,17 +30,15 @@ Nothing here synchronises with the device: guesses stay tensors and feed the nex
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from .chain import MTPChain, MTPSampledChain, chains, native_chain, run_chain
+from .chain import chains, native_chain, run_chain
 from .defaults import PAGE_SIZE
 from .model import MTPModule, Transformer, unit_rms
-from .steps import MIN_PAST
 from .verify import Penalty, proposal, sample
 
 Warp = Callable[[torch.Tensor], torch.Tensor]  # logits [..., V] -> probabilities [..., V]
@@ -67,13 +63,8 @@ class Proposer(Protocol):
 
     def counts(self, k: int) -> list[int]: ...
 
-    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]: ...
-
 
 Pass = tuple[nn.Module, int, bool, bool]  # (model, tokens in the pass, head, last position only)
-# A graph of a proposer's own: (name, positions it adds after the past, the module, its
-# inputs before (cos, sin, past)). The name is its cache key: it says what the module holds.
-Fused = tuple[str, int, Callable[[], nn.Module], Callable[[], tuple[torch.Tensor, ...]]]
 
 
 class Head:
@@ -195,9 +186,6 @@ class NoProposer:
     def counts(self, k: int) -> list[int]:
         return [0]
 
-    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
-        return []
-
 
 class DraftProposer:
     """A small model with the target's tokenizer, its own paged cache and rollback."""
@@ -284,9 +272,6 @@ class DraftProposer:
     def counts(self, k: int) -> list[int]:
         return list(range(k + 1)) if self.p_min else [k]
 
-    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
-        return []
-
 
 class MTPProposer:
     """DeepSeek-V3's MTP module as proposer: from the target's h_i and token i+1, guess i+2.
@@ -319,9 +304,6 @@ class MTPProposer:
         self.pending_h = torch.empty(0)  # [m, d] target states not yet fed
         self.pending_next = torch.empty(0, dtype=torch.long)  # [m] the token after each
         self.proposed = False  # whether this round's guesses are the module's
-        ids = self.head.ids  # the chain graphs' key part for the head, once (`_chain_name`)
-        digest = "all" if ids is None else hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
-        self._head_key = f"head={tuple(self.head.w.shape)} ids={digest}"
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.pending_h = hidden  # h_0 .. h_{P-1}
@@ -347,17 +329,15 @@ class MTPProposer:
             self.true_len = self.cache.length(self.seq) - (k - 1)
             return run_chain(chain, self.head, k, warp, generator, self.p_min)
         # The prompt, at the first round, in one pass; later, a backlog (rounds another proposer
-        # guessed) in passes of k+1 pairs, the sizes compiled for.
+        # guessed) in passes of k+1 pairs.
         chunk = k + 1 if self.true_len else h.shape[0]
         while h.shape[0] > chunk:
             self.step(h[:chunk], nxt[:chunk], last=True)
             h, nxt = h[chunk:], nxt[chunk:]
         out = self.step(h, nxt, last=True)  # [1, d]: catch up on the true states
         self.true_len = self.cache.length(self.seq)
-        if chains(warp, self.p_min):  # from the caught-up state: natively (a long backlog), else compiled
+        if chains(warp, self.p_min):  # from the caught-up state, natively (after a long backlog)
             chain = native_chain(self.mtp, self.cache, self.seq, self.head, k, out, penalty)
-            if chain is None and penalty is None:  # the compiled chain knows no penalty
-                chain = self._chain(k, warp is None, out)
             if chain is not None:
                 return run_chain(chain, self.head, k, warp, generator, self.p_min)
         tokens, qs = [], []
@@ -371,34 +351,6 @@ class MTPProposer:
             tokens.append(got[0])
             qs.append(got[1])
         return _collect(tokens, qs, self.pending_next[:0])
-
-    def _chain_name(self, k: int, greedy: bool) -> str:
-        """The chain graph's key: k, the mode and the head it guesses with (the module's weights
-        are in the base key)."""
-        return f"mtp-chain k={k} {'greedy' if greedy else 'sampled'} {self._head_key}"
-
-    def _chain(self, k: int, greedy: bool, out: torch.Tensor) -> Callable[..., tuple[torch.Tensor, ...]] | None:
-        """The compiled chain for k guesses from the state `out` [1, d]: (sampled: 1/T, a float,
-        and the uniform draws u [k]) -> (guesses [k], their probabilities [k] or q [k, N]), or None
-        where it cannot serve (not prepared, a layout or positions it was not built for)."""
-        steps = self.mtp.compiled
-        if k < 2 or steps is None:
-            return None
-        fn = steps.fused(self._chain_name(k, greedy))
-        L = self.true_len
-        if fn is None or tuple(self.cache.kv.shape) != steps.slab_shape or L + k - 1 > steps.positions:
-            return None
-        where = self.cache.append(self.seq, 0)  # a pass over no token: the past as one view, if it is one
-        if where.view is None or L < MIN_PAST:
-            return None
-        cos, sin = steps.rope[0][L : L + k - 1], steps.rope[1][L : L + k - 1]
-        past = where.past()
-
-        def run(*sampled: float | torch.Tensor) -> tuple[torch.Tensor, ...]:
-            more = [torch.full((1,), sampled[0], device=out.device), sampled[1]] if sampled else []  # the graph's 1/T
-            return fn(out.contiguous(), *more, cos, sin, past)
-
-        return run
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         if not self.proposed:  # another proposer guessed: these pairs wait to be fed
@@ -423,20 +375,3 @@ class MTPProposer:
 
     def counts(self, k: int) -> list[int]:
         return list(range(k + 1)) if self.p_min else [k]
-
-    def fused(self, k: int, greedy: bool) -> list[tuple[nn.Module, Fused]]:
-        """The chain of k guesses as one graph (`chain.MTPChain`, or `MTPSampledChain` for sampled
-        runs; those with top-k or top-p, or with adaptive depth, go step by step)."""
-        if k < 2:
-            return []
-        d = self.mtp.cfg.dim
-        kind = MTPChain if greedy else MTPSampledChain
-
-        def module() -> nn.Module:
-            return kind(self.mtp, self.target.embed_tokens.weight, self.head.w, self.head.ids, k)
-
-        def inputs() -> tuple[torch.Tensor, ...]:
-            out = torch.zeros(1, d)
-            return (out,) if greedy else (out, torch.ones(1), torch.full((k,), 0.5, dtype=torch.float64))
-
-        return [(self.mtp, (self._chain_name(k, greedy), k - 1, module, inputs))]

@@ -297,9 +297,13 @@ def serve_tokens(url: str, model: str, prompts: list[list[int]], max_new: int) -
 
 # --- smallem bench --peer vllm -------------------------------------------------------------------
 def _ours(rows: list[Any], proposer: str, k: int) -> Any:
-    """Our greedy row for (proposer, k) from the same bench run: the compiled engine's if it ran."""
+    """Our greedy row for (proposer, k) from the same bench run, of the fastest engine it ran (the
+    default engine's: native on a CPU), not the first row found (eager's)."""
+    from .engines import fastest
+
     found = [r for r in rows if r.proposer == proposer and r.k == k and r.mode == "greedy"]
-    return next((r for r in found if r.engine == "compiled"), found[0] if found else None)
+    best = fastest(r.engine for r in found)
+    return next((r for r in found if r.engine == best), None)
 
 
 def bench_peer(

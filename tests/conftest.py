@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-# The suite runs the eager engine unless a test asks for the compiled one (tests/test_compiled.py),
-# with compiled steps cached apart from the user's.
+# The suite runs the eager engine (--engine auto reads SMALLEM_ENGINE) unless a test asks for the
+# native one.
 os.environ.setdefault("SMALLEM_ENGINE", "eager")
 
 import copy

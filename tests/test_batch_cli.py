@@ -525,7 +525,7 @@ def test_an_empty_input_is_no_error(family: Family, fake: FakeEngine) -> None:
         (["--threads", "0"], r"--threads must be between 1 and \d+ .*, got 0"),
         (["--device", "tpu"], r"unknown device 'tpu'"),
         (["--engine", "turbo"], r"unknown engine 'turbo'"),
-        (["--engine", "compiled"], r"--engine compiled serves `smallem generate` alone; batch takes auto, native"),
+        (["--engine", "compiled"], r"unknown engine 'compiled': use auto, eager, native"),
         (["no-such-file.txt"], r"input file not found: no-such-file\.txt"),
         (["."], r"cannot read \."),
     ],

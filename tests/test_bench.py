@@ -12,7 +12,7 @@ import torch
 from conftest import Family
 from typer.testing import CliRunner
 
-from smallem_cli import aot, bench, defaults
+from smallem_cli import bench, defaults, engines
 from smallem_cli import family as fam
 from smallem_cli.cli import app
 
@@ -71,24 +71,24 @@ def test_run_bench_rows_and_identity(family: Family) -> None:
 def test_run_bench_engines_side_by_side(family: Family) -> None:
     """Both engines in one run: the eager target alone is every row's reference (identity and
     vs_eager), and each engine's speed-up is over its own target alone. (No step is prepared
-    here, so the compiled rows run eager: tests/test_compiled.py compiles for real.)"""
+    here, so the native rows run eager: tests/test_native.py runs them for real.)"""
     dev = torch.device("cpu")
     target = fam.load_target(family.target, dev)
     factories = {"mtp": fam.load_proposer("mtp", target, dev, 0)}
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12]]
-    plan = bench.Plan({"greedy": factories}, {"mtp": [2]}, ["greedy"], max_new=16, repeats=2, engines=("compiled",))
+    plan = bench.Plan({"greedy": factories}, {"mtp": [2]}, ["greedy"], max_new=16, repeats=2, engines=("native",))
     rows = bench.run_bench(target.model, prompts, plan)
-    assert [(r.engine, r.proposer) for r in rows] == [("eager", "none"), ("compiled", "none"), ("compiled", "mtp")]
+    assert [(r.engine, r.proposer) for r in rows] == [("eager", "none"), ("native", "none"), ("native", "mtp")]
     assert rows[0].vs_eager == 1.0 and rows[1].speedup == 1.0 and rows[0].speedup == 1.0
     assert all(r.identical == "1/1" and r.vs_eager is not None and r.vs_eager > 0 for r in rows)
     both = bench.Plan(
-        {"greedy": factories}, {"mtp": [2]}, ["greedy"], max_new=16, repeats=1, engines=("eager", "compiled")
+        {"greedy": factories}, {"mtp": [2]}, ["greedy"], max_new=16, repeats=1, engines=("eager", "native")
     )
-    assert bench.generations(both, 3) == 4 * 3  # eager none, compiled none, mtp on each engine
-    assert aot.bench_engines("eager,compiled", dev) == ("eager", "compiled")
-    assert aot.bench_engines("auto", dev) == ("eager", "native")
+    assert bench.generations(both, 3) == 4 * 3  # eager none, native none, mtp on each engine
+    assert engines.bench_engines("eager,native", dev) == ("eager", "native")
+    assert engines.bench_engines("auto", dev) == ("eager", "native")
     with pytest.raises(ValueError, match="--engines"):
-        aot.bench_engines("eager,fast", dev)
+        engines.bench_engines("eager,fast", dev)
 
 
 def test_bench_command_json(family: Family, tmp_path: Path) -> None:

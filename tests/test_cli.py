@@ -27,7 +27,7 @@ from smallem_cli.config import ModelConfig
 PROMPT = "The quick brown fox"
 STATS_LINE = re.compile(
     r"(\d+) tokens in \d+\.\d\d s: \d+\.\d tok/s, acceptance (\d\.\d\d), (\d+\.\d\d) tokens/pass "
-    r"\((.+), k=(\d+), (?:eager|compiled)\)"
+    r"\((.+), k=(\d+), (?:eager|native|native-avx2)\)"
 )
 
 

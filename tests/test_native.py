@@ -20,7 +20,7 @@ import torch
 from conftest import DRAFT_CFG, PROMPT, TINY, Family, noisy_copy, random_model, random_mtp
 from typer.testing import CliRunner
 
-from smallem_cli import aot, native
+from smallem_cli import engines, native
 from smallem_cli.cli import app
 from smallem_cli.generate import generate
 from smallem_cli.model import MTPModule, Transformer
@@ -498,13 +498,14 @@ def test_builds_follow_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 
 def test_engine_names_and_bench_engines() -> None:
     cpu = torch.device("cpu")
-    assert aot.bench_engines("auto", cpu) == ("eager", "native")
-    assert aot.bench_engines("native,compiled", cpu) == ("native", "compiled")
-    assert aot.bench_engines("native-avx2,native", cpu) == ("native-avx2", "native")
-    assert aot.fastest(("native", "native-avx2", "eager")) == "native"
-    assert aot.engine_mode("native-avx2", cpu) == "native-avx2" and aot.engine_mode("auto", cpu) == "native"
+    assert engines.bench_engines("auto", cpu) == ("eager", "native")
+    with pytest.raises(ValueError, match="--engines"):
+        engines.bench_engines("native,compiled", cpu)  # the compiled engine is gone
+    assert engines.bench_engines("native-avx2,native", cpu) == ("native-avx2", "native")
+    assert engines.fastest(("native", "native-avx2", "eager")) == "native"
+    assert engines.engine_mode("native-avx2", cpu) == "native-avx2" and engines.engine_mode("auto", cpu) == "native"
     with pytest.raises(ValueError, match="native"):
-        aot.bench_engines("native,bogus", cpu)
+        engines.bench_engines("native,bogus", cpu)
 
 
 def test_cli_native_engine_prints_the_eager_text(
@@ -513,6 +514,7 @@ def test_cli_native_engine_prints_the_eager_text(
     """`--engine native` (and auto, its default on a CPU) print the eager engine's text; the
     first run builds the library (one line), later runs only load it."""
     monkeypatch.setenv("SMALLEM_CACHE", str(tmp_path))
+    monkeypatch.delenv("SMALLEM_ENGINE", raising=False)  # auto: native on a CPU
     monkeypatch.setattr(native.kernels, "_LIBS", {})
     runner = CliRunner()
 

@@ -24,7 +24,7 @@ import torch
 from conftest import Family
 from typer.testing import CliRunner
 
-from smallem_cli import aot, native
+from smallem_cli import engines, native
 from smallem_cli.cli import app
 from smallem_cli.native import kernels
 from smallem_cli.native.pack import NativeUnavailable
@@ -109,13 +109,13 @@ def test_cache_root_expands_the_home_folder(
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SMALLEM_CACHE", "~/x")
-    assert aot.cache_root() == home / "x"
-    kernels.library(aot.cache_root(), lambda _: None)
+    assert engines.cache_root() == home / "x"
+    kernels.library(engines.cache_root(), lambda _: None)
     one_good_library(home / "x")
     assert not (tmp_path / "~").exists()
     monkeypatch.delenv("SMALLEM_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", "~/xdg")
-    assert aot.cache_root() == home / "xdg" / "smallem"
+    assert engines.cache_root() == home / "xdg" / "smallem"
 
 
 @pytest.mark.parametrize(("mode", "loads"), [(0o777, False), (0o770, False), (0o1777, True), (0o755, True)])

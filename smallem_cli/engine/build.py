@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .. import aot, family
 from .. import defaults as D
+from .. import engines, family
 from .. import options as O
 from ..model import MTPModule, Transformer
 from ..ngram import Fallback, NgramProposer
@@ -250,7 +250,7 @@ def build_engine(
         kg = k if k is not None else D.default_k(proposer, True)
         ks = k if k is not None else D.default_k(proposer, False)
     if native is not None:
-        aot.prepare_engine(native, model, one, [max(kg, ks, 1)], native_log)
+        engines.prepare_engine(native, model, one, [max(kg, ks, 1)], native_log)
     one.release()
     target = Target(model, slab, pool)
     return Engine(

@@ -67,9 +67,8 @@ class Target:
         self, seqs: list[Seq], ids: torch.Tensor, counts: list[int], head: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """A sequence alone whose pages lie in order (a pool of one sequence hands them out so)
-        runs the model's compiled or native step for this pass when it has one: the step reads
-        the past as one view of the slab, and the new K/V it returns are written here (unless it
-        wrote them there itself: `Steps.in_place`).
+        runs the model's native step for this pass when it has one: the step reads the past as
+        one view of the slab and writes the new K/V after it.
         -> (logits [N, V] or empty without `head`, hidden [N, d], the native step's argmaxes and
         finite flag [N + 1] or None), or None (no such step)."""
         if len(seqs) != 1:
@@ -78,16 +77,14 @@ class Target:
         table = self.pool.tables[s.uid]
         start, end = s.cached, s.cached + T
         steps = active_steps(self.model)
-        fn = compiled_for(steps, tuple(self.slab.shape), start, end, head, False)
+        fn = compiled_for(steps, start, end, head, False)
         page = B.in_order(table, len(table))
         if fn is None or page is None:
             return None
         assert steps is not None
         base = page * self.pool.page_size
         past = self.slab[:, :, :, base : base + start]  # [L, K or V, Hkv, start, D]: a view
-        logits, hidden, new, *top = fn(ids.contiguous(), *steps.trig(start, end), past)
-        if not steps.in_place:
-            self.slab[:, :, :, base + start : base + end].copy_(new)  # in order: a slice, no index
+        logits, hidden, _, *top = fn(ids.contiguous(), *steps.trig(start, end), past)
         return logits, hidden, top[0] if top else None
 
 

@@ -12,12 +12,11 @@ is, not rounded. A proposer loaded so (`--proposer-weights int8`, `model.native_
 its matrices as int8 with a scale per row instead (`pack.panels8`): half the bytes a guess
 reads; the target's are always its own values, so the text is the target's.
 
-The step has the compiled graphs' inputs (`graphs.py`): it reads the past as a strided view
-of the slab; it writes the new K/V into the slab itself, right after the past (`in_place`:
-the caller's copy and a buffer saved), and returns them as a view there. So `NativeSteps` stands
-where `aot.CompiledSteps` does (`model.native`, chosen by `steps.switch`), for every T, with
-no per-shape build: one library, built once by the system's C++ compiler (the one inductor
-uses) and cached on disk by the hash of its source and flags.
+A step reads the past as a strided view of the slab; it writes the new K/V into the slab
+itself, right after the past (the caller's copy and a buffer saved), and returns them as a
+view there (`steps.Steps`: `model.native`, chosen by `steps.switch`), for every T, with no
+per-shape build: one library, built once by the system's C++ compiler and cached on disk by
+the hash of its source and flags (`kernels`).
 
 Anything that fails (no compiler, a CPU without AVX2/F16C/FMA, weights that float16
 cannot hold exactly, a shape the kernels do not tile) leaves the model eager, with one
@@ -64,9 +63,9 @@ class _ModelW(ctypes.Structure):
 
 
 class NativeSteps:
-    """A model's native decode steps: the interface of `aot.CompiledSteps` (`get`, `trig`,
-    `enabled`, `positions`, `slab_shape`, `min_past`) over one library that serves every T,
-    and a proposer's chain of guesses in one call (`chain`)."""
+    """A model's native decode steps (`steps.Steps`: `get`, `trig`, `enabled`, `positions`,
+    `min_past`) over one library that serves every T, and a proposer's chain of guesses in one
+    call (`chain`)."""
 
     def __init__(
         self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native"
@@ -86,9 +85,7 @@ class NativeSteps:
         self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
         self._rope_row = own.rope_cos.stride(0) * own.rope_cos.element_size()  # bytes a position (`chain`)
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
-        self.slab_shape: tuple[int, ...] | None = None  # any layout: the past comes with its strides
         self.min_past = 0  # a prompt's pass too: its past is empty
-        self.in_place = True  # a pass writes its K/V into the slab after the past it reads
         self.enabled = True
         self.mtp = isinstance(model, MTPModule)
         self.keep: list[torch.Tensor] = []  # every tensor the C struct points at, alive as long as it
@@ -290,7 +287,7 @@ class NativeSteps:
         threads = torch.get_num_threads()
         scratch = self._scratch_for(T, threads)
         x = torch.empty(T, c.dim)
-        # the new K/V [L, 2, Hkv, T, D]: in the slab, right after the past (`in_place`), which must hold them
+        # the new K/V [L, 2, Hkv, T, D]: in the slab, right after the past, which must hold them
         at = past.storage_offset() + S * past.stride(3)
         dims = zip(past.shape[:3], past.stride()[:3], strict=True)
         reach = at + sum((n - 1) * s for n, s in dims) + (T - 1) * past.stride(3) + c.head_dim
@@ -330,18 +327,25 @@ class NativeSteps:
         return logits, out, new, top
 
 
-def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native") -> bool:
-    """Give a model native steps (`model.native`, or `model.native_avx2` for that engine) -> whether
-    it has them; where they cannot serve, why through `log` and the model stays on the others."""
+def _attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str) -> str | None:
+    """Give a model native steps (`model.native`, or `model.native_avx2` for that engine) -> None,
+    or why it cannot have them (the model then stays on the others)."""
     attr = engine.replace("-", "_")
     if getattr(model, attr) is not None:
-        return True
+        return None
     try:
         setattr(model, attr, NativeSteps(model, target, log, root, engine))
     except (NativeUnavailable, OSError) as e:
-        log(str(e))
-        return False
-    return True
+        return str(e)
+    return None
+
+
+def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native") -> bool:
+    """`_attach` -> whether the model has native steps; why not, in one line through `log`."""
+    why = _attach(model, target, log, root, engine)
+    if why is not None:
+        log(f"native decode step unavailable ({type(model).__name__}): {why}")
+    return why is None
 
 
 def prepare(
@@ -351,13 +355,13 @@ def prepare(
     that holds for every model (no compiler, an unsafe cache folder) is said once, not per model."""
     every = list({id(m): m for m in [target, *models]}.values())
     said: dict[str, list[str]] = {}
-    ready = sum(
-        attach(m, target, lambda why, m=m: said.setdefault(why, []).append(type(m).__name__), root, engine)
-        for m in every
-    )
+    for m in every:
+        why = _attach(m, target, log, root, engine)
+        if why is not None:
+            said.setdefault(why, []).append(type(m).__name__)
     for why, names in said.items():
         log(f"native decode step unavailable ({', '.join(names)}): {why}")
-    return ready, len(every)
+    return len(every) - sum(map(len, said.values())), len(every)
 
 
 # re-exported: the engine calls native.verify_sample and native.penalize_argmax
