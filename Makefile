@@ -6,9 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 # Training budgets in tokens (steps x 16 sequences x 256 tokens): the same family on any
 # machine, however loaded. These are the shipped family's own counts (its checkpoints' facts);
-# it took 215 minutes of training on this 2-core machine (their train_seconds: 137 before
-# draft-2l's second distillation, 35 for it, 24 for its third, 18 for the MTP module's fourth
-# stage), and 9 minutes of generating the target's text that stage reads.
+# the stages, their timings and the experiments behind them: docs/family.md.
 TARGET_T ?= 5337088
 # the MTP module: distilled from the frozen target, once more at a lower rate, then with
 # a loss that also matches the target's next state (for chained guesses)
@@ -24,23 +22,17 @@ DRAFT4_T ?= 2502656
 # then each draft is distilled from the target (KL to its next-token distribution)
 DISTILL2_T ?= 1548288
 DISTILL4_T ?= 1359872
-# and draft-2l once more, longer (0.654 -> 0.693 agreement, 3.09 -> 3.33 tokens a pass at k=4)
+# and draft-2l twice more, longer: each raised its agreement with the target
 DISTILL2B_T ?= 2002944
-# and a third time (0.693 -> 0.713 agreement, 3.33 -> 3.49 tokens a pass at k=4)
 DISTILL2C_T ?= 2002944
-# The loss through torch.compile (seconds a step of 16 x 256 tokens, compile cache warm, 2 cores,
-# one reading each): the target's joint training 3.90 -> 2.65, draft-2l on the text 0.70 -> 0.57,
-# its distillation 2.08 -> 1.65; the MTP module's distillation 1.93 against 2.00 on an earlier host, and
-# on the Emerald Rapids host of 2026-12-01 1.75 -> 1.44 (its stage 1) and 1.89 -> 1.44 (with the
-# feature loss), so it is compiled too. A cold compile adds 13 to 47 s a stage. `COMPILE=` for none.
-# On that host, from 24-step runs of each stage (compiled): target 2.17 s a step, MTP 1.44,
-# draft-2l 0.51 and its distillation 1.72, draft-4l 0.66 and 1.77; 128 continuations in 9 s.
-# With these budgets and bfloat16 products (PRECISION), `make checkpoints` from a clean clone of
-# commit c9ea673 took 118.6 minutes end to end on a 2-core AMD EPYC (2026-12-02; README, "The model family").
+# The loss through torch.compile: fewer seconds a step for every stage, after a cold compile of
+# tens of seconds a stage (docs/family.md, "`smallem train --compile`"). `COMPILE=` for none.
+# `make checkpoints` from a clean clone took 118.6 minutes on a 2-core AMD EPYC
+# (2026-12-02; docs/family.md, "The token-budget recipe, timed end to end").
 COMPILE ?= --compile
-# The loss's products in bfloat16 (autocast; weights, optimiser and losses stay float32): on the
-# AMD Zen 4 host of 2026-12-02 (AVX512_BF16) a step cost about two thirds of float32's. Not measured
-# on a CPU without bfloat16 instructions: `PRECISION=` trains in float32.
+# The loss's products in bfloat16 (autocast; weights, optimiser and losses stay float32): cheaper
+# on a CPU with bfloat16 instructions (docs/family.md, "`smallem train --precision bf16`");
+# `PRECISION=` trains in float32.
 PRECISION ?= --precision bf16
 
 # vLLM's CPU build, in a venv of its own (it pins its own torch build): `make vllm-check`, and
@@ -123,7 +115,7 @@ vllm-check: install vllm-venv
 	$(BIN)/smallem export checkpoints/target.safetensors $(VLLM_HF)/target --overwrite
 	$(BIN)/smallem export checkpoints/draft-2l.safetensors $(VLLM_HF)/draft-2l --overwrite
 	$(BIN)/smallem export checkpoints/target.safetensors $(VLLM_HF)/mimo --format mimo --overwrite
-	SMALLEM_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m smallem_cli.vllm_check --hf $(VLLM_HF)
+	SMALLEM_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m smallem_cli.interop.vllm_check --hf $(VLLM_HF)
 
 clean:
 	rm -rf $(VENV) runs data

@@ -12,20 +12,16 @@ PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "kjv-val-32.jsonl
 BATCH_PROMPTS = PROMPTS.with_name("kjv-val-32x64.jsonl")
 
 # The proposer used when none is named, per mode: greedy, the n-gram lookup backed by the MTP
-# module (×1.84 against mtp's ×1.53 over the target alone, held-out prompts, one quiet bench
-# run); sampled, the MTP module (×1.33 against ngram+mtp's ×1.27: sampled text rarely repeats).
+# module (greedy text repeats itself, and a lookup guesses it for free); sampled, the MTP module
+# (sampled text rarely repeats). Measured: docs/benchmarks.md, "The n-gram proposer".
 PROPOSER = {"greedy": "ngram+mtp", "sample": "mtp"}
 # What --proposer takes, and its default per mode, as the help of generate and batch says it.
 PROPOSER_HELP = (
     f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P [default: {PROPOSER['greedy']} greedy, "
     f"{PROPOSER['sample']} sampled; HF: none]"
 )
-# Default k per proposer, greedy and sampled: the best measured by `smallem bench --sweep-k`
-# on the shipped family (README, "The default k"; the drafts' re-measured on the native engine,
-# whose cheaper passes and one-call chains moved draft-4l greedy from 3 to 4 and draft-2l
-# sampled from 2 to 5; with the native sampled verification, mtp sampled from 4 to 3; the
-# longer-distilled draft-2l sampled back to 2: x1.25 against x1.21, x1.16, x1.06 at 3, 4, 5;
-# distilled a third time, 3: x1.23 against x1.14, x1.21, x1.18 at 2, 4, 5).
+# Default k per proposer, greedy and sampled: the best of `smallem bench --sweep-k` on the
+# shipped family, on the native engine (docs/benchmarks.md, "The default k").
 K = {"none": 0, "draft-2l": 4, "draft-4l": 4, "mtp": 4, "ngram": 4}
 K_SAMPLE = {"none": 0, "draft-2l": 3, "draft-4l": 2, "mtp": 3, "ngram": 4}
 K_OTHER = 3  # a proposer given by path
@@ -35,8 +31,8 @@ NGRAM = "ngram"
 NGRAM_MIN = 2
 NGRAM_MAX = 4
 # What one more token adds to a verify pass, in one-token passes: the n-gram lookup weighs it
-# against its measured acceptance to choose how many guesses to offer (v(5) = 1.64 in the
-# compiled engine's bench here: 0.16 a token).
+# against its measured acceptance to choose how many guesses to offer (`bench --costs` reads v;
+# docs/benchmarks.md, "Pass costs").
 NGRAM_GUESS_COST = 0.16
 # Adaptive depth (--draft-p-min): 0 keeps every round at k guesses.
 P_MIN = 0.0
@@ -79,7 +75,7 @@ TRAIN_MTP_WEIGHT = 0.3
 TRAIN_COMPILE = False
 # `train --precision`: "fp32", or "bf16" (the loss's matrix products in bfloat16 under autocast, the
 # weights, the optimiser and every loss in float32). Measured faster on an AMD Zen 4 host
-# (AVX512_BF16; README); the Makefile's recipe asks for it.
+# (AVX512_BF16; docs/family.md, "`smallem train --precision bf16`"); the Makefile's recipe asks for it.
 TRAIN_PRECISION = "fp32"
 TEMPERATURE = 0.0
 SEED = 0
@@ -112,10 +108,9 @@ PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 
 
 # How the native engine stores a proposer's matrices (`--proposer-weights`): "int8" (per-row
-# scales, `native.panels8`: half the bytes a guess reads) or "f16", its checkpoint's values.
-# `smallem bench --proposer-weights int8,f16`, one run: greedy mtp k=4 x1.92 against x1.81,
-# 3.52 tokens a pass against 3.50; sampled x1.41 against x1.31; draft-2l even (x1.87 / x1.90).
-# The target's are always its own float16 values: the text is the target's either way.
+# scales, `native.panels8`: half the bytes a guess reads, for about the same acceptance) or
+# "f16", its checkpoint's values (`bench --proposer-weights int8,f16`; docs/benchmarks.md, "A
+# proposer's matrices as int8"). The target's are always its own values: the text is the target's.
 PROPOSER_WEIGHTS = "int8"
 WEIGHTS = ("int8", "f16")
 WEIGHTS_HELP = f"int8 | f16: how the native engine stores the proposer's matrices [default: {PROPOSER_WEIGHTS}]"
@@ -136,11 +131,8 @@ PAGE_SIZE = 16
 PREFILL_TOKENS = 1024
 # Guesses per round under load, for greedy requests whose k was not given: per kind of proposer,
 # (batch size up to, k cap). A pass over the whole batch costs more as the batch grows, so a
-# guess kept less often stops paying first. Measured (`bench --batch 1,4,16,64 -k 1,2,4`, 2
-# threads, 64 prompts x 200 tokens): draft-2l over the target alone at 4 / 16 / 64 sequences,
-# k=4 x1.48 / x1.15 / x1.13, k=2 x1.45 / x1.24 / x1.40; mtp k=4 x2.10 / x1.50 / x1.69, k=2
-# x2.02 / x1.57 / x1.60: a draft drops to 2 guesses past 4 sequences, MTP keeps its k (no
-# crossover to k=0 up to 64 sequences on this CPU).
+# guess kept less often stops paying first: a draft drops to 2 guesses past 4 sequences, MTP
+# keeps its k (`bench --batch 1,4,16,64 -k 1,2,4`; docs/benchmarks.md, "The batch engine").
 LOAD_K = {"draft": ((4, MAX_K), (1 << 30, 2)), "mtp": ((1 << 30, MAX_K),)}
 
 

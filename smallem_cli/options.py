@@ -184,7 +184,7 @@ LOADAVG = Path("/proc/loadavg")
 def threads_for_load(cores: int) -> int | None:
     """`generate`'s default thread count: None (torch's, all cores) unless other processes are
     running right now (the runnable count of /proc/loadavg, less this one), then the cores they
-    leave, at least 1. Measured (README, "Threads"): with another process spinning on one of
+    leave, at least 1. Measured (docs/benchmarks.md, "Threads"): with another process spinning on one of
     2 cores, 2 threads fell to a third of 1 thread's speed, whose barriers never wait on a
     descheduled sibling; quiet, 2 threads were faster."""
     try:
@@ -266,7 +266,7 @@ def check_bench(modes: str, repeats: int, max_new: int, peer: str | None, plot: 
     if missing:
         raise UsageError(f"--peer llamacpp needs {' and '.join(missing)}: pip install 'smallem[llamacpp]'")
     if peer == "vllm":  # vLLM lives in a venv of its own (.venv-vllm): its python must be there
-        from .vllm_peer import VllmError, find_python
+        from .interop.vllm_peer import VllmError, find_python
 
         try:
             find_python()

@@ -23,12 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from smallem_cli import checkpoint
 from smallem_cli.config import PRESETS, ModelConfig
-from smallem_cli.data import encode_file
-from smallem_cli.model import MTPModule, Transformer
-from smallem_cli.tokenizer import train_tokenizer
-from smallem_cli.train import TrainSettings, train_model, vocab_rank
+from smallem_cli.model import checkpoint
+from smallem_cli.model.llama import MTPModule, Transformer
+from smallem_cli.train.data import encode_file, train_tokenizer
+from smallem_cli.train.loop import TrainSettings, train_model, vocab_rank
 
 torch.set_num_threads(1)
 
@@ -139,7 +138,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
         eval_every_s=1e9,
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("smallem_cli.train.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
+        mp.setattr("smallem_cli.train.loop.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
         model, mtp, facts = train_model(
             TINY, stream, stream[: 4 * PERIOD + 34], settings, tmp_path_factory.mktemp("run")
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from smallem_cli import atomic
-from smallem_cli.data import token_file, write_parts
+from smallem_cli.train.data import token_file, write_parts
 
 
 def test_a_failed_write_leaves_the_file_as_it_was(tmp_path: Path) -> None:

@@ -24,12 +24,12 @@ from conftest import FAMILY_CFG, Family
 from test_cli import refused
 from typer.testing import CliRunner
 
-from smallem_cli import batch_io as B
-from smallem_cli import cli_batch
 from smallem_cli import defaults as D
-from smallem_cli.cli import app
+from smallem_cli.cli import batch as cli_batch
+from smallem_cli.cli import batch_io as B
+from smallem_cli.cli.app import app
 from smallem_cli.engine.request import Finished, Request
-from smallem_cli.sampling import Sampling
+from smallem_cli.spec.sampling import Sampling
 
 REPO = Path(__file__).resolve().parent.parent
 CTX = 64  # the context parse_line's tests give
@@ -552,7 +552,7 @@ def test_no_input_on_a_terminal_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
 FAKE_RUN = """
 import os, sys, time
 from types import SimpleNamespace
-from smallem_cli import cli_batch
+from smallem_cli.cli import batch as cli_batch
 from smallem_cli.engine.request import Finished
 
 def run(requests, progress=None):

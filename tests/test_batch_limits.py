@@ -22,13 +22,13 @@ from test_batch_cli import FakeEngine, answers, batch
 from test_cli import refused
 from typer.testing import CliRunner
 
-from smallem_cli import batch_io as B
-from smallem_cli import cli_batch
 from smallem_cli import defaults as D
-from smallem_cli.cli import app
+from smallem_cli.cli import batch as cli_batch
+from smallem_cli.cli import batch_io as B
+from smallem_cli.cli.app import app
 from smallem_cli.engine import build
+from smallem_cli.engine.family import load_target
 from smallem_cli.engine.request import Request
-from smallem_cli.family import load_target
 from smallem_cli.options import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def test_the_limit_is_the_bytes_before_the_newline(as_file: bool) -> None:
 FAKE_RUN = """
 import os, pathlib, sys, time
 from types import SimpleNamespace
-from smallem_cli import cli_batch
+from smallem_cli.cli import batch as cli_batch
 from smallem_cli.engine.request import Finished
 
 HOLD = int(os.environ.get("FAKE_HOLD", "0"))  # >0: answer every line but the first, then wait

@@ -12,9 +12,11 @@ import torch
 from conftest import Family
 from typer.testing import CliRunner
 
-from smallem_cli import bench, defaults, engines
-from smallem_cli import family as fam
-from smallem_cli.cli import app
+from smallem_cli import defaults
+from smallem_cli.backends import engines
+from smallem_cli.bench import run as bench
+from smallem_cli.cli.app import app
+from smallem_cli.engine import family as fam
 
 
 def test_cost_model_matches_the_seed() -> None:
@@ -239,7 +241,7 @@ def test_peer_table_marks_a_row_we_did_not_run() -> None:
     compare with; the table says so instead of printing nan."""
     from rich.console import Console
 
-    from smallem_cli.peer import peer_table
+    from smallem_cli.bench.peer import peer_table
 
     rows = [
         {"peer": "plain", "tokens_per_s": 70.0, "ours_tokens_per_s": 700.0, "ours_over_peer": 10.0, "identical": "8/8"},

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from smallem_cli.cache import CacheFullError, PagedKVCache, Step
+from smallem_cli.model.cache import CacheFullError, PagedKVCache, Step
 
 N_LAYERS, N_KV, HEAD_DIM = 2, 2, 4
 PAGE = 4

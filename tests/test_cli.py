@@ -19,10 +19,11 @@ from conftest import FAMILY_CFG, Family, random_model, random_mtp
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from smallem_cli import checkpoint, cli
 from smallem_cli import defaults as D
-from smallem_cli.cli import app
+from smallem_cli.cli import app as cli
+from smallem_cli.cli.app import app
 from smallem_cli.config import ModelConfig
+from smallem_cli.model import checkpoint
 
 PROMPT = "The quick brown fox"
 STATS_LINE = re.compile(

@@ -10,14 +10,14 @@ import torch
 from conftest import CORPUS, Family
 from typer.testing import CliRunner
 
-from smallem_cli import continuations as C
-from smallem_cli import data as corpus
-from smallem_cli import family as fam
-from smallem_cli.cli import app
-from smallem_cli.generate import generate
-from smallem_cli.proposers import NoProposer
-from smallem_cli.sampling import Sampling
-from smallem_cli.tokenizer import load_tokenizer
+from smallem_cli.cli.app import app
+from smallem_cli.engine import family as fam
+from smallem_cli.engine.generate import generate
+from smallem_cli.model.tokenizer import load_tokenizer
+from smallem_cli.spec.proposers import NoProposer
+from smallem_cli.spec.sampling import Sampling
+from smallem_cli.train import continuations as C
+from smallem_cli.train import data as corpus
 
 
 def test_contexts_lie_within_one_document_and_follow_the_seed() -> None:
@@ -78,7 +78,7 @@ def test_continuations_command_writes_the_targets_own_text(family: Family, tmp_p
 def test_a_continued_proposer_keeps_its_cut(family: Family, tmp_path: Path) -> None:
     """A proposer continued on other text (the target's own) keeps its ranking of the vocabulary,
     the tokens its cut head guesses with; a new one ranks its training text's."""
-    from smallem_cli import checkpoint
+    from smallem_cli.model import checkpoint
 
     text = tmp_path / "corpus.txt"
     text.write_text((CORPUS + "\n\n") * 300, encoding="utf-8")
@@ -94,8 +94,8 @@ def test_a_continued_proposer_keeps_its_cut(family: Family, tmp_path: Path) -> N
     assert result.exit_code == 0, (result.stderr, result.exception)
     assert checkpoint.vocab_rank(checkpoint.read_meta(out), out, 300) == own
     # a new member (no checkpoint it continues) lists its training text's tokens by frequency
-    from smallem_cli.members import save_family_member
-    from smallem_cli.train import vocab_rank
+    from smallem_cli.train.loop import vocab_rank
+    from smallem_cli.train.members import save_family_member
 
     ids = corpus.encode_file(family.tokenizer, tmp_path / "data" / "train.txt")
     new = tmp_path / "new.safetensors"

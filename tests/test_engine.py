@@ -11,14 +11,15 @@ from conftest import PROMPT, random_model
 from smallem_cli.config import ModelConfig
 from smallem_cli.engine.build import pool_pages
 from smallem_cli.engine.forward import slab_for
+from smallem_cli.engine.generate import generate
 from smallem_cli.engine.pool import PagePool, PoolExhausted
 from smallem_cli.engine.proposers import DraftGuess, EachGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.runner import Target
 from smallem_cli.engine.scheduler import Engine
-from smallem_cli.generate import generate
-from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
-from smallem_cli.sampling import Sampling
+from smallem_cli.spec.head import Head
+from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
+from smallem_cli.spec.sampling import Sampling
 
 N = 60
 PS = 16
@@ -365,7 +366,7 @@ def test_non_finite_logits_stop_the_run(models, where: str) -> None:
     """NaN logits raise the loop's NonFiniteError (one line in `smallem batch`), never an answer."""
     import copy
 
-    from smallem_cli.sampling import NonFiniteError
+    from smallem_cli.spec.sampling import NonFiniteError
 
     bad = copy.deepcopy(models["target"])
     eng = engine({**models, "target": bad}, "none", 0, max_batch=2)
@@ -387,7 +388,7 @@ def test_non_finite_logits_stop_the_run(models, where: str) -> None:
 def test_stop_strings_cut_as_generate_cuts_them(models) -> None:
     """A stop string that begins earlier but completes later than another wins, whatever the rounds:
     the answer is the whole text cut before its earliest stop string (`stops.StopPrinter`'s rule)."""
-    from smallem_cli.stops import stop_index
+    from smallem_cli.engine.stops import stop_index
 
     ref, _ = generate(models["target"], NoProposer(), PROMPT, N, 0)
     full, words = decode(ref), decode(ref).split(" ")

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from conftest import MAX_LEN
 
-from smallem_cli.evaluate import _greedy_chain, _mtp_chain, chain_agreement, contexts
-from smallem_cli.proposers import DraftProposer, MTPProposer
+from smallem_cli.spec.proposers import DraftProposer, MTPProposer
+from smallem_cli.train.evaluate import _greedy_chain, _mtp_chain, chain_agreement, contexts
 
 
 def stream(n: int, vocab: int, seed: int = 0) -> np.ndarray:

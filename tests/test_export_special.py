@@ -19,8 +19,10 @@ import pytest
 from conftest import Family
 from typer.testing import CliRunner
 
-from smallem_cli import atomic, checkpoint, exportdir
-from smallem_cli.cli import app
+from smallem_cli import atomic
+from smallem_cli.cli.app import app
+from smallem_cli.interop import exportdir
+from smallem_cli.model import checkpoint
 
 FORMATS = ("hf", "gguf", "mimo")
 KINDS = ("fifo", "chardev", "socket", "symlink", "wrong")  # wrong: a file for a folder's export, and vice versa

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY, random_model
 
-from smallem_cli.evaluate import evaluate_family, windows
-from smallem_cli.fit import Fit, acceptance, fit_loss, teacher_log_p
+from smallem_cli.train.evaluate import evaluate_family, windows
+from smallem_cli.train.fit import Fit, acceptance, fit_loss, teacher_log_p
 
 V = 64
 

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from conftest import Family
 
-from smallem_cli import hf
+from smallem_cli.interop import hf
 
 CASES = 320
 SEED = 11
@@ -175,10 +175,10 @@ def run_cases(base: Path, work: Path, n: int, seed: int) -> dict[str, Any]:
     import torch
     from typer.testing import CliRunner
 
-    from smallem_cli import checkpoint
-    from smallem_cli import family as fam
-    from smallem_cli.cli import app
-    from smallem_cli.tokenizer import TokenizerError
+    from smallem_cli.cli.app import app
+    from smallem_cli.engine import family as fam
+    from smallem_cli.model import checkpoint
+    from smallem_cli.model.tokenizer import TokenizerError
 
     ours = (checkpoint.CheckpointError, hf.HFFormatError, TokenizerError)
     cpu = torch.device("cpu")
@@ -240,7 +240,7 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(1)
-    import smallem_cli.cli  # noqa: F401 - everything imported before the cap
+    import smallem_cli.cli.app  # noqa: F401 - everything imported before the cap
 
     base, work, n, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     cap_memory(MEMORY_CAP)

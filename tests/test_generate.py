@@ -8,10 +8,11 @@ import pytest
 import torch
 from conftest import MAX_LEN, PROMPT
 
-from smallem_cli.generate import generate, stream
-from smallem_cli.model import Transformer
-from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
-from smallem_cli.sampling import NonFiniteError, Sampling
+from smallem_cli.engine.generate import generate, stream
+from smallem_cli.model.llama import Transformer
+from smallem_cli.spec.head import Head
+from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
+from smallem_cli.spec.sampling import NonFiniteError, Sampling
 from smallem_cli.stats import Stats
 
 N = 120  # tokens per identity run

@@ -19,10 +19,11 @@ import torch
 from conftest import Family
 from typer.testing import CliRunner
 
-from smallem_cli import bench, checkpoint
-from smallem_cli.cli import app
-from smallem_cli.gguf import gguf_name, permute_rope, unpermute_rope
-from smallem_cli.model import apply_rope, rope_tables
+from smallem_cli.bench import run as bench
+from smallem_cli.cli.app import app
+from smallem_cli.interop.gguf import gguf_name, permute_rope, unpermute_rope
+from smallem_cli.model import checkpoint
+from smallem_cli.model.llama import apply_rope, rope_tables
 
 EXTRA = "pip install 'smallem[llamacpp]'"
 
@@ -196,9 +197,9 @@ def test_llamacpp_greedy_tokens_are_ours(family: Family, tmp_path: Path) -> None
     """llama.cpp on the f32 file: the tiny target's greedy tokens, token for token."""
     need("gguf")
     need("llama_cpp")
-    from smallem_cli.generate import generate
-    from smallem_cli.peer import LlamaCpp
-    from smallem_cli.proposers import NoProposer
+    from smallem_cli.bench.peer import LlamaCpp
+    from smallem_cli.engine.generate import generate
+    from smallem_cli.spec.proposers import NoProposer
 
     out = tmp_path / "t.gguf"
     assert export(family, out).exit_code == 0

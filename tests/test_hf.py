@@ -24,12 +24,12 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from smallem_cli import checkpoint  # noqa: E402
-from smallem_cli.cli import app  # noqa: E402
+from smallem_cli.cli.app import app  # noqa: E402
 from smallem_cli.config import PRESETS, ModelConfig  # noqa: E402
 from smallem_cli.defaults import default_k  # noqa: E402
-from smallem_cli.hf import HFFormatError, config_from_hf, export_hf, is_hf_dir, load_hf  # noqa: E402
-from smallem_cli.model import MTPModule, Transformer  # noqa: E402
+from smallem_cli.interop.hf import HFFormatError, config_from_hf, export_hf, is_hf_dir, load_hf  # noqa: E402
+from smallem_cli.model import checkpoint  # noqa: E402
+from smallem_cli.model.llama import MTPModule, Transformer  # noqa: E402
 
 VOCAB = 96
 EOT = "<|endoftext|>"
@@ -346,7 +346,7 @@ def test_interrupted_export_leaves_the_old_folder(tmp_path: Path, tok_path: Path
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("smallem_cli.exportdir.shutil.copyfile", crash)  # dies after the weights are written
+    monkeypatch.setattr("smallem_cli.interop.exportdir.shutil.copyfile", crash)  # dies after the weights are written
     with pytest.raises(KeyboardInterrupt):
         export_hf(ckpt, tmp_path / "out", tok_path, overwrite=True)
     with pytest.raises(KeyboardInterrupt):
@@ -361,8 +361,8 @@ def test_interrupted_export_leaves_the_old_folder(tmp_path: Path, tok_path: Path
 def test_speculative_generation_matches_transformers_generate(tmp_path: Path, tok_path: Path) -> None:
     """An HF target with two HF drafts of its vocabulary, through smallem's speculative loop (greedy):
     the tokens are transformers' greedy ones, whatever the draft and k."""
-    from smallem_cli.generate import generate
-    from smallem_cli.proposers import DraftProposer
+    from smallem_cli.engine.generate import generate
+    from smallem_cli.spec.proposers import DraftProposer
 
     hf = hf_llama(2, False, 5000.0)
     # Draft 1: the target's first layer alone (its embeddings, norm and head): agrees often, not always.

@@ -20,11 +20,12 @@ from conftest import FAMILY_CFG, Family
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from smallem_cli import checkpoint, hf
-from smallem_cli import family as fam
-from smallem_cli.checkpoint import CheckpointError
 from smallem_cli.config import ConfigError, ModelConfig
-from smallem_cli.hf import HFFormatError
+from smallem_cli.engine import family as fam
+from smallem_cli.interop import hf
+from smallem_cli.interop.hf import HFFormatError
+from smallem_cli.model import checkpoint
+from smallem_cli.model.checkpoint import CheckpointError
 
 
 def resave(
@@ -217,7 +218,7 @@ def test_permission_denied_is_not_reported_as_missing(family: Family, tmp_path: 
     shutil.copy(family.draft, locked)
     locked.chmod(0)
     code = (
-        "import sys; from smallem_cli import checkpoint\n"
+        "import sys; from smallem_cli.model import checkpoint\n"
         "try: checkpoint.read_meta(sys.argv[1])\n"
         "except checkpoint.CheckpointError as e: print(e)\n"
     )
@@ -249,9 +250,9 @@ def test_hf_target_has_no_default_proposer(family: Family, hf_dir: Path, tmp_pat
 @pytest.mark.parametrize("mtp", [False, True])
 def test_expected_shapes_are_the_models_own(mtp: bool) -> None:
     """The shapes a file is checked against, from the config alone, are those of the model itself."""
-    from smallem_cli.checkpoint import expected_shapes
     from smallem_cli.config import PRESETS, ModelConfig
-    from smallem_cli.model import MTPModule, Transformer
+    from smallem_cli.model.checkpoint import expected_shapes
+    from smallem_cli.model.llama import MTPModule, Transformer
 
     for cfg in [*PRESETS.values(), ModelConfig(tie_embeddings=False, n_kv_heads=2)]:
         with torch.device("meta"):

@@ -20,14 +20,15 @@ import torch
 from conftest import DRAFT_CFG, PROMPT, TINY, Family, noisy_copy, random_model, random_mtp
 from typer.testing import CliRunner
 
-from smallem_cli import engines, native
-from smallem_cli.cli import app
-from smallem_cli.generate import generate
-from smallem_cli.model import MTPModule, Transformer
-from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
-from smallem_cli.sampling import Sampling
-from smallem_cli.steps import switch
-from smallem_cli.verify import Penalty, Warper
+from smallem_cli.backends import engines, native
+from smallem_cli.backends.steps import switch
+from smallem_cli.cli.app import app
+from smallem_cli.engine.generate import generate
+from smallem_cli.model.llama import MTPModule, Transformer
+from smallem_cli.spec.head import Head
+from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
+from smallem_cli.spec.sampling import Sampling
+from smallem_cli.spec.verify import Penalty, Warper
 
 no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
@@ -103,8 +104,8 @@ def test_verify_pass_reads_its_argmax_and_finite_flag(root: Path) -> None:
     """A pass with a head also returns each row's argmax (torch's) and 1 if every logit is finite;
     with a NaN in the final norm the flag is 0, and a generation stops at its first round with
     NonFiniteError (its prefill's logits, from the eager head, were finite: one token came out)."""
-    from smallem_cli.generate import stream
-    from smallem_cli.sampling import NonFiniteError
+    from smallem_cli.engine.generate import stream
+    from smallem_cli.spec.sampling import NonFiniteError
 
     model = halved(random_model(TINY, seed=4))
     assert native.attach(model, model, lambda _: None, root)  # type: ignore[arg-type]
@@ -174,7 +175,7 @@ def test_native_verification_is_exact(
     code's (token order) and torch's may differ."""
     from test_verify import CHI2_CRIT, P1, P2, Q1, Q2, chi_square
 
-    from smallem_cli.verify import sample, warp
+    from smallem_cli.spec.verify import sample, warp
 
     assert pair  # the library is loaded
     L1, L2 = P1.log(), P2.log() + torch.linspace(0, 0.01, 5)  # raw logits: the target's law is warp(L, temperature)
@@ -203,7 +204,7 @@ def test_native_penalty_is_torchs(pair: tuple[Transformer, MTPModule]) -> None:
     """The repetition penalty a native round applies (`native.penalize_argmax`, in place) gives
     `verify.penalize`'s numbers bit for bit, and each row's argmax as torch's (the first largest):
     a context, tokens fed once or twice in the pass, logits of both signs, ties."""
-    from smallem_cli.verify import penalize
+    from smallem_cli.spec.verify import penalize
 
     assert pair  # the library is loaded
     g = torch.Generator().manual_seed(5)
@@ -483,7 +484,7 @@ def test_the_avx2_build_beside_the_widest_gives_the_same_numbers(root: Path) -> 
 def test_builds_follow_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The widest build is the CPU's: AVX-512 where torch finds it, else AVX2; the AVX-512 build
     is refused on a CPU without it, and a CPU without AVX2 gets neither (one line, no build)."""
-    from smallem_cli.native import kernels
+    from smallem_cli.backends.native import kernels
 
     monkeypatch.setattr(kernels, "_LIBS", {})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
@@ -552,7 +553,7 @@ def test_threads_follow_the_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_prefetch_rows_by_maker() -> None:
     """The products' prefetch threshold follows the CPU's maker, as measured (`kernels.prefetch_rows`)."""
-    from smallem_cli.native.kernels import prefetch_rows
+    from smallem_cli.backends.native.kernels import prefetch_rows
 
     assert prefetch_rows("vendor_id\t: AuthenticAMD\ncpu family\t: 25\n") == 5
     assert prefetch_rows("vendor_id\t: GenuineIntel\n") == 8

@@ -17,20 +17,21 @@ import torch
 from conftest import PROMPT, TINY, noisy_copy, random_model, random_mtp
 from test_native import close, eager_and_native, halved, no_native
 
-from smallem_cli import native
+from smallem_cli.backends import native
+from smallem_cli.backends.steps import switch
 from smallem_cli.engine import batch as B
 from smallem_cli.engine.build import pool_pages
 from smallem_cli.engine.forward import mtp_pass, slab_for, transformer_pass
+from smallem_cli.engine.generate import generate
 from smallem_cli.engine.pool import PagePool
 from smallem_cli.engine.proposers import DraftGuess, MTPGuess, NoGuess
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.runner import Target
 from smallem_cli.engine.scheduler import Engine
-from smallem_cli.generate import generate
-from smallem_cli.model import MTPModule, Transformer
-from smallem_cli.proposers import Head, NoProposer
-from smallem_cli.sampling import Sampling
-from smallem_cli.steps import switch
+from smallem_cli.model.llama import MTPModule, Transformer
+from smallem_cli.spec.head import Head
+from smallem_cli.spec.proposers import NoProposer
+from smallem_cli.spec.sampling import Sampling
 
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
 PS = 4  # small pages: a sequence spans many, handed out shuffled
@@ -213,7 +214,7 @@ def test_cpu_only(trio: tuple[Transformer, MTPModule, Transformer]) -> None:
 def test_native_token_trees_are_the_target_alone(trio: tuple[Transformer, MTPModule, Transformer]) -> None:
     """Greedy token trees with every pass native (the tree's growth and its verify pass): the
     target alone's tokens, with more than one token kept per pass."""
-    from smallem_cli.proposers import MTPProposer
+    from smallem_cli.spec.proposers import MTPProposer
 
     target, mtp, _ = trio
     ref, _ = generate(target, NoProposer(), PROMPT, 40, 0)

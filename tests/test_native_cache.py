@@ -24,10 +24,10 @@ import torch
 from conftest import Family
 from typer.testing import CliRunner
 
-from smallem_cli import engines, native
-from smallem_cli.cli import app
-from smallem_cli.native import kernels
-from smallem_cli.native.pack import NativeUnavailable
+from smallem_cli.backends import engines, native
+from smallem_cli.backends.native import kernels
+from smallem_cli.backends.native.pack import NativeUnavailable
+from smallem_cli.cli.app import app
 
 no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")

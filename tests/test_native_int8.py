@@ -20,14 +20,15 @@ from conftest import PROMPT, TINY, Family, noisy_copy, random_model, random_mtp
 from test_native import close, eager_and_native, halved, no_native
 from typer.testing import CliRunner
 
-from smallem_cli import family as fam
-from smallem_cli import native
-from smallem_cli.cli import app
-from smallem_cli.generate import generate
-from smallem_cli.model import MTPModule, Transformer
-from smallem_cli.proposers import DraftProposer, Head, MTPProposer, NoProposer
-from smallem_cli.sampling import Sampling
-from smallem_cli.verify import Warper
+from smallem_cli.backends import native
+from smallem_cli.cli.app import app
+from smallem_cli.engine import family as fam
+from smallem_cli.engine.generate import generate
+from smallem_cli.model.llama import MTPModule, Transformer
+from smallem_cli.spec.head import Head
+from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
+from smallem_cli.spec.sampling import Sampling
+from smallem_cli.spec.verify import Warper
 
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
 

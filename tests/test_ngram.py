@@ -13,10 +13,10 @@ from conftest import MAX_LEN, PROMPT
 from test_verify import P1, P2, check_exact
 
 from smallem_cli import defaults as D
-from smallem_cli.generate import generate
-from smallem_cli.ngram import Fallback, NgramIndex, NgramProposer, best_depth
-from smallem_cli.proposers import DraftProposer, MTPProposer, NoProposer
-from smallem_cli.sampling import Sampling
+from smallem_cli.engine.generate import generate
+from smallem_cli.spec.ngram import Fallback, NgramIndex, NgramProposer, best_depth
+from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
+from smallem_cli.spec.sampling import Sampling
 from smallem_cli.stats import Stats
 
 N = 120
@@ -198,7 +198,7 @@ def test_the_default_proposer_depends_on_the_mode(family) -> None:
 
     from typer.testing import CliRunner
 
-    from smallem_cli.cli import app
+    from smallem_cli.cli.app import app
 
     base = ["generate", "--target", str(family.target), "-n", "12", "--json", "-q", "And"]
     greedy = json.loads(CliRunner().invoke(app, base).stdout)

@@ -23,11 +23,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from smallem_cli import defaults as D
-from smallem_cli import runstate
-from smallem_cli.cli import app
+from smallem_cli.cli.app import app
 from smallem_cli.config import PRESETS
-from smallem_cli.model import Transformer
-from smallem_cli.train import new_mtp
+from smallem_cli.model.llama import Transformer
+from smallem_cli.train import runstate
+from smallem_cli.train.loop import new_mtp
 
 ROOT = Path(__file__).resolve().parent.parent
 # a target with an MTP module and a draft, both with the family tokenizer's 300 tokens
@@ -230,8 +230,8 @@ def test_the_installs_own_files_are_not_replaced_unasked(
     if not (D.TOKENIZER.is_file() and D.MTP.is_file()):
         pytest.skip("no shipped checkpoints")
     calls: list[object] = []
-    monkeypatch.setattr("smallem_cli.tokenizer.train_tokenizer", lambda *a, **k: calls.append(a))
-    monkeypatch.setattr("smallem_cli.members.train_member", lambda *a, **k: calls.append(a) or {})
+    monkeypatch.setattr("smallem_cli.train.data.train_tokenizer", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr("smallem_cli.train.members.train_member", lambda *a, **k: calls.append(a) or {})
     argv = ["train", "tokenizer", "--text", str(corpus), "--data", str(tmp_path / "data")]
     refused(CliRunner().invoke(app, argv), str(D.TOKENIZER), "--overwrite")
     result = train(family, corpus, tmp_path, "target", "--preset", "joint", "--run-dir", str(tmp_path / "r"))
@@ -283,7 +283,7 @@ def test_export_into_its_own_folder_is_refused(family: Family, tmp_path: Path) -
 
 _SIGTERM_EXPORT = """
 import os, signal, sys, time
-from smallem_cli import hf
+from smallem_cli.interop import hf
 real = hf.checkpoint.write_safetensors
 def killed(*args):
     real(*args)

@@ -12,8 +12,8 @@ import pytest
 from conftest import Family
 from test_cli import as_json, generate, ok, refused
 
-from smallem_cli.stops import StopCutter, StopPrinter, partial_tail, stop_index
-from smallem_cli.tokenizer import load_tokenizer
+from smallem_cli.engine.stops import StopCutter, StopPrinter, partial_tail, stop_index
+from smallem_cli.model.tokenizer import load_tokenizer
 
 # ----------------------------------------------------------------------------- stop_index
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smallem_cli import bench, checkpoint, defaults, family
-from smallem_cli.generate import generate
-from smallem_cli.proposers import NoProposer
-from smallem_cli.sampling import Sampling
+from smallem_cli import defaults
+from smallem_cli.bench import run as bench
+from smallem_cli.engine import family
+from smallem_cli.engine.generate import generate
+from smallem_cli.model import checkpoint
+from smallem_cli.spec.proposers import NoProposer
+from smallem_cli.spec.sampling import Sampling
 
 FILES = ["target", "mtp", "draft-2l", "draft-4l"]
 missing = [f for f in FILES if not (defaults.CHECKPOINTS / f"{f}.safetensors").exists()]

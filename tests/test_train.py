@@ -15,13 +15,13 @@ import torch
 from conftest import CORPUS, DRAFT_CFG, TINY, Family, Trained, _FakeClock
 from typer.testing import CliRunner
 
-from smallem_cli import checkpoint
 from smallem_cli import defaults as D
-from smallem_cli.cli import app
+from smallem_cli.cli.app import app
 from smallem_cli.config import PRESETS
-from smallem_cli.evaluate import evaluate_family
-from smallem_cli.model import MTPModule, Transformer
-from smallem_cli.train import Progress, TrainSettings, lr_at, spent, train_draft_distill, train_model, train_mtp
+from smallem_cli.model import checkpoint
+from smallem_cli.model.llama import MTPModule, Transformer
+from smallem_cli.train.evaluate import evaluate_family
+from smallem_cli.train.loop import Progress, TrainSettings, lr_at, spent, train_draft_distill, train_model, train_mtp
 
 
 def _agreement(target: Transformer, draft: Transformer, ids: np.ndarray) -> float:
@@ -41,7 +41,7 @@ def test_distilled_draft_learns_the_targets_argmax(
     settings = TrainSettings(
         budget_s=1.5, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=10, save_every_s=1e9, eval_every_s=1e9
     )
-    monkeypatch.setattr("smallem_cli.train.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
+    monkeypatch.setattr("smallem_cli.train.loop.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
     model, facts = train_draft_distill(trained.model, student, stream, stream[:400], settings, tmp_path)
     after = _agreement(trained.model, model, stream[:400])
     assert facts["steps"] == 150 and "val_loss" in facts
@@ -114,7 +114,7 @@ def test_mtp_feature_loss_pulls_its_state_to_the_targets(
     )
     settings = dataclasses.replace(settings, feature_weight=1.0)
     seen: list[dict[str, float]] = []
-    monkeypatch.setattr("smallem_cli.train.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
+    monkeypatch.setattr("smallem_cli.train.loop.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
     train_mtp(trained.model, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.extra), start)
     assert len(seen) == 80 and {"kl@1", "feature"} <= set(seen[0])
     assert seen[-1]["feature"] < 0.5 * seen[0]["feature"], (seen[0], seen[-1])
@@ -247,7 +247,7 @@ def test_a_token_budget_ignores_the_clock(trained: Trained, tmp_path: Path, monk
         budget_s=0.1, budget_tokens=8 * 32 * 25, batch_size=8, seq_len=32, warmup_steps=5, save_every_s=1e9
     )
     seen: list[float] = []
-    monkeypatch.setattr("smallem_cli.train.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
+    monkeypatch.setattr("smallem_cli.train.loop.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
     student = Transformer(DRAFT_CFG)
     student.init_weights(3)
     _, facts = train_draft_distill(

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import TINY, random_model, random_mtp
 
-from smallem_cli.train import TrainSettings
-from smallem_cli.train_chain import chain_states, train_mtp_chain
+from smallem_cli.train.chain import chain_states, train_mtp_chain
+from smallem_cli.train.loop import TrainSettings
 
 
 def step_by_step(target, mtp, h: torch.Tensor, x: torch.Tensor, t: int, depth: int) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Tests for smallem_cli.tree: tree masks, greedy and sampled token-tree verification.
+"""Tests for smallem_cli.spec.tree: tree masks, greedy and sampled token-tree verification.
 
 The exactness tests reuse the seed's χ² setup (tests/test_verify.py): a two-token target
 p(t1) p(t2 | t1) and a proposer q over a vocabulary of 5. A proposer builds a tree of width
@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_verify import CHI2_CRIT, P1, P2, Q1, Q2, chi_square
 
-from smallem_cli.tree import (
+from smallem_cli.spec.tree import (
     TreeVerdict,
     chain_parents,
     check_tree,
@@ -27,7 +27,7 @@ from smallem_cli.tree import (
     verify_tree_sample,
     walk_tree,
 )
-from smallem_cli.verify import sample, verify_greedy
+from smallem_cli.spec.verify import sample, verify_greedy
 
 # A handmade tree:      0
 #                     /   \

@@ -10,15 +10,16 @@ from test_engine import V5, chi2, decode, prompts, requests
 from smallem_cli.engine import batch as B
 from smallem_cli.engine.build import pool_pages
 from smallem_cli.engine.forward import slab_for
+from smallem_cli.engine.generate import generate
 from smallem_cli.engine.pool import PagePool
 from smallem_cli.engine.proposers import MTPGuess
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.runner import Target
 from smallem_cli.engine.scheduler import Engine
-from smallem_cli.generate import generate
-from smallem_cli.proposers import Head, NoProposer
-from smallem_cli.sampling import Sampling
-from smallem_cli.tree import tree_depth, tree_mask
+from smallem_cli.spec.head import Head
+from smallem_cli.spec.proposers import NoProposer
+from smallem_cli.spec.sampling import Sampling
+from smallem_cli.spec.tree import tree_depth, tree_mask
 
 PS = 16
 
@@ -185,7 +186,7 @@ def test_cli_batch_with_trees_answers_as_generate(family, tmp_path) -> None:
     from test_cli import as_json, generate
     from typer.testing import CliRunner
 
-    from smallem_cli.cli import app
+    from smallem_cli.cli.app import app
 
     prompts = ["In the beginning", "And God said", "Blessed are the"]
     res = CliRunner().invoke(
@@ -222,7 +223,7 @@ def test_bench_rows_for_each_tree_budget(family, tmp_path) -> None:
     from test_cli import refused
     from typer.testing import CliRunner
 
-    from smallem_cli.cli import app
+    from smallem_cli.cli.app import app
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"tokens": list(range(5 + i, 17 + i)), "text": ""}) for i in range(2)))

@@ -1,4 +1,4 @@
-"""Tests for smallem_cli.verify: greedy and sampled verification, warp, sample.
+"""Tests for smallem_cli.spec.verify: greedy and sampled verification, warp, sample.
 
 The sampling tests are statistical but seeded, so they are deterministic. The exactness
 test simulates 200,000 two-token generations at once and compares the joint distribution
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smallem_cli import verify
-from smallem_cli.verify import Warper, greedy_pick, penalize, proposal, sample, verify_greedy, verify_sample, warp
+from smallem_cli.spec import verify
+from smallem_cli.spec.verify import Warper, greedy_pick, penalize, proposal, sample, verify_greedy, verify_sample, warp
 
 # Pearson chi-square critical values at the 0.1% level, by degrees of freedom.
 CHI2_CRIT = {

@@ -1,7 +1,7 @@
 """vLLM beside Smallem: what is read from vLLM (its counters, its answers, its logs), the agreement
 table, how its venv is found and refused, and `bench --peer vllm` on a stand-in for vLLM's run.
 All of this runs without vLLM. The last test runs the real check, `python -m
-smallem_cli.vllm_check`, only where `.venv-vllm` (built by `make vllm-venv`) exists.
+smallem_cli.interop.vllm_check`, only where `.venv-vllm` (built by `make vllm-venv`) exists.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import pytest
 from conftest import Family
 from typer.testing import CliRunner
 
-from smallem_cli import bench, vllm_check, vllm_run
-from smallem_cli import vllm_peer as V
-from smallem_cli.cli import app
+from smallem_cli.bench import run as bench
+from smallem_cli.cli.app import app
 from smallem_cli.defaults import default_k
+from smallem_cli.interop import vllm_check, vllm_run
+from smallem_cli.interop import vllm_peer as V
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -201,9 +202,9 @@ def test_bench_peer_vllm_refused_without_its_venv(
 def _stand_in(runs: list[dict[str, Any]], wrong: bool = False) -> Any:
     """A stand-in for vllm_run.py offline: our own greedy tokens (one of them changed if `wrong`),
     fixed seconds, and counters of 3 tokens a step for a draft."""
-    from smallem_cli import family as fam
-    from smallem_cli.generate import generate
-    from smallem_cli.proposers import NoProposer
+    from smallem_cli.engine import family as fam
+    from smallem_cli.engine.generate import generate
+    from smallem_cli.spec.proposers import NoProposer
 
     def run_offline(python: Path, job: dict[str, Any], env: dict[str, str], log: Path | None = None) -> dict:
         runs.append(job)
@@ -283,15 +284,15 @@ def test_vllm_check(tmp_path: Path) -> None:
     """`make vllm-check`'s check on the shipped family, 48 new tokens: vLLM offline (target alone,
     with draft-2l, ngram, the MTP module at k = 1 and 3) and `vllm serve` give Smallem's greedy
     tokens; the MTP module's first guesses are accepted as often as ours; the server is gone after."""
-    from smallem_cli.hf import export_hf
-    from smallem_cli.hf_mtp import export_mimo
+    from smallem_cli.interop.hf import export_hf
+    from smallem_cli.interop.hf_mtp import export_mimo
 
     ck = ROOT / "checkpoints"
     for name in ("target", "draft-2l"):
         export_hf(ck / f"{name}.safetensors", tmp_path / "hf" / name, ck / "tokenizer.json")
     export_mimo(ck / "target.safetensors", ck / "mtp.safetensors", tmp_path / "hf" / "mimo", ck / "tokenizer.json")
     env = {**os.environ, V.PYTHON_ENV: str(VLLM_PYTHON), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "smallem_cli.vllm_check", "--hf", str(tmp_path / "hf"), "-n", "48"]
+    cmd = [sys.executable, "-m", "smallem_cli.interop.vllm_check", "--hf", str(tmp_path / "hf"), "-n", "48"]
     cmd += ["--logs", str(tmp_path / "logs")]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -312,9 +313,9 @@ def test_export_mimo_layout(family: Family, tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from smallem_cli import checkpoint
-    from smallem_cli.hf import export_hf
-    from smallem_cli.hf_mtp import export_mimo
+    from smallem_cli.interop.hf import export_hf
+    from smallem_cli.interop.hf_mtp import export_mimo
+    from smallem_cli.model import checkpoint
 
     out = tmp_path / "mimo"
     export_mimo(family.target, family.mtp, out, family.tokenizer)
@@ -355,8 +356,8 @@ def test_mimo_target_is_the_llama_target(family: Family, tmp_path: Path) -> None
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from smallem_cli.hf import export_hf
-    from smallem_cli.hf_mtp import export_mimo
+    from smallem_cli.interop.hf import export_hf
+    from smallem_cli.interop.hf_mtp import export_mimo
 
     export_mimo(family.target, family.mtp, tmp_path / "mimo", family.tokenizer)
     export_hf(family.target, tmp_path / "llama", family.tokenizer)

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from .. import defaults as D
-from .. import engines, family
 from .. import options as O
-from ..model import MTPModule, Transformer
-from ..ngram import Fallback, NgramProposer
-from ..proposers import DraftProposer, MTPProposer, NoProposer, Proposer
+from ..backends import engines
+from ..model.llama import MTPModule, Transformer
+from ..spec.ngram import Fallback, NgramProposer
+from ..spec.proposers import DraftProposer, MTPProposer, NoProposer, Proposer
+from . import family
 from .forward import slab_for
 from .pool import PagePool
 from .proposers import BatchProposer, DraftGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import native
-from ..decode_ops import attend
-from ..model import Block, MTPModule, Transformer, unit_rms
-from ..steps import active_steps
+from ..backends import native
+from ..backends.steps import active_steps
+from ..model.llama import Block, MTPModule, Transformer, unit_rms
+from ..model.ops import attend
 from .batch import BatchStep
 
 

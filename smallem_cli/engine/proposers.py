@@ -21,11 +21,12 @@ from typing import Protocol
 
 import torch
 
-from ..decode_ops import head_matmul
-from ..model import MTPModule, Transformer
-from ..ngram import NgramProposer
-from ..proposers import Head, Proposer
-from ..verify import Penalty
+from ..model.llama import MTPModule, Transformer
+from ..model.ops import head_matmul
+from ..spec.head import Head
+from ..spec.ngram import NgramProposer
+from ..spec.proposers import Proposer
+from ..spec.verify import Penalty
 from . import batch as B
 from .forward import mtp_pass, slab_for, transformer_pass
 from .pool import PagePool

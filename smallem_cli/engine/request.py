@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..sampling import Sampling
+from ..spec.sampling import Sampling
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import defaults as D
-from .. import native
-from ..model import Transformer
-from ..sampling import NonFiniteError, context_mask, finite_flag, first_token
-from ..steps import active_steps, compiled_for
-from ..tree import tree_mask, verify_tree_greedy, verify_tree_sample
-from ..verify import Warper, penalize, verify_sample
+from ..backends import native
+from ..backends.steps import active_steps, compiled_for
+from ..model.llama import Transformer
+from ..spec.sampling import NonFiniteError, context_mask, finite_flag, first_token
+from ..spec.tree import tree_mask, verify_tree_greedy, verify_tree_sample
+from ..spec.verify import Warper, penalize, verify_sample
 from . import batch as B
 from .forward import transformer_pass
 from .pool import PagePool

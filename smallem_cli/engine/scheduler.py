@@ -27,12 +27,12 @@ import torch
 
 from .. import defaults as D
 from ..stats import Stats
-from ..stops import StopPrinter
 from .pool import PagePool
 from .proposers import BatchProposer, MTPGuess
 from .request import Finished, Request
 from .runner import Target, decode_round, prefill, tree_round
 from .sequence import Seq
+from .stops import StopPrinter
 
 
 @dataclass(frozen=True)

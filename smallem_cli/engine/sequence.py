@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..proposers import Warp
+from ..spec.verify import Warp
 from ..stats import Stats
-from ..stops import StopPrinter
 from .request import Request
+from .stops import StopPrinter
 
 
 @dataclass

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode_ops import head_matmul
-from ..model import unit_rms
-from ..proposers import Head
-from ..verify import Penalty, proposal, sample
+from ..model.llama import unit_rms
+from ..model.ops import head_matmul
+from ..spec.head import Head
+from ..spec.verify import Penalty, proposal, sample
 from . import batch as B
 from .forward import mtp_pass
 from .proposers import MTPGuess, penalty_of

@@ -1,0 +1,369 @@
+"""The native engine (`--engine native`): a decode pass in C++ over the checkpoint's float16 weights.
+
+Why: a one-token pass of the target is bound by reading its weights. As float32 (what
+the eager and compiled engines read) they are 36 MB, more than this machine's L3, so each
+token reads them from memory; as the float16 they are stored in they are 18 MB, half the
+bytes, and less than the L3. Inductor's float16 products, tried here, were slower than its
+float32 ones (docs/decisions.md, "Inductor's float16 products"), so `step.cpp` has its own, over weights packed at
+load in panels of 16 output rows in the AVX-512 build, 8 in the AVX2 one (`panels`, `kernels`):
+every product converts the weights to float32 in registers and accumulates in float32, so a
+model whose weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
+is, not rounded. A proposer loaded so (`--proposer-weights int8`, `model.native_int8`) has
+its matrices as int8 with a scale per row instead (`pack.panels8`): half the bytes a guess
+reads; the target's are always its own values, so the text is the target's.
+
+A step reads the past as a strided view of the slab; it writes the new K/V into the slab
+itself, right after the past (the caller's copy and a buffer saved), and returns them as a
+view there (`steps.Steps`: `model.native`, chosen by `steps.switch`), for every T, with no
+per-shape build: one library, built once by the system's C++ compiler and cached on disk by
+the hash of its source and flags (`kernels`).
+
+Anything that fails (no compiler, a CPU without AVX2/F16C/FMA, weights that float16
+cannot hold exactly, a shape the kernels do not tile) leaves the model eager, with one
+line through `log`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from ...engine.batch import BatchStep, visible
+from ...model.llama import MTPModule, Transformer
+from ...spec.verify import Penalty
+from ..steps import StepFn, register
+from .kernels import ENGINES, Log, library
+from .pack import NativeUnavailable, half_exact, panels, panels8, rope_rows
+
+MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
+
+
+class _Mat(ctypes.Structure):
+    """A matrix in panels (`matmul.h`'s `Mat`): float16, or int8 with its rows' scales."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+
+
+class _LayerW(ctypes.Structure):
+    _fields_ = [*[(n, _Mat) for n in ("qkv", "o", "gu", "down")], *[(n, ctypes.c_void_p) for n in ("g1", "g2")]]
+
+
+class _ModelW(ctypes.Structure):
+    _fields_ = [
+        *[(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")],
+        ("eps", ctypes.c_float),
+        *[(n, ctypes.c_void_p) for n in ("layers", "embed")],
+        ("head", _Mat),
+        *[(n, ctypes.c_void_p) for n in ("g_final", "table")],
+        ("wh", _Mat),
+        ("g_h", ctypes.c_void_p),
+    ]
+
+
+class NativeSteps:
+    """A model's native decode steps (`steps.Steps`: `get`, `trig`, `enabled`, `positions`,
+    `min_past`) over one library that serves every T, and a proposer's chain of guesses in one
+    call (`chain`)."""
+
+    def __init__(
+        self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native"
+    ) -> None:
+        self.kind = engine  # what `steps.switch` turns on: a key of ENGINES
+        self.lib = library(root, log, ENGINES[engine])
+        self.width = self.lib.smallem_panel()  # a panel's output rows, as this library reads them
+        self.score_rows = self.lib.smallem_score_rows()  # rows of attention scores a thread's scratch holds
+        # a proposer's matrices as int8 where it was loaded so (`panels8`): fewer bytes a guess;
+        # the target's never
+        self.int8 = model.native_int8 and model is not target
+        c = model.cfg
+        if c.dim % 8 or c.head_dim % 8 or c.hidden_dim % 8 or c.n_heads % c.n_kv_heads:
+            raise NativeUnavailable("the model's widths are not multiples of 8")
+        own = target if isinstance(model, MTPModule) else model  # the MTP module turns as its target
+        assert own.rope_cos is not None and own.rope_sin is not None, "pack() the model first"
+        self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
+        self._rope_row = own.rope_cos.stride(0) * own.rope_cos.element_size()  # bytes a position (`chain`)
+        self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
+        self.min_past = 0  # a prompt's pass too: its past is empty
+        self.enabled = True
+        self.mtp = isinstance(model, MTPModule)
+        self.keep: list[torch.Tensor] = []  # every tensor the C struct points at, alive as long as it
+        blocks = [model.block] if isinstance(model, MTPModule) else list(model.layers)
+        layers = (_LayerW * len(blocks))()
+        for i, b in enumerate(blocks):
+            H, Hkv, D = b.n_heads, b.n_kv_heads, b.head_dim
+            qkv = torch.cat([rope_rows(b.q_proj.weight, H, D), rope_rows(b.k_proj.weight, Hkv, D), b.v_proj.weight])
+            mats = [qkv, b.o_proj.weight, torch.cat([b.gate_proj.weight, b.up_proj.weight]), b.down_proj.weight]
+            norms = [w.weight.detach().float().contiguous() for w in (b.input_layernorm, b.post_attention_layernorm)]
+            self.keep += norms
+            layers[i] = _LayerW(*[self._mat(w, f"layer {i}") for w in mats], *[w.data_ptr() for w in norms])
+        mw = _ModelW(
+            c.n_layers if not self.mtp else 1,
+            c.dim,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            c.hidden_dim,
+            c.vocab_size,
+            c.norm_eps,
+        )
+        mw.layers = ctypes.cast(layers, ctypes.c_void_p)
+        # a chain's head rows in panels, by ids (held, so that their id stays theirs); a draft's
+        # whole head is the one its passes read
+        self._heads: dict[int, tuple[torch.Tensor | None, _Mat]] = {}
+        if isinstance(model, MTPModule):
+            table = model.token_table(target.embed_tokens.weight).detach().contiguous()
+            g_h = model.hnorm.weight.detach().float().contiguous()
+            self.keep += [table, g_h]
+            mw.wh = self._mat(model.eh_proj.weight[:, : c.dim], "eh_proj")  # [d, d]: the h half
+            mw.table, mw.g_h = table.data_ptr(), g_h.data_ptr()
+        else:
+            embed = half_exact(model.embed_tokens.weight, "embed_tokens")
+            g = model.norm.weight.detach().float().contiguous()
+            self.keep += [embed, g]
+            mw.head = self._mat(model.head_weight, "head")
+            mw.embed, mw.g_final = embed.data_ptr(), g.data_ptr()
+            self._heads[id(None)] = (None, mw.head)
+        self.layers_c, self.mw = layers, mw
+        self.cfg = c
+        self._scratch: dict[tuple[int, int, int], torch.Tensor] = {}  # by (T, threads, extra floats)
+        self._batch_scratch = torch.empty(0)  # a batch pass's (`batch`), for its largest batch so far
+        # The head and final norm a chain of guesses reads (`chain`): the target's for the MTP
+        # module, a draft's own; packed at the chain's first call, per cut of the head.
+        head_of = target if isinstance(model, MTPModule) else model
+        self.head_src = head_of.head_weight.detach()
+        self.g_final = head_of.norm.weight.detach().float().contiguous()
+        register(self)
+
+    def _mat(self, w: torch.Tensor, name: str) -> _Mat:
+        """W [out, in] in panels, held: float16 (refused if not float16-exact), or int8 (`int8`)."""
+        if self.int8:
+            q, scale = panels8(w, self.width)
+            self.keep += [q, scale]
+            return _Mat(q.data_ptr(), scale.data_ptr())
+        h = panels(w, name, self.width)
+        self.keep.append(h)
+        return _Mat(h.data_ptr(), None)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copy of the model gets no native steps: these read this model's weights (as copied here)."""
+        return None
+
+    def trig(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, P] of a pass's new positions, start .. length - 1."""
+        return self.rope[0][start:length], self.rope[1][start:length]
+
+    def get(self, T: int, head: bool, last: bool) -> StepFn | None:
+        if T > MAX_T:
+            return None
+        if self.mtp:
+            return lambda h, tokens, cos, sin, past: self._run(tokens, h, cos, sin, past, False, last)
+        return lambda tokens, cos, sin, past: self._run(tokens, None, cos, sin, past, head, last)
+
+    def _need(self, T: int, threads: int) -> int:
+        """Floats of smallem_step's scratch for a pass over T tokens."""
+        c = self.cfg
+        Q, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_dim
+        return T * (c.dim + Q + c.n_heads * c.head_dim + 3 * F) + threads * self.score_rows * (self.positions + T + 8)
+
+    def _scratch_for(self, T: int, threads: int, more: int = 0) -> torch.Tensor:
+        """The C code's scratch for a pass over T tokens (plus `more` floats), made once per size."""
+        key = (T, threads, more)
+        if key not in self._scratch:
+            self._scratch[key] = torch.empty(self._need(T, threads) + more)
+        return self._scratch[key]
+
+    def chain(
+        self,
+        ids: torch.Tensor | None,
+        k: int,
+        view: torch.Tensor,
+        L: int,
+        start: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
+        inv_t: float | None = None,
+        u: torch.Tensor | None = None,
+        penalty: Penalty | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A proposer's chain (`smallem_chain`): k guesses, with the head cut to `ids` (None: whole).
+        `start`: the state guess 1 is made from [1, d] (the MTP module's, or a draft's final state),
+        or the entries a round confirmed, fed first in the same call: (tokens [m], the MTP module's
+        target states [m, d] or None for a draft), their K/V kept at L .. L+m-1 (m = 0 without).
+        `view` [layers, 2, Hkv, >= L+m+k-1, D]: the model's cache, positions L.. reserved (the K/V
+        of guesses 1 .. k-1 go to L+m ..). Greedy -> (tokens [k], their probabilities [k]);
+        sampled (1/T and uniform draws u [k], float64) -> (tokens [k], q [k, V] over the
+        vocabulary, zero outside a cut head's tokens: the verification reads it so). `penalty`: each
+        guess scored with the repetition penalty over its context (`verify.Penalty`)."""
+        assert k >= 1
+        if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
+            rows = self.head_src if ids is None else self.head_src[ids]
+            self._heads[id(ids)] = (ids, self._mat(rows, "the proposer's head"))
+        ids_t, rows = self._heads[id(ids)]
+        c, threads = self.cfg, torch.get_num_threads()
+        N = c.vocab_size if ids_t is None else ids_t.numel()
+        if isinstance(start, tuple):
+            out, (feed, feed_h) = None, start
+            feed, feed_h = feed.contiguous(), None if feed_h is None else feed_h.contiguous()
+            m = feed.shape[0]
+        else:
+            out, feed, feed_h, m = start.contiguous(), None, None, 0
+        T = max(m, 1)  # the widest step of the call
+        need = self._need(T, threads)
+        more = 3 * c.dim + N + m * c.dim
+        scratch = self._scratch_for(T, threads, more)
+        tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
+        q = None  # greedy: no q (the C code reads it only with u)
+        if u is not None:
+            q = torch.empty(k, N) if ids_t is None else torch.zeros(k, c.vocab_size)
+            u = u.contiguous()
+            assert tuple(u.shape) == (k,) and u.dtype == torch.float64 and inv_t is not None
+        assert L + m + k - 1 <= self.positions
+        seen = mark = None  # the penalty's context [V] and the C code's scratch for it
+        if penalty is not None:
+            seen, mark = penalty.seen.contiguous(), torch.empty(c.vocab_size, dtype=torch.uint8)
+            assert seen.dtype == torch.bool and seen.numel() == c.vocab_size
+        row = self._rope_row  # cos, sin from position L: by address
+        strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.lib.smallem_chain(
+            ctypes.addressof(self.mw), rows.w, rows.scale, N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
+            ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + L * row, self.rope[1].data_ptr() + L * row,
+            view.data_ptr(), ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else inv_t,
+            tokens.data_ptr(), tops.data_ptr(), ptr(q), scratch.data_ptr(), need, threads,
+            ptr(seen), 1.0 if penalty is None else penalty.factor, ptr(mark),
+        )  # fmt: skip
+        return (tokens, q) if q is not None else (tokens, tops)
+
+    def batch(
+        self,
+        tokens: torch.Tensor,
+        h: torch.Tensor | None,
+        slab: torch.Tensor,
+        b: BatchStep,
+        head: str = "none",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's target
+        states h [N, d]) at `b`'s positions, their K/V written into `slab` [L, 2, Hkv, slots, D] at
+        b.slots, each row attending to the slots its mask shows (`batch.visible`).
+        head (`forward.transformer_pass`'s): "all" rows, each sequence's "last", or "none"
+        -> (logits [N, V], [B, V] or [0, V], hidden [N, d])."""
+        c, threads = self.cfg, torch.get_num_threads()
+        N = tokens.shape[0]
+        vis, first, count = (t.contiguous() for t in visible(b))
+        keys = int(count.max())
+        cos, sin = self.rope[0][b.positions], self.rope[1][b.positions]  # [N, P]
+        rows = b.last.contiguous() if head == "last" else None  # gathered; "all": the last N rows are all
+        R = 0 if head == "none" or self.mtp else N if head == "all" else len(b.counts)
+        x, logits = torch.empty(N, c.dim), torch.empty(R, c.vocab_size)
+        h = None if h is None else h.contiguous()  # held here: the C code reads it
+        tokens, slots = tokens.contiguous(), b.slots.contiguous()
+        assert slab.is_contiguous() and keys <= self.positions + N
+        need = self._need(N, threads)
+        if self._batch_scratch.numel() < need:  # one buffer for every batch size, grown as needed
+            self._batch_scratch = torch.empty(need)
+        scratch = self._batch_scratch
+        strides = (ctypes.c_int64 * 4)(*slab.stride()[:4])
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.lib.smallem_batch_step(
+            ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), N, cos.data_ptr(), sin.data_ptr(), slab.data_ptr(),
+            ctypes.addressof(strides), slots.data_ptr(), vis.data_ptr(), first.data_ptr(), count.data_ptr(), keys,
+            x.data_ptr(), logits.data_ptr(), R, ptr(rows), scratch.data_ptr(), threads, None,
+        )  # fmt: skip
+        return logits, x
+
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        h: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        past: torch.Tensor,
+        head: bool,
+        last: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        c = self.cfg
+        T, S = tokens.shape[0], past.shape[3]
+        L = 1 if self.mtp else c.n_layers
+        threads = torch.get_num_threads()
+        scratch = self._scratch_for(T, threads)
+        x = torch.empty(T, c.dim)
+        # the new K/V [L, 2, Hkv, T, D]: in the slab, right after the past, which must hold them
+        at = past.storage_offset() + S * past.stride(3)
+        dims = zip(past.shape[:3], past.stride()[:3], strict=True)
+        reach = at + sum((n - 1) * s for n, s in dims) + (T - 1) * past.stride(3) + c.head_dim
+        if reach > past.untyped_storage().nbytes() // past.element_size():  # the C code would write past the slab
+            raise ValueError(f"no room in the slab for {T} positions after a past of {S}")
+        new = past.as_strided((L, 2, c.n_kv_heads, T, c.head_dim), past.stride(), at)
+        t_head = (1 if last else T) if head else 0
+        logits = torch.empty(t_head, c.vocab_size)
+        top = torch.empty(t_head + 1, dtype=torch.long) if t_head else None  # each row's argmax, the finite flag
+        assert past.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and tokens.is_contiguous()
+        strides = (ctypes.c_int64 * 4)(*past.stride()[:4])
+        h = None if h is None else h.contiguous()  # held here: the C code reads it
+        self.lib.smallem_step(
+            ctypes.addressof(self.mw),
+            tokens.data_ptr(),
+            None if h is None else h.data_ptr(),
+            T,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            past.data_ptr(),
+            ctypes.addressof(strides),
+            S,
+            x.data_ptr(),
+            logits.data_ptr(),
+            t_head,
+            new.data_ptr(),
+            ctypes.addressof(strides),  # the slab's
+            scratch.data_ptr(),
+            threads,
+            None if top is None else top.data_ptr(),
+        )
+        out = x[-1:] if last else x
+        if self.mtp:
+            return out, new
+        if top is None:  # no head (or no row of it)
+            return x[:0], out, new
+        return logits, out, new, top
+
+
+def _attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str) -> str | None:
+    """Give a model native steps (`model.native`, or `model.native_avx2` for that engine) -> None,
+    or why it cannot have them (the model then stays on the others)."""
+    attr = engine.replace("-", "_")
+    if getattr(model, attr) is not None:
+        return None
+    try:
+        setattr(model, attr, NativeSteps(model, target, log, root, engine))
+    except (NativeUnavailable, OSError) as e:
+        return str(e)
+    return None
+
+
+def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native") -> bool:
+    """`_attach` -> whether the model has native steps; why not, in one line through `log`."""
+    why = _attach(model, target, log, root, engine)
+    if why is not None:
+        log(f"native decode step unavailable ({type(model).__name__}): {why}")
+    return why is None
+
+
+def prepare(
+    target: Transformer, models: list[Transformer | MTPModule], log: Log, root: Path, engine: str = "native"
+) -> tuple[int, int]:
+    """Native steps for the target and the proposer's models -> (models with them, models). A reason
+    that holds for every model (no compiler, an unsafe cache folder) is said once, not per model."""
+    every = list({id(m): m for m in [target, *models]}.values())
+    said: dict[str, list[str]] = {}
+    for m in every:
+        why = _attach(m, target, log, root, engine)
+        if why is not None:
+            said.setdefault(why, []).append(type(m).__name__)
+    for why, names in said.items():
+        log(f"native decode step unavailable ({', '.join(names)}): {why}")
+    return len(every) - sum(map(len, said.values())), len(every)
+
+
+# re-exported: the engine calls native.verify_sample and native.penalize_argmax
+from .sampled import penalize_argmax as penalize_argmax  # noqa: E402
+from .sampled import verify_sample as verify_sample  # noqa: E402

@@ -1,0 +1,113 @@
+"""The benchmark's tables and plot: rows in, rich tables (or a PNG) out."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from rich.table import Table
+
+from .run import Costs, Row
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Speed-up against k for each proposer and mode (needs matplotlib: pip install smallem[plot])."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, engine in sorted({(r.mode, r.engine) for r in rows}):
+        for name in sorted({r.proposer for r in rows if r.proposer != "none"}):
+            pts = sorted((r.k, r.speedup) for r in rows if (r.proposer, r.mode, r.engine) == (name, mode, engine))
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=f"{name} ({mode}, {engine})")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("k (proposals per round)")
+    ax.set_ylabel("speed-up over the target alone")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --- presentation --------------------------------------------------------------------------
+def costs_table(costs: Costs, device: str, threads: int) -> Table:
+    """c per proposer and v(T) per pass size, each in one-token passes of its own engine."""
+    ms = ", ".join(f"{e} {statistics.median(xs) * 1e3:.2f} ms" for e, xs in costs.one_pass_s.items())
+    n = len(next(iter(costs.one_pass_s.values())))
+    t = Table(title=f"forward costs in one-token target passes ({ms}), {n} readings, {device}, {threads} threads")
+    for col in ("cost", "median", "readings"):
+        t.add_column(col, justify="right")
+    rows = [(f"c {name}", xs) for name, xs in costs.c.items()]
+    for name, xs in costs.v.items():
+        engine, T = name.split(":")
+        rows.append((f"v {engine} T={T}", xs))
+    for label, xs in rows:
+        t.add_row(label, f"{statistics.median(xs):.3f}", " ".join(f"{x:.3f}" for x in xs))
+    return t
+
+
+def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: str, threads: int) -> Table:
+    t = Table(
+        title=f"{n_prompts} prompts x {max_new} new tokens, median of {repeats} runs, {device}, {threads} threads"
+    )
+    cols = (
+        "mode",
+        "engine",
+        "proposer",
+        "k",
+        "tok/s",
+        "speed-up",
+        "vs eager",
+        "α",
+        "α model",
+        "tok/pass",
+        "per position",
+        "c",
+        "v",
+        "predicted",
+        "meas/pred",
+        "identical",
+    )
+    for col in cols:
+        t.add_column(col, justify="right")
+    for r in rows:
+        per = " ".join(f"{a:.2f}" for a in r.accepted_at)
+        t.add_row(
+            r.mode,
+            r.engine,
+            r.proposer,
+            str(r.k),
+            f"{r.tokens_per_s:.1f}",
+            f"×{r.speedup:.2f}",
+            "" if r.vs_eager is None else f"×{r.vs_eager:.2f}",
+            f"{r.acceptance_rate:.3f}",
+            f"{r.alpha_model:.3f}",
+            f"{r.tokens_per_pass:.2f}",
+            per,
+            f"{r.cost_c:.3f}",
+            f"{r.cost_v:.2f}",
+            f"×{r.predicted_speedup:.2f}",
+            f"{r.measured_over_predicted:.2f}",
+            r.identical or "",
+        )
+    return t
+
+
+def sweep_table(rows: list[Row]) -> Table:
+    ks = sorted({r.k for r in rows if r.k})
+    t = Table(title="k sweep: speed-up (acceptance)")
+    t.add_column("mode / engine / proposer")
+    for k in ks:
+        t.add_column(f"k={k}", justify="right")
+    for mode, engine in dict.fromkeys((r.mode, r.engine) for r in rows):
+        for name in dict.fromkeys(r.proposer for r in rows if r.proposer != "none"):
+            cells = {
+                r.k: f"×{r.speedup:.2f} ({r.acceptance_rate:.2f})"
+                for r in rows
+                if r.mode == mode and r.engine == engine and r.proposer == name
+            }
+            if cells:
+                t.add_row(f"{mode} {engine} {name}", *[cells.get(k, "") for k in ks])
+    return t

@@ -1,0 +1,391 @@
+"""Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each).
+
+Every row is timed in the same run as the target alone, so speed-ups are ratios of
+measurements taken side by side on the same (noisy, shared) machine. The proposer cost c
+and the verify cost v are read with a stopwatch around the forwards, and fed with the
+conditional acceptance α to the seed's cost model to predict each speed-up; measured / predicted tells how much the loop
+loses to host work that the model does not count.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .. import atomic
+from .. import defaults as D
+from ..backends import engines
+from ..backends.steps import switch
+from ..engine.family import ProposerFactory
+from ..engine.generate import cache_pages, generate
+from ..model.llama import Transformer
+from ..model.tokenizer import load_tokenizer
+from ..spec.proposers import NoProposer, Proposer
+from ..spec.sampling import Sampling
+from ..stats import Stats
+from ..train.data import read_documents
+
+
+def write_prompts(
+    val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32, restate: int = 0
+) -> None:
+    """COUNT prompts of exactly LENGTH tokens: the opening of COUNT evenly spaced validation chunks
+    (more prompts than chunks: evenly spaced among the chunks' successive LENGTH-token windows).
+
+    `restate` > 0: each passage is followed by a newline and its first `restate` tokens again, as a text
+    that quotes itself, so that the continuation can copy what it restates (where the
+    n-gram proposer pays). One JSON object a line: the token ids (what the benchmark
+    feeds) and their text. Written whole or not at all (a temporary file, renamed).
+    """
+    tok = load_tokenizer(tokenizer_json)
+    docs = [ids for d in read_documents(val_txt) if len(ids := tok.encode(d).ids) > length]
+    if len(docs) < count:  # more prompts than chunks: successive windows of each chunk
+        docs = [ids[i : i + length] for ids in docs for i in range(0, len(ids) - length + 1, length)]
+    if len(docs) < count:
+        raise ValueError(f"only {len(docs)} windows of {length} tokens in the validation text")
+    step = len(docs) / count
+    lines = []
+    for i in range(count):
+        ids = docs[int(i * step)][:length]
+        if restate:  # on a line of its own
+            ids = ids + tok.encode("\n").ids + ids[:restate]
+        lines.append(json.dumps({"tokens": ids, "text": tok.decode(ids)}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic.replace_with(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
+
+
+def read_prompts(path: Path) -> list[list[int]]:
+    return [json.loads(line)["tokens"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# --- measurement ---------------------------------------------------------------------------
+@dataclass
+class Row:
+    proposer: str
+    k: int
+    mode: str  # "greedy" or "sample"
+    tokens_per_s: float
+    speedup: float  # over the target alone, same engine: median of run-by-run ratios, same mode, same run
+    acceptance_rate: float
+    tokens_per_pass: float
+    accepted_at: list[float]  # rate at which the i-th proposal was kept
+    alpha_model: float  # α of the cost model: P(a guess is kept | the guesses before it were)
+    cost_c: float  # proposer cost per proposed token, in one-token target passes
+    cost_v: float  # a verify pass over k+1 tokens, in one-token target passes
+    predicted_speedup: float
+    measured_over_predicted: float
+    identical: str | None  # "8/8" for greedy rows: same tokens as the eager target alone
+    runs: int
+    tokens_per_s_runs: list[float] = field(default_factory=list)
+    engine: str = "eager"
+    vs_eager: float | None = None  # over the eager target alone (same mode, same run), when it ran
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each fn over reps calls, taken round-robin (after two warm-up rounds).
+
+    Round-robin, so that a shift in the machine's load touches every fn alike and their
+    ratios (c and v are ratios) stay true on a shared, noisy machine.
+    """
+    for _ in range(2):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def forward_costs(
+    target: Transformer,
+    proposers: dict[str, ProposerFactory],
+    ks: list[int],
+    prompt: list[int],
+    context: int = 132,
+    reps: int = 60,
+) -> tuple[dict[str, float], dict[int, float], float]:
+    """Stopwatch around the forwards, at a typical context length, with the engine switched on.
+
+    -> (c per proposer: one proposal step in target passes, v(k) per k: a pass over k+1
+    tokens in target passes, the seconds of a one-token target pass).
+    """
+    dev = target.embed_tokens.weight.device
+    ids = torch.tensor((prompt * (context // len(prompt) + 1))[:context], device=dev)
+    cache = target.new_cache(cache_pages(context + max(ks) + 2))
+    seq = cache.new_sequence()
+    _, hidden = target(ids, cache, seq)
+
+    def target_pass(t: int) -> Callable[[], object]:
+        def run() -> object:
+            out = target(ids[:t], cache, seq)
+            cache.keep(seq, context)
+            return out
+
+        return run
+
+    fns: dict[str, Callable[[], object]] = {"v1": target_pass(1)}
+    fns |= {f"v{k + 1}": target_pass(k + 1) for k in ks if k + 1 != 1}
+    started: list[Proposer] = []
+    for name, make in proposers.items():
+        p = make(context + 4)
+        p.start(ids, ids[-1:], hidden)
+        p.propose(1, None, None)  # every cache filled up to the prompt
+        p.accept(1, ids[-2:], hidden[-2:])
+        fns[f"c:{name}"] = p.cost_step
+        started.append(p)
+    t = _interleaved(fns, reps)
+    one = t["v1"]
+    v = {k: t[f"v{k + 1}"] / one for k in ks}
+    c = {name[2:]: s / one for name, s in t.items() if name.startswith("c:")}
+    for p in started:
+        p.release()
+    cache.release(seq)
+    return c, v, one
+
+
+def run_prompt(
+    target: Transformer, make: ProposerFactory, prompt: list[int], i: int, max_new: int, k: int, sampling: Sampling
+) -> tuple[list[int], Stats]:
+    """Prompt number i once; sampling seeded by (seed + i), so every configuration sees the same draws' seeds."""
+    s = replace(sampling, seed=sampling.seed + i)  # every option kept, min-p and the penalty too
+    return generate(target, make(len(prompt) + max_new + k + 1), prompt, max_new, k, s)
+
+
+def add_stats(total: Stats, st: Stats) -> None:
+    total.new_tokens += st.new_tokens
+    total.passes += st.passes
+    total.proposed += st.proposed
+    total.accepted += st.accepted
+    for j, r in enumerate(st.guessed):
+        total.guessed[j] += r
+    total.elapsed_s += st.elapsed_s
+    for j, a in enumerate(st.accepted_at):
+        total.accepted_at[j] += a
+
+
+def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
+    """The cost model's α: each guess kept with probability α once the ones before it were.
+
+    accepted / proposed understates it for k > 1, since guesses after a rejection count as
+    proposed but were never in play; here only the guesses that were reached count (the
+    first of every round, the i-th when the i-1 before it were kept).
+    """
+    reached = rounds + sum(accepted_at[:-1])
+    return sum(accepted_at) / reached if reached else 0.0
+
+
+def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
+    """The seed's cost model: a round yields (1-α^(k+1))/(1-α) tokens for k·c + v passes."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + v)
+
+
+def variable_speedup(st: Stats, rounds: int, c: float, v: dict[int, float]) -> float:
+    """The cost model for rounds of varying depth (an n-gram lookup, adaptive depth): the
+    tokens a round yielded, measured, over a round's cost from the depths the rounds had,
+    sum over m of (rounds with m guesses) * (m·c + v(m+1)) / rounds, v(1) = 1."""
+    if not rounds:
+        return 1.0
+    cost = sum(r * (m * c + (v.get(m + 1, 1.0) if m else 1.0)) for m, r in enumerate(st.guessed)) / rounds
+    return (1 + st.accepted / rounds) / cost
+
+
+@dataclass
+class Plan:
+    proposers: dict[str, dict[str, ProposerFactory]]  # per mode: name -> factory (heads may differ by mode)
+    ks: dict[str, list[int]]  # k values per proposer
+    modes: list[str]  # "greedy", "sample"
+    max_new: int = D.MAX_NEW_TOKENS
+    repeats: int = D.BENCH_REPEATS
+    temperature: float = D.BENCH_TEMPERATURE
+    seed: int = 0
+    # "eager", "native-avx2" and/or "native" (steps loaded beforehand, `prepare_engines`). Without eager,
+    # the eager target alone still runs, as the reference of identity and of `vs_eager`.
+    engines: tuple[str, ...] = ("eager",)
+    # the sample mode's filters beside its temperature (None: off)
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+
+@dataclass
+class Costs:
+    """`readings` round-robin readings of `forward_costs`, per engine.
+
+    c: "engine:mode:proposer" -> readings; v: "engine:T" -> readings of a pass over T tokens
+    in one-token passes of the same engine; one_pass_s: engine -> seconds of a one-token pass.
+    """
+
+    c: dict[str, list[float]]
+    v: dict[str, list[float]]
+    one_pass_s: dict[str, list[float]]
+
+
+def cost_readings(
+    target: Transformer, plan: Plan, prompt: list[int], readings: int, passes: list[int] | None = None
+) -> Costs:
+    """c and v alone (`bench --costs`): seconds of work, where the full bench takes minutes.
+
+    `passes`: the token counts T whose v is read (default: k+1 for the plan's k).
+    """
+    # v at every depth up to the largest k: rounds of an n-gram or adaptive proposer vary
+    top = max((k for ks in plan.ks.values() for k in ks), default=1)
+    ks = sorted({T - 1 for T in passes} - {0}) if passes else list(range(1, top + 1))
+    each = {f"{m}:{n}": f for m in plan.modes for n, f in plan.proposers[m].items()}
+    out = Costs({}, {}, {e: [] for e in plan.engines})
+    for _ in range(readings):
+        for engine in plan.engines:
+            switch(engine)
+            c, v, one = forward_costs(target, each, ks or [1], prompt)
+            for name, x in c.items():
+                out.c.setdefault(f"{engine}:{name}", []).append(x)
+            for k, x in v.items():
+                out.v.setdefault(f"{engine}:{k + 1}", []).append(x)
+            out.one_pass_s[engine].append(one)
+    return out
+
+
+def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
+    """Build (or load) what each engine of the plan runs, before anything is timed: for either
+    native engine the steps of the target and of each proposer."""
+    for engine in plan.engines:
+        mode = engines.engine_mode(engine, target.embed_tokens.weight.device)
+        for factories in plan.proposers.values():
+            for name, make in factories.items():
+                engines.prepare_engine(mode, target, make(8), plan.ks[name], log)
+
+
+def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, ProposerFactory, int] | None:
+    """The fastest greedy speculative row of a run, of its fastest engine: (proposer, factory, k),
+    for a peer to be timed against (None if the run had none)."""
+    engine = engines.fastest(plan.engines)
+    found = [r for r in rows if r.mode == "greedy" and r.k > 0 and r.engine == engine and "@" not in r.proposer]
+    if not found or "greedy" not in plan.proposers:
+        return None
+    best = max(found, key=lambda r: r.tokens_per_s)
+    make = plan.proposers["greedy"].get(best.proposer)
+    return (best.proposer, make, best.k) if make is not None else None
+
+
+Config = tuple[str, str, ProposerFactory, int]  # engine, proposer, factory, k
+
+
+def _configs(plan: Plan, mode: str) -> list[Config]:
+    none: ProposerFactory = lambda _: NoProposer()  # noqa: E731
+    out: list[Config] = [("eager", "none", none, 0)]
+    for engine in plan.engines:
+        if engine != "eager":
+            out.append((engine, "none", none, 0))
+    for engine in plan.engines:
+        out += [(engine, n, f, k) for n, f in plan.proposers[mode].items() for k in plan.ks[n]]
+    return out
+
+
+def generations(plan: Plan, n_prompts: int) -> int:
+    """Timed generations of a run (for a progress bar)."""
+    return sum(len(_configs(plan, m)) for m in plan.modes) * plan.repeats * n_prompts
+
+
+def run_bench(
+    target: Transformer, prompts: list[list[int]], plan: Plan, progress: Callable[[str], None] | None = None
+) -> list[Row]:
+    """Every configuration of the plan, the target alone first, timed in the same run.
+
+    The timed generations go round-robin, prompt by prompt (every configuration on prompt 1,
+    then on prompt 2, ...), so that a slow spell of a shared machine falls on all
+    configurations alike rather than on one.
+    """
+    costs = cost_readings(target, plan, prompts[0], 1)
+    c = {name: xs[0] for name, xs in costs.c.items()}
+    v = {name: xs[0] for name, xs in costs.v.items()}
+    rows: list[Row] = []
+    for mode in plan.modes:
+        sampling = (
+            Sampling(seed=plan.seed)
+            if mode == "greedy"
+            else Sampling(plan.temperature, plan.top_k, plan.top_p, plan.seed, plan.min_p)
+        )
+        configs = _configs(plan, mode)
+        for engine, _, make, k in configs:
+            switch(engine)
+            generate(target, make(64), prompts[0][:16], 16, k, sampling)  # warm-up
+        # all_runs[j][r]: configuration j's tokens/s, stats and outputs over all prompts, in timed run r
+        all_runs: list[list[tuple[float, Stats, list[list[int]]]]] = [[] for _ in configs]
+        for rep in range(plan.repeats):
+            totals = [Stats(name, k, accepted_at=[0] * k, guessed=[0] * (k + 1)) for _, name, _, k in configs]
+            texts: list[list[list[int]]] = [[] for _ in configs]
+            # Prompt by prompt, every configuration in turn: a slow spell of the machine
+            # (seconds long) then falls on all configurations alike, not on one.
+            for i, prompt in enumerate(prompts):
+                for j, (engine, name, make, k) in enumerate(configs):
+                    if progress:
+                        label = f"{mode} {engine} {name} k={k}, prompt {i + 1}/{len(prompts)}, run {rep + 1}"
+                        progress(f"{label}/{plan.repeats}")
+                    switch(engine)
+                    out, st = run_prompt(target, make, prompt, i, plan.max_new, k, sampling)
+                    texts[j].append(out)
+                    add_stats(totals[j], st)
+            for j, total in enumerate(totals):
+                all_runs[j].append((total.new_tokens / total.elapsed_s, total, texts[j]))
+        switch(None)
+        eager_runs, eager_outs = [r[0] for r in all_runs[0]], all_runs[0][0][2]  # the eager target alone
+        base = {e: [r[0] for r in all_runs[j]] for j, (e, n, _, _) in enumerate(configs) if n == "none"}
+        for (engine, name, _, k), runs in zip(configs, all_runs, strict=True):
+            tps_runs = [r[0] for r in runs]
+            _, st, outs = runs[0]
+            rounds = st.passes - len(prompts)  # prefill passes excluded
+            alpha = conditional_alpha(st.accepted_at, rounds)
+            cc = c.get(f"{engine}:{mode}:{name}", 0.0)
+            vv = v.get(f"{engine}:{k + 1}", 1.0) if k else 1.0
+            if sum(st.guessed[:k]):  # rounds of fewer guesses: the model over the rounds as they came
+                pred = variable_speedup(st, rounds, cc, {T: v.get(f"{engine}:{T}", 1.0) for T in range(2, k + 2)})
+            else:
+                pred = predicted_speedup(alpha, k, cc, vv)
+            # Each timed run against the target alone's run of the same round, then the
+            # median: a slow spell of the machine spans both sides of a ratio.
+            speed = statistics.median(a / b for a, b in zip(tps_runs, base[engine], strict=True))
+            vs_eager = statistics.median(a / b for a, b in zip(tps_runs, eager_runs, strict=True))
+            identical = None
+            if mode == "greedy":
+                same = sum(a == b for a, b in zip(outs, eager_outs, strict=True))
+                identical = f"{same}/{len(outs)}"
+            per = [a / max(1, rounds) for a in st.accepted_at]
+            rows.append(
+                Row(
+                    name,
+                    k,
+                    mode,
+                    statistics.median(tps_runs),
+                    speed,
+                    st.acceptance_rate,
+                    st.tokens_per_pass,
+                    per,
+                    alpha,
+                    cc,
+                    vv,
+                    pred,
+                    speed / pred,
+                    identical,
+                    plan.repeats,
+                    tps_runs,
+                    engine,
+                    vs_eager,
+                )
+            )
+    return rows

@@ -1,0 +1,39 @@
+"""What every command shares: the Typer app, the error line, stderr and the tables on stdout."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from .. import options as O
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Generate text from small language models with speculative decoding.",
+)
+# Markup off: messages hold paths and names the user chose, and `[/]` in one is not markup.
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
+
+
+class _Tables:
+    """Tables go to stdout (whatever it is when they print); wide enough to stay readable when piped."""
+
+    def print(self, *objects: object) -> None:
+        width = None if sys.stdout.isatty() else 200
+        Console(file=sys.stdout, width=width, markup=False, highlight=False).print(*objects)
+
+
+tables = _Tables()
+
+
+def fail(msg: str, code: int = 2) -> typer.Exit:
+    """Print `error: msg` as one line on stderr; the caller raises the returned Exit."""
+    err.print(Text.assemble(("error:", "red"), " " + O.one_line(msg)), soft_wrap=True)
+    return typer.Exit(code)
+
+

@@ -1,0 +1,304 @@
+"""`smallem batch`: many requests, one a line, through the batched engine; JSON answers on stdout.
+
+The lines' format and the answers' are batch_io's. Here: the options, the input, the progress
+display on stderr, Ctrl-C and a reader that goes away.
+
+    Ctrl-C       the lines already written stay whole (a Ctrl-C during a line's write waits for
+                 its end; a second one does not wait); one line `interrupted` on stderr, exit 130.
+                 With --ordered, the answers held back for an earlier line's are written first, in
+                 input order (`batch_io.OrderedWriter.close`: the lines not answered are left out);
+                 a second Ctrl-C stops that at the end of a line.
+    --max-batch  the sequences decoded together are at most as many as the memory holds the cache
+                 of at the full context (`engine.build.fit_batch`): a larger --max-batch is lowered
+                 to that, said in one line on stderr (not with --quiet).
+    broken pipe  (`smallem batch f | head -1`) stdout is pointed at /dev/null, so that nothing is
+                 left to fail at exit, and the run ends at once, quietly, exit 141 (128 + SIGPIPE,
+                 what a command killed by the signal would give).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
+
+import typer
+
+from .. import defaults as D
+from .. import options as O
+from .app import app, err, fail
+from .console import BROKEN_PIPE_EXIT, stdout_to_devnull
+
+if TYPE_CHECKING:  # torch, through the engine: loaded once the command runs, not to parse it
+    from rich.progress import Progress, TaskID
+
+    from ..engine.request import Request
+
+
+
+def make_engine(*args: Any, **kwargs: Any) -> Any:
+    """The batched engine (engine.build.build_engine); the tests put a fake one here."""
+    from ..engine.build import build_engine
+
+    return build_engine(*args, **kwargs)
+
+
+def open_input(file: str | None) -> BinaryIO:
+    """FILE, or stdin for `-` or for no argument on a pipe."""
+    if file is None or file == "-":
+        if file is None and sys.stdin.isatty():
+            raise O.UsageError("no requests: give a FILE, or pipe them on stdin (one a line)")
+        return sys.stdin.buffer
+    try:
+        return open(file, "rb")  # closed by the command, after the run
+    except FileNotFoundError:
+        raise O.UsageError(f"input file not found: {file}") from None
+    except OSError as e:
+        raise O.UsageError(f"cannot read {file}: {e.strerror or e}") from None
+
+
+def context_k(proposer: str, k: int | None) -> int:
+    """The guesses a verify pass may hold, for the context check: the user's k, else the larger
+    of the proposer's defaults (a request's temperature may pick either mode)."""
+    return max(O.pick_k(proposer, k, True), O.pick_k(proposer, k, False))
+
+
+@contextmanager
+def whole_line() -> Iterator[None]:
+    """Around one line's write: a Ctrl-C waits for the line's end, then interrupts; a second
+    Ctrl-C interrupts at once (a reader that stopped reading would hold the first one forever)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield  # signals reach only the main thread; a handler set outside Python cannot be put back
+        return
+    caught: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if caught:
+            raise KeyboardInterrupt
+        caught.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def write_held(writer: Any, closed: type[Exception]) -> None:
+    """After a Ctrl-C: the answers an OrderedWriter still holds (finished, but waiting for an
+    earlier line's) go out in input order rather than be lost. A second Ctrl-C stops this at the
+    end of a line; a reader gone away (`closed`, batch_io's OutputClosed) stops it quietly: the
+    run is ending on the Ctrl-C anyway."""
+    try:
+        writer.close()
+    except KeyboardInterrupt:
+        pass
+    except closed:
+        stdout_to_devnull()
+
+
+class Display:
+    """What `batch` tells on stderr: a progress line on a terminal (not with --quiet), a summary at the end."""
+
+    def __init__(self, show: bool) -> None:
+        self.start = time.monotonic()
+        self.answered = self.rejected = self.tokens = 0
+        self.acceptance: float | None = None
+        self.bar: Progress | None = None
+        self.task: TaskID | None = None
+        if show:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            # stdout stays ours: a redirected stdout would send the answers to stderr
+            self.bar = Progress(
+                SpinnerColumn(),
+                TextColumn("batch {task.completed:.0f} done"),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                console=err,
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
+            self.task = self.bar.add_task("batch", total=None, info="")
+            self.bar.start()
+
+    def progress(self, p: Any) -> None:
+        """The engine's report: p.done, p.tokens, p.elapsed_s, p.acceptance."""
+        self.acceptance = float(p.acceptance)
+        if self.bar is not None and self.task is not None:
+            rate = p.tokens / p.elapsed_s if p.elapsed_s else 0.0
+            self.bar.update(self.task, info=f"{rate:,.1f} tok/s, acceptance {p.acceptance:.2f}")
+
+    def answer(self, tokens: int = 0, rejected: bool = False) -> None:
+        self.answered += 1
+        self.rejected += rejected
+        self.tokens += tokens
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, completed=self.answered)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+    def summary(self) -> str:
+        elapsed = time.monotonic() - self.start
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        acc = f", acceptance {self.acceptance:.2f}" if self.acceptance is not None else ""
+        return (
+            f"{self.answered} requests ({self.rejected} rejected): {self.tokens} tokens in {elapsed:.2f} s, "
+            f"{rate:.1f} tok/s{acc}"
+        )
+
+
+@app.command()
+def batch(
+    file: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[FILE|-]",
+            help="requests, one a line: plain text (the prompt) or a JSON object; '-' or a pipe reads stdin",
+        ),
+    ] = None,
+    target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
+    proposer: Annotated[
+        str | None,
+        typer.Option(help=D.PROPOSER_HELP),
+    ] = None,
+    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: automatic]")] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", help="a request's default budget")
+    ] = D.MAX_NEW_TOKENS,
+    temperature: Annotated[float, typer.Option(help="a request's default; 0 = greedy")] = D.TEMPERATURE,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="a request's default")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="a request's default")] = None,
+    min_p: Annotated[
+        float | None, typer.Option("--min-p", help="a request's default: drop tokens < MIN_P x the top probability")
+    ] = None,
+    penalty: Annotated[
+        float, typer.Option("--repetition-penalty", help="a request's default: on every token so far (1 = off)")
+    ] = 1.0,
+    seed: Annotated[int, typer.Option(help="a request's default")] = D.SEED,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="requests decoded together, at most")] = D.MAX_BATCH,
+    ordered: Annotated[
+        bool, typer.Option("--ordered", help="answers in input order (held back until their turn)")
+    ] = False,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = D.DEVICE,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    engine_name: Annotated[
+        str, typer.Option("--engine", help="auto (native on a CPU) | native | native-avx2 | eager: every pass")
+    ] = D.ENGINE,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")] = None,
+    proposer_vocab: Annotated[
+        int | None,
+        typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="nothing on stderr but errors")] = False,
+    tree: Annotated[int, typer.Option("--tree", help=D.TREE_HELP)] = D.TREE,
+    weights: Annotated[str, typer.Option("--proposer-weights", help=D.WEIGHTS_HELP)] = D.PROPOSER_WEIGHTS,
+) -> None:
+    """Answer many requests, one a line of FILE (or stdin), decoded together: a JSON line each on stdout.
+
+    A line is a prompt, or a JSON object: {"prompt": "...", "id": ..., "max_new_tokens": 50, ...}.
+
+    A JSON line's other fields: "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
+    "stop" (a string or a list of them).
+
+    Fields left out take the options below. A line's id, unless it gives one, is its number in the input.
+
+    Each line gets one answer: {"id", "text", "tokens", "stats"}, or {"id", "error"} for a bad line.
+    """
+    import torch
+
+    from ..backends import engines
+    from ..engine import family
+    from ..model.tokenizer import EOT, load_tokenizer
+    from ..spec.sampling import NonFiniteError
+    from . import batch_io as B
+
+    source: BinaryIO | None = None
+    try:
+        greedy = temperature == 0
+        proposer = proposer or family.default_proposer(target, greedy)
+        slack = context_k(proposer, k)  # checks k
+        O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty)
+        if max_new_tokens < 1:
+            raise O.UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if max_batch < 1:
+            raise O.UsageError(f"--max-batch must be >= 1, got {max_batch}")
+        O.check_vocab(proposer_vocab)
+        if O.threads(threads):
+            torch.set_num_threads(threads)  # type: ignore[arg-type]
+        dev = family.pick_device(device)
+        mode = engines.engine_mode(engines.chosen(engine_name), dev)
+        source = open_input(file)  # before the models load: a missing file fails at once
+        tgt = family.load_target(target, dev, tokenizer)
+        tok = load_tokenizer(tgt.tokenizer)
+        engine = make_engine(
+            tgt,
+            proposer,
+            dev,
+            k=k,
+            max_batch=max_batch,
+            proposer_vocab=proposer_vocab,
+            eot=tok.token_to_id(EOT),
+            decode=tok.decode,
+            tree=O.tree(tree),
+            native=mode,  # a native engine's name, or None (eager)
+            native_log=None if quiet else err.print,
+            weights=weights,
+        )
+    except O.INPUT_ERRORS as e:
+        if source is not None and source is not sys.stdin.buffer:
+            source.close()
+        raise fail(str(e)) from None
+    assert source is not None  # opened above, or the command has ended
+
+    defaults = B.Defaults(max_new_tokens, temperature, top_k, top_p, seed, min_p=min_p, repetition_penalty=penalty)
+    writer = (B.OrderedWriter if ordered else B.LineWriter)(sys.stdout, whole_line)
+    shown = Display(show=not quiet and err.is_terminal)
+
+    def requests() -> Iterator[Request]:
+        """The engine pulls the requests one by one; a bad line is answered here, in its turn."""
+        lines = B.parse_lines(source, defaults, lambda text: tok.encode(text).ids, tgt.model.cfg.max_seq_len, slack)
+        for item in lines:
+            if isinstance(item, B.Rejected):
+                writer.put(item.index, B.error_answer(item.id, item.error))
+                shown.answer(rejected=True)
+            else:
+                yield item
+
+    fits = getattr(engine, "max_batch", max_batch)  # (a test's fake engine may not say)
+    if fits < max_batch and not quiet:
+        err.print(f"--max-batch {max_batch} lowered to {fits}: the memory here holds the cache of {fits} sequences")
+    try:
+        for fin in engine.run(requests(), progress=shown.progress):
+            writer.put(fin.request.index, B.answer(fin))
+            shown.answer(tokens=len(fin.tokens))
+        writer.close()
+    except KeyboardInterrupt:
+        shown.stop()  # the bar goes before the line
+        write_held(writer, B.OutputClosed)
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+    except B.OutputClosed:  # the reader went away: nobody is left to tell
+        stdout_to_devnull()
+        raise typer.Exit(BROKEN_PIPE_EXIT) from None
+    except NonFiniteError as e:  # the answers written stay; the run stops loudly
+        shown.stop()
+        raise fail(str(e), 1) from None
+    finally:
+        shown.stop()
+        if source is not sys.stdin.buffer:
+            source.close()
+    if not quiet:
+        err.print(shown.summary())

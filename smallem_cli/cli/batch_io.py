@@ -1,0 +1,402 @@
+"""`smallem batch`'s input and output: request lines in, one JSON answer line out per line.
+
+Input: one request per line (lines end at `\\n`; a `\\r` before it is dropped). A line is
+
+    plain text     the prompt itself, as is (a prompt that starts with `{` must be sent as JSON)
+    a JSON object  {"id", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
+                   "repetition_penalty", "seed", "stop"}: "prompt" (a string) is required; every
+                   other field is optional and defaults to the command line's option, under the
+                   rules of `smallem generate`'s. "stop" is a string or a list of strings; `null`
+                   turns "top_k" / "top_p" / "min_p" off ("repetition_penalty" 1 is off); "id" is a
+                   string or an integer.
+
+A line whose first non-blank character is `{` is read as JSON. The default id is the line's
+1-based number in the input.
+
+Ids: a line whose id (its own, or its number) repeats an earlier line's is answered
+`{"id": ..., "error": "duplicate id ..."}` and not decoded: each answer's id names one line. An
+id is a JSON value: 3 and "3" are two ids. The earlier lines' ids are remembered for the whole
+run (the ids the lines gave; the line numbers cost nothing).
+
+Line length: a line's bytes before its `\\n` are at most `max_line_bytes` (defaults.MAX_LINE_BYTES,
+1 MiB; for a target of a longer context, LINE_BYTES_PER_TOKEN bytes a position of it: far more than
+any prompt that fits the context). The input is read in bounded chunks: a longer line is never
+held whole in memory, nor parsed, nor tokenized; its rest is read and dropped chunk by chunk, it is
+answered `{"id": N, "error": "line too long: ..."}` (N its line number: its own id is never read)
+and the next lines go on.
+
+Blank lines: each line of the input is a request, so an empty (or all-blank) line is answered
+`{"id": N, "error": "empty prompt"}`, not skipped: the answers stay one per line, and line N's
+answer carries id N. The newline that ends the last line is no line of its own: a file ending in
+`\\n` has no empty request after it.
+
+Output: each input line gets exactly one line, `{"id", "text", "tokens", "stats"}` ("tokens": the
+generated ids) or `{"id", "error"}` for a line that is not a valid request. Each line goes out as
+one write and a flush, so an interrupted run leaves whole lines behind. `OrderedWriter` holds
+answers back until every earlier line's answer is out (`--ordered`); at the end of a run, or when it
+is interrupted, what it still holds goes out in input order, the lines never answered left out
+(`OrderedWriter.close`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import BinaryIO, TextIO
+
+from .. import defaults as D
+from .. import options as O
+from ..engine.request import Finished, Request
+from ..spec.sampling import Sampling
+
+FIELDS = (
+    "id",
+    "prompt",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+)
+
+Encode = Callable[[str], Sequence[int]]  # text -> token ids
+Record = dict[str, object]
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request leaves out: the command line's options."""
+
+    max_new_tokens: int = D.MAX_NEW_TOKENS
+    temperature: float = D.TEMPERATURE
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = D.SEED
+    stop: tuple[str, ...] = ()
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A line that is no valid request: answered with its error, never given to the engine."""
+
+    index: int  # position in the input, 0-based, as Request.index
+    id: str | int  # the line's own id where it gave a valid one, else its line number
+    error: str
+
+
+class BadField(ValueError):
+    """One field of a request that is of the wrong type or out of range."""
+
+
+def _shown(value: object, limit: int = 40) -> str:
+    """A field's value as JSON, cut short: an error line stays short whatever was sent."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- input ---------------------------------------------------------------------------------------
+def _int(obj: dict[str, object], name: str, default: int) -> int:
+    value = obj.get(name, default)
+    if type(value) is not int:  # bool is an int to Python, not to a user
+        raise BadField(f"{name} must be an integer, got {_shown(value)}")
+    return value
+
+
+def _number(obj: dict[str, object], name: str, default: float) -> float:
+    value = obj.get(name, default)
+    if type(value) not in (int, float):
+        raise BadField(f"{name} must be a number, got {_shown(value)}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer beyond any float
+        raise BadField(f"{name} is out of range, got {_shown(value)}") from None
+
+
+def _top_k(obj: dict[str, object], default: int | None) -> int | None:
+    """`null` turns it off."""
+    if obj.get("top_k", default) is None:
+        return None
+    return _int(obj, "top_k", default)  # type: ignore[arg-type]
+
+
+def _optional_number(obj: dict[str, object], name: str, default: float | None) -> float | None:
+    """top_p, min_p: `null` turns it off."""
+    if obj.get(name, default) is None:
+        return None
+    return _number(obj, name, default)  # type: ignore[arg-type]
+
+
+def _stop(obj: dict[str, object], default: tuple[str, ...]) -> tuple[str, ...]:
+    if "stop" not in obj:
+        return default
+    value = obj["stop"]
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise BadField(f"stop must be a string or a list of strings, got {_shown(value)}")
+    if "" in stops:
+        raise BadField("stop strings must not be empty")
+    return tuple(stops)
+
+
+def _id(obj: dict[str, object], lineno: int) -> str | int:
+    value = obj.get("id", lineno)
+    if type(value) not in (str, int):
+        raise BadField(f"id must be a string or an integer, got {_shown(value)}")
+    return value  # type: ignore[return-value]
+
+
+# options' messages name the command line's options: a request names its fields
+_FIELD_NAMES = {
+    "--max-new-tokens": "max_new_tokens",
+    "--seed": "seed",
+    "top-k": "top_k",
+    "top-p": "top_p",
+    "--min-p": "min_p",
+    "--repetition-penalty": "repetition_penalty",
+}
+
+
+def _usage(e: O.UsageError) -> str:
+    """A message of options' (the rules of `smallem generate`), told of a request's fields."""
+    msg = str(e)
+    for option, name in _FIELD_NAMES.items():
+        msg = msg.replace(option, name)
+    return msg
+
+
+def parse_line(
+    line: str, lineno: int, defaults: Defaults, encode: Encode, max_len: int, k: int = 0
+) -> Request | Rejected:
+    """One input line (without its newline) -> a checked Request, or why it is none.
+
+    `lineno` is 1-based; max_len is the target's context, which must hold the prompt,
+    max_new_tokens and a verify pass of k guesses (k+1 tokens), as `smallem generate` checks."""
+    index, rid = lineno - 1, lineno
+    obj: dict[str, object] | None = None
+    if line.lstrip().startswith("{"):
+        try:
+            value = json.loads(line)
+        except (ValueError, RecursionError):
+            return Rejected(index, rid, "invalid JSON object")
+        if not isinstance(value, dict):  # (a line opening with `{` is an object or no JSON at all)
+            return Rejected(index, rid, "invalid JSON object")
+        obj = value
+    try:
+        if obj is None:
+            prompt, fields = line, defaults
+            stop = defaults.stop
+        else:
+            if "id" in obj:
+                rid = _id(obj, lineno)
+            unknown = sorted(set(obj) - set(FIELDS))
+            if unknown:
+                raise BadField(f"unknown field {_shown(unknown[0])} (fields: {', '.join(FIELDS)})")
+            if "prompt" not in obj:
+                raise BadField('no prompt: a JSON request needs a "prompt" string')
+            prompt = obj["prompt"]  # type: ignore[assignment]
+            if not isinstance(prompt, str):
+                raise BadField(f"prompt must be a string, got {_shown(prompt)}")
+            fields = Defaults(
+                _int(obj, "max_new_tokens", defaults.max_new_tokens),
+                _number(obj, "temperature", defaults.temperature),
+                _top_k(obj, defaults.top_k),
+                _optional_number(obj, "top_p", defaults.top_p),
+                _int(obj, "seed", defaults.seed),
+                min_p=_optional_number(obj, "min_p", defaults.min_p),
+                repetition_penalty=_number(obj, "repetition_penalty", defaults.repetition_penalty),
+            )
+            stop = _stop(obj, defaults.stop)
+        if fields.max_new_tokens < 1:
+            raise BadField(f"max_new_tokens must be >= 1, got {fields.max_new_tokens}")
+        O.check_sampling(
+            fields.temperature, fields.top_k, fields.top_p, fields.seed, fields.min_p, fields.repetition_penalty
+        )
+        if not prompt.strip():
+            raise BadField("empty prompt")
+        if not prompt.isascii():
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON's "\ud800": no text a tokenizer takes
+                raise BadField(f"prompt is not valid Unicode (a lone surrogate at character {e.start})") from None
+        ids = tuple(encode(prompt))
+        if not ids:
+            raise BadField("empty prompt")
+        O.check_context(len(ids), fields.max_new_tokens, k, max_len)
+    except BadField as e:
+        return Rejected(index, rid, str(e))
+    except O.UsageError as e:
+        return Rejected(index, rid, _usage(e))
+    sampling = Sampling(
+        fields.temperature, fields.top_k, fields.top_p, fields.seed, fields.min_p, fields.repetition_penalty
+    )
+    return Request(index, rid, ids, fields.max_new_tokens, sampling, stop)
+
+
+def decode_line(raw: bytes) -> str:
+    """A raw input line -> its text without the line ending; UnicodeDecodeError if not UTF-8."""
+    return raw.removesuffix(b"\n").removesuffix(b"\r").decode("utf-8")
+
+
+def max_line_bytes(max_len: int) -> int:
+    """A request line's bytes (before its `\\n`) at most, for a target of context max_len."""
+    return max(D.MAX_LINE_BYTES, max_len * D.LINE_BYTES_PER_TOKEN)
+
+
+_DROP_CHUNK = 1 << 16  # bytes read at a time from the rest of a line too long to keep
+
+
+def read_lines(source: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """A binary file's lines (`\\n` kept), None for a line of more than `limit` bytes before its
+    `\\n`: memory stays within `limit` + a chunk whatever the input holds (a plain `for line in
+    file` reads a line whole, however long)."""
+    while True:
+        raw = source.readline(limit + 1)  # one byte more than a line may have: its `\n`, or too long
+        if not raw:
+            return
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):  # the rest of the line, dropped as it comes
+            raw = source.readline(_DROP_CHUNK)
+        yield None
+
+
+class SeenIds:
+    """The ids of the lines so far, to tell a repeated one. A line's number is its default id,
+    and numbers never repeat: only the ids the lines gave, and which lines gave one, are kept."""
+
+    def __init__(self) -> None:
+        self.given: dict[str | int, int] = {}  # an id a line gave (other than its number) -> the first such line
+        self.renamed: set[int] = set()  # the lines answered under another id than their number
+
+    def claim(self, rid: str | int, lineno: int) -> int | None:
+        """Line `lineno` answers as `rid`: the earlier line whose answer has that id, if one has."""
+        if type(rid) is int and rid == lineno:  # its own number: taken only by an earlier line that gave it
+            return self.given.get(rid)
+        self.renamed.add(lineno)
+        first = self.given.setdefault(rid, lineno)
+        if first != lineno:
+            return first
+        if type(rid) is int and 1 <= rid < lineno and rid not in self.renamed:
+            return rid  # an earlier line answered under its number, which this line now gives
+        return None
+
+
+def parse_lines(
+    lines: Iterable[bytes] | BinaryIO,
+    defaults: Defaults,
+    encode: Encode,
+    max_len: int,
+    k: int = 0,
+    max_bytes: int | None = None,
+) -> Iterator[Request | Rejected]:
+    """Raw lines (a binary file's, read in bounded chunks; or bytes, `\\n` kept or not) -> one
+    Request or Rejected each, lazily. max_bytes: a line's limit [default: max_line_bytes(max_len)]."""
+    limit = max_line_bytes(max_len) if max_bytes is None else max_bytes
+    raws: Iterable[bytes | None] = read_lines(lines, limit) if hasattr(lines, "readline") else lines  # type: ignore[arg-type]
+    seen = SeenIds()
+    for lineno, raw in enumerate(raws, 1):
+        item = _parse_raw(raw, lineno, limit, defaults, encode, max_len, k)
+        first = seen.claim(item.id, lineno)
+        if first is not None:
+            item = Rejected(item.index, item.id, f"duplicate id {_shown(item.id)}: line {first} has it too")
+        yield item
+
+
+def _parse_raw(
+    raw: bytes | None, lineno: int, limit: int, defaults: Defaults, encode: Encode, max_len: int, k: int
+) -> Request | Rejected:
+    if raw is None or len(raw.removesuffix(b"\n")) > limit:  # checked before anything reads the line
+        return Rejected(lineno - 1, lineno, f"line too long: over {limit} bytes")
+    try:
+        line = decode_line(raw)
+    except UnicodeDecodeError as e:
+        return Rejected(lineno - 1, lineno, f"not valid UTF-8 (byte {e.start})")
+    return parse_line(line, lineno, defaults, encode, max_len, k)
+
+
+# --- output --------------------------------------------------------------------------------------
+def answer(fin: Finished) -> Record:
+    return {"id": fin.request.id, "text": fin.text, "tokens": list(fin.tokens), "stats": fin.stats}
+
+
+def error_answer(rid: str | int, msg: str) -> Record:
+    return {"id": rid, "error": msg}
+
+
+class OutputClosed(Exception):
+    """The reader of the answers went away (a broken pipe): nothing more can be written."""
+
+
+Guard = Callable[[], AbstractContextManager[object]]  # around each line's write
+
+
+class LineWriter:
+    """Writes each answer as it comes, as one JSON line: one write, then a flush, inside `guard()`
+    (the CLI's keeps a Ctrl-C from landing in the middle of a line). A broken pipe raises OutputClosed."""
+
+    def __init__(self, out: TextIO, guard: Guard = nullcontext) -> None:
+        self.out, self.guard = out, guard
+        self.written = 0
+
+    def put(self, index: int, record: Record) -> None:
+        """The answer to input line `index` (0-based)."""
+        self.write(record)
+
+    def write(self, record: Record) -> None:
+        line = json.dumps(record) + "\n"
+        try:
+            with self.guard():  # a Ctrl-C held by the guard is raised at its end: the line is counted first
+                self.out.write(line)
+                self.out.flush()
+                self.written += 1
+        except BrokenPipeError:
+            raise OutputClosed from None
+
+    def held(self) -> int:
+        """Answers held back, not written yet."""
+        return 0
+
+    def close(self) -> None:
+        """The end of the run: answers still held back go out."""
+
+
+class OrderedWriter(LineWriter):
+    """Writes the answers in input order: each waits until every earlier line's answer is out.
+
+    An answer is taken off the held ones before its write: a Ctrl-C raised at the end of a write
+    leaves nothing that `close` would write twice."""
+
+    def __init__(self, out: TextIO, guard: Guard = nullcontext, start: int = 0) -> None:
+        super().__init__(out, guard)
+        self.next = start  # the index whose answer goes out next
+        self.waiting: dict[int, Record] = {}
+
+    def put(self, index: int, record: Record) -> None:
+        if index < self.next or index in self.waiting:
+            raise ValueError(f"a second answer to input line {index + 1}")
+        self.waiting[index] = record
+        while self.next in self.waiting:
+            record = self.waiting.pop(self.next)
+            self.next += 1
+            self.write(record)
+
+    def held(self) -> int:
+        return len(self.waiting)
+
+    def close(self) -> None:
+        """Answers still held go out in their order rather than be lost: at the end of a run (an
+        engine that lost a request), and after a Ctrl-C (the answers finished while an earlier
+        line's was not). "In order" is ascending input order: the output never goes back to an
+        earlier line, and the lines never answered are missing from it (each answer has its id)."""
+        for index in sorted(self.waiting):
+            record = self.waiting.pop(index)
+            self.next = index + 1
+            self.write(record)

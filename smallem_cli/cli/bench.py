@@ -1,0 +1,228 @@
+"""`smallem bench` (the seed's measurement table) and `smallem prompts` (its prompt files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from .. import defaults as D
+from .. import options as O
+from .app import app, err, fail, tables
+
+
+@app.command()
+def prompts(
+    data_dir: Annotated[Path, typer.Option("--data", help="folder with val.txt")] = D.DATA_DIR,
+    tokenizer: Annotated[Path, typer.Option(help="tokenizer.json")] = D.TOKENIZER,
+    out: Annotated[Path, typer.Option(help="output file")] = D.PROMPTS,
+    count: Annotated[int, typer.Option()] = 8,
+    length: Annotated[int, typer.Option(help="tokens per prompt")] = 32,
+    restate: Annotated[
+        int, typer.Option(help="then the passage's first N tokens again: a text that restates itself (copying pays)")
+    ] = 0,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing output file")] = False,
+) -> None:
+    """Write the benchmark prompts: COUNT prompts of LENGTH tokens from the validation text."""
+    from ..bench import run as bench
+
+    val_txt = data_dir / "val.txt"
+    if not val_txt.is_file():
+        raise fail(f"no validation text in {data_dir}: run `smallem data` (or `make data`) first")
+    if out.exists() and not overwrite:
+        raise fail(f"{out} exists: pass --overwrite to replace it")
+    if count < 1 or length < 1 or not 0 <= restate <= length:
+        raise fail("--count and --length must be >= 1, and --restate between 0 and --length")
+    try:
+        bench.write_prompts(val_txt, tokenizer, out, count, length, restate)
+    except O.INPUT_ERRORS as e:
+        raise fail(str(e)) from None
+    err.print(f"{count} prompts of {length + restate} tokens -> {out}")
+
+
+@app.command()
+def bench(
+    target: Annotated[Path, typer.Option(help="target checkpoint")] = D.TARGET,
+    proposers: Annotated[str, typer.Option(help="comma-separated proposers")] = "draft-2l,draft-4l,mtp",
+    k: Annotated[str | None, typer.Option("-k", "--k", help="extra k values, e.g. 1,4")] = None,
+    sweep_k: Annotated[str | None, typer.Option("--sweep-k", help="e.g. 1..6: every k for every proposer")] = None,
+    modes: Annotated[str, typer.Option(help="greedy,sample")] = "greedy,sample",
+    prompts_file: Annotated[
+        Path | None, typer.Option("--prompts", help=f"[default: {D.PROMPTS.name}; --batch: {D.BATCH_PROMPTS.name}]")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
+    batch: Annotated[
+        str | None, typer.Option(help="e.g. 1,4,16,64: the batch engine's throughput and latency at these sizes")
+    ] = None,
+    repeats: Annotated[int, typer.Option(help="timed runs per configuration (median)")] = D.BENCH_REPEATS,
+    temperature: Annotated[float, typer.Option(help="for the sample mode")] = D.BENCH_TEMPERATURE,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="for the sample mode")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="for the sample mode")] = None,
+    min_p: Annotated[float | None, typer.Option("--min-p", help="for the sample mode")] = None,
+    device: Annotated[str, typer.Option()] = D.DEVICE,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    proposer_vocab: Annotated[
+        int | None,
+        typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+    plot_file: Annotated[Path | None, typer.Option("--plot", help="PNG of speed-up against k")] = None,
+    peer: Annotated[
+        str | None, typer.Option(help="hf | llamacpp | vllm: time transformers, llama.cpp or vLLM side by side")
+    ] = None,
+    costs: Annotated[
+        bool, typer.Option("--costs", help="only the stopwatch readings of c and v, --repeats of them (seconds)")
+    ] = False,
+    p_min: Annotated[
+        float | None,
+        typer.Option("--draft-p-min", help="also rows with adaptive depth: each model proposer at this p-min"),
+    ] = None,
+    engine_names: Annotated[
+        str, typer.Option("--engines", help="eager, native-avx2, native, comma-separated (auto: eager,native on a CPU)")
+    ] = D.ENGINE,
+    tree: Annotated[
+        str | None,
+        typer.Option("--tree", help="also rows with token trees of N guesses (N or N,M,..): each MTP proposer"),
+    ] = None,
+    weights: Annotated[
+        str,
+        typer.Option(
+            "--proposer-weights",
+            help=f"int8 | f16 | int8,f16 (also rows P@f16): the proposer's native matrices [{D.PROPOSER_WEIGHTS}]",
+        ),
+    ] = D.PROPOSER_WEIGHTS,
+) -> None:
+    """The seed's measurement table: tokens/s, speed-up, acceptance, cost model."""
+    import json
+
+    import torch
+
+    from ..backends import engines
+    from ..bench import report as R
+    from ..bench import run as B
+    from ..bench.peer import peer_table, run_peer
+    from ..engine import family
+
+    try:
+        if O.threads(threads):
+            torch.set_num_threads(threads)
+        names = [p for p in proposers.split(",") if p]
+        extra = O.parse_ks(k) if k else []
+        sweep = O.parse_ks(sweep_k) if sweep_k else []
+        mode_list = O.check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
+        O.check_sampling(temperature, top_k, top_p, min_p=min_p)
+        dev = family.pick_device(device)
+        tgt = family.load_target(target, dev)
+        trees = O.tree_names(names, O.tree_budgets(tree)) if tree else {}  # "mtp@tree12" -> ("mtp", 12)
+        first, *others = O.weights_list(weights)
+        stored = O.weights_names(names, others)  # "mtp@f16" -> ("mtp", "f16")
+        if batch is not None:  # the batch engine's table instead: greedy, one run per size
+            from ..bench.batch import from_cli
+
+            sizes = O.parse_sizes(batch)
+            found = O.read_prompts(prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]})
+            names = names + list(trees) + list(stored)
+            batch_engines = engines.bench_engines(engines.chosen(engine_names), dev)
+            rows = from_cli(
+                tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file, batch_engines,
+                first,
+            )  # fmt: skip
+            if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
+                raise fail("greedy identity FAILED in the batch engine", 1)
+            return
+        prompts_file = prompts_file or D.PROMPTS
+        adaptive = O.adaptive_names(names, O.p_min(p_min)) if p_min else {}  # "mtp@p0.4" -> "mtp"
+        names += list(adaptive) + list(trees) + list(stored)
+        ks = O.bench_ks(names, mode_list, extra, sweep)
+        prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks)
+        O.check_vocab(proposer_vocab)
+        vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
+        loaded = {
+            v: {
+                n: family.load_proposer(
+                    adaptive.get(n, trees[n][0] if n in trees else stored[n][0] if n in stored else n),
+                    tgt,
+                    dev,
+                    v,
+                    (p_min or 0.0) * (n in adaptive),
+                    O.tree(trees[n][1]) if n in trees else None,
+                    stored[n][1] if n in stored else first,
+                )
+                for n in names
+            }
+            for v in set(vocab.values())
+        }
+        engine_list = engines.bench_engines(engines.chosen(engine_names), dev)
+    except O.INPUT_ERRORS as e:
+        raise fail(str(e)) from None
+    plan = B.Plan(
+        {m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature, 0, engine_list,
+        top_k, top_p, min_p,
+    )  # fmt: skip
+    passes = list(D.COST_PASSES) if costs else None
+    B.prepare_engines(tgt.model, plan, err.print)  # every pass the bench takes, before the clock
+    if costs:
+        readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats, passes)
+        if json_out:
+            print(json.dumps({"device": str(dev), "threads": torch.get_num_threads(), **readings.__dict__}))
+        else:
+            tables.print(R.costs_table(readings, str(dev), torch.get_num_threads()))
+        return
+    total = B.generations(plan, len(prompt_ids))
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("bench", total=total)
+
+        def step(label: str) -> None:
+            bar.update(task, advance=1, description=escape(label))  # the bar's text is markup
+
+        rows = B.run_bench(tgt.model, prompt_ids, plan, step)
+    from ..interop.vllm_peer import VllmError
+
+    try:
+        peer_rows = (
+            run_peer(
+                peer,
+                tgt,
+                target.parent,
+                prompt_ids,
+                max_new_tokens,
+                rows,
+                engine_list,
+                repeats,
+                lambda m: err.print(m),
+                B.best_greedy(rows, plan),
+            )
+            if peer
+            else []
+        )
+    except VllmError as e:  # vLLM failed in its subprocess: its error line
+        raise fail(str(e), 1) from None
+    if plot_file:
+        R.plot(rows, plot_file)
+    if json_out:
+        print(
+            json.dumps(
+                {
+                    "device": str(dev),
+                    "threads": torch.get_num_threads(),
+                    "prompts": len(prompt_ids),
+                    "max_new_tokens": max_new_tokens,
+                    "repeats": repeats,
+                    "rows": [r.__dict__ for r in rows],
+                    "peer": peer_rows,
+                }
+            )
+        )
+    else:
+        tables.print(R.table(rows, len(prompt_ids), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
+        if sweep:
+            tables.print(R.sweep_table(rows))
+        if peer_rows:
+            tables.print(peer_table(peer_rows))
+    bad = [r for r in rows if r.identical is not None and not r.identical.startswith(f"{len(prompt_ids)}/")]
+    if bad:
+        raise fail("greedy identity FAILED: " + ", ".join(f"{r.proposer} k={r.k}: {r.identical}" for r in bad), 1)

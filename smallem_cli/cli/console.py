@@ -1,0 +1,186 @@
+"""Terminal helpers for the CLI: Ctrl-C, closed or full standard streams, a training progress
+display, a streaming text writer."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Protocol, TextIO, TypeVar
+
+if TYPE_CHECKING:  # train imports torch: seconds the command line does not wait for before it parses
+    from rich.console import Console
+
+    from ..train.loop import Progress as P
+    from ..train.loop import ProgressFn
+
+
+T = TypeVar("T")
+
+
+def quiet_ctrl_c() -> None:
+    """Ctrl-C raises KeyboardInterrupt as usual, except while a module is being imported: then
+    the process exits 130 at once. A library's import may swallow the interrupt or be left half
+    loaded by it (torch, loading numpy, does both), so it cannot be handled there."""
+
+    def on_ctrl_c(signum: int, frame: FrameType | None) -> None:
+        f = frame
+        while f is not None:
+            if f.f_code.co_filename.startswith("<frozen importlib"):
+                os._exit(130)  # nothing is written while loading: nothing is lost
+            f = f.f_back
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # where Python handles signals
+        signal.signal(signal.SIGINT, on_ctrl_c)
+
+
+BROKEN_PIPE_EXIT = 128 + 13  # what a command killed by SIGPIPE gives: the reader went away
+
+
+class StdoutClosed(Exception):
+    """The reader of stdout went away (`smallem generate | head -c 10`): a quiet end. Not an
+    OSError, so that no handler of bad input (or click's own, which exits 1) takes it for one."""
+
+
+class StdoutError(Exception):
+    """stdout cannot be written (closed, or a full disk): one line on stderr, exit 1."""
+
+
+class _Closed(io.TextIOBase):
+    """What stands for a stdout the process was started without (`>&-`): every write fails, so
+    that a command that prints fails with one line, and one that prints nothing is not hindered."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
+
+
+class _Guarded(io.TextIOBase):
+    """sys.stdout whose failures are told apart from any other OSError: a write or a flush that
+    fails raises StdoutClosed for a broken pipe, StdoutError otherwise."""
+
+    def __init__(self, raw: TextIO) -> None:
+        self.raw = raw
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except BrokenPipeError:
+            raise StdoutClosed from None
+        except OSError as e:
+            raise StdoutError(f"cannot write to stdout: {e.strerror or e}") from None
+
+    def write(self, s: str) -> int:
+        return self._call(lambda: self.raw.write(s))
+
+    def flush(self) -> None:
+        self._call(self.raw.flush)
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self.raw.isatty()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.raw.encoding
+
+
+def guard_streams() -> None:
+    """A closed stdin reads as empty input; a closed stdout fails only when written; every failed
+    write to stdout is one StdoutError or StdoutClosed (`main` turns them into one line or a quiet exit)."""
+    if sys.stdin is None:
+        sys.stdin = open(os.devnull, encoding="utf-8")
+    if sys.stdout is None:
+        sys.stdout = _Closed()
+    if not isinstance(sys.stdout, _Guarded):
+        sys.stdout = _Guarded(sys.stdout)
+
+
+def stdout_to_devnull() -> None:
+    """After stdout failed: Python flushes stdout at exit, and a failed flush prints a traceback-like
+    warning. Pointing stdout at /dev/null is what Python's documentation recommends (signal module)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # not a file: nothing to redirect
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def progress_printer(name: str, err: Console) -> ProgressFn:
+    """A rich progress bar on a terminal; a plain line every 30 s in a log file."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if err.is_terminal:
+        bar = Progress(
+            TextColumn(f"{name}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err
+        )
+        bar.start()
+        task = bar.add_task(name, total=1.0, info="")
+
+        def show(p: P) -> None:
+            info = f"step {p.step} loss {p.loss:.3f} {p.tokens_per_s:,.0f} tok/s"
+            if p.val_loss is not None:
+                info += f" val {p.val_loss:.3f}"
+            bar.update(task, completed=p.done, info=info)
+            if p.done >= 1.0:
+                bar.stop()
+
+        return show
+    last = [0.0]
+
+    def log(p: P) -> None:
+        if time.monotonic() - last[0] >= 30 or p.done >= 1.0:
+            last[0] = time.monotonic()
+            val = f" val {p.val_loss:.3f}" if p.val_loss is not None else ""
+            extra = "".join(f" {k} {v:.3f}" for k, v in p.extra.items())
+            eta = p.elapsed_s * (1 - p.done) / p.done if p.done > 0 else 0.0
+            print(
+                f"{name} step {p.step} loss {p.loss:.3f}{extra}{val} {p.tokens_per_s:,.0f} tok/s "
+                f"seen {p.tokens_seen:,} eta {eta:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return log
+
+
+class Decoder(Protocol):
+    """What decodes tokens to text: a `tokenizers.Tokenizer`, or anything with its `decode`."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class TextStream:
+    """Decodes a growing token list and writes only the new, complete characters."""
+
+    def __init__(self, tokenizer: Decoder, out: TextIO | None) -> None:
+        self.tok, self.out = tokenizer, out  # out None: keep the tokens, write nothing
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def push(self, ids: list[int], final: bool = False) -> None:
+        self.ids.extend(ids)
+        if self.out is None:
+            return
+        text = self.tok.decode(self.ids)
+        end = len(text) if final else len(text.rstrip("\ufffd"))  # hold back a split UTF-8 character
+        if end > self.printed:
+            self.out.write(text[self.printed : end])
+            self.out.flush()
+            self.printed = end

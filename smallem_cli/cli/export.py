@@ -1,0 +1,60 @@
+"""`smallem export`: a checkpoint as a Hugging Face folder, a GGUF file, or a MiMo folder for vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import options as O
+from .app import app, err, fail
+
+
+# --- Hugging Face / GGUF export ------------------------------------------------------------
+@app.command()
+def export(
+    checkpoint_path: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="a smallem model checkpoint")],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="output: a folder (hf, mimo) or a .gguf file (gguf)")],
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="hf: a LlamaForCausalLM folder | gguf: one file for llama.cpp | "
+            "mimo: the target and its MTP module as one MiMoForCausalLM folder, for vLLM's mtp method",
+        ),
+    ] = "hf",
+    dtype: Annotated[
+        str | None, typer.Option(help="gguf: f32 | f16 weights [default: f32]; hf keeps the stored dtype")
+    ] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the checkpoint]")] = None,
+    mtp: Annotated[Path | None, typer.Option(help="mimo: the MTP module [default: mtp.safetensors beside]")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace an existing OUT (a non-empty folder, a file)")] = False,
+) -> None:
+    """Write a checkpoint in the Hugging Face Llama format (config.json, model.safetensors, tokenizer),
+    as a GGUF file that llama.cpp runs (--format gguf), or with its MTP module for vLLM (--format mimo)."""
+    from ..interop.hf import HFFormatError, export_hf
+    from ..model.checkpoint import CheckpointError
+
+    tok = tokenizer or checkpoint_path.parent / "tokenizer.json"
+    try:
+        if dtype is not None and fmt != "gguf":
+            raise O.UsageError(f"--dtype applies to --format gguf: {fmt} keeps the checkpoint's dtype")
+        if mtp is not None and fmt != "mimo":
+            raise O.UsageError("--mtp applies to --format mimo")
+        if fmt == "hf":
+            export_hf(checkpoint_path, out, tok, overwrite=overwrite)
+        elif fmt == "gguf":
+            from ..interop.gguf import export_gguf
+
+            export_gguf(checkpoint_path, out, tok, dtype=dtype or "f32", overwrite=overwrite)
+        elif fmt == "mimo":
+            from ..interop.hf_mtp import export_mimo
+
+            module = mtp or checkpoint_path.parent / "mtp.safetensors"
+            export_mimo(checkpoint_path, module, out, tok, overwrite=overwrite)
+        else:
+            raise O.UsageError(f"unknown --format {fmt!r}: use hf, gguf or mimo")
+    except (CheckpointError, HFFormatError, OSError, ValueError, ImportError, O.UsageError) as e:
+        raise fail(str(e)) from None
+    err.print(f"{checkpoint_path} -> {out}")

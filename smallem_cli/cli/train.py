@@ -1,0 +1,312 @@
+"""`smallem data` and `smallem train`: the corpus and the family's training, on the CLI's app."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from .. import defaults as D
+from ..config import PRESETS, ModelConfig
+from .app import app, err, fail
+from .console import progress_printer
+
+if TYPE_CHECKING:
+    from ..train.fit import Fit
+
+
+# --- data and training ------------------------------------------------------------------
+@app.command()
+def data(
+    files: Annotated[list[Path] | None, typer.Argument(help="UTF-8 text files (default: the KJV Bible)")] = None,
+    out: Annotated[Path, typer.Option(help="output folder")] = D.DATA_DIR,
+    overwrite: Annotated[bool, typer.Option(help="replace a different corpus already in --out")] = False,
+    continuations: Annotated[
+        int, typer.Option(help="instead: the target's continuations of this many contexts of --source (0: off)")
+    ] = 0,
+    source: Annotated[
+        Path, typer.Option(help="continuations: the corpus the contexts and the validation split come from")
+    ] = D.DATA_DIR,
+    target: Annotated[Path, typer.Option(help="continuations: the target that writes them")] = D.TARGET,
+    context_tokens: Annotated[int, typer.Option(help="continuations: tokens of a context")] = D.GEN_CONTEXT,
+    new_tokens: Annotated[int, typer.Option(help="continuations: tokens the target adds to each")] = D.GEN_NEW,
+    sampled_every: Annotated[
+        int, typer.Option(help="continuations: one in this many sampled at T=1, the rest greedy (0: all greedy)")
+    ] = D.GEN_SAMPLED_EVERY,
+    seed: Annotated[int, typer.Option(help="continuations: contexts and draws")] = 0,
+) -> None:
+    """Build the corpus and its deterministic train/validation split; or, with --continuations,
+    a corpus of the target's own text to fit proposers on (`continuations.py`)."""
+    import subprocess
+
+    from ..train import data as corpus
+    from ..train.outputs import OutputError, write_corpus
+
+    if continuations:
+        if files:
+            raise fail("--continuations reads the corpus in --source: give no text files")
+        _continuations(out, overwrite, continuations, source, target, context_tokens, new_tokens, sampled_every, seed)
+        return
+    try:
+        chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
+        train_path, val_path = write_corpus(out, chunks, overwrite, "--out")
+    except (OSError, UnicodeDecodeError, RuntimeError, subprocess.CalledProcessError, OutputError) as e:
+        raise fail(str(e)) from None
+    err.print(
+        f"{len(chunks)} chunks -> {train_path} ({train_path.stat().st_size} bytes), "
+        f"{val_path} ({val_path.stat().st_size} bytes)"
+    )
+
+
+def _continuations(
+    out: Path,
+    overwrite: bool,
+    n: int,
+    source: Path,
+    target: Path,
+    context_tokens: int,
+    new_tokens: int,
+    sampled_every: int,
+    seed: int,
+) -> None:
+    """`smallem data --continuations N`: the target continues N contexts of --source's training
+    split on the batch engine (native where it can); the documents go to --out's train.txt, the
+    source's validation split to its val.txt. Checked before any work: nothing is replaced
+    unasked, and --out is not --source."""
+    import time
+
+    from ..backends import engines
+    from ..engine import family
+    from ..engine.build import build_engine
+    from ..model.tokenizer import load_tokenizer
+    from ..train import continuations as C
+    from ..train import data as corpus
+    from ..train.outputs import OutputError, continuations_out
+
+    if n < 0 or context_tokens < 1 or new_tokens < 1 or sampled_every < 0:
+        raise fail("--continuations, --sampled-every >= 0; --context-tokens, --new-tokens >= 1")
+    train_txt, val_txt = source / "train.txt", source / "val.txt"
+    if not train_txt.is_file() or not val_txt.is_file():
+        raise fail(f"no corpus in {source}: run `smallem data` (or `make data`) first")
+    try:
+        continuations_out(out, source, overwrite)
+    except OutputError as e:
+        raise fail(str(e)) from None
+    try:
+        dev = family.pick_device("auto")
+        tgt = family.load_target(target, dev)
+        if context_tokens + new_tokens > tgt.model.cfg.max_seq_len:
+            positions = tgt.model.cfg.max_seq_len
+            raise ValueError(f"a context and its continuation exceed the target's {positions} positions")
+        tok = load_tokenizer(tgt.tokenizer)
+        eot = tok.token_to_id(corpus.EOT)
+        ids = corpus.token_file(tgt.tokenizer, train_txt)
+        reqs = C.requests(C.contexts(ids, n, context_tokens, seed, eot), new_tokens, sampled_every, seed)
+        engine = build_engine(
+            tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, eot=eot, decode=tok.decode,
+            native=engines.engine_mode(engines.chosen("auto"), dev), native_log=err.print,
+        )  # fmt: skip
+        val = corpus.read_documents(val_txt)
+    except (family.CheckpointError, ValueError, OSError, UnicodeDecodeError) as e:
+        raise fail(str(e)) from None
+    t0 = time.perf_counter()
+
+    def done(k: int) -> None:
+        if k % 256 == 0 or k == n:
+            err.print(f"{k}/{n} continuations, {time.perf_counter() - t0:.0f} s")
+
+    docs = C.documents(engine.run(reqs), tok.decode, done)  # the engine's loop runs under inference_mode
+    try:
+        train_path, val_path = corpus.write_parts(out, (docs, val))
+    except OSError as e:
+        raise fail(str(e)) from None
+    err.print(f"{len(docs)} continuations -> {train_path} ({train_path.stat().st_size} bytes), {val_path}")
+
+
+class Kind(str, Enum):
+    tokenizer = "tokenizer"
+    target = "target"
+    draft = "draft"
+    mtp = "mtp"
+
+
+@app.command()
+def train(
+    kind: Annotated[Kind, typer.Argument(help="what to train")],
+    data_dir: Annotated[
+        Path, typer.Option("--data", help="folder with train.txt and val.txt (smallem data)")
+    ] = D.DATA_DIR,
+    preset: Annotated[str | None, typer.Option(help="model preset (target, draft-2l, draft-4l, ...)")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="output checkpoint (default: the install's checkpoints/<preset>.safetensors)")
+    ] = None,
+    mtp_out: Annotated[
+        Path | None, typer.Option(help="target: its jointly trained MTP module (default: mtp.safetensors beside --out)")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace existing output files (checked before training)")] = False,
+    tokenizer: Annotated[Path, typer.Option(help="tokenizer.json (train tokenizer: the output)")] = D.TOKENIZER,
+    target: Annotated[Path, typer.Option(help="target checkpoint (the teacher of mtp and --distill)")] = D.TARGET,
+    init: Annotated[Path | None, typer.Option(help="start from this checkpoint (an MTP module or a draft)")] = None,
+    distill: Annotated[bool, typer.Option(help="draft: fit the target's distribution, not the corpus")] = False,
+    mtp_weight: Annotated[
+        float, typer.Option(help="target: weight of its MTP module's loss in their joint training")
+    ] = D.TRAIN_MTP_WEIGHT,
+    feature_weight: Annotated[
+        float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
+    ] = 0.0,
+    chain: Annotated[
+        int, typer.Option(help="mtp: fit the chain of this many guesses as it runs, each step's own loss (0: off)")
+    ] = 0,
+    fit_temperatures: Annotated[
+        str, typer.Option(help="mtp, --distill: fit q to the target's p warped at these temperatures (comma-separated)")
+    ] = "1",
+    fit_tv: Annotated[
+        float, typer.Option(help="mtp, --distill: weight of the sampled rejection probability 1 - sum min(p, q)")
+    ] = 0.0,
+    fit_vocab: Annotated[
+        int, typer.Option(help="mtp, --distill: fit q over the N most frequent tokens, as a cut head runs (0: all)")
+    ] = 0,
+    budget: Annotated[float, typer.Option(help="training seconds")] = D.TRAIN_SECONDS,
+    tokens: Annotated[
+        int, typer.Option(help="token budget: stop after this many training tokens, not --budget seconds (0: off)")
+    ] = 0,
+    run_dir: Annotated[Path | None, typer.Option(help="resume state folder (default: runs/<name>)")] = None,
+    seed: Annotated[int, typer.Option()] = D.TRAIN_SEED,
+    lr: Annotated[float, typer.Option()] = D.TRAIN_LR,
+    batch_size: Annotated[int, typer.Option()] = D.TRAIN_BATCH,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    compile_loss: Annotated[
+        bool, typer.Option("--compile/--no-compile", help="run the loss through torch.compile (once a run)")
+    ] = D.TRAIN_COMPILE,
+    precision: Annotated[
+        str, typer.Option(help="fp32, or bf16: the loss's products in bfloat16 (for CPUs with bfloat16 instructions)")
+    ] = D.TRAIN_PRECISION,
+    text: Annotated[
+        list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data first)")
+    ] = None,
+) -> None:
+    """Train the tokenizer, a target (with its MTP module), a draft, or an MTP module."""
+    import torch
+
+    from ..model import checkpoint
+    from ..train import data as corpus
+    from ..train import loop as tr
+    from ..train.data import train_tokenizer
+    from ..train.members import train_member
+    from ..train.outputs import OutputError, train_outputs, write_corpus
+
+    # the options alone, checked before any work (writing --text's split included)
+    if budget <= 0 or tokens < 0:
+        raise fail("--budget must be > 0 seconds and --tokens >= 0")
+    if (chain and kind is not Kind.mtp) or not 0 <= chain <= D.MAX_K:
+        raise fail(f"--chain applies to an MTP module, between 1 and {D.MAX_K} guesses")
+    fit = _fit(fit_temperatures, fit_tv, fit_vocab)
+    if not fit.plain and not (kind is Kind.mtp or distill):
+        raise fail("--fit-temperatures, --fit-tv and --fit-vocab apply to an MTP module or a draft with --distill")
+    if precision not in tr.PRECISIONS:
+        raise fail(f"--precision takes {' or '.join(tr.PRECISIONS)}, not {precision!r}")
+    if init and kind is Kind.target:
+        raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
+    if kind is Kind.draft and init and not distill:
+        raise fail("--init for a draft continues it by distillation: add --distill")
+    # where the results go, checked before any work: nothing existing is replaced unasked
+    name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp", "tokenizer": "tokenizer"}[kind.value]
+    job = "distill" if kind is Kind.draft and distill else kind.value
+    dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
+    dest, option = (tokenizer, "tokenizer") if kind is Kind.tokenizer else (dest, "out")
+    joint = kind is Kind.target and name in PRESETS and PRESETS[name].mtp
+    if mtp_weight < 0 or (mtp_weight != D.TRAIN_MTP_WEIGHT and not joint):
+        raise fail("--mtp-weight applies to a target trained with its MTP module, and is >= 0")
+    teacher = target if job in ("mtp", "distill") else None
+    try:
+        mtp_dest = train_outputs(dest, f"--{option}", mtp_out, joint, teacher, overwrite)
+    except OutputError as e:
+        raise fail(str(e)) from None
+    if compile_loss:  # the compiler torch.compile will call, found as it finds it
+        from torch._inductor import cpp_builder, exc
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except exc.InvalidCxxCompiler:
+            raise fail("--compile needs a C++ compiler (g++, or $CXX) for torch.compile: train without it") from None
+    if threads:
+        torch.set_num_threads(threads)
+    if text:  # the user's own corpus: build its split where --data points
+        try:
+            write_corpus(data_dir, corpus.text_chunks(text), overwrite, "--data")  # not over another corpus
+        except (OSError, UnicodeDecodeError, OutputError) as e:
+            raise fail(str(e) if isinstance(e, OutputError) else f"cannot use the training text: {e}") from None
+    train_txt, val_txt = data_dir / "train.txt", data_dir / "val.txt"
+    if not train_txt.is_file() or not val_txt.is_file():
+        raise fail(f"no corpus in {data_dir}: run `smallem data` (or `make data`) first")
+    if kind is Kind.tokenizer:
+        try:
+            train_tokenizer(train_txt, tokenizer)
+        except OSError as e:
+            raise fail(f"cannot write the tokenizer: {e}") from None
+        err.print(f"tokenizer -> {tokenizer}")
+        return
+    if not tokenizer.is_file():
+        raise fail(f"tokenizer not found: {tokenizer} (run `smallem train tokenizer`)")
+    train_ids = corpus.token_file(tokenizer, train_txt)
+    val_ids = corpus.token_file(tokenizer, val_txt)
+    if len(val_ids) < 8:  # checked before training, not after the budget is spent
+        raise fail(
+            f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
+            f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
+        )
+    settings = tr.TrainSettings(
+        budget_s=budget,
+        budget_tokens=tokens,
+        seed=seed,
+        lr=lr,
+        batch_size=batch_size,
+        mtp_weight=mtp_weight,
+        feature_weight=feature_weight,
+        chain=chain,
+        fit=fit,
+        compile=compile_loss,
+        precision=precision,
+    )
+    cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
+    run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
+    try:
+        facts = train_member(
+            job, cfg, (train_ids, val_ids), settings, run, dest, tokenizer, progress_printer(name, err), target, init,
+            mtp_dest,
+        )  # fmt: skip
+    except (checkpoint.CheckpointError, ValueError, OSError) as e:
+        raise fail(str(e)) from None
+    except torch._dynamo.exc.BackendCompilerFailed as e:  # --compile: the saved state resumes without it
+        raise fail(f"torch.compile failed ({type(e.inner_exception).__name__}): rerun without --compile") from None
+    also = f", its MTP module -> {mtp_dest}" if mtp_dest else ""
+    err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}{also}")
+
+
+def _fit(temperatures: str, tv: float, vocab: int) -> Fit:
+    """The --fit-* options as a Fit, or one line on stderr."""
+    from ..train.fit import Fit
+
+    try:
+        return Fit(tuple(float(t) for t in temperatures.split(",")), tv, vocab)
+    except ValueError as e:
+        raise fail(f"--fit-temperatures takes numbers > 0 (e.g. 1,0.7); --fit-tv, --fit-vocab >= 0: {e}") from None
+
+
+def _preset(name: str, tokenizer: Path) -> ModelConfig:
+    """The named preset, checked against the tokenizer's vocabulary."""
+
+    if name not in PRESETS:
+        raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+    cfg = PRESETS[name]
+    if cfg.vocab_size != (vs := len(corpus_vocab(tokenizer))):
+        raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
+    return cfg
+
+
+def corpus_vocab(tokenizer: Path) -> dict[str, int]:
+    from ..model.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer).get_vocab(with_added_tokens=True)

@@ -1,0 +1,187 @@
+"""Finding and loading a target and its proposer, by name or path.
+
+A target is a smallem checkpoint (its tokenizer.json beside it) or a Hugging Face Llama
+folder. A proposer is `none`, `ngram` (prompt lookup, no model), a shipped name (`draft-2l`,
+`draft-4l`, `mtp`, looked up beside a smallem target), a path to a smallem draft, a
+smallem MTP module, or an HF folder, or `ngram+P`: the n-gram lookup backed by P.
+An HF folder ships no proposer: its default proposer is `none`, and a shipped name
+with it is refused rather than looked up in whatever folder holds it.
+A proposer must share the target's tokenizer: fingerprints of the two vocabularies are
+compared, and a mismatch is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import defaults as D
+from ..interop import hf
+from ..model import checkpoint
+from ..model.checkpoint import CheckpointError
+from ..model.llama import Transformer
+from ..model.tokenizer import load_tokenizer
+from ..spec.head import Head
+from ..spec.ngram import Fallback, NgramProposer
+from ..spec.proposers import DraftProposer, MTPProposer, NoProposer, Proposer
+
+SHIPPED_PROPOSERS = ("none", "draft-2l", "draft-4l", "mtp")
+
+
+@dataclass
+class Target:
+    model: Transformer
+    tokenizer: Path
+    fingerprint: str
+    path: Path
+    hf: bool = False  # a Hugging Face folder, not a smallem checkpoint
+
+
+def default_proposer(target: Path, greedy: bool) -> str:
+    """The proposer used when none is named: beside a smallem checkpoint, the shipped MTP
+    module (greedy: backed up by the n-gram lookup); none for an HF folder (whatever sits
+    beside the folder is not its proposer)."""
+    return "none" if hf.is_hf_dir(target) else D.PROPOSER["greedy" if greedy else "sample"]
+
+
+def load_target(path: Path, device: torch.device, tokenizer: Path | None = None) -> Target:
+    """A smallem checkpoint or an HF Llama folder, packed for inference on `device`."""
+    if hf.is_hf_dir(path):
+        model, fp = hf.load_hf(path, device)
+        tok = tokenizer or path / "tokenizer.json"
+    else:
+        model, meta = checkpoint.load_model(path, device)
+        tok = tokenizer or path.parent / "tokenizer.json"
+        if not tok.is_file():
+            raise CheckpointError(f"tokenizer not found: {tok}")
+        fp = checkpoint.tokenizer_fingerprint(tok)
+        if meta.get("tokenizer") and meta["tokenizer"] != fp:
+            raise CheckpointError(f"{path} was trained with another tokenizer than {tok}")
+    top = max(load_tokenizer(tok).get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= model.cfg.vocab_size:  # an id past the embedding would fail in the middle of a run
+        raise CheckpointError(f"{tok}: token id {top} does not fit {path}'s vocabulary of {model.cfg.vocab_size}")
+    return Target(model.pack(), tok, fp, path, hf=hf.is_hf_dir(path))
+
+
+ProposerFactory = Callable[[int], Proposer]  # max tokens of the sequence -> a fresh proposer
+
+
+def proposer_path(spec: str, target_dir: Path) -> Path:
+    """A shipped proposer's name -> its file beside the target; anything else is a path."""
+    return target_dir / f"{spec}.safetensors" if spec in SHIPPED_PROPOSERS else Path(spec)
+
+
+def _proposer_path(spec: str, target: Target) -> Path:
+    if spec in SHIPPED_PROPOSERS and target.hf:
+        raise CheckpointError(
+            f"proposer {spec!r} is a shipped name, looked up beside a smallem checkpoint; "
+            f"the Hugging Face target {target.path} ships none: give the proposer's path, or none"
+        )
+    return proposer_path(spec, target.path.parent)
+
+
+def load_proposer(
+    spec: str,
+    target: Target,
+    device: torch.device,
+    vocab: int = 0,
+    p_min: float = 0.0,
+    tree: tuple[int, int] | None = None,
+    weights: str = D.PROPOSER_WEIGHTS,
+) -> ProposerFactory:
+    """`spec` -> a factory of proposers (each generation gets its own caches).
+
+    vocab > 0 cuts the proposer's head to the `vocab` most frequent training tokens, where
+    the checkpoint records them (see proposers.Head); 0 keeps the whole head. p_min > 0: a
+    model proposer stops a round's guesses once it is less sure than that (adaptive depth).
+    tree (guesses, width): the MTP module grows token trees (`engine.tree_guess`); MTP only.
+    weights: "int8" or "f16", how the native engine stores the proposer's matrices
+    (`native.panels8`; the eager and compiled engines read its own values either way).
+    """
+    if weights not in D.WEIGHTS:
+        raise CheckpointError(f"--proposer-weights takes {' or '.join(D.WEIGHTS)}, got {weights!r}")
+    if tree is not None and not _is_mtp(spec, target):
+        raise CheckpointError(f"--tree needs the MTP module as proposer, not {spec!r}")
+    if spec == "none":
+        return lambda _: NoProposer()
+    V = target.model.cfg.vocab_size
+    if spec == D.NGRAM:
+        return lambda _: NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST)
+    if spec.startswith(D.NGRAM + "+"):
+        rest = spec[len(D.NGRAM) + 1 :]
+        if rest in ("none", D.NGRAM) or rest.startswith(D.NGRAM + "+"):
+            raise CheckpointError(f"proposer {spec!r}: {D.NGRAM}+ takes a model proposer (a draft or an MTP module)")
+        other = load_proposer(rest, target, device, vocab, p_min, weights=weights)
+        return lambda n: Fallback(NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST), other(n))
+    path = _proposer_path(spec, target)
+    name = path.stem or str(path)
+    if hf.is_hf_dir(path):
+        draft, fp = hf.load_hf(path, device)
+        _same_vocab(target, fp, draft.cfg.vocab_size, path)
+        _fits(target, draft, path)
+        draft.pack()
+        draft.native_int8 = weights == "int8"
+        return lambda n: DraftProposer(draft, n, name, p_min=p_min)
+    meta = checkpoint.read_meta(path)  # the tensors load once, below
+    vocab_size = checkpoint.config_of(meta, path).vocab_size
+    _same_vocab(target, meta.get("tokenizer", ""), vocab_size, path)
+    rank = checkpoint.vocab_rank(meta, path, vocab_size)
+    ids = torch.tensor(rank[:vocab], device=device) if vocab and rank else None
+    if meta.get("kind") == "mtp":
+        mtp, _ = checkpoint.load_mtp(path, target.model, device)
+        mtp.pack()
+        mtp.native_int8 = weights == "int8"
+        mtp_head = Head(target.model, ids)
+        return lambda n: MTPProposer(target.model, mtp, n, mtp_head, p_min=p_min, tree=tree)
+    draft, _ = checkpoint.load_model(path, device)
+    _fits(target, draft, path)
+    draft.pack()
+    draft.native_int8 = weights == "int8"
+    head = Head(draft, ids)
+    return lambda n: DraftProposer(draft, n, name, head, p_min=p_min)
+
+
+def _is_mtp(spec: str, target: Target) -> bool:
+    """Whether `spec` names an MTP module's checkpoint (its header says so; nothing is loaded)."""
+    if spec in ("none", D.NGRAM) or spec.startswith(D.NGRAM + "+"):
+        return False
+    path = _proposer_path(spec, target)
+    return not hf.is_hf_dir(path) and checkpoint.read_meta(path).get("kind") == "mtp"
+
+
+def _fits(target: Target, draft: Transformer, path: Path) -> None:
+    if draft.cfg.max_seq_len < target.model.cfg.max_seq_len:
+        raise CheckpointError(
+            f"proposer {path} has a context of {draft.cfg.max_seq_len} tokens, "
+            f"shorter than the target's {target.model.cfg.max_seq_len}"
+        )
+
+
+def _same_vocab(target: Target, fingerprint: str, vocab_size: int, path: Path) -> None:
+    if vocab_size != target.model.cfg.vocab_size or (fingerprint and fingerprint != target.fingerprint):
+        raise CheckpointError(
+            f"proposer {path} does not share the target's tokenizer "
+            f"(vocabulary {vocab_size} vs {target.model.cfg.vocab_size}, fingerprint {fingerprint or '?'} "
+            f"vs {target.fingerprint})"
+        )
+
+
+def pick_device(name: str) -> torch.device:
+    """auto | cpu | cuda | cuda:N -> a device that exists, or ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}: use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("CUDA was asked for, but this machine has no usable CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"no such CUDA device: {name} ({torch.cuda.device_count()} present)")
+    return dev

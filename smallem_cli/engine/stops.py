@@ -1,0 +1,133 @@
+"""Stop strings: the printed text ends before the first one, and generation stops there.
+
+`stream` yields token ids; a stop string is text, and may begin in one round's tokens and
+end in a later one's. So the text is cut here, on the decoded text: `StopCutter` says how
+much of the text so far may be printed (holding back a tail that could be the start of a
+stop string, until the next tokens show whether it is), and `StopPrinter` puts it between
+the decoded tokens and stdout. Nothing printed is ever taken back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TextIO
+
+from ..cli.console import Decoder, TextStream
+
+
+def stop_index(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Where the first stop string in text[start:] begins (the earliest of them all), or None."""
+    found = [i for s in stops if s and (i := text.find(s, start)) >= 0]
+    return min(found) if found else None
+
+
+def partial_tail(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of text that a stop string starts with (without being all of it)."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
+
+
+class StopCutter:
+    """Given the text so far (a growing text whose printed part never changes), where to cut it.
+
+    `cut(text)` -> how many characters of it may be printed. The cut is where the whole text's
+    first stop string begins (the earliest start, whichever stop string completes first), so
+    it does not depend on how the text came in chunks (a proposer's rounds): a stop string
+    seen complete is final (`stopped`) only once no stop string can begin before it any more.
+    Until then, and while no stop string is seen, a tail that could begin one is held back
+    (none when `final`: no more text is coming).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.found: int | None = None  # the earliest complete stop string so far
+        self.stopped: int | None = None  # where the text ends, once certain
+        self.safe = 0  # no stop string begins before this index (checked by earlier cuts)
+
+    def cut(self, text: str, final: bool = False) -> int:
+        if self.stopped is not None:
+            return self.stopped
+        at = stop_index(text, self.stops, self.safe)
+        if at is not None:
+            self.found = at
+        # from here on a stop string may still begin, not yet complete
+        open_from = len(text) - (0 if final else partial_tail(text, self.stops))
+        if at is not None and at <= open_from:
+            self.stopped = at
+            return at
+        self.safe = open_from
+        return open_from
+
+
+class StopPrinter:
+    """Tokens in, text out (to `out`, or kept alone when None), ending before the first stop string.
+
+    `push(ids)` returns True once the text's end is certain: the caller stops generating.
+    `text` is the output (cut before the stop string); `ids` the tokens generated up to the
+    one that completed that stop string, or all of them.
+    """
+
+    def __init__(self, tokenizer: Decoder, out: TextIO | None, stops: Sequence[str] = ()) -> None:
+        self.tok, self.out = tokenizer, out
+        self.cutter = StopCutter(stops)
+        # TextStream writes the decoded text here, a split UTF-8 character held back; with
+        # nowhere to print and no stop string to look for, nothing needs decoding until the end
+        self.stream = TextStream(tokenizer, self if out is not None or self.cutter.stops else None)
+        self.decoded = ""  # the text TextStream has written, in full
+        self.printed = 0
+        self.before = 0  # tokens pushed before the last push
+        self.found_after = 0  # tokens pushed before the one in which the stop string was found
+
+    @property
+    def stopped(self) -> bool:
+        return self.cutter.stopped is not None
+
+    def push(self, ids: list[int], final: bool = False) -> bool:
+        if not self.stopped:
+            self.before = len(self.stream.ids)
+            self.stream.push(ids, final)
+            if final:
+                self._show(final=True)
+        return self.stopped
+
+    def write(self, text: str) -> None:  # TextStream's output
+        self.decoded += text
+
+    def flush(self) -> None:
+        self._show()
+
+    def _show(self, final: bool = False) -> None:
+        found = self.cutter.found
+        end = self.cutter.cut(self.decoded, final)
+        if self.cutter.found != found:  # a stop string, complete in this push's tokens
+            self.found_after = self.before
+        if self.out is not None and end > self.printed:
+            self.out.write(self.decoded[self.printed : end])
+            self.out.flush()
+        self.printed = max(self.printed, end)
+
+    @property
+    def end(self) -> int | None:
+        """Where the text ends: the stop string's start, once certain, else the earliest one seen
+        complete (a run interrupted before it was certain), else None."""
+        return self.cutter.stopped if self.cutter.stopped is not None else self.cutter.found
+
+    @property
+    def text(self) -> str:
+        end = self.end
+        return self.tok.decode(self.stream.ids) if end is None else self.decoded[:end]
+
+    @property
+    def ids(self) -> list[int]:
+        ids, at = self.stream.ids, self.end
+        if at is None:
+            return ids
+        for n in range(self.found_after + 1, len(ids)):  # the first token whose text holds that stop string
+            if any(self.tok.decode(ids[:n]).startswith(s, at) for s in self.cutter.stops):
+                return ids[:n]
+        return ids

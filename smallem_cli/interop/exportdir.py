@@ -1,0 +1,128 @@
+"""An export's folder, written whole or not at all: built under a temporary name beside its
+destination and swapped in, so that an error, Ctrl-C or SIGTERM leaves the destination as it
+was; what an export killed outright left behind is cleared by the next one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import atomic
+from ..model import checkpoint
+
+
+class ExportError(ValueError):
+    """The destination may not be written (HFFormatError is one)."""
+
+
+def check_destination(outdir: Path, inputs: tuple[Path, ...], overwrite: bool) -> None:
+    """An export may write `outdir`: a folder or nothing (`_existing_folder`), holding none of its
+    inputs, empty unless `overwrite`. Called before the checkpoint is read: a refusal comes at once."""
+    _remove_stale(outdir)
+    _existing_folder(outdir)
+    for src in inputs:  # replacing the folder would delete the export's own input
+        if src.resolve().is_relative_to(outdir.resolve()):
+            raise ExportError(f"cannot export into {outdir}: it holds the input {src}; choose another folder")
+    if outdir.exists() and any(outdir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{outdir} exists and is not empty (pass --overwrite to replace it)")
+
+
+def write_export(outdir: Path, tensors: dict[str, torch.Tensor], jsons: dict[str, Any], tokenizer_json: Path) -> None:
+    """The folder, written whole under a temporary name and swapped in (see `_write_folder`)."""
+    outdir.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = (outdir.with_name(f".{outdir.name}.{os.getpid()}.{x}") for x in ("tmp", "old"))
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted run with this process id
+    with _sigterm_raises():
+        _write_folder(tmp, old, outdir, tensors, jsons, tokenizer_json)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_folder(
+    tmp: Path, old: Path, outdir: Path, tensors: dict[str, torch.Tensor], jsons: dict[str, Any], tokenizer_json: Path
+) -> None:
+    """Build the folder as `tmp`, then swap it in for `outdir` (moved aside to `old`); on any
+    exception, interruption included, `tmp` is removed and `outdir` left as it was."""
+    tmp.mkdir()
+    try:
+        # transformers checks "format"
+        checkpoint.write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
+        for name, obj in jsons.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
+        # Judged again just before the swap: while the folder was built, `outdir` may have become
+        # something else, which the rename would move aside and `rmtree` then fail to remove.
+        if _existing_folder(outdir):  # empty, or replaced on request: move aside, then swap in
+            outdir.rename(old)
+        tmp.rename(outdir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not outdir.exists():
+            old.rename(outdir)  # put the previous folder back
+        raise
+
+
+def _existing_folder(outdir: Path) -> bool:
+    """Whether `outdir` exists; FileExistsError unless it is a folder or nothing.
+
+    Judged with lstat: a symbolic link is refused, even to a folder, as the swap would replace the
+    link and the folder it points at would keep the old export. A file, a device, a FIFO or a
+    socket is refused: only a folder is ever replaced by an export's folder.
+    """
+    try:
+        mode = os.lstat(outdir).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(mode):
+        raise FileExistsError(f"{outdir} exists and is {atomic.kind(mode)}, not a folder: give another path")
+    return True
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM (a `kill`, a stopped job) raises SystemExit(143) in the main thread, so the
+    export's clean-up runs as for Ctrl-C; a second SIGTERM is ignored while it does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _remove_stale(outdir: Path) -> None:
+    """Clear what exports whose process is gone left beside `outdir`: a `.NAME.PID.tmp` folder
+    is removed; a `.NAME.PID.old` one is the previous `outdir`, put back if the swap never happened."""
+    if not outdir.parent.is_dir():
+        return
+    for p in sorted(outdir.parent.glob(f".{outdir.name}.*.*")):
+        pid, _, suffix = p.name.removeprefix(f".{outdir.name}.").partition(".")
+        if suffix not in ("tmp", "old") or not pid.isdigit() or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except OverflowError:  # no process id: not an export's
+            continue
+        except ProcessLookupError:
+            if suffix == "old" and not outdir.exists():
+                p.rename(outdir)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:  # alive, another user's
+            pass

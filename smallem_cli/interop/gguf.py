@@ -1,0 +1,239 @@
+"""GGUF export: a smallem model as llama.cpp reads it (architecture `llama`), tokenizer included.
+
+smallem's Transformer is Llama, so the file is llama.cpp's own layout: `token_embd`,
+`blk.N.attn_q/k/v/output`, `blk.N.ffn_gate/up/down`, the norms, and `output` only for an
+untied head. One thing is not a renaming: llama.cpp's `llama` architecture ropes adjacent
+pairs (x_2i, x_2i+1) where Hugging Face's layout, and smallem's, pairs x_i with x_{i+D/2}.
+So the rows of Wq and Wk are reordered within each head, the pairs made adjacent (as
+llama.cpp's own converter does for Hugging Face Llamas): q·k is unchanged, and so are the
+model's outputs.
+
+The tokenizer is the byte-level BPE of tokenizer.json, as llama.cpp's `gpt2` model with the
+`gpt-2` pre-tokenizer; `<|endoftext|>` is both BOS and EOS, and nothing is added to a prompt.
+
+Needs the `llamacpp` extra (the `gguf` package), imported only when a file is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import atomic
+from ..model import checkpoint
+from ..model.llama import Transformer, interleave_halves
+from ..model.tokenizer import EOT
+from .exportdir import _sigterm_raises
+
+DTYPES = ("f32", "f16")
+INSTALL = "pip install 'smallem[llamacpp]'"
+_MATRICES = {  # smallem name in a layer -> llama.cpp's
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "gate_proj": "ffn_gate",
+    "up_proj": "ffn_up",
+    "down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_TOP = {
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",  # an untied head only: llama.cpp reuses token_embd when it is absent
+}
+
+
+class GGUFExportError(ValueError):
+    """A model or tokenizer that cannot be written as a GGUF file llama.cpp computes alike."""
+
+
+def _gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(f"GGUF export needs the gguf package: {INSTALL}") from None
+    return gguf
+
+
+# --- weights -------------------------------------------------------------------------------
+def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of Wq or Wk [n_heads*D, in], rotate-half layout -> llama.cpp's adjacent pairs.
+
+    Within each head, output row i (< D/2) and row i+D/2 form a rotary pair; they become
+    rows 2i and 2i+1 (the order `interleave_halves` gives).
+    """
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d, *w.shape[1:])[:, interleave_halves(d)].reshape(w.shape)
+
+
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of `permute_rope`: llama.cpp's adjacent pairs -> rotate-half rows."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d, *w.shape[1:])[:, torch.argsort(interleave_halves(d))].reshape(w.shape)
+
+
+def gguf_name(key: str) -> str:
+    """smallem parameter name -> llama.cpp tensor name: `layers.3.q_proj.weight` -> `blk.3.attn_q.weight`."""
+    if key in _TOP:
+        return _TOP[key]
+    parts = key.split(".")
+    if len(parts) == 4 and parts[0] == "layers" and parts[2] in _MATRICES and parts[3] == "weight":
+        return f"blk.{parts[1]}.{_MATRICES[parts[2]]}.weight"
+    raise GGUFExportError(f"no GGUF name for the parameter {key}")
+
+
+def gguf_tensors(model: Transformer, dtype: str = "f32") -> dict[str, np.ndarray]:
+    """llama.cpp name -> array, in smallem's [out, in] order (GGUF lists the dims reversed).
+
+    Matrices in `dtype` (f32 or f16), norm weights in float32 as llama.cpp wants them; Wq
+    and Wk rows permuted for llama.cpp's rope (`permute_rope`).
+    """
+    if dtype not in DTYPES:
+        raise GGUFExportError(f"unknown GGUF dtype {dtype!r}: use {' or '.join(DTYPES)}")
+    cfg = model.cfg
+    out = {}
+    for key, v in model.state_dict().items():
+        w = v.detach().to("cpu", torch.float32)
+        if key.endswith("q_proj.weight"):
+            w = permute_rope(w, cfg.n_heads)
+        elif key.endswith("k_proj.weight"):
+            w = permute_rope(w, cfg.n_kv_heads)
+        if w.dim() == 2 and dtype == "f16":
+            w = w.to(torch.float16)
+        out[gguf_name(key)] = w.contiguous().numpy()
+    return out
+
+
+# --- tokenizer -------------------------------------------------------------------------------
+def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> tuple[list[str], list[int], list[str], int | None]:
+    """A byte-level BPE tokenizer.json -> (tokens by id, their GGUF token types, merges "a b", the id of
+    <|endoftext|> or None). The list is padded to `vocab_size` with unused `[PADn]` tokens."""
+    path = Path(tokenizer_json)
+    try:
+        tok = json.loads(path.read_text(encoding="utf-8"))
+        model, pre = tok["model"], tok.get("pre_tokenizer") or {}
+        vocab, merges = model["vocab"], model.get("merges", [])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise GGUFExportError(f"{path}: unreadable tokenizer: {e}") from None
+    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or model.get("byte_fallback"):
+        kind = f"{model.get('type')} with a {pre.get('type')} pre-tokenizer"
+        raise GGUFExportError(f"{path}: {kind}: only byte-level BPE (GPT-2's) has a llama.cpp `gpt2` form")
+    ids: dict[int, str] = {}
+    types: dict[int, int] = {}
+    for text, i in vocab.items():
+        ids[i], types[i] = text, 1  # NORMAL
+    for added in tok.get("added_tokens") or []:
+        i = added["id"]
+        ids[i], types[i] = added["content"], 3 if added.get("special") else 4  # CONTROL, USER_DEFINED
+    if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
+        raise GGUFExportError(f"{path}: its token ids do not fit the model's vocabulary of {vocab_size}")
+    tokens = [ids.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    kinds = [types.get(i, 5) for i in range(vocab_size)]  # 5: UNUSED
+    pairs = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    eot = next((i for i, t in ids.items() if t == EOT), None)
+    return tokens, kinds, pairs, eot
+
+
+# --- the file --------------------------------------------------------------------------------
+def write_gguf(
+    model: Transformer, out_file: str | Path, tokenizer_json: str | Path, dtype: str = "f32", name: str = "smallem"
+) -> None:
+    """Write `model` and its tokenizer to `out_file` as it is: no checks of the destination (see export_gguf)."""
+    gguf = _gguf()
+    cfg = model.cfg
+    tensors = gguf_tensors(model, dtype)
+    tokens, kinds, merges, eot = gguf_vocab(tokenizer_json, cfg.vocab_size)
+    w = gguf.GGUFWriter(str(out_file), "llama")
+    try:
+        w.add_name(name)
+        w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_context_length(cfg.max_seq_len)
+        w.add_embedding_length(cfg.dim)
+        w.add_block_count(cfg.n_layers)
+        w.add_feed_forward_length(cfg.hidden_dim)
+        w.add_head_count(cfg.n_heads)
+        w.add_head_count_kv(cfg.n_kv_heads)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types(kinds)
+        w.add_token_merges(merges)
+        if eot is not None:
+            w.add_bos_token_id(eot)
+            w.add_eos_token_id(eot)
+        w.add_add_bos_token(False)
+        w.add_add_eos_token(False)
+        for tname, arr in tensors.items():
+            w.add_tensor(tname, arr)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+
+
+def export_gguf(
+    checkpoint_path: str | Path,
+    out_file: str | Path,
+    tokenizer_json: str | Path,
+    *,
+    dtype: str = "f32",
+    overwrite: bool = False,
+) -> None:
+    """Write a smallem model checkpoint as one GGUF file that llama.cpp loads (arch `llama`).
+
+    The file is written under a temporary name beside `out_file` and renamed into place, so
+    an interrupted export (an exception, Ctrl-C or SIGTERM) leaves no half file. An existing
+    `out_file` is replaced only with `overwrite`, else FileExistsError, and only if it is a regular
+    file (a device, a FIFO, a socket or a link: atomic.NotRegularFileError, even with `overwrite`);
+    the checkpoint and the tokenizer themselves are never written over (GGUFExportError).
+    """
+    ckpt, out, tokenizer_json = Path(checkpoint_path), Path(out_file), Path(tokenizer_json)
+    if dtype not in DTYPES:
+        raise GGUFExportError(f"unknown GGUF dtype {dtype!r}: use {' or '.join(DTYPES)}")
+    _gguf()  # the missing extra is reported before the checkpoint is read
+    for src in (ckpt, tokenizer_json):
+        if out.resolve() == src.resolve():
+            raise GGUFExportError(f"cannot export over the input {src}: choose another file")
+    if out.is_dir():
+        raise FileExistsError(f"{out} is a folder: give the path of the .gguf file to write")
+    # Only a regular file or nothing, judged before the checkpoint is read so that the refusal comes
+    # at once (replace_with judges it again just before its rename); --overwrite changes nothing here.
+    if atomic.check_replaceable(out) and not overwrite:
+        raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
+    if not tokenizer_json.is_file():
+        raise GGUFExportError(f"tokenizer.json not found: {tokenizer_json}")
+    model, meta = checkpoint.load_model(ckpt)  # an MTP module is refused here: it has no plain Llama form
+    if meta.get("tokenizer") and meta["tokenizer"] != checkpoint.tokenizer_fingerprint(tokenizer_json):
+        raise GGUFExportError(f"{ckpt} was trained with another tokenizer than {tokenizer_json}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    with _sigterm_raises():
+        atomic.replace_with(out, lambda tmp: write_gguf(model, tmp, tokenizer_json, dtype, ckpt.stem))
+
+
+def _remove_stale(out: Path) -> None:
+    """Delete the `.NAME.PID.tmp` files that exports whose process is gone left beside `out`."""
+    for p in out.parent.glob(f".{out.name}.*.tmp"):
+        pid = p.name.removeprefix(f".{out.name}.").removesuffix(".tmp")
+        if not pid.isdigit() or not p.is_file() or p.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except OverflowError:
+            continue
+        except ProcessLookupError:
+            p.unlink(missing_ok=True)
+        except OSError:  # alive, another user's
+            pass

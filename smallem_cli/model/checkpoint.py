@@ -1,0 +1,267 @@
+"""Checkpoints: safetensors files, 16-bit on disk, config and facts in the metadata.
+
+A file holds one model: `kind` is "model" (a target or a draft, Llama parameter names)
+or "mtp" (an MTP module, which needs its target). The metadata also records the
+tokenizer's fingerprint, so a proposer trained with another tokenizer is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from .. import atomic
+from ..config import ConfigError, ModelConfig
+from .llama import MTPModule, Transformer
+from .tokenizer import load_tokenizer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not fit what it is used for."""
+
+
+def tokenizer_fingerprint(tokenizer_json: str | Path) -> str:
+    """A short hash of the tokenizer's vocabulary: equal fingerprints, same token ids."""
+    vocab = load_tokenizer(tokenizer_json).get_vocab(with_added_tokens=True)
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+
+
+def save(
+    path: str | Path,
+    model: Transformer | MTPModule,
+    *,
+    tokenizer: str = "",
+    facts: dict[str, Any] | None = None,
+    vocab_rank: list[int] | None = None,
+    dtype: torch.dtype = torch.float16,
+) -> None:
+    """Write atomically (temp file, then rename), so an interrupted save leaves the old file whole."""
+    path = Path(path)
+    if not path.name or path.name in (".", "..") or path.is_dir():
+        raise CheckpointError(f"{path} is a folder: name the checkpoint file to write (e.g. model.safetensors)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    meta = {
+        "format": "smallem",
+        "kind": "mtp" if isinstance(model, MTPModule) else "model",
+        "config": model.cfg.to_json(),
+        "tokenizer": tokenizer,
+        "facts": json.dumps(facts or {}, sort_keys=True),
+    }
+    if vocab_rank is not None:  # token ids, most frequent in the training text first
+        meta["vocab_rank"] = json.dumps(vocab_rank)
+    atomic.replace_with(path, lambda tmp: write_safetensors(tensors, tmp, meta))
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
+    """safetensors' writer, with the permissions of any file the user writes.
+
+    safetensors creates its files 0600 whatever the umask, so a rebuilt checkpoint would
+    be unreadable to the other users of a shared install.
+    """
+    save_file(tensors, str(path), metadata=meta)
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
+
+
+def _readable(path: Path) -> None:
+    """A regular file we may open, or a CheckpointError saying which of the two it is not.
+
+    (safetensors reports a file it may not open as "No such file or directory".)
+    """
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint not found: {path}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path} is a folder, not a checkpoint file (an HF model folder holds a config.json)")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path} is not a regular file")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+
+
+def read_meta(path: str | Path) -> dict[str, str]:
+    """A smallem file's metadata alone (its header: no tensor is loaded), or a CheckpointError."""
+    path = Path(path)
+    _readable(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    if meta.get("format") != "smallem":
+        raise CheckpointError(f"{path} is not a smallem checkpoint (no smallem metadata)")
+    return meta
+
+
+# safetensors' names of the dtypes a checkpoint's weights may have (widened to float32 on load)
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor, read from the header alone (nothing is allocated)."""
+    with safe_open(str(path), framework="pt") as f:
+        slices = {k: f.get_slice(k) for k in f.keys()}
+        return {k: (s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
+
+
+def check_tensors(
+    declared: dict[str, tuple[str, tuple[int, ...]]],
+    expected: dict[str, tuple[int, ...]],
+    where: str,
+    rename: Callable[[str], str] = str,
+) -> None:
+    """The tensors a file declares against those a config expects: names, shapes, dtypes.
+
+    Checked before any weight is read or any model is built, so that a wrong config or a
+    wrong file costs one error line, not the memory of a model that never runs.
+    `rename` maps a model's parameter name to the file's (for messages and lookups).
+    """
+    names = {rename(k): k for k in expected}
+    missing = sorted(set(names) - set(declared))
+    extra = sorted(set(declared) - set(names))
+    if missing or extra:
+        raise CheckpointError(
+            f"{where}: tensors do not match its config (missing {missing[:3]}, unexpected {extra[:3]})"[:500]
+        )
+    for name, k in names.items():
+        dtype, shape = declared[name]
+        if shape != expected[k]:
+            raise CheckpointError(f"{where}: {name} has shape {shape}, config says {expected[k]}")
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{where}: {name} has dtype {dtype}, not one of {', '.join(FLOAT_DTYPES)}")
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{where}: weights contain NaN or infinity ({name})")
+
+
+def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes of a model (or MTP module) of this config, from the config alone.
+
+    (Building the model on the meta device gives the same, but its first use imports torch's
+    meta machinery: seconds of a command's start-up.)"""
+    d, f, q, kv = cfg.dim, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+    def block(prefix: str) -> dict[str, tuple[int, ...]]:
+        mats = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}
+        mats |= {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
+        out = {f"{prefix}.{n}.weight": (d,) for n in ("input_layernorm", "post_attention_layernorm")}
+        return out | {f"{prefix}.{n}.weight": shape for n, shape in mats.items()}
+
+    if mtp:
+        return {"hnorm.weight": (d,), "enorm.weight": (d,), "eh_proj.weight": (d, 2 * d), **block("block")}
+    out: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        out |= block(f"layers.{i}")
+    out["norm.weight"] = (d,)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, d)
+    return out
+
+
+def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a smallem file, or a CheckpointError saying why not."""
+    meta = read_meta(path)
+    return _tensors(path, config_of(meta, path), meta.get("kind") == "mtp"), meta
+
+
+def _tensors(path: str | Path, cfg: ModelConfig, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a smallem file, checked against its config before any is read."""
+    try:
+        check_tensors(header(path), expected_shapes(cfg, mtp), str(path))
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    check_finite(tensors, str(path))
+    return tensors
+
+
+def facts(meta: dict[str, str]) -> dict[str, Any]:
+    """The training facts a file records ({} when none, or when they are unreadable: they are only shown)."""
+    try:
+        out = json.loads(meta.get("facts", "{}"))
+    except (ValueError, RecursionError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def vocab_rank(meta: dict[str, str], path: str | Path, vocab_size: int) -> list[int] | None:
+    """Token ids by training frequency, if the file records them (proposers use the head's top rows)."""
+    raw = meta.get("vocab_rank")
+    if raw is None:
+        return None
+    try:
+        rank = json.loads(raw)
+    except (ValueError, RecursionError):
+        rank = None
+    if not isinstance(rank, list) or not all(type(i) is int for i in rank):
+        raise CheckpointError(f"{path}: vocab_rank in its metadata is not a list of token ids")
+    if not all(0 <= i < vocab_size for i in rank) or len(set(rank)) != len(rank):
+        raise CheckpointError(f"{path}: vocab_rank must list distinct token ids in 0..{vocab_size - 1}")
+    return rank
+
+
+def config_of(meta: dict[str, str], path: str | Path) -> ModelConfig:
+    if "config" not in meta:
+        raise CheckpointError(f"{path}: no config in its metadata")
+    try:
+        return ModelConfig.from_json(meta["config"])
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: bad config in metadata: {e}") from None
+
+
+def _build(model: Transformer | MTPModule, tensors: dict[str, torch.Tensor]) -> None:
+    model.load_state_dict({k: v.float() for k, v in tensors.items()})
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, dict[str, str]]:
+    meta = read_meta(path)
+    if meta.get("kind") != "model":
+        raise CheckpointError(f"{path} holds a {meta.get('kind')} module, not a model")
+    cfg = config_of(meta, path)
+    tensors = _tensors(path, cfg)
+    model = Transformer(cfg)
+    _build(model, tensors)
+    return model.to(device).eval(), meta
+
+
+def load_mtp(
+    path: str | Path, target: Transformer, device: torch.device | str = "cpu"
+) -> tuple[MTPModule, dict[str, str]]:
+    meta = read_meta(path)
+    if meta.get("kind") != "mtp":
+        raise CheckpointError(f"{path} holds a {meta.get('kind')}, not an MTP module")
+    cfg = config_of(meta, path)
+    shared = ("dim", "vocab_size", "n_heads", "n_kv_heads", "rope_theta", "max_seq_len")
+    differ = [
+        f"{f} {getattr(cfg, f)} vs {getattr(target.cfg, f)}"
+        for f in shared
+        if getattr(cfg, f) != getattr(target.cfg, f)
+    ]
+    if differ:  # the module reads the target's states, embedding, head and rotary tables
+        raise CheckpointError(f"{path}: MTP module does not fit the target ({', '.join(differ)})")
+    tensors = _tensors(path, cfg, mtp=True)
+    mtp = MTPModule(cfg)
+    _build(mtp, tensors)
+    return mtp.to(device).eval(), meta

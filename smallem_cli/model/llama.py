@@ -1,0 +1,361 @@
+"""A Llama-style decoder (RMSNorm, rotary positions, SwiGLU) and the MTP module.
+
+One code path serves training and inference:
+- training calls `Transformer.hidden(tokens)` over whole [B, T] batches, causal attention;
+- inference calls `Transformer.forward(tokens, cache, seq)` over T new tokens of one
+  sequence at any position (a prefill, or the k+1 tokens of a verify pass); K/V go
+  through the paged cache.
+
+Parameter names follow Hugging Face's Llama, so export is a renaming. For inference,
+`pack()` lays the projections out as [in, out] matrices fused per block (QKV, gate|up):
+on CPU, `x @ W_t` with a pre-transposed weight keeps a verify pass over k+1 rows as cheap
+as one row, where `F.linear` falls into a slow small-M path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..backends.steps import Steps, active_steps, compiled_step
+from ..config import ModelConfig
+from ..defaults import PAGE_SIZE
+from .cache import PagedKVCache, Step
+from .ops import attend, head_matmul
+
+
+def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_seq_len, head_dim], Llama's non-interleaved (rotate-half) layout."""
+    exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim
+    inv = 1.0 / cfg.rope_theta**exps
+    ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; cos, sin: [T, D] for the tokens' positions."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def interleave_halves(head_dim: int) -> torch.Tensor:
+    """Column order [0, D/2, 1, D/2+1, ...] within a head: pairs (x_i, x_{i+D/2}) side by side.
+
+    Llama's rope turns each pair (x_i, x_{i+D/2}) by an angle: as a complex number
+    x_i + j·x_{i+D/2}, a product with e^{jθ}. With the pairs adjacent, one complex multiply
+    ropes every head at once. Permuting q's and k's dims alike leaves q·k unchanged, so only
+    the packed weights (and the cached keys) see the new order.
+    """
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+
+
+class Block(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, with Llama's parameter names.
+
+    `forward` is the training path (whole sequences, causal). `decode` is the inference
+    path over the paged cache, on packed weights: on a small model every op costs a few
+    microseconds of dispatch whatever its size, so it folds what it can into the weights.
+    - rotary: q's and k's columns are interleaved per head (see `interleave_halves`), so one
+      complex multiply ropes every head of q, k and v at once (v by 1 + 0j). (Folding the
+      rotation into Wqkv instead doubles the weights a pass reads: a loss, since the
+      target's decode step is bound by memory traffic.)
+    - RMSNorm weights are folded into the matmul that follows;
+    - the 1/sqrt(head_dim) attention scale is folded into Wq;
+    - QKV and gate|up are single [in, out] matmuls; residual adds ride on addmm.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.dim, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.eps = cfg.norm_eps
+        self.input_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.gate_proj = nn.Linear(d, cfg.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(d, cfg.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.hidden_dim, d, bias=False)
+        self.packed: dict[str, torch.Tensor] | None = None
+
+    def pack(self) -> None:
+        """Build the inference weights (the parameters stay as they are, for export)."""
+        D = self.head_dim
+        with torch.no_grad():
+            ln1 = self.input_layernorm.weight[:, None]  # norm weights fold into the next matmul
+            ln2 = self.post_attention_layernorm.weight[:, None]
+            order = interleave_halves(D)
+            wq = (self.q_proj.weight.t() * ln1 / D**0.5).unflatten(1, (-1, D))[..., order]  # attention scale in
+            wk = (self.k_proj.weight.t() * ln1).unflatten(1, (-1, D))[..., order]
+            wv = self.v_proj.weight.t() * ln1  # [d, Hkv*D]
+            self.packed = {
+                "qkv": torch.cat([wq.flatten(1), wk.flatten(1), wv], dim=1).contiguous(),  # [d, (H+2Hkv)*D]
+                "o": self.o_proj.weight.t().contiguous(),  # [H*D, d]
+                "gu": (torch.cat([self.gate_proj.weight, self.up_proj.weight]).t() * ln2).contiguous(),  # [d, 2F]
+                "down": self.down_proj.weight.t().contiguous(),  # [F, d]
+            }
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training: x [B, T, dim] -> [B, T, dim], causal attention over the whole sequence."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        h = self.input_layernorm(x)
+        q = apply_rope(self.q_proj(h).view(B, T, H, D), cos, sin)
+        k = apply_rope(self.k_proj(h).view(B, T, Hkv, D), cos, sin)
+        v = self.v_proj(h).view(B, T, Hkv, D)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=H != Hkv
+        )
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, H * D))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def decode(
+        self, x: torch.Tensor, rope: torch.Tensor, cache: PagedKVCache, layer: int, step: Step, last: bool = False
+    ) -> torch.Tensor:
+        """Inference: x [T, dim] of new tokens -> [T, dim]; rope: complex [T, (H+2Hkv)*D/2] (`packed_rope`).
+
+        `last`: only the last position's output is wanted -> [1, dim]. Every position's K/V
+        is still stored, but attention and the MLP run for one row: on a CPU a matmul over
+        one row takes a faster path than over a few.
+        """
+        p = self.packed
+        assert p is not None, "call pack() before decoding"
+        T = x.shape[0]
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        G = H // Hkv  # query heads per kv head
+        y = unit_rms(x, self.eps) @ p["qkv"]  # [T, (H+2Hkv)*D]
+        # rope: each adjacent pair of columns times e^{jθ}, every head at once; v's by 1 + 0j.
+        qkv = torch.view_as_real(torch.view_as_complex(y.view(T, -1, 2)) * rope).view(T, -1)
+        cache.write(layer, step, qkv[:, H * D :].view(T, 2, Hkv, D))
+        kv = cache.read(layer, step)  # [2, Hkv, S, D]
+        bias = step.bias
+        if last and T > 1:
+            x, qkv, T, bias = x[-1:], qkv[-1:], 1, None  # the last position sees every key
+        x = torch.addmm(x, attend(qkv[:, : H * D], kv, bias, Hkv, G), p["o"])
+        gu = unit_rms(x, self.eps) @ p["gu"]  # [T, 2F]
+        f = gu.shape[-1] // 2
+        return torch.addmm(x, F.silu(gu[:, :f]) * gu[:, f:], p["down"])
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim: RMSNorm whose weight is folded into the next matmul.
+
+    Four ops, where F.rms_norm's CPU composite costs about seven: a norm, then
+    rsqrt(eps + n·n/d) as one addcmul on a cached eps tensor (a Python scalar in an
+    in-place op costs a tensor wrap of its own), in place.
+    """
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]
+    return x * torch.addcmul(_eps_tensor(eps, x), n, n, value=1.0 / x.shape[-1]).rsqrt_()
+
+
+_EPS: dict[tuple[float, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _eps_tensor(eps: float, like: torch.Tensor) -> torch.Tensor:
+    key = (eps, like.device, like.dtype)
+    t = _EPS.get(key)
+    if t is None:
+        t = _EPS[key] = torch.tensor(eps, device=like.device, dtype=like.dtype)
+    return t
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.head_t: torch.Tensor | None = None  # [dim, vocab], set by pack()
+        self.head_rows: torch.Tensor | None = None  # [vocab, dim], set by pack() (`head_matmul`)
+        self.rope_packed: torch.Tensor | None = None  # complex [max_seq_len, (H+2Hkv)*D/2]
+        self.rope_cos: torch.Tensor | None = None  # its real and imaginary parts, for the native steps
+        self.rope_sin: torch.Tensor | None = None
+        self.native: Steps | None = None  # set by `native.attach`: the native engine's
+        self.native_avx2: Steps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
+        # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
+        self.native_int8 = False
+
+    def init_weights(self, seed: int = 0) -> None:
+        """GPT-2 style init; residual projections scaled down with depth."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+                std = 0.02 / (2 * self.cfg.n_layers) ** 0.5 if residual else 0.02
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output head's rows [vocab, dim]: the tied token embedding, or lm_head's."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack(self) -> Transformer:
+        """Prepare for inference: packed block weights, transposed head, per-column rope tables."""
+        for blk in self.layers:
+            blk.pack()  # type: ignore[operator]
+        # [dim, vocab], the final norm folded in
+        self.head_t = (self.head_weight.detach().t() * self.norm.weight.detach()[:, None]).contiguous()
+        self.head_rows = self.head_t.t().contiguous()  # [vocab, dim]: the same, for passes over a few rows
+        self.rope_packed = packed_rope(self.cfg, self.cos, self.sin)
+        self.rope_cos, self.rope_sin = self.rope_packed.real.contiguous(), self.rope_packed.imag.contiguous()
+        return self
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head: [..., dim] -> [..., vocab]. The MTP module shares it."""
+        if self.head_t is not None and self.head_rows is not None:
+            return head_matmul(unit_rms(h, self.cfg.norm_eps), self.head_t, self.head_rows)
+        return F.linear(self.norm(h), self.head_weight)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Training trunk: tokens [B, T] -> final hidden states [B, T, dim] (before the final norm)."""
+        T = tokens.shape[1]
+        x = self.embed_tokens(tokens)
+        for blk in self.layers:
+            x = blk(x, self.cos[:T], self.sin[:T])
+        return x
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: PagedKVCache,
+        seq: int,
+        last_only: bool = False,
+        head: bool = True,
+        last: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """T new tokens of sequence `seq` (tokens: [T]) -> logits [T or 1, vocab], hidden [T or 1, dim].
+
+        The tokens are appended to the cache; the caller rolls back with `cache.keep`.
+        `last_only` computes the head for the last position alone (a prefill needs no more);
+        `head=False` skips it (logits come back empty) for callers with a head of their own;
+        `last` wants the last position alone: the last block runs for it alone, and logits
+        and hidden come back for it alone (a draft catching up needs no more).
+        """
+        if self.rope_packed is None:
+            self.pack()
+        assert self.rope_packed is not None
+        step = cache.append(seq, tokens.shape[0])
+        steps = active_steps(self)
+        fn = compiled_step(steps, cache, step, head and not last_only, last)
+        if fn is not None:
+            assert steps is not None
+            logits, x, *_ = fn(tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
+            return (self.logits(x[-1:]) if head and last_only else logits), x
+        rope = self.rope_packed[step.start : step.length]
+        x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
+        for i, blk in enumerate(self.layers):
+            x = blk.decode(x, rope, cache, i, step, last and i == len(self.layers) - 1)  # type: ignore[operator]
+        if not head:
+            return x[:0], x
+        return self.logits(x[-1:] if last_only else x), x
+
+    def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
+        c = self.cfg
+        return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, n_pages, page_size, self.cos.dtype, self.cos.device)
+
+
+def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """e^{jθ} per (position, column pair) of a packed QKV row: complex [max_seq_len, (H+2Hkv)*D/2].
+
+    q and k pairs turn by their angle; v pairs get 1 + 0j.
+    """
+    half = cfg.head_dim // 2
+    turn = torch.complex(cos[:, :half], sin[:, :half])  # [max_seq_len, D/2]: angles of pairs (i, i + D/2)
+    ones = torch.ones_like(turn)
+    return torch.cat([turn.repeat(1, cfg.n_heads + cfg.n_kv_heads), ones.repeat(1, cfg.n_kv_heads)], dim=1)
+
+
+class MTPModule(nn.Module):
+    """DeepSeek-V3 multi-token prediction: from h_i and token i+1, predict token i+2.
+
+    norm(h_i) ‖ norm(embed(t_{i+1})) -> linear 2d->d -> one block (own attention, own
+    one-layer cache) -> the target's final norm and head. Embedding and head are the
+    target's, so this module holds only the norms, the projection and the block.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg)
+        self.proj_t: torch.Tensor | None = None
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, its projected rows)
+        self.native: Steps | None = None  # set by `native.attach`: the native engine's
+        self.native_avx2: Steps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
+        # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
+        self.native_int8 = False
+
+    def pack(self) -> MTPModule:
+        self.block.pack()
+        w = torch.cat([self.hnorm.weight, self.enorm.weight]).detach()[:, None]  # norms fold in
+        self.proj_t = (self.eh_proj.weight.detach().t() * w).contiguous()  # [2d, d]
+        return self
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Training: h, e [B, T, dim] (hidden at i, embedding of token i+1) -> hidden [B, T, dim] for token i+2."""
+        x = self.eh_proj(torch.cat([self.hnorm(h), self.enorm(e)], dim=-1))
+        return self.block(x, cos, sin)
+
+    def decode(
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        embed: torch.Tensor,
+        rope: torch.Tensor,
+        cache: PagedKVCache,
+        step: Step,
+        last: bool = False,
+    ) -> torch.Tensor:
+        """Inference: h [T, dim], tokens [T] (embedded by `embed`, the target's) -> [T, dim] ([1, dim] if `last`).
+
+        Through the module's own one-layer cache. The token's half of the input projection
+        is looked up (`token_table`): one addmm where two norms, a concat and a matmul were.
+        """
+        assert self.proj_t is not None, "call pack() before decoding"
+        steps = active_steps(self)
+        fn = compiled_step(steps, cache, step, True, last)
+        if fn is not None:
+            assert steps is not None
+            x, _ = fn(h.contiguous(), tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
+            return x
+        d = self.cfg.dim
+        x = torch.addmm(F.embedding(tokens, self.token_table(embed)), unit_rms(h, self.cfg.norm_eps), self.proj_t[:d])
+        return self.block.decode(x, rope, cache, 0, step, last)
+
+    def token_table(self, embed: torch.Tensor) -> torch.Tensor:
+        """norm(embed(t)) @ W_e for every token t: [vocab, dim], built once per embedding."""
+        assert self.proj_t is not None, "call pack() before decoding"
+        if self._table is None or self._table[0] is not embed:
+            with torch.no_grad():
+                self._table = embed, unit_rms(embed.detach(), self.cfg.norm_eps) @ self.proj_t[self.cfg.dim :]
+        return self._table[1]
+
+    def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
+        c = self.cfg
+        dev = self.eh_proj.weight.device
+        return PagedKVCache(1, c.n_kv_heads, c.head_dim, n_pages, page_size, torch.float32, dev)

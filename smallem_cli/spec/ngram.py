@@ -1,0 +1,183 @@
+"""A proposer without a model: guess by copying what followed the same words before.
+
+Prompt lookup (suffix matching): the last n tokens of the text so far (prompt and
+generated alike) are looked up among its earlier positions, longest n first; where they
+occurred before, the tokens that followed them then are the guesses now. Text that
+restates itself (a list quoted again, a refrain, a genealogy's "and he begat") is guessed
+for free; elsewhere the lookup finds nothing, or a guess the target rejects.
+
+- No cache, no model: a guess costs a dictionary lookup. A round whose lookup finds
+  nothing offers no guess, and the target's pass is then a plain one-token pass.
+- Depth from the acceptance measured so far: every round the lookup also checks, for
+  free, what it would have guessed against what the target emitted (under sampling too: a
+  point-mass guess x is kept with probability p(x), the chance that the target's own draw
+  is x). From those running rates (the first guess's, and a later guess's once those
+  before it were kept: a lookup is a copy or wrong from the start) it offers the m <= k
+  guesses with the most expected tokens per cost, over 1 + GUESS_COST·m, where GUESS_COST
+  is what one more token adds to a verify pass. Where copying pays it guesses deep; where its matches
+  are chance (sampled text, prose that does not repeat) it offers nothing, and the pass is
+  a plain one-token pass (or, in `ngram+P`, P guesses).
+- No q: the guesses are not drawn from a distribution. Under sampling each is a point
+  mass, q = one-hot, which the min(1, p/q) rule handles exactly: the guess is kept with
+  probability p(x), and a rejection draws from p with x taken out.
+- `Fallback(ngram, other)`: the n-gram's guesses when its lookup matches, the other
+  proposer's otherwise (`--proposer ngram+mtp`). The other one is told every round's
+  outcome and catches up on what it did not guess at its next turn.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .proposers import Pass, Proposer
+from .verify import Penalty, Warp
+
+
+class NgramIndex:
+    """Where each n-gram (min_n <= n <= max_n) of a token list last occurred and was followed
+    by something: gram -> the position of its last token. Updated as tokens arrive, O(max_n) each."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_n}..{max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            # The grams ending at the current last token now have a follower: index them.
+            end = len(self.tokens) - 1
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self.last[tuple(self.tokens[end - n + 1 : end + 1])] = end
+            self.tokens.append(t)
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix seen before (its latest occurrence)."""
+        toks, size = self.tokens, len(self.tokens)
+        for n in range(min(self.max_n, size), self.min_n - 1, -1):
+            end = self.last.get(tuple(toks[size - n :]))
+            if end is not None:
+                # Copy what followed; past the end of the text, copy the copy (a repeat whose
+                # period is shorter than k goes on repeating).
+                out: list[int] = []
+                for j in range(end + 1, end + 1 + k):
+                    out.append(toks[j] if j < size else out[j - size])
+                return out
+        return []
+
+
+def best_depth(first: float, then: float, k: int, guess_cost: float) -> int:
+    """The m in 0..k with the most tokens per cost, when the first guess is kept at rate `first`
+    and each later one, once those before it were, at rate `then`: a lookup is either right (a
+    copy, kept all along) or wrong from its first token, so the two rates differ.
+
+    tokens(m) = 1 + first·(1 + then + ... + then^(m−1)), over a pass of cost 1 + guess_cost·m.
+    """
+
+    def gain(m: int) -> float:
+        tokens = 1 + first * sum(then**i for i in range(m))
+        return tokens / (1 + guess_cost * m)
+
+    return max(range(k + 1), key=gain)
+
+
+class NgramProposer:
+    """Guesses by prompt lookup (see the module's docstring). Satisfies `proposers.Proposer`."""
+
+    name = "ngram"
+    DECAY = 0.8  # the acceptance rate's memory, per round: it follows the text from region to region
+
+    def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float = 0.0) -> None:
+        self.vocab_size, self.guess_cost = vocab_size, guess_cost
+        self.index = NgramIndex(min_n, max_n)
+        self.device = torch.device("cpu")
+        self.looked: list[int] = []  # what this round's lookup found, offered or not
+        # decayed counts of guesses kept and in play: [first guesses, later ones]
+        self.kept, self.reached = [0.0, 0.0], [0.0, 0.0]
+
+    def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.device = prompt.device
+        self.index = NgramIndex(self.index.min_n, self.index.max_n)
+        self.index.extend(prompt.tolist() + first.view(-1).tolist())
+        self.kept, self.reached = [0.0, 0.0], [0.0, 0.0]
+
+    @property
+    def rates(self) -> tuple[float, float]:
+        """Rates at which a first guess, and a later guess in play, are kept (a prior of one in two)."""
+        first, then = ((k + 1) / (r + 2) for k, r in zip(self.kept, self.reached, strict=True))
+        return first, then
+
+    def propose(
+        self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.looked = self.index.lookup(k)
+        m = best_depth(*self.rates, k, self.guess_cost) if self.guess_cost else k
+        tokens = torch.tensor(self.looked[:m], dtype=torch.long, device=self.device)  # [m]
+        if warp is None or not tokens.shape[0]:
+            return tokens, None
+        return tokens, F.one_hot(tokens, self.vocab_size).float()  # [m, V]: each guess a point mass
+
+    def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        out = emitted.tolist()
+        # What the lookup would have kept, offered or not: the leading guesses equal to the
+        # tokens emitted (a guess past the emitted ones cannot be told).
+        hits, told = 0, min(len(self.looked), len(out))
+        while hits < told and self.looked[hits] == out[hits]:
+            hits += 1
+        in_play = hits + (hits < told)
+        first = (min(hits, 1), min(in_play, 1))  # the first guess; then the later ones in play
+        for j, (kept, played) in enumerate((first, (hits - first[0], in_play - first[1]))):
+            self.kept[j] = self.DECAY * self.kept[j] + kept
+            self.reached[j] = self.DECAY * self.reached[j] + played
+        self.looked = []
+        self.index.extend(out)
+
+    def release(self) -> None:
+        pass
+
+    def cost_step(self) -> object:
+        return self.index.lookup(1)
+
+    def passes(self, k: int) -> list[Pass]:
+        return []
+
+    def counts(self, k: int) -> list[int]:
+        return list(range(k + 1))
+
+
+class Fallback:
+    """The n-gram lookup's guesses when it matches, else another proposer's."""
+
+    def __init__(self, first: NgramProposer, other: Proposer) -> None:
+        self.first, self.other = first, other
+        self.name = f"{first.name}+{other.name}"
+
+    def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.first.start(prompt, first, hidden)
+        self.other.start(prompt, first, hidden)
+
+    def propose(
+        self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens, q = self.first.propose(k, warp, generator, penalty)
+        if tokens.shape[0]:
+            return tokens, q
+        return self.other.propose(k, warp, generator, penalty)
+
+    def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.first.accept(n, emitted, hidden)
+        self.other.accept(n, emitted, hidden)
+
+    def release(self) -> None:
+        self.other.release()
+
+    def cost_step(self) -> object:
+        return self.other.cost_step()
+
+    def passes(self, k: int) -> list[Pass]:
+        return self.other.passes(k)
+
+    def counts(self, k: int) -> list[int]:
+        return sorted({*self.first.counts(k), *self.other.counts(k)})

@@ -1,0 +1,73 @@
+"""What a request samples with, and the first token a prefill draws.
+
+Every sampling option changes the target's distribution before verification, so the
+output stays exact for it: greedy, the target alone's with the same options; sampled,
+distributed as the target alone's. A repetition penalty reshapes the target's logits at
+each position of a pass by the context up to that position (`verify.penalize`); the
+proposer guesses without it (its guesses are only checked), which costs acceptance, never
+exactness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .verify import Warp, Warper, greedy_pick, penalize, sample
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The options a generation samples with. Pure values: a batch engine applies them per request."""
+
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    min_p: float | None = None  # after temperature: drop tokens below min_p x the top probability
+    repetition_penalty: float = 1.0  # CTRL's: a token of the context has its logit scaled down; 1 is off
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy decoding (temperature 0): top-k, top-p and min-p then change nothing, the penalty does."""
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    def warp(self) -> Warp | None:
+        """logits -> the distribution target and proposer both draw from; None when greedy."""
+        if self.greedy:
+            return None
+        return Warper(self.temperature, self.top_k, self.top_p, self.min_p)
+
+
+def context_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The repetition penalty's context: bool [V], True for every token in tokens [P]."""
+    return torch.zeros(vocab_size, dtype=torch.bool, device=tokens.device).index_fill_(0, tokens, True)
+
+
+def first_token(
+    raw: torch.Tensor, prompt: torch.Tensor, w: Warp | None, gen: torch.Generator | None, penalty: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The prefill's last logits raw [1, V] -> (the first new token [1], the penalty's context:
+    bool [V] over the prompt and that token, None without a penalty). No host sync."""
+    if penalty == 1.0:
+        return (greedy_pick(raw) if w is None else sample(w(raw), gen)), None
+    seen = context_mask(prompt, raw.shape[-1])
+    logits = penalize(raw, seen, prompt[-1:], penalty)
+    last = greedy_pick(logits) if w is None else sample(w(logits), gen)
+    return last, seen.index_fill_(0, last.view(-1), True)
+
+
+class NonFiniteError(RuntimeError):
+    """The target's logits hold NaN or inf: broken weights or an overflow, never a silent answer."""
+
+
+def finite_flag(x: torch.Tensor) -> torch.Tensor:
+    """[1] long: 1 if every value of x is finite. Its smallest and largest values say it (a NaN
+    makes both NaN, an inf is one of them): two reductions, where isfinite().all() writes a mask
+    of x first (on [5, 8192] logits: about 10 µs against 120)."""
+    return torch.stack(torch.aminmax(x)).isfinite().all().long().view(1)

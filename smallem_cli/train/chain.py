@@ -1,0 +1,128 @@
+"""Train the MTP module on the chain it runs (a "training-time test", EAGLE-3's name).
+
+At inference the module guesses token i+2 from the target's state h_i and token i+1,
+then chains: its guess j+1 reads its own output state from guess j in place of the
+target's (which is not computed yet), and its attention sees the true entries of the
+context plus the chain's own earlier entries. `train.train_mtp` fits guess 1 only, so
+guesses 2.. run on inputs the module never saw in training. Here every position t of a
+training sequence starts a chain of `depth` steps, all in parallel:
+
+    step 1    pairs (h_t, x_{t+1}) at position t, causal over the true entries     -> out_1[t]
+    step d    pairs (out_{d-1}[t], x_{t+d}) at position t+d-1; attention over the
+              true entries 0..t (step 1's keys) and the chain's own entries of
+              steps 2..d at t (one key each, `_chain_attention`)                     -> out_d[t]
+
+and out_d[t] is fitted to the target's distribution for token t+d+1 (KL, as
+`train_mtp`). Teacher forcing: step d reads the text's token x_{t+d}, which is the guess
+whenever the guesses before it were right, the only case in which guess d counts.
+`chain_states` is checked against the module's own step-by-step chain in the tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..model.llama import MTPModule, Transformer, apply_rope
+from .fit import fit_loss, student_logits, teacher_log_p
+from .loop import ProgressFn, TrainSettings, _freeze, _train_loop, cut_ids, evaluate, new_mtp
+
+
+def _chain_attention(
+    q: torch.Tensor, k_true: torch.Tensor, v_true: torch.Tensor, k_own: list[torch.Tensor], v_own: list[torch.Tensor]
+) -> torch.Tensor:
+    """q [B, H, n, D] of chains t = 0..n-1; k_true, v_true [B, H, >=n, D] (step 1's, key j at
+    position j, visible when j <= t); k_own, v_own: one [B, H, n, D] per chain step (the chain's
+    own entry at t) -> [B, H, n, D]."""
+    n, D = q.shape[2], q.shape[3]
+    s_true = q @ k_true[:, :, :n].transpose(-1, -2) / D**0.5  # [B, H, n, n]
+    rows = torch.arange(n, device=q.device)
+    s_true = s_true.masked_fill(rows[None, :] > rows[:, None], float("-inf"))
+    s_own = torch.stack([(q * k).sum(-1) for k in k_own], dim=-1) / D**0.5  # [B, H, n, steps]
+    p = torch.softmax(torch.cat([s_true, s_own], dim=-1), dim=-1)
+    out = p[..., :n] @ v_true[:, :, :n]
+    for j, v in enumerate(v_own):
+        out = out + p[..., n + j, None] * v
+    return out
+
+
+def chain_states(
+    mtp: MTPModule, target: Transformer, h: torch.Tensor, x: torch.Tensor, depth: int
+) -> list[torch.Tensor]:
+    """h [B, T, d] (the target's states), x [B, T] (the tokens) -> out_d [B, T-d, d], d = 1..depth:
+    the module's state after the d-th step of the chain started at each position t."""
+    blk = mtp.block
+    B, T, _ = h.shape
+    H, Hkv, Dh = blk.n_heads, blk.n_kv_heads, blk.head_dim
+    outs: list[torch.Tensor] = []
+    k_true = v_true = torch.empty(0)
+    k_own: list[torch.Tensor] = []
+    v_own: list[torch.Tensor] = []
+    for d in range(1, depth + 1):
+        n = T - d  # chains whose step d has its token x_{t+d}
+        state = h[:, :n] if d == 1 else outs[-1][:, :n]
+        z = mtp.eh_proj(torch.cat([mtp.hnorm(state), mtp.enorm(target.embed_tokens(x[:, d : d + n]))], dim=-1))
+        cos, sin = target.cos[d - 1 : d - 1 + n], target.sin[d - 1 : d - 1 + n]  # position t + d - 1
+        a = blk.input_layernorm(z)
+        q = apply_rope(blk.q_proj(a).view(B, n, H, Dh), cos, sin).transpose(1, 2)  # [B, H, n, D]
+        k = apply_rope(blk.k_proj(a).view(B, n, Hkv, Dh), cos, sin).transpose(1, 2)
+        v = blk.v_proj(a).view(B, n, Hkv, Dh).transpose(1, 2)
+        if H != Hkv:
+            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        if d == 1:
+            k_true, v_true = k, v
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            k_own = [kk[:, :, :n] for kk in k_own] + [k]
+            v_own = [vv[:, :, :n] for vv in v_own] + [v]
+            att = _chain_attention(q, k_true, v_true, k_own, v_own)
+        z = z + blk.o_proj(att.transpose(1, 2).reshape(B, n, H * Dh))
+        g = blk.post_attention_layernorm(z)
+        outs.append(z + blk.down_proj(F.silu(blk.gate_proj(g)) * blk.up_proj(g)))
+    return outs
+
+
+def train_mtp_chain(
+    target: Transformer,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    settings: TrainSettings,
+    run_dir: Path,
+    depth: int,
+    on_progress: ProgressFn | None = None,
+    init: MTPModule | None = None,
+    rank: list[int] | None = None,
+) -> tuple[MTPModule, dict[str, Any]]:
+    """Fit the module's chain of `depth` guesses to the frozen target: the mean of every
+    step's fit (`settings.fit`; the guesses the proposer runs at k = depth)."""
+    if depth < 1:
+        raise ValueError(f"the chain needs a depth >= 1, got {depth}")
+    _freeze(target)
+    mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
+    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
+
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inp = x[:, :-2]
+        with torch.no_grad():
+            h = target.hidden(inp)
+            # [B, T, V or N]: row j predicts token j+1
+            teacher = teacher_log_p(settings.fit, target.logits(h).float(), ids)
+        outs = chain_states(mtp, target, h, inp, depth)
+        # out_d[t] guesses token t+d+1: the target's view of it is row t+d
+        losses, extra = [], {}
+        for d, o in enumerate(outs, 1):
+            rows = slice(d, d + o.shape[1])
+            view = [(lp[:, rows], lp_fit[:, rows]) for lp, lp_fit in teacher]
+            loss, read = fit_loss(settings.fit, view, student_logits(target, o, ids))
+            losses.append(loss)
+            extra |= {f"{k}/{d}": v for k, v in read.items()}
+        return torch.stack(losses).mean(), extra
+
+    facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
+    facts |= evaluate(target, val_ids, settings.seq_len, mtp)
+    facts["chain_depth"] = depth
+    return mtp, facts

@@ -1,0 +1,125 @@
+"""Corpus, split and token files.
+
+The default corpus is the King James Bible from Debian's `bible-kjv` package. Verse
+references are stripped; each chapter is one document. The split is deterministic and
+by whole chapters: every 20th chapter (about 5% of the text) is held out for
+validation, so no verse is in both halves. Any UTF-8 text files work as well: each file
+is then split into paragraph chunks the same way.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .. import atomic
+from ..model.tokenizer import EOT, load_tokenizer
+
+HOLDOUT_EVERY = 20  # one chunk in 20 goes to validation: about 5%
+_REF = re.compile(r"^([1-3]?[A-Za-z]+)(\d+):(\d+) (.*)$")
+
+
+def kjv_chapters() -> list[str]:
+    """All 1,189 chapters of the KJV as plain text, one verse a line, references stripped."""
+    if shutil.which("bible") is None:
+        raise RuntimeError("the `bible` command is missing: install Debian's bible-kjv package")
+    out = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True).stdout
+    chapters: list[list[str]] = []
+    current = None
+    for line in out.splitlines():
+        m = _REF.match(line)
+        if m is None:
+            if line.strip() and chapters:  # a wrapped verse continues the previous line
+                chapters[-1][-1] += " " + line.strip()
+            continue
+        book_chapter = (m.group(1), m.group(2))
+        if book_chapter != current:
+            chapters.append([])
+            current = book_chapter
+        chapters[-1].append(m.group(4).strip())
+    return ["\n".join(v) + "\n" for v in chapters]
+
+
+def text_chunks(paths: list[Path]) -> list[str]:
+    """User corpora: split each UTF-8 file on blank lines into chunks of about 4 KB."""
+    chunks: list[str] = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        buf = ""
+        for para in re.split(r"\n\s*\n", text):
+            buf += para.strip() + "\n\n"
+            if len(buf) >= 4096:
+                chunks.append(buf)
+                buf = ""
+        if buf.strip():
+            chunks.append(buf)
+    return chunks
+
+
+def split(chunks: list[str]) -> tuple[list[str], list[str]]:
+    """Deterministic split by whole chunks: (train, validation)."""
+    train = [c for i, c in enumerate(chunks) if i % HOLDOUT_EVERY != HOLDOUT_EVERY // 2]
+    val = [c for i, c in enumerate(chunks) if i % HOLDOUT_EVERY == HOLDOUT_EVERY // 2]
+    return train, val
+
+
+def write_corpus(out_dir: Path, chunks: list[str]) -> tuple[Path, Path]:
+    """Write train.txt and val.txt of `chunks`' split."""
+    return write_parts(out_dir, split(chunks))
+
+
+def write_parts(out_dir: Path, parts: tuple[list[str], list[str]]) -> tuple[Path, Path]:
+    """Write train.txt and val.txt, the (train, validation) documents separated by the end-of-text
+    marker, each file whole or as it was (written aside, then renamed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = out_dir / "train.txt", out_dir / "val.txt"
+    for path, part in zip(paths, parts, strict=True):
+        text = EOT.join(part)
+        atomic.replace_with(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))  # noqa: B023 (called at once)
+    return paths
+
+
+def read_documents(path: Path) -> list[str]:
+    return [d for d in path.read_text(encoding="utf-8").split(EOT) if d]
+
+
+def encode_file(tokenizer_json: Path, text_path: Path) -> np.ndarray:
+    """Token ids of a corpus file as uint16, each document followed by end-of-text."""
+    tok = load_tokenizer(tokenizer_json)
+    eot = tok.token_to_id(EOT)
+    ids: list[int] = []
+    for enc in tok.encode_batch(read_documents(text_path)):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return np.asarray(ids, dtype=np.uint16)
+
+
+def token_file(tokenizer_json: Path, text_path: Path) -> np.ndarray:
+    """Encoded ids, cached beside the text as .bin (rebuilt when older than its inputs)."""
+    bin_path = text_path.with_suffix(".bin")
+    newest = max(text_path.stat().st_mtime, tokenizer_json.stat().st_mtime)
+    if not bin_path.exists() or bin_path.stat().st_mtime < newest:
+        ids = encode_file(tokenizer_json, text_path)
+        atomic.replace_with(bin_path, ids.tofile)
+    return np.fromfile(bin_path, dtype=np.uint16)
+
+
+def train_tokenizer(text_path: Path, out: Path, vocab_size: int = 8192) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],  # id 0
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(read_documents(text_path), trainer=trainer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic.replace_with(out, lambda tmp: tok.save(str(tmp)))
+    return tok

@@ -1,0 +1,238 @@
+"""Evaluation on the validation split: loss in nats per byte, and proposer agreement.
+
+Agreement is what greedy acceptance measures: how often a proposer's argmax equals the
+target's own argmax for the same position. A draft sees the same context as the target;
+the MTP module is fed the true token i+1 and its guess for i+2 is compared with the
+target's argmax at i+2.
+
+Agreement at depth 1..4 (`chain_agreement`) runs the chain as the loop runs it, without
+timing anything: from a context of validation text, the target continues greedily
+g_1..g_4 and the proposer guesses d_1..d_4, each guess fed back to it (the MTP module
+chained on its own state); "kept at depth j" is how often d_1..d_j all equal g_1..g_j:
+what the bench's per-position acceptance measures, at no cost of a stopwatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import defaults as D
+from ..engine import family
+from ..model import checkpoint
+from ..model.llama import MTPModule, Transformer
+from .fit import acceptance
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+
+@dataclass
+class Report:
+    name: str
+    nats_per_token: float
+    nats_per_byte: float
+    agreement: float | None = None  # with the target's argmax, for proposers
+    kept_at: list[float] | None = None  # the chain's guesses 1..j all equal to the target's greedy ones
+    # a sampled first guess kept, sum min(p_T, q_T), at each of D.EVAL_TEMPERATURES (q over the cut head)
+    sampled: list[float] | None = None
+
+
+@dataclass
+class Members:
+    target: family.Target
+    drafts: dict[str, Transformer]
+    mtp: MTPModule | None
+    facts: dict[str, dict[str, Any]]  # each checkpoint's training facts, by name
+    cuts: dict[str, torch.Tensor | None]  # each proposer's sampled head (`proposers.Head`): its tokens, or None
+
+
+def load_members(target: Path, drafts: list[str] | None, mtp_file: Path | None = None) -> Members:
+    """The target, the drafts (names beside it or paths; None: the shipped ones found
+    there) and the MTP module (`mtp_file`, else the one beside it, if any), on the CPU."""
+    tgt = family.load_target(target, torch.device("cpu"))
+    shipped = [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
+    models, facts = {}, {"target": checkpoint.facts(checkpoint.read_meta(target))}
+    cuts: dict[str, torch.Tensor | None] = {}
+    V, cut = tgt.model.cfg.vocab_size, D.proposer_vocab(greedy=False)
+
+    def noted(name: str, path: Path, meta: dict[str, str]) -> None:
+        facts[name] = checkpoint.facts(meta)
+        rank = checkpoint.vocab_rank(meta, path, V)
+        cuts[name] = torch.tensor(rank[:cut]) if cut and rank else None
+
+    for n in shipped if drafts is None else drafts:
+        path = family.proposer_path(n, target.parent)
+        models[path.stem], meta = checkpoint.load_model(path)
+        noted(path.stem, path, meta)
+    mtp = None
+    if (mtp_path := mtp_file or target.parent / "mtp.safetensors").exists() or mtp_file:
+        mtp, meta = checkpoint.load_mtp(mtp_path, tgt.model)
+        noted("mtp", mtp_path, meta)
+    return Members(tgt, models, mtp, facts, cuts)
+
+
+def windows(ids: np.ndarray, seq_len: int) -> list[torch.Tensor]:
+    """Non-overlapping [1, seq_len + 1] windows covering the stream (last one shorter)."""
+    out = []
+    for s in range(0, len(ids) - 1, seq_len):
+        w = ids[s : s + seq_len + 1]
+        if len(w) >= 2:
+            out.append(torch.from_numpy(w.astype(np.int64))[None])
+    return out
+
+
+@torch.no_grad()
+def evaluate_family(
+    target: Transformer,
+    val_ids: np.ndarray,
+    n_bytes: int,
+    drafts: dict[str, Transformer],
+    mtp: MTPModule | None,
+    seq_len: int = D.TRAIN_SEQ_LEN,
+    cuts: dict[str, torch.Tensor | None] | None = None,
+) -> list[Report]:
+    """Loss of each model over the whole stream, each proposer's agreement with the target, and
+    how often its sampled first guess is kept at each of D.EVAL_TEMPERATURES, its q over its cut
+    head (`cuts`: the tokens by proposer name; absent: the whole vocabulary)."""
+    models = {"target": target, **drafts}
+    nats = dict.fromkeys(models, 0.0)
+    agree = dict.fromkeys([*drafts, "mtp"], 0)
+    temps = D.EVAL_TEMPERATURES
+    kept = {name: [0.0] * len(temps) for name in agree}
+
+    def sampled(name: str, t_logits: torch.Tensor, logits: torch.Tensor) -> None:
+        ids = (cuts or {}).get(name)
+        for i, T in enumerate(temps):
+            kept[name][i] += acceptance(t_logits, logits if ids is None else logits[:, ids], ids, T).sum().item()
+
+    n_tok = n_mtp = 0
+    mtp_nats = 0.0
+    for w in windows(val_ids, seq_len):
+        x, y = w[:, :-1], w[:, 1:]
+        T = x.shape[1]
+        h = target.hidden(x)
+        t_logits = target.logits(h)[0]  # [T, V]
+        t_best = t_logits.argmax(-1)
+        nats["target"] += F.cross_entropy(t_logits, y[0], reduction="sum").item()
+        for name, d in drafts.items():
+            logits = d.logits(d.hidden(x))[0]
+            nats[name] += F.cross_entropy(logits, y[0], reduction="sum").item()
+            agree[name] += (logits.argmax(-1) == t_best).sum().item()
+            sampled(name, t_logits, logits)
+        n_tok += T
+        if mtp is not None and T >= 2:
+            # position i: h_i and token i+1 -> token i+2, compared with the target's argmax at i+1
+            hm = mtp(h[:, :-1], target.embed_tokens(x[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
+            m_logits = target.logits(hm)[0]  # [T-1, V]
+            mtp_nats += F.cross_entropy(m_logits, y[0, 1:], reduction="sum").item()
+            agree["mtp"] += (m_logits.argmax(-1) == t_best[1:]).sum().item()
+            sampled("mtp", t_logits[1:], m_logits)
+            n_mtp += T - 1
+    per_byte = n_tok / n_bytes  # tokens per byte of the stream
+    reports = [Report(name, nats[name] / n_tok, nats[name] / n_tok * per_byte) for name in models]
+    for r in reports[1:]:
+        r.agreement, r.sampled = agree[r.name] / n_tok, [a / n_tok for a in kept[r.name]]
+    if mtp is not None:
+        m = Report("mtp", mtp_nats / n_mtp, mtp_nats / n_mtp * per_byte, agree["mtp"] / n_mtp)
+        m.sampled = [a / n_mtp for a in kept["mtp"]]
+        reports.append(m)
+    return reports
+
+
+def contexts(val_ids: np.ndarray, count: int, length: int, depth: int) -> torch.Tensor:
+    """`count` evenly spaced windows of validation text, each `length` tokens: [count, length]."""
+    last = len(val_ids) - length - depth
+    if last < 0:
+        raise ValueError(f"the validation text is shorter than a context of {length} tokens")
+    starts = np.linspace(0, last, num=count).astype(np.int64)
+    return torch.from_numpy(np.stack([val_ids[s : s + length] for s in starts]).astype(np.int64))
+
+
+def _greedy_chain(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, depth: int) -> torch.Tensor:
+    """Extend each row of x [B, C] by `depth` greedy tokens of `step` (tokens [B, T] -> logits
+    of the last position [B, V]) -> [B, depth]."""
+    out = []
+    for _ in range(depth):
+        nxt = step(x).argmax(-1, keepdim=True)  # [B, 1]
+        out.append(nxt)
+        x = torch.cat([x, nxt], dim=1)
+    return torch.cat(out, dim=1)
+
+
+@torch.no_grad()
+def chain_agreement(
+    target: Transformer,
+    val_ids: np.ndarray,
+    drafts: dict[str, Transformer],
+    mtp: MTPModule | None,
+    count: int = 256,
+    length: int = 96,
+    depth: int = 4,
+) -> dict[str, list[float]]:
+    """Each proposer's chain against the target's greedy continuation, from `count` contexts
+    of `length` validation tokens -> name -> rate at which guesses 1..j were all kept, j = 1..depth."""
+    x = contexts(val_ids, count, length, depth)  # [B, C]
+    g = _greedy_chain(lambda t: target.logits(target.hidden(t)[:, -1]), x, depth)  # [B, depth]
+    guesses = {
+        name: _greedy_chain(lambda t, d=d: d.logits(d.hidden(t)[:, -1]), x, depth)  # type: ignore[misc]
+        for name, d in drafts.items()
+    }
+    if mtp is not None:
+        guesses["mtp"] = _mtp_chain(target, mtp, x, depth)
+    return {name: (d == g).long().cumprod(dim=1).float().mean(dim=0).tolist() for name, d in guesses.items()}
+
+
+def _mtp_chain(target: Transformer, mtp: MTPModule, x: torch.Tensor, depth: int) -> torch.Tensor:
+    """The MTP module's chain from contexts x [B, C], as `MTPProposer` runs it: pairs (h_j, x_{j+1})
+    over the context, then each guess fed back with the module's own state -> guesses [B, depth]."""
+    C = x.shape[1]
+    h = target.hidden(x)  # [B, C, d]
+    hs, toks = h[:, :-1], x[:, 1:]  # pairs (h_j, x_{j+1}), j < C-1: the last guesses x_C's successor
+    out = []
+    for _ in range(depth):
+        T = hs.shape[1]
+        states = mtp(hs, target.embed_tokens(toks), target.cos[:T], target.sin[:T])  # [B, T, d]
+        guess = target.logits(states[:, -1]).argmax(-1, keepdim=True)  # [B, 1]
+        out.append(guess)
+        hs = torch.cat([hs, states[:, -1:]], dim=1)  # chain on its own state
+        toks = torch.cat([toks, guess], dim=1)
+    assert hs.shape[1] == C - 1 + depth
+    return torch.cat(out, dim=1)
+
+
+def report_table(reports: list[Report], facts: dict[str, dict[str, Any]], n_tokens: int, n_bytes: int) -> Table:
+    """The reports as a rich table, with each model's training totals from its facts."""
+    from rich.table import Table
+
+    table = Table(title=f"validation: {n_tokens:,} tokens, {n_bytes:,} bytes")
+    temps = " / ".join(f"{t:g}" for t in D.EVAL_TEMPERATURES)
+    cols = ("model", "nats/token", "nats/byte", "agreement with target", "chain kept at 1 / 2 / 3 / 4",
+            f"sampled kept at T = {temps}")  # fmt: skip
+    for col in (*cols, "steps", "tokens seen", "trained for"):
+        table.add_column(col, justify="right")
+    for r in reports:
+        f = facts.get(r.name, {})
+        table.add_row(
+            r.name,
+            f"{r.nats_per_token:.3f}",
+            f"{r.nats_per_byte:.3f}",
+            "" if r.agreement is None else f"{r.agreement:.3f}",
+            "" if r.kept_at is None else " / ".join(f"{a:.2f}" for a in r.kept_at),
+            "" if r.sampled is None else " / ".join(f"{a:.3f}" for a in r.sampled),
+            f"{total(f, 'steps'):,}" if "steps" in f else "",
+            f"{total(f, 'tokens_seen'):,}" if "tokens_seen" in f else "",
+            f"{total(f, 'train_seconds'):.0f} s" if "train_seconds" in f else "",
+        )
+    return table
+
+
+def total(facts: dict[str, Any], key: str) -> float:
+    """A training fact summed over the run and the runs it started from (facts["before"])."""
+    return facts.get(key, 0) + (total(facts["before"], key) if "before" in facts else 0)

@@ -1,0 +1,385 @@
+"""Training: a target (with its MTP module, jointly), a draft, or an MTP module alone.
+
+- Batches are random windows of the token stream, drawn from a generator seeded by
+  (seed, step), so a resumed run draws the batches it would have drawn.
+- The budget is training tokens (`budget_tokens`) or else wall-clock seconds; the learning
+  rate follows it (warm-up, then cosine to 10%), so a resumed run continues the same schedule.
+- Every `save_every` seconds the full state (weights, optimizer, step, time) goes to
+  `run_dir/state.safetensors` (see runstate: no pickle); a rerun with the same run_dir
+  resumes from it.
+- The target and its MTP module train jointly (DeepSeek-V3's MTP loss, weight
+  `mtp_weight`): the trunk then learns to carry next-next-token information in h_i,
+  which is what the module reads when it proposes. `train_mtp` instead fits a module
+  to a frozen target, distilling the target's own next-token distribution (`fit.py`:
+  at the temperatures users run, over the cut head it proposes with, if asked).
+
+Library code: progress goes to the `on_progress` callback, never to stdout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import defaults as D
+from ..config import ModelConfig
+from ..model.llama import MTPModule, Transformer
+from . import runstate
+from .fit import Fit, fit_loss, student_logits, teacher_log_p
+
+PRECISIONS = ("fp32", "bf16")  # `TrainSettings.precision`
+
+
+@dataclass
+class TrainSettings:
+    budget_s: float = D.TRAIN_SECONDS
+    # > 0: stop after this many training tokens instead of budget_s seconds. A token budget
+    # makes a run independent of how loaded the machine is; seconds make its length known.
+    budget_tokens: int = 0
+    batch_size: int = D.TRAIN_BATCH
+    seq_len: int = D.TRAIN_SEQ_LEN
+    lr: float = D.TRAIN_LR
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    mtp_weight: float = D.TRAIN_MTP_WEIGHT  # a target's joint training: main loss + this x its MTP loss
+    feature_weight: float = 0.0  # MTP distillation: weight of the state-matching loss (EAGLE's feature loss)
+    chain: int = 0  # MTP distillation: > 0 fits the whole chain of this many guesses (`train_chain.py`)
+    fit: Fit = field(default_factory=Fit)  # distillation: what q is fitted to (temperatures, TV, cut head)
+    seed: int = D.TRAIN_SEED
+    compile: bool = D.TRAIN_COMPILE  # the loss through torch.compile (`_train_loop`)
+    precision: str = D.TRAIN_PRECISION  # "fp32" or "bf16": the loss's products under bfloat16 autocast
+    save_every_s: float = 120.0
+    eval_every_s: float = 300.0
+
+    def __post_init__(self) -> None:  # checked when made, not at the first step
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+
+@dataclass
+class Progress:
+    step: int
+    elapsed_s: float
+    done: float  # fraction of the budget (seconds or tokens) spent, 0..1
+    loss: float
+    tokens_per_s: float
+    tokens_seen: int
+    val_loss: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+def batch(ids: np.ndarray, settings: TrainSettings, step: int) -> torch.Tensor:
+    """[B, T+2] windows: inputs and the next two tokens of each position (for MTP)."""
+    rng = np.random.default_rng((settings.seed, step))
+    starts = rng.integers(0, len(ids) - settings.seq_len - 2, size=settings.batch_size)
+    return torch.from_numpy(np.stack([ids[s : s + settings.seq_len + 2] for s in starts]).astype(np.int64))
+
+
+def spent(settings: TrainSettings, tokens: int, elapsed: float) -> float:
+    """The fraction of the budget spent: tokens over budget_tokens if set, else seconds."""
+    if settings.budget_tokens > 0:
+        return min(1.0, tokens / settings.budget_tokens)
+    return min(1.0, elapsed / settings.budget_s)
+
+
+def lr_at(settings: TrainSettings, step: int, frac: float) -> float:
+    """Warm-up over the first steps, then cosine to min_lr_frac over the budget (frac 0..1)."""
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    lo = settings.min_lr_frac
+    return settings.lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def lm_loss(model: Transformer, x: torch.Tensor, mtp: MTPModule | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: [B, T+2]. Next-token loss on positions 0..T-1, and the MTP loss (token i+2 from h_i, token i+1)."""
+    inp, tgt, tgt2 = x[:, :-2], x[:, 1:-1], x[:, 2:]
+    h = model.hidden(inp)  # [B, T, d]
+    # logits in float32 whatever the products ran in (`precision`): no softmax runs in bfloat16
+    loss = F.cross_entropy(model.logits(h).float().flatten(0, 1), tgt.flatten())
+    if mtp is None:
+        return loss, None
+    T = h.shape[1]
+    hm = mtp(h, model.embed_tokens(tgt), model.cos[:T], model.sin[:T])
+    return loss, F.cross_entropy(model.logits(hm).float().flatten(0, 1), tgt2.flatten())
+
+
+@torch.no_grad()
+def evaluate(
+    model: Transformer, ids: np.ndarray, seq_len: int = D.TRAIN_SEQ_LEN, mtp: MTPModule | None = None
+) -> dict[str, float]:
+    """Mean next-token loss (nats/token) over the whole validation stream, in windows.
+
+    With an MTP module, also its loss and its agreement with the target's argmax.
+    A stream shorter than one window is read as one shorter window.
+    """
+    seq_len = min(seq_len, len(ids) - 3)
+    if seq_len < 2:
+        raise ValueError(f"the validation text is too short: {len(ids)} tokens")
+    model.eval()
+    total, n, mtp_total, agree = 0.0, 0, 0.0, 0
+    for s in range(0, len(ids) - seq_len - 2, seq_len):
+        x = torch.from_numpy(ids[s : s + seq_len + 2].astype(np.int64))[None]
+        h = model.hidden(x[:, :-2])
+        logits = model.logits(h)
+        total += F.cross_entropy(logits[0], x[0, 1:-1], reduction="sum").item()
+        n += seq_len
+        if mtp is not None:
+            lm = model.logits(mtp(h, model.embed_tokens(x[:, 1:-1]), model.cos[:seq_len], model.sin[:seq_len]))
+            mtp_total += F.cross_entropy(lm[0, :-1], x[0, 2:-1], reduction="sum").item()
+            # MTP at i guesses token i+2; the target's own guess for it is its argmax at i+1.
+            agree += (lm[0, :-1].argmax(-1) == logits[0, 1:].argmax(-1)).sum().item()
+    out = {"val_loss": total / n}
+    if mtp is not None:
+        out |= {"mtp_val_loss": mtp_total / (n - n // seq_len), "mtp_agreement": agree / (n - n // seq_len)}
+    return out
+
+
+def _train_loop(
+    params: list[torch.nn.Parameter],
+    loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    modules: dict[str, torch.nn.Module],
+    train_ids: np.ndarray,
+    settings: TrainSettings,
+    run_dir: Path,
+    on_progress: ProgressFn | None,
+    eval_fn: Callable[[], float] | None,
+) -> dict[str, Any]:
+    """Shared optimisation loop with resume; returns the training facts."""
+    torch.manual_seed(settings.seed)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+        fused=False,
+    )
+    pos = runstate.load(run_dir, modules, opt) or runstate.Position()
+    step, elapsed, tokens = pos.step, pos.elapsed, pos.tokens
+
+    def save_state() -> None:
+        runstate.save(run_dir, modules, opt, runstate.Position(step, tokens, elapsed), dataclasses.asdict(settings))
+
+    # compiled: the loss's forward and backward run as inductor's fused kernels, one graph for the
+    # run's fixed batch shape. A loss hands back what it reads as tensors, read on the host below:
+    # an `.item()` inside would break the graph there (with the MTP feature loss, the frame resumed
+    # after it was guarded on the values read and recompiled every step up to dynamo's limit).
+    # Compile time counts as training time, as a warm-up would.
+    fn = torch.compile(loss_fn, dynamic=False) if settings.compile else loss_fn
+    last_save = last_eval = elapsed
+    val_loss = None
+    t_prev = time.perf_counter()
+    while (done := spent(settings, tokens, elapsed)) < 1.0:
+        for m in modules.values():
+            m.train()
+        x = batch(train_ids, settings, step)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(settings, step, done)
+        with autocast(settings.precision):
+            loss, extra = fn(x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        tokens += x.shape[0] * (x.shape[1] - 2)
+        now = time.perf_counter()
+        dt, t_prev = now - t_prev, now
+        elapsed += dt
+        if eval_fn is not None and elapsed - last_eval >= settings.eval_every_s:
+            val_loss = eval_fn()
+            last_eval = elapsed
+            t_prev = time.perf_counter()  # evaluation time is not training time
+        if elapsed - last_save >= settings.save_every_s:
+            save_state()
+            last_save = elapsed
+            t_prev = time.perf_counter()
+        if on_progress is not None:
+            on_progress(
+                Progress(
+                    step,
+                    elapsed,
+                    spent(settings, tokens, elapsed),
+                    loss.item(),
+                    x.numel() / max(dt, 1e-9),
+                    tokens,
+                    val_loss,
+                    {k: v.item() for k, v in extra.items()},
+                )
+            )
+    save_state()
+    return {
+        "steps": step,
+        "tokens_seen": tokens,
+        "train_seconds": round(elapsed, 1),
+        "batch_size": settings.batch_size,
+        "seq_len": settings.seq_len,
+        "lr": settings.lr,
+        "seed": settings.seed,
+        "precision": settings.precision,
+    }
+
+
+def autocast(precision: str) -> torch.autocast:
+    """The loss's products in bfloat16 under "bf16" (weights, gradients and the optimiser stay
+    float32, and every loss reads float32 logits); a no-op under "fp32". Training runs on the CPU."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def new_model(cfg: ModelConfig, seed: int) -> Transformer:
+    model = Transformer(cfg)
+    model.init_weights(seed)
+    return model
+
+
+def new_mtp(cfg: ModelConfig, seed: int) -> MTPModule:
+    """An MTP module whose first weights follow `seed` alone: torch's default init, drawn
+    from the global RNG seeded here (a fresh process seeds it at random), then put back."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)  # not the target's draws
+        return MTPModule(cfg)
+
+
+def train_model(
+    cfg: ModelConfig,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    settings: TrainSettings,
+    run_dir: Path,
+    on_progress: ProgressFn | None = None,
+) -> tuple[Transformer, MTPModule | None, dict[str, Any]]:
+    """Train a model from scratch (a target with `cfg.mtp` gets its MTP module jointly)."""
+    model = new_model(cfg, settings.seed)
+    mtp = new_mtp(cfg, settings.seed) if cfg.mtp else None
+    modules: dict[str, torch.nn.Module] = {"model": model}
+    params = list(model.parameters())
+    if mtp is not None:
+        modules["mtp"] = mtp
+        params += list(mtp.parameters())
+
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        main, aux = lm_loss(model, x, mtp)
+        if aux is None:
+            return main, {}
+        return main + settings.mtp_weight * aux, {"mtp_loss": aux.detach()}
+
+    def eval_fn() -> float:
+        return evaluate(model, val_ids, settings.seq_len)["val_loss"]
+
+    facts = _train_loop(params, loss_fn, modules, train_ids, settings, run_dir, on_progress, eval_fn)
+    facts |= evaluate(model, val_ids, settings.seq_len, mtp)
+    if mtp is not None:
+        facts["joint_weight"] = settings.mtp_weight  # both files: the trunk learnt under it too
+    return model, mtp, facts
+
+
+def train_mtp(
+    target: Transformer,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    settings: TrainSettings,
+    run_dir: Path,
+    on_progress: ProgressFn | None = None,
+    init: MTPModule | None = None,
+    rank: list[int] | None = None,
+) -> tuple[MTPModule, dict[str, Any]]:
+    """Fit an MTP module to a frozen target by distillation: match the target's
+    distribution for token i+2 (its logits at i+1), from h_i and the true token i+1.
+
+    With `settings.feature_weight` > 0, the module's output state is also pulled towards
+    the target's own state h_{i+1} (after normalisation, which is all the next step reads).
+    When proposing, guesses past the first chain on that output state in place of h_{i+1}
+    (EAGLE's observation), so a state that resembles the target's keeps them on track.
+    """
+    _freeze(target)
+    mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
+    T = settings.seq_len
+    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
+
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inp = x[:, :-2]
+        with torch.no_grad():
+            h = target.hidden(inp)
+            teacher = teacher_log_p(settings.fit, target.logits(h[:, 1:]).float(), ids)  # target's view of token i+2
+        hm = mtp(h[:, :-1], target.embed_tokens(inp[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
+        loss, extra = fit_loss(settings.fit, teacher, student_logits(target, hm, ids))
+        if not settings.feature_weight:
+            return loss, extra
+        d = h.shape[-1]
+        feat = F.smooth_l1_loss(F.rms_norm(hm.float(), (d,)), F.rms_norm(h[:, 1:].float(), (d,)))  # [B, T-1, d] both
+        return loss + settings.feature_weight * feat, extra | {"feature": feat.detach()}
+
+    facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
+    facts |= evaluate(target, val_ids, settings.seq_len, mtp)
+    return mtp, facts
+
+
+def train_draft_distill(
+    target: Transformer,
+    draft: Transformer,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    settings: TrainSettings,
+    run_dir: Path,
+    on_progress: ProgressFn | None = None,
+    rank: list[int] | None = None,
+) -> tuple[Transformer, dict[str, Any]]:
+    """Fit a draft to a frozen target: KL(target || draft) over the whole next-token distribution.
+
+    Greedy acceptance is agreement with the target's argmax, and sampled acceptance is
+    1 - TV(p, q); both reward matching the target, not the corpus. The target's full
+    distribution is also a richer signal per token than the one observed next token.
+    """
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"draft vocabulary {draft.cfg.vocab_size} != target's {target.cfg.vocab_size}")
+    _freeze(target)
+    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
+
+    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inp = x[:, :-2]
+        with torch.no_grad():
+            teacher = teacher_log_p(settings.fit, target.logits(target.hidden(inp)).float(), ids)  # [B, T, V or N] each
+        return fit_loss(settings.fit, teacher, student_logits(draft, draft.hidden(inp), ids))
+
+    def eval_fn() -> float:
+        return evaluate(draft, val_ids, settings.seq_len)["val_loss"]
+
+    modules: dict[str, torch.nn.Module] = {"model": draft}
+    facts = _train_loop(list(draft.parameters()), loss_fn, modules, train_ids, settings, run_dir, on_progress, eval_fn)
+    facts |= evaluate(draft, val_ids, settings.seq_len)
+    return draft, facts
+
+
+def _freeze(teacher: Transformer) -> None:
+    teacher.requires_grad_(False)
+    teacher.eval()
+
+
+def cut_ids(train_ids: np.ndarray, vocab_size: int, fit: Fit, rank: list[int] | None = None) -> torch.Tensor | None:
+    """The tokens a cut head keeps, or None for the whole vocabulary: the first of `rank` (the
+    ranking the member is saved with: `members.proposer_rank`), else of the training stream's."""
+    if not fit.vocab:
+        return None
+    return torch.tensor((rank or vocab_rank(train_ids, vocab_size))[: fit.vocab])
+
+
+RANKED_TOKENS = 4096  # how many of the most frequent training tokens a checkpoint lists
+
+
+def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
+    """Token ids ordered by their count in the training stream, most frequent first."""
+    counts = np.bincount(train_ids, minlength=vocab_size)
+    return np.argsort(-counts, kind="stable")[:RANKED_TOKENS].tolist()
