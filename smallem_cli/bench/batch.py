@@ -111,6 +111,38 @@ def run(
     return rows
 
 
+def alone_at_batch(
+    tgt: family.Target,
+    device: torch.device,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    engine: str = "eager",
+    log: Callable[[str], None] | None = None,
+) -> tuple[float, list[list[int]]]:
+    """The target alone through the batch engine, greedy, all the prompts decoded together (a
+    batch of len(prompts)), on `engine`: (generated tokens/s over the whole batch, each prompt's
+    tokens). What a peer's batch is set against: a batch of ours, not one stream at a time.
+    A warm-up batch first, as a peer warms up before it is timed."""
+    from ..engine.build import build_engine
+
+    eng = build_engine(
+        tgt, "none", device, k=None, max_batch=len(prompts), proposer_vocab=None, eot=None, decode=str,
+        native=engine if engine in NATIVE else None, native_log=log, strict=True,
+    )  # fmt: skip
+    switch(engine)
+    try:
+        for _ in eng.run([Request(i, i, tuple(p[:16]), 8) for i, p in enumerate(prompts)]):
+            pass
+        reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        done = {f.request.index: f.tokens for f in eng.run(reqs)}
+        wall = time.perf_counter() - t0
+    finally:
+        switch(None)
+    out = [done[i] for i in range(len(prompts))]
+    return sum(len(o) for o in out) / wall, out
+
+
 def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) -> Table:
     n = rows[0].requests if rows else 0
     t = Table(title=f"batch engine: {n} prompts x {max_new_tokens} new tokens, greedy, {device}, {threads} threads")

@@ -27,7 +27,8 @@ from ..defaults import default_k
 from ..engine.family import ProposerFactory, Target
 from ..engine.generate import generate
 from ..spec.proposers import NoProposer
-from .run import Row, forward_costs, sync
+from .costs import forward_costs, sync
+from .run import Row, our_row
 
 
 def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: int, rows: list[Row]) -> list[dict]:
@@ -43,9 +44,9 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     from ..interop.hf import export_hf
 
     def ours(name: str, k: int) -> float:
-        """Our greedy row's tokens/s, of the fastest engine the bench ran (native, else eager)."""
-        found = {r.engine: r.tokens_per_s for r in rows if r.proposer == name and r.k == k and r.mode == "greedy"}
-        return found[fastest(found)] if found else float("nan")
+        """Our greedy row's tokens/s (`our_row`: the fastest engine's)."""
+        row = our_row(rows, name, k)
+        return row.tokens_per_s if row else float("nan")
 
     out: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +119,9 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
         t.add_row(
             r["peer"],
             f"{r['tokens_per_s']:.1f}",
-            f"{r['ours_tokens_per_s']:.1f}" if ran else "not run",
+            f"{r['ours_tokens_per_s']:.1f}" + (f" (batch {n})" if (n := r.get("ours_batch") or 1) > 1 else "")
+            if ran
+            else "not run",
             f"×{r['ours_over_peer']:.2f}" if ran else "–",
             r["identical"],
             *step,
@@ -164,8 +167,12 @@ def run_peer(
         return llamacpp_peer(target, prompts, max_new, engines, repeats, log, spec)
     if peer == "vllm":
         from ..interop.vllm_peer import bench_peer
+        from .batch import alone_at_batch
 
-        return bench_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log)
+        def at_batch(engine: str) -> tuple[float, list[list[int]]]:  # vLLM's batch against our batch engine's
+            return alone_at_batch(target, target.model.embed_tokens.weight.device, prompts, max_new, engine, log)
+
+        return bench_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
     return hf_peer(target, ckpt_dir, prompts, max_new, rows)
 
 
@@ -317,7 +324,8 @@ def llamacpp_peer(
             finally:
                 for p in peers.values():
                     p.close()
-        _, v, one = forward_costs(model, {}, [T - 1 for T in LLAMACPP_PASSES], prompts[0], COST_CONTEXT)
+        got = forward_costs(model, {}, [T - 1 for T in LLAMACPP_PASSES], prompts[0], COST_CONTEXT)
+        v, one = got.v, got.one_s
     finally:
         switch(None)
     ours_tps = statistics.median(runs["ours"][0])

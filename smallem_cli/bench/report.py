@@ -7,7 +7,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .run import Costs, Row
+from .costs import Costs
+from .run import Row
 
 
 def plot(rows: list[Row], path: Path) -> None:

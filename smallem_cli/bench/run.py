@@ -2,34 +2,33 @@
 
 Every row is timed in the same run as the target alone, so speed-ups are ratios of
 measurements taken side by side on the same (noisy, shared) machine. The proposer cost c
-and the verify cost v are read with a stopwatch around the forwards, and fed with the
-conditional acceptance α to the seed's cost model to predict each speed-up; measured / predicted tells how much the loop
-loses to host work that the model does not count.
+and the verify cost v are read with a stopwatch around the forwards (`costs`, on the path the
+run takes: a native engine's round of guesses is one call), and fed with the conditional
+acceptance α to the seed's cost model to predict each speed-up; measured / predicted tells how
+much the loop loses to host work that the model does not count.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
 
 from .. import atomic
 from .. import defaults as D
 from ..backends import engines
 from ..backends.steps import switch
 from ..engine.family import ProposerFactory
-from ..engine.generate import cache_pages, generate
+from ..engine.generate import generate
 from ..model.llama import Transformer
 from ..model.tokenizer import load_tokenizer
-from ..spec.proposers import NoProposer, Proposer
+from ..spec.proposers import NoProposer
 from ..spec.sampling import Sampling
 from ..stats import Stats
 from ..train.data import read_documents
+from .costs import Chained, Costs, conditional_alpha, forward_costs, predicted_speedup, variable_speedup
 
 
 def write_prompts(
@@ -87,78 +86,6 @@ class Row:
     vs_eager: float | None = None  # over the eager target alone (same mode, same run), when it ran
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median seconds of each fn over reps calls, taken round-robin (after two warm-up rounds).
-
-    Round-robin, so that a shift in the machine's load touches every fn alike and their
-    ratios (c and v are ratios) stay true on a shared, noisy machine.
-    """
-    for _ in range(2):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-@torch.inference_mode()
-def forward_costs(
-    target: Transformer,
-    proposers: dict[str, ProposerFactory],
-    ks: list[int],
-    prompt: list[int],
-    context: int = 132,
-    reps: int = 60,
-) -> tuple[dict[str, float], dict[int, float], float]:
-    """Stopwatch around the forwards, at a typical context length, with the engine switched on.
-
-    -> (c per proposer: one proposal step in target passes, v(k) per k: a pass over k+1
-    tokens in target passes, the seconds of a one-token target pass).
-    """
-    dev = target.embed_tokens.weight.device
-    ids = torch.tensor((prompt * (context // len(prompt) + 1))[:context], device=dev)
-    cache = target.new_cache(cache_pages(context + max(ks) + 2))
-    seq = cache.new_sequence()
-    _, hidden = target(ids, cache, seq)
-
-    def target_pass(t: int) -> Callable[[], object]:
-        def run() -> object:
-            out = target(ids[:t], cache, seq)
-            cache.keep(seq, context)
-            return out
-
-        return run
-
-    fns: dict[str, Callable[[], object]] = {"v1": target_pass(1)}
-    fns |= {f"v{k + 1}": target_pass(k + 1) for k in ks if k + 1 != 1}
-    started: list[Proposer] = []
-    for name, make in proposers.items():
-        p = make(context + 4)
-        p.start(ids, ids[-1:], hidden)
-        p.propose(1, None, None)  # every cache filled up to the prompt
-        p.accept(1, ids[-2:], hidden[-2:])
-        fns[f"c:{name}"] = p.cost_step
-        started.append(p)
-    t = _interleaved(fns, reps)
-    one = t["v1"]
-    v = {k: t[f"v{k + 1}"] / one for k in ks}
-    c = {name[2:]: s / one for name, s in t.items() if name.startswith("c:")}
-    for p in started:
-        p.release()
-    cache.release(seq)
-    return c, v, one
-
-
 def run_prompt(
     target: Transformer, make: ProposerFactory, prompt: list[int], i: int, max_new: int, k: int, sampling: Sampling
 ) -> tuple[list[int], Stats]:
@@ -179,33 +106,6 @@ def add_stats(total: Stats, st: Stats) -> None:
         total.accepted_at[j] += a
 
 
-def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
-    """The cost model's α: each guess kept with probability α once the ones before it were.
-
-    accepted / proposed understates it for k > 1, since guesses after a rejection count as
-    proposed but were never in play; here only the guesses that were reached count (the
-    first of every round, the i-th when the i-1 before it were kept).
-    """
-    reached = rounds + sum(accepted_at[:-1])
-    return sum(accepted_at) / reached if reached else 0.0
-
-
-def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
-    """The seed's cost model: a round yields (1-α^(k+1))/(1-α) tokens for k·c + v passes."""
-    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + v)
-
-
-def variable_speedup(st: Stats, rounds: int, c: float, v: dict[int, float]) -> float:
-    """The cost model for rounds of varying depth (an n-gram lookup, adaptive depth): the
-    tokens a round yielded, measured, over a round's cost from the depths the rounds had,
-    sum over m of (rounds with m guesses) * (m·c + v(m+1)) / rounds, v(1) = 1."""
-    if not rounds:
-        return 1.0
-    cost = sum(r * (m * c + (v.get(m + 1, 1.0) if m else 1.0)) for m, r in enumerate(st.guessed)) / rounds
-    return (1 + st.accepted / rounds) / cost
-
-
 @dataclass
 class Plan:
     proposers: dict[str, dict[str, ProposerFactory]]  # per mode: name -> factory (heads may differ by mode)
@@ -224,17 +124,11 @@ class Plan:
     min_p: float | None = None
 
 
-@dataclass
-class Costs:
-    """`readings` round-robin readings of `forward_costs`, per engine.
-
-    c: "engine:mode:proposer" -> readings; v: "engine:T" -> readings of a pass over T tokens
-    in one-token passes of the same engine; one_pass_s: engine -> seconds of a one-token pass.
-    """
-
-    c: dict[str, list[float]]
-    v: dict[str, list[float]]
-    one_pass_s: dict[str, list[float]]
+def plan_sampling(plan: Plan, mode: str) -> Sampling:
+    """What the plan's `mode` ("greedy" or "sample") draws with."""
+    if mode == "greedy":
+        return Sampling(seed=plan.seed)
+    return Sampling(plan.temperature, plan.top_k, plan.top_p, plan.seed, plan.min_p)
 
 
 def cost_readings(
@@ -242,22 +136,27 @@ def cost_readings(
 ) -> Costs:
     """c and v alone (`bench --costs`): seconds of work, where the full bench takes minutes.
 
-    `passes`: the token counts T whose v is read (default: k+1 for the plan's k).
+    `passes`: the token counts T whose v is read (default: k+1 for the plan's k). On a native
+    engine c is also read per k of the plan on the round's one call, the path the run takes.
     """
     # v at every depth up to the largest k: rounds of an n-gram or adaptive proposer vary
     top = max((k for ks in plan.ks.values() for k in ks), default=1)
     ks = sorted({T - 1 for T in passes} - {0}) if passes else list(range(1, top + 1))
     each = {f"{m}:{n}": f for m in plan.modes for n, f in plan.proposers[m].items()}
+    warps = {m: plan_sampling(plan, m).warp() for m in plan.modes}
+    chained: Chained = {f"{m}:{n}": (warps[m], plan.ks[n]) for m in plan.modes for n in plan.proposers[m]}
     out = Costs({}, {}, {e: [] for e in plan.engines})
     for _ in range(readings):
         for engine in plan.engines:
             switch(engine)
-            c, v, one = forward_costs(target, each, ks or [1], prompt)
-            for name, x in c.items():
+            got = forward_costs(target, each, ks or [1], prompt, chained=chained if engine in engines.NATIVE else None)
+            for name, x in got.c.items():
                 out.c.setdefault(f"{engine}:{name}", []).append(x)
-            for k, x in v.items():
+            for k, x in got.v.items():
                 out.v.setdefault(f"{engine}:{k + 1}", []).append(x)
-            out.one_pass_s[engine].append(one)
+            out.one_pass_s[engine].append(got.one_s)
+            out.whole += [w for name in got.whole if (w := f"{engine}:{name}") not in out.whole]
+    switch(None)
     return out
 
 
@@ -269,6 +168,14 @@ def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
         for factories in plan.proposers.values():
             for name, make in factories.items():
                 engines.prepare_engine(mode, target, make(8), plan.ks[name], log)
+
+
+def our_row(rows: Iterable[Row], proposer: str, k: int, mode: str = "greedy") -> Row | None:
+    """Our row of (proposer, k, mode) that a peer's table sets beside the peer: the one of the
+    fastest engine the run has (`engines.fastest`: native on a CPU), the engine a user gets by
+    default, never the first found (eager's, the reference). None: the run has no such row."""
+    found = {r.engine: r for r in rows if r.proposer == proposer and r.k == k and r.mode == mode}
+    return found[engines.fastest(found)] if found else None
 
 
 def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, ProposerFactory, int] | None:
@@ -316,15 +223,11 @@ def run_bench(
     v = {name: xs[0] for name, xs in costs.v.items()}
     rows: list[Row] = []
     for mode in plan.modes:
-        sampling = (
-            Sampling(seed=plan.seed)
-            if mode == "greedy"
-            else Sampling(plan.temperature, plan.top_k, plan.top_p, plan.seed, plan.min_p)
-        )
+        draws = plan_sampling(plan, mode)
         configs = _configs(plan, mode)
         for engine, _, make, k in configs:
             switch(engine)
-            generate(target, make(64), prompts[0][:16], 16, k, sampling)  # warm-up
+            generate(target, make(64), prompts[0][:16], 16, k, draws)  # warm-up
         # all_runs[j][r]: configuration j's tokens/s, stats and outputs over all prompts, in timed run r
         all_runs: list[list[tuple[float, Stats, list[list[int]]]]] = [[] for _ in configs]
         for rep in range(plan.repeats):
@@ -338,7 +241,7 @@ def run_bench(
                         label = f"{mode} {engine} {name} k={k}, prompt {i + 1}/{len(prompts)}, run {rep + 1}"
                         progress(f"{label}/{plan.repeats}")
                     switch(engine)
-                    out, st = run_prompt(target, make, prompt, i, plan.max_new, k, sampling)
+                    out, st = run_prompt(target, make, prompt, i, plan.max_new, k, draws)
                     texts[j].append(out)
                     add_stats(totals[j], st)
             for j, total in enumerate(totals):
@@ -351,10 +254,14 @@ def run_bench(
             _, st, outs = runs[0]
             rounds = st.passes - len(prompts)  # prefill passes excluded
             alpha = conditional_alpha(st.accepted_at, rounds)
-            cc = c.get(f"{engine}:{mode}:{name}", 0.0)
+            # c on the path the run took: a native round's one call of k guesses where it was
+            # read (`costs`), else a step
+            key = f"{engine}:{mode}:{name}"
+            cc = c.get(f"{key}:{k}", c.get(key, 0.0))
             vv = v.get(f"{engine}:{k + 1}", 1.0) if k else 1.0
             if sum(st.guessed[:k]):  # rounds of fewer guesses: the model over the rounds as they came
-                pred = variable_speedup(st, rounds, cc, {T: v.get(f"{engine}:{T}", 1.0) for T in range(2, k + 2)})
+                vs = {T: v.get(f"{engine}:{T}", 1.0) for T in range(2, k + 2)}
+                pred = variable_speedup(st, rounds, cc, vs, k * cc if key in costs.whole else None)
             else:
                 pred = predicted_speedup(alpha, k, cc, vv)
             # Each timed run against the target alone's run of the same round, then the

@@ -296,16 +296,6 @@ def serve_tokens(url: str, model: str, prompts: list[list[int]], max_new: int) -
 
 
 # --- smallem bench --peer vllm -------------------------------------------------------------------
-def _ours(rows: list[Any], proposer: str, k: int) -> Any:
-    """Our greedy row for (proposer, k) from the same bench run, of the fastest engine it ran (the
-    default engine's: native on a CPU), not the first row found (eager's)."""
-    from ..backends.engines import fastest
-
-    found = [r for r in rows if r.proposer == proposer and r.k == k and r.mode == "greedy"]
-    best = fastest(r.engine for r in found)
-    return next((r for r in found if r.engine == best), None)
-
-
 def bench_peer(
     target: Any,
     ckpt_dir: Path,
@@ -315,13 +305,19 @@ def bench_peer(
     threads: int,
     log: Callable[[str], None] | None = None,
     python: Path | None = None,
+    at_batch: Callable[[str], tuple[float, list[list[int]]]] | None = None,
 ) -> list[dict[str, Any]]:
     """vLLM (offline, vllm.LLM) on the same weights exported as Hugging Face folders, greedy: the
     target alone and the target with draft-2l at our greedy k, one request at a time and the
     prompts as one batch, on `threads` cores. Rows of tokens/s and tokens per target step, beside
-    ours from the same bench run (`rows`; ours runs one request at a time); its tokens are checked
-    against our eager target alone's."""
+    ours: one request at a time, our rows from the same bench run (`rows`, the fastest engine's:
+    `bench.run.our_row`); vLLM's batch of the target alone, `at_batch(engine)` -> (tokens/s, the
+    answers): our batch engine on the same prompts at the same batch size, on the engine of our
+    rows (`bench.batch.alone_at_batch`; None: not run). Every answer is checked against our eager
+    target alone's tokens."""
+    from ..backends.engines import fastest
     from ..backends.steps import switch
+    from ..bench.run import our_row
     from ..defaults import default_k
     from ..engine.generate import generate
     from ..spec.proposers import NoProposer
@@ -335,6 +331,13 @@ def bench_peer(
         ref = [generate(target.model, NoProposer(), p, max_new, 0)[0] for p in prompts]
     finally:
         switch(None)
+    batch = None
+    if at_batch is not None:
+        engine = fastest(r.engine for r in rows)  # the engine our one-at-a-time rows are read from
+        if log:
+            log(f"ours: the target alone through the batch engine ({engine}), a batch of {len(prompts)}")
+        batch_tps, batch_out = at_batch(engine)
+        batch = Ours(batch_tps, 1.0, engine, f"{agreement(ref, batch_out)[0]}/{len(prompts)}", len(prompts))
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
         for name in ("target", "draft-2l"):
@@ -346,14 +349,30 @@ def bench_peer(
                 log(f"vLLM: {label}, one request at a time and a batch of {len(prompts)}")
             job = {"target": str(Path(tmp) / "target"), "spec": spec, "prompts": prompts, "max_new": max_new}
             res = run_offline(python, {**job, "single": True}, env)
-            ours = _ours(rows, proposer, kk)
+            row = our_row(rows, proposer, kk)
+            single = Ours(row.tokens_per_s, row.tokens_per_pass, row.engine, row.identical) if row else None
             for part, how in (("single", "one request at a time"), ("batch", f"batch of {len(prompts)}")):
+                ours = batch if part == "batch" and draft is None else single
                 out.append(_bench_row(f"vLLM {label}, {how}", res, part, ref, ours, threads))
     return out
 
 
-def _bench_row(name: str, res: dict[str, Any], part: str, ref: list[list[int]], ours: Any, threads: int) -> dict:
-    """One row of `bench --peer vllm` from vllm_run's answer and our bench row (None: not run)."""
+@dataclass
+class Ours:
+    """What a row of `bench --peer vllm` sets beside vLLM's: tokens/s, tokens per target step, the
+    engine, greedy identity with our eager target alone, and the batch size (1: one request at a time)."""
+
+    tokens_per_s: float
+    tokens_per_step: float
+    engine: str
+    identical: str | None
+    batch: int = 1
+
+
+def _bench_row(
+    name: str, res: dict[str, Any], part: str, ref: list[list[int]], ours: Ours | None, threads: int
+) -> dict[str, Any]:
+    """One row of `bench --peer vllm` from vllm_run's answer and ours (None: not run)."""
     got = res[part]
     tps = sum(len(t) for t in got["tokens"]) / got["seconds"]
     acc = acceptance(got["spec"])
@@ -367,8 +386,10 @@ def _bench_row(name: str, res: dict[str, Any], part: str, ref: list[list[int]], 
         "identical": f"{whole}/{len(ref)}",
         "tokens_identical": f"{each}/{total}",
         "tokens_per_step": acc.tokens_per_step if acc else 1.0,
-        "ours_tokens_per_step": ours.tokens_per_pass if ours else float("nan"),
+        "ours_tokens_per_step": ours.tokens_per_step if ours else float("nan"),
         "ours_engine": ours.engine if ours else None,
+        "ours_batch": ours.batch if ours else None,
+        "ours_identical": ours.identical if ours else None,
         "acceptance": acc.rate if acc else None,
         "accepted_at": acc.per_pos if acc else None,
         "threads": threads,
