@@ -20,10 +20,9 @@ PROPOSER_HELP = (
     f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P [default: {PROPOSER['greedy']} greedy, "
     f"{PROPOSER['sample']} sampled; HF: none]"
 )
-# Default k per proposer, greedy and sampled: the best of `smallem bench --sweep-k` on the
-# shipped family, on the native engine (docs/benchmarks.md, "The default k").
-K = {"none": 0, "draft-2l": 4, "draft-4l": 4, "mtp": 4, "ngram": 4}
-K_SAMPLE = {"none": 0, "draft-2l": 3, "draft-4l": 2, "mtp": 3, "ngram": 4}
+# Default k per proposer, (greedy, sampled): the best of `smallem bench --sweep-k` on the shipped
+# family, on the native engine (docs/benchmarks.md, "The default k"). Read through `default_k`.
+K = {"draft-2l": (4, 3), "draft-4l": (4, 2), "mtp": (4, 3), "ngram": (4, 4)}
 K_OTHER = 3  # a proposer given by path
 # The model-free proposer (prompt lookup): the last NGRAM_MAX..NGRAM_MIN tokens looked up in
 # the text so far, longest first. A 1-gram matches almost always and guesses badly.
@@ -47,10 +46,16 @@ TREE_HELP = "token trees of N guesses per round, k levels deep (MTP only; 0 = a 
 MAX_TREE = 64
 
 
-def default_k(proposer: str, greedy: bool) -> int:
-    """`ngram+P` guesses as deep as P does, and P at adaptive depth (bench's `P@p0.4`) too."""
+def default_k(proposer: str, greedy: bool, k: int | None = None) -> int:
+    """The guesses per round: the user's k where given, else the proposer's default for the mode
+    (`K`); `none` proposes nothing (0, whatever k). `ngram+P` guesses as deep as P does, and P at
+    adaptive depth (bench's `P@p0.4`) too."""
+    if proposer == "none":
+        return 0
+    if k is not None:
+        return k
     name = proposer.removeprefix(NGRAM + "+").split("@")[0]
-    return (K if greedy else K_SAMPLE).get(name, K_OTHER)
+    return K[name][0 if greedy else 1] if name in K else K_OTHER
 
 
 MAX_K = 16

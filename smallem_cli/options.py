@@ -81,9 +81,7 @@ def pick_k(proposer: str, k: int | None, greedy: bool) -> int:
     proposer's default. `none` proposes nothing: its k is 0, and a k given with it is ignored."""
     if k is not None and not 1 <= k <= D.MAX_K and not (proposer == "none" and k == 0):
         raise UsageError(f"k must be between 1 and {D.MAX_K}, got {k}")
-    if proposer == "none":
-        return 0
-    return k if k is not None else D.default_k(proposer, greedy)
+    return D.default_k(proposer, greedy, k)
 
 
 def check_sampling(

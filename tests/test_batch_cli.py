@@ -259,9 +259,9 @@ def test_ordered_writer_holds_answers_until_their_turn() -> None:
     w = B.OrderedWriter(out)
     w.put(2, {"id": 3})
     w.put(1, {"id": 2})
-    assert out.getvalue() == "" and w.held() == 2
+    assert out.getvalue() == "" and len(w.waiting) == 2
     w.put(0, {"id": 1})
-    assert [json.loads(x)["id"] for x in out.getvalue().splitlines()] == [1, 2, 3] and w.held() == 0
+    assert [json.loads(x)["id"] for x in out.getvalue().splitlines()] == [1, 2, 3] and len(w.waiting) == 0
     w.put(5, {"id": 6})
     w.put(4, {"id": 5})
     with pytest.raises(ValueError, match="a second answer to input line 5"):

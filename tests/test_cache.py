@@ -32,6 +32,10 @@ def as_rows(kv: torch.Tensor) -> torch.Tensor:
     return kv.permute(2, 0, 1, 3)
 
 
+def pages_used(cache: PagedKVCache) -> int:
+    return sum(len(t) for t in cache.tables.values())
+
+
 def snapshot(cache: PagedKVCache) -> tuple[dict, dict, list]:
     return {s: list(t) for s, t in cache.tables.items()}, dict(cache.lengths), list(cache.free)
 
@@ -39,7 +43,7 @@ def snapshot(cache: PagedKVCache) -> tuple[dict, dict, list]:
 def check_accounting(cache: PagedKVCache) -> None:
     """Every page is in exactly one place: one sequence's table or the free list."""
     in_tables = [p for t in cache.tables.values() for p in t]
-    assert cache.pages_used() == len(in_tables)
+    assert pages_used(cache) == len(in_tables)
     assert len(in_tables) + len(cache.free) == cache.n_pages
     assert sorted(in_tables + cache.free) == list(range(cache.n_pages))  # no page twice, none lost
     for seq, table in cache.tables.items():
@@ -125,7 +129,7 @@ def test_random_operations_keep_pages_and_data_consistent(seed: int) -> None:
     assert all(v > 3 for v in counts.values()), counts
     for seq in seqs:
         sh.release(seq)
-    assert cache.tables == {} and cache.pages_used() == 0 and sorted(cache.free) == list(range(9))
+    assert cache.tables == {} and pages_used(cache) == 0 and sorted(cache.free) == list(range(9))
 
 
 def test_interleaved_sequences_do_not_overwrite_each_other() -> None:

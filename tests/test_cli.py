@@ -150,7 +150,7 @@ def test_default_k_per_proposer(family: Family) -> None:
         for proposer, k in cases:
             data = as_json(generate(family, "--proposer", proposer, "-n", "5", "-q", "--json", *mode))
             assert data["stats"]["k"] == k, (proposer, mode)
-    assert D.K_SAMPLE["draft-2l"] != D.K["draft-2l"]  # the modes' defaults differ: both were exercised
+    assert D.default_k("draft-2l", False) != D.default_k("draft-2l", True)  # the modes' defaults differ: both exercised
 
 
 def test_cut_proposer_heads_give_the_same_greedy_text(family: Family) -> None:
@@ -190,7 +190,7 @@ def test_sampling_is_seeded(family: Family) -> None:
 def test_context_edge(family: Family) -> None:
     """prompt + max-new-tokens + k + 1 may reach the context (256) exactly, not pass it."""
     n_prompt = len(Tokenizer.from_file(str(family.tokenizer)).encode(PROMPT).ids)
-    n = FAMILY_CFG.max_seq_len - n_prompt - (D.K["mtp"] + 1)  # room for mtp's verify pass at its default k
+    n = FAMILY_CFG.max_seq_len - n_prompt - (D.default_k("mtp", True) + 1)  # room for mtp's verify pass (default k)
     ref = ok(generate(family, "--proposer", "none", "-n", str(n), "-q")).stdout
     data = as_json(generate(family, "--proposer", "mtp", "-n", str(n), "-q", "--json"))
     assert data["text"] + "\n" == ref and len(data["tokens"]) == n

@@ -15,7 +15,7 @@ from smallem_cli.engine.generate import generate
 from smallem_cli.engine.pool import PagePool, PoolExhausted
 from smallem_cli.engine.proposers import DraftGuess, EachGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
 from smallem_cli.engine.request import Request
-from smallem_cli.engine.runner import Target
+from smallem_cli.engine.runner import TargetRunner
 from smallem_cli.engine.scheduler import Engine
 from smallem_cli.spec.head import Head
 from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
@@ -49,7 +49,9 @@ def engine(
     first, _, rest = kind.partition("+")
     proposer = FallbackGuess(one(first), one(rest)) if rest else one(first)  # type: ignore[arg-type]
     slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
-    return Engine(Target(target, slab, pool), proposer, k, auto_k=False, max_batch=max_batch, eot=eot, decode=decode)
+    return Engine(
+        TargetRunner(target, slab, pool), proposer, k, auto_k=False, max_batch=max_batch, eot=eot, decode=decode
+    )
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -147,7 +149,13 @@ def test_batched_guesses_score_the_penalty(models, kind: str) -> None:
         pool = PagePool(pool_pages(1, target.cfg.max_seq_len, PS), PS)
         slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
         eng = Engine(
-            Target(target, slab, pool), EachGuess(one, kind), 3, auto_k=False, max_batch=1, eot=None, decode=decode
+            TargetRunner(target, slab, pool),
+            EachGuess(one, kind),
+            3,
+            auto_k=False,
+            max_batch=1,
+            eot=None,
+            decode=decode,
         )
         alone = next(iter(eng.run([r]))).stats
         assert batched[r.index]["accepted_at"] == alone["accepted_at"], f"request {r.index}"

@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 from smallem_cli.bench import run as bench
 from smallem_cli.cli.app import app
-from smallem_cli.interop.gguf import gguf_name, permute_rope, unpermute_rope
+from smallem_cli.interop.gguf import gguf_name
 from smallem_cli.model import checkpoint
-from smallem_cli.model.llama import apply_rope, rope_tables
+from smallem_cli.model.llama import apply_rope, interleave_halves, permute_rope, rope_tables
 
 EXTRA = "pip install 'smallem[llamacpp]'"
 
@@ -41,6 +41,12 @@ def fields(reader: object) -> dict[str, object]:
 
 
 # --- the permutation of Wq and Wk (no extra needed) --------------------------------------------
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of `permute_rope`: llama.cpp's adjacent pairs -> rotate-half rows."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d, *w.shape[1:])[:, torch.argsort(interleave_halves(d))].reshape(w.shape)
+
+
 def ggml_rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """llama.cpp's `llama` rope (adjacent pairs x_2i, x_2i+1), written from its definition. x: [T, H, D]."""
     D = x.shape[-1]

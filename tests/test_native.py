@@ -43,6 +43,15 @@ def halved(model: Transformer | MTPModule) -> Transformer | MTPModule:
     return m.pack()
 
 
+def attach(model: Transformer | MTPModule, target: Transformer, log, root: Path) -> bool:
+    """Give a model native steps (`native._attach`) -> whether it has them; why not, in one line
+    through `log`, as `native.prepare` says it."""
+    why = native._attach(model, target, log, root, "native")
+    if why is not None:
+        log(f"native decode step unavailable ({type(model).__name__}): {why}")
+    return why is None
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("native-cache")
@@ -108,7 +117,7 @@ def test_verify_pass_reads_its_argmax_and_finite_flag(root: Path) -> None:
     from smallem_cli.spec.sampling import NonFiniteError
 
     model = halved(random_model(TINY, seed=4))
-    assert native.attach(model, model, lambda _: None, root)  # type: ignore[arg-type]
+    assert attach(model, model, lambda _: None, root)  # type: ignore[arg-type]
     steps = model.native
     assert steps is not None
     cache = model.new_cache(4)  # type: ignore[union-attr]
@@ -243,7 +252,7 @@ def test_widths_not_multiples_of_eight(root: Path) -> None:
     """A vocabulary of 61 tokens: the head's last panel of eight rows is padded, and only its
     real columns are written (a prompt's pass over an empty past, then a verify-sized pass)."""
     model = halved(random_model(dataclasses.replace(TINY, vocab_size=61), seed=9))
-    assert native.attach(model, model, lambda _: None, root)  # type: ignore[arg-type]
+    assert attach(model, model, lambda _: None, root)  # type: ignore[arg-type]
     tokens = torch.randint(0, 61, (24,), generator=torch.Generator().manual_seed(9))
 
     def passes() -> tuple[torch.Tensor, ...]:
@@ -343,7 +352,7 @@ def test_draft_chain_guesses_as_the_steps_do(
     target kept."""
     target, _ = pair
     draft = halved(noisy_copy(target, 0.05, seed=5))
-    assert native.attach(draft, target, lambda _: None, root)  # type: ignore[arg-type]
+    assert attach(draft, target, lambda _: None, root)  # type: ignore[arg-type]
     head = Head(draft, torch.arange(TINY.vocab_size - 1, -1, -1)[:40]) if cut else None  # type: ignore[arg-type]
     calls = []
     chain = native.NativeSteps.chain
@@ -377,7 +386,7 @@ def test_generation_is_the_eager_one(pair: tuple[Transformer, MTPModule], root: 
     draft's included); seeded sampling too."""
     target, mtp = pair
     draft = halved(noisy_copy(target, 0.05, seed=5))  # agrees often, not always
-    assert native.attach(draft, target, lambda _: None, root)  # type: ignore[arg-type]
+    assert attach(draft, target, lambda _: None, root)  # type: ignore[arg-type]
 
     def make() -> NoProposer | MTPProposer | DraftProposer:
         if kind == "mtp":
@@ -395,9 +404,9 @@ def test_refuses_weights_and_widths_it_cannot_serve(root: Path) -> None:
     tile: one line each, the model left on the eager path."""
     log: list[str] = []
     f32 = random_model(TINY, seed=0)
-    assert not native.attach(f32, f32, log.append, root) and f32.native is None
+    assert not attach(f32, f32, log.append, root) and f32.native is None
     narrow = halved(random_model(DRAFT_CFG, seed=1))  # head_dim 12
-    assert not native.attach(narrow, narrow, log.append, root)  # type: ignore[arg-type]
+    assert not attach(narrow, narrow, log.append, root)  # type: ignore[arg-type]
     assert len(log) == 2 and "float16-exact" in log[0] and "multiples of 8" in log[1], log
     out, _ = generate(f32, NoProposer(), PROMPT, 10, 0)
     assert len(out) == 10
@@ -424,13 +433,13 @@ def test_library_is_built_once_and_failures_are_one_line(
     monkeypatch.setattr(native.kernels, "_LIBS", {})
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     target = halved(random_model(TINY, seed=0))
-    assert not native.attach(target, target, log.append, tmp_path / "b")  # type: ignore[arg-type]
+    assert not attach(target, target, log.append, tmp_path / "b")  # type: ignore[arg-type]
     assert len(log) == 3 and "the C++ compiler failed" in log[-1] and log[-2].startswith("building"), log
     monkeypatch.setenv("CXX", "g++")
     shared = tmp_path / "c"
     (shared / "native").mkdir(parents=True)
     (shared / "native").chmod(0o777)  # a library that gets loaded: never from a folder others can write
-    assert not native.attach(target, target, log.append, shared)  # type: ignore[arg-type]
+    assert not attach(target, target, log.append, shared)  # type: ignore[arg-type]
     assert "writable by others" in log[-1]
 
 

@@ -26,7 +26,7 @@ from smallem_cli.engine.generate import generate
 from smallem_cli.engine.pool import PagePool
 from smallem_cli.engine.proposers import DraftGuess, MTPGuess, NoGuess
 from smallem_cli.engine.request import Request
-from smallem_cli.engine.runner import Target
+from smallem_cli.engine.runner import TargetRunner
 from smallem_cli.engine.scheduler import Engine
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
@@ -152,7 +152,7 @@ def _engine(trio: tuple[Transformer, MTPModule, Transformer], kind: str, k: int)
         "draft": lambda: DraftGuess(draft, pool, Head(draft), "draft"),
     }[kind]()
     slab = slab_for(target, pool.n_pages * 16, torch.device("cpu"))
-    return Engine(Target(target, slab, pool), proposer, k, auto_k=False, max_batch=8, eot=None)  # type: ignore[arg-type]
+    return Engine(TargetRunner(target, slab, pool), proposer, k, auto_k=False, max_batch=8, eot=None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("kind", ["none", "mtp", "draft"])

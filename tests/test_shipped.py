@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +20,12 @@ missing = [f for f in FILES if not (defaults.CHECKPOINTS / f"{f}.safetensors").e
 pytestmark = pytest.mark.skipif(bool(missing), reason=f"shipped checkpoints missing: {missing}")
 
 
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a smallem file, checked as `checkpoint` checks them."""
+    meta = checkpoint.read_meta(path)
+    return checkpoint._tensors(path, checkpoint.config_of(meta, path), meta.get("kind") == "mtp"), meta
+
+
 @pytest.fixture(scope="module")
 def target() -> family.Target:
     return family.load_target(defaults.TARGET, torch.device("cpu"))
@@ -30,7 +38,7 @@ def prompts() -> list[list[int]]:
 
 def test_files_are_16_bit_and_share_the_tokenizer(target: family.Target) -> None:
     for name in FILES:
-        tensors, meta = checkpoint.read(defaults.CHECKPOINTS / f"{name}.safetensors")
+        tensors, meta = read(defaults.CHECKPOINTS / f"{name}.safetensors")
         assert {t.dtype for t in tensors.values()} == {torch.float16}, name
         assert meta["tokenizer"] == target.fingerprint, name
     total = sum(p.stat().st_size for p in defaults.CHECKPOINTS.iterdir())

@@ -13,21 +13,66 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_verify import CHI2_CRIT, P1, P2, Q1, Q2, chi_square
+from test_verify import CHI2_CRIT, P1, P2, Q1, Q2, chi_square, verify_greedy
+from torch import Tensor
 
 from smallem_cli.spec.tree import (
     TreeVerdict,
-    chain_parents,
-    check_tree,
-    path_to,
-    tree_bias,
+    _path,
+    _shape,
+    _walk,
     tree_depth,
     tree_mask,
     verify_tree_greedy,
     verify_tree_sample,
-    walk_tree,
 )
-from smallem_cli.spec.verify import sample, verify_greedy
+from smallem_cli.spec.verify import sample
+
+# ------------------------------------------------------------- helpers on tree structure
+
+
+def chain_parents(k: int, device: torch.device | str | None = None) -> Tensor:
+    """Parents long [k+1] of a chain root -> guess 1 -> ... -> guess k: [-1, 0, 1, ..., k-1]."""
+    return torch.arange(-1, k, device=device)  # [k+1]
+
+
+def check_tree(parents: Tensor) -> None:
+    """Raise ValueError unless parents [..., N] is a tree in topological order (host sync)."""
+    N = parents.shape[-1]
+    if N < 1:
+        raise ValueError("a tree needs its root")
+    idx = torch.arange(N, device=parents.device)  # [N]
+    if not bool((parents[..., 0] == -1).all()):
+        raise ValueError("parents[..., 0] must be -1 (node 0 is the root)")
+    if N > 1 and not bool(((parents[..., 1:] >= 0) & (parents[..., 1:] < idx[1:])).all()):
+        raise ValueError("every node i >= 1 needs a parent in [0, i): topological order")
+
+
+def tree_bias(parents: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Additive attention bias [..., N, N] of dtype: 0 where `tree_mask` is True, -inf elsewhere."""
+    mask = tree_mask(parents)  # [..., N, N]
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def path_to(node: Tensor, parents: Tensor) -> Tensor:
+    """Root path long [B, N] to node [B] in parents [B, N] or [N]: [:, j] is its ancestor at depth j,
+    then node repeated."""
+    mask = tree_mask(parents)  # [(B,) N, N]
+    B, N = node.shape[0], parents.shape[-1]
+    on = mask.expand(B, N, N).gather(1, node.view(B, 1, 1).expand(B, 1, N)).squeeze(1)  # [B, N] node, ancestors
+    return _path(on, tree_depth(parents, mask), node, N)
+
+
+def walk_tree(tokens: Tensor, parents: Tensor, nxt: Tensor, stop: Tensor, max_depth: int | None = None) -> TreeVerdict:
+    """The kept path, given every node's decision (the verifiers' last step, `tree._walk`).
+
+    tokens long [B, N], parents long [B, N] or [N]; nxt long [B, N]: the child node that u
+    accepts, or -1; stop long [B, N]: the token u emits when the path ends there (read only
+    where nxt == -1). From the root, follow nxt until it is -1. With max_depth, nodes deeper
+    than it do not exist: nxt must not name them.
+    """
+    return _walk(tokens, parents, _shape(parents, max_depth), nxt, stop)
+
 
 # A handmade tree:      0
 #                     /   \

@@ -14,7 +14,7 @@ from smallem_cli.engine.generate import generate
 from smallem_cli.engine.pool import PagePool
 from smallem_cli.engine.proposers import MTPGuess
 from smallem_cli.engine.request import Request
-from smallem_cli.engine.runner import Target
+from smallem_cli.engine.runner import TargetRunner
 from smallem_cli.engine.scheduler import Engine
 from smallem_cli.spec.head import Head
 from smallem_cli.spec.proposers import NoProposer
@@ -31,7 +31,14 @@ def tree_engine(target, mtp, k: int, tree: tuple[int, int], max_batch: int, cut:
     proposer = MTPGuess(target, mtp, pool, Head(target, ids))
     slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
     return Engine(
-        Target(target, slab, pool), proposer, k, auto_k=False, max_batch=max_batch, eot=None, decode=decode, tree=tree
+        TargetRunner(target, slab, pool),
+        proposer,
+        k,
+        auto_k=False,
+        max_batch=max_batch,
+        eot=None,
+        decode=decode,
+        tree=tree,
     )
 
 
@@ -101,7 +108,12 @@ def test_tree_guesses_score_the_penalty(trained) -> None:
     pool = PagePool(pool_pages(8, target.cfg.max_seq_len, PS), PS)
     slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
     chain_eng = Engine(
-        Target(target, slab, pool), MTPGuess(target, mtp, pool, Head(target)), 3, auto_k=False, max_batch=8, eot=None
+        TargetRunner(target, slab, pool),
+        MTPGuess(target, mtp, pool, Head(target)),
+        3,
+        auto_k=False,
+        max_batch=8,
+        eot=None,
     )
     chain = {f.request.index: f.stats for f in chain_eng.run(reqs)}
     for r in reqs:

@@ -11,7 +11,24 @@ import pytest
 import torch
 
 from smallem_cli.spec import verify
-from smallem_cli.spec.verify import Warper, greedy_pick, penalize, proposal, sample, verify_greedy, verify_sample, warp
+from smallem_cli.spec.verify import Warper, greedy_pick, penalize, proposal, sample, verify_sample, warp
+
+
+def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification, the reference the greedy and sampled rules are checked against:
+    drafts long [B, k], target_logits [B, k+1, V] -> (n [B], out [B, k+1]).
+
+    n counts the leading drafts equal to the target's argmax; out[:, :n+1] are the tokens
+    this pass yields: the n accepted drafts, then the target's argmax at position n (the
+    correction, or the bonus token when n == k). out[:, n+1:] holds the target's argmax
+    tokens, which the caller must ignore.
+    """
+    k = drafts.shape[1]
+    best = target_logits.argmax(dim=-1)  # [B, k+1]
+    n = (drafts == best[:, :k]).long().cumprod(dim=-1).sum(dim=-1)  # [B] the leading run of matches
+    # Accepted drafts equal the argmax, so the argmax row already is the output.
+    return n, best
+
 
 # Pearson chi-square critical values at the 0.1% level, by degrees of freedom.
 CHI2_CRIT = {

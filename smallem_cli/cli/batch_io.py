@@ -360,10 +360,6 @@ class LineWriter:
         except BrokenPipeError:
             raise OutputClosed from None
 
-    def held(self) -> int:
-        """Answers held back, not written yet."""
-        return 0
-
     def close(self) -> None:
         """The end of the run: answers still held back go out."""
 
@@ -387,9 +383,6 @@ class OrderedWriter(LineWriter):
             record = self.waiting.pop(self.next)
             self.next += 1
             self.write(record)
-
-    def held(self) -> int:
-        return len(self.waiting)
 
     def close(self) -> None:
         """Answers still held go out in their order rather than be lost: at the end of a run (an

@@ -16,6 +16,8 @@ from .console import progress_printer
 if TYPE_CHECKING:
     from ..train.fit import Fit
 
+EXP = " (an experiment: docs/family.md)"  # an option whose result was not shipped
+
 
 # --- data and training ------------------------------------------------------------------
 @app.command()
@@ -157,16 +159,16 @@ def train(
         float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
     ] = 0.0,
     chain: Annotated[
-        int, typer.Option(help="mtp: fit the chain of this many guesses as it runs, each step's own loss (0: off)")
+        int, typer.Option(help="mtp: fit the chain of this many guesses as it runs, a loss per step (0: off)" + EXP)
     ] = 0,
     fit_temperatures: Annotated[
-        str, typer.Option(help="mtp, --distill: fit q to the target's p warped at these temperatures (comma-separated)")
+        str, typer.Option(help="mtp, --distill: fit q to p warped at these temperatures (comma-separated)" + EXP)
     ] = "1",
     fit_tv: Annotated[
-        float, typer.Option(help="mtp, --distill: weight of the sampled rejection probability 1 - sum min(p, q)")
+        float, typer.Option(help="mtp, --distill: weight of the sampled rejection probability 1 - sum min(p, q)" + EXP)
     ] = 0.0,
     fit_vocab: Annotated[
-        int, typer.Option(help="mtp, --distill: fit q over the N most frequent tokens, as a cut head runs (0: all)")
+        int, typer.Option(help="mtp, --distill: fit q over the N most frequent tokens, as a cut head (0: all)" + EXP)
     ] = 0,
     budget: Annotated[float, typer.Option(help="training seconds")] = D.TRAIN_SECONDS,
     tokens: Annotated[

@@ -36,6 +36,8 @@ from functools import cached_property
 
 import torch
 
+from ..model.cache import pages_for
+
 Masks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q_rows, bias, out_rows)
 
 
@@ -99,7 +101,7 @@ def in_order(table: list[int], n_pages: int) -> int | None:
 
 def _slots(tables: list[list[int]], S: int, page_size: int) -> torch.Tensor:
     """kv_slots [B, S]: the slot of each sequence's positions 0 .. S-1 (past a table's end: slot 0)."""
-    max_pages = -(-S // page_size)
+    max_pages = pages_for(S, page_size)
     table = torch.tensor([t[:max_pages] + [0] * (max_pages - len(t[:max_pages])) for t in tables], dtype=torch.long)
     return (table[:, :, None] * page_size + torch.arange(page_size)).view(len(tables), -1)[:, :S]
 
@@ -129,7 +131,7 @@ def build(
     assert B and len(starts) == len(counts) == B and min(counts) >= 1
     lengths = [s + n for s, n in zip(starts, counts, strict=True)]
     S = max(lengths)
-    if B == 1 and (page := in_order(tables[0], -(-S // page_size))) is not None:
+    if B == 1 and (page := in_order(tables[0], pages_for(S, page_size))) is not None:
         return _one_in_order(page * page_size, starts[0], counts[0], device)
     for t, n in zip(tables, lengths, strict=True):
         assert len(t) * page_size >= n, "reserve pages before building a step"

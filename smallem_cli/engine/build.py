@@ -20,6 +20,7 @@ import torch
 from .. import defaults as D
 from .. import options as O
 from ..backends import engines
+from ..model.cache import pages_for
 from ..model.llama import MTPModule, Transformer
 from ..spec.ngram import Fallback, NgramProposer
 from ..spec.proposers import DraftProposer, MTPProposer, NoProposer, Proposer
@@ -27,7 +28,7 @@ from . import family
 from .forward import slab_for
 from .pool import PagePool
 from .proposers import BatchProposer, DraftGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
-from .runner import Target
+from .runner import TargetRunner
 from .scheduler import Engine, round_ahead
 
 
@@ -51,7 +52,7 @@ def batch_proposer(one: Proposer, pool: PagePool) -> BatchProposer:
 def pool_pages(max_batch: int, context: int, page_size: int, tree: tuple[int, int] | None = None) -> int:
     """Enough for max_batch sequences at the full context: a request that fits the context
     always fits the pool alone, and preemption is for smaller pools (`n_pages`)."""
-    return max_batch * (-(-(context + round_ahead(D.MAX_K, tree)) // page_size))
+    return max_batch * pages_for(context + round_ahead(D.MAX_K, tree), page_size)
 
 
 # --- what the cache may take ---------------------------------------------------------------------
@@ -179,7 +180,7 @@ def _out_of_memory(e: RuntimeError) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
-def grower(target: Target, bp: BatchProposer) -> Callable[[int], bool]:
+def grower(target: TargetRunner, bp: BatchProposer) -> Callable[[int], bool]:
     """The scheduler's `grow`: the pool made n pages large, and every slab over it (the target's,
     a draft's or the MTP module's) widened to match (every pass is given its slab as it runs).
     False, with nothing changed, where the memory is no longer there (taken since the budget was
@@ -245,15 +246,11 @@ def build_engine(
     pool = PagePool(n_pages, page_size)
     slab = slab_for(model, pool.n_pages * page_size, device)
     bp = batch_proposer(one, pool)
-    if proposer == "none":
-        kg = ks = 0
-    else:
-        kg = k if k is not None else D.default_k(proposer, True)
-        ks = k if k is not None else D.default_k(proposer, False)
+    kg, ks = D.default_k(proposer, True, k), D.default_k(proposer, False, k)
     if native is not None:
         engines.prepare_engine(native, model, one, [max(kg, ks, 1)], native_log)
     one.release()
-    target = Target(model, slab, pool)
+    target = TargetRunner(model, slab, pool)
     return Engine(
         target,
         bp,

@@ -10,7 +10,7 @@ The loop is the engine's (`engine.runner`, `engine.scheduler`): the same prefill
 pass, verification and rollback as a batch of many, one host sync per round. What is
 particular to one prompt: the page pool holds that one sequence, so its pages lie in
 order and the target's verify pass runs its compiled step where the model has one
-(`Target.verify_pass`); the proposer is the one built for this generation, with its own
+(`TargetRunner.verify_pass`); the proposer is the one built for this generation, with its own
 cache, compiled steps and fused graphs (`EachGuess`).
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..defaults import PAGE_SIZE
+from ..model.cache import pages_for
 from ..model.llama import Transformer
 from ..spec.proposers import MTPProposer, Proposer
 from ..spec.sampling import Sampling
@@ -27,12 +28,12 @@ from .forward import slab_for
 from .pool import PagePool
 from .proposers import EachGuess, MTPGuess
 from .request import Request
-from .runner import Target
+from .runner import TargetRunner
 from .scheduler import Emitted, Engine, round_ahead
 
 
 def cache_pages(n_tokens: int, page_size: int = PAGE_SIZE) -> int:
-    return -(-n_tokens // page_size) + 1
+    return pages_for(n_tokens, page_size) + 1
 
 
 def engine_for_one(
@@ -45,7 +46,7 @@ def engine_for_one(
     tree = proposer.tree if isinstance(proposer, MTPProposer) else None
     n_pages = cache_pages(n_tokens + round_ahead(k, tree), page_size)
     pool = PagePool(n_pages, page_size)
-    t = Target(target, slab_for(target, n_pages * page_size, target.embed_tokens.weight.device), pool)
+    t = TargetRunner(target, slab_for(target, n_pages * page_size, target.embed_tokens.weight.device), pool)
     if isinstance(proposer, MTPProposer) and tree is not None:
         proposer.release()  # its own cache is not used: the module's lives in the pool
         mtp = MTPGuess(target, proposer.mtp, pool, proposer.head)

@@ -12,6 +12,8 @@ stale K/V past a sequence's length are never read (attention masks by position).
 
 from __future__ import annotations
 
+from ..model.cache import pages_for
+
 
 class PoolExhausted(RuntimeError):
     """Not enough free pages for what was asked; nothing was taken."""
@@ -34,7 +36,7 @@ class PagePool:
         self.n_pages = n_pages
 
     def pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.page_size)
+        return pages_for(n_tokens, self.page_size)
 
     def can_allocate(self, n_tokens: int) -> bool:
         """Whether a new sequence of n_tokens would fit now."""

@@ -35,7 +35,7 @@ from .tree_guess import grow
 
 
 @dataclass
-class Target:
+class TargetRunner:
     """The target with the slab its K/V live in, addressed by the pool's page tables."""
 
     model: Transformer
@@ -88,7 +88,7 @@ class Target:
         return logits, hidden, top[0] if top else None
 
 
-def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
+def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
     """Fill the target's cache for `seqs` (their pages reserved) -> each one's first new token
     (None for a recomputed sequence, whose `last` was already emitted)."""
     dev = t.slab.device
@@ -121,7 +121,7 @@ def prefill(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[int | N
     return [v if f else None for v, f in zip(values[:-1], fresh, strict=True)]
 
 
-def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tuple[int, int, list[int]]]:
+def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[tuple[int, int, list[int]]]:
     """One round over `seqs` (pages reserved for s.cached + s.k + 1) -> per sequence (guesses
     offered m, kept n, the tokens emitted)."""
     guesses = proposer.propose(seqs, [s.k for s in seqs])
@@ -184,7 +184,7 @@ def decode_round(t: Target, proposer: BatchProposer, seqs: list[Seq]) -> list[tu
 
 
 def commit(
-    t: Target, proposer: BatchProposer, s: Seq, m: int, n: int, emitted: list[int], hidden: torch.Tensor
+    t: TargetRunner, proposer: BatchProposer, s: Seq, m: int, n: int, emitted: list[int], hidden: torch.Tensor
 ) -> None:
     """Keep what a round verified for `s` (m guesses offered, n kept, `emitted` = n + 1 tokens,
     `hidden` [n+1, d] the target's states of [last, d_1..d_n], in place in its cache)."""
@@ -205,7 +205,7 @@ def commit(
 
 
 def tree_round(
-    t: Target, proposer: MTPGuess, seqs: list[Seq], budget: int, width: int
+    t: TargetRunner, proposer: MTPGuess, seqs: list[Seq], budget: int, width: int
 ) -> list[tuple[int, int, list[int]]]:
     """One round with token trees (`tree_guess.grow`) -> per sequence (the tree's depth, kept n,
     the tokens emitted). One target pass over every tree, each node at position cached +

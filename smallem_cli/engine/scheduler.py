@@ -30,7 +30,7 @@ from ..stats import Stats
 from .pool import PagePool
 from .proposers import BatchProposer, MTPGuess
 from .request import Finished, Request
-from .runner import Target, decode_round, prefill, tree_round
+from .runner import TargetRunner, decode_round, prefill, tree_round
 from .sequence import Seq
 from .stops import StopPrinter
 
@@ -80,7 +80,7 @@ def load_k(k: int, greedy: bool, batch: int, auto: bool, proposer: str) -> int:
 class Engine:
     def __init__(
         self,
-        target: Target,
+        target: TargetRunner,
         proposer: BatchProposer,
         k: int,
         *,

@@ -26,7 +26,7 @@ import torch
 
 from .. import atomic
 from ..model import checkpoint
-from ..model.llama import Transformer, interleave_halves
+from ..model.llama import Transformer, permute_rope
 from ..model.tokenizer import EOT
 from .exportdir import _sigterm_raises
 
@@ -63,22 +63,6 @@ def _gguf() -> Any:
 
 
 # --- weights -------------------------------------------------------------------------------
-def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of Wq or Wk [n_heads*D, in], rotate-half layout -> llama.cpp's adjacent pairs.
-
-    Within each head, output row i (< D/2) and row i+D/2 form a rotary pair; they become
-    rows 2i and 2i+1 (the order `interleave_halves` gives).
-    """
-    d = w.shape[0] // n_heads
-    return w.reshape(n_heads, d, *w.shape[1:])[:, interleave_halves(d)].reshape(w.shape)
-
-
-def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of `permute_rope`: llama.cpp's adjacent pairs -> rotate-half rows."""
-    d = w.shape[0] // n_heads
-    return w.reshape(n_heads, d, *w.shape[1:])[:, torch.argsort(interleave_halves(d))].reshape(w.shape)
-
-
 def gguf_name(key: str) -> str:
     """smallem parameter name -> llama.cpp tensor name: `layers.3.q_proj.weight` -> `blk.3.attn_q.weight`."""
     if key in _TOP:

@@ -16,6 +16,11 @@ import torch
 from ..defaults import PAGE_SIZE
 
 
+def pages_for(n_tokens: int, page_size: int) -> int:
+    """The pages n_tokens positions fill: ceil(n_tokens / page_size)."""
+    return -(-n_tokens // page_size)
+
+
 class CacheFullError(RuntimeError):
     """The pool has no free page left for an append."""
 
@@ -45,7 +50,7 @@ class Step:
     @cached_property
     def pages(self) -> torch.Tensor:
         """[ceil(length / page_size)] long: the sequence's pages, in order (for a gather)."""
-        return self.table[: -(-self.length // self.page_size)]
+        return self.table[: pages_for(self.length, self.page_size)]
 
     @cached_property
     def bias(self) -> torch.Tensor | None:
@@ -115,14 +120,11 @@ class PagedKVCache:
     def length(self, seq: int) -> int:
         return self.lengths[seq]
 
-    def pages_used(self) -> int:
-        return sum(len(t) for t in self.tables.values())
-
     def append(self, seq: int, n: int) -> Step:
         """Grow `seq` by n tokens, taking pages as needed; say where they go."""
         table, start = self.tables[seq], self.lengths[seq]
         length = start + n
-        need = -(-length // self.page_size) - len(table)
+        need = pages_for(length, self.page_size) - len(table)
         if need > len(self.free):
             # Checked before taking anything, so a failed append changes nothing.
             raise CacheFullError(f"KV cache is full: {need} more pages needed, {len(self.free)} free of {self.n_pages}")
@@ -147,7 +149,7 @@ class PagedKVCache:
         if not 0 <= n <= self.lengths[seq]:
             raise ValueError(f"cannot keep {n} tokens of a sequence of {self.lengths[seq]}")
         self.lengths[seq] = n
-        n_pages = -(-n // self.page_size)
+        n_pages = pages_for(n, self.page_size)
         if n_pages < len(table):  # its table tensors stay: they serve a prefix (`append`)
             self.free.extend(reversed(table[n_pages:]))
             del table[n_pages:]
@@ -156,13 +158,6 @@ class PagedKVCache:
     def write(self, layer: int, step: Step, kv: torch.Tensor) -> None:
         """Store K/V of the new tokens. kv: [T, K or V, kv heads, head dim]."""
         self.kv[layer].index_copy_(2, step.slots, kv.permute(1, 2, 0, 3))
-
-    def write_all(self, step: Step, kv: torch.Tensor) -> None:
-        """Store K/V of the new tokens for every layer at once. kv: [layer, K or V, kv heads, T, head dim]."""
-        if step.view is not None:  # consecutive pages: the new positions are a slice, no index to build
-            step.view[:, :, :, step.start : step.length].copy_(kv)
-        else:
-            self.kv.index_copy_(3, step.slots, kv)
 
     def read(self, layer: int, step: Step) -> torch.Tensor:
         """K/V of every visible position, in order: [K or V, kv heads, length, head dim].

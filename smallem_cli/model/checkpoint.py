@@ -178,12 +178,6 @@ def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int,
     return out
 
 
-def read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and metadata of a smallem file, or a CheckpointError saying why not."""
-    meta = read_meta(path)
-    return _tensors(path, config_of(meta, path), meta.get("kind") == "mtp"), meta
-
-
 def _tensors(path: str | Path, cfg: ModelConfig, mtp: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of a smallem file, checked against its config before any is read."""
     try:

@@ -63,6 +63,14 @@ def interleave_halves(head_dim: int) -> torch.Tensor:
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
 
 
+def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of Wq or Wk [n_heads*D, in], rotate-half layout -> each rotary pair adjacent: within
+    each head, rows i and i+D/2 (i < D/2) become rows 2i and 2i+1 (`interleave_halves`), the
+    layout of llama.cpp's rope and of the native engine's."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d, *w.shape[1:])[:, interleave_halves(d)].reshape(w.shape)
+
+
 class Block(nn.Module):
     """Pre-norm attention + SwiGLU MLP, with Llama's parameter names.
 
@@ -192,7 +200,7 @@ class Transformer(nn.Module):
         self.rope_packed: torch.Tensor | None = None  # complex [max_seq_len, (H+2Hkv)*D/2]
         self.rope_cos: torch.Tensor | None = None  # its real and imaginary parts, for the native steps
         self.rope_sin: torch.Tensor | None = None
-        self.native: Steps | None = None  # set by `native.attach`: the native engine's
+        self.native: Steps | None = None  # set by `native.prepare`: the native engine's
         self.native_avx2: Steps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
         # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
         self.native_int8 = False
@@ -305,7 +313,7 @@ class MTPModule(nn.Module):
         self.block = Block(cfg)
         self.proj_t: torch.Tensor | None = None
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, its projected rows)
-        self.native: Steps | None = None  # set by `native.attach`: the native engine's
+        self.native: Steps | None = None  # set by `native.prepare`: the native engine's
         self.native_avx2: Steps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
         # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
         self.native_int8 = False

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..defaults import PAGE_SIZE
+from ..model.cache import pages_for
 from ..model.llama import MTPModule, Transformer
 from .chain import chains, native_chain, run_chain
 from .head import Head, collect, guess
@@ -110,7 +111,7 @@ class DraftProposer:
     ) -> None:
         self.model, self.name, self.p_min = model, name, p_min
         self.head = head or Head(model)
-        self.cache = model.new_cache(-(-max_tokens // page_size) + 1, page_size)
+        self.cache = model.new_cache(pages_for(max_tokens, page_size) + 1, page_size)
         self.seq = self.cache.new_sequence()
         self.pending = torch.empty(0, dtype=torch.long)  # sequence tokens not yet fed to the draft
         self.fed_guesses = 0
@@ -205,7 +206,7 @@ class MTPProposer:
         # instead of running this chain; None keeps the chain
         self.tree = tree
         self.head = head or Head(target)  # the target's head, shared
-        self.cache = mtp.new_cache(-(-max_tokens // page_size) + 1, page_size)
+        self.cache = mtp.new_cache(pages_for(max_tokens, page_size) + 1, page_size)
         self.seq = self.cache.new_sequence()
         self.true_len = 0  # cache entries computed from the target's own states
         self.pending_h = torch.empty(0)  # [m, d] target states not yet fed

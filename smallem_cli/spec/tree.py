@@ -4,14 +4,14 @@ A chain checks one guess per position; a tree offers several candidates per posi
 one target pass can keep the longest of many paths (SpecInfer, Medusa, EAGLE-2). This
 module decides, from the target's scores at every node, which path is kept and which token
 comes after it. It knows nothing about models: the engine builds the tree, runs the target
-over it with `tree_bias` (or `tree_mask`) and positions `start + tree_depth`, then calls
+over it (each node seeing its ancestors, `tree_mask`, at position start + its depth), then calls
 `verify_tree_greedy` or `verify_tree_sample` and moves the kept path's K/V into place.
 
 The tree, per row (shared trees broadcast: parents may be [N] while tokens are [B, N]):
   tokens  long [B, N]  node i's token; node 0 is the root: the last verified token, not a guess;
   parents long [B, N]  parents[:, 0] == -1 and 0 <= parents[:, i] < i for i >= 1, so node order
                        is topological (each node after its parent) and siblings are tried in
-                       index order; `check_tree` verifies this (with a host sync).
+                       index order.
 Row u of the target's output (logits / p) is its distribution for the token after node u,
 given the root's context and u's path: the children of u are guesses for that token.
 
@@ -68,23 +68,6 @@ class TreeVerdict(NamedTuple):
     nodes: Tensor
 
 
-def chain_parents(k: int, device: torch.device | str | None = None) -> Tensor:
-    """Parents long [k+1] of a chain root -> guess 1 -> ... -> guess k: [-1, 0, 1, ..., k-1]."""
-    return torch.arange(-1, k, device=device)  # [k+1]
-
-
-def check_tree(parents: Tensor) -> None:
-    """Raise ValueError unless parents [..., N] is a tree in topological order (host sync)."""
-    N = parents.shape[-1]
-    if N < 1:
-        raise ValueError("a tree needs its root")
-    idx = torch.arange(N, device=parents.device)  # [N]
-    if not bool((parents[..., 0] == -1).all()):
-        raise ValueError("parents[..., 0] must be -1 (node 0 is the root)")
-    if N > 1 and not bool(((parents[..., 1:] >= 0) & (parents[..., 1:] < idx[1:])).all()):
-        raise ValueError("every node i >= 1 needs a parent in [0, i): topological order")
-
-
 def tree_mask(parents: Tensor) -> Tensor:
     """Ancestor mask bool [..., N, N] from parents [..., N]: [i, j] iff j is i or an ancestor of i.
 
@@ -108,12 +91,6 @@ def tree_depth(parents: Tensor, mask: Tensor | None = None) -> Tensor:
     return mask.sum(dim=-1) - 1
 
 
-def tree_bias(parents: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Additive attention bias [..., N, N] of dtype: 0 where `tree_mask` is True, -inf elsewhere."""
-    mask = tree_mask(parents)  # [..., N, N]
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
 def _path(on: Tensor, depth: Tensor, last: Tensor, length: int) -> Tensor:
     """Nodes long [B, length] of a root path given as a node set on [B, N], ending at last [B].
 
@@ -124,15 +101,6 @@ def _path(on: Tensor, depth: Tensor, last: Tensor, length: int) -> Tensor:
     buf = last.unsqueeze(1).expand(B, N + 1).clone()  # [B, N+1]
     buf.scatter_(1, slot, torch.arange(N, device=on.device).expand(B, N))  # the dump slot takes many writes
     return buf[:, :length]  # [B, length]
-
-
-def path_to(node: Tensor, parents: Tensor) -> Tensor:
-    """Root path long [B, N] to node [B] in parents [B, N] or [N]: [:, j] is its ancestor at depth j,
-    then node repeated."""
-    mask = tree_mask(parents)  # [(B,) N, N]
-    B, N = node.shape[0], parents.shape[-1]
-    on = mask.expand(B, N, N).gather(1, node.view(B, 1, 1).expand(B, 1, N)).squeeze(1)  # [B, N] node, ancestors
-    return _path(on, tree_depth(parents, mask), node, N)
 
 
 class _Shape(NamedTuple):
@@ -176,23 +144,12 @@ def _walk(tokens: Tensor, parents: Tensor, shape: _Shape, nxt: Tensor, stop: Ten
     return TreeVerdict(n, out, nodes)
 
 
-def walk_tree(tokens: Tensor, parents: Tensor, nxt: Tensor, stop: Tensor, max_depth: int | None = None) -> TreeVerdict:
-    """The kept path, given every node's decision (a building block of the verifiers).
-
-    tokens long [B, N], parents long [B, N] or [N]; nxt long [B, N]: the child node that u
-    accepts, or -1; stop long [B, N]: the token u emits when the path ends there (read only
-    where nxt == -1). From the root, follow nxt until it is -1. With max_depth, nodes deeper
-    than it do not exist: nxt must not name them.
-    """
-    return _walk(tokens, parents, _shape(parents, max_depth), nxt, stop)
-
-
 def verify_tree_greedy(tokens: Tensor, parents: Tensor, logits: Tensor, max_depth: int | None = None) -> TreeVerdict:
     """Greedy tree verification: tokens long [B, N], parents long [B, N] or [N], logits [B, N, V].
 
     From the root, move to the child whose token is the target's argmax at the current
-    node (the first such child if siblings repeat it); stop where none is. On a chain this
-    is `verify.verify_greedy`. max_depth (optional) ignores deeper nodes and sets
+    node (the first such child if siblings repeat it); stop where none is: on a chain, the
+    leading guesses equal to the argmax, then the argmax. max_depth (optional) ignores deeper nodes and sets
     L = max_depth + 1, the width of the verdict; default L = N.
     """
     shape = _shape(parents, max_depth)

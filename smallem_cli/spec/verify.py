@@ -4,8 +4,9 @@ A proposer (draft model or MTP module) guesses k tokens; the target scores all k
 positions in one pass; these functions decide how many guesses to keep and which token
 comes next. `verify_sample` is the rejection scheme of Leviathan et al. / Chen et al.:
 its output tokens are distributed exactly as if drawn from the (warped) target one at a
-time, whatever the proposer, so speed never costs quality. `verify_greedy` is its
-temperature-0 limit.
+time, whatever the proposer, so speed never costs quality. Its temperature-0 limit, greedy
+verification, keeps the leading guesses equal to the target's argmax (`verify_tree_greedy`
+on a chain; tests/test_verify.py holds it as `verify_greedy`).
 
 Everything stays on the device: no `.item()`, no Python branch on a tensor value, every
 random draw through the caller's `torch.Generator`. A CUDA generation loop therefore
@@ -181,14 +182,15 @@ def proposal(w: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
 
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, like: Tensor) -> Tensor:
-    """U[0, 1) draws in float64 (on the device of `like`) for `pick`: one per token to draw,
+    """U[0, 1) draws in float64 (on the device of `like`) for `sample`: one per token to draw,
     drawn ahead of time for a chain that samples inside itself."""
     return torch.rand(shape, generator=generator, dtype=torch.float64, device=like.device)
 
 
-def pick(probs: Tensor, u: Tensor) -> Tensor:
-    """Inverse CDF: probs [..., V], u [...] in [0, 1) -> long [...], the token i whose interval
-    [c_(i-1), c_i) of the running sums c of its row holds u * c_V.
+def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of probs [..., V] -> long [...], without a host sync: by the inverse CDF,
+    the token i whose interval [c_(i-1), c_i) of the running sums c of its row holds u * c_V, for
+    one uniform draw u per row (`uniforms`).
 
     Token i is picked with probability p_i / sum(p), so rows need not be normalised; a
     zero-probability token has an empty interval and is never picked. The sums run in
@@ -196,6 +198,7 @@ def pick(probs: Tensor, u: Tensor) -> Tensor:
     where a race over the vocabulary needs V (8,192 Exp(1) draws cost 242 µs here, about five
     times these few calls).
     """
+    u = uniforms(probs.shape[:-1], generator, probs)  # [...]
     c = probs.double().cumsum(dim=-1)  # [..., V]
     # the number of intervals wholly below the point (a binary search: counting them by a
     # comparison over the row cost 41 µs on 8,192 tokens here, the search 16)
@@ -203,45 +206,21 @@ def pick(probs: Tensor, u: Tensor) -> Tensor:
     return below.clamp_max_(probs.shape[-1] - 1)  # u * c_V rounded up to c_V: the last
 
 
-def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per row of probs [..., V] -> long [...], without a host sync (`pick`)."""
-    return pick(probs, uniforms(probs.shape[:-1], generator, probs))
-
-
 def greedy_pick(logits: Tensor) -> Tensor:
     """Most likely token: logits [..., V] -> long [...]."""
     return logits.argmax(dim=-1)
 
 
-def _leading_true(mask: Tensor) -> Tensor:
-    """Length of the leading run of True in each row: bool [B, k] -> long [B]."""
-    return mask.long().cumprod(dim=-1).sum(dim=-1)
-
-
-def verify_greedy(drafts: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
-    """Greedy verification: drafts long [B, k], target_logits [B, k+1, V] -> (n [B], out [B, k+1]).
-
-    n counts the leading drafts equal to the target's argmax; out[:, :n+1] are the tokens
-    this pass yields: the n accepted drafts, then the target's argmax at position n (the
-    correction, or the bonus token when n == k). out[:, n+1:] holds the target's argmax
-    tokens, which the caller must ignore.
-    """
-    k = drafts.shape[1]
-    best = target_logits.argmax(dim=-1)  # [B, k+1]
-    n = _leading_true(drafts == best[:, :k])  # [B]
-    # Accepted drafts equal the argmax, so the argmax row already is the output.
-    return n, best
-
-
 def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Exact speculative sampling -> (n [B], out [B, k+1]), laid out as in `verify_greedy`.
+    """Exact speculative sampling -> (n [B], out [B, k+1]).
 
     drafts: long [B, k], drawn from the proposer's probabilities q [B, k, V];
     p: [B, k+1, V], the target's probabilities at the k+1 positions (same warp as q).
     Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first
     rejection n the next token is drawn from max(0, p_n - q_n), renormalised (from p_n if
     that is all zero, which happens only when p_n == q_n up to rounding); when all k are
-    accepted it is a bonus draw from p_k. out[:, n+1:] holds drafts, to be ignored.
+    accepted it is a bonus draw from p_k. out[:, :n+1] are the tokens this pass yields: the n
+    accepted drafts, then that next token; out[:, n+1:] holds drafts, to be ignored.
     """
     B, k = drafts.shape
     if k == 0:  # no guess: a draw from p_0, what the rule below comes to, without its tensors
@@ -252,7 +231,7 @@ def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generat
     q_x = q.gather(-1, idx).squeeze(-1).float()  # [B, k]
     p_x = p[:, :k].gather(-1, idx).squeeze(-1).float()  # [B, k]
     u = torch.rand(B, k, generator=generator, device=p.device)  # [B, k] in [0, 1)
-    n = _leading_true(u * q_x < p_x)  # [B]
+    n = (u * q_x < p_x).long().cumprod(dim=-1).sum(dim=-1)  # [B] the leading run of acceptances
 
     # The distributions at position n; q gets a zero row for the bonus position k.
     q_pad = torch.cat([q, q.new_zeros(B, 1, V)], dim=1)  # [B, k+1, V]

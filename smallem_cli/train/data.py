@@ -68,11 +68,6 @@ def split(chunks: list[str]) -> tuple[list[str], list[str]]:
     return train, val
 
 
-def write_corpus(out_dir: Path, chunks: list[str]) -> tuple[Path, Path]:
-    """Write train.txt and val.txt of `chunks`' split."""
-    return write_parts(out_dir, split(chunks))
-
-
 def write_parts(out_dir: Path, parts: tuple[list[str], list[str]]) -> tuple[Path, Path]:
     """Write train.txt and val.txt, the (train, validation) documents separated by the end-of-text
     marker, each file whole or as it was (written aside, then renamed)."""

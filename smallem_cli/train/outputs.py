@@ -49,7 +49,8 @@ def corpus_replaces(out_dir: Path, parts: tuple[list[str], list[str]]) -> Path |
 
 
 def write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str) -> tuple[Path, Path]:
-    """data.write_corpus, unless it would replace another corpus in `out_dir` (named by `option`) unasked."""
+    """Write train.txt and val.txt of `chunks`' split (`data.split`), unless that would replace
+    another corpus in `out_dir` (named by `option`) unasked."""
     parts = data.split(chunks)
     if (taken := corpus_replaces(out_dir, parts)) and not overwrite:
         raise OutputError(f"{taken} holds another corpus: pass --overwrite to replace it, or {option} to use another")

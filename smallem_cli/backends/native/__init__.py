@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 from ...engine.batch import BatchStep, visible
-from ...model.llama import MTPModule, Transformer
+from ...model.llama import MTPModule, Transformer, permute_rope
 from ...spec.verify import Penalty
 from ..steps import StepFn, register
 from .kernels import ENGINES, Log, library
-from .pack import NativeUnavailable, half_exact, panels, panels8, rope_rows
+from .pack import NativeUnavailable, half_exact, panels, panels8
 
 MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
 
@@ -92,8 +92,8 @@ class NativeSteps:
         blocks = [model.block] if isinstance(model, MTPModule) else list(model.layers)
         layers = (_LayerW * len(blocks))()
         for i, b in enumerate(blocks):
-            H, Hkv, D = b.n_heads, b.n_kv_heads, b.head_dim
-            qkv = torch.cat([rope_rows(b.q_proj.weight, H, D), rope_rows(b.k_proj.weight, Hkv, D), b.v_proj.weight])
+            H, Hkv = b.n_heads, b.n_kv_heads
+            qkv = torch.cat([permute_rope(b.q_proj.weight, H), permute_rope(b.k_proj.weight, Hkv), b.v_proj.weight])
             mats = [qkv, b.o_proj.weight, torch.cat([b.gate_proj.weight, b.up_proj.weight]), b.down_proj.weight]
             norms = [w.weight.detach().float().contiguous() for w in (b.input_layernorm, b.post_attention_layernorm)]
             self.keep += norms
@@ -338,14 +338,6 @@ def _attach(model: Transformer | MTPModule, target: Transformer, log: Log, root:
     except (NativeUnavailable, OSError) as e:
         return str(e)
     return None
-
-
-def attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native") -> bool:
-    """`_attach` -> whether the model has native steps; why not, in one line through `log`."""
-    why = _attach(model, target, log, root, engine)
-    if why is not None:
-        log(f"native decode step unavailable ({type(model).__name__}): {why}")
-    return why is None
 
 
 def prepare(

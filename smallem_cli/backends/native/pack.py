@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from ...model.llama import interleave_halves
-
 
 class NativeUnavailable(RuntimeError):
     """The native engine cannot serve this machine or this model (the message says why)."""
@@ -45,8 +43,3 @@ def panels8(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     pad = -w.shape[0] % width  # the padding rows' scales: 1 (their outputs are never stored)
     return _in_panels(q, width), torch.cat([scale, scale.new_ones(pad)]).contiguous()
-
-
-def rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """Rows of Wq or Wk [heads*D, in] reordered so that each rotary pair is adjacent (as `Block.pack`)."""
-    return w.view(n_heads, head_dim, -1)[:, interleave_halves(head_dim)].reshape(n_heads * head_dim, -1)

@@ -236,7 +236,7 @@ extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, cons
 //   Greedy (u null): tokens [k] the head's argmax, tops [k] its probability (for p-min).
 //   Sampled: q_j = softmax(logits_j * inv_t) into q [k, N], or with `ids` into q [k, V] (zeroed by
 //   the caller: a cut head's q is zero outside its tokens), and guess j by the inverse CDF on
-//   the uniform draw u [j] made by the caller from the run's generator (`verify.pick`: the
+//   the uniform draw u [j] made by the caller from the run's generator (`verify.sample`: the
 //   first token whose running sum of q_j, in float64 and in order, exceeds u_j times the total).
 // scratch: smallem_step's for T = max(m, 1) (step_scratch floats), then 3 d + N + m d floats.
 // seen (V bytes, null: no penalty): the repetition penalty's context before the round; each

@@ -69,7 +69,7 @@ static float filter_row(const float *l, float *r, int V, float sum, int top_k, f
 // `verify.warp` (the same draws from the same uniforms): guess j is kept when
 // u[j] q[j, x_j] < p_j(x_j), p_j = softmax(logits_j inv_t) filtered (`filter_row`); at the
 // first guess kept not, n, the next token is drawn from max(0, p_n - q_n) (from p_n if that
-// is all zero), and after k kept from p_k, by the inverse CDF on u_next (`verify.pick`:
+// is all zero), and after k kept from p_k, by the inverse CDF on u_next (`verify.sample`:
 // float64 running sums in token order). logits [k+1, V], drafts [k], q [k, V] (null when
 // k = 0), u [k] float32, u_next [1] float64; r: 3 V floats of scratch. out [k + 2]: n, then
 // the k+1 tokens (the guesses with the drawn token at n; the ones after it to be ignored).
