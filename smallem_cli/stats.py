@@ -19,6 +19,7 @@ class Stats:
     guessed: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     elapsed_s: float = 0.0  # prefill included
+    backend: str = "eager"  # what ran the target's passes: "eager" (PyTorch) or a native build
 
     @property
     def tokens_per_s(self) -> float:
@@ -51,6 +52,7 @@ class Stats:
             "rounds_by_guesses": self.guessed,
             "prefill_s": round(self.prefill_s, 4),
             "elapsed_s": round(self.elapsed_s, 4),
+            "backend": self.backend,
         }
 
 

@@ -568,3 +568,20 @@ def test_prefetch_rows_by_maker() -> None:
     assert prefetch_rows("vendor_id\t: GenuineIntel\n") == 8
     assert prefetch_rows("") == 8
     assert prefetch_rows() in (5, 8)
+
+
+def test_json_stats_name_the_backend(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`generate --json` and every `batch` answer say which backend ran the target's passes."""
+    import json
+
+    monkeypatch.setenv("SMALLEM_CACHE", str(tmp_path))
+    runner = CliRunner()
+    for engine in ("eager", "native"):
+        argv = ["generate", "The quick brown fox", "--target", str(family.target), "-n", "8", "--json", "-q"]
+        got = runner.invoke(app, [*argv, "--proposer", "mtp", "--engine", engine])
+        assert got.exit_code == 0, got.stderr
+        assert json.loads(got.stdout)["stats"]["backend"] == engine
+        argv = ["batch", "--target", str(family.target), "-n", "8", "-q", "--engine", engine]
+        got = runner.invoke(app, argv, input="The quick brown fox\nA slow one\n")
+        assert got.exit_code == 0, got.stderr
+        assert [json.loads(line)["stats"]["backend"] for line in got.stdout.splitlines()] == [engine] * 2

@@ -109,6 +109,7 @@ def generate(
                 break
         out.push([], final=True)
     except KeyboardInterrupt:  # keep what was generated: printed, or in the JSON marked as interrupted
+        stats.backend = used
         if json_out:
             record = {"text": out.text, "tokens": out.ids, "stats": stats.as_dict(), "interrupted": True}
             print(json.dumps(record), flush=True)
@@ -118,6 +119,7 @@ def generate(
     except NonFiniteError as e:  # what was printed stays; the run stops loudly
         sys.stdout.flush()
         raise fail(str(e), 1) from None
+    stats.backend = used  # the engine's, or "partly native" where a proposer's model runs eager
     if json_out:
         print(json.dumps({"text": out.text, "tokens": out.ids, "stats": stats.as_dict()}))
     else:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import defaults as D
+from ..backends.steps import active_steps
 from ..stats import Stats
 from .pool import PagePool
 from .proposers import BatchProposer, MTPGuess
@@ -121,7 +122,8 @@ class Engine:
         greedy = req.sampling.greedy
         k = self.k if greedy else self.k_sample
         gen = torch.Generator(device=dev).manual_seed(req.sampling.seed)
-        st = Stats(self.proposer.name, k)
+        steps = active_steps(self.t.model)
+        st = Stats(self.proposer.name, k, backend=steps.kind if steps is not None else "eager")
         st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
         self._uid += 1
         if req.stop and self._decoder is None:
