@@ -22,7 +22,8 @@ from pathlib import Path
 
 
 class NotRegularFileError(FileExistsError):
-    """The destination exists and is not a regular file: it is never replaced. An OSError, so
+    """The destination exists and is not what its writer replaces (a regular file, or a folder for
+    an export's folder): it is never replaced. An OSError, so
     that every command that reports a failed write as one line reports this one too."""
 
 
@@ -42,18 +43,22 @@ def kind(mode: int) -> str:
     return "not a regular file"
 
 
-def check_replaceable(out: Path) -> bool:
-    """Whether `out` exists; NotRegularFileError unless it is a regular file or nothing.
+def check_replaceable(out: Path, folder: bool = False) -> bool:
+    """Whether `out` exists; NotRegularFileError unless it is what a writer replaces (a regular
+    file, or with `folder` a folder) or nothing.
 
     Judged with lstat, so a symbolic link is judged as a link, and refused: replacing it would
     either turn the link into a file or, written through, replace what it points at (`/dev/stdout`
-    is one, into /proc); neither is what a writer of `out` asked for, so the user is told instead.
+    is one, into /proc); a folder swapped in for a link would leave the folder it points at with
+    the old content. Neither is what a writer of `out` asked for, so the user is told instead.
     """
     try:
         mode = os.lstat(out).st_mode
     except FileNotFoundError:
         return False
-    if not stat.S_ISREG(mode):
+    if folder and not stat.S_ISDIR(mode):
+        raise NotRegularFileError(f"{out} exists and is {kind(mode)}, not a folder: give another path")
+    if not folder and not stat.S_ISREG(mode):
         raise NotRegularFileError(f"{out} is {kind(mode)}: only a regular file is replaced; give another path")
     return True
 

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,10 +25,10 @@ class ExportError(ValueError):
 
 
 def check_destination(outdir: Path, inputs: tuple[Path, ...], overwrite: bool) -> None:
-    """An export may write `outdir`: a folder or nothing (`_existing_folder`), holding none of its
+    """An export may write `outdir`: a folder or nothing (`atomic.check_replaceable`), holding none of its
     inputs, empty unless `overwrite`. Called before the checkpoint is read: a refusal comes at once."""
     _remove_stale(outdir)
-    _existing_folder(outdir)
+    atomic.check_replaceable(outdir, folder=True)
     for src in inputs:  # replacing the folder would delete the export's own input
         if src.resolve().is_relative_to(outdir.resolve()):
             raise ExportError(f"cannot export into {outdir}: it holds the input {src}; choose another folder")
@@ -61,7 +60,7 @@ def _write_folder(
         shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
         # Judged again just before the swap: while the folder was built, `outdir` may have become
         # something else, which the rename would move aside and `rmtree` then fail to remove.
-        if _existing_folder(outdir):  # empty, or replaced on request: move aside, then swap in
+        if atomic.check_replaceable(outdir, folder=True):  # empty, or replaced on request: move aside, then swap in
             outdir.rename(old)
         tmp.rename(outdir)
     except BaseException:
@@ -69,22 +68,6 @@ def _write_folder(
         if old.exists() and not outdir.exists():
             old.rename(outdir)  # put the previous folder back
         raise
-
-
-def _existing_folder(outdir: Path) -> bool:
-    """Whether `outdir` exists; FileExistsError unless it is a folder or nothing.
-
-    Judged with lstat: a symbolic link is refused, even to a folder, as the swap would replace the
-    link and the folder it points at would keep the old export. A file, a device, a FIFO or a
-    socket is refused: only a folder is ever replaced by an export's folder.
-    """
-    try:
-        mode = os.lstat(outdir).st_mode
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISDIR(mode):
-        raise FileExistsError(f"{outdir} exists and is {atomic.kind(mode)}, not a folder: give another path")
-    return True
 
 
 @contextmanager
