@@ -1,16 +1,11 @@
 """A file written whole or not at all: written aside, then renamed over its destination.
 
-The file aside is `.NAME.PID.tmp`, beside the destination (same folder: the rename is atomic),
-named by the process. Two processes writing the same file (two training runs building one
-corpus's token cache, say) each write their own and the last rename wins, both whole; with one
-shared name, the second would truncate the first's file as it is written, and the first's rename
-would then find nothing to rename. A writer that fails leaves the destination as it was and
-takes its file aside with it.
-
-Only a regular file, or a path that does not exist, is ever replaced. A rename replaces whatever
-has the name: `/dev/null`, a FIFO, a socket or a device node would silently become a
-regular file (and, as root, a system's `/dev/null` with it), so anything else is refused
-(`NotRegularFileError`) before the write and again right before the rename.
+The file aside is `.NAME.PID.tmp` in the destination's folder (so the rename is atomic), one per
+process: two processes writing one file (two runs building one token cache) each rename a whole
+file, the last winning, where one shared name would have the second truncate the first's. A writer
+that fails leaves the destination as it was and removes its file aside. Only a regular file, or
+nothing, is replaced: a rename would silently turn `/dev/null`, a FIFO, a socket or a device into a
+regular file, so anything else is refused (`NotRegularFileError`) before the write and before the rename.
 """
 
 from __future__ import annotations
@@ -22,9 +17,8 @@ from pathlib import Path
 
 
 class NotRegularFileError(FileExistsError):
-    """The destination exists and is not what its writer replaces (a regular file, or a folder for
-    an export's folder): it is never replaced. An OSError, so
-    that every command that reports a failed write as one line reports this one too."""
+    """The destination exists and is not what its writer replaces (a regular file, or a folder for an
+    export's folder). An OSError, so every command reports it as it reports a failed write."""
 
 
 def kind(mode: int) -> str:
@@ -44,14 +38,10 @@ def kind(mode: int) -> str:
 
 
 def check_replaceable(out: Path, folder: bool = False) -> bool:
-    """Whether `out` exists; NotRegularFileError unless it is what a writer replaces (a regular
-    file, or with `folder` a folder) or nothing.
-
-    Judged with lstat, so a symbolic link is judged as a link, and refused: replacing it would
-    either turn the link into a file or, written through, replace what it points at (`/dev/stdout`
-    is one, into /proc); a folder swapped in for a link would leave the folder it points at with
-    the old content. Neither is what a writer of `out` asked for, so the user is told instead.
-    """
+    """Whether `out` exists; NotRegularFileError unless it is what a writer replaces (a regular file,
+    or with `folder` a folder) or nothing. Judged with lstat: a symbolic link is refused, as replacing
+    it would turn it into a file, or replace what it points at (`/dev/stdout` is one), or leave the
+    folder it points at with the old content."""
     try:
         mode = os.lstat(out).st_mode
     except FileNotFoundError:
@@ -69,9 +59,8 @@ def aside(out: Path) -> Path:
 
 
 def replace_with(out: Path, write: Callable[[Path], None], sync: bool = False) -> None:
-    """write(tmp) the file aside, then rename it to `out` (sync: on disk before the rename, so
-    that a crash cannot leave an empty file behind the new name). NotRegularFileError, and nothing
-    written, if `out` exists and is not a regular file (`check_replaceable`)."""
+    """write(tmp) the file aside, then rename it to `out` (sync: on disk before the rename, so a crash
+    cannot leave an empty file). NotRegularFileError, nothing written, if `out` is no regular file."""
     check_replaceable(out)  # before the write: a refusal costs nothing and leaves nothing aside
     tmp = aside(out)
     try:
@@ -79,9 +68,8 @@ def replace_with(out: Path, write: Callable[[Path], None], sync: bool = False) -
         if sync:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-        # Again just before the rename: `out` may have changed during a long write. What is
-        # created in the instant between this check and the rename is still replaced; only a
-        # rename that refuses to replace (none portable) would close that window.
+        # Again just before the rename: `out` may have changed during a long write (what appears in
+        # the instant between is still replaced: no portable rename refuses to replace).
         check_replaceable(out)
         os.replace(tmp, out)
     except BaseException:

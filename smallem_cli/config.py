@@ -1,8 +1,5 @@
-"""Model configuration: one dataclass, a few named presets.
-
-The config is saved beside the weights (as safetensors metadata), so a checkpoint
-always knows its own shape. Field names follow Llama's where one exists.
-"""
+"""Model configuration: one dataclass, a few named presets. Saved in a checkpoint's metadata, so a
+checkpoint knows its own shape. Field names follow Llama's where one exists."""
 
 from __future__ import annotations
 

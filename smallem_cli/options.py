@@ -47,12 +47,17 @@ def parse_ks(text: str) -> list[int]:
     return list(range(bounds[0], bounds[1] + 1)) if ".." in text else sorted(set(bounds))
 
 
+def _ints(text: str, bad: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16] (empty items skipped), or UsageError(bad)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(bad) from None
+
+
 def parse_sizes(text: str) -> list[int]:
     """'1,4,16,64' -> batch sizes, each >= 1, in the order given."""
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"bad --batch {text!r}: use sizes such as 1,4,16,64") from None
+    sizes = _ints(text, f"bad --batch {text!r}: use sizes such as 1,4,16,64")
     if not sizes:
         raise UsageError(f"--batch needs sizes such as 1,4,16,64, got {text!r}")
     if min(sizes) < 1:
@@ -77,8 +82,8 @@ def read_prompt(prompt: str | None, max_new_tokens: int = 1) -> str:
 
 
 def pick_k(proposer: str, k: int | None, greedy: bool) -> int:
-    """The proposals per round: the user's k (1..MAX_K whatever the proposer), else the
-    proposer's default. `none` proposes nothing: its k is 0, and a k given with it is ignored."""
+    """The proposals per round: the user's k (1..MAX_K), else the proposer's default. `none` proposes
+    nothing: its k is 0, and a k given with it is ignored."""
     if k is not None and not 1 <= k <= D.MAX_K and not (proposer == "none" and k == 0):
         raise UsageError(f"k must be between 1 and {D.MAX_K}, got {k}")
     return D.default_k(proposer, greedy, k)
@@ -120,8 +125,8 @@ def check_sampling(
 
 
 def read_prompts(path: Path, cfg: ModelConfig, max_new: int, ks: dict[str, list[int]]) -> list[list[int]]:
-    """`bench`'s prompts file (a JSON object a line, "tokens": ids), checked line by line, and
-    checked to leave room in the model's context for max_new tokens and the largest k's pass."""
+    """`bench`'s prompts file (a JSON object a line, "tokens": ids), checked line by line, and to leave
+    room in the model's context for max_new tokens and the largest k's pass."""
     vocab_size = cfg.vocab_size
     try:
         with open(path, "rb") as f:  # bounded: a device such as /dev/zero never ends
@@ -168,8 +173,8 @@ def check_context(prompt_tokens: int, max_new: int, k: int, ctx: int) -> None:
 
 
 def threads(n: int | None) -> int | None:
-    """--threads: None (torch's default) or a count from 1 to the CPUs this process may run on
-    (more only make each pass's barriers wait for threads that share a core)."""
+    """--threads: None (torch's default) or 1 to the CPUs this process may run on (more only make each
+    pass's barriers wait for threads that share a core)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if n is not None and not 1 <= n <= cpus:
         raise UsageError(f"--threads must be between 1 and {cpus} (the CPUs this process may use), got {n}")
@@ -180,24 +185,15 @@ LOADAVG = Path("/proc/loadavg")
 
 
 def threads_for_load(cores: int) -> int | None:
-    """`generate`'s default thread count: None (torch's, all cores) unless other processes are
-    running right now (the runnable count of /proc/loadavg, less this one), then the cores they
-    leave, at least 1. Measured (docs/benchmarks.md, "Threads"): with another process spinning on one of
-    2 cores, 2 threads fell to a third of 1 thread's speed, whose barriers never wait on a
-    descheduled sibling; quiet, 2 threads were faster."""
+    """`generate`'s default thread count: None (torch's, all cores) unless other processes are running
+    now (the runnable count of /proc/loadavg, less this one), then the cores they leave, at least 1:
+    a thread descheduled for another process stalls every barrier (docs/benchmarks.md, "Threads")."""
     try:
         running = int(LOADAVG.read_text().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return None
     busy = running - 1
     return max(1, cores - busy) if busy > 0 and cores > 1 else None
-
-
-def p_min(value: float) -> float:
-    """--draft-p-min: a probability in [0, 1) (0 turns adaptive depth off)."""
-    if not (math.isfinite(value) and 0 <= value < 1):
-        raise UsageError(f"--draft-p-min must be in [0, 1), got {value}")
-    return value
 
 
 def tree(value: int) -> tuple[int, int] | None:
@@ -209,10 +205,7 @@ def tree(value: int) -> tuple[int, int] | None:
 
 def tree_budgets(text: str) -> list[int]:
     """bench --tree: "12" or "8,16,24" -> the budgets, each checked as `tree` checks one."""
-    try:
-        budgets = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--tree takes budgets like 12 or 8,16,24, got {text!r}") from None
+    budgets = _ints(text, f"--tree takes budgets like 12 or 8,16,24, got {text!r}")
     for b in budgets:
         if tree(b) is None:
             raise UsageError(f"--tree must be in 1..{D.MAX_TREE} for bench rows, got {b}")
@@ -222,11 +215,6 @@ def tree_budgets(text: str) -> list[int]:
 def tree_names(names: list[str], budgets: list[int]) -> dict[str, tuple[str, int]]:
     """bench --tree: a row name for each MTP proposer and budget -> (its proposer, the budget)."""
     return {f"{n}@tree{b}": (n, b) for n in names if "+" not in n and "mtp" in Path(n).stem for b in budgets}
-
-
-def adaptive_names(names: list[str], p: float) -> dict[str, str]:
-    """bench --draft-p-min: a row name for each model proposer at adaptive depth -> its proposer."""
-    return {f"{n}@p{p:g}": n for n in names if n not in ("none", D.NGRAM)}
 
 
 def weights_list(text: str) -> list[str]:
@@ -263,13 +251,6 @@ def check_bench(modes: str, repeats: int, max_new: int, peer: str | None, plot: 
     missing = [m for m in ("llama_cpp", "gguf") if peer == "llamacpp" and importlib.util.find_spec(m) is None]
     if missing:
         raise UsageError(f"--peer llamacpp needs {' and '.join(missing)}: pip install 'smallem[llamacpp]'")
-    if peer == "vllm":  # vLLM lives in a venv of its own (.venv-vllm): its python must be there
-        from .interop.vllm_peer import VllmError, find_python
-
-        try:
-            find_python()
-        except VllmError as e:
-            raise UsageError(f"--peer vllm: {e}") from None
     if plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'smallem[plot]'")
     return mode_list

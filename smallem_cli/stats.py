@@ -15,11 +15,11 @@ class Stats:
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # rounds whose i-th guess was kept
     # rounds by how many guesses they checked (index 0..k): a fixed-k proposer fills index k
-    # alone; an n-gram lookup or an adaptive depth (`p_min`) proposes fewer when unsure
+    # alone; an n-gram lookup proposes fewer when unsure
     guessed: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     elapsed_s: float = 0.0  # prefill included
-    backend: str = "eager"  # what ran the target's passes: "eager" (PyTorch) or a native build
+    backend: str = "eager"  # what ran the passes (`Backend.label`): "eager" (PyTorch), a native build, "partly …"
 
     @property
     def tokens_per_s(self) -> float:
@@ -34,8 +34,7 @@ class Stats:
         return self.new_tokens / max(1, self.passes)
 
     def copy_from(self, other: Stats) -> None:
-        """Take every counter of `other` (the engine's own, for a caller that holds this one);
-        the caller's label for the proposer stays (a path, say, where the engine has a kind)."""
+        """Take every counter of `other` (the engine's own); this one's proposer label stays (a path, say)."""
         for name in _COUNTERS:
             setattr(self, name, list(v) if isinstance(v := getattr(other, name), list) else v)
 

@@ -15,6 +15,7 @@ os.environ.setdefault("SMALLEM_ENGINE", "eager")
 
 import copy
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,6 +74,16 @@ def noisy_copy(model: Transformer, noise: float, seed: int) -> Transformer:
             if p.dim() == 2:
                 p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
     return m.eval().pack()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The native kernels are built once per run, in the run's own folder, never the home folder
+    (a test of the cache itself points SMALLEM_CACHE elsewhere)."""
+    root = tmp_path_factory.mktemp("native-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SMALLEM_CACHE", str(root))
+        yield root
 
 
 @pytest.fixture(scope="session")

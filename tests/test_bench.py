@@ -49,10 +49,10 @@ def test_prompts_file_round_trips(family: Family, tmp_path: Path) -> None:
 def test_run_bench_rows_and_identity(family: Family) -> None:
     dev = torch.device("cpu")
     target = fam.load_target(family.target, dev)
-    factories = {n: fam.load_proposer(n, target, dev, 0) for n in ("draft-2l", "mtp")}
+    proposers = {n: fam.load_proposer(n, target, dev, 0) for n in ("draft-2l", "mtp")}
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27]]
     modes = ["greedy", "sample"]
-    plan = bench.Plan(dict.fromkeys(modes, factories), {"draft-2l": [1, 3], "mtp": [2]}, modes, max_new=24, repeats=2)
+    plan = bench.Plan(dict.fromkeys(modes, proposers), {"draft-2l": [1, 3], "mtp": [2]}, modes, max_new=24, repeats=2)
     rows = bench.run_bench(target.model, prompts, plan)
     assert [(r.mode, r.proposer, r.k) for r in rows] == [
         (m, p, k) for m in ("greedy", "sample") for p, k in (("none", 0), ("draft-2l", 1), ("draft-2l", 3), ("mtp", 2))
@@ -76,15 +76,15 @@ def test_run_bench_engines_side_by_side(family: Family) -> None:
     here, so the native rows run eager: tests/test_native.py runs them for real.)"""
     dev = torch.device("cpu")
     target = fam.load_target(family.target, dev)
-    factories = {"mtp": fam.load_proposer("mtp", target, dev, 0)}
+    proposers = {"mtp": fam.load_proposer("mtp", target, dev, 0)}
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12]]
-    plan = bench.Plan({"greedy": factories}, {"mtp": [2]}, ["greedy"], max_new=16, repeats=2, engines=("native",))
+    plan = bench.Plan({"greedy": proposers}, {"mtp": [2]}, ["greedy"], max_new=16, repeats=2, engines=("native",))
     rows = bench.run_bench(target.model, prompts, plan)
     assert [(r.engine, r.proposer) for r in rows] == [("eager", "none"), ("native", "none"), ("native", "mtp")]
     assert rows[0].vs_eager == 1.0 and rows[1].speedup == 1.0 and rows[0].speedup == 1.0
     assert all(r.identical == "1/1" and r.vs_eager is not None and r.vs_eager > 0 for r in rows)
     both = bench.Plan(
-        {"greedy": factories}, {"mtp": [2]}, ["greedy"], max_new=16, repeats=1, engines=("eager", "native")
+        {"greedy": proposers}, {"mtp": [2]}, ["greedy"], max_new=16, repeats=1, engines=("eager", "native")
     )
     assert bench.generations(both, 3) == 4 * 3  # eager none, native none, mtp on each engine
     assert engines.bench_engines("eager,native", dev) == ("eager", "native")
@@ -157,63 +157,61 @@ def test_bench_costs_only(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_p
     res = CliRunner().invoke(app, [*args, "--repeats", "3", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    names = {f"eager:{m}:{p}" for m in ("greedy", "sample") for p in ("draft-2l", "mtp")}
+    # c per k of each proposer's round: its default k for the mode, and the -k given
+    ks = {p: {defaults.default_k(p, True), defaults.default_k(p, False), 1} for p in ("draft-2l", "mtp")}
+    names = {f"eager:{m}:{p}:{k}" for m in ("greedy", "sample") for p in ("draft-2l", "mtp") for k in ks[p]}
     assert set(out["c"]) == names and all(len(xs) == 3 and min(xs) > 0 for xs in out["c"].values())
     # v for every pass size of defaults.COST_PASSES but 1 (the unit), in passes of the same engine
     assert set(out["v"]) == {f"eager:{T}" for T in defaults.COST_PASSES if T > 1}
     assert all(len(xs) == 3 for xs in out["v"].values())
     assert len(out["one_pass_s"]["eager"]) == 3 and timed == []
     table = CliRunner().invoke(app, [*args, "--repeats", "1", "--modes", "greedy"])
-    assert table.exit_code == 0 and "c eager:greedy:mtp" in table.stdout and "v eager T=16" in table.stdout
+    assert table.exit_code == 0 and "c eager:greedy:mtp:1" in table.stdout and "v eager T=16" in table.stdout
     bad = CliRunner().invoke(app, [*args, "--peer", "hf"])
     assert bad.exit_code == 2 and "--costs" in bad.stderr
 
 
 def test_cost_model_for_rounds_of_varying_depth() -> None:
-    """Rounds of an n-gram or adaptive proposer: measured tokens a round over the cost of the
-    rounds as they came (m guesses cost m·c + v(m+1); none, one plain pass)."""
+    """Rounds of an n-gram lookup: measured tokens a round over the cost of the rounds as they
+    came (m guesses cost m·c(m) + v(m+1); none, one plain pass)."""
     from smallem_cli.stats import Stats
 
     st = Stats("ngram", 4, accepted=9, guessed=[6, 0, 2, 0, 2])  # 10 rounds: 6 empty, 2 of 2 guesses, 2 of 4
     v = {2: 1.1, 3: 1.2, 4: 1.3, 5: 1.5}
     cost = (6 * 1.0 + 2 * (2 * 0.1 + 1.2) + 2 * (4 * 0.1 + 1.5)) / 10
-    assert bench.variable_speedup(st, 10, 0.1, v) == pytest.approx((1 + 9 / 10) / cost)
-    assert bench.variable_speedup(Stats("ngram", 4, guessed=[5, 0, 0, 0, 0]), 5, 0.0, v) == pytest.approx(1.0)
+    c = dict.fromkeys(range(1, 5), 0.1)
+    assert bench.variable_speedup(st, 10, c, v) == pytest.approx((1 + 9 / 10) / cost)
+    assert bench.variable_speedup(Stats("ngram", 4, guessed=[5, 0, 0, 0, 0]), 5, c, v) == pytest.approx(1.0)
 
 
-def test_run_bench_ngram_and_adaptive_rows(family: Family) -> None:
-    """ngram, ngram+mtp and MTP at adaptive depth in one run: greedy identity, and the cost
-    model over the depths the rounds had."""
+def test_run_bench_ngram_rows(family: Family) -> None:
+    """ngram and ngram+mtp in one run: greedy identity, and the cost model over the depths the
+    rounds had."""
     dev = torch.device("cpu")
     target = fam.load_target(family.target, dev)
-    factories = {
+    proposers = {
         "ngram": fam.load_proposer("ngram", target, dev, 0),
         "ngram+mtp": fam.load_proposer("ngram+mtp", target, dev, 0),
-        "mtp@p0.5": fam.load_proposer("mtp", target, dev, 0, 0.5),
     }
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [20, 21, 22, 23, 24, 25, 26, 27]]
-    ks = {n: [3] for n in factories}
-    plan = bench.Plan({"greedy": factories}, ks, ["greedy"], max_new=24, repeats=1)
+    ks = {n: [3] for n in proposers}
+    plan = bench.Plan({"greedy": proposers}, ks, ["greedy"], max_new=24, repeats=1)
     rows = bench.run_bench(target.model, prompts, plan)
-    assert [r.proposer for r in rows] == ["none", "ngram", "ngram+mtp", "mtp@p0.5"]
+    assert [r.proposer for r in rows] == ["none", "ngram", "ngram+mtp"]
     assert all(r.identical == "2/2" for r in rows)
     ngram = rows[1]
     # c is a stopwatch reading (noisy on a shared machine): only its sanity is asserted here
     assert math.isfinite(ngram.cost_c) and ngram.cost_c >= 0 and ngram.predicted_speedup > 0
 
 
-def test_adaptive_names_and_p_min_checks() -> None:
-    from smallem_cli import options
-
-    assert options.adaptive_names(["none", "ngram", "mtp", "draft-2l"], 0.4) == {
-        "mtp@p0.4": "mtp",
-        "draft-2l@p0.4": "draft-2l",
-    }
-    assert defaults.default_k("mtp@p0.4", True) == defaults.default_k("mtp", True)
-    assert defaults.default_k("ngram+draft-2l", False) == defaults.default_k("draft-2l", False)
-    for bad in (-0.1, 1.0, float("nan")):
-        with pytest.raises(options.UsageError):
-            options.p_min(bad)
+def test_variants_guess_as_deep_as_their_proposer() -> None:
+    """A bench row's variant of P (P@tree12, P@f16) and ngram+P take P's default k, not the
+    default of a proposer given by path."""
+    for greedy in (True, False):
+        mtp, draft = defaults.default_k("mtp", greedy), defaults.default_k("draft-4l", greedy)
+        assert defaults.default_k("mtp@tree12", greedy) == defaults.default_k("mtp@f16", greedy) == mtp
+        assert defaults.default_k("ngram+draft-4l@f16", greedy) == draft
+    assert defaults.default_k("draft-4l@f16", True) != defaults.K_OTHER  # P's own, not a path's
 
 
 def test_bench_batch(family: Family, tmp_path: Path) -> None:

@@ -1,8 +1,12 @@
-"""The cost model's readings on the path the run takes, and which of our rows a peer is set
-against (timings themselves are never asserted: the clock here is a fake one)."""
+"""The cost model's readings on the path the run takes, its arithmetic, and which of our rows a
+peer is set against (timings themselves are never asserted: the clock here is a fake one that
+charges for the work each timed call did, or the readings' sanity alone)."""
 
 from __future__ import annotations
 
+import itertools
+import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,159 +15,279 @@ import pytest
 import torch
 from conftest import Family
 
+from smallem_cli.backends import native
+from smallem_cli.backends.engines import Backend
 from smallem_cli.bench import costs
 from smallem_cli.bench import run as bench
 from smallem_cli.engine import family as fam
+from smallem_cli.engine import proposers as P
+from smallem_cli.engine.family import NONE
 from smallem_cli.engine.generate import generate
-from smallem_cli.spec.proposers import NoProposer
-from smallem_cli.spec.verify import Warper
+from smallem_cli.engine.runner import TargetRunner
+from smallem_cli.spec.sampling import Sampling
 from smallem_cli.stats import Stats
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+DEV = torch.device("cpu")
+no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+ENGINES = ["eager", pytest.param("native", marks=pytest.mark.skipif(no_native, reason="needs g++ and an AVX2 CPU"))]
 
 
-def _spied(make: fam.ProposerFactory, calls: list[tuple[str, int]]) -> fam.ProposerFactory:
-    """The factory's proposers, each `propose` and `cost_step` call written into `calls`."""
-
-    def spied(n: int) -> Any:
-        p = make(n)
-        propose, step = p.propose, p.cost_step
-
-        def spy_propose(k: int, *a: Any, **kw: Any) -> Any:
-            calls.append(("propose", k))
-            return propose(k, *a, **kw)
-
-        def spy_step() -> object:
-            calls.append(("step", 1))
-            return step()
-
-        p.propose, p.cost_step = spy_propose, spy_step  # type: ignore[method-assign]
-        return p
-
-    return spied
+def _loaded(family: Family, names: list[str], engine: str) -> tuple[fam.Target, dict[str, fam.Proposer], Backend]:
+    """The family's target, these proposers, and a backend `engine` prepared for them all."""
+    target = fam.load_target(family.target, DEV)
+    ps = {n: fam.load_proposer(n, target, DEV, 0) for n in names}
+    b = Backend(engine)
+    log: list[str] = []
+    label = b.prepare(target.model, [m for p in ps.values() for m in p.models], log.append)
+    assert label == engine, log  # every model runs on the engine named: the readings are its own
+    return target, ps, b
 
 
-def _fake_clock(calls: list[tuple[str, int]]) -> Callable[[dict[str, Callable[[], object]], int], dict[str, float]]:
-    """`_interleaved` on a fake clock: each fn runs once; a target pass takes 10 ms, a proposer's
-    step 6 ms, a round of k guesses in one call 1 ms + 1 ms a guess (cheaper a guess than a step)."""
+# --- forward_costs: what is timed ------------------------------------------------------------------
+# A fake clock: a verify pass over T tokens takes 10 ms + 1 ms a token, a proposer model's pass
+# (eager) 2 ms, a native chain of k guesses in one call 1 ms + 1 ms a guess.
+def _charge(work: list[tuple[str, int]]) -> float:
+    kinds = {w for w, _ in work}
+    if kinds == {"verify"}:
+        assert len(work) == 1, work  # one verify pass per reading of v
+        return 0.010 + 0.001 * work[0][1]
+    if kinds == {"chain"}:
+        assert len(work) == 1, work  # a native round: one call for its k guesses
+        return 0.001 + 0.001 * work[0][1]
+    assert kinds <= {"pass"}, work
+    return 0.002 * len(work)
+
+
+def _spy_work(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Every target verify pass (its tokens), proposer model pass and native chain (its k) made."""
+    work: list[tuple[str, int]] = []
+    verify, t_pass, m_pass, chain = TargetRunner.verify_pass, P.transformer_pass, P.mtp_pass, native.NativeSteps.chain
+
+    def spy_verify(self: TargetRunner, seqs: list, ids: torch.Tensor, counts: list[int]) -> Any:
+        work.append(("verify", int(ids.shape[0])))
+        return verify(self, seqs, ids, counts)
+
+    def spy_pass(real: Callable[..., Any]) -> Callable[..., Any]:
+        def spied(*a: Any, **kw: Any) -> Any:
+            work.append(("pass", 1))
+            return real(*a, **kw)
+
+        return spied
+
+    def spy_chain(self: native.NativeSteps, ids: Any, k: int, *a: Any, **kw: Any) -> Any:
+        work.append(("chain", k))
+        return chain(self, ids, k, *a, **kw)
+
+    monkeypatch.setattr(TargetRunner, "verify_pass", spy_verify)
+    monkeypatch.setattr(P, "transformer_pass", spy_pass(t_pass))
+    monkeypatch.setattr(P, "mtp_pass", spy_pass(m_pass))
+    monkeypatch.setattr(native.NativeSteps, "chain", spy_chain)
+    return work
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("proposer", ["draft-2l", "mtp", "ngram+mtp"])
+def test_c_is_read_per_k_on_the_round_and_v_on_the_verify_pass(
+    family: Family, monkeypatch: pytest.MonkeyPatch, engine: str, proposer: str
+) -> None:
+    """c(k): one round of k guesses as the run asks for it (eager: a pass per guess; native: one
+    call for the k; ngram+P: P's round), over k, in verify passes over one token; v(k): the verify
+    pass over k+1 tokens in the same unit; one_s: that unit's seconds."""
+    target, ps, b = _loaded(family, [proposer], engine)
+    work = _spy_work(monkeypatch)
 
     def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
         out = {}
         for name, fn in fns.items():
-            calls.clear()
+            work.clear()
             fn()
-            if not calls:
-                out[name] = 0.010
-            else:
-                assert len(calls) == 1, calls
-                what, k = calls[0]
-                out[name] = 0.006 if what == "step" else 0.001 + 0.001 * k
+            out[name] = _charge(work)
         return out
 
-    return interleaved
+    monkeypatch.setattr(costs, "_interleaved", interleaved)
+    ks = [1, 2, 4]
+    got = costs.forward_costs(target.model, {"greedy:p": (ps[proposer], Sampling(), ks)}, [1, 2, 3], PROMPT, b)
+    one = 0.010 + 0.001
+    assert got.one_s == pytest.approx(one)
+    assert got.v == pytest.approx({k: (0.010 + 0.001 * (k + 1)) / one for k in (1, 2, 3)})
+    round_s = {k: 0.002 * k if engine == "eager" else 0.001 + 0.001 * k for k in ks}
+    assert got.c == pytest.approx({f"greedy:p:{k}": round_s[k] / k / one for k in ks})
+    rounds = [k * got.c[f"greedy:p:{k}"] for k in ks]
+    assert all(a < b for a, b in itertools.pairwise(rounds))  # a round of more guesses costs more
 
 
-@pytest.mark.parametrize("proposer", ["mtp", "draft-2l"])
-def test_native_c_is_read_on_the_round_call(family: Family, monkeypatch: pytest.MonkeyPatch, proposer: str) -> None:
-    """A native engine's c(k): the round's `propose(k)` (one call of k guesses) over k, one reading
-    per k, not the step timed alone; the step is still read, for the eager engine."""
-    target = fam.load_target(family.target, torch.device("cpu"))
-    calls: list[tuple[str, int]] = []
-    make = _spied(fam.load_proposer(proposer, target, torch.device("cpu"), 0), calls)
-    monkeypatch.setattr(costs, "_interleaved", _fake_clock(calls))
-    got = costs.forward_costs(target.model, {"greedy:p": make}, [1, 2, 3], PROMPT, chained={"greedy:p": (None, [1, 3])})
-    assert got.one_s == pytest.approx(0.010) and got.v == {1: 1.0, 2: 1.0, 3: 1.0}
-    assert got.c == pytest.approx({"greedy:p": 0.6, "greedy:p:1": 0.2, "greedy:p:3": 0.4 / 3})
-    assert got.whole == []
-    eager = costs.forward_costs(target.model, {"greedy:p": make}, [1, 2, 3], PROMPT)
-    assert eager.c == pytest.approx({"greedy:p": 0.6})  # no chain: the step is the path the run takes
-
-
-@pytest.mark.parametrize("proposer", ["mtp", "draft-2l"])
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("proposer", ["draft-2l", "mtp"])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_a_timed_round_leaves_the_proposer_as_it_was(family: Family, proposer: str, sampled: bool) -> None:
-    """The timed round is repeatable: the same guesses from the same state, the cache rolled back."""
-    dev = torch.device("cpu")
-    target = fam.load_target(family.target, dev)
-    p = fam.load_proposer(proposer, target, dev, 0)(200)
-    ids = torch.tensor(PROMPT * 4)
-    with torch.inference_mode():
-        cache = target.model.new_cache(8)
-        _, hidden = target.model(ids, cache, cache.new_sequence())
-        p.start(ids, ids[-1:], hidden)
-        p.propose(1, None, None)
-        p.accept(1, ids[-2:], hidden[-2:])
-        warp = Warper(1.0) if sampled else None
-        inner = costs.chain_proposer(p, warp)
-        assert inner is p
-        n = p.cache.length(p.seq)  # type: ignore[attr-defined]
-        first = costs.round_call(inner, 3, warp, torch.Generator().manual_seed(0))()
-        assert p.cache.length(p.seq) == n  # type: ignore[attr-defined]
-        again = costs.round_call(inner, 3, warp, torch.Generator().manual_seed(0))()
-    assert torch.equal(first[0], again[0]) and len(first[0]) == 3  # type: ignore[index]
+def test_a_timed_round_leaves_the_proposer_as_it_was(
+    family: Family, monkeypatch: pytest.MonkeyPatch, engine: str, proposer: str, sampled: bool
+) -> None:
+    """The timed round is repeatable: every call starts from the same state (the proposer's
+    cache length and what it has to catch up on put back), so greedy, the same guesses."""
+    target, ps, b = _loaded(family, [proposer], engine)
+    made: list[Any] = []
+    real = costs.batch_proposer
+    monkeypatch.setattr(costs, "batch_proposer", lambda *a: made.append(real(*a)) or made[-1])
+    seen: dict[str, tuple[list, list]] = {}
+
+    def state() -> list[tuple]:
+        sts = [st for bp in made for st in bp.state.values()]
+        assert sts  # the sequence being timed has a state, one round in
+        return [(st.length, st.true_len, st.pending.tolist(), st.pending_h.tolist()) for st in sts]
+
+    def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+        for name, fn in fns.items():
+            if name.startswith("c:"):
+                before = state()
+                outs = [fn(), fn(), fn()]
+                assert state() == before, name
+                seen[name] = (outs, before)
+        return dict.fromkeys(fns, 1.0)
+
+    monkeypatch.setattr(costs, "_interleaved", interleaved)
+    draws = Sampling(1.0, seed=3) if sampled else Sampling()
+    costs.forward_costs(target.model, {"m:p": (ps[proposer], draws, [1, 3])}, [1], PROMPT, b)
+    assert set(seen) == {"c:m:p:1", "c:m:p:3"}
+    for name, (outs, _) in seen.items():
+        k = int(name.rsplit(":", 1)[1])
+        assert all(len(o) == k for o in outs)  # type: ignore[arg-type]
+        if not sampled:
+            assert outs[0] == outs[1] == outs[2], name
 
 
-def test_no_round_call_where_the_run_steps(family: Family) -> None:
-    """Sampled at adaptive depth, a lookup, token trees: the run goes step by step, c stays a step;
-    adaptive depth, greedy: the whole chain runs every round."""
-    dev = torch.device("cpu")
-    target = fam.load_target(family.target, dev)
-    adaptive = fam.load_proposer("mtp", target, dev, 0, 0.5)(64)
-    assert costs.chain_proposer(adaptive, Warper(1.0)) is None and costs.chain_proposer(adaptive, None) is adaptive
-    assert costs.chain_proposer(fam.load_proposer("ngram", target, dev, 0)(64), None) is None
-    tree = fam.load_proposer("mtp", target, dev, 0, tree=(4, 2))(64)
-    assert costs.chain_proposer(tree, None) is None
-    both = fam.load_proposer("ngram+mtp", target, dev, 0)(64)
-    assert costs.chain_proposer(both, None) is both.other  # type: ignore[attr-defined]
+@pytest.mark.parametrize("engine", ENGINES)
+def test_readings_are_positive_and_finite(family: Family, monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    """A real stopwatch (values never compared): every reading named, positive and finite."""
+    names = ["draft-2l", "mtp", "ngram+mtp"]
+    target, ps, b = _loaded(family, names, engine)
+    each = {
+        f"{m}:{n}": (ps[n], s, [1, 3]) for m, s in (("greedy", Sampling()), ("sample", Sampling(1.0))) for n in names
+    }
+    got = costs.forward_costs(target.model, each, [1, 2, 3], PROMPT, b, context=40, reps=3)
+    assert set(got.c) == {f"{name}:{k}" for name in each for k in (1, 3)}
+    assert set(got.v) == {1, 2, 3}
+    for x in [*got.c.values(), *got.v.values(), got.one_s]:
+        assert math.isfinite(x) and x > 0
 
 
-def test_cost_readings_time_the_chain_on_native_engines_only(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
-    dev = torch.device("cpu")
-    target = fam.load_target(family.target, dev)
-    factories = {"mtp": fam.load_proposer("mtp", target, dev, 0)}
+# --- the bench's readings and rows --------------------------------------------------------------
+def test_cost_readings_read_each_engine_on_its_own_backend(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cost_readings`: per reading and engine, one `forward_costs` on that engine's backend, for
+    every mode's proposer (the target alone left out) at its ks (0 left out); named
+    engine:mode:proposer:k, v by engine:T (T = k + 1), one_pass_s by engine."""
+    target = fam.load_target(family.target, DEV)
+    mtp = fam.load_proposer("mtp", target, DEV, 0)
     modes = ["greedy", "sample"]
-    plan = bench.Plan(dict.fromkeys(modes, factories), {"mtp": [2, 3]}, modes, engines=("eager", "native"))
-    seen: list[costs.Chained | None] = []
+    native_b = Backend("native")  # never prepared: only its identity matters here
+    plan = bench.Plan(
+        {m: {"none": NONE, "mtp": mtp} for m in modes}, {"none": [0], "mtp": [0, 2, 3]}, modes,
+        engines=("eager", "native"), backends={"native": native_b},
+    )  # fmt: skip
+    calls: list[tuple[dict, list[int], Backend]] = []
 
-    def fake(target: Any, proposers: Any, ks: list[int], prompt: list[int], **kw: Any) -> costs.Readings:
-        chained = kw.get("chained")
-        seen.append(chained)
-        c = {n: 0.5 for n in proposers} | {f"{n}:{k}": 0.2 for n, (_, kk) in (chained or {}).items() for k in kk}
-        return costs.Readings(c, dict.fromkeys(ks, 1.1), 0.001)
+    def fake(target: Any, proposers: dict, ks: list[int], prompt: list[int], backend: Backend) -> costs.Readings:
+        calls.append((proposers, ks, backend))
+        c = {f"{n}:{k}": k / 4 + (backend.name == "native") for n, (_, _, kk) in proposers.items() for k in kk}
+        return costs.Readings(c, {k: 1.0 + k / 8 for k in ks}, 0.001 if backend.name == "eager" else 0.002)
 
     monkeypatch.setattr(bench, "forward_costs", fake)
-    got = bench.cost_readings(target.model, plan, PROMPT, 1)
-    assert seen[0] is None  # eager: the step
-    assert seen[1] == {"greedy:mtp": (None, [2, 3]), "sample:mtp": (Warper(1.0), [2, 3])}
-    assert got.c["native:greedy:mtp:3"] == [0.2] and got.c["eager:greedy:mtp"] == [0.5]
-    assert "eager:greedy:mtp:3" not in got.c
+    got = bench.cost_readings(target.model, plan, PROMPT, 2)
+    assert [b.name for _, _, b in calls] == ["eager", "native"] * 2 and calls[1][2] is native_b
+    want = {f"{m}:mtp": (mtp, bench.plan_sampling(plan, m), [2, 3]) for m in modes}
+    assert all(p == want and ks == [1, 2, 3] for p, ks, _ in calls)
+    assert bench.plan_sampling(plan, "sample").temperature == plan.temperature
+    assert got.c["native:sample:mtp:3"] == [1.75, 1.75] and got.c["eager:greedy:mtp:2"] == [0.5, 0.5]
+    assert set(got.c) == {f"{e}:{m}:mtp:{k}" for e in ("eager", "native") for m in modes for k in (2, 3)}
+    assert got.v == {f"{e}:{T}": [1 + (T - 1) / 8] * 2 for e in ("eager", "native") for T in (2, 3, 4)}
+    assert got.one_pass_s == {"eager": [0.001, 0.001], "native": [0.002, 0.002]}
+    calls.clear()
+    bench.cost_readings(target.model, plan, PROMPT, 1, passes=[1, 2, 5])
+    assert [ks for _, ks, _ in calls] == [[1, 4], [1, 4]]  # T - 1, the unit T = 1 left out
 
 
-def test_rows_predict_from_the_round_call(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A native row's c and prediction come from its round's call of k; an eager row's from the step."""
-    dev = torch.device("cpu")
-    target = fam.load_target(family.target, dev)
+def test_rows_cost_in_rounds_of_the_target_alone(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row's c and v: its engine's readings, in rounds of that engine's target alone
+    (`round_costs`: round_s from its measured tokens/s), fed to the cost model. The clock is
+    fake: every generation's elapsed time is set by its engine (eager 4 ms a token, native 2)."""
+    target = fam.load_target(family.target, DEV)
     plan = bench.Plan(
-        {"greedy": {"mtp": fam.load_proposer("mtp", target, dev, 0)}}, {"mtp": [2]}, ["greedy"], max_new=12,
+        {"greedy": {"mtp": fam.load_proposer("mtp", target, DEV, 0)}}, {"mtp": [2]}, ["greedy"], max_new=12,
         repeats=1, engines=("eager", "native"),
     )  # fmt: skip
     readings = costs.Costs(
-        {"eager:greedy:mtp": [0.9], "native:greedy:mtp": [0.9], "native:greedy:mtp:2": [0.3]},
+        {"eager:greedy:mtp:2": [0.9], "native:greedy:mtp:2": [0.3]},
         {"eager:3": [1.2], "native:3": [1.1]},
-        {"eager": [0.01], "native": [0.005]},
+        {"eager": [0.001], "native": [0.001]},
     )
     monkeypatch.setattr(bench, "cost_readings", lambda *a, **kw: readings)
+    real_run = bench.run_prompt
+
+    def run_prompt(target: Any, p: Any, backend: Backend, *a: Any) -> tuple[list[int], Stats]:
+        out, st = real_run(target, p, backend, *a)
+        st.elapsed_s = st.new_tokens * (0.004 if backend.name == "eager" else 0.002)
+        return out, st
+
+    monkeypatch.setattr(bench, "run_prompt", run_prompt)
+    models: list[tuple[float, ...]] = []
+    real_pred, real_var = bench.predicted_speedup, bench.variable_speedup
+    monkeypatch.setattr(
+        bench, "predicted_speedup", lambda a, k, c, v: models.append((k, c, v)) or real_pred(a, k, c, v)
+    )
+
+    def variable(st: Stats, rounds: int, c: dict[int, float], v: dict[int, float]) -> float:
+        models.append((max(c), c[max(c)], v[max(v)]))
+        return real_var(st, rounds, c, v)
+
+    monkeypatch.setattr(bench, "variable_speedup", variable)
     rows = {(r.engine, r.proposer): r for r in bench.run_bench(target.model, [PROMPT], plan)}
-    native, eager = rows[("native", "mtp")], rows[("eager", "mtp")]
-    assert native.cost_c == 0.3 and native.cost_v == 1.1 and eager.cost_c == 0.9
-    assert native.predicted_speedup == pytest.approx(bench.predicted_speedup(native.alpha_model, 2, 0.3, 1.1))
+    native_r, eager_r = rows[("native", "mtp")], rows[("eager", "mtp")]
+    # eager: one pass 1 ms of a 4 ms round; native: 1 ms of 2 ms
+    assert eager_r.cost_c == pytest.approx(0.9 / 4) and eager_r.cost_v == pytest.approx(1 + 0.2 / 4)
+    assert native_r.cost_c == pytest.approx(0.3 / 2) and native_r.cost_v == pytest.approx(1 + 0.1 / 2)
+    fed = [(2, pytest.approx(0.9 / 4), pytest.approx(1 + 0.2 / 4)), (2, pytest.approx(0.3 / 2), pytest.approx(1.05))]
+    assert [m for m in models if m[0]] == fed  # the model is fed them: eager's row, then native's
+    for r in rows.values():
+        assert r.predicted_speedup > 0 and r.measured_over_predicted == pytest.approx(r.speedup / r.predicted_speedup)
+    alone = rows[("native", "none")]
+    assert alone.cost_c == 0 and alone.cost_v == 1.0 and alone.predicted_speedup == 1.0
 
 
-def test_whole_chain_rounds_cost_the_chain_at_every_depth() -> None:
-    st = Stats("mtp@p0.5", 4, accepted=9, guessed=[2, 0, 4, 0, 4])
-    v = {2: 1.1, 3: 1.2, 4: 1.3, 5: 1.5}
-    cost = (2 * (0.8 + 1.0) + 4 * (0.8 + 1.2) + 4 * (0.8 + 1.5)) / 10
-    assert bench.variable_speedup(st, 10, 0.2, v, whole=0.8) == pytest.approx((1 + 9 / 10) / cost)
+# --- the cost model's arithmetic ---------------------------------------------------------------
+def test_predicted_speedup_and_alpha_by_hand() -> None:
+    """(1-a^(k+1))/(1-a) tokens a round for k·c + v passes, against values worked out by hand."""
+    # a = 0.5, k = 3: 1 + .5 + .25 + .125 = 1.875 tokens; 3 * 0.2 + 1.1 = 1.7 passes
+    assert costs.predicted_speedup(0.5, 3, 0.2, 1.1) == pytest.approx(1.875 / 1.7)
+    # a = 0.8, k = 2: 1 + .8 + .64 = 2.44 tokens; 2 * 0.1 + 1.05 = 1.25 passes
+    assert costs.predicted_speedup(0.8, 2, 0.1, 1.05) == pytest.approx(1.952)
+    assert costs.predicted_speedup(1.0, 4, 0.25, 1.0) == pytest.approx(5 / 2)  # all kept: k + 1 tokens
+    assert costs.predicted_speedup(0.0, 4, 0.0, 1.0) == pytest.approx(1.0)  # nothing kept, free proposer
+    # 20 rounds of k = 3: 1st kept 12 times, 2nd 8, 3rd 2 -> reached 20 + 12 + 8 = 40, kept 22
+    assert costs.conditional_alpha([12, 8, 2], 20) == pytest.approx(22 / 40)
+    assert costs.conditional_alpha([0, 0], 0) == 0.0
+
+
+def test_round_costs_arithmetic() -> None:
+    """From verify passes over one token to rounds of the target alone: c scaled, v scaled beside
+    the round's host work (which a round of the target alone pays as well)."""
+    # one pass 2 ms, a round of the target alone 5 ms (3 ms of host work)
+    c, v = costs.round_costs(0.4, 1.3, 0.002, 0.005)
+    assert c == pytest.approx(0.16) and v == pytest.approx(1.12)  # 0.4 * 0.4; (1.3 - 1) * 0.4 + 1
+    assert costs.round_costs(0.4, 1.3, 0.005, 0.005) == pytest.approx((0.4, 1.3))  # no host work: unchanged
+    assert costs.round_costs(0.0, 1.0, 0.001, 0.004) == pytest.approx((0.0, 1.0))  # the target alone is 1
+
+
+def test_variable_speedup_costs_each_depth_at_its_own_c() -> None:
+    """Rounds of varying depth: sum over m of rounds(m) * (m·c(m) + v(m+1)) / rounds; a round
+    without guesses is v(1) (1 where not read); no round at all, 1."""
+    st = Stats("ngram", 4, accepted=9, guessed=[2, 0, 4, 0, 4])  # 10 rounds: 2 empty, 4 of 2, 4 of 4 guesses
+    c = {2: 0.1, 4: 0.05}
+    v = {3: 1.2, 5: 1.5}
+    cost = (2 * 1.0 + 4 * (0.2 + 1.2) + 4 * (0.2 + 1.5)) / 10  # 1.44
+    assert cost == pytest.approx(1.44)
+    assert costs.variable_speedup(st, 10, c, v) == pytest.approx(1.9 / 1.44)
+    assert costs.variable_speedup(st, 10, c, v | {1: 1.1}) == pytest.approx(1.9 / (1.44 + 2 * 0.1 / 10))
+    assert costs.variable_speedup(st, 0, c, v) == 1.0
 
 
 # --- our rows beside a peer's ----------------------------------------------------------------------
@@ -188,9 +312,9 @@ def test_vllm_rows_set_beside_our_fastest_engine_and_our_batch_engine(
     from smallem_cli.defaults import default_k
     from smallem_cli.interop import vllm_peer as V
 
-    target = fam.load_target(family.target, torch.device("cpu"))
+    target = fam.load_target(family.target, DEV)
     prompts = [PROMPT, [20, 21, 22, 23, 24, 25, 26, 27]]
-    ref = [generate(target.model, NoProposer(), p, 10, 0)[0] for p in prompts]
+    ref = [generate(target.model, NONE, p, 10, 0)[0] for p in prompts]
 
     def run_offline(python: Path, job: dict[str, Any], env: dict[str, str], log: Path | None = None) -> dict:
         part = {"tokens": ref, "spec": {}}

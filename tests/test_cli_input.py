@@ -182,13 +182,11 @@ def test_bad_thread_counts_are_refused(family: Family) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--draft-p-min", "1.5"], "--draft-p-min"),
-        (["--draft-p-min", "nan"], "--draft-p-min"),
         (["--proposer", "ngram+none"], "takes a model proposer"),
         (["--proposer", "ngram+ngram"], "takes a model proposer"),
     ],
 )
-def test_bad_adaptive_and_ngram_options(family, args: list[str], message: str) -> None:
+def test_bad_ngram_options(family, args: list[str], message: str) -> None:
     res = CliRunner().invoke(app, ["generate", "--target", str(family.target), *args, "Hi"])
     assert res.exit_code == 2 and message in res.stderr and "Traceback" not in res.output
 

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from smallem_cli.cli.app import app
 from smallem_cli.engine import family as fam
+from smallem_cli.engine.family import NONE
 from smallem_cli.engine.generate import generate
 from smallem_cli.model.tokenizer import load_tokenizer
-from smallem_cli.spec.proposers import NoProposer
 from smallem_cli.spec.sampling import Sampling
 from smallem_cli.train import continuations as C
 from smallem_cli.train import data as corpus
@@ -60,7 +60,7 @@ def test_continuations_command_writes_the_targets_own_text(family: Family, tmp_p
         if i % 3 == 0:  # sampled at T = 1 (the engine's own seeded draws): its context leads it
             assert docs[i].startswith(tok.decode(list(ctx)))
             continue
-        new, _ = generate(model, NoProposer(), list(ctx), 12, 0, Sampling(), eot)
+        new, _ = generate(model, NONE, list(ctx), 12, 0, Sampling(), eot)
         assert docs[i] == tok.decode([*ctx, *new])
 
     # nothing replaced unasked, and the source is not an output: one line each, before any work

@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import random
+from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 import torch
 from conftest import PROMPT, random_model
+from engine_help import proposer, reference_logits
 
+from smallem_cli.backends.engines import Backend
 from smallem_cli.config import ModelConfig
-from smallem_cli.engine.build import pool_pages
+from smallem_cli.engine.build import assemble, pool_pages
+from smallem_cli.engine.family import NONE
 from smallem_cli.engine.forward import slab_for
 from smallem_cli.engine.generate import generate
 from smallem_cli.engine.pool import PagePool, PoolExhausted
-from smallem_cli.engine.proposers import DraftGuess, EachGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
+from smallem_cli.engine.proposers import BatchProposer, Guesses, penalty_of
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.runner import TargetRunner
 from smallem_cli.engine.scheduler import Engine
-from smallem_cli.spec.head import Head
-from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
+from smallem_cli.engine.sequence import Seq
+from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.sampling import Sampling
+from smallem_cli.spec.verify import Penalty
 
 N = 60
 PS = 16
@@ -32,26 +38,18 @@ def decode(ids: list[int]) -> str:
 def engine(
     models: dict, kind: str, k: int, max_batch: int, n_pages: int | None = None, eot: int | None = None, cut: int = 0
 ):
+    """An eager engine for the target and `kind`: none, ngram, a model of `models` by name (near,
+    draft, mtp), or ngram+ one of those; `cut`: the proposer's head cut to that many tokens."""
     target = models["target"]
     pool = PagePool(n_pages or pool_pages(max_batch, target.cfg.max_seq_len, PS), PS)
     V = target.cfg.vocab_size
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:cut] if cut else None  # a cut head
-
-    def one(name: str):
-        if name == "none":
-            return NoGuess()
-        if name == "ngram":
-            return NgramGuess(V, 2, 4, 0.16)
-        if name == "mtp":
-            return MTPGuess(target, models["mtp"], pool, Head(target, ids))
-        return DraftGuess(models[name], pool, Head(models[name], ids), name)
-
-    first, _, rest = kind.partition("+")
-    proposer = FallbackGuess(one(first), one(rest)) if rest else one(first)  # type: ignore[arg-type]
-    slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
-    return Engine(
-        TargetRunner(target, slab, pool), proposer, k, auto_k=False, max_batch=max_batch, eot=eot, decode=decode
-    )
+    base = kind.removeprefix("ngram+")
+    if base in ("none", "ngram"):
+        p = proposer(base)
+    else:
+        p = proposer(kind.replace(base, "mtp" if base == "mtp" else "draft"), target, models[base], ids)
+    return assemble(target, p, Backend(), pool, k, auto_k=False, max_batch=max_batch, eot=eot, decode=decode)
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -82,7 +80,7 @@ def test_greedy_batch_of_16_is_the_target_alone(models, kind: str) -> None:
     got = {f.request.index: f for f in eng.run(reqs)}
     assert sorted(got) == list(range(len(reqs)))
     for r in reqs:
-        ref, _ = generate(models["target"], NoProposer(), list(r.prompt), r.max_new_tokens, 0)
+        ref, _ = generate(models["target"], NONE, list(r.prompt), r.max_new_tokens, 0)
         assert got[r.index].tokens == ref, f"request {r.index}"
         assert got[r.index].text == decode(ref)
     if kind in ("near", "mtp"):
@@ -109,7 +107,7 @@ def test_preemption_keeps_greedy_identity(models, kind: str) -> None:
     got = {f.request.index: f.tokens for f in eng.run(reqs)}
     assert eng.preemptions > 0
     for r in reqs:
-        ref, _ = generate(models["target"], NoProposer(), list(r.prompt), r.max_new_tokens, 0)
+        ref, _ = generate(models["target"], NONE, list(r.prompt), r.max_new_tokens, 0)
         assert got[r.index] == ref
     eng.pool.check()
 
@@ -123,44 +121,138 @@ def test_penalty_and_min_p_in_a_batch(models, kind: str) -> None:
     reqs = requests(ps, sampling=opts)
     got = {f.request.index: f.tokens for f in engine(models, kind, 3, max_batch=10).run(reqs)}
     for r in reqs:
-        ref, _ = generate(models["target"], NoProposer(), list(r.prompt), r.max_new_tokens, 0, r.sampling)
+        ref, _ = generate(models["target"], NONE, list(r.prompt), r.max_new_tokens, 0, r.sampling)
         assert got[r.index] == ref, f"request {r.index}"
-    plain, _ = generate(models["target"], NoProposer(), list(reqs[1].prompt), reqs[1].max_new_tokens, 0)
+    plain, _ = generate(models["target"], NONE, list(reqs[1].prompt), reqs[1].max_new_tokens, 0)
     assert got[1] != plain  # the penalty changed something
+
+
+Chain = Callable[[torch.Tensor, int, Penalty | None], torch.Tensor]
+
+
+def draft_chain(draft: Transformer) -> Chain:
+    """A draft's k greedy guesses after the tokens so far, each from a whole-sequence pass (the
+    training path) over them and the guesses before it, scored with the penalty."""
+
+    def chain(tokens: torch.Tensor, k: int, pen: Penalty | None) -> torch.Tensor:
+        out = []
+        for _ in range(k):
+            row = reference_logits(draft, torch.cat([tokens, *out]))[-1:]  # [1, V]
+            g = (row if pen is None else pen.apply(row)).argmax(-1)
+            if pen is not None:
+                pen.take(g)
+            out.append(g)
+        return torch.cat(out)
+
+    return chain
+
+
+def mtp_chain(target: Transformer, mtp: MTPModule) -> Chain:
+    """The MTP module's k greedy guesses after the tokens so far, from whole-sequence passes: pairs
+    (h_j, x_{j+1}) over the tokens (the target's states), then each guess chained on the module's
+    own state (`evaluate._mtp_chain`'s rule), scored with the penalty."""
+
+    def chain(tokens: torch.Tensor, k: int, pen: Penalty | None) -> torch.Tensor:
+        with torch.inference_mode():
+            h = target.hidden(tokens[None])  # [1, C, d]
+            hs, toks, out = h[:, :-1], tokens[None, 1:], []
+            for _ in range(k):
+                T = hs.shape[1]
+                states = mtp(hs, target.embed_tokens(toks), target.cos[:T], target.sin[:T])  # [1, T, d]
+                row = target.logits(states[:, -1])  # [1, V]
+                g = (row if pen is None else pen.apply(row)).argmax(-1)
+                if pen is not None:
+                    pen.take(g)
+                out.append(g)
+                hs, toks = torch.cat([hs, states[:, -1:]], 1), torch.cat([toks, g[None]], 1)
+        return torch.cat(out)
+
+    return chain
+
+
+class ReferenceGuess:
+    """A proposer for greedy requests that guesses each sequence alone from its tokens so far (no
+    cache, no batch): the reference the batched proposers are held to. `penalty`: whether its
+    guesses are scored with the request's repetition penalty."""
+
+    def __init__(self, name: str, chain: Chain, penalty: bool = True) -> None:
+        self.name, self.chain, self.penalty = name, chain, penalty
+
+    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+        pass
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
+        out: list[Guesses] = []
+        for s, k in zip(seqs, ks, strict=True):
+            assert s.warp is None
+            pen = penalty_of(s) if self.penalty else None
+            tokens = torch.tensor(s.tokens)  # the prompt and every token emitted, `last` the final one
+            assert tokens[-1] == s.last
+            out.append((self.chain(tokens, k, None if pen is None else pen.copy()) if k else s.last[:0], None))
+        return out
+
+    def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        pass
+
+    def drop(self, seq: Seq) -> None:
+        pass
+
+
+class Spy:
+    """A proposer's guesses, round by round, for each request."""
+
+    def __init__(self, inner: BatchProposer) -> None:
+        self.inner, self.name = inner, inner.name
+        self.guesses: dict[int, list[list[int]]] = defaultdict(list)
+
+    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+        self.inner.start(seqs, fed, hidden)
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
+        got = self.inner.propose(seqs, ks)
+        for s, g in zip(seqs, got, strict=True):
+            self.guesses[s.req.index].append(g[0].tolist())
+        return got
+
+    def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.inner.accept(seq, n, emitted, hidden)
+
+    def drop(self, seq: Seq) -> None:
+        self.inner.drop(seq)
 
 
 @pytest.mark.parametrize("kind", ["near", "mtp"])
 def test_batched_guesses_score_the_penalty(models, kind: str) -> None:
-    """Under a repetition penalty a batched proposer guesses as the one-sequence proposer does,
-    each guess scored with its context and the guesses before it (`verify.Penalty`): the same
-    guesses kept, position by position, in every request of a batch."""
+    """Under a repetition penalty a batched proposer guesses as a proposer of one sequence does,
+    each guess scored with its context and the guesses before it (`verify.Penalty`): in every
+    request of a batch, the same guesses round by round as the whole-sequence reference's,
+    hence the same guesses kept. The reference without the penalty guesses otherwise (the
+    negative control: the penalty is seen)."""
     ps = prompts(8, 64, seed=7)
     reqs = requests(ps, sampling=[Sampling(repetition_penalty=1.5)] * len(ps))
-    batched = {f.request.index: f.stats for f in engine(models, kind, 3, max_batch=8).run(reqs)}
     target = models["target"]
+    chain = mtp_chain(target, models["mtp"]) if kind == "mtp" else draft_chain(models[kind])
 
-    def one():
-        if kind == "mtp":
-            return MTPProposer(target, models["mtp"], target.cfg.max_seq_len, Head(target))
-        return DraftProposer(models[kind], target.cfg.max_seq_len, kind, Head(models[kind]))
+    def run(p: BatchProposer | None) -> tuple[dict[int, dict], Spy]:
+        eng = engine(models, kind, 3, max_batch=8)
+        if p is not None:
+            pool = PagePool(pool_pages(8, target.cfg.max_seq_len, PS), PS)
+            slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
+            eng = Engine(TargetRunner(target, slab, pool), p, 3, auto_k=False, max_batch=8, eot=None, decode=decode)
+        eng.proposer = spy = Spy(eng.proposer)
+        return {f.request.index: f.stats | {"tokens": f.tokens} for f in eng.run(reqs)}, spy
 
+    batched, b_spy = run(None)
+    ref, r_spy = run(ReferenceGuess(kind, chain))
+    _, plain_spy = run(ReferenceGuess(kind, chain, penalty=False))
     kept = 0
     for r in reqs:
-        pool = PagePool(pool_pages(1, target.cfg.max_seq_len, PS), PS)
-        slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
-        eng = Engine(
-            TargetRunner(target, slab, pool),
-            EachGuess(one, kind),
-            3,
-            auto_k=False,
-            max_batch=1,
-            eot=None,
-            decode=decode,
-        )
-        alone = next(iter(eng.run([r]))).stats
-        assert batched[r.index]["accepted_at"] == alone["accepted_at"], f"request {r.index}"
-        kept += sum(alone["accepted_at"])  # type: ignore[arg-type]
+        i = r.index
+        assert b_spy.guesses[i] == r_spy.guesses[i], f"request {i}"
+        assert batched[i]["accepted_at"] == ref[i]["accepted_at"] and batched[i]["tokens"] == ref[i]["tokens"]
+        kept += sum(ref[i]["accepted_at"])
     assert kind == "mtp" or kept > 0
+    assert any(plain_spy.guesses[r.index] != r_spy.guesses[r.index] for r in reqs)
 
 
 @pytest.mark.parametrize(("kind", "cut"), [("near", 0), ("mtp", 0), ("ngram", 0), ("mtp", 40), ("ngram+near", 40)])
@@ -180,7 +272,7 @@ def test_sampled_request_depends_on_its_seed_alone(models, kind: str, cut: int) 
 
 
 def test_stop_token_and_stop_strings(models) -> None:
-    ref, _ = generate(models["target"], NoProposer(), PROMPT, N, 0)
+    ref, _ = generate(models["target"], NONE, PROMPT, N, 0)
     stop_tok = ref[10]
     cut = ref.index(stop_tok)
     eng = engine(models, "near", 3, max_batch=2, eot=stop_tok)
@@ -254,9 +346,7 @@ def pair_law(model, prompt: list[int]) -> torch.Tensor:
     out = torch.zeros(5, 5)
     with torch.inference_mode():
         for x1 in range(5):
-            c = model.new_cache(8, 16)
-            seq = c.new_sequence()
-            logits, _ = model(torch.tensor([*prompt, x1]), c, seq)
+            logits = reference_logits(model, torch.tensor([*prompt, x1]))
             p = torch.softmax(logits.double(), -1)
             out[x1] = p[-2, x1] * p[-1]
     return out
@@ -298,9 +388,7 @@ def penalized_pair_law(model, prompt: list[int], penalty: float, temperature: fl
 
     with torch.inference_mode():
         for x1 in range(5):
-            c = model.new_cache(8, 16)
-            logits, _ = model(torch.tensor([*prompt, x1]), c, c.new_sequence())
-            logits = logits.double()
+            logits = reference_logits(model, torch.tensor([*prompt, x1])).double()
             out[x1] = law(logits[-2], prompt)[x1] * law(logits[-1], [*prompt, x1])
     return out
 
@@ -363,7 +451,7 @@ def test_load_policy_keeps_greedy_identity(models) -> None:
     eng.auto_k = True
     got = {f.request.index: f for f in eng.run(reqs)}
     for r in reqs:
-        ref, _ = generate(models["target"], NoProposer(), list(r.prompt), r.max_new_tokens, 0)
+        ref, _ = generate(models["target"], NONE, list(r.prompt), r.max_new_tokens, 0)
         assert got[r.index].tokens == ref
     by_depth = [sum(f.stats["rounds_by_guesses"][m] for f in got.values()) for m in range(5)]  # type: ignore[index]
     assert by_depth[2] > 0 and by_depth[4] > 0  # 2 guesses while more than 4 ran, 4 once fewer were left
@@ -398,7 +486,7 @@ def test_stop_strings_cut_as_generate_cuts_them(models) -> None:
     the answer is the whole text cut before its earliest stop string (`stops.StopPrinter`'s rule)."""
     from smallem_cli.engine.stops import stop_index
 
-    ref, _ = generate(models["target"], NoProposer(), PROMPT, N, 0)
+    ref, _ = generate(models["target"], NONE, PROMPT, N, 0)
     full, words = decode(ref), decode(ref).split(" ")
     stops = (" ".join(words[30:33]), words[31])  # the short one completes first, the long one begins first
     for kind in ("near", "mtp", "none"):

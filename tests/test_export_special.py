@@ -103,7 +103,7 @@ def refused(res: object, *words: str) -> None:
 
 
 def need_gguf(fmt: str) -> None:
-        pytest.importorskip("gguf", reason="gguf is not installed (pip install 'smallem[llamacpp]')")
+    if fmt == "gguf":
         pytest.importorskip("gguf", reason=f"gguf is not installed (the llamacpp extra: {EXTRA})")
 
 

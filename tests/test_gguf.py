@@ -204,8 +204,8 @@ def test_llamacpp_greedy_tokens_are_ours(family: Family, tmp_path: Path) -> None
     need("gguf")
     need("llama_cpp")
     from smallem_cli.bench.peer import LlamaCpp
+    from smallem_cli.engine.family import NONE
     from smallem_cli.engine.generate import generate
-    from smallem_cli.spec.proposers import NoProposer
 
     out = tmp_path / "t.gguf"
     assert export(family, out).exit_code == 0
@@ -214,7 +214,7 @@ def test_llamacpp_greedy_tokens_are_ours(family: Family, tmp_path: Path) -> None
     peer = LlamaCpp(out, model.cfg.max_seq_len, 1, model.cfg.vocab_size)
     try:
         for prompt in ([5, 17, 42, 9, 1, 33, 60], list(range(3, 40)), [0, 250, 7]):
-            ref, _ = generate(model, NoProposer(), prompt, 60, 0)
+            ref, _ = generate(model, NONE, prompt, 60, 0)
             assert peer.generate(prompt, 60) == ref, prompt
         costs = peer.pass_seconds([5, 17, 42], [1, 2, 9], reps=3)
         assert set(costs) == {1, 2, 9} and min(costs.values()) > 0

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from conftest import Family  # noqa: E402
+from engine_help import proposer  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
@@ -27,6 +28,11 @@ from typer.testing import CliRunner  # noqa: E402
 from smallem_cli.cli.app import app  # noqa: E402
 from smallem_cli.config import PRESETS, ModelConfig  # noqa: E402
 from smallem_cli.defaults import default_k  # noqa: E402
+from smallem_cli.engine.batch import build, in_order  # noqa: E402
+from smallem_cli.engine.family import NONE  # noqa: E402
+from smallem_cli.engine.forward import slab_for, transformer_pass  # noqa: E402
+from smallem_cli.engine.generate import generate  # noqa: E402
+from smallem_cli.engine.pool import PagePool, pages_for  # noqa: E402
 from smallem_cli.interop.hf import HFFormatError, config_from_hf, export_hf, is_hf_dir, load_hf  # noqa: E402
 from smallem_cli.model import checkpoint  # noqa: E402
 from smallem_cli.model.llama import MTPModule, Transformer  # noqa: E402
@@ -84,31 +90,51 @@ def hf_logits(model: transformers.PreTrainedModel, tokens: torch.Tensor) -> torc
         return model(tokens[None]).logits[0].float()
 
 
+class Paged:
+    """One sequence's passes through the engine's paged layout (`engine.forward`): its pages are
+    reserved one at a time as it grows, each followed by one for a second sequence, so its page
+    table is out of order and every pass takes the general paged path (not one range of slots)."""
+
+    def __init__(self, m: Transformer, n_tokens: int, page_size: int = 16) -> None:
+        self.m, self.page_size, self.pos = m, page_size, 0
+        self.pool = PagePool(2 * pages_for(n_tokens, page_size), page_size)
+        self.pool.add(0)
+        self.pool.add(1)
+        self.slab = slab_for(m, self.pool.n_pages * page_size, torch.device("cpu"))
+
+    def feed(self, new: torch.Tensor, head: str = "all") -> torch.Tensor:
+        """The logits of `new` after what was fed before ("last": its last row only)."""
+        n = self.pos + new.shape[0]
+        while self.pool.need(0, n):
+            self.pool.reserve(0, (len(self.pool.tables[0]) + 1) * self.page_size)
+            self.pool.reserve(1, (len(self.pool.tables[1]) + 1) * self.page_size)
+        b = build([self.pool.tables[0]], [self.pos], [new.shape[0]], self.page_size, new.device)
+        self.pos = n
+        with torch.inference_mode():
+            return transformer_pass(self.m, self.slab, new, b, head)[0]
+
+
 def incremental_logits(m: Transformer, tokens: torch.Tensor, prefill: int, chunks: tuple[int, ...]) -> torch.Tensor:
     """Logits of every position through the paged cache: a prefill, then the chunk sizes in turn."""
-    cache = m.new_cache(16)
-    seq = cache.new_sequence()
+    paged = Paged(m, len(tokens))
     out, pos, i = [], 0, 0
-    with torch.no_grad():
-        while pos < len(tokens):
-            n = prefill if pos == 0 else chunks[i % len(chunks)]
-            i += pos > 0
-            logits, _ = m(tokens[pos : pos + n], cache, seq)
-            out.append(logits)
-            pos += n
+    while pos < len(tokens):
+        n = prefill if pos == 0 else chunks[i % len(chunks)]
+        i += pos > 0
+        out.append(paged.feed(tokens[pos : pos + n]))
+        pos += n
+    assert in_order(paged.pool.tables[0], len(paged.pool.tables[0])) is None  # the general paged path
     return torch.cat(out)
 
 
 def smallem_greedy(m: Transformer, prompt: torch.Tensor, n: int) -> list[int]:
-    """The plain greedy loop over the cache API: prefill, then feed back the argmax one token at a time."""
-    cache = m.new_cache(16)
-    seq = cache.new_sequence()
+    """The plain greedy loop over the paged cache: prefill, then feed back the argmax one token at a time."""
+    paged = Paged(m, len(prompt) + n)
+    logits = paged.feed(prompt, head="last")
     out: list[int] = []
-    with torch.no_grad():
-        logits, _ = m(prompt, cache, seq, last_only=True)
-        for _ in range(n):
-            out.append(int(logits[-1].argmax()))
-            logits, _ = m(torch.tensor([out[-1]]), cache, seq)
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = paged.feed(torch.tensor([out[-1]]))
     return out
 
 
@@ -160,6 +186,7 @@ def test_greedy_matches_transformers_generate(hf_folder) -> None:
         )
     ref = ref[0, 12:].tolist()
     assert smallem_greedy(m, prompt, 50) == ref
+    assert generate(m, NONE, prompt.tolist(), 50, 0)[0] == ref  # the engine's own loop, as `generate` runs it
     assert len(ref) == 50 and len(set(ref)) > 10  # a real test, not one repeated token
 
 
@@ -361,9 +388,6 @@ def test_interrupted_export_leaves_the_old_folder(tmp_path: Path, tok_path: Path
 def test_speculative_generation_matches_transformers_generate(tmp_path: Path, tok_path: Path) -> None:
     """An HF target with two HF drafts of its vocabulary, through smallem's speculative loop (greedy):
     the tokens are transformers' greedy ones, whatever the draft and k."""
-    from smallem_cli.engine.generate import generate
-    from smallem_cli.spec.proposers import DraftProposer
-
     hf = hf_llama(2, False, 5000.0)
     # Draft 1: the target's first layer alone (its embeddings, norm and head): agrees often, not always.
     cut_cfg = copy.deepcopy(hf.config)
@@ -399,7 +423,7 @@ def test_speculative_generation_matches_transformers_generate(tmp_path: Path, to
         assert draft_fp == fp and draft.cfg.vocab_size == VOCAB and draft.cfg.n_layers == 1
         draft.pack()
         for k in (1, 3):
-            out, stats = generate(target, DraftProposer(draft, 200), prompt.tolist(), 50, k)
+            out, stats = generate(target, proposer("draft", model=draft), prompt.tolist(), 50, k)
             assert out == ref, (name, k)
             assert stats.new_tokens == 50 and stats.proposed > 0
             rates[name, k] = stats.acceptance_rate

@@ -1,81 +1,64 @@
-"""The native engine (`smallem_cli/native/`): C++ kernels over a model's float16 weights.
+"""The native engine (`smallem_cli/backends/native/`): C++ kernels over a model's float16 weights,
+run for the models a native backend (`engines.Backend`) gave steps.
 
-Every check compares it with the eager path, the reference: a pass's logits, hidden states
-and K/V to float32 rounding, greedy generations token for token (target alone, MTP chain,
-draft), the MTP chain's guesses against the step-by-step ones. Then what it refuses
+Every check compares it with the eager backend, the reference: a pass's logits, hidden states
+and K/V to float32 rounding (the one-sequence step a prompt and a generation's rounds take, the
+flat pass, the MTP module's), greedy generations token for token (every proposer, and the
+target alone's), the chains of guesses against the step-by-step ones. Then what it refuses
 (weights float16 cannot hold, widths its kernels do not tile, a compiler that fails, a
 shared cache folder), that it builds its library once, and the CLI.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
 from conftest import DRAFT_CFG, PROMPT, TINY, Family, noisy_copy, random_model, random_mtp
+from engine_help import halved, proposer, sequence_pass
 from typer.testing import CliRunner
 
 from smallem_cli.backends import engines, native
-from smallem_cli.backends.steps import switch
+from smallem_cli.backends.engines import Backend
 from smallem_cli.cli.app import app
+from smallem_cli.engine import batch as B
+from smallem_cli.engine.family import NONE
+from smallem_cli.engine.forward import mtp_pass, slab_for, transformer_pass
 from smallem_cli.engine.generate import generate
+from smallem_cli.engine.pool import PagePool, pages_for
+from smallem_cli.engine.proposers import DraftGuess, MTPGuess
+from smallem_cli.engine.request import Request
+from smallem_cli.engine.sequence import Seq
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
-from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
 from smallem_cli.spec.sampling import Sampling
-from smallem_cli.spec.verify import Penalty, Warper
+from smallem_cli.stats import Stats
 
 no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
+CPU = torch.device("cpu")
+PS = 16  # page size of the one-sequence layouts below
+EAGER = Backend()
+R = TypeVar("R")
 
 
-def halved(model: Transformer | MTPModule) -> Transformer | MTPModule:
-    """A copy whose weights are float16 values (as a checkpoint's), packed again."""
-    m = copy.deepcopy(model)
+def prepared(target: Transformer, *models: Transformer | MTPModule, name: str = "native") -> Backend:
+    """A backend `name` whose steps serve the target and every model (asserted: none refused)."""
+    b, log = Backend(name), []
+    assert b.prepare(target, list(models), log.append) == name, log
+    return b
+
+
+def eager_and_native(fn: Callable[[Backend], R], b: Backend) -> tuple[R, R]:
+    """fn(backend) on the eager backend, then on `b`, a native one."""
     with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(p.half().float())
-    return m.pack()
-
-
-def attach(model: Transformer | MTPModule, target: Transformer, log, root: Path) -> bool:
-    """Give a model native steps (`native._attach`) -> whether it has them; why not, in one line
-    through `log`, as `native.prepare` says it."""
-    why = native._attach(model, target, log, root, "native")
-    if why is not None:
-        log(f"native decode step unavailable ({type(model).__name__}): {why}")
-    return why is None
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("native-cache")
-
-
-@pytest.fixture(scope="module")
-def pair(root: Path) -> tuple[Transformer, MTPModule]:
-    """A float16-exact target (GQA: 4 heads on 2 kv heads) and MTP module, with native steps."""
-    target, mtp = halved(random_model(TINY, seed=0)), halved(random_mtp(TINY, seed=2))
-    log: list[str] = []
-    assert native.prepare(target, [mtp], log.append, root) == (2, 2), log  # type: ignore[arg-type]
-    return target, mtp  # type: ignore[return-value]
-
-
-def eager_and_native(fn):
-    """fn() run on the eager path, then on the native one."""
-    switch("eager")
-    try:
-        with torch.no_grad():
-            a = fn()
-            switch("native")
-            return a, fn()
-    finally:
-        switch(None)
+        return fn(EAGER), fn(b)
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -86,30 +69,138 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max())))
 
 
+def one_sequence(
+    model: Transformer,
+    past: torch.Tensor,
+    new: torch.Tensor,
+    steps: native.NativeSteps | None = None,
+    head: bool = True,
+    last: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`new` after `past`, one sequence whose pages lie in order (slots 0 ..): the past through
+    the flat pass, then `new` through the model's native one-sequence step (`NativeSteps.step_for`,
+    what `TargetRunner.one_pass` runs for a prompt or a round) with `steps`, else the eager flat
+    pass -> (logits: every row's, the last's (`last`) or none (no `head`), hidden [T or 1, d],
+    the K/V `new` wrote [L, 2, Hkv, T, D])."""
+    P, T = past.shape[0], new.shape[0]
+    slab = slab_for(model, (pages_for(P + T, PS) + 1) * PS, CPU)
+    table = list(range(slab.shape[3] // PS))
+    with torch.no_grad():
+        if P:
+            transformer_pass(model, slab, past, B.build([table], [0], [P], PS, CPU), "none", steps)
+        if steps is None:
+            logits, hidden = transformer_pass(model, slab, new, B.build([table], [P], [T], PS, CPU), "all")
+            if last:
+                logits, hidden = logits[-1:], hidden[-1:]
+            logits = logits if head else logits[:0]
+        else:
+            step = steps.step_for(P, P + T, head, last)
+            assert step is not None
+            logits, hidden, kv, *_ = step(new, *steps.trig(P, P + T), slab[:, :, :, :P])
+            assert kv.data_ptr() == slab[:, :, :, P:].data_ptr()  # written in place, right after the past
+    return logits, hidden, slab[:, :, :, P : P + T].clone()
+
+
+def mtp_sequence(
+    mtp: MTPModule, target: Transformer, h: torch.Tensor, ids: torch.Tensor, P: int, steps=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MTP module's pass over pairs (h [n, d], ids [n]) P .. n-1 after the first P, one sequence
+    in its own slab (`forward.mtp_pass`: native with `steps`) -> (its states [n-P, d], the K/V written)."""
+    n = ids.shape[0]
+    slab = slab_for(mtp, (pages_for(n, PS) + 1) * PS, CPU)
+    table = list(range(slab.shape[3] // PS))
+    with torch.no_grad():
+        mtp_pass(mtp, target, slab, h[:P], ids[:P], B.build([table], [0], [P], PS, CPU), steps)
+        out = mtp_pass(mtp, target, slab, h[P:], ids[P:], B.build([table], [P], [n - P], PS, CPU), steps)
+    return out, slab[:, :, :, P:n].clone()
+
+
+def first_round(
+    b: Backend,
+    target: Transformer,
+    model: Transformer | MTPModule,
+    fed: torch.Tensor,
+    last: torch.Tensor,
+    hidden: torch.Tensor,
+    k: int,
+    sampling: Sampling,
+    head: Head | None = None,
+    seen: torch.Tensor | None = None,
+) -> tuple[MTPGuess | DraftGuess, Seq, torch.Tensor, torch.Tensor | None]:
+    """A sequence's first round of k guesses from the engine's batched proposer of `model` (the MTP
+    module over `target`, or a draft) on backend `b`: the sequence alone in its pool (its pages in
+    order: with native steps the round is one chain call, `NativeSteps.chain`), started on the
+    prompt `fed` (the target's states `hidden` [P, d]) and `last`, the token after it; `seen`: the
+    repetition penalty's context -> (the proposer, the sequence, its guesses [k], q [k, V] or None)."""
+    n = fed.shape[0]
+    pool = PagePool(pages_for(n + k + 1, PS) + 1, PS)
+    s = Seq(
+        req=Request(0, 0, tuple(fed.tolist()), k + 1, sampling),
+        uid=1,
+        gen=torch.Generator().manual_seed(sampling.seed),
+        warp=sampling.warp(),
+        stats=Stats("test", k),
+        k=k,
+        tokens=[*fed.tolist(), int(last)],
+        last=last.view(1),
+        cached=n,
+        seen=seen,
+    )
+    pool.add(s.uid)
+    pool.reserve(s.uid, n + k + 1)
+    p: MTPGuess | DraftGuess
+    if isinstance(model, MTPModule):
+        p = MTPGuess(target, model, pool, head or Head(target), b)
+    else:
+        p = DraftGuess(model, pool, head or Head(model), "draft", b)
+    with torch.no_grad():
+        p.start([s], [fed], [hidden])
+        ((tokens, q),) = p.propose([s], [k])
+    return p, s, tokens, q
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Transformer, MTPModule, Backend]:
+    """A float16-exact target (GQA: 4 heads on 2 kv heads) and MTP module, and a native backend
+    with steps for both."""
+    target, mtp = halved(random_model(TINY, seed=0)), halved(random_mtp(TINY, seed=2))
+    return target, mtp, prepared(target, mtp)  # type: ignore[return-value, arg-type]
+
+
+@pytest.fixture(scope="module")
+def draft(pair: tuple[Transformer, MTPModule, Backend]) -> Transformer:
+    """A float16-exact draft that agrees with the target often, not always; the pair's backend has its steps."""
+    target, _, b = pair
+    d = halved(noisy_copy(target, 0.05, seed=5))
+    assert b.prepare(target, [d]) == "native"
+    return d  # type: ignore[return-value]
+
+
 @pytest.mark.parametrize(
     ("T", "head", "last"),
     [(1, True, False), (2, False, True), (3, True, True), (5, True, False), (11, True, False), (16, True, False)],
 )
-def test_target_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule], T: int, head: bool, last: bool) -> None:
-    """Logits, hidden states and the K/V a pass writes match the eager pass's, for any T."""
-    target, _ = pair
-    cache = target.new_cache(4)
-    seq = cache.new_sequence()
+def test_target_pass_is_the_eager_one(
+    pair: tuple[Transformer, MTPModule, Backend], T: int, head: bool, last: bool
+) -> None:
+    """Logits, hidden states and the K/V a pass writes match the eager pass's, for any T: the
+    one-sequence step (with or without its head, every row or the last), and the flat pass over
+    the same sequence (every row's logits)."""
+    target, _, b = pair
+    steps = b.steps(target)
+    assert steps is not None
     tokens = torch.randint(0, TINY.vocab_size, (40,), generator=torch.Generator().manual_seed(T))
-    target(tokens[:20], cache, seq)
-
-    def one() -> tuple[torch.Tensor, ...]:
-        logits, hidden = target(tokens[20 : 20 + T], cache, seq, head=head, last=last)
-        kv = cache.kv[:, :, :, 20 : 20 + T].clone()
-        cache.keep(seq, 20)
-        return logits, hidden, kv
-
-    a, b = eager_and_native(one)
-    assert all(close(x, y) for x, y in zip(a, b, strict=True)), [(x - y).abs().max() for x, y in zip(a, b, strict=True)]
-    assert b[1].shape[0] == (1 if last else T) and b[0].shape[0] == (0 if not head else 1 if last else T)
+    past, new = tokens[:20], tokens[20 : 20 + T]
+    a, c = one_sequence(target, past, new, None, head, last), one_sequence(target, past, new, steps, head, last)
+    assert c[1].shape[0] == (1 if last else T) and c[0].shape[0] == (0 if not head else 1 if last else T)
+    if not head:  # no logits (the step's empty rows are not the head's width: nothing reads them)
+        a, c = a[1:], c[1:]
+    assert all(close(x, y) for x, y in zip(a, c, strict=True)), [(x - y).abs().max() for x, y in zip(a, c, strict=True)]
+    flat_a, flat_c = sequence_pass(target, past, new), sequence_pass(target, past, new, steps)
+    assert close(flat_a[0], flat_c[0]) and close(flat_a[1], flat_c[1]) and flat_c[0].shape == (T, TINY.vocab_size)
 
 
-def test_verify_pass_reads_its_argmax_and_finite_flag(root: Path) -> None:
+def test_verify_pass_reads_its_argmax_and_finite_flag() -> None:
     """A pass with a head also returns each row's argmax (torch's) and 1 if every logit is finite;
     with a NaN in the final norm the flag is 0, and a generation stops at its first round with
     NonFiniteError (its prefill's logits, from the eager head, were finite: one token came out)."""
@@ -117,29 +208,24 @@ def test_verify_pass_reads_its_argmax_and_finite_flag(root: Path) -> None:
     from smallem_cli.spec.sampling import NonFiniteError
 
     model = halved(random_model(TINY, seed=4))
-    assert attach(model, model, lambda _: None, root)  # type: ignore[arg-type]
-    steps = model.native
+    b = prepared(model)  # type: ignore[arg-type]
+    steps = b.steps(model)
     assert steps is not None
-    cache = model.new_cache(4)  # type: ignore[union-attr]
-    seq = cache.new_sequence()
     tokens = torch.randint(0, TINY.vocab_size, (24,), generator=torch.Generator().manual_seed(4))
+    slab = slab_for(model, 2 * PS, CPU)
     with torch.no_grad():
-        model(tokens[:19], cache, seq)  # type: ignore[operator]
-        past = cache.append(seq, 0).past()
-        logits, _, _, top = steps.get(5, True, False)(tokens[19:], *steps.trig(19, 24), past)  # type: ignore[misc]
+        transformer_pass(model, slab, tokens[:19], B.build([[0, 1]], [0], [19], PS, CPU), "none")  # type: ignore[arg-type]
+        past = slab[:, :, :, :19]
+        logits, _, _, top = steps.step_for(19, 24, True, False)(tokens[19:], *steps.trig(19, 24), past)  # type: ignore[misc]
         assert top.tolist() == [*logits.argmax(-1).tolist(), 1]
         g = next(t for t in steps.keep if t.data_ptr() == steps.mw.g_final)  # the final norm the C code reads
         g[3] = float("nan")
-        _, _, _, top = steps.get(5, True, False)(tokens[19:], *steps.trig(19, 24), past)  # type: ignore[misc]
+        _, _, _, top = steps.step_for(19, 24, True, False)(tokens[19:], *steps.trig(19, 24), past)  # type: ignore[misc]
         assert top[-1] == 0
-    switch("native")
     chunks: list[list[int]] = []
-    try:
-        with pytest.raises(NonFiniteError, match="not finite"):
-            for chunk in stream(model, NoProposer(), PROMPT, 20, 0):  # type: ignore[arg-type]
-                chunks.append(chunk)
-    finally:
-        switch(None)
+    with pytest.raises(NonFiniteError, match="not finite"):
+        for chunk in stream(model, NONE, PROMPT, 20, 0, backend=b):  # type: ignore[arg-type]
+            chunks.append(chunk)
     assert len(chunks) == 1
 
 
@@ -173,7 +259,7 @@ def native_rule(
     [(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 3, 0.85, 0.0), (0.8, 0, 0.85, 0.0), (1.0, 0, 1.0, 0.35)],
 )
 def test_native_verification_is_exact(
-    pair: tuple[Transformer, MTPModule], temperature: float, top_k: int, top_p: float, min_p: float
+    pair: tuple[Transformer, MTPModule, Backend], temperature: float, top_k: int, top_p: float, min_p: float
 ) -> None:
     """The C rule a native run verifies sampled guesses with (`native.verify_sample`, whose draws
     are `verify_sample`'s: test_generation_is_the_eager_one), from raw logits and a temperature,
@@ -209,7 +295,7 @@ def test_native_verification_is_exact(
     assert chi_q > 1000, chi_q
 
 
-def test_native_penalty_is_torchs(pair: tuple[Transformer, MTPModule]) -> None:
+def test_native_penalty_is_torchs(pair: tuple[Transformer, MTPModule, Backend]) -> None:
     """The repetition penalty a native round applies (`native.penalize_argmax`, in place) gives
     `verify.penalize`'s numbers bit for bit, and each row's argmax as torch's (the first largest):
     a context, tokens fed once or twice in the pass, logits of both signs, ties."""
@@ -233,11 +319,11 @@ def test_native_penalty_is_torchs(pair: tuple[Transformer, MTPModule]) -> None:
         assert torch.equal(got, want) and torch.equal(top, want.argmax(-1)), trial
 
 
-def test_pass_refuses_a_slab_without_room(pair: tuple[Transformer, MTPModule]) -> None:
+def test_pass_refuses_a_slab_without_room(pair: tuple[Transformer, MTPModule, Backend]) -> None:
     """A pass writes its K/V into the slab right after the past it reads: with no room there
     (a past that ends the slab) it refuses, rather than write past the slab's memory."""
-    target, _ = pair
-    c, steps = target.cfg, target.native
+    target, _, b = pair
+    c, steps = target.cfg, b.steps(target)
     assert steps is not None
     slab = torch.zeros(c.n_layers, 2, c.n_kv_heads, 20, c.head_dim)
     with pytest.raises(ValueError, match="no room in the slab for 1 positions after a past of 20"):
@@ -248,39 +334,44 @@ def test_pass_refuses_a_slab_without_room(pair: tuple[Transformer, MTPModule]) -
     assert new.data_ptr() == slab[:, :, :, 19:].data_ptr() and slab[:, :, :, 19].abs().sum() > 0  # written in place
 
 
-def test_widths_not_multiples_of_eight(root: Path) -> None:
+def test_widths_not_multiples_of_eight() -> None:
     """A vocabulary of 61 tokens: the head's last panel of eight rows is padded, and only its
-    real columns are written (a prompt's pass over an empty past, then a verify-sized pass)."""
+    real columns are written (a prompt's pass over an empty past, then a verify-sized pass, by the
+    one-sequence step and by the flat pass)."""
     model = halved(random_model(dataclasses.replace(TINY, vocab_size=61), seed=9))
-    assert attach(model, model, lambda _: None, root)  # type: ignore[arg-type]
+    b = prepared(model)  # type: ignore[arg-type]
     tokens = torch.randint(0, 61, (24,), generator=torch.Generator().manual_seed(9))
 
-    def passes() -> tuple[torch.Tensor, ...]:
-        cache = model.new_cache(4)  # type: ignore[union-attr]
-        seq = cache.new_sequence()
-        first, _ = model(tokens[:19], cache, seq)  # type: ignore[operator]
-        logits, hidden = model(tokens[19:], cache, seq)  # type: ignore[operator]
-        return first, logits, hidden
+    def passes(bk: Backend) -> tuple[torch.Tensor, ...]:
+        steps = bk.steps(model)
+        first = one_sequence(model, tokens[:0], tokens[:19], steps)[0]  # type: ignore[arg-type]
+        logits, hidden, _ = one_sequence(model, tokens[:19], tokens[19:], steps)  # type: ignore[arg-type]
+        flat = sequence_pass(model, tokens[:19], tokens[19:], steps)[0]  # type: ignore[arg-type]
+        return first, logits, hidden, flat
 
-    a, b = eager_and_native(passes)
-    assert b[1].shape == (5, 61) and all(close(x, y) for x, y in zip(a, b, strict=True))
+    a, c = eager_and_native(passes, b)
+    assert c[1].shape == c[3].shape == (5, 61) and c[0].shape == (19, 61)
+    assert all(close(x, y) for x, y in zip(a, c, strict=True))
 
 
-def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule]) -> None:
-    target, mtp = pair
-    prop = MTPProposer(target, mtp, 64)
+def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule, Backend]) -> None:
+    """The MTP module's pass over 4 pairs after 8 (`forward.mtp_pass`): its states and the K/V it
+    writes match the eager pass's."""
+    target, mtp, b = pair
     g = torch.Generator().manual_seed(1)
     h, nxt = torch.randn(12, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (12,), generator=g)
-    prop.step(h[:8], nxt[:8])
+    a, c = eager_and_native(lambda bk: mtp_sequence(mtp, target, h, nxt, 8, bk.steps(mtp)), b)
+    assert close(a[0], c[0]) and close(a[1], c[1]) and c[0].shape == (4, TINY.dim)
 
-    def one() -> tuple[torch.Tensor, torch.Tensor]:
-        out = prop.step(h[8:], nxt[8:])
-        kv = prop.cache.kv[:, :, :, 8:12].clone()
-        prop.cache.keep(prop.seq, 8)
-        return out, kv
 
-    a, b = eager_and_native(one)
-    assert close(a[0], b[0]) and close(a[1], b[1])
+def chain_spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record each call of `NativeSteps.chain` (its k)."""
+    calls: list[int] = []
+    chain = native.NativeSteps.chain
+    monkeypatch.setattr(
+        native.NativeSteps, "chain", lambda self, ids, k, *a, **kw: calls.append(k) or chain(self, ids, k, *a, **kw)
+    )
+    return calls
 
 
 @pytest.mark.parametrize(
@@ -299,123 +390,141 @@ def test_mtp_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule]) -> None:
     ],
 )
 def test_mtp_chain_guesses_as_the_steps_do(
-    pair: tuple[Transformer, MTPModule], cut: int, sampled: bool, n: int, k: int, penalised: bool
+    pair: tuple[Transformer, MTPModule, Backend],
+    monkeypatch: pytest.MonkeyPatch,
+    cut: int,
+    sampled: bool,
+    n: int,
+    k: int,
+    penalised: bool,
 ) -> None:
-    """The native chain (one call for the catch-up on n pairs and k guesses, one guess too) guesses what the
-    step-by-step loop guesses, with the whole head or one cut to some tokens (37: the last panel
-    of eight rows padded), greedy or sampled (the same draws of the run's generator, and the q
-    each guess was drawn from), and leaves the module's cache as it was; a backlog longer than
-    a native pass (70 pairs) catches up first, then chains from the state; under a repetition
-    penalty too (each guess scored over the context and the guesses before it)."""
-    target, mtp = pair
+    """The native chain (one call for the catch-up on n pairs and k guesses, one guess too) guesses
+    what the engine's step-by-step loop (`MTPGuess.propose`) guesses on the eager backend, with the
+    whole head or one cut to some tokens (37: the last panel of eight rows padded), greedy or
+    sampled (the same draws of the sequence's generator, and the q each guess was drawn from),
+    and leaves the module's cache as the loop does: the k-1 chained entries after the n true ones,
+    dropped when the round ends. A backlog longer than a native pass (70 pairs) is no chain's: the
+    loop serves it, on native passes. Under a repetition penalty too (each guess scored over the
+    context and the guesses before it)."""
+    target, mtp, b = pair
     head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:cut]) if cut else None
+    calls = chain_spy(monkeypatch)
     g = torch.Generator().manual_seed(3)
     for trial in range(4):
-        h, nxt = torch.randn(n, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (n,), generator=g)
-        penalty = Penalty(torch.rand(TINY.vocab_size, generator=g) < 0.3, 1.5) if penalised else None
+        h, fed = torch.randn(n, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (n + 1,), generator=g)
+        seen = torch.rand(TINY.vocab_size, generator=g) < 0.3 if penalised else None
+        sampling = Sampling(temperature=1.3 if sampled else 0.0, seed=trial, repetition_penalty=1.5 if penalised else 1)
 
         def guesses(
-            h: torch.Tensor = h, nxt: torch.Tensor = nxt, seed: int = trial, penalty: Penalty | None = penalty
+            bk: Backend, h: torch.Tensor = h, fed: torch.Tensor = fed, seen: torch.Tensor | None = seen, s=sampling
         ) -> tuple[list[int], torch.Tensor | None]:
-            prop = MTPProposer(target, mtp, 128, head)
-            prop.start(nxt[:1], nxt[1:2], h[:1])
-            prop.pending_h, prop.pending_next = h, nxt
-            warp = Warper(1.3) if sampled else None
-            tokens, q = prop.propose(k, warp, torch.Generator().manual_seed(seed), penalty)
-            assert prop.cache.length(prop.seq) >= prop.true_len == n
-            prop.accept(0, nxt[:1], h[:1])
-            assert prop.cache.length(prop.seq) == n  # the chain's entries dropped
-            return torch.as_tensor(tokens).view(-1).tolist(), q
+            p, seq, tokens, q = first_round(bk, target, mtp, fed[:-1], fed[-1:], h, k, s, head, seen)
+            st = p.state[seq.uid]
+            assert (st.length, st.true_len) == (n + k - 1, n)  # the n pairs, then guesses 1 .. k-1 chained
+            p.accept(seq, 0, fed[:1], h[:1])
+            assert st.length == n  # the chain's entries dropped
+            return tokens.tolist(), q
 
-        (a, qa), (b, qb) = eager_and_native(guesses)
-        assert a == b and len(a) == k, (trial, a, b)
-        assert (qa is None) == (qb is None) == (not sampled)
+        (a, qa), (c, qc) = eager_and_native(guesses, b)
+        assert a == c and len(a) == k, (trial, a, c)
+        assert calls == ([] if n > native.MAX_T else [k] * (trial + 1))  # the native round: one chain call
+        assert (qa is None) == (qc is None) == (not sampled)
         if sampled:
-            assert close(qa, qb) and torch.allclose(qb.sum(-1), torch.ones(k))
+            assert qa is not None and qc is not None
+            assert close(qa, qc) and torch.allclose(qc.sum(-1), torch.ones(k))
+            assert cut == 0 or qc[:, torch.arange(TINY.vocab_size - 1, -1, -1)[cut:]].abs().sum() == 0
 
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("sampled", [False, True, "top-p"])
 def test_draft_chain_guesses_as_the_steps_do(
-    pair: tuple[Transformer, MTPModule],
-    root: Path,
+    pair: tuple[Transformer, MTPModule, Backend],
+    draft: Transformer,
     cut: bool,
     sampled: bool | str,
     k: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A draft's chain (one call for k guesses, each fed through the draft; one guess too; under
-    top-p too, both drawing at the temperature alone: `verify.proposal`) guesses what its
-    step-by-step loop guesses, whole head or cut, greedy or sampled (same draws, same q), and
-    leaves the draft's cache where the loop leaves it: the k-1 fed guesses, then the ones the
-    target kept."""
-    target, _ = pair
-    draft = halved(noisy_copy(target, 0.05, seed=5))
-    assert attach(draft, target, lambda _: None, root)  # type: ignore[arg-type]
-    head = Head(draft, torch.arange(TINY.vocab_size - 1, -1, -1)[:40]) if cut else None  # type: ignore[arg-type]
-    calls = []
-    chain = native.NativeSteps.chain
-    monkeypatch.setattr(native.NativeSteps, "chain", lambda self, *a, **kw: calls.append(1) or chain(self, *a, **kw))
+    top-p too, both drawing at the temperature alone: `verify.proposal`) guesses what the engine's
+    step-by-step loop (`DraftGuess.propose`) guesses on the eager backend, whole head or cut, greedy
+    or sampled (same draws, same q), and leaves the draft's cache where the loop leaves it: the k-1
+    fed guesses, then the ones the target kept."""
+    target, _, b = pair
+    head = Head(draft, torch.arange(TINY.vocab_size - 1, -1, -1)[:40]) if cut else None
+    calls = chain_spy(monkeypatch)
     g = torch.Generator().manual_seed(4)
     kept = min(2, k)  # guesses the target keeps
     for trial in range(4):
         prompt = torch.randint(0, TINY.vocab_size, (9,), generator=g)
+        top_p = 0.9 if sampled == "top-p" else None
+        sampling = Sampling(temperature=1.3, top_p=top_p, seed=trial) if sampled else Sampling()
 
-        def guesses(prompt: torch.Tensor = prompt, seed: int = trial) -> tuple[list[int], torch.Tensor | None, int]:
-            prop = DraftProposer(draft, 64, head=head)  # type: ignore[arg-type]
-            prop.start(prompt[:-1], prompt[-1:], torch.empty(0))
-            warp = (Warper(1.3, top_p=0.9) if sampled == "top-p" else Warper(1.3)) if sampled else None
-            tokens, q = prop.propose(k, warp, torch.Generator().manual_seed(seed))
-            assert prop.cache.length(prop.seq) == 9 + k - 1  # the catch-up, then guesses 1 .. k-1 fed
-            prop.accept(kept, torch.cat([tokens[:kept], tokens[:1]]), torch.empty(0))
-            return torch.as_tensor(tokens).view(-1).tolist(), q, prop.cache.length(prop.seq)
+        def guesses(bk: Backend, prompt: torch.Tensor = prompt, s: Sampling = sampling):
+            p, seq, tokens, q = first_round(bk, target, draft, prompt[:-1], prompt[-1:], torch.empty(0), k, s, head)
+            st = p.state[seq.uid]
+            assert st.length == 9 + k - 1  # the catch-up, then guesses 1 .. k-1 fed
+            p.accept(seq, kept, torch.cat([tokens[:kept], tokens[:1]]), torch.empty(0))
+            return tokens.tolist(), q, st.length
 
-        (a, qa, na), (b, qb, nb) = eager_and_native(guesses)
+        (a, qa, na), (c, qc, nc) = eager_and_native(guesses, b)
         # the fed guesses the target kept stay (a kept last guess was never fed: it comes next round)
-        assert a == b and len(a) == k and na == nb == 9 + min(kept, k - 1), (trial, a, b, na, nb)
-        assert len(calls) == trial + 1  # the native run's guesses came from the chain, in one call
-        assert (qa is None) == (qb is None) == (not sampled)
+        assert a == c and len(a) == k and na == nc == 9 + min(kept, k - 1), (trial, a, c, na, nc)
+        assert calls == [k] * (trial + 1)  # the native run's guesses came from the chain, in one call
+        assert (qa is None) == (qc is None) == (not sampled)
         if sampled:
-            assert close(qa, qb) and torch.allclose(qb.sum(-1), torch.ones(k))
+            assert qa is not None and qc is not None
+            assert close(qa, qc) and torch.allclose(qc.sum(-1), torch.ones(k))
 
 
-@pytest.mark.parametrize("kind", ["none", "mtp", "draft"])
-def test_generation_is_the_eager_one(pair: tuple[Transformer, MTPModule], root: Path, kind: str) -> None:
-    """Greedy tokens equal the eager run's, with the same guesses kept (the chain's and the
-    draft's included); seeded sampling too."""
-    target, mtp = pair
-    draft = halved(noisy_copy(target, 0.05, seed=5))  # agrees often, not always
-    assert attach(draft, target, lambda _: None, root)  # type: ignore[arg-type]
-
-    def make() -> NoProposer | MTPProposer | DraftProposer:
-        if kind == "mtp":
-            return MTPProposer(target, mtp, 200)
-        return DraftProposer(draft, 200) if kind == "draft" else NoProposer()  # type: ignore[arg-type]
-
+@pytest.mark.parametrize("kind", ["none", "ngram", "mtp", "draft", "ngram+mtp", "ngram+draft"])
+def test_generation_is_the_eager_one(
+    pair: tuple[Transformer, MTPModule, Backend], draft: Transformer, kind: str
+) -> None:
+    """Every proposer on the native backend: greedy tokens are the target alone's (eager) and the
+    eager run's, with the same guesses kept (the chains' included); seeded sampling draws the
+    eager run's tokens."""
+    target, mtp, b = pair
+    model = {"mtp": mtp, "draft": draft}.get(kind.removeprefix("ngram").removeprefix("+"))
+    p = proposer(kind, target, model)
+    alone, _ = generate(target, NONE, PROMPT, 80, 0)
+    k = 0 if kind == "none" else 3
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=7)):
-        a, b = eager_and_native(lambda s=sampling: generate(target, make(), PROMPT, 80, 0 if kind == "none" else 3, s))
-        assert a[0] == b[0] and len(set(a[0])) >= 10, sampling
-        assert (a[1].proposed, a[1].accepted) == (b[1].proposed, b[1].accepted)
+        a, c = eager_and_native(lambda bk, s=sampling: generate(target, p, PROMPT, 80, k, s, backend=bk), b)
+        assert a[0] == c[0] and len(set(a[0])) >= 10, sampling
+        assert (a[1].proposed, a[1].accepted) == (c[1].proposed, c[1].accepted)
+        if sampling.greedy:
+            assert c[0] == alone
+            assert kind == "none" or c[1].proposed > 0
+            assert "draft" not in kind or c[1].accepted > 0, c[1]  # a draft's guesses were kept, some of them
 
 
-def test_refuses_weights_and_widths_it_cannot_serve(root: Path) -> None:
+def test_refuses_weights_and_widths_it_cannot_serve(pair: tuple[Transformer, MTPModule, Backend]) -> None:
     """float32 weights (float16 would change the model) and a head width its kernels do not
-    tile: one line each, the model left on the eager path."""
+    tile: one line each, the model left on the eager path (the backend's label says how much of
+    the run is native); the text is the eager one's."""
     log: list[str] = []
     f32 = random_model(TINY, seed=0)
-    assert not attach(f32, f32, log.append, root) and f32.native is None
+    b = Backend("native")
+    assert b.prepare(f32, [], log.append) == "eager" and b.steps(f32) is None
     narrow = halved(random_model(DRAFT_CFG, seed=1))  # head_dim 12
-    assert not attach(narrow, narrow, log.append, root)  # type: ignore[arg-type]
-    assert len(log) == 2 and "float16-exact" in log[0] and "multiples of 8" in log[1], log
-    out, _ = generate(f32, NoProposer(), PROMPT, 10, 0)
-    assert len(out) == 10
+    target = pair[0]
+    partly = Backend("native")
+    assert partly.prepare(target, [narrow], log.append) == "partly native", log  # type: ignore[list-item]
+    assert partly.steps(target) is not None and partly.steps(narrow) is None
+    assert len(log) == 2 and "float16-exact" in log[0] and "(Transformer)" in log[1] and "multiples of 8" in log[1], log
+    out, _ = generate(f32, NONE, PROMPT, 10, 0, backend=b)
+    assert len(out) == 10 and out == generate(f32, NONE, PROMPT, 10, 0)[0]
+    p = proposer("draft", target, narrow)
+    assert generate(target, p, PROMPT, 30, 3, backend=partly)[0] == generate(target, p, PROMPT, 30, 3)[0]
 
 
 def test_library_is_built_once_and_failures_are_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pair: tuple[Transformer, MTPModule]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pair: tuple[Transformer, MTPModule, Backend]
 ) -> None:
     monkeypatch.setattr(native.kernels, "_LIBS", {})
+    monkeypatch.setattr(native.kernels, "_FAILED", {})
     log: list[str] = []
     native.library(tmp_path / "a", log.append)
     assert len(log) == 1 and log[0].startswith("building the native decode step")
@@ -431,63 +540,56 @@ def test_library_is_built_once_and_failures_are_one_line(
     monkeypatch.undo()
 
     monkeypatch.setattr(native.kernels, "_LIBS", {})
+    monkeypatch.setattr(native.kernels, "_FAILED", {})
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    monkeypatch.setenv("SMALLEM_CACHE", str(tmp_path / "b"))
     target = halved(random_model(TINY, seed=0))
-    assert not attach(target, target, log.append, tmp_path / "b")  # type: ignore[arg-type]
+    assert Backend("native").prepare(target, [], log.append) == "eager"  # type: ignore[arg-type]
     assert len(log) == 3 and "the C++ compiler failed" in log[-1] and log[-2].startswith("building"), log
+    assert log[-1].startswith("native decode step unavailable (Transformer)"), log
     monkeypatch.setenv("CXX", "g++")
     shared = tmp_path / "c"
     (shared / "native").mkdir(parents=True)
     (shared / "native").chmod(0o777)  # a library that gets loaded: never from a folder others can write
-    assert not attach(target, target, log.append, shared)  # type: ignore[arg-type]
-    assert "writable by others" in log[-1]
+    monkeypatch.setenv("SMALLEM_CACHE", str(shared))
+    assert Backend("native").prepare(target, [], log.append) == "eager"  # type: ignore[arg-type]
+    assert "writable by others" in log[-1] and not list((shared / "native").glob("*.so"))
 
 
-def test_the_avx2_build_beside_the_widest_gives_the_same_numbers(root: Path) -> None:
+def test_the_avx2_build_beside_the_widest_gives_the_same_numbers() -> None:
     """`--engine native-avx2`: the AVX2 build (panels of 8 rows) beside the widest one this CPU
     runs (panels of 16 with AVX-512). Every output is the same float32 sum, in the same order, in
     either build: passes (T = 1, 2, 3, 5, 11, 16: tiles of each shape, whole and padded panels;
-    attention rows two by two and alone), the MTP chain's guesses and q (a head cut to 37 rows),
-    and whole generations, greedy and sampled, agree bit for bit."""
+    attention rows two by two and alone; the one-sequence step and the flat pass), the MTP chain's
+    guesses and q (a head cut to 37 rows), and whole generations, greedy and sampled, agree bit
+    for bit."""
     target, mtp = halved(random_model(TINY, seed=6)), halved(random_mtp(TINY, seed=7))
-    for engine in native.ENGINES:
-        assert native.prepare(target, [mtp], print, root, engine) == (2, 2)  # type: ignore[arg-type]
-    assert target.native is not None and target.native_avx2 is not None
-    assert target.native_avx2.width == 8 and mtp.native_avx2.width == 8  # type: ignore[union-attr]
-    assert target.native.width == (16 if native.kernels.best_isa() == "avx512" else 8)
+    backends = {engine: prepared(target, mtp, name=engine) for engine in native.ENGINES}  # type: ignore[arg-type]
+    wide, avx2 = backends["native"], backends["native-avx2"]
+    assert avx2.steps(target).width == 8 and avx2.steps(mtp).width == 8  # type: ignore[union-attr]
+    assert wide.steps(target).width == (16 if native.kernels.best_isa() == "avx512" else 8)  # type: ignore[union-attr]
+    assert wide.steps(target) is not avx2.steps(target)  # each backend its own steps for the same model
     tokens = torch.randint(0, TINY.vocab_size, (60,), generator=torch.Generator().manual_seed(1))
-    head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:37])
+    head = Head(target, torch.arange(TINY.vocab_size - 1, -1, -1)[:37])  # type: ignore[arg-type]
 
-    def run() -> list[torch.Tensor]:
+    def run(bk: Backend) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
-        cache = target.new_cache(8)
-        seq = cache.new_sequence()
-        _, prompt_h = target(tokens[:20], cache, seq)  # [20, d]
+        steps = bk.steps(target)
         for T in (1, 2, 3, 5, 11, 16):
-            logits, hidden = target(tokens[20 : 20 + T], cache, seq)
-            out += [logits, hidden, cache.kv[:, :, :, 20 : 20 + T].clone()]
-            cache.keep(seq, 20)
-        for warp in (None, Warper(0.8)):
-            prop = MTPProposer(target, mtp, 128, head)
-            prop.start(tokens[:20], tokens[20:21], prompt_h)
-            guesses, q = prop.propose(4, warp, torch.Generator().manual_seed(2))
-            out += [torch.as_tensor(guesses).view(-1)] + ([] if q is None else [q])
-            prop.release()
+            out += one_sequence(target, tokens[:20], tokens[20 : 20 + T], steps)  # type: ignore[arg-type]
+            out += sequence_pass(target, tokens[:20], tokens[20 : 20 + T], steps)  # type: ignore[arg-type]
+        _, prompt_h = sequence_pass(target, tokens[:0], tokens[:20], steps, "none")  # type: ignore[arg-type]
+        for sampling in (Sampling(), Sampling(temperature=0.8, seed=2)):
+            *_, guesses, q = first_round(bk, target, mtp, tokens[:20], tokens[20:21], prompt_h, 4, sampling, head)  # type: ignore[arg-type]
+            out += [guesses] + ([] if q is None else [q])
         for sampling in (Sampling(), Sampling(temperature=0.9, seed=5)):
-            gen, _ = generate(target, MTPProposer(target, mtp, 200), PROMPT, 30, 3, sampling)
+            gen, _ = generate(target, proposer("mtp", target, mtp), PROMPT, 30, 3, sampling, backend=bk)  # type: ignore[arg-type]
             out.append(torch.tensor(gen))
         return out
 
-    got = {}
-    try:
-        with torch.no_grad():
-            for engine in native.ENGINES:
-                switch(engine)
-                got[engine] = run()
-    finally:
-        switch(None)
-    a, b = got["native"], got["native-avx2"]
-    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    with torch.no_grad():
+        a, c = run(wide), run(avx2)
+    assert len(a) == len(c) == 6 * 5 + 3 + 2 and all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
 
 
 def test_builds_follow_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -514,6 +616,7 @@ def test_engine_names_and_bench_engines() -> None:
     assert engines.bench_engines("native-avx2,native", cpu) == ("native-avx2", "native")
     assert engines.fastest(("native", "native-avx2", "eager")) == "native"
     assert engines.engine_mode("native-avx2", cpu) == "native-avx2" and engines.engine_mode("auto", cpu) == "native"
+    assert engines.engine_mode("eager", cpu) == "eager"  # a name, never None
     with pytest.raises(ValueError, match="native"):
         engines.bench_engines("native,bogus", cpu)
 

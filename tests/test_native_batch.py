@@ -3,8 +3,8 @@
 It serves the batch engine (`smallem batch`, `bench --batch`), token trees and the batched
 proposers. Checked against the eager flat pass (the reference): logits, hidden states and the
 K/V written through page tables that are not in order, ragged rows, tree masks; a row's numbers
-equal the native one-sequence pass's bit for bit (same keys, same order); and the engine's
-greedy answers with the native engine on equal the target alone, for every proposer.
+equal the native one-sequence step's bit for bit (same keys, same order); and the engine's
+greedy answers on the native backend equal the target alone, for every proposer.
 """
 
 from __future__ import annotations
@@ -15,37 +15,34 @@ import random
 import pytest
 import torch
 from conftest import PROMPT, TINY, noisy_copy, random_model, random_mtp
-from test_native import close, eager_and_native, halved, no_native
+from engine_help import halved, proposer, sequence_pass, spy_native
+from test_native import CPU, EAGER, close, eager_and_native, no_native, one_sequence, prepared
 
-from smallem_cli.backends import native
-from smallem_cli.backends.steps import switch
+from smallem_cli.backends import engines
+from smallem_cli.backends.engines import Backend
 from smallem_cli.engine import batch as B
-from smallem_cli.engine.build import pool_pages
+from smallem_cli.engine.build import assemble, pool_pages
+from smallem_cli.engine.family import NONE, Proposer
 from smallem_cli.engine.forward import mtp_pass, slab_for, transformer_pass
 from smallem_cli.engine.generate import generate
 from smallem_cli.engine.pool import PagePool
-from smallem_cli.engine.proposers import DraftGuess, MTPGuess, NoGuess
 from smallem_cli.engine.request import Request
-from smallem_cli.engine.runner import TargetRunner
 from smallem_cli.engine.scheduler import Engine
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
-from smallem_cli.spec.proposers import NoProposer
 from smallem_cli.spec.sampling import Sampling
 
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
 PS = 4  # small pages: a sequence spans many, handed out shuffled
+Trio = tuple[Transformer, MTPModule, Transformer, Backend]
 
 
 @pytest.fixture(scope="module")
-def trio(tmp_path_factory: pytest.TempPathFactory) -> tuple[Transformer, MTPModule, Transformer]:
-    """float16-exact target (GQA), MTP module and draft, each with native steps."""
-    root = tmp_path_factory.mktemp("native-cache")
+def trio() -> Trio:
+    """float16-exact target (GQA), MTP module and draft, and a native backend with steps for each."""
     target, mtp = halved(random_model(TINY, seed=0)), halved(random_mtp(TINY, seed=2))
-    draft = halved(noisy_copy(target, 0.05, seed=5))
-    log: list[str] = []
-    assert native.prepare(target, [mtp, draft], log.append, root) == (3, 3), log  # type: ignore[arg-type]
-    return target, mtp, draft  # type: ignore[return-value]
+    draft = halved(noisy_copy(target, 0.05, seed=5))  # type: ignore[arg-type]
+    return target, mtp, draft, prepared(target, mtp, draft)  # type: ignore[return-value, arg-type]
 
 
 def shuffled_tables(lengths: list[int], seed: int) -> tuple[list[list[int]], int]:
@@ -78,160 +75,124 @@ def test_visible_keys_are_the_masks() -> None:
 
 
 @pytest.mark.parametrize("head", ["all", "last", "none"])
-def test_batch_pass_is_the_eager_one(trio: tuple[Transformer, MTPModule, Transformer], head: str) -> None:
+def test_batch_pass_is_the_eager_one(trio: Trio, head: str) -> None:
     """Ragged rows of three sequences (a prompt, a round of guesses, one token) through shuffled
     pages: logits, hidden states and the K/V written match the eager flat pass."""
-    target = trio[0]
+    target, b = trio[0], trio[3]
     starts, counts = [0, 9, 17], [7, 5, 1]
     tables, n_pages = shuffled_tables([s + n for s, n in zip(starts, counts, strict=True)], seed=1)
     g = torch.Generator().manual_seed(3)
-    slab0 = torch.randn(*slab_for(target, n_pages * PS, torch.device("cpu")).shape, generator=g)  # the past
+    slab0 = torch.randn(*slab_for(target, n_pages * PS, CPU).shape, generator=g)  # the past
     ids = torch.randint(0, TINY.vocab_size, (sum(counts),), generator=g)
-    b = B.build(tables, starts, counts, PS, torch.device("cpu"))
+    step = B.build(tables, starts, counts, PS, CPU)
 
-    def run() -> tuple[torch.Tensor, ...]:
+    def run(bk: Backend) -> tuple[torch.Tensor, ...]:
         slab = slab0.clone()
-        logits, x = transformer_pass(target, slab, ids, b, head=head)
+        logits, x = transformer_pass(target, slab, ids, step, head, bk.steps(target))
         return logits, x, slab
 
-    (la, xa, sa), (lb, xb, sb) = eager_and_native(run)
+    (la, xa, sa), (lb, xb, sb) = eager_and_native(run, b)
     assert close(la, lb) and close(xa, xb) and close(sa, sb), ((la - lb).abs().max(), (xa - xb).abs().max())
     assert lb.shape[0] == {"all": 13, "last": 3, "none": 0}[head]
+    assert not torch.equal(sb, slab0)  # the new K/V were written
 
 
-def test_tree_and_mtp_passes_are_the_eager_ones(trio: tuple[Transformer, MTPModule, Transformer]) -> None:
+def test_tree_and_mtp_passes_are_the_eager_ones(trio: Trio) -> None:
     """A pass over tree nodes (each sees the prefix and its ancestors) and the MTP module's
     pass over pairs (target state, token) match the eager ones."""
-    target, mtp, _ = trio
+    target, mtp, _, bk = trio
     tables, n_pages = shuffled_tables([12 + 6, 5 + 6], seed=2)
     parents = [[-1, 0, 0, 1, 2, -1], [-1, -1, 1, 2, 0, 4]]
-    b = B.build_tree(tables, [12, 5], parents, [[0, 1, 2, 3, 4, 5], [1, 2, 3, 5]], PS, torch.device("cpu"))
+    b = B.build_tree(tables, [12, 5], parents, [[0, 1, 2, 3, 4, 5], [1, 2, 3, 5]], PS, CPU)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, TINY.vocab_size, (10,), generator=g)
     h = torch.randn(10, TINY.dim, generator=g)
-    slab0 = torch.randn(*slab_for(target, n_pages * PS, torch.device("cpu")).shape, generator=g)
-    mslab0 = torch.randn(*slab_for(mtp, n_pages * PS, torch.device("cpu")).shape, generator=g)
+    slab0 = torch.randn(*slab_for(target, n_pages * PS, CPU).shape, generator=g)
+    mslab0 = torch.randn(*slab_for(mtp, n_pages * PS, CPU).shape, generator=g)
 
-    def run() -> tuple[torch.Tensor, ...]:
+    def run(be: Backend) -> tuple[torch.Tensor, ...]:
         slab, mslab = slab0.clone(), mslab0.clone()
-        logits, x = transformer_pass(target, slab, ids, b, head="all")
-        return logits, x, slab, mtp_pass(mtp, target, mslab, h, ids, b), mslab
+        logits, x = transformer_pass(target, slab, ids, b, "all", be.steps(target))
+        return logits, x, slab, mtp_pass(mtp, target, mslab, h, ids, b, be.steps(mtp)), mslab
 
-    a, c = eager_and_native(run)
+    a, c = eager_and_native(run, bk)
     assert all(close(x, y) for x, y in zip(a, c, strict=True)), [(x - y).abs().max() for x, y in zip(a, c, strict=True)]
 
 
-def test_a_row_has_the_one_sequence_pass_numbers(trio: tuple[Transformer, MTPModule, Transformer]) -> None:
-    """The batch pass and the one-sequence pass give one sequence's rows the same numbers, bit for
+def test_a_row_has_the_one_sequence_pass_numbers(trio: Trio) -> None:
+    """The flat pass and the one-sequence step give one sequence's rows the same numbers, bit for
     bit: the same keys in the same order, the same sums (so batching changes no greedy token)."""
-    target = trio[0]
-    cache = target.new_cache(4)
-    seq = cache.new_sequence()
+    target, b = trio[0], trio[3]
+    steps = b.steps(target)
     tokens = torch.randint(0, TINY.vocab_size, (25,), generator=torch.Generator().manual_seed(9))
-    switch("native")
-    try:
-        with torch.no_grad():
-            target(tokens[:20], cache, seq)
-            one_logits, one_x = target(tokens[20:], cache, seq)  # [5, V], [5, d]
-            cache.keep(seq, 20)
-            slab = cache.kv.clone()  # [L, 2, Hkv, slots, D]: the prompt's K/V at slots 0 .. 19
-            table = list(range(slab.shape[3] // cache.page_size))
-            b = B.build([table], [20], [5], cache.page_size, torch.device("cpu"))
-            logits, x = transformer_pass(target, slab, tokens[20:], b, head="all")
-    finally:
-        switch(None)
+    one_logits, one_x, _ = one_sequence(target, tokens[:20], tokens[20:], steps)  # [5, V], [5, d]
+    logits, x = sequence_pass(target, tokens[:20], tokens[20:], steps)
+    assert one_logits.shape == logits.shape == (5, TINY.vocab_size)
     assert torch.equal(logits, one_logits) and torch.equal(x, one_x)
 
 
-def _engine(trio: tuple[Transformer, MTPModule, Transformer], kind: str, k: int) -> Engine:
-    target, mtp, draft = trio
+def _engine(trio: Trio, kind: str, k: int, backend: Backend) -> Engine:
+    """The batch engine: 8 sequences at a time, the proposer `kind`'s passes on `backend`."""
+    target, mtp, draft, _ = trio
     pool = PagePool(pool_pages(8, target.cfg.max_seq_len, 16), 16)
-    proposer = {
-        "none": lambda: NoGuess(),
-        "mtp": lambda: MTPGuess(target, mtp, pool, Head(target)),
-        "draft": lambda: DraftGuess(draft, pool, Head(draft), "draft"),
-    }[kind]()
-    slab = slab_for(target, pool.n_pages * 16, torch.device("cpu"))
-    return Engine(TargetRunner(target, slab, pool), proposer, k, auto_k=False, max_batch=8, eot=None)  # type: ignore[arg-type]
+    p = proposer(kind, target, {"mtp": mtp, "draft": draft}.get(kind.removeprefix("ngram").removeprefix("+")))
+    return assemble(target, p, backend, pool, k, auto_k=False, max_batch=8, eot=None)
 
 
-@pytest.mark.parametrize("kind", ["none", "mtp", "draft"])
-def test_native_batches_are_the_target_alone(trio: tuple[Transformer, MTPModule, Transformer], kind: str) -> None:
+@pytest.mark.parametrize("kind", ["none", "ngram", "mtp", "draft", "ngram+mtp", "ngram+draft"])
+def test_native_batches_are_the_target_alone(trio: Trio, kind: str) -> None:
     """12 requests, 8 at a time, every pass native: each answer is the target alone's greedy text,
-    and a seeded sampled request draws what it draws on the eager engine."""
-    target = trio[0]
+    and a seeded sampled request draws what it draws on the eager backend."""
+    target, b = trio[0], trio[3]
+    k = 0 if kind == "none" else 3
     rng = random.Random(5)
     ps = [[rng.randrange(1, TINY.vocab_size) for _ in range(rng.randrange(2, 30))] for _ in range(12)]
     reqs = [Request(i, i, tuple(p), 40 - i, Sampling()) for i, p in enumerate(ps)]
-    switch("native")
-    try:
-        got = {f.request.index: f.tokens for f in _engine(trio, kind, 0 if kind == "none" else 3).run(reqs)}
-    finally:
-        switch(None)
+    got = {f.request.index: f.tokens for f in _engine(trio, kind, k, b).run(reqs)}
     for r in reqs:
-        ref, _ = generate(target, NoProposer(), list(r.prompt), r.max_new_tokens, 0)
+        ref, _ = generate(target, NONE, list(r.prompt), r.max_new_tokens, 0)
         assert got[r.index] == ref, r.index
     sampled = [Request(0, 0, tuple(PROMPT), 30, Sampling(temperature=1.0, seed=3))]
 
-    def draw() -> list[int]:
-        return next(iter(_engine(trio, kind, 0 if kind == "none" else 3).run(sampled))).tokens
+    def draw(bk: Backend) -> list[int]:
+        return next(iter(_engine(trio, kind, k, bk).run(sampled))).tokens
 
-    a, b = eager_and_native(draw)
-    assert a == b
+    a, c = eager_and_native(draw, b)
+    assert a == c and len(c) == 30
 
 
-def test_native_batch_pass_is_used(trio: tuple[Transformer, MTPModule, Transformer], monkeypatch) -> None:
-    """With the native engine on, the engine's passes over several sequences are C calls."""
-    calls: list[int] = []
-    real = native.NativeSteps.batch
-
-    def spy(self, tokens, *a, **kw):
-        calls.append(int(tokens.shape[0]))
-        return real(self, tokens, *a, **kw)
-
-    monkeypatch.setattr(native.NativeSteps, "batch", spy)
+def test_native_batch_pass_is_used(trio: Trio, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the native backend, the engine's passes over several sequences are C calls."""
+    calls = spy_native(monkeypatch)
     reqs = [Request(i, i, tuple(PROMPT[: 5 + i]), 10, Sampling()) for i in range(4)]
-    switch("native")
-    try:
-        list(_engine(trio, "mtp", 2).run(reqs))
-    finally:
-        switch(None)
+    list(_engine(trio, "mtp", 2, EAGER).run(reqs))
+    assert calls == []  # the eager backend: no C call
+    list(_engine(trio, "mtp", 2, trio[3]).run(reqs))
     assert calls and max(calls) > 4  # a prefill of several prompts, rounds of several sequences
 
 
-def test_cpu_only(trio: tuple[Transformer, MTPModule, Transformer]) -> None:
-    """A slab off the CPU is never handed to the C code (the eager pass serves it)."""
-    from smallem_cli.engine.forward import _native
+def test_native_runs_on_a_cpu_only() -> None:
+    """A slab off the CPU is never handed to the C code: the native engines are refused on another
+    device (one line, before anything is built), auto there is eager, and an eager backend gives
+    no model native steps (its passes are the eager ones)."""
+    for device in (torch.device("cuda"), torch.device("meta")):
+        for name in engines.NATIVE:
+            with pytest.raises(ValueError, match=f"--engine {name} runs on a CPU only"):
+                engines.engine_mode(name, device)
+            with pytest.raises(ValueError, match="runs on a CPU only"):
+                engines.bench_engines(f"eager,{name}", device)
+        assert engines.engine_mode("auto", device) == "eager"
+        assert engines.bench_engines("auto", device) == ("eager",)
+    model = random_model(TINY, seed=0)
+    assert EAGER.prepare(model, []) == "eager" and EAGER.steps(model) is None
 
-    assert _native(trio[0], torch.empty(0, device="meta")) is None
-    switch("native")
-    try:
-        assert _native(trio[0], torch.empty(0)) is not None
-    finally:
-        switch(None)
 
-
-def test_native_token_trees_are_the_target_alone(trio: tuple[Transformer, MTPModule, Transformer]) -> None:
+def test_native_token_trees_are_the_target_alone(trio: Trio, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy token trees with every pass native (the tree's growth and its verify pass): the
     target alone's tokens, with more than one token kept per pass."""
-    from smallem_cli.spec.proposers import MTPProposer
-
-    target, mtp, _ = trio
-    ref, _ = generate(target, NoProposer(), PROMPT, 40, 0)
-    switch("native")
-    try:
-        calls: list[int] = []
-        real = native.NativeSteps.batch
-
-        def spy(self, tokens, *a, **kw):
-            calls.append(int(tokens.shape[0]))
-            return real(self, tokens, *a, **kw)
-
-        native.NativeSteps.batch = spy  # type: ignore[method-assign]
-        try:
-            got, st = generate(target, MTPProposer(target, mtp, 200, tree=(8, 4)), PROMPT, 40, 3)
-        finally:
-            native.NativeSteps.batch = real  # type: ignore[method-assign]
-    finally:
-        switch(None)
+    target, mtp, _, b = trio
+    ref, _ = generate(target, NONE, PROMPT, 40, 0)
+    calls = spy_native(monkeypatch)
+    p = Proposer("mtp", mtp.pack(), Head(target), tree=(8, 4))
+    got, st = generate(target, p, PROMPT, 40, 3, backend=b)
     assert got == ref and st.tokens_per_pass > 1 and calls

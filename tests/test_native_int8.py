@@ -1,11 +1,12 @@
 """A proposer's matrices as int8 on the native engine (`--proposer-weights int8`, `native.panels8`).
 
 A proposer's numbers change only how often its guesses are kept, so the native engine may store
-its matrices as int8 with a scale per row. What is checked: the rule (each row within half a step
-of its scale); that the int8 kernels compute what the eager path computes on the dequantized
-weights (scale x q), to float32 rounding: the MTP module's pass, the MTP and draft chains (greedy
-and sampled: the same guesses, the same q) and whole generations, token for token; that greedy
-text stays the target's alone and the target's own matrices are never quantized; the option.
+its matrices as int8 with a scale per row (`Backend.prepare`'s `int8` models). What is checked:
+the rule (each row within half a step of its scale); that the int8 kernels compute what the eager
+backend computes on the dequantized weights (scale x q), to float32 rounding: the MTP module's
+pass, the MTP and draft chains (greedy and sampled: the same guesses, the same q) and whole
+generations, token for token; that greedy text stays the target's alone and the target's own
+matrices are never quantized; the option.
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PROMPT, TINY, Family, noisy_copy, random_model, random_mtp
-from test_native import close, eager_and_native, halved, no_native
+from engine_help import halved
+from test_native import chain_spy, close, eager_and_native, first_round, mtp_sequence, no_native
 from typer.testing import CliRunner
 
 from smallem_cli.backends import native
+from smallem_cli.backends.engines import Backend
 from smallem_cli.cli.app import app
 from smallem_cli.engine import family as fam
+from smallem_cli.engine.family import NONE, Proposer
 from smallem_cli.engine.generate import generate
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
-from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
 from smallem_cli.spec.sampling import Sampling
-from smallem_cli.spec.verify import Warper
 
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
 
@@ -60,21 +62,13 @@ def with_head(model: Transformer, head: torch.Tensor) -> Transformer:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("native-int8")
-
-
-@pytest.fixture(scope="module")
-def models(root: Path) -> dict[str, torch.nn.Module]:
-    """The target (float16, native), its MTP module and a draft stored as int8 (native), and their
-    eager references: the same models with the int8 round trip of every matrix the native
-    engine quantizes (the MTP module's block and the h half of eh_proj, a draft's blocks and head,
-    and the head rows the chains guess with: the target's for the MTP module)."""
+def models() -> dict[str, torch.nn.Module]:
+    """The target (float16), its MTP module and a draft, and their eager references: the same
+    models with the int8 round trip of every matrix the native engine quantizes (the MTP module's
+    block and the h half of eh_proj, a draft's blocks and head, and the head rows the chains guess
+    with: the target's for the MTP module)."""
     target = halved(random_model(TINY, seed=0))
     mtp, draft = halved(random_mtp(TINY, seed=2)), halved(noisy_copy(target, 0.05, seed=5))  # type: ignore[arg-type]
-    mtp.native_int8 = draft.native_int8 = True
-    log: list[str] = []
-    assert native.prepare(target, [mtp, draft], log.append, root) == (3, 3), log  # type: ignore[arg-type]
     mtp_ref = copy.deepcopy(mtp)
     dequantize_block(mtp_ref.block)  # type: ignore[attr-defined]
     with torch.no_grad():
@@ -95,6 +89,16 @@ def models(root: Path) -> dict[str, torch.nn.Module]:
     }
 
 
+@pytest.fixture(scope="module")
+def b8(models: dict[str, torch.nn.Module]) -> Backend:
+    """A native backend with steps for the target, and for the MTP module and the draft stored as
+    int8 (the target is flagged too: a target's steps never are)."""
+    target, mtp, draft = models["target"], models["mtp"], models["draft"]
+    b, log = Backend("native"), []
+    assert b.prepare(target, [mtp, draft], log.append, [target, mtp, draft]) == "native", log  # type: ignore[arg-type, list-item]
+    return b
+
+
 def test_rule() -> None:
     """Symmetric, per row: |q| <= 127, the largest entry of a row at 127, every weight within half
     a step of its value; a zero row stays zero; rows padded to whole panels (61 rows: 64)."""
@@ -108,105 +112,95 @@ def test_rule() -> None:
     assert torch.all((back - w).abs() <= scale[:61, None] / 2 * (1 + 1e-6)) and back[7].abs().sum() == 0
 
 
-def test_target_is_never_quantized(models: dict[str, torch.nn.Module]) -> None:
-    """Even flagged, the target's own steps read float16 (a proposer's flag is a proposer's)."""
-    target, mtp = models["target"], models["mtp"]
-    assert target.native is not None and not target.native.int8  # type: ignore[union-attr]
-    assert mtp.native is not None and mtp.native.int8  # type: ignore[union-attr]
-    assert mtp.native.mw.head.w is None  # type: ignore[union-attr]  # the module has no head of its own
+def test_target_is_never_quantized(models: dict[str, torch.nn.Module], b8: Backend) -> None:
+    """Even flagged, the target's own steps read float16 (a proposer's flag is a proposer's); a
+    backend that was not asked for int8 reads the proposer's float16 too."""
+    target, mtp, draft = models["target"], models["mtp"], models["draft"]
+    steps = {name: b8.steps(m) for name, m in (("target", target), ("mtp", mtp), ("draft", draft))}
+    assert all(s is not None for s in steps.values())
+    assert not steps["target"].int8 and steps["mtp"].int8 and steps["draft"].int8  # type: ignore[union-attr]
+    assert steps["mtp"].mw.head.w is None  # type: ignore[union-attr]  # the module has no head of its own
+    f16 = Backend("native")
+    assert f16.prepare(target, [mtp], None) == "native"  # type: ignore[arg-type, list-item]
+    assert not f16.steps(mtp).int8 and not f16.steps(target).int8  # type: ignore[union-attr]
 
 
-def test_mtp_pass_is_the_dequantized_one(models: dict[str, torch.nn.Module]) -> None:
+def test_mtp_pass_is_the_dequantized_one(models: dict[str, torch.nn.Module], b8: Backend) -> None:
+    """The int8 MTP module's pass (its states, the K/V it writes) is the eager pass of its reference."""
     target = models["target"]
     g = torch.Generator().manual_seed(1)
     h, nxt = torch.randn(12, TINY.dim, generator=g) * 3, torch.randint(0, TINY.vocab_size, (12,), generator=g)
-    out = {}
-    for name in ("mtp", "mtp_ref"):
-
-        def one(name: str = name) -> tuple[torch.Tensor, torch.Tensor]:
-            prop = MTPProposer(target, models[name], 64)  # type: ignore[arg-type]
-            prop.step(h[:8], nxt[:8])
-            return prop.step(h[8:], nxt[8:]), prop.cache.kv[:, :, :, :12].clone()
-
-        out[name] = eager_and_native(one)[1 if name == "mtp" else 0]
-    assert close(out["mtp"][0], out["mtp_ref"][0]) and close(out["mtp"][1], out["mtp_ref"][1])
+    with torch.no_grad():
+        got = mtp_sequence(models["mtp"], target, h, nxt, 8, b8.steps(models["mtp"]))  # type: ignore[arg-type]
+        ref = mtp_sequence(models["mtp_ref"], target, h, nxt, 8)  # type: ignore[arg-type]
+        plain = mtp_sequence(models["mtp"], target, h, nxt, 8)  # type: ignore[arg-type]
+    assert close(got[0], ref[0]) and close(got[1], ref[1])
+    assert not close(got[0], plain[0])  # int8 it is: not the float16 module's numbers
 
 
 @pytest.mark.parametrize("kind", ["mtp", "draft"])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_chain_guesses_as_the_dequantized_steps(models: dict[str, torch.nn.Module], kind: str, sampled: bool) -> None:
-    """A chain of 4 guesses with the head cut to 40 tokens: the int8 native chain guesses what the
-    eager reference's step-by-step loop guesses, with the same q when sampled."""
+def test_chain_guesses_as_the_dequantized_steps(
+    models: dict[str, torch.nn.Module], b8: Backend, kind: str, sampled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain of 4 guesses with the head cut to 40 tokens: the int8 native chain (one call a round)
+    guesses what the eager reference's step-by-step loop guesses, with the same q when sampled."""
     cut = torch.arange(TINY.vocab_size - 1, -1, -1)[:40]
+    calls = chain_spy(monkeypatch)
     g = torch.Generator().manual_seed(4)
     for trial in range(4):
-        prompt = torch.randint(0, TINY.vocab_size, (10,), generator=g)
+        prompt = torch.randint(0, TINY.vocab_size, (11,), generator=g)
         h = torch.randn(10, TINY.dim, generator=g) * 3
+        sampling = Sampling(temperature=1.3, seed=trial) if sampled else Sampling()
         got = {}
-        for which in ("", "_ref"):
-            tgt = models["target" + which]
-
-            def guesses(
-                which: str = which,
-                tgt: torch.nn.Module = tgt,
-                prompt: torch.Tensor = prompt,
-                h: torch.Tensor = h,
-                trial: int = trial,
-            ) -> tuple[list[int], torch.Tensor | None]:
-                if kind == "mtp":
-                    prop = MTPProposer(tgt, models["mtp" + which], 64, Head(tgt, cut))  # type: ignore[arg-type]
-                    prop.start(prompt[:1], prompt[1:2], h[:1])
-                    prop.pending_h, prop.pending_next = h, prompt
-                else:
-                    draft = models["draft" + which]
-                    prop = DraftProposer(draft, 64, head=Head(draft, cut))  # type: ignore[arg-type, assignment]
-                    prop.start(prompt[:-1], prompt[-1:], torch.empty(0))
-                warp = Warper(1.3) if sampled else None
-                tokens, q = prop.propose(4, warp, torch.Generator().manual_seed(trial))
-                return torch.as_tensor(tokens).view(-1).tolist(), q
-
-            got[which] = eager_and_native(guesses)[0 if which else 1]
+        for which, bk in (("", b8), ("_ref", Backend())):
+            tgt, model = models["target" + which], models[kind + which]
+            hidden = h if kind == "mtp" else torch.empty(0)
+            head = Head(tgt if kind == "mtp" else model, cut)  # type: ignore[arg-type]
+            *_, tokens, q = first_round(bk, tgt, model, prompt[:10], prompt[10:], hidden, 4, sampling, head)  # type: ignore[arg-type]
+            got[which] = tokens.tolist(), q
         (a, qa), (b, qb) = got["_ref"], got[""]
-        assert a == b, (trial, a, b)
+        assert a == b and len(b) == 4, (trial, a, b)
+        assert calls == [4] * (trial + 1)  # the native round was one chain call; the reference's, none
+        assert (qa is None) == (qb is None) == (not sampled)
         if sampled:
             assert qa is not None and qb is not None and close(qa, qb)
 
 
 @pytest.mark.parametrize("kind", ["mtp", "draft"])
-def test_generation(models: dict[str, torch.nn.Module], kind: str) -> None:
+def test_generation(models: dict[str, torch.nn.Module], b8: Backend, kind: str) -> None:
     """Greedy: the target's own text, with the guesses the eager reference keeps; seeded sampling:
     the reference's draws, token for token."""
     target = models["target"]
 
-    def run(which: str, sampling: Sampling) -> tuple[list[int], tuple[int, int]]:
-        tgt = target if not which else models["target_ref"]
-        if kind == "mtp":
-            p = MTPProposer(tgt, models["mtp" + which], 200)  # type: ignore[arg-type]
-        else:
-            p = DraftProposer(models["draft" + which], 200)  # type: ignore[arg-type, assignment]
-        out, st = generate(target, p, PROMPT, 80, 3, sampling)  # type: ignore[arg-type]
+    def run(which: str, sampling: Sampling, bk: Backend) -> tuple[list[int], tuple[int, int]]:
+        tgt, model = models["target" + which], models[kind + which]
+        head = Head(tgt if kind == "mtp" else model)  # type: ignore[arg-type]
+        p = Proposer(kind, model, head)  # type: ignore[arg-type]
+        out, st = generate(target, p, PROMPT, 80, 3, sampling, backend=bk)  # type: ignore[arg-type]
         return out, (st.proposed, st.accepted)
 
-    alone = eager_and_native(lambda: generate(target, NoProposer(), PROMPT, 80, 0)[0])  # type: ignore[arg-type]
+    alone = eager_and_native(lambda bk: generate(target, NONE, PROMPT, 80, 0, backend=bk)[0], b8)  # type: ignore[arg-type]
     for sampling in (Sampling(), Sampling(temperature=1.0, seed=7)):
-        ref = eager_and_native(lambda s=sampling: run("_ref", s))[0]
-        got = eager_and_native(lambda s=sampling: run("", s))[1]
+        ref = run("_ref", sampling, Backend())
+        got = run("", sampling, b8)
         assert got == ref, sampling
-        if sampling.temperature == 0:
+        if sampling.greedy:
             assert got[0] == alone[0] == alone[1]
 
 
 def test_the_option(family: Family) -> None:
-    """load_proposer marks the models it loads (int8 by default, f16 when asked, never the target);
+    """load_proposer marks the proposer it loads (int8 by default, f16 when asked), and the native
+    backend prepared from it reads that proposer's matrices so, never the target's;
     a bad value is one line, exit 2, for generate, batch and bench."""
     tgt = fam.load_target(family.target, torch.device("cpu"))
     for weights, flag in (("int8", True), ("f16", False)):
         for spec in ("mtp", "draft-2l", "ngram+mtp"):
-            p = fam.load_proposer(spec, tgt, torch.device("cpu"), weights=weights)(64)
-            p = getattr(p, "other", p)
-            model = p.mtp if isinstance(p, MTPProposer) else p.model  # type: ignore[attr-defined]
-            assert isinstance(model, MTPModule | Transformer) and model.native_int8 is flag, (spec, weights)
-    assert not tgt.model.native_int8
+            p = fam.load_proposer(spec, tgt, torch.device("cpu"), weights=weights)
+            assert isinstance(p.model, MTPModule | Transformer) and p.int8 is flag, (spec, weights)
+            b = Backend("native")  # as generate, batch and bench prepare it
+            assert b.prepare(tgt.model, p.models, None, p.models if p.int8 else ()) == "native", (spec, weights)
+            assert b.steps(p.model).int8 is flag and not b.steps(tgt.model).int8, (spec, weights)  # type: ignore[union-attr]
     runner = CliRunner()
     t = str(family.target)
     for args in (

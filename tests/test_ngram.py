@@ -1,4 +1,5 @@
-"""The model-free n-gram proposer, the n-gram backed by a model, and adaptive depth (p-min).
+"""The model-free n-gram proposer (prompt lookup, `spec.ngram`), alone and in front of a model
+(`ngram+P`, `engine.proposers.FallbackGuess`), and the depth it chooses from its measured acceptance.
 
 Each changes how many guesses a round checks, never what the user gets: greedy output
 identical to the target alone, and sampling exact with a point-mass q (the seed's χ² test).
@@ -9,15 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MAX_LEN, PROMPT
+from conftest import PROMPT, random_model
+from engine_help import backend, halved, proposer
+from test_generate import NATIVE_DRAFT_CFG, check_stats, no_native, on
 from test_verify import P1, P2, check_exact
 
 from smallem_cli import defaults as D
+from smallem_cli.engine import build
+from smallem_cli.engine.family import NONE, Proposer
 from smallem_cli.engine.generate import generate
-from smallem_cli.spec.ngram import Fallback, NgramIndex, NgramProposer, best_depth
-from smallem_cli.spec.proposers import DraftProposer, MTPProposer, NoProposer
+from smallem_cli.engine.proposers import FallbackGuess, NgramGuess
+from smallem_cli.spec.ngram import NgramIndex, NgramProposer, best_depth
 from smallem_cli.spec.sampling import Sampling
-from smallem_cli.stats import Stats
 
 N = 120
 # A prompt that restates itself: copying pays from the first round on.
@@ -62,86 +66,134 @@ def test_bad_sizes_are_refused() -> None:
         NgramIndex(0, 2)
 
 
-def check_rounds(stats: Stats, out: list[int], k: int) -> None:
-    rounds = stats.passes - 1
-    assert sum(stats.guessed) == rounds
-    assert stats.proposed == sum(m * r for m, r in enumerate(stats.guessed))
-    assert stats.accepted <= stats.proposed and stats.new_tokens == len(out)
-    assert sum(stats.accepted_at) == stats.accepted
-
-
-def proposers(kind: str, models: dict, p_min: float = 0.0):
-    V = models["target"].cfg.vocab_size
-    if kind == "ngram":
-        return NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX)
-    if kind == "ngram-adaptive":
-        return NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST)
-    if kind == "ngram+mtp":
-        return Fallback(NgramProposer(V, 2, 3), MTPProposer(models["target"], models["mtp"], MAX_LEN))
-    if kind == "ngram+draft":
-        return Fallback(NgramProposer(V, 2, 3), DraftProposer(models["draft"], MAX_LEN))
-    if kind == "mtp":
-        return MTPProposer(models["target"], models["mtp"], MAX_LEN, p_min=p_min)
-    return DraftProposer(models[kind], MAX_LEN, p_min=p_min)
+def make(kind: str, models: dict, monkeypatch: pytest.MonkeyPatch) -> Proposer:
+    """ "ngram" (the engine's lookup: its depth chosen from its measured acceptance), "ngram-fixed"
+    (the lookup offering all it finds: a guess cost of 0), "ngram+mtp", "ngram+draft", "mtp"."""
+    if kind == "ngram-fixed":
+        monkeypatch.setattr(D, "NGRAM_GUESS_COST", 0.0)  # read by `build.batch_proposer`
+        return proposer("ngram")
+    if kind.endswith("mtp"):
+        return proposer(kind, models["target"], models["mtp"])
+    return proposer(kind, model=models["draft"])
 
 
 @pytest.fixture(scope="module")
-def models(target, draft, near_draft, mtp) -> dict:
-    return {"target": target, "draft": draft, "near": near_draft, "mtp": mtp}
+def models(target, draft, mtp) -> dict:
+    return {"target": target, "draft": draft, "mtp": mtp}
 
 
+@pytest.fixture(scope="module")
+def native_models(target, mtp) -> dict:
+    """float16-exact copies (a draft of native widths), and the native backend prepared for them."""
+    if no_native:
+        pytest.skip("the native engine needs g++ and an AVX2 CPU")
+    m = {"target": halved(target), "draft": halved(random_model(NATIVE_DRAFT_CFG, seed=1)), "mtp": halved(mtp)}
+    b = backend("native", m["target"], m["draft"], m["mtp"])
+    assert b.label == "native"
+    return {**m, "backend": b}
+
+
+LOOKUPS = ["ngram", "ngram-fixed", "ngram+mtp", "ngram+draft"]
+
+
+@pytest.mark.parametrize("backend_name", ["eager", "native"])
 @pytest.mark.parametrize("prompt", [PROMPT, REPEAT], ids=["plain", "repeating"])
-@pytest.mark.parametrize("kind", ["ngram", "ngram-adaptive", "ngram+mtp", "ngram+draft"])
+@pytest.mark.parametrize("kind", LOOKUPS)
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_ngram_greedy_identity(models, prompt: list[int], kind: str, k: int) -> None:
-    ref, _ = generate(models["target"], NoProposer(), prompt, N, 0)
-    out, stats = generate(models["target"], proposers(kind, models), prompt, N, k)
+def test_ngram_greedy_identity(
+    request, models, monkeypatch, prompt: list[int], kind: str, k: int, backend_name: str
+) -> None:
+    ms, b = on(request, backend_name, models)
+    ref, _ = generate(ms["target"], NONE, prompt, N, 0, backend=b)
+    out, stats = generate(ms["target"], make(kind, ms, monkeypatch), prompt, N, k, backend=b)
     assert out == ref
-    check_rounds(stats, out, k)
-    if kind.startswith("ngram") and "+" not in kind:
+    check_stats(stats, out, k, fixed=False)
+    if "+" not in kind:
         assert stats.guessed[0] > 0  # some rounds found nothing and checked no guess
+    if kind == "ngram-fixed":  # a match is copied k deep (past the text's end too), and all of it offered
+        assert sum(stats.guessed[1:k]) == 0 and stats.guessed[k] > 0
     assert stats.proposed > 0
+
+
+class Counting:
+    """A batched proposer passed through, counting the guesses it offers."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.offered, self.rounds = inner, inner.name, 0, 0
+
+    def start(self, seqs, fed, hidden) -> None:
+        self.inner.start(seqs, fed, hidden)
+
+    def propose(self, seqs, ks):
+        got = self.inner.propose(seqs, ks)
+        self.rounds += sum(k > 0 for k in ks)
+        self.offered += sum(t.shape[0] for t, _ in got)
+        return got
+
+    def accept(self, seq, n, emitted, hidden) -> None:
+        self.inner.accept(seq, n, emitted, hidden)
+
+    def drop(self, seq) -> None:
+        self.inner.drop(seq)
+
+
+@pytest.mark.parametrize("backend_name", ["eager", "native"])
+@pytest.mark.parametrize("kind", ["ngram+mtp", "ngram+draft"])
+def test_fallback_guesses_by_lookup_where_it_matches_and_by_the_model_elsewhere(
+    request, models, monkeypatch, kind: str, backend_name: str
+) -> None:
+    """`ngram+P`: the lookup's guesses where it found some, P's (asked for k) in the other rounds;
+    P catches up on the rounds the lookup guessed, and the output stays the target's."""
+    ms, b = on(request, backend_name, models)
+    made: list[FallbackGuess] = []
+    real = build.batch_proposer
+
+    def counted(p, target, pool, bk):
+        fb = real(p, target, pool, bk)
+        assert isinstance(fb, FallbackGuess) and isinstance(fb.first, NgramGuess)
+        fb.first, fb.other = Counting(fb.first), Counting(fb.other)  # type: ignore[assignment]
+        made.append(fb)
+        return fb
+
+    ref, _ = generate(ms["target"], NONE, REPEAT, N, 0, backend=b)
+    monkeypatch.setattr(build, "batch_proposer", counted)
+    out, stats = generate(ms["target"], make(kind, ms, monkeypatch), REPEAT, N, 4, backend=b)
+    assert out == ref and len(made) == 1
+    lookup, model = made[0].first, made[0].other
+    assert lookup.rounds == stats.passes - 1  # asked every round
+    assert lookup.offered > 0 and model.offered > 0  # each guessed in some rounds
+    assert model.offered == 4 * model.rounds  # asked only where the lookup found nothing: k then
+    assert lookup.offered + model.offered == stats.proposed
 
 
 def test_ngram_copies_a_repeating_text(models) -> None:
     """Where the target repeats itself, the lookup guesses it: several tokens a pass."""
     target = models["target"]
-    ref, _ = generate(target, NoProposer(), PROMPT, 200, 0)
+    ref, _ = generate(target, NONE, PROMPT, 200, 0)
     tail = ref[-60:]  # the random model's own text, which repeats phrases of itself
-    _, stats = generate(target, NgramProposer(target.cfg.vocab_size, 2, 4), tail, 100, 4)
+    _, stats = generate(target, proposer("ngram"), tail, 100, 4)
     assert stats.accepted_at[3] > 0 and stats.tokens_per_pass > 1.4, stats
 
 
-@pytest.mark.parametrize("kind", ["mtp", "near", "draft"])
-@pytest.mark.parametrize("p_min", [0.3, 0.9])
-def test_adaptive_depth_greedy_identity(models, kind: str, p_min: float) -> None:
-    ref, _ = generate(models["target"], NoProposer(), PROMPT, N, 0)
-    out, stats = generate(models["target"], proposers(kind, models, p_min), PROMPT, N, 4)
-    assert out == ref
-    check_rounds(stats, out, 4)
-    assert sum(stats.guessed[:4]) > 0  # some rounds stopped early
+@pytest.mark.parametrize("kind", ["mtp", "ngram+mtp"])
+def test_a_model_proposer_checks_k_guesses_every_round(models, monkeypatch, kind: str) -> None:
+    """A model proposer's chain is fixed: k guesses every round (the lookup in front of it offers fewer)."""
+    _, st = generate(models["target"], make(kind, models, monkeypatch), PROMPT, N, 3)
+    rounds = st.passes - 1
+    if kind == "mtp":
+        assert st.guessed == [0, 0, 0, rounds]
+    else:  # the random model's text repeats little: P guesses most rounds
+        assert sum(st.guessed) == rounds and 0 < st.guessed[3] < rounds
 
 
-def test_adaptive_depth_zero_is_the_fixed_chain(models) -> None:
-    _, st = generate(models["target"], proposers("mtp", models, 0.0), PROMPT, N, 3)
-    assert st.guessed[:3] == [0, 0, 0] and st.guessed[3] == st.passes - 1
+@pytest.mark.parametrize("kind", ["ngram", "ngram-fixed", "ngram+mtp", "mtp"])
+def test_sampling_is_seeded(models, monkeypatch, kind: str) -> None:
+    def run(seed: int) -> list[int]:
+        s = Sampling(temperature=1.0, seed=seed)
+        return generate(models["target"], make(kind, models, monkeypatch), REPEAT, 60, 4, s)[0]
 
-
-def test_adaptive_depth_cuts_guesses_it_doubts(models) -> None:
-    """A higher p-min checks fewer guesses, and keeps a larger share of them."""
-    _, lo = generate(models["target"], proposers("draft", models, 0.2), PROMPT, N, 4)
-    _, hi = generate(models["target"], proposers("draft", models, 0.8), PROMPT, N, 4)
-    assert hi.proposed / (hi.passes - 1) < lo.proposed / (lo.passes - 1)
-    assert hi.acceptance_rate >= lo.acceptance_rate
-
-
-@pytest.mark.parametrize("kind", ["ngram", "ngram-adaptive", "ngram+mtp", "mtp"])
-def test_sampling_is_seeded(models, kind: str) -> None:
-    s = Sampling(temperature=1.0, seed=5)
-    p_min = 0.3 if kind == "mtp" else 0.0
-    a, _ = generate(models["target"], proposers(kind, models, p_min), REPEAT, 60, 4, s)
-    b, _ = generate(models["target"], proposers(kind, models, p_min), REPEAT, 60, 4, s)
-    assert a == b and len(a) == 60
+    a, b, c = run(5), run(5), run(6)
+    assert a == b and len(a) == 60 and a != c
 
 
 def test_point_mass_guesses_sample_exactly() -> None:
@@ -162,6 +214,37 @@ def test_ngram_sampled_q_is_one_hot(models) -> None:
     assert torch.equal(q, F.one_hot(toks, 64).float())
     toks, q = p.propose(3, None, None)
     assert q is None
+
+
+def test_ngram_sampled_q_is_one_hot_in_the_engine(models, monkeypatch) -> None:
+    """The batched lookup (`NgramGuess`) in a sampled generation: each guess's q is a point mass
+    on it; greedy, no q."""
+    seen: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    real = build.batch_proposer
+
+    def spied(p, target, pool, bk):
+        bp = real(p, target, pool, bk)
+        assert isinstance(bp, NgramGuess)
+        inner = bp.propose
+
+        def propose(seqs, ks):
+            got = inner(seqs, ks)
+            seen.extend(got)
+            return got
+
+        bp.propose = propose  # type: ignore[method-assign]
+        return bp
+
+    monkeypatch.setattr(build, "batch_proposer", spied)
+    monkeypatch.setattr(D, "NGRAM_GUESS_COST", 0.0)  # every lookup offered
+    generate(models["target"], proposer("ngram"), REPEAT, 40, 4, Sampling(temperature=1.0, seed=5))
+    offered = [(t, q) for t, q in seen if t.shape[0]]
+    assert offered
+    for t, q in offered:
+        assert q is not None and torch.equal(q, F.one_hot(t, 64).float())
+    seen.clear()
+    generate(models["target"], proposer("ngram"), REPEAT, 40, 4)
+    assert any(t.shape[0] for t, _ in seen) and all(q is None for _, q in seen)
 
 
 def test_best_depth_weighs_acceptance_against_the_pass() -> None:

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from smallem_cli import defaults
+from smallem_cli.backends.engines import Backend
 from smallem_cli.bench import run as bench
 from smallem_cli.engine import family
 from smallem_cli.engine.generate import generate
 from smallem_cli.model import checkpoint
-from smallem_cli.spec.proposers import NoProposer
 from smallem_cli.spec.sampling import Sampling
 
 FILES = ["target", "mtp", "draft-2l", "draft-4l"]
 missing = [f for f in FILES if not (defaults.CHECKPOINTS / f"{f}.safetensors").exists()]
 pytestmark = pytest.mark.skipif(bool(missing), reason=f"shipped checkpoints missing: {missing}")
+no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+BACKENDS = [
+    "eager",
+    pytest.param("native", marks=pytest.mark.skipif(no_native, reason="the native engine needs g++ and AVX2")),
+]
 
 
 def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -49,49 +55,91 @@ def test_prompts_follow_the_protocol(prompts: list[list[int]]) -> None:
     assert len(prompts) == 8 and all(len(p) == 32 for p in prompts)
 
 
-@pytest.mark.parametrize("proposer", ["draft-2l", "mtp"])
-def test_greedy_identity_on_the_shipped_family(target: family.Target, prompts: list[list[int]], proposer: str) -> None:
-    make = family.load_proposer(proposer, target, torch.device("cpu"), defaults.proposer_vocab(greedy=True))
+def prepared(name: str, target: family.Target, p: family.Proposer) -> Backend | None:
+    """The backend `smallem generate` runs with (None: eager), prepared for the target and the
+    proposer, its matrices int8 where it was loaded so (the default): every model native."""
+    if name == "eager":
+        return None
+    b = Backend(name)
+    assert b.prepare(target.model, p.models, None, p.models if p.int8 else ()) == name
+    return b
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("proposer", ["draft-2l", "mtp", "ngram+mtp"])
+def test_greedy_identity_on_the_shipped_family(
+    target: family.Target, prompts: list[list[int]], proposer: str, backend_name: str
+) -> None:
+    p = family.load_proposer(proposer, target, torch.device("cpu"), defaults.proposer_vocab(greedy=True))
+    assert p.int8 == (defaults.PROPOSER_WEIGHTS == "int8")
+    b = prepared(backend_name, target, p)
     prompt = prompts[0]
-    ref, _ = generate(target.model, NoProposer(), prompt, 100, 0)
+    ref, _ = generate(target.model, family.NONE, prompt, 100, 0, backend=b)
     accepted = []
     for k in range(1, 6):
-        out, stats = generate(target.model, make(len(prompt) + 110), prompt, 100, k)
+        out, stats = generate(target.model, p, prompt, 100, k, backend=b)
         assert out == ref, f"{proposer} k={k}"
+        assert stats.backend == backend_name
         accepted.append(stats.acceptance_rate)
     assert max(accepted) > 0.3, accepted  # a trained proposer guesses right often
 
 
+@pytest.mark.skipif(no_native, reason="the native engine needs g++ and AVX2")
+def test_native_target_alone_is_the_eager_one(target: family.Target, prompts: list[list[int]]) -> None:
+    """The shipped target's float16 weights, read as they are: the native text is the eager text."""
+    b = prepared("native", target, family.NONE)
+    for prompt in prompts[:2]:
+        eager, _ = generate(target.model, family.NONE, prompt, 100, 0)
+        native, _ = generate(target.model, family.NONE, prompt, 100, 0, backend=b)
+        assert native == eager
+
+
 def test_mtp_acceptance_on_the_benchmark_prompts(target: family.Target, prompts: list[list[int]]) -> None:
-    make = family.load_proposer("mtp", target, torch.device("cpu"), defaults.proposer_vocab(greedy=True))
-    acc = [generate(target.model, make(200), p, 60, 1)[1].acceptance_rate for p in prompts[:4]]
+    p = family.load_proposer("mtp", target, torch.device("cpu"), defaults.proposer_vocab(greedy=True))
+    acc = [generate(target.model, p, q, 60, 1)[1].acceptance_rate for q in prompts[:4]]
     assert sum(acc) / len(acc) >= 0.6, acc
 
 
-def test_sampling_is_seeded_and_reads_as_text(target: family.Target, prompts: list[list[int]]) -> None:
-    make = family.load_proposer("mtp", target, torch.device("cpu"), defaults.proposer_vocab(greedy=False))
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_sampling_is_seeded_and_reads_as_text(
+    target: family.Target, prompts: list[list[int]], backend_name: str
+) -> None:
+    p = family.load_proposer("mtp", target, torch.device("cpu"), defaults.proposer_vocab(greedy=False))
+    b = prepared(backend_name, target, p)
     s = Sampling(temperature=1.0, seed=5)
-    a, _ = generate(target.model, make(200), prompts[1], 60, 2, s)
-    b, _ = generate(target.model, make(200), prompts[1], 60, 2, s)
-    assert a == b
+    a, _ = generate(target.model, p, prompts[1], 60, 2, s, backend=b)
+    c, _ = generate(target.model, p, prompts[1], 60, 2, s, backend=b)
+    d, _ = generate(target.model, p, prompts[1], 60, 2, Sampling(temperature=1.0, seed=6), backend=b)
+    assert a == c and a != d
     assert len(set(a)) > 20  # not a degenerate loop
 
 
-def test_batch_engine_on_the_shipped_family(target: family.Target) -> None:
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_batch_engine_on_the_shipped_family(target: family.Target, backend_name: str) -> None:
     """The batch prompts file holds 64 prompts of 32 tokens; 8 of them decoded together by the
     batch engine (ngram+mtp, the greedy default) equal the target alone, and the MTP module's
-    guesses are kept there as in the loop."""
+    guesses are kept there as in the loop; on either backend."""
     from smallem_cli.engine.build import build_engine
     from smallem_cli.engine.request import Request
 
     batch = bench.read_prompts(defaults.BATCH_PROMPTS)
     assert len(batch) == 64 and all(len(p) == 32 for p in batch)
+    b = Backend(backend_name)
     eng = build_engine(
-        target, "ngram+mtp", torch.device("cpu"), k=None, max_batch=8, proposer_vocab=None, eot=None, decode=str
+        target,
+        "ngram+mtp",
+        torch.device("cpu"),
+        k=None,
+        max_batch=8,
+        proposer_vocab=None,
+        eot=None,
+        decode=str,
+        backend=b,
     )
+    assert b.label == backend_name
     reqs = [Request(i, i, tuple(p), 40) for i, p in enumerate(batch[::8])]
     got = {f.request.index: f for f in eng.run(reqs)}
     for r in reqs:
-        ref, _ = generate(target.model, NoProposer(), list(r.prompt), 40, 0)
+        ref, _ = generate(target.model, family.NONE, list(r.prompt), 40, 0)
         assert got[r.index].tokens == ref
     assert sum(f.stats["acceptance_rate"] for f in got.values()) / len(got) > 0.5  # type: ignore[misc]

@@ -21,7 +21,7 @@ SMALLEM = f"{shlex.quote(sys.executable)} -c {shlex.quote(CODE)}"
 def shell(line: str) -> subprocess.CompletedProcess:
     """`line` run by bash, `smallem` standing for the command; its exit status is smallem's."""
     env = os.environ | {"PYTHONPATH": str(REPO), "SMALLEM_ENGINE": "eager"}
-    script = f"set -o pipefail; smallem() {{ {SMALLEM} \"$@\"; }}; {line}"
+    script = f'set -o pipefail; smallem() {{ {SMALLEM} "$@"; }}; {line}'
     return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
 
 

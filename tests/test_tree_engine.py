@@ -1,45 +1,68 @@
-"""Token trees in the engine: the tree step's inputs, greedy identity, sampling by the target's law."""
+"""Token trees in the engine: the tree step's inputs, greedy identity (eager and native),
+sampling by the target's law."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-from conftest import random_model, random_mtp
+from conftest import PROMPT, TINY, random_model, random_mtp
+from engine_help import halved, reference_logits, spy_native
 from test_engine import V5, chi2, decode, prompts, requests
 
+from smallem_cli.backends.engines import Backend
 from smallem_cli.engine import batch as B
-from smallem_cli.engine.build import pool_pages
-from smallem_cli.engine.forward import slab_for
+from smallem_cli.engine.build import assemble, pool_pages
+from smallem_cli.engine.family import NONE, Proposer
 from smallem_cli.engine.generate import generate
 from smallem_cli.engine.pool import PagePool
-from smallem_cli.engine.proposers import MTPGuess
 from smallem_cli.engine.request import Request
-from smallem_cli.engine.runner import TargetRunner
 from smallem_cli.engine.scheduler import Engine
+from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
-from smallem_cli.spec.proposers import NoProposer
 from smallem_cli.spec.sampling import Sampling
 from smallem_cli.spec.tree import tree_depth, tree_mask
 
 PS = 16
+no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+ENGINES = ["eager", pytest.param("native", marks=pytest.mark.skipif(no_native, reason="needs g++ and an AVX2 CPU"))]
 
 
-def tree_engine(target, mtp, k: int, tree: tuple[int, int], max_batch: int, cut: int = 0) -> Engine:
+def tree_engine(
+    target: Transformer,
+    mtp: MTPModule,
+    k: int,
+    tree: tuple[int, int] | None,
+    max_batch: int,
+    cut: int = 0,
+    backend: Backend | None = None,
+) -> Engine:
+    """The batch engine with the MTP module growing trees of (guesses, width) (None: a chain),
+    its head cut to `cut` tokens (0: whole), on `backend` (None: eager)."""
     pool = PagePool(pool_pages(max_batch, target.cfg.max_seq_len, PS, tree), PS)
     V = target.cfg.vocab_size
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:cut] if cut else None
-    proposer = MTPGuess(target, mtp, pool, Head(target, ids))
-    slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
-    return Engine(
-        TargetRunner(target, slab, pool),
-        proposer,
-        k,
-        auto_k=False,
-        max_batch=max_batch,
-        eot=None,
-        decode=decode,
-        tree=tree,
+    p = Proposer("mtp", mtp, Head(target, ids), tree=tree)
+    return assemble(
+        target, p, backend or Backend(), pool, k, auto_k=False, max_batch=max_batch, eot=None, decode=decode
     )
+
+
+@pytest.fixture(scope="module")
+def native_pair() -> tuple[Transformer, MTPModule, Backend]:
+    """A float16-exact target and MTP module, and the native backend prepared for both."""
+    target, mtp = halved(random_model(TINY, seed=0)), halved(random_mtp(TINY, seed=2))
+    b, log = Backend("native"), []
+    assert b.prepare(target, [mtp], log.append) == "native", log  # type: ignore[arg-type]
+    return target, mtp, b  # type: ignore[return-value]
+
+
+def on(engine: str, request: pytest.FixtureRequest) -> tuple[Transformer, MTPModule, Backend]:
+    """The models and backend a test runs `engine` with: eager, the session's target and MTP module."""
+    if engine == "native":
+        return request.getfixturevalue("native_pair")
+    return request.getfixturevalue("target"), request.getfixturevalue("mtp"), Backend()
 
 
 def test_tree_step_sees_ancestors_at_their_depth() -> None:
@@ -67,15 +90,37 @@ def test_tree_step_sees_ancestors_at_their_depth() -> None:
 
 
 @pytest.mark.parametrize(("k", "tree"), [(1, (3, 3)), (3, (6, 2)), (4, (12, 4)), (5, (16, 3))])
-def test_greedy_trees_are_the_target_alone(target, mtp, k: int, tree: tuple[int, int]) -> None:
-    """Every request of a batch of 8, decoded with MTP trees, equals the target alone."""
+@pytest.mark.parametrize("engine", ENGINES)
+def test_greedy_trees_are_the_target_alone(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, engine: str, k: int, tree: tuple[int, int]
+) -> None:
+    """Every request of a batch of 8, decoded with MTP trees, equals the target alone (eager);
+    native: with every pass native, the tree's growth and its verify pass."""
+    target, mtp, b = on(engine, request)
+    calls = spy_native(monkeypatch)
     reqs = requests(prompts(12, 64, seed=11), n=50)
-    eng = tree_engine(target, mtp, k, tree, max_batch=8)
+    eng = tree_engine(target, mtp, k, tree, max_batch=8, backend=b)
     got = {f.request.index: f for f in eng.run(reqs)}
+    assert bool(calls) == (engine == "native")
     for r in reqs:
-        ref, _ = generate(target, NoProposer(), list(r.prompt), r.max_new_tokens, 0)
+        ref, _ = generate(target, NONE, list(r.prompt), r.max_new_tokens, 0)
         assert got[r.index].tokens == ref, f"request {r.index}"
+        assert got[r.index].stats["backend"] == engine
     assert eng.pool.used() == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_generate_with_a_tree_is_the_target_alone(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """One prompt (`generate`, the engine of one sequence) with trees of 8 guesses: the target
+    alone's tokens, more than one kept per target pass."""
+    target, mtp, b = on(engine, request)
+    ref, _ = generate(target, NONE, PROMPT, 40, 0)
+    calls = spy_native(monkeypatch)
+    got, st = generate(target, Proposer("mtp", mtp, Head(target), tree=(8, 4)), PROMPT, 40, 3, backend=b)
+    assert got == ref and st.backend == engine and bool(calls) == (engine == "native")
+    assert st.tokens_per_pass > 1
 
 
 def test_trained_mtp_trees_keep_more_than_its_chain(trained) -> None:
@@ -91,7 +136,7 @@ def test_trained_mtp_trees_keep_more_than_its_chain(trained) -> None:
         a = {f.request.index: f for f in chain.run(reqs)}
         b = {f.request.index: f for f in wide.run(reqs)}
         for r in reqs:
-            ref, _ = generate(target, NoProposer(), list(r.prompt), 40, 0, opts)
+            ref, _ = generate(target, NONE, list(r.prompt), 40, 0, opts)
             assert a[r.index].tokens == b[r.index].tokens == ref
         passes = [sum(int(f.stats["target_passes"]) for f in x.values()) for x in (a, b)]  # type: ignore[arg-type]
         assert passes[1] < passes[0], passes  # the same tokens in fewer target passes
@@ -105,17 +150,7 @@ def test_tree_guesses_score_the_penalty(trained) -> None:
     ps = [period[i : i + 10] for i in (0, 3, 7, 12)] + [[7, 7, 7, 2, 9, 61, 33], [5, 1, 5, 1, 40]]
     reqs = [Request(i, i, tuple(p), 40, Sampling(repetition_penalty=3.0)) for i, p in enumerate(ps)]
     tree = {f.request.index: f.stats for f in tree_engine(target, mtp, 3, (3, 1), max_batch=8).run(reqs)}
-    pool = PagePool(pool_pages(8, target.cfg.max_seq_len, PS), PS)
-    slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
-    chain_eng = Engine(
-        TargetRunner(target, slab, pool),
-        MTPGuess(target, mtp, pool, Head(target)),
-        3,
-        auto_k=False,
-        max_batch=8,
-        eot=None,
-    )
-    chain = {f.request.index: f.stats for f in chain_eng.run(reqs)}
+    chain = {f.request.index: f.stats for f in tree_engine(target, mtp, 3, None, max_batch=8).run(reqs)}
     for r in reqs:
         assert tree[r.index]["accepted_at"] == chain[r.index]["accepted_at"], f"request {r.index}"
 
@@ -123,14 +158,10 @@ def test_tree_guesses_score_the_penalty(trained) -> None:
 def triple_law(model, prompt: list[int]) -> torch.Tensor:
     """P(x1, x2, x3 | prompt) [5, 5, 5], exactly, from the model's own logits."""
     out = torch.zeros(5, 5, 5, dtype=torch.float64)
-    with torch.inference_mode():
-        for x1 in range(5):
-            for x2 in range(5):
-                c = model.new_cache(8, 16)
-                seq = c.new_sequence()
-                logits, _ = model(torch.tensor([*prompt, x1, x2]), c, seq)
-                p = torch.softmax(logits.double(), -1)
-                out[x1, x2] = p[-3, x1] * p[-2, x2] * p[-1]
+    for x1 in range(5):
+        for x2 in range(5):
+            p = torch.softmax(reference_logits(model, torch.tensor([*prompt, x1, x2])).double(), -1)
+            out[x1, x2] = p[-3, x1] * p[-2, x2] * p[-1]
     return out
 
 
@@ -159,19 +190,25 @@ def test_sampled_requests_in_tree_mode_follow_the_target() -> None:
 
 
 # --- the command line ----------------------------------------------------------------------
-def test_cli_generate_with_a_tree_prints_the_target_alone(family) -> None:
-    """`smallem generate --tree N`: the greedy text of the target alone, greedy and sampled runs
-    seeded alike give the same text whatever the tree, and the statistics say so."""
+@pytest.mark.parametrize("engine", ENGINES)
+def test_cli_generate_with_a_tree_prints_the_target_alone(
+    family, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """`smallem generate --tree N` (--engine eager, native): the greedy text of the eager target
+    alone, greedy and sampled runs seeded alike give the same text whatever the tree, and the
+    statistics say so."""
     from test_cli import as_json, generate
 
-    ref = as_json(generate(family, "--proposer", "none", "-n", "30", "--json"))
+    ref = as_json(generate(family, "--proposer", "none", "-n", "30", "--json", "--engine", "eager"))
     for args in (["--tree", "6"], ["--tree", "12", "-k", "3"], ["--tree", "1", "-k", "1"]):
-        got = as_json(generate(family, "--proposer", "mtp", *args, "-n", "30", "--json"))
+        got = as_json(generate(family, "--proposer", "mtp", *args, "-n", "30", "--json", "--engine", engine))
         assert got["tokens"] == ref["tokens"], args
         assert got["stats"]["proposer"] == "mtp" and got["stats"]["new_tokens"] == 30
+        assert got["stats"]["backend"] == engine
+    seeded = ["--temperature", "1", "--seed", "5"]
     sampled = [
-        as_json(generate(family, "--proposer", p, *t, "--temperature", "1", "--seed", "5", "-n", "20", "--json"))
-        for p, t in (("mtp", ["--tree", "8"]), ("mtp", ["--tree", "8"]))
+        as_json(generate(family, "--proposer", "mtp", "--tree", "8", *seeded, "-n", "20", "--json", "--engine", engine))
+        for _ in range(2)
     ]
     assert sampled[0]["tokens"] == sampled[1]["tokens"]  # seeded
 
@@ -223,7 +260,7 @@ def test_sampled_request_in_tree_mode_depends_on_its_seed_alone(target, mtp) -> 
         alone = next(iter(tree_engine(target, mtp, 3, (8, 2), max_batch=1).run([r])))
         assert alone.tokens == together[r.index], r.index
         if r.sampling.greedy:
-            ref, _ = generate(target, NoProposer(), list(r.prompt), 30, 0)
+            ref, _ = generate(target, NONE, list(r.prompt), 30, 0)
             assert alone.tokens == ref
 
 

@@ -203,8 +203,8 @@ def _stand_in(runs: list[dict[str, Any]], wrong: bool = False) -> Any:
     """A stand-in for vllm_run.py offline: our own greedy tokens (one of them changed if `wrong`),
     fixed seconds, and counters of 3 tokens a step for a draft."""
     from smallem_cli.engine import family as fam
+    from smallem_cli.engine.family import NONE
     from smallem_cli.engine.generate import generate
-    from smallem_cli.spec.proposers import NoProposer
 
     def run_offline(python: Path, job: dict[str, Any], env: dict[str, str], log: Path | None = None) -> dict:
         runs.append(job)
@@ -212,7 +212,7 @@ def _stand_in(runs: list[dict[str, Any]], wrong: bool = False) -> Any:
         if job["spec"]:
             assert Path(job["spec"]["model"], "config.json").is_file()
         model = fam.load_target(Path(job["target"]), fam.pick_device("cpu")).model
-        tokens = [generate(model, NoProposer(), p, job["max_new"], 0)[0] for p in job["prompts"]]
+        tokens = [generate(model, NONE, p, job["max_new"], 0)[0] for p in job["prompts"]]
         if wrong:
             tokens[0][-1] = (tokens[0][-1] + 1) % model.cfg.vocab_size
         steps = sum(len(t) for t in tokens) // 3

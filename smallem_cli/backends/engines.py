@@ -1,6 +1,6 @@
-"""The decode engines a run may take, chosen once by the command line: "eager" (PyTorch: the
-reference, and the path on a GPU) and the native C++ kernels on a CPU ("native", the widest
-build this CPU runs, and "native-avx2", its AVX2 build, to time beside it).
+"""The backend a run's passes take, chosen once by the command line and handed to the engine:
+"eager" (PyTorch: the reference, and the path on a GPU), or the native C++ kernels on a CPU
+("native", the widest build this CPU runs, and "native-avx2", its AVX2 build, to time beside it).
 """
 
 from __future__ import annotations
@@ -15,13 +15,68 @@ import torch
 from .native.kernels import ENGINES as NATIVE_BUILDS
 
 if TYPE_CHECKING:
-    from ..model.llama import Transformer
-    from ..spec.proposers import Proposer
+    from ..model.llama import MTPModule, Transformer
+    from .native import NativeSteps
 
 Log = Callable[[str], None]
 NATIVE = tuple(NATIVE_BUILDS)  # the native engine's builds: the widest this CPU runs, and its AVX2 one
 ENGINES = ("auto", "eager", *NATIVE)
 BENCH_ENGINES = ("eager", *NATIVE[::-1])  # slowest first: the AVX2 build before the widest
+
+
+class Backend:
+    """What runs the passes of one run. Eager: PyTorch for every model. A native build: each model
+    that `prepare` gave its steps runs them; a model that could not have them runs eager, and
+    `label` says so ("partly native"). No state lives on the models: two backends (bench's
+    engines) run the same models side by side."""
+
+    def __init__(self, name: str = "eager") -> None:
+        if name != "eager" and name not in NATIVE:
+            raise ValueError(f"unknown backend {name!r}")
+        self.name = self.label = name
+        self._steps: dict[int, tuple[object, NativeSteps]] = {}  # id(model) -> (model, its steps)
+        self._refused: set[int] = set()
+
+    def steps(self, model: object) -> NativeSteps | None:
+        """The model's native steps in this backend, or None: it runs eager."""
+        got = self._steps.get(id(model))
+        return got[1] if got is not None and got[0] is model else None
+
+    def prepare(
+        self,
+        target: Transformer,
+        models: Iterable[Transformer | MTPModule],
+        log: Log | None = None,
+        int8: Iterable[Transformer | MTPModule] = (),
+    ) -> str:
+        """Native steps for the target and the proposer's models (built once by the system's
+        compiler, cached on disk), before anything is timed; `int8`: the proposer models whose
+        matrices the steps read as int8. -> `label`: the name, "eager" where no model could have
+        them, or "partly <name>". A reason that holds for every model is said once."""
+        if self.name == "eager":
+            return self.label
+        from . import native  # its kernels are built by the system's compiler, once
+
+        quiet = log or (lambda _: None)
+        small = {id(m) for m in int8}
+        said: dict[str, list[str]] = {}
+        every = list({id(m): m for m in [target, *models]}.values())
+        for m in every:
+            if id(m) in self._steps or id(m) in self._refused:
+                continue
+            try:
+                steps = native.NativeSteps(
+                    m, target, quiet, cache_root(), self.name, id(m) in small and m is not target
+                )
+                self._steps[id(m)] = (m, steps)
+            except (native.NativeUnavailable, OSError) as e:
+                self._refused.add(id(m))
+                said.setdefault(str(e), []).append(type(m).__name__)
+        for why, names in said.items():
+            quiet(f"native decode step unavailable ({', '.join(names)}): {why}")
+        ready = sum(self.steps(m) is not None for m in every)
+        self.label = self.name if ready == len(every) else "eager" if not ready else f"partly {self.name}"
+        return self.label
 
 
 def cache_root() -> Path:
@@ -47,35 +102,22 @@ def chosen(engine: str) -> str:
     return os.environ.get("SMALLEM_ENGINE") or engine if engine == "auto" else engine
 
 
-def engine_mode(engine: str, device: torch.device) -> str | None:
-    """--engine -> None (eager), "native" (`native/`; auto on a CPU) or "native-avx2" (its AVX2
-    build). ValueError for an unknown name, or a native engine on another device than a CPU."""
+def engine_mode(engine: str, device: torch.device) -> str:
+    """--engine -> the backend's name: "eager", "native" (auto on a CPU) or "native-avx2".
+    ValueError for an unknown name, or a native engine on another device than a CPU."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
     if engine in NATIVE and device.type != "cpu":
         raise ValueError(f"--engine {engine} runs on a CPU only: use eager (or auto) on {device.type}")
     if engine == "auto":
-        return "native" if device.type == "cpu" else None
-    return engine if engine in NATIVE else None
-
-
-def prepare_engine(
-    mode: str | None, target: Transformer, proposer: Proposer, ks: list[int], log: Log | None = None
-) -> tuple[int, int]:
-    """Load (or build, once) what `engine_mode`'s mode runs, before anything is timed ->
-    (models ready, of how many). None: eager, nothing to do."""
-    if mode is None:
-        return 0, 1
-    from . import native  # its kernels are built by the system's compiler, once
-
-    models = [m for k in ks for m, *_ in proposer.passes(k)]
-    return native.prepare(target, models, log or (lambda _: None), cache_root(), mode)  # type: ignore[arg-type]
+        return "native" if device.type == "cpu" else "eager"
+    return engine
 
 
 def bench_engines(engines: str, device: torch.device) -> tuple[str, ...]:
     """--engines of bench: "auto" or a comma-separated list of eager, native-avx2 and native."""
     if engines == "auto":
-        return ("eager", "native") if engine_mode("auto", device) else ("eager",)
+        return ("eager", "native") if engine_mode("auto", device) != "eager" else ("eager",)
     names = tuple(dict.fromkeys(e.strip() for e in engines.split(",") if e.strip()))
     if not names or any(e not in BENCH_ENGINES for e in names):
         raise ValueError(f"--engines takes {', '.join(BENCH_ENGINES)} (comma-separated), or auto; got {engines!r}")

@@ -28,8 +28,7 @@ from rich.table import Table
 
 from .. import defaults as D
 from .. import options as O
-from ..backends.engines import NATIVE
-from ..backends.steps import switch
+from ..backends.engines import Backend
 from ..engine import family
 from ..engine.request import Request
 from ..engine.scheduler import Engine
@@ -65,8 +64,7 @@ def run(
     step: Callable[[str], None] | None = None,
     engines: tuple[str, ...] = ("eager",),
 ) -> list[BatchRow]:
-    """Rows for the target alone, then each proposer at each k, at every batch size, per engine
-    (each engine's passes switched on in turn: `steps.switch`)."""
+    """Rows for the target alone, then each proposer at each k, at every batch size, per engine."""
     reference: list[list[int]] | None = None
     rows = []
     configs = [("none", None)] + [(n, k) for n in names if n != "none" for k in ks]
@@ -75,13 +73,9 @@ def run(
             step(f"{engine} {name} k={k or 'auto'} batch {size}")
         eng = make(name, k, size, engine)
         reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
-        switch(engine)
-        try:
-            t0 = time.perf_counter()
-            done = {f.request.index: f for f in eng.run(reqs)}
-            wall = time.perf_counter() - t0
-        finally:
-            switch(None)
+        t0 = time.perf_counter()
+        done = {f.request.index: f for f in eng.run(reqs)}
+        wall = time.perf_counter() - t0
         out = [done[i].tokens for i in range(len(prompts))]
         if reference is None:
             reference = out
@@ -127,18 +121,14 @@ def alone_at_batch(
 
     eng = build_engine(
         tgt, "none", device, k=None, max_batch=len(prompts), proposer_vocab=None, eot=None, decode=str,
-        native=engine if engine in NATIVE else None, native_log=log, strict=True,
+        backend=Backend(engine), log=log, strict=True,
     )  # fmt: skip
-    switch(engine)
-    try:
-        for _ in eng.run([Request(i, i, tuple(p[:16]), 8) for i, p in enumerate(prompts)]):
-            pass
-        reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
-        t0 = time.perf_counter()
-        done = {f.request.index: f.tokens for f in eng.run(reqs)}
-        wall = time.perf_counter() - t0
-    finally:
-        switch(None)
+    for _ in eng.run([Request(i, i, tuple(p[:16]), 8) for i, p in enumerate(prompts)]):
+        pass
+    reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    done = {f.request.index: f.tokens for f in eng.run(reqs)}
+    wall = time.perf_counter() - t0
     out = [done[i] for i in range(len(prompts))]
     return sum(len(o) for o in out) / wall, out
 
@@ -234,13 +224,15 @@ def from_cli(
 
     from ..engine.build import build_engine
 
+    backends: dict[str, Backend] = {}  # one per engine: the target's native steps built once
+
     def make(name: str, k: int | None, size: int, engine: str) -> Engine:
         base, _, suffix = name.partition("@")  # token trees (`options.tree_names`), or weights
         tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
         stored = suffix if suffix in D.WEIGHTS else weights
         return build_engine(
             tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree,
-            native=engine if engine in NATIVE else None, native_log=err.print, weights=stored, strict=True,
+            backend=backends.setdefault(engine, Backend(engine)), log=err.print, weights=stored, strict=True,
         )  # fmt: skip
 
     check_sizes(tgt, device, sizes)

@@ -1,14 +1,15 @@
 """The cost model's readings and the seed's cost model.
 
 c (a proposer's cost per guess) and v (a verify pass over k+1 tokens) are read with a
-stopwatch around the forwards, in one-token target passes, and fed with the conditional
-acceptance α to the seed's model to predict a speed-up.
+stopwatch on the path a generation takes: one sequence on the engine (`engine_for_one`'s
+layout), its verify pass as `TargetRunner.verify_pass` runs it, with the round's host sync,
+and its proposer's round of k guesses as `BatchProposer.propose` makes it (on a native
+backend one call for the k: `proposers._ModelGuess._chain`), so c is read per k.
 
-c is read on the path the run takes. The eager engine guesses one step at a time, so its c is
-one step (`cost_step`). A native engine runs a round's guesses as one call (`spec.chain`: the
-catch-up on what the last round confirmed, then the chain of k), with no Python round trip
-between guesses, so a step timed alone costs more than a guess inside that call: its c(k) is
-the call as `propose` makes it, over k, one reading per k the plan runs.
+A run's round also pays host work that neither reading holds: verification's bookkeeping,
+the scheduler's, the stats'. The bench measures it on the target alone, in the same run: its
+round is one token's time, of which the verify pass over one token is `one_s`; the rest, `o`,
+is added to every round's v (`round_costs`).
 """
 
 from __future__ import annotations
@@ -16,53 +17,44 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine.family import ProposerFactory
-from ..engine.generate import cache_pages
+from .. import defaults as D
+from ..backends.engines import Backend
+from ..engine.build import assemble, batch_proposer
+from ..engine.family import NONE, Proposer
+from ..engine.pool import PagePool, pages_for
+from ..engine.proposers import BatchProposer, FallbackGuess, NoGuess, _ModelGuess
+from ..engine.request import Request
+from ..engine.runner import prefill
+from ..engine.sequence import Seq
 from ..model.llama import Transformer
-from ..spec.chain import chains
-from ..spec.proposers import DraftProposer, MTPProposer, Proposer
-from ..spec.verify import Warp
+from ..spec.sampling import Sampling
 from ..stats import Stats
-
-# proposer name -> (the warp its mode draws with, the ks whose native round is timed)
-Chained = dict[str, tuple[Warp | None, list[int]]]
 
 
 @dataclass
 class Readings:
-    """One reading of `forward_costs`.
-
-    c: name -> one guess in one-token target passes: its step ("mode:proposer"), or a native
-    round of k guesses over k ("mode:proposer:k"); v: k -> a pass over k+1 tokens in one-token
-    passes; one_s: the seconds of a one-token pass; whole: the names whose every round runs the
-    whole chain of k whatever depth it keeps (adaptive depth on a native chain: the doubtful
-    guesses are dropped after the call).
-    """
+    """One reading of `forward_costs`. c: "proposer:k" -> one guess of a round of k, in verify
+    passes over one token; v: k -> a verify pass over k+1 tokens, in the same unit; one_s: the
+    seconds of that unit."""
 
     c: dict[str, float]
     v: dict[int, float]
     one_s: float
-    whole: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Costs:
-    """`readings` round-robin readings of `forward_costs`, per engine.
-
-    c: "engine:mode:proposer" (a step) or "engine:mode:proposer:k" (a native round of k, over k)
-    -> readings; v: "engine:T" -> readings of a pass over T tokens in one-token passes of the
-    same engine; one_pass_s: engine -> seconds of a one-token pass; whole: the
-    "engine:mode:proposer" whose rounds pay the whole chain at every depth (`Readings.whole`).
-    """
+    """`readings` round-robin readings of `forward_costs`, per engine. c: "engine:mode:proposer:k"
+    -> readings; v: "engine:T" -> readings of a pass over T tokens; one_pass_s: engine -> seconds
+    of a verify pass over one token."""
 
     c: dict[str, list[float]]
     v: dict[str, list[float]]
     one_pass_s: dict[str, list[float]]
-    whole: list[str] = field(default_factory=list)
 
 
 def sync() -> None:
@@ -71,11 +63,8 @@ def sync() -> None:
 
 
 def _interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median seconds of each fn over reps calls, taken round-robin (after two warm-up rounds).
-
-    Round-robin, so that a shift in the machine's load touches every fn alike and their
-    ratios (c and v are ratios) stay true on a shared, noisy machine.
-    """
+    """Median seconds of each fn over reps calls, taken round-robin (after two warm-up rounds), so
+    that a shift in the machine's load touches every fn alike and their ratios stay true."""
     for _ in range(2):
         for fn in fns.values():
             fn()
@@ -89,29 +78,31 @@ def _interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, f
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def chain_proposer(p: Proposer, warp: Warp | None) -> DraftProposer | MTPProposer | None:
-    """The model proposer whose round a native engine may run as one call (`spec.chain`), or None
-    where the run goes step by step whatever the engine (a lookup, token trees, sampling at
-    adaptive depth). ngram+P: P's, for the rounds the lookup leaves to it."""
-    inner = getattr(p, "other", p)
-    if not isinstance(inner, DraftProposer | MTPProposer) or getattr(inner, "tree", None) is not None:
-        return None
-    return inner if chains(warp, inner.p_min) else None
+class _StartAll:
+    """Every proposer being timed, started on the one prefill (`runner.prefill`)."""
+
+    name = "none"
+
+    def __init__(self, each: list[BatchProposer]) -> None:
+        self.each = each
+
+    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+        for p in self.each:
+            p.start(seqs, fed, hidden)
 
 
-def round_call(
-    p: DraftProposer | MTPProposer, k: int, warp: Warp | None, gen: torch.Generator | None
-) -> Callable[[], object]:
-    """A round's k guesses as the run asks for them (`propose`: on a native engine one call, its
-    catch-up included), then the proposer's cache back where it was, so that every call starts
-    from the same state and the timing loop can repeat it."""
-    cache, seq = p.cache, p.seq
+def _round_call(bp: BatchProposer, s: Seq, k: int) -> Callable[[], object]:
+    """A round's k guesses as the run asks for them, synced as the round syncs them, then the
+    proposer's state put back, so that every call starts from the same state. ngram+P: P's
+    round, what the rounds the lookup leaves to P cost (a lookup's own is next to nothing)."""
+    model = bp.other if isinstance(bp, FallbackGuess) else bp
 
     def run() -> object:
-        n = cache.length(seq)
-        out = p.propose(k, warp, gen)
-        cache.keep(seq, n)
-        p.proposed = False  # no round to accept: the pending entries stay pending
+        saved = replace(model.state[s.uid]) if isinstance(model, _ModelGuess) else None
+        tokens, _ = model.propose([s], [k])[0]
+        out = tokens.tolist()
+        if saved is not None:
+            model.state[s.uid] = saved
         return out
 
     return run
@@ -120,65 +111,55 @@ def round_call(
 @torch.inference_mode()
 def forward_costs(
     target: Transformer,
-    proposers: dict[str, ProposerFactory],
+    proposers: dict[str, tuple[Proposer, Sampling, list[int]]],
     ks: list[int],
     prompt: list[int],
+    backend: Backend,
     context: int = 132,
     reps: int = 60,
-    chained: Chained | None = None,
 ) -> Readings:
-    """Stopwatch around the forwards, at a typical context length, with the engine switched on.
+    """Stopwatch around one sequence's passes at a typical context length: the target's verify
+    pass over k+1 tokens for each k of `ks`, and each proposer's round of each of its ks
+    (name -> (proposer, what its sequence draws with, its ks)), from a state one round in."""
+    deepest = max([*ks, *(k for _, _, kk in proposers.values() for k in kk), 1])
+    span = context + 2 * deepest + 4  # a sequence's positions, its proposer's chain included
+    pool = PagePool((len(proposers) + 1) * pages_for(span, D.PAGE_SIZE), D.PAGE_SIZE)  # each one's pages in order
+    engine = assemble(target, NONE, backend, pool, deepest, auto_k=False, max_batch=len(proposers) + 1, eot=None)
+    t, dev = engine.t, engine.t.slab.device
+    ids = (prompt * (context // len(prompt) + 1))[:context]
+    started = {name: (batch_proposer(p, target, pool, backend), kk) for name, (p, _, kk) in proposers.items()}
+    runs = []
+    for name, (_, sampling, _) in proposers.items():  # a sequence per proposer: its own draws
+        s = engine._seq(Request(len(runs), 0, tuple(ids), 1 << 20, sampling))
+        pool.add(s.uid)
+        pool.reserve(s.uid, span)
+        runs.append((name, s))
+    base = engine._seq(Request(len(runs), 0, tuple(ids), 1 << 20))
+    pool.add(base.uid)
+    pool.reserve(base.uid, span)
+    for name, s in runs:
+        bp, _ = started[name]
+        prefill(t, _StartAll([bp]), [s])  # type: ignore[arg-type]
+        bp.propose([s], [1])  # one round in: two entries to catch up on
+        bp.accept(s, 1, torch.tensor(ids[-2:], device=dev), torch.zeros(2, target.cfg.dim, device=dev))
+    prefill(t, NoGuess(), [base])
+    feed = torch.tensor(ids[: deepest + 1], device=dev)
 
-    Each proposer's step is timed; those in `chained` (a native engine) also have each of their
-    rounds of k timed as `propose` runs it, from a state one round in (two entries to catch up on).
-    """
-    chained = chained or {}
-    deepest = max([*ks, *(k for _, kk in chained.values() for k in kk)])
-    dev = target.embed_tokens.weight.device
-    ids = torch.tensor((prompt * (context // len(prompt) + 1))[:context], device=dev)
-    cache = target.new_cache(cache_pages(context + max(ks) + 2))
-    seq = cache.new_sequence()
-    _, hidden = target(ids, cache, seq)
+    def verify(T: int) -> Callable[[], object]:
+        return lambda: t.verify_pass([base], feed[:T], [T])[0][-1:].argmax(-1).tolist()
 
-    def target_pass(t: int) -> Callable[[], object]:
-        def run() -> object:
-            out = target(ids[:t], cache, seq)
-            cache.keep(seq, context)
-            return out
-
-        return run
-
-    fns: dict[str, Callable[[], object]] = {"v1": target_pass(1)}
-    fns |= {f"v{k + 1}": target_pass(k + 1) for k in ks if k + 1 != 1}
-    per: dict[str, tuple[str, int]] = {}  # fn -> (c's name, the guesses it makes)
-    whole: list[str] = []
-    started: list[Proposer] = []
-    for name, make in proposers.items():
-        p = make(context + deepest + 4)
-        p.start(ids, ids[-1:], hidden)
-        p.propose(1, None, None)  # every cache filled up to the prompt
-        p.accept(1, ids[-2:], hidden[-2:])
-        fns[f"c:{name}"], per[f"c:{name}"] = p.cost_step, (name, 1)
-        started.append(p)
-        if name not in chained:
-            continue
-        warp, kk = chained[name]
-        inner = chain_proposer(p, warp)
-        if inner is None:
-            continue
-        gen = torch.Generator(device=dev).manual_seed(0)
-        for k in kk:
-            fns[f"c:{name}:{k}"], per[f"c:{name}:{k}"] = round_call(inner, k, warp, gen), (f"{name}:{k}", k)
-        if inner is p and p.p_min:
-            whole.append(name)
-    t = _interleaved(fns, reps)
-    one = t["v1"]
-    v = {k: t[f"v{k + 1}"] / one for k in ks}
-    c = {name: t[fn] / n / one for fn, (name, n) in per.items()}
-    for p in started:
-        p.release()
-    cache.release(seq)
-    return Readings(c, v, one, whole)
+    fns: dict[str, Callable[[], object]] = {f"v{k + 1}": verify(k + 1) for k in sorted({0, *ks})}
+    for name, s in runs:
+        bp, kk = started[name]
+        fns |= {f"c:{name}:{k}": _round_call(bp, s, k) for k in kk}
+    times = _interleaved(fns, reps)
+    one = times["v1"]
+    for name, s in [*runs, ("", base)]:
+        if name:
+            started[name][0].drop(s)
+        pool.release(s.uid)
+    c = {fn[2:]: x / int(fn.rsplit(":", 1)[1]) / one for fn, x in times.items() if fn.startswith("c:")}
+    return Readings(c, {k: times[f"v{k + 1}"] / one for k in ks}, one)
 
 
 def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
@@ -198,15 +179,19 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
     return tokens / (k * c + v)
 
 
-def variable_speedup(st: Stats, rounds: int, c: float, v: dict[int, float], whole: float | None = None) -> float:
-    """The cost model for rounds of varying depth (an n-gram lookup, adaptive depth): the
-    tokens a round yielded, measured, over a round's cost from the depths the rounds had,
-    sum over m of (rounds with m guesses) * (m·c + v(m+1)) / rounds, v(1) = 1.
+def round_costs(c: float, v: float, one_s: float, round_s: float) -> tuple[float, float]:
+    """c and v read in verify passes over one token (`one_s` seconds) -> in rounds of the target
+    alone (`round_s` seconds, measured in the same run), v with the round's host work beside the
+    pass (round_s - one_s) added: the cost model's units, where the target alone's round is 1."""
+    scale = one_s / round_s
+    return c * scale, 1 + (v - 1) * scale
 
-    `whole`: what every round's proposer costs whatever depth it kept (a native chain runs
-    all k guesses, then drops the doubtful ones), in place of m·c."""
+
+def variable_speedup(st: Stats, rounds: int, c: dict[int, float], v: dict[int, float]) -> float:
+    """The cost model for rounds of varying depth (an n-gram lookup): the tokens a round yielded,
+    measured, over a round's cost from the depths the rounds had, sum over m of (rounds with m
+    guesses) * (m·c(m) + v(m+1)) / rounds (v(1): a round without guesses)."""
     if not rounds:
         return 1.0
-    guesses = [m * c if whole is None else whole for m in range(len(st.guessed))]
-    cost = sum(r * (guesses[m] + (v.get(m + 1, 1.0) if m else 1.0)) for m, r in enumerate(st.guessed)) / rounds
+    cost = sum(r * (m * c.get(m, 0.0) + v.get(m + 1, 1.0)) for m, r in enumerate(st.guessed)) / rounds
     return (1 + st.accepted / rounds) / cost

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,12 +22,10 @@ import torch
 from rich.console import Group
 from rich.table import Table
 
-from ..backends.engines import engine_mode, fastest, prepare_engine
-from ..backends.steps import switch
+from ..backends.engines import Backend, engine_mode, fastest
 from ..defaults import default_k
-from ..engine.family import ProposerFactory, Target
+from ..engine.family import NONE, Proposer, Target
 from ..engine.generate import generate
-from ..spec.proposers import NoProposer
 from .costs import forward_costs, sync
 from .run import Row, our_row
 
@@ -35,8 +34,6 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     """transformers' generate() (target alone) and assisted generation (draft-2l), same
     weights, prompts and token counts, timed here; greedy outputs checked against ours, and
     their speed compared with our rows of the same run (the fastest engine's)."""
-    import tempfile
-
     try:
         import transformers
     except ImportError:
@@ -48,25 +45,21 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
         row = our_row(rows, name, k)
         return row.tokens_per_s if row else float("nan")
 
+    k = default_k("draft-2l", greedy=True)  # our draft-2l row beside assisted generation: its default greedy k
     out: list[dict] = []
+    dev = target.model.embed_tokens.weight.device
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {}
-        for name in ("target", "draft-2l"):
-            dirs[name] = Path(tmp) / name
-            export_hf(ckpt_dir / f"{name}.safetensors", dirs[name], target.tokenizer)
         models = {}
-        for name, d in dirs.items():
-            m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        for name in ("target", "draft-2l"):
+            export_hf(ckpt_dir / f"{name}.safetensors", Path(tmp) / name, target.tokenizer)
+            m = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / name, dtype=torch.float32).eval()
             m.generation_config.eos_token_id = None  # run the full token count, as we do
             m.generation_config.pad_token_id = 0
-            models[name] = m
-        dev = target.model.embed_tokens.weight.device
-        for m in models.values():
-            m.to(dev)
-        ref = {i: generate(target.model, NoProposer(), p, max_new, 0)[0] for i, p in enumerate(prompts)}
+            models[name] = m.to(dev)
+        ref = {i: generate(target.model, NONE, p, max_new, 0)[0] for i, p in enumerate(prompts)}
         for label, kwargs, ours_tps in (
             ("transformers generate()", {}, ours("none", 0)),
-            ("transformers assisted (draft-2l)", {"assistant_model": models["draft-2l"]}, None),
+            ("transformers assisted (draft-2l)", {"assistant_model": models["draft-2l"]}, ours("draft-2l", k)),
         ):
             tokens, secs, same = 0, 0.0, 0
             with torch.inference_mode():
@@ -81,19 +74,14 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
                     new = res[0, len(p) :].tolist()
                     tokens += len(new)
                     same += new == ref[i]
-            hf_tps = tokens / secs
-            if ours_tps is None:  # our draft-2l run at its default greedy k
-                ours_tps = ours("draft-2l", default_k("draft-2l", greedy=True))
-            out.append(
-                {
-                    "peer": label,
-                    "tokens_per_s": hf_tps,
-                    "ours_tokens_per_s": ours_tps,
-                    "ours_over_peer": ours_tps / hf_tps,
-                    "identical": f"{same}/{len(prompts)}",
-                }
-            )
+            out.append(peer_row(label, tokens / secs, ours_tps, f"{same}/{len(prompts)}"))
     return out
+
+
+def peer_row(peer: str, tps: float, ours_tps: float, identical: str, **more: Any) -> dict[str, Any]:
+    """A peer's row: its tokens/s beside ours (nan: our row was not run), then `more`."""
+    return {"peer": peer, "tokens_per_s": tps, "ours_tokens_per_s": ours_tps, "ours_over_peer": ours_tps / tps,
+            "identical": identical, **more}  # fmt: skip
 
 
 def peer_table(peer_rows: list[dict]) -> Table | Group:
@@ -109,24 +97,15 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
         for col in ("ours, speculative", "tok/s", "/ peer", "identical"):
             t.add_column(col, justify="right")
     for r in peer_rows:
-        step = [f"{r['tokens_per_step']:.2f} | {r['ours_tokens_per_step']:.2f}"] if steps else []
-        more = (
-            [r["spec"], f"{r['spec_tokens_per_s']:.1f}", f"×{r['spec_over_peer']:.2f}", r["spec_identical"]]
-            if "spec" in r
-            else ["", "", "", ""]
-        )
         ran = not math.isnan(r["ours_tokens_per_s"])  # our row of that proposer was in the plan
-        t.add_row(
-            r["peer"],
-            f"{r['tokens_per_s']:.1f}",
-            f"{r['ours_tokens_per_s']:.1f}" + (f" (batch {n})" if (n := r.get("ours_batch") or 1) > 1 else "")
-            if ran
-            else "not run",
-            f"×{r['ours_over_peer']:.2f}" if ran else "–",
-            r["identical"],
-            *step,
-            *(more if spec else []),
-        )
+        batch = f" (batch {n})" if (n := r.get("ours_batch") or 1) > 1 else ""
+        cells = [r["peer"], f"{r['tokens_per_s']:.1f}", f"{r['ours_tokens_per_s']:.1f}{batch}" if ran else "not run"]
+        cells += [f"×{r['ours_over_peer']:.2f}" if ran else "–", r["identical"]]
+        if steps:
+            cells.append(f"{r['tokens_per_step']:.2f} | {r['ours_tokens_per_step']:.2f}")
+        if "spec" in r:  # (the last columns: a row without them leaves them empty)
+            cells += [r["spec"], f"{r['spec_tokens_per_s']:.1f}", f"×{r['spec_over_peer']:.2f}", r["spec_identical"]]
+        t.add_row(*cells)
     costs = [r for r in peer_rows if r.get("one_pass_ms")]
     if not costs:
         return t
@@ -144,8 +123,7 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
 
 
 # --- llama.cpp -------------------------------------------------------------------------------
-Spec = tuple[str, ProposerFactory, int]  # our speculative row beside llama.cpp: proposer, its factory, k
-PEERS = ("hf", "llamacpp", "vllm")
+Spec = tuple[str, Proposer, int]  # our speculative row beside llama.cpp: its name, the proposer, k
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
 COST_CONTEXT = 132  # positions in the cache when a pass is timed, as bench's forward_costs
 
@@ -185,27 +163,18 @@ def _llama_cpp() -> Any:
 
 
 class LlamaCpp:
-    """One GGUF file under llama.cpp, driven through its C API (`llama_decode` on a batch):
-    greedy generation by argmax of the logits, and passes over T tokens for their cost.
-
-    The K/V cache is float32 (llama.cpp's default is float16): the cache then holds what
-    ours holds, and a greedy run depends on the weights' dtype alone.
-    """
+    """One GGUF file under llama.cpp, driven through its C API (`llama_decode` on a batch): greedy
+    generation by argmax of the logits, and passes over T tokens for their cost. The K/V cache is
+    float32 (llama.cpp's default is float16): it then holds what ours holds, and a greedy run depends
+    on the weights' dtype alone."""
 
     def __init__(self, path: Path, n_ctx: int, threads: int, n_vocab: int) -> None:
         lib = self.lib = _llama_cpp()
+        f32 = lib.GGML_TYPE_F32
         self.llm = lib.Llama(
-            model_path=str(path),
-            n_ctx=n_ctx,
-            n_batch=n_ctx,
-            n_ubatch=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_gpu_layers=0,
-            type_k=lib.GGML_TYPE_F32,
-            type_v=lib.GGML_TYPE_F32,
-            verbose=False,
-        )
+            model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
+            n_threads_batch=threads, n_gpu_layers=0, type_k=f32, type_v=f32, verbose=False,
+        )  # fmt: skip
         self.ctx, self.n_vocab = self.llm.ctx, n_vocab
         if hasattr(lib, "llama_get_memory"):  # llama.cpp since mid-2025
             mem = lib.llama_get_memory(self.ctx)
@@ -275,14 +244,11 @@ def llamacpp_peer(
     log: Callable[[str], None] | None = None,
     spec: Spec | None = None,
 ) -> list[dict]:
-    """llama.cpp on the target's weights (exported as GGUF, f32 and f16), greedy, on torch's
-    thread count; timed prompt by prompt in alternation with our target alone (the native
-    engine if the bench ran it, else eager) and, with
-    `spec` (name, factory, k), our speculative decoding with that proposer, `repeats` times
-    (median of the runs' tokens/s). Its tokens are checked against our eager target alone's;
-    the pass costs over T tokens (LLAMACPP_PASSES) are read for both engines."""
-    import tempfile
-
+    """llama.cpp on the target's weights (exported as GGUF, f32 and f16), greedy, on torch's thread
+    count; timed prompt by prompt in alternation with our target alone on the fastest of `engines`
+    and, with `spec`, our speculative decoding with that proposer, `repeats` times (median of the
+    runs' tokens/s). Its tokens are checked against our eager target alone's; the pass costs over T
+    tokens (LLAMACPP_PASSES) are read for both engines."""
     from ..interop.gguf import write_gguf
 
     _llama_cpp()
@@ -291,74 +257,58 @@ def llamacpp_peer(
     engine = fastest(engines)
     n_ctx = min(1024, model.cfg.max_seq_len)
     passes = [1, *LLAMACPP_PASSES]
-    mode = engine_mode(engine, model.embed_tokens.weight.device)
-    # our passes over T tokens (and the proposer's), built (or loaded) before anything is timed
-    prepare_engine(mode, model, NoProposer(), [T - 1 for T in passes], log)
-    if spec is not None:
-        prepare_engine(mode, model, spec[1](8), [spec[2]], log)
+    backend = Backend(engine_mode(engine, model.embed_tokens.weight.device))
+    # our passes (and the proposer's), built (or loaded) before anything is timed
+    backend.prepare(model, spec[1].models if spec else [], log, spec[1].models if spec and spec[1].int8 else [])
 
     def ours(p: list[int]) -> tuple[list[int], float]:
-        out, st = generate(model, NoProposer(), p, max_new, 0)
+        out, st = generate(model, NONE, p, max_new, 0, backend=backend)
         return out, st.elapsed_s
 
     def ours_spec(p: list[int], n: int) -> list[int]:
         assert spec is not None
-        return generate(model, spec[1](len(p) + n + spec[2] + 1), p, n, spec[2])[0]
+        return generate(model, spec[1], p, n, spec[2], backend=backend)[0]
 
-    switch("eager")  # the reference: the eager target alone
-    ref = [generate(model, NoProposer(), p, max_new, 0)[0] for p in prompts]
-    switch(engine)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            peers: dict[str, LlamaCpp] = {}
-            try:
-                for dtype in ("f32", "f16"):
-                    path = Path(tmp) / f"target-{dtype}.gguf"
-                    write_gguf(model, path, target.tokenizer, dtype, target.path.stem)
-                    peers[dtype] = LlamaCpp(path, n_ctx, threads, model.cfg.vocab_size)
-                gens = {d: p.generate for d, p in peers.items()}
-                if spec is not None:  # timed as the peers are: the wall clock around the whole call
-                    gens["spec"] = ours_spec
-                runs = _alternate(ours, gens, prompts, max_new, ref, repeats)
-                costs = {d: p.pass_seconds(prompts[0], passes) for d, p in peers.items()}
-            finally:
-                for p in peers.values():
-                    p.close()
-        got = forward_costs(model, {}, [T - 1 for T in LLAMACPP_PASSES], prompts[0], COST_CONTEXT)
-        v, one = got.v, got.one_s
-    finally:
-        switch(None)
-    ours_tps = statistics.median(runs["ours"][0])
+    ref = [generate(model, NONE, p, max_new, 0)[0] for p in prompts]  # the reference: the eager target alone
+    with tempfile.TemporaryDirectory() as tmp:
+        peers: dict[str, LlamaCpp] = {}
+        try:
+            for dtype in ("f32", "f16"):
+                path = Path(tmp) / f"target-{dtype}.gguf"
+                write_gguf(model, path, target.tokenizer, dtype, target.path.stem)
+                peers[dtype] = LlamaCpp(path, n_ctx, threads, model.cfg.vocab_size)
+            gens = {d: p.generate for d, p in peers.items()}
+            if spec is not None:  # timed as the peers are: the wall clock around the whole call
+                gens["spec"] = ours_spec
+            runs = _alternate(ours, gens, prompts, max_new, ref, repeats)
+            costs = {d: p.pass_seconds(prompts[0], passes) for d, p in peers.items()}
+        finally:
+            for p in peers.values():
+                p.close()
+    got = forward_costs(model, {}, [T - 1 for T in LLAMACPP_PASSES], prompts[0], backend, COST_CONTEXT)
+    ours_tps, n = statistics.median(runs["ours"][0]), len(prompts)
     out = []
     for dtype, secs in costs.items():
         tps = statistics.median(runs[dtype][0])
-        out_spec = {}
+        row = peer_row(
+            f"llama.cpp {dtype} ({threads} threads)",
+            tps,
+            ours_tps,
+            f"{runs[dtype][1]}/{n}",
+            tokens_identical=f"{runs[dtype][2]}/{n * max_new}",
+            ours_engine=engine,
+            ours_identical=f"{runs['ours'][1]}/{n}",
+            one_pass_ms=secs[1] * 1e3,
+            pass_cost={str(T): secs[T] / secs[1] for T in LLAMACPP_PASSES},
+            ours_one_pass_ms=got.one_s * 1e3,
+            ours_pass_cost={str(T): got.v[T - 1] for T in LLAMACPP_PASSES},
+            threads=threads,
+        )
         if spec is not None:
             spec_tps = statistics.median(runs["spec"][0])
-            out_spec = {
-                "spec": f"{spec[0]} k={spec[2]}",
-                "spec_tokens_per_s": spec_tps,
-                "spec_over_peer": spec_tps / tps,
-                "spec_identical": f"{runs['spec'][1]}/{len(prompts)}",
-            }
-        out.append(
-            {
-                "peer": f"llama.cpp {dtype} ({threads} threads)",
-                "tokens_per_s": tps,
-                "ours_tokens_per_s": ours_tps,
-                "ours_over_peer": ours_tps / tps,
-                "identical": f"{runs[dtype][1]}/{len(prompts)}",
-                "tokens_identical": f"{runs[dtype][2]}/{len(prompts) * max_new}",
-                "ours_engine": engine,
-                "ours_identical": f"{runs['ours'][1]}/{len(prompts)}",
-                "one_pass_ms": secs[1] * 1e3,
-                "pass_cost": {str(T): secs[T] / secs[1] for T in LLAMACPP_PASSES},
-                "ours_one_pass_ms": one * 1e3,
-                "ours_pass_cost": {str(T): v[T - 1] for T in LLAMACPP_PASSES},
-                "threads": threads,
-                **out_spec,
-            }
-        )
+            row.update(spec=f"{spec[0]} k={spec[2]}", spec_tokens_per_s=spec_tps, spec_over_peer=spec_tps / tps,
+                       spec_identical=f"{runs['spec'][1]}/{n}")  # fmt: skip
+        out.append(row)
     return out
 
 

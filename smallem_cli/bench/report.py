@@ -32,7 +32,6 @@ def plot(rows: list[Row], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-# --- presentation --------------------------------------------------------------------------
 def costs_table(costs: Costs, device: str, threads: int) -> Table:
     """c per proposer and v(T) per pass size, each in one-token passes of its own engine."""
     ms = ", ".join(f"{e} {statistics.median(xs) * 1e3:.2f} ms" for e, xs in costs.one_pass_s.items())
@@ -50,49 +49,22 @@ def costs_table(costs: Costs, device: str, threads: int) -> Table:
 
 
 def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: str, threads: int) -> Table:
-    t = Table(
-        title=f"{n_prompts} prompts x {max_new} new tokens, median of {repeats} runs, {device}, {threads} threads"
-    )
-    cols = (
-        "mode",
-        "engine",
-        "proposer",
-        "k",
-        "tok/s",
-        "speed-up",
-        "vs eager",
-        "α",
-        "α model",
-        "tok/pass",
-        "per position",
-        "c",
-        "v",
-        "predicted",
-        "meas/pred",
-        "identical",
-    )
+    """A row a configuration: speed, acceptance, the cost model's inputs and prediction, identity."""
+    title = f"{n_prompts} prompts x {max_new} new tokens, median of {repeats} runs, {device}, {threads} threads"
+    t = Table(title=title)
+    cols = ("mode", "engine", "proposer", "k", "tok/s", "speed-up", "vs eager", "α", "α model", "tok/pass")
+    cols += ("per position", "c", "v", "predicted", "meas/pred", "identical")
     for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
-        per = " ".join(f"{a:.2f}" for a in r.accepted_at)
         t.add_row(
-            r.mode,
-            r.engine,
-            r.proposer,
-            str(r.k),
-            f"{r.tokens_per_s:.1f}",
-            f"×{r.speedup:.2f}",
+            r.mode, r.engine, r.proposer, str(r.k), f"{r.tokens_per_s:.1f}", f"×{r.speedup:.2f}",
             "" if r.vs_eager is None else f"×{r.vs_eager:.2f}",
-            f"{r.acceptance_rate:.3f}",
-            f"{r.alpha_model:.3f}",
-            f"{r.tokens_per_pass:.2f}",
-            per,
-            f"{r.cost_c:.3f}",
-            f"{r.cost_v:.2f}",
-            f"×{r.predicted_speedup:.2f}",
-            f"{r.measured_over_predicted:.2f}",
+            f"{r.acceptance_rate:.3f}", f"{r.alpha_model:.3f}", f"{r.tokens_per_pass:.2f}",
+            " ".join(f"{a:.2f}" for a in r.accepted_at),
+            f"{r.cost_c:.3f}", f"{r.cost_v:.2f}", f"×{r.predicted_speedup:.2f}", f"{r.measured_over_predicted:.2f}",
             r.identical or "",
-        )
+        )  # fmt: skip
     return t
 
 
@@ -104,11 +76,8 @@ def sweep_table(rows: list[Row]) -> Table:
         t.add_column(f"k={k}", justify="right")
     for mode, engine in dict.fromkeys((r.mode, r.engine) for r in rows):
         for name in dict.fromkeys(r.proposer for r in rows if r.proposer != "none"):
-            cells = {
-                r.k: f"×{r.speedup:.2f} ({r.acceptance_rate:.2f})"
-                for r in rows
-                if r.mode == mode and r.engine == engine and r.proposer == name
-            }
+            mine = [r for r in rows if (r.mode, r.engine, r.proposer) == (mode, engine, name)]
+            cells = {r.k: f"×{r.speedup:.2f} ({r.acceptance_rate:.2f})" for r in mine}
             if cells:
                 t.add_row(f"{mode} {engine} {name}", *[cells.get(k, "") for k in ks])
     return t

@@ -2,10 +2,10 @@
 
 Every row is timed in the same run as the target alone, so speed-ups are ratios of
 measurements taken side by side on the same (noisy, shared) machine. The proposer cost c
-and the verify cost v are read with a stopwatch around the forwards (`costs`, on the path the
-run takes: a native engine's round of guesses is one call), and fed with the conditional
-acceptance α to the seed's cost model to predict each speed-up; measured / predicted tells how
-much the loop loses to host work that the model does not count.
+and the verify cost v are read with a stopwatch on the path the run takes (`costs`), in rounds
+of the target alone, and fed with the conditional acceptance α to the seed's cost model to
+predict each speed-up; measured / predicted tells how much the loop loses to what the model
+does not count.
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ from pathlib import Path
 from .. import atomic
 from .. import defaults as D
 from ..backends import engines
-from ..backends.steps import switch
-from ..engine.family import ProposerFactory
+from ..backends.engines import Backend
+from ..engine.family import NONE, Proposer
 from ..engine.generate import generate
 from ..model.llama import Transformer
 from ..model.tokenizer import load_tokenizer
-from ..spec.proposers import NoProposer
 from ..spec.sampling import Sampling
 from ..stats import Stats
 from ..train.data import read_documents
-from .costs import Chained, Costs, conditional_alpha, forward_costs, predicted_speedup, variable_speedup
+from .costs import Costs, conditional_alpha, forward_costs, predicted_speedup, round_costs, variable_speedup
 
 
 def write_prompts(
@@ -75,8 +74,8 @@ class Row:
     tokens_per_pass: float
     accepted_at: list[float]  # rate at which the i-th proposal was kept
     alpha_model: float  # α of the cost model: P(a guess is kept | the guesses before it were)
-    cost_c: float  # proposer cost per proposed token, in one-token target passes
-    cost_v: float  # a verify pass over k+1 tokens, in one-token target passes
+    cost_c: float  # proposer cost per proposed token, in rounds of the target alone
+    cost_v: float  # a round's verify pass over k+1 tokens and its host work, in rounds of the target alone
     predicted_speedup: float
     measured_over_predicted: float
     identical: str | None  # "8/8" for greedy rows: same tokens as the eager target alone
@@ -87,11 +86,18 @@ class Row:
 
 
 def run_prompt(
-    target: Transformer, make: ProposerFactory, prompt: list[int], i: int, max_new: int, k: int, sampling: Sampling
+    target: Transformer,
+    p: Proposer,
+    backend: Backend,
+    prompt: list[int],
+    i: int,
+    max_new: int,
+    k: int,
+    sampling: Sampling,
 ) -> tuple[list[int], Stats]:
     """Prompt number i once; sampling seeded by (seed + i), so every configuration sees the same draws' seeds."""
     s = replace(sampling, seed=sampling.seed + i)  # every option kept, min-p and the penalty too
-    return generate(target, make(len(prompt) + max_new + k + 1), prompt, max_new, k, s)
+    return generate(target, p, prompt, max_new, k, s, backend=backend)
 
 
 def add_stats(total: Stats, st: Stats) -> None:
@@ -108,7 +114,7 @@ def add_stats(total: Stats, st: Stats) -> None:
 
 @dataclass
 class Plan:
-    proposers: dict[str, dict[str, ProposerFactory]]  # per mode: name -> factory (heads may differ by mode)
+    proposers: dict[str, dict[str, Proposer]]  # per mode: name -> proposer (heads may differ by mode)
     ks: dict[str, list[int]]  # k values per proposer
     modes: list[str]  # "greedy", "sample"
     max_new: int = D.MAX_NEW_TOKENS
@@ -122,6 +128,7 @@ class Plan:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    backends: dict[str, Backend] = field(default_factory=dict)  # by engine, made by `prepare_engines`
 
 
 def plan_sampling(plan: Plan, mode: str) -> Sampling:
@@ -135,39 +142,37 @@ def cost_readings(
     target: Transformer, plan: Plan, prompt: list[int], readings: int, passes: list[int] | None = None
 ) -> Costs:
     """c and v alone (`bench --costs`): seconds of work, where the full bench takes minutes.
-
-    `passes`: the token counts T whose v is read (default: k+1 for the plan's k). On a native
-    engine c is also read per k of the plan on the round's one call, the path the run takes.
-    """
-    # v at every depth up to the largest k: rounds of an n-gram or adaptive proposer vary
+    `passes`: the token counts T whose v is read (default: 1 .. the plan's largest k + 1)."""
     top = max((k for ks in plan.ks.values() for k in ks), default=1)
     ks = sorted({T - 1 for T in passes} - {0}) if passes else list(range(1, top + 1))
-    each = {f"{m}:{n}": f for m in plan.modes for n, f in plan.proposers[m].items()}
-    warps = {m: plan_sampling(plan, m).warp() for m in plan.modes}
-    chained: Chained = {f"{m}:{n}": (warps[m], plan.ks[n]) for m in plan.modes for n in plan.proposers[m]}
+    each = {
+        f"{m}:{n}": (p, plan_sampling(plan, m), [k for k in plan.ks[n] if k])
+        for m in plan.modes
+        for n, p in plan.proposers[m].items()
+        if p is not NONE
+    }
     out = Costs({}, {}, {e: [] for e in plan.engines})
     for _ in range(readings):
         for engine in plan.engines:
-            switch(engine)
-            got = forward_costs(target, each, ks or [1], prompt, chained=chained if engine in engines.NATIVE else None)
+            got = forward_costs(target, each, ks or [1], prompt, plan.backends.get(engine) or Backend(engine))
             for name, x in got.c.items():
                 out.c.setdefault(f"{engine}:{name}", []).append(x)
             for k, x in got.v.items():
                 out.v.setdefault(f"{engine}:{k + 1}", []).append(x)
             out.one_pass_s[engine].append(got.one_s)
-            out.whole += [w for name in got.whole if (w := f"{engine}:{name}") not in out.whole]
-    switch(None)
     return out
 
 
 def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
-    """Build (or load) what each engine of the plan runs, before anything is timed: for either
-    native engine the steps of the target and of each proposer."""
-    for engine in plan.engines:
-        mode = engines.engine_mode(engine, target.embed_tokens.weight.device)
-        for factories in plan.proposers.values():
-            for name, make in factories.items():
-                engines.prepare_engine(mode, target, make(8), plan.ks[name], log)
+    """A backend for each engine of the plan (and eager, the reference), its native steps built
+    (or loaded) for the target and every proposer before anything is timed."""
+    models = [m for ps in plan.proposers.values() for p in ps.values() for m in p.models]
+    int8 = [m for ps in plan.proposers.values() for p in ps.values() if p.int8 for m in p.models]
+    for engine in dict.fromkeys(("eager", *plan.engines)):
+        backend = plan.backends.setdefault(
+            engine, Backend(engines.engine_mode(engine, target.embed_tokens.weight.device))
+        )
+        backend.prepare(target, models, log, int8)
 
 
 def our_row(rows: Iterable[Row], proposer: str, k: int, mode: str = "greedy") -> Row | None:
@@ -178,8 +183,8 @@ def our_row(rows: Iterable[Row], proposer: str, k: int, mode: str = "greedy") ->
     return found[engines.fastest(found)] if found else None
 
 
-def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, ProposerFactory, int] | None:
-    """The fastest greedy speculative row of a run, of its fastest engine: (proposer, factory, k),
+def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, Proposer, int] | None:
+    """The fastest greedy speculative row of a run, of its fastest engine: (name, proposer, k),
     for a peer to be timed against (None if the run had none)."""
     engine = engines.fastest(plan.engines)
     found = [r for r in rows if r.mode == "greedy" and r.k > 0 and r.engine == engine and "@" not in r.proposer]
@@ -190,15 +195,14 @@ def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, ProposerFactory, int]
     return (best.proposer, make, best.k) if make is not None else None
 
 
-Config = tuple[str, str, ProposerFactory, int]  # engine, proposer, factory, k
+Config = tuple[str, str, Proposer, int]  # engine, row name, proposer, k
 
 
 def _configs(plan: Plan, mode: str) -> list[Config]:
-    none: ProposerFactory = lambda _: NoProposer()  # noqa: E731
-    out: list[Config] = [("eager", "none", none, 0)]
+    out: list[Config] = [("eager", "none", NONE, 0)]
     for engine in plan.engines:
         if engine != "eager":
-            out.append((engine, "none", none, 0))
+            out.append((engine, "none", NONE, 0))
     for engine in plan.engines:
         out += [(engine, n, f, k) for n, f in plan.proposers[mode].items() for k in plan.ks[n]]
     return out
@@ -221,13 +225,13 @@ def run_bench(
     costs = cost_readings(target, plan, prompts[0], 1)
     c = {name: xs[0] for name, xs in costs.c.items()}
     v = {name: xs[0] for name, xs in costs.v.items()}
+    backends = {e: plan.backends.get(e) or Backend(e) for e in ("eager", *plan.engines)}
     rows: list[Row] = []
     for mode in plan.modes:
         draws = plan_sampling(plan, mode)
         configs = _configs(plan, mode)
-        for engine, _, make, k in configs:
-            switch(engine)
-            generate(target, make(64), prompts[0][:16], 16, k, draws)  # warm-up
+        for engine, _, p, k in configs:
+            generate(target, p, prompts[0][:16], 16, k, draws, backend=backends[engine])  # warm-up
         # all_runs[j][r]: configuration j's tokens/s, stats and outputs over all prompts, in timed run r
         all_runs: list[list[tuple[float, Stats, list[list[int]]]]] = [[] for _ in configs]
         for rep in range(plan.repeats):
@@ -236,17 +240,15 @@ def run_bench(
             # Prompt by prompt, every configuration in turn: a slow spell of the machine
             # (seconds long) then falls on all configurations alike, not on one.
             for i, prompt in enumerate(prompts):
-                for j, (engine, name, make, k) in enumerate(configs):
+                for j, (engine, name, p, k) in enumerate(configs):
                     if progress:
                         label = f"{mode} {engine} {name} k={k}, prompt {i + 1}/{len(prompts)}, run {rep + 1}"
                         progress(f"{label}/{plan.repeats}")
-                    switch(engine)
-                    out, st = run_prompt(target, make, prompt, i, plan.max_new, k, draws)
+                    out, st = run_prompt(target, p, backends[engine], prompt, i, plan.max_new, k, draws)
                     texts[j].append(out)
                     add_stats(totals[j], st)
             for j, total in enumerate(totals):
                 all_runs[j].append((total.new_tokens / total.elapsed_s, total, texts[j]))
-        switch(None)
         eager_runs, eager_outs = [r[0] for r in all_runs[0]], all_runs[0][0][2]  # the eager target alone
         base = {e: [r[0] for r in all_runs[j]] for j, (e, n, _, _) in enumerate(configs) if n == "none"}
         for (engine, name, _, k), runs in zip(configs, all_runs, strict=True):
@@ -254,14 +256,19 @@ def run_bench(
             _, st, outs = runs[0]
             rounds = st.passes - len(prompts)  # prefill passes excluded
             alpha = conditional_alpha(st.accepted_at, rounds)
-            # c on the path the run took: a native round's one call of k guesses where it was
-            # read (`costs`), else a step
-            key = f"{engine}:{mode}:{name}"
-            cc = c.get(f"{key}:{k}", c.get(key, 0.0))
-            vv = v.get(f"{engine}:{k + 1}", 1.0) if k else 1.0
+            # in rounds of this engine's target alone, measured in this run (`costs.round_costs`);
+            # a row of the target alone costs one round, read or not (eager's reference runs
+            # where eager is not among the plan's engines, whose readings it then lacks)
+            round_s = 1 / statistics.median(base[engine])
+            one_s = costs.one_pass_s[engine][0] if k else round_s
+            cc, vv = round_costs(
+                c.get(f"{engine}:{mode}:{name}:{k}", 0.0), v.get(f"{engine}:{k + 1}", 1.0), one_s, round_s
+            )
+            if not k:
+                vv = 1.0
             if sum(st.guessed[:k]):  # rounds of fewer guesses: the model over the rounds as they came
-                vs = {T: v.get(f"{engine}:{T}", 1.0) for T in range(2, k + 2)}
-                pred = variable_speedup(st, rounds, cc, vs, k * cc if key in costs.whole else None)
+                vs = {T: round_costs(0, v.get(f"{engine}:{T}", 1.0), one_s, round_s)[1] for T in range(2, k + 2)}
+                pred = variable_speedup(st, rounds, dict.fromkeys(range(1, k + 1), cc), vs)
             else:
                 pred = predicted_speedup(alpha, k, cc, vv)
             # Each timed run against the target alone's run of the same round, then the

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
+from .. import defaults as D
 from .. import options as O
 
 app = typer.Typer(
@@ -37,3 +40,16 @@ def fail(msg: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+# Options that several commands take, declared once (each command gives its own default)
+Target = Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")]
+Proposer = Annotated[str | None, typer.Option(help=D.PROPOSER_HELP)]
+Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")]
+Threads = Annotated[int | None, typer.Option(help="torch CPU threads")]
+Tokenizer = Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")]
+ProposerVocab = Annotated[
+    int | None,
+    typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
+]
+Tree = Annotated[int, typer.Option("--tree", help=D.TREE_HELP)]
+Weights = Annotated[str, typer.Option("--proposer-weights", help=D.WEIGHTS_HELP)]
+DataDir = Annotated[Path, typer.Option("--data", help="folder with val.txt")]

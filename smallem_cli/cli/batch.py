@@ -1,19 +1,14 @@
 """`smallem batch`: many requests, one a line, through the batched engine; JSON answers on stdout.
 
 The lines' format and the answers' are batch_io's. Here: the options, the input, the progress
-display on stderr, Ctrl-C and a reader that goes away.
-
-    Ctrl-C       the lines already written stay whole (a Ctrl-C during a line's write waits for
-                 its end; a second one does not wait); one line `interrupted` on stderr, exit 130.
-                 With --ordered, the answers held back for an earlier line's are written first, in
-                 input order (`batch_io.OrderedWriter.close`: the lines not answered are left out);
-                 a second Ctrl-C stops that at the end of a line.
-    --max-batch  the sequences decoded together are at most as many as the memory holds the cache
-                 of at the full context (`engine.build.fit_batch`): a larger --max-batch is lowered
-                 to that, said in one line on stderr (not with --quiet).
-    broken pipe  (`smallem batch f | head -1`) stdout is pointed at /dev/null, so that nothing is
-                 left to fail at exit, and the run ends at once, quietly, exit 141 (128 + SIGPIPE,
-                 what a command killed by the signal would give).
+display on stderr, Ctrl-C and a reader that goes away:
+- Ctrl-C: the lines written stay whole (a Ctrl-C waits for the line being written; a second does
+  not); with --ordered the answers held back go out first, in input order (a second Ctrl-C stops
+  that at a line's end); then `interrupted` on stderr, exit 130.
+- a --max-batch whose caches at the full context the memory cannot hold is lowered to what it can
+  (`engine.build.fit_batch`), said on stderr (not with --quiet).
+- a broken pipe (`smallem batch f | head -1`): stdout goes to /dev/null, so nothing is left to fail
+  at exit, and the run ends at once, quietly, exit 141 (128 + SIGPIPE, as if killed by the signal).
 """
 
 from __future__ import annotations
@@ -24,21 +19,19 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 
 from .. import defaults as D
 from .. import options as O
-from .app import app, err, fail
+from .app import Device, Proposer, ProposerVocab, Target, Threads, Tokenizer, Tree, Weights, app, err, fail
 from .console import BROKEN_PIPE_EXIT, stdout_to_devnull
 
 if TYPE_CHECKING:  # torch, through the engine: loaded once the command runs, not to parse it
     from rich.progress import Progress, TaskID
 
     from ..engine.request import Request
-
 
 
 def make_engine(*args: Any, **kwargs: Any) -> Any:
@@ -93,10 +86,8 @@ def whole_line() -> Iterator[None]:
 
 
 def write_held(writer: Any, closed: type[Exception]) -> None:
-    """After a Ctrl-C: the answers an OrderedWriter still holds (finished, but waiting for an
-    earlier line's) go out in input order rather than be lost. A second Ctrl-C stops this at the
-    end of a line; a reader gone away (`closed`, batch_io's OutputClosed) stops it quietly: the
-    run is ending on the Ctrl-C anyway."""
+    """After a Ctrl-C: the answers an OrderedWriter still holds go out in input order. A second Ctrl-C
+    stops this at a line's end; a reader gone away (`closed`) stops it quietly: the run is ending anyway."""
     try:
         writer.close()
     except KeyboardInterrupt:
@@ -118,15 +109,9 @@ class Display:
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             # stdout stays ours: a redirected stdout would send the answers to stderr
+            columns = SpinnerColumn(), TextColumn("batch {task.completed:.0f} done"), TextColumn("{task.fields[info]}")
             self.bar = Progress(
-                SpinnerColumn(),
-                TextColumn("batch {task.completed:.0f} done"),
-                TextColumn("{task.fields[info]}"),
-                TimeElapsedColumn(),
-                console=err,
-                transient=True,
-                redirect_stdout=False,
-                redirect_stderr=False,
+                *columns, TimeElapsedColumn(), console=err, transient=True, redirect_stdout=False, redirect_stderr=False
             )
             self.task = self.bar.add_task("batch", total=None, info="")
             self.bar.start()
@@ -169,11 +154,8 @@ def batch(
             help="requests, one a line: plain text (the prompt) or a JSON object; '-' or a pipe reads stdin",
         ),
     ] = None,
-    target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
-    proposer: Annotated[
-        str | None,
-        typer.Option(help=D.PROPOSER_HELP),
-    ] = None,
+    target: Target = D.TARGET,
+    proposer: Proposer = None,
     k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: automatic]")] = None,
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", help="a request's default budget")
@@ -192,19 +174,16 @@ def batch(
     ordered: Annotated[
         bool, typer.Option("--ordered", help="answers in input order (held back until their turn)")
     ] = False,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = D.DEVICE,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    device: Device = D.DEVICE,
+    threads: Threads = None,
     engine_name: Annotated[
         str, typer.Option("--engine", help="auto (native on a CPU) | native | native-avx2 | eager: every pass")
     ] = D.ENGINE,
-    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")] = None,
-    proposer_vocab: Annotated[
-        int | None,
-        typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
-    ] = None,
+    tokenizer: Tokenizer = None,
+    proposer_vocab: ProposerVocab = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="nothing on stderr but errors")] = False,
-    tree: Annotated[int, typer.Option("--tree", help=D.TREE_HELP)] = D.TREE,
-    weights: Annotated[str, typer.Option("--proposer-weights", help=D.WEIGHTS_HELP)] = D.PROPOSER_WEIGHTS,
+    tree: Tree = D.TREE,
+    weights: Weights = D.PROPOSER_WEIGHTS,
 ) -> None:
     """Answer many requests, one a line of FILE (or stdin), decoded together: a JSON line each on stdout.
 
@@ -239,24 +218,14 @@ def batch(
         if O.threads(threads):
             torch.set_num_threads(threads)  # type: ignore[arg-type]
         dev = family.pick_device(device)
-        mode = engines.engine_mode(engines.chosen(engine_name), dev)
+        backend = engines.Backend(engines.engine_mode(engines.chosen(engine_name), dev))
         source = open_input(file)  # before the models load: a missing file fails at once
         tgt = family.load_target(target, dev, tokenizer)
         tok = load_tokenizer(tgt.tokenizer)
         engine = make_engine(
-            tgt,
-            proposer,
-            dev,
-            k=k,
-            max_batch=max_batch,
-            proposer_vocab=proposer_vocab,
-            eot=tok.token_to_id(EOT),
-            decode=tok.decode,
-            tree=O.tree(tree),
-            native=mode,  # a native engine's name, or None (eager)
-            native_log=None if quiet else err.print,
-            weights=weights,
-        )
+            tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=proposer_vocab, eot=tok.token_to_id(EOT),
+            decode=tok.decode, tree=O.tree(tree), backend=backend, log=None if quiet else err.print, weights=weights,
+        )  # fmt: skip
     except O.INPUT_ERRORS as e:
         if source is not None and source is not sys.stdin.buffer:
             source.close()

@@ -1,41 +1,19 @@
 """`smallem batch`'s input and output: request lines in, one JSON answer line out per line.
 
-Input: one request per line (lines end at `\\n`; a `\\r` before it is dropped). A line is
+Input: a request per line (ending at `\\n`, a `\\r` before it dropped): plain text (the prompt as
+is), or, where the first non-blank character is `{`, a JSON object of `FIELDS`. "prompt" (a string)
+is required; every other field defaults to the command line's option, under `smallem generate`'s
+rules. "stop" is a string or a list of them; `null` turns "top_k" / "top_p" / "min_p" off; "id" is a
+string or an integer, by default the line's 1-based number.
 
-    plain text     the prompt itself, as is (a prompt that starts with `{` must be sent as JSON)
-    a JSON object  {"id", "prompt", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
-                   "repetition_penalty", "seed", "stop"}: "prompt" (a string) is required; every
-                   other field is optional and defaults to the command line's option, under the
-                   rules of `smallem generate`'s. "stop" is a string or a list of strings; `null`
-                   turns "top_k" / "top_p" / "min_p" off ("repetition_penalty" 1 is off); "id" is a
-                   string or an integer.
-
-A line whose first non-blank character is `{` is read as JSON. The default id is the line's
-1-based number in the input.
-
-Ids: a line whose id (its own, or its number) repeats an earlier line's is answered
-`{"id": ..., "error": "duplicate id ..."}` and not decoded: each answer's id names one line. An
-id is a JSON value: 3 and "3" are two ids. The earlier lines' ids are remembered for the whole
-run (the ids the lines gave; the line numbers cost nothing).
-
-Line length: a line's bytes before its `\\n` are at most `max_line_bytes` (defaults.MAX_LINE_BYTES,
-1 MiB; for a target of a longer context, LINE_BYTES_PER_TOKEN bytes a position of it: far more than
-any prompt that fits the context). The input is read in bounded chunks: a longer line is never
-held whole in memory, nor parsed, nor tokenized; its rest is read and dropped chunk by chunk, it is
-answered `{"id": N, "error": "line too long: ..."}` (N its line number: its own id is never read)
-and the next lines go on.
-
-Blank lines: each line of the input is a request, so an empty (or all-blank) line is answered
-`{"id": N, "error": "empty prompt"}`, not skipped: the answers stay one per line, and line N's
-answer carries id N. The newline that ends the last line is no line of its own: a file ending in
-`\\n` has no empty request after it.
-
-Output: each input line gets exactly one line, `{"id", "text", "tokens", "stats"}` ("tokens": the
-generated ids) or `{"id", "error"}` for a line that is not a valid request. Each line goes out as
-one write and a flush, so an interrupted run leaves whole lines behind. `OrderedWriter` holds
-answers back until every earlier line's answer is out (`--ordered`); at the end of a run, or when it
-is interrupted, what it still holds goes out in input order, the lines never answered left out
-(`OrderedWriter.close`).
+Every line gets exactly one answer, `{"id", "text", "tokens", "stats"}` or `{"id", "error"}`:
+- a line whose id repeats an earlier line's (3 and "3" are two ids) is an error, not decoded;
+- a blank line is an error ("empty prompt"), not skipped: line N's answer keeps id N;
+- a line of more than `max_line_bytes` before its `\\n` is never held whole, parsed nor tokenized:
+  its rest is read and dropped chunk by chunk, and it is answered "line too long" under its number.
+Each answer is one write and a flush, so an interrupted run leaves whole lines. `OrderedWriter`
+(`--ordered`) holds answers until every earlier line's is out; what it still holds at the end, or at
+a Ctrl-C, goes out in input order, the lines never answered left out.
 """
 
 from __future__ import annotations
@@ -119,18 +97,9 @@ def _number(obj: dict[str, object], name: str, default: float) -> float:
         raise BadField(f"{name} is out of range, got {_shown(value)}") from None
 
 
-def _top_k(obj: dict[str, object], default: int | None) -> int | None:
-    """`null` turns it off."""
-    if obj.get("top_k", default) is None:
-        return None
-    return _int(obj, "top_k", default)  # type: ignore[arg-type]
-
-
-def _optional_number(obj: dict[str, object], name: str, default: float | None) -> float | None:
-    """top_p, min_p: `null` turns it off."""
-    if obj.get(name, default) is None:
-        return None
-    return _number(obj, name, default)  # type: ignore[arg-type]
+def _optional(obj: dict[str, object], name: str, default: float | None, read: Callable) -> float | None:
+    """top_k (read by `_int`), top_p, min_p (`_number`): `null` turns it off."""
+    return None if obj.get(name, default) is None else read(obj, name, default)
 
 
 def _stop(obj: dict[str, object], default: tuple[str, ...]) -> tuple[str, ...]:
@@ -145,56 +114,41 @@ def _stop(obj: dict[str, object], default: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _id(obj: dict[str, object], lineno: int) -> str | int:
-    value = obj.get("id", lineno)
-    if type(value) not in (str, int):
-        raise BadField(f"id must be a string or an integer, got {_shown(value)}")
-    return value  # type: ignore[return-value]
-
-
-# options' messages name the command line's options: a request names its fields
-_FIELD_NAMES = {
-    "--max-new-tokens": "max_new_tokens",
-    "--seed": "seed",
-    "top-k": "top_k",
-    "top-p": "top_p",
-    "--min-p": "min_p",
-    "--repetition-penalty": "repetition_penalty",
-}
+# options' messages name the command line's options: a request names its fields ("--min-p": "min_p")
+_OPTIONS = ("--max-new-tokens", "--seed", "top-k", "top-p", "--min-p", "--repetition-penalty")
 
 
 def _usage(e: O.UsageError) -> str:
     """A message of options' (the rules of `smallem generate`), told of a request's fields."""
     msg = str(e)
-    for option, name in _FIELD_NAMES.items():
-        msg = msg.replace(option, name)
+    for option in _OPTIONS:
+        msg = msg.replace(option, option.lstrip("-").replace("-", "_"))
     return msg
 
 
 def parse_line(
     line: str, lineno: int, defaults: Defaults, encode: Encode, max_len: int, k: int = 0
 ) -> Request | Rejected:
-    """One input line (without its newline) -> a checked Request, or why it is none.
-
-    `lineno` is 1-based; max_len is the target's context, which must hold the prompt,
-    max_new_tokens and a verify pass of k guesses (k+1 tokens), as `smallem generate` checks."""
+    """One input line (without its newline; `lineno` 1-based) -> a checked Request, or why it is none.
+    max_len, the target's context, must hold the prompt, max_new_tokens and a verify pass of k guesses."""
     index, rid = lineno - 1, lineno
     obj: dict[str, object] | None = None
     if line.lstrip().startswith("{"):
         try:
-            value = json.loads(line)
+            obj = json.loads(line)
         except (ValueError, RecursionError):
+            obj = None
+        if not isinstance(obj, dict):  # (a line opening with `{` is an object or no JSON at all)
             return Rejected(index, rid, "invalid JSON object")
-        if not isinstance(value, dict):  # (a line opening with `{` is an object or no JSON at all)
-            return Rejected(index, rid, "invalid JSON object")
-        obj = value
     try:
         if obj is None:
             prompt, fields = line, defaults
             stop = defaults.stop
         else:
-            if "id" in obj:
-                rid = _id(obj, lineno)
+            if "id" in obj:  # a bad id is answered under the line's number
+                if type(obj["id"]) not in (str, int):
+                    raise BadField(f"id must be a string or an integer, got {_shown(obj['id'])}")
+                rid = obj["id"]  # type: ignore[assignment]
             unknown = sorted(set(obj) - set(FIELDS))
             if unknown:
                 raise BadField(f"unknown field {_shown(unknown[0])} (fields: {', '.join(FIELDS)})")
@@ -206,10 +160,10 @@ def parse_line(
             fields = Defaults(
                 _int(obj, "max_new_tokens", defaults.max_new_tokens),
                 _number(obj, "temperature", defaults.temperature),
-                _top_k(obj, defaults.top_k),
-                _optional_number(obj, "top_p", defaults.top_p),
+                _optional(obj, "top_k", defaults.top_k, _int),
+                _optional(obj, "top_p", defaults.top_p, _number),
                 _int(obj, "seed", defaults.seed),
-                min_p=_optional_number(obj, "min_p", defaults.min_p),
+                min_p=_optional(obj, "min_p", defaults.min_p, _number),
                 repetition_penalty=_number(obj, "repetition_penalty", defaults.repetition_penalty),
             )
             stop = _stop(obj, defaults.stop)
@@ -239,11 +193,6 @@ def parse_line(
     return Request(index, rid, ids, fields.max_new_tokens, sampling, stop)
 
 
-def decode_line(raw: bytes) -> str:
-    """A raw input line -> its text without the line ending; UnicodeDecodeError if not UTF-8."""
-    return raw.removesuffix(b"\n").removesuffix(b"\r").decode("utf-8")
-
-
 def max_line_bytes(max_len: int) -> int:
     """A request line's bytes (before its `\\n`) at most, for a target of context max_len."""
     return max(D.MAX_LINE_BYTES, max_len * D.LINE_BYTES_PER_TOKEN)
@@ -253,9 +202,8 @@ _DROP_CHUNK = 1 << 16  # bytes read at a time from the rest of a line too long t
 
 
 def read_lines(source: BinaryIO, limit: int) -> Iterator[bytes | None]:
-    """A binary file's lines (`\\n` kept), None for a line of more than `limit` bytes before its
-    `\\n`: memory stays within `limit` + a chunk whatever the input holds (a plain `for line in
-    file` reads a line whole, however long)."""
+    """A binary file's lines (`\\n` kept), None for a line of more than `limit` bytes before its `\\n`:
+    memory stays within `limit` + a chunk whatever the input (`for line in file` reads a line whole)."""
     while True:
         raw = source.readline(limit + 1)  # one byte more than a line may have: its `\n`, or too long
         if not raw:
@@ -316,7 +264,7 @@ def _parse_raw(
     if raw is None or len(raw.removesuffix(b"\n")) > limit:  # checked before anything reads the line
         return Rejected(lineno - 1, lineno, f"line too long: over {limit} bytes")
     try:
-        line = decode_line(raw)
+        line = raw.removesuffix(b"\n").removesuffix(b"\r").decode("utf-8")
     except UnicodeDecodeError as e:
         return Rejected(lineno - 1, lineno, f"not valid UTF-8 (byte {e.start})")
     return parse_line(line, lineno, defaults, encode, max_len, k)
@@ -365,10 +313,8 @@ class LineWriter:
 
 
 class OrderedWriter(LineWriter):
-    """Writes the answers in input order: each waits until every earlier line's answer is out.
-
-    An answer is taken off the held ones before its write: a Ctrl-C raised at the end of a write
-    leaves nothing that `close` would write twice."""
+    """Writes the answers in input order: each waits until every earlier line's answer is out. An
+    answer leaves the held ones before its write: a Ctrl-C at a write's end leaves none to write twice."""
 
     def __init__(self, out: TextIO, guard: Guard = nullcontext, start: int = 0) -> None:
         super().__init__(out, guard)
@@ -385,10 +331,8 @@ class OrderedWriter(LineWriter):
             self.write(record)
 
     def close(self) -> None:
-        """Answers still held go out in their order rather than be lost: at the end of a run (an
-        engine that lost a request), and after a Ctrl-C (the answers finished while an earlier
-        line's was not). "In order" is ascending input order: the output never goes back to an
-        earlier line, and the lines never answered are missing from it (each answer has its id)."""
+        """Answers still held (an engine lost a request, or a Ctrl-C came while an earlier line's was
+        not done) go out in ascending input order rather than be lost; lines never answered are missing."""
         for index in sorted(self.waiting):
             record = self.waiting.pop(index)
             self.next = index + 1

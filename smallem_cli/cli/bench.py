@@ -10,12 +10,12 @@ from rich.markup import escape
 
 from .. import defaults as D
 from .. import options as O
-from .app import app, err, fail, tables
+from .app import DataDir, ProposerVocab, Threads, app, err, fail, tables
 
 
 @app.command()
 def prompts(
-    data_dir: Annotated[Path, typer.Option("--data", help="folder with val.txt")] = D.DATA_DIR,
+    data_dir: DataDir = D.DATA_DIR,
     tokenizer: Annotated[Path, typer.Option(help="tokenizer.json")] = D.TOKENIZER,
     out: Annotated[Path, typer.Option(help="output file")] = D.PROMPTS,
     count: Annotated[int, typer.Option()] = 8,
@@ -62,11 +62,8 @@ def bench(
     top_p: Annotated[float | None, typer.Option("--top-p", help="for the sample mode")] = None,
     min_p: Annotated[float | None, typer.Option("--min-p", help="for the sample mode")] = None,
     device: Annotated[str, typer.Option()] = D.DEVICE,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
-    proposer_vocab: Annotated[
-        int | None,
-        typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
-    ] = None,
+    threads: Threads = None,
+    proposer_vocab: ProposerVocab = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="PNG of speed-up against k")] = None,
     peer: Annotated[
@@ -75,10 +72,6 @@ def bench(
     costs: Annotated[
         bool, typer.Option("--costs", help="only the stopwatch readings of c and v, --repeats of them (seconds)")
     ] = False,
-    p_min: Annotated[
-        float | None,
-        typer.Option("--draft-p-min", help="also rows with adaptive depth: each model proposer at this p-min"),
-    ] = None,
     engine_names: Annotated[
         str, typer.Option("--engines", help="eager, native-avx2, native, comma-separated (auto: eager,native on a CPU)")
     ] = D.ENGINE,
@@ -112,6 +105,13 @@ def bench(
         extra = O.parse_ks(k) if k else []
         sweep = O.parse_ks(sweep_k) if sweep_k else []
         mode_list = O.check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
+        if peer == "vllm":  # vLLM lives in a venv of its own (.venv-vllm): its python must be there
+            from ..interop.vllm_peer import VllmError, find_python
+
+            try:
+                find_python()
+            except VllmError as e:
+                raise O.UsageError(f"--peer vllm: {e}") from None
         O.check_sampling(temperature, top_k, top_p, min_p=min_p)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
@@ -133,25 +133,16 @@ def bench(
                 raise fail("greedy identity FAILED in the batch engine", 1)
             return
         prompts_file = prompts_file or D.PROMPTS
-        adaptive = O.adaptive_names(names, O.p_min(p_min)) if p_min else {}  # "mtp@p0.4" -> "mtp"
-        names += list(adaptive) + list(trees) + list(stored)
+        names += list(trees) + list(stored)
         ks = O.bench_ks(names, mode_list, extra, sweep)
         prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks)
         O.check_vocab(proposer_vocab)
         vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
+        rows_of = {n: (n, None, first) for n in names}  # a row -> its proposer, tree and weights
+        rows_of |= {n: (p, O.tree(b), first) for n, (p, b) in trees.items()}
+        rows_of |= {n: (p, None, w) for n, (p, w) in stored.items()}
         loaded = {
-            v: {
-                n: family.load_proposer(
-                    adaptive.get(n, trees[n][0] if n in trees else stored[n][0] if n in stored else n),
-                    tgt,
-                    dev,
-                    v,
-                    (p_min or 0.0) * (n in adaptive),
-                    O.tree(trees[n][1]) if n in trees else None,
-                    stored[n][1] if n in stored else first,
-                )
-                for n in names
-            }
+            v: {n: family.load_proposer(p, tgt, dev, v, t, w) for n, (p, t, w) in rows_of.items()}
             for v in set(vocab.values())
         }
         engine_list = engines.bench_engines(engines.chosen(engine_names), dev)
@@ -182,41 +173,21 @@ def bench(
         rows = B.run_bench(tgt.model, prompt_ids, plan, step)
     from ..interop.vllm_peer import VllmError
 
-    try:
-        peer_rows = (
-            run_peer(
-                peer,
-                tgt,
-                target.parent,
-                prompt_ids,
-                max_new_tokens,
-                rows,
-                engine_list,
-                repeats,
-                lambda m: err.print(m),
-                B.best_greedy(rows, plan),
+    peer_rows: list[dict] = []
+    if peer:
+        best = B.best_greedy(rows, plan)
+        try:
+            peer_rows = run_peer(
+                peer, tgt, target.parent, prompt_ids, max_new_tokens, rows, engine_list, repeats, err.print, best
             )
-            if peer
-            else []
-        )
-    except VllmError as e:  # vLLM failed in its subprocess: its error line
-        raise fail(str(e), 1) from None
+        except VllmError as e:  # vLLM failed in its subprocess: its error line
+            raise fail(str(e), 1) from None
     if plot_file:
         R.plot(rows, plot_file)
     if json_out:
-        print(
-            json.dumps(
-                {
-                    "device": str(dev),
-                    "threads": torch.get_num_threads(),
-                    "prompts": len(prompt_ids),
-                    "max_new_tokens": max_new_tokens,
-                    "repeats": repeats,
-                    "rows": [r.__dict__ for r in rows],
-                    "peer": peer_rows,
-                }
-            )
-        )
+        head = {"device": str(dev), "threads": torch.get_num_threads(), "prompts": len(prompt_ids)}
+        run = {"max_new_tokens": max_new_tokens, "repeats": repeats, "rows": [r.__dict__ for r in rows]}
+        print(json.dumps(head | run | {"peer": peer_rows}))
     else:
         tables.print(R.table(rows, len(prompt_ids), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
         if sweep:

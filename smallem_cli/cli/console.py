@@ -1,5 +1,4 @@
-"""Terminal helpers for the CLI: Ctrl-C, closed or full standard streams, a training progress
-display, a streaming text writer."""
+"""Terminal helpers: Ctrl-C, closed or full standard streams, training progress, streamed text."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ T = TypeVar("T")
 
 
 def quiet_ctrl_c() -> None:
-    """Ctrl-C raises KeyboardInterrupt as usual, except while a module is being imported: then
-    the process exits 130 at once. A library's import may swallow the interrupt or be left half
-    loaded by it (torch, loading numpy, does both), so it cannot be handled there."""
+    """Ctrl-C raises KeyboardInterrupt, except during an import: then the process exits 130 at once (an
+    import may swallow the interrupt or be left half done by it: torch, loading numpy, does both)."""
 
     def on_ctrl_c(signum: int, frame: FrameType | None) -> None:
         f = frame
@@ -45,8 +43,8 @@ BROKEN_PIPE_EXIT = 128 + 13  # what a command killed by SIGPIPE gives: the reade
 
 
 class StdoutClosed(Exception):
-    """The reader of stdout went away (`smallem generate | head -c 10`): a quiet end. Not an
-    OSError, so that no handler of bad input (or click's own, which exits 1) takes it for one."""
+    """The reader of stdout went away (`smallem generate | head -c 10`): a quiet end. Not an OSError,
+    so that no handler of bad input (nor click's, which exits 1) takes it for one."""
 
 
 class StdoutError(Exception):
@@ -54,8 +52,8 @@ class StdoutError(Exception):
 
 
 class _Closed(io.TextIOBase):
-    """What stands for a stdout the process was started without (`>&-`): every write fails, so
-    that a command that prints fails with one line, and one that prints nothing is not hindered."""
+    """A stdout the process was started without (`>&-`): every write fails, so a command that prints
+    fails with one line, and one that prints nothing is not hindered."""
 
     def writable(self) -> bool:
         return True
@@ -65,8 +63,7 @@ class _Closed(io.TextIOBase):
 
 
 class _Guarded(io.TextIOBase):
-    """sys.stdout whose failures are told apart from any other OSError: a write or a flush that
-    fails raises StdoutClosed for a broken pipe, StdoutError otherwise."""
+    """sys.stdout whose failed write or flush raises StdoutClosed (a broken pipe) or StdoutError."""
 
     def __init__(self, raw: TextIO) -> None:
         self.raw = raw
@@ -100,8 +97,8 @@ class _Guarded(io.TextIOBase):
 
 
 def guard_streams() -> None:
-    """A closed stdin reads as empty input; a closed stdout fails only when written; every failed
-    write to stdout is one StdoutError or StdoutClosed (`main` turns them into one line or a quiet exit)."""
+    """A closed stdin reads as empty; a closed stdout fails only when written; a failed write to stdout
+    is a StdoutError or StdoutClosed (`main`: one line, or a quiet exit)."""
     if sys.stdin is None:
         sys.stdin = open(os.devnull, encoding="utf-8")
     if sys.stdout is None:
@@ -111,8 +108,8 @@ def guard_streams() -> None:
 
 
 def stdout_to_devnull() -> None:
-    """After stdout failed: Python flushes stdout at exit, and a failed flush prints a traceback-like
-    warning. Pointing stdout at /dev/null is what Python's documentation recommends (signal module)."""
+    """After stdout failed: point it at /dev/null, or Python's flush at exit warns with a traceback
+    (what Python's documentation recommends, in the signal module's)."""
     try:
         fd = sys.stdout.fileno()
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # not a file: nothing to redirect

@@ -9,13 +9,13 @@ import typer
 
 from .. import defaults as D
 from .. import options as O
-from .app import app, fail, tables
+from .app import DataDir, app, fail, tables
 
 
 @app.command("eval")
 def eval_cmd(
     target: Annotated[Path, typer.Option(help="target checkpoint")] = D.TARGET,
-    data_dir: Annotated[Path, typer.Option("--data", help="folder with val.txt")] = D.DATA_DIR,
+    data_dir: DataDir = D.DATA_DIR,
     drafts: Annotated[list[str] | None, typer.Option("--draft", help="draft names or paths")] = None,
     mtp: Annotated[Path | None, typer.Option(help="MTP module [default: mtp.safetensors beside the target]")] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,

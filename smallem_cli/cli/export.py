@@ -11,7 +11,6 @@ from .. import options as O
 from .app import app, err, fail
 
 
-# --- Hugging Face / GGUF export ------------------------------------------------------------
 @app.command()
 def export(
     checkpoint_path: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="a smallem model checkpoint")],

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from .. import defaults as D
 from .. import options as O
-from .app import app, err, fail
+from .app import Device, Proposer, ProposerVocab, Target, Tokenizer, Tree, Weights, app, err, fail
 
 
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,
-    target: Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")] = D.TARGET,
-    proposer: Annotated[
-        str | None,
-        typer.Option(help=D.PROPOSER_HELP),
-    ] = None,
+    target: Target = D.TARGET,
+    proposer: Proposer = None,
     k: Annotated[
         int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: per proposer and mode]")
     ] = None,
@@ -32,12 +28,9 @@ def generate(
     penalty: Annotated[float, typer.Option("--repetition-penalty", help="on every token so far (1 = off)")] = 1.0,
     stops: Annotated[list[str] | None, typer.Option("--stop", help="end the text before it (repeatable)")] = None,
     seed: Annotated[int, typer.Option()] = D.SEED,
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")] = D.DEVICE,
-    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")] = None,
-    proposer_vocab: Annotated[
-        int | None,
-        typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
-    ] = None,
+    device: Device = D.DEVICE,
+    tokenizer: Tokenizer = None,
+    proposer_vocab: ProposerVocab = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
     engine: Annotated[
@@ -46,12 +39,8 @@ def generate(
     threads: Annotated[
         int | None, typer.Option(help="CPU threads (default: all, fewer when other processes are running)")
     ] = None,
-    p_min: Annotated[
-        float,
-        typer.Option("--draft-p-min", help="adaptive depth: stop a round's guesses below this confidence (0 = off)"),
-    ] = D.P_MIN,
-    tree: Annotated[int, typer.Option("--tree", help=D.TREE_HELP)] = D.TREE,
-    weights: Annotated[str, typer.Option("--proposer-weights", help=D.WEIGHTS_HELP)] = D.PROPOSER_WEIGHTS,
+    tree: Tree = D.TREE,
+    weights: Weights = D.PROPOSER_WEIGHTS,
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
     import json
@@ -74,19 +63,13 @@ def generate(
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev, tokenizer)
         O.check_vocab(proposer_vocab)
-        make_proposer = family.load_proposer(
-            proposer,
-            tgt,
-            dev,
-            D.proposer_vocab(temperature == 0, proposer_vocab),
-            O.p_min(p_min),
-            O.tree(tree),
-            weights,
+        loaded = family.load_proposer(
+            proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab), O.tree(tree), weights
         )
         tok = load_tokenizer(tgt.tokenizer)
         ids = tok.encode(text).ids
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
-        mode = engines.engine_mode(engines.chosen(engine), dev)
+        backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
         n_threads = O.threads(threads) or O.threads_for_load(torch.get_num_threads())
         if n_threads:
             torch.set_num_threads(n_threads)
@@ -94,22 +77,18 @@ def generate(
         raise fail(str(e)) from None
     # every model this run may use, given its native steps (built once) before the clock starts
     log = (lambda _: None) if quiet else err.print
-    ready, passes = engines.prepare_engine(mode, tgt.model, make_proposer(8), [kk], log)
-    used = mode if mode and ready == passes else "eager" if not ready else f"partly {mode}"
+    used = backend.prepare(tgt.model, loaded.models, log, loaded.models if loaded.int8 else ())
 
     sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)
-    stats = Stats(proposer, kk)
+    stats = Stats(proposer, kk, backend=used)
     eot = tok.token_to_id(EOT)
     out = StopPrinter(tok, None if json_out else sys.stdout, stops or [])
     try:
-        for chunk in stream(
-            tgt.model, make_proposer(len(ids) + max_new_tokens + kk + 1), ids, max_new_tokens, kk, sampling, eot, stats
-        ):
+        for chunk in stream(tgt.model, loaded, ids, max_new_tokens, kk, sampling, eot, stats, backend):
             if out.push(chunk):  # a stop string: the text ends before it, and generation here
                 break
         out.push([], final=True)
     except KeyboardInterrupt:  # keep what was generated: printed, or in the JSON marked as interrupted
-        stats.backend = used
         if json_out:
             record = {"text": out.text, "tokens": out.ids, "stats": stats.as_dict(), "interrupted": True}
             print(json.dumps(record), flush=True)
@@ -119,7 +98,6 @@ def generate(
     except NonFiniteError as e:  # what was printed stays; the run stops loudly
         sys.stdout.flush()
         raise fail(str(e), 1) from None
-    stats.backend = used  # the engine's, or "partly native" where a proposer's model runs eager
     if json_out:
         print(json.dumps({"text": out.text, "tokens": out.ids, "stats": stats.as_dict()}))
     else:

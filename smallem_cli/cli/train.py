@@ -10,7 +10,7 @@ import typer
 
 from .. import defaults as D
 from ..config import PRESETS, ModelConfig
-from .app import app, err, fail
+from .app import Threads, app, err, fail
 from .console import progress_printer
 
 if TYPE_CHECKING:
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 EXP = " (an experiment: docs/family.md)"  # an option whose result was not shipped
 
 
-# --- data and training ------------------------------------------------------------------
 @app.command()
 def data(
     files: Annotated[list[Path] | None, typer.Argument(help="UTF-8 text files (default: the KJV Bible)")] = None,
@@ -73,10 +72,8 @@ def _continuations(
     sampled_every: int,
     seed: int,
 ) -> None:
-    """`smallem data --continuations N`: the target continues N contexts of --source's training
-    split on the batch engine (native where it can); the documents go to --out's train.txt, the
-    source's validation split to its val.txt. Checked before any work: nothing is replaced
-    unasked, and --out is not --source."""
+    """`smallem data --continuations N`: the target continues N contexts of --source's training split
+    on the batch engine; they go to --out's train.txt, the source's validation split to its val.txt."""
     import time
 
     from ..backends import engines
@@ -108,7 +105,7 @@ def _continuations(
         reqs = C.requests(C.contexts(ids, n, context_tokens, seed, eot), new_tokens, sampled_every, seed)
         engine = build_engine(
             tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, eot=eot, decode=tok.decode,
-            native=engines.engine_mode(engines.chosen("auto"), dev), native_log=err.print,
+            backend=engines.Backend(engines.engine_mode(engines.chosen("auto"), dev)), log=err.print,
         )  # fmt: skip
         val = corpus.read_documents(val_txt)
     except (family.CheckpointError, ValueError, OSError, UnicodeDecodeError) as e:
@@ -178,7 +175,7 @@ def train(
     seed: Annotated[int, typer.Option()] = D.TRAIN_SEED,
     lr: Annotated[float, typer.Option()] = D.TRAIN_LR,
     batch_size: Annotated[int, typer.Option()] = D.TRAIN_BATCH,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads")] = None,
+    threads: Threads = None,
     compile_loss: Annotated[
         bool, typer.Option("--compile/--no-compile", help="run the loss through torch.compile (once a run)")
     ] = D.TRAIN_COMPILE,
@@ -214,7 +211,7 @@ def train(
     if kind is Kind.draft and init and not distill:
         raise fail("--init for a draft continues it by distillation: add --distill")
     # where the results go, checked before any work: nothing existing is replaced unasked
-    name = preset or {"target": "target", "draft": "draft-2l", "mtp": "mtp", "tokenizer": "tokenizer"}[kind.value]
+    name = preset or ("draft-2l" if kind is Kind.draft else kind.value)
     job = "distill" if kind is Kind.draft and distill else kind.value
     dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
     dest, option = (tokenizer, "tokenizer") if kind is Kind.tokenizer else (dest, "out")
@@ -260,18 +257,9 @@ def train(
             f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
         )
     settings = tr.TrainSettings(
-        budget_s=budget,
-        budget_tokens=tokens,
-        seed=seed,
-        lr=lr,
-        batch_size=batch_size,
-        mtp_weight=mtp_weight,
-        feature_weight=feature_weight,
-        chain=chain,
-        fit=fit,
-        compile=compile_loss,
-        precision=precision,
-    )
+        budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, mtp_weight=mtp_weight,
+        feature_weight=feature_weight, chain=chain, fit=fit, compile=compile_loss, precision=precision,
+    )  # fmt: skip
     cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     try:
@@ -299,16 +287,11 @@ def _fit(temperatures: str, tv: float, vocab: int) -> Fit:
 
 def _preset(name: str, tokenizer: Path) -> ModelConfig:
     """The named preset, checked against the tokenizer's vocabulary."""
+    from ..model.tokenizer import load_tokenizer
 
     if name not in PRESETS:
         raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
     cfg = PRESETS[name]
-    if cfg.vocab_size != (vs := len(corpus_vocab(tokenizer))):
+    if cfg.vocab_size != (vs := len(load_tokenizer(tokenizer).get_vocab(with_added_tokens=True))):
         raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
     return cfg
-
-
-def corpus_vocab(tokenizer: Path) -> dict[str, int]:
-    from ..model.tokenizer import load_tokenizer
-
-    return load_tokenizer(tokenizer).get_vocab(with_added_tokens=True)

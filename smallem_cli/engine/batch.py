@@ -36,7 +36,7 @@ from functools import cached_property
 
 import torch
 
-from ..model.cache import pages_for
+from .pool import pages_for
 
 Masks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q_rows, bias, out_rows)
 

@@ -19,34 +19,29 @@ import torch
 
 from .. import defaults as D
 from .. import options as O
-from ..backends import engines
-from ..model.cache import pages_for
+from ..backends.engines import Backend, Log
 from ..model.llama import MTPModule, Transformer
-from ..spec.ngram import Fallback, NgramProposer
-from ..spec.proposers import DraftProposer, MTPProposer, NoProposer, Proposer
 from . import family
 from .forward import slab_for
-from .pool import PagePool
+from .pool import PagePool, pages_for
 from .proposers import BatchProposer, DraftGuess, FallbackGuess, MTPGuess, NgramGuess, NoGuess
 from .runner import TargetRunner
 from .scheduler import Engine, round_ahead
 
 
-def batch_proposer(one: Proposer, pool: PagePool) -> BatchProposer:
-    """The batched form of a loaded proposer (`family.load_proposer` checked and loaded it)."""
-    if isinstance(one, NoProposer):
-        return NoGuess()
-    if isinstance(one, NgramProposer):
-        return NgramGuess(one.vocab_size, one.index.min_n, one.index.max_n, one.guess_cost)
-    if isinstance(one, Fallback):
-        first, other = batch_proposer(one.first, pool), batch_proposer(one.other, pool)
-        assert isinstance(first, NgramGuess) and isinstance(other, DraftGuess | MTPGuess)
-        return FallbackGuess(first, other)
-    if isinstance(one, DraftProposer):
-        return DraftGuess(one.model, pool, one.head, one.name)
-    if isinstance(one, MTPProposer):
-        return MTPGuess(one.target, one.mtp, pool, one.head)
-    raise ValueError(f"proposer {one.name!r} has no batched form")
+def batch_proposer(p: family.Proposer, target: Transformer, pool: PagePool, backend: Backend) -> BatchProposer:
+    """The batched form of a loaded proposer (`family.load_proposer`), its slab over `pool`."""
+    model: DraftGuess | MTPGuess | None = None
+    if isinstance(p.model, MTPModule):
+        assert p.head is not None
+        model = MTPGuess(target, p.model, pool, p.head, backend)
+    elif p.model is not None:
+        assert p.head is not None
+        model = DraftGuess(p.model, pool, p.head, p.name.removeprefix(D.NGRAM + "+"), backend)
+    if not p.ngram:
+        return model or NoGuess()
+    lookup = NgramGuess(target.cfg.vocab_size, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST)
+    return lookup if model is None else FallbackGuess(lookup, model)
 
 
 def pool_pages(max_batch: int, context: int, page_size: int, tree: tuple[int, int] | None = None) -> int:
@@ -118,17 +113,6 @@ def free_memory(device: torch.device) -> int:
 def cache_budget(device: torch.device) -> int:
     """Bytes the batch engine's cache may take now: D.CACHE_MEMORY_SHARE of the free memory."""
     return int(D.CACHE_MEMORY_SHARE * free_memory(device))
-
-
-def _cached(one: Proposer) -> list[Transformer | MTPModule]:
-    """The models of a proposer that get a slab over the pool (`batch_proposer`'s)."""
-    if isinstance(one, Fallback):
-        return _cached(one.other)
-    if isinstance(one, DraftProposer):
-        return [one.model]
-    if isinstance(one, MTPProposer):
-        return [one.mtp]
-    return []
 
 
 def sequence_bytes(
@@ -205,6 +189,43 @@ def grower(target: TargetRunner, bp: BatchProposer) -> Callable[[int], bool]:
     return grow
 
 
+def assemble(
+    model: Transformer,
+    p: family.Proposer,
+    backend: Backend,
+    pool: PagePool,
+    k: int,
+    *,
+    auto_k: bool,
+    max_batch: int,
+    eot: int | None,
+    decode: Callable[[list[int]], str] | None = None,
+    k_sample: int | None = None,
+    max_pages: int = 0,
+) -> Engine:
+    """An engine over `pool` for a target and a loaded proposer, their passes on `backend`
+    (prepared by the caller): the target's slab, the proposer's batched form; the pool grows
+    up to max_pages (0: it keeps its size)."""
+    slab = slab_for(model, pool.n_pages * pool.page_size, model.embed_tokens.weight.device)
+    target = TargetRunner(model, slab, pool, backend.steps(model))
+    bp = batch_proposer(p, model, pool, backend)
+    grow = grower(target, bp) if max_pages > pool.n_pages else None
+    return Engine(
+        target,
+        bp,
+        k,
+        auto_k=auto_k,
+        max_batch=max_batch,
+        eot=eot,
+        decode=decode,
+        k_sample=k_sample,
+        tree=p.tree,
+        grow=grow,
+        max_pages=max_pages,
+        backend=backend.label,
+    )
+
+
 def build_engine(
     tgt: family.Target,
     proposer: str,
@@ -218,17 +239,18 @@ def build_engine(
     n_pages: int | None = None,
     page_size: int = D.PAGE_SIZE,
     tree: tuple[int, int] | None = None,
-    native: str | None = None,
-    native_log: Callable[[str], None] | None = None,
+    backend: Backend | None = None,
+    log: Log | None = None,
     weights: str = D.PROPOSER_WEIGHTS,
     strict: bool = False,
 ) -> Engine:
-    """k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`).
+    """An engine for many requests (`smallem batch`, `bench --batch`).
+
+    k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`).
     tree: (guesses per tree, candidates per node) for token trees (`tree_guess`), MTP only.
-    native: give the target and the proposer's models this native engine's steps ("native" or
-    "native-avx2", `native.ENGINES`: every pass of the batch one C call), None: none; native_log
-    says why a model cannot have them (None: nothing said).
-    weights: how the native engine stores the proposer's matrices (`family.load_proposer`).
+    backend: what runs the passes (None: eager), prepared here for the proposer's models; `log`
+    says why a model cannot have native steps (None: nothing said).
+    weights: how the native backend stores the proposer's matrices (`family.load_proposer`).
     n_pages: the pool's size, fixed. Without it, the pool grows as the requests need it, up to
     max_batch sequences at the full context, max_batch lowered to what fits the memory
     (`fit_batch`; strict: refused instead, UsageError); the engine's max_batch says it."""
@@ -236,31 +258,26 @@ def build_engine(
     # The greedy and the sampled proposer heads differ (`D.PROPOSER_VOCAB`); a batch mixes modes,
     # so the head is chosen by what the batch serves by default: greedy's.
     vocab = D.proposer_vocab(True, proposer_vocab)
-    one = family.load_proposer(proposer, tgt, device, vocab, tree=tree, weights=weights)(1)
+    p = family.load_proposer(proposer, tgt, device, vocab, tree=tree, weights=weights)
+    backend = backend or Backend()
+    backend.prepare(model, p.models, log, p.models if p.int8 else ())
     max_pages = 0  # a pool of n_pages does not grow
     if n_pages is None:  # measured with the models loaded, before any slab is allocated
-        per_sequence = sequence_bytes([model, *_cached(one)], model.cfg.max_seq_len, page_size, tree)
+        per_sequence = sequence_bytes([model, *p.models], model.cfg.max_seq_len, page_size, tree)
         max_batch = fit_batch(max_batch, per_sequence, cache_budget(device), strict)
         max_pages = pool_pages(max_batch, model.cfg.max_seq_len, page_size, tree)
         n_pages = pool_pages(min(max_batch, D.MAX_BATCH), model.cfg.max_seq_len, page_size, tree)
-    pool = PagePool(n_pages, page_size)
-    slab = slab_for(model, pool.n_pages * page_size, device)
-    bp = batch_proposer(one, pool)
     kg, ks = D.default_k(proposer, True, k), D.default_k(proposer, False, k)
-    if native is not None:
-        engines.prepare_engine(native, model, one, [max(kg, ks, 1)], native_log)
-    one.release()
-    target = TargetRunner(model, slab, pool)
-    return Engine(
-        target,
-        bp,
+    return assemble(
+        model,
+        p,
+        backend,
+        PagePool(n_pages, page_size),
         kg,
         auto_k=k is None,
         max_batch=max_batch,
         eot=eot,
         decode=decode,
         k_sample=ks,
-        tree=tree,
-        grow=grower(target, bp) if max_pages > n_pages else None,
         max_pages=max_pages,
     )

@@ -12,7 +12,6 @@ compared, and a mismatch is refused before anything runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +21,9 @@ from .. import defaults as D
 from ..interop import hf
 from ..model import checkpoint
 from ..model.checkpoint import CheckpointError
-from ..model.llama import Transformer
+from ..model.llama import MTPModule, Transformer
 from ..model.tokenizer import load_tokenizer
 from ..spec.head import Head
-from ..spec.ngram import Fallback, NgramProposer
-from ..spec.proposers import DraftProposer, MTPProposer, NoProposer, Proposer
 
 SHIPPED_PROPOSERS = ("none", "draft-2l", "draft-4l", "mtp")
 
@@ -66,7 +63,25 @@ def load_target(path: Path, device: torch.device, tokenizer: Path | None = None)
     return Target(model.pack(), tok, fp, path, hf=hf.is_hf_dir(path))
 
 
-ProposerFactory = Callable[[int], Proposer]  # max tokens of the sequence -> a fresh proposer
+@dataclass
+class Proposer:
+    """A loaded proposer, which the engine gives its batched form (`build.batch_proposer`):
+    the n-gram lookup, a model (a draft or the MTP module, guessing with `head`), or both
+    (`ngram+P`: the lookup where it matches, the model elsewhere), or neither ("none")."""
+
+    name: str
+    model: Transformer | MTPModule | None = None
+    head: Head | None = None
+    ngram: bool = False
+    tree: tuple[int, int] | None = None  # (guesses, width): the MTP module grows token trees
+    int8: bool = False  # the native backend reads the model's matrices as int8
+
+    @property
+    def models(self) -> list[Transformer | MTPModule]:
+        return [] if self.model is None else [self.model]
+
+
+NONE = Proposer("none")
 
 
 def proposer_path(spec: str, target_dir: Path) -> Path:
@@ -88,43 +103,39 @@ def load_proposer(
     target: Target,
     device: torch.device,
     vocab: int = 0,
-    p_min: float = 0.0,
     tree: tuple[int, int] | None = None,
     weights: str = D.PROPOSER_WEIGHTS,
-) -> ProposerFactory:
-    """`spec` -> a factory of proposers (each generation gets its own caches).
+) -> Proposer:
+    """`spec` -> the proposer it names, its model loaded and packed.
 
     vocab > 0 cuts the proposer's head to the `vocab` most frequent training tokens, where
-    the checkpoint records them (see proposers.Head); 0 keeps the whole head. p_min > 0: a
-    model proposer stops a round's guesses once it is less sure than that (adaptive depth).
+    the checkpoint records them (see `spec.head.Head`); 0 keeps the whole head.
     tree (guesses, width): the MTP module grows token trees (`engine.tree_guess`); MTP only.
-    weights: "int8" or "f16", how the native engine stores the proposer's matrices
-    (`native.panels8`; the eager and compiled engines read its own values either way).
+    weights: "int8" or "f16", how the native backend stores the proposer's matrices
+    (`native.panels8`; the eager backend reads its own values either way).
     """
     if weights not in D.WEIGHTS:
         raise CheckpointError(f"--proposer-weights takes {' or '.join(D.WEIGHTS)}, got {weights!r}")
     if tree is not None and not _is_mtp(spec, target):
         raise CheckpointError(f"--tree needs the MTP module as proposer, not {spec!r}")
     if spec == "none":
-        return lambda _: NoProposer()
-    V = target.model.cfg.vocab_size
+        return NONE
     if spec == D.NGRAM:
-        return lambda _: NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST)
+        return Proposer(D.NGRAM, ngram=True)
     if spec.startswith(D.NGRAM + "+"):
         rest = spec[len(D.NGRAM) + 1 :]
         if rest in ("none", D.NGRAM) or rest.startswith(D.NGRAM + "+"):
             raise CheckpointError(f"proposer {spec!r}: {D.NGRAM}+ takes a model proposer (a draft or an MTP module)")
-        other = load_proposer(rest, target, device, vocab, p_min, weights=weights)
-        return lambda n: Fallback(NgramProposer(V, D.NGRAM_MIN, D.NGRAM_MAX, D.NGRAM_GUESS_COST), other(n))
+        other = load_proposer(rest, target, device, vocab, weights=weights)
+        return Proposer(f"{D.NGRAM}+{other.name}", other.model, other.head, ngram=True, int8=other.int8)
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
+    int8 = weights == "int8"
     if hf.is_hf_dir(path):
         draft, fp = hf.load_hf(path, device)
         _same_vocab(target, fp, draft.cfg.vocab_size, path)
         _fits(target, draft, path)
-        draft.pack()
-        draft.native_int8 = weights == "int8"
-        return lambda n: DraftProposer(draft, n, name, p_min=p_min)
+        return Proposer(name, draft.pack(), Head(draft), int8=int8)
     meta = checkpoint.read_meta(path)  # the tensors load once, below
     vocab_size = checkpoint.config_of(meta, path).vocab_size
     _same_vocab(target, meta.get("tokenizer", ""), vocab_size, path)
@@ -132,16 +143,11 @@ def load_proposer(
     ids = torch.tensor(rank[:vocab], device=device) if vocab and rank else None
     if meta.get("kind") == "mtp":
         mtp, _ = checkpoint.load_mtp(path, target.model, device)
-        mtp.pack()
-        mtp.native_int8 = weights == "int8"
-        mtp_head = Head(target.model, ids)
-        return lambda n: MTPProposer(target.model, mtp, n, mtp_head, p_min=p_min, tree=tree)
+        return Proposer("mtp", mtp.pack(), Head(target.model, ids), tree=tree, int8=int8)
     draft, _ = checkpoint.load_model(path, device)
     _fits(target, draft, path)
     draft.pack()
-    draft.native_int8 = weights == "int8"
-    head = Head(draft, ids)
-    return lambda n: DraftProposer(draft, n, name, head, p_min=p_min)
+    return Proposer(name, draft, Head(draft, ids), int8=int8)
 
 
 def _is_mtp(spec: str, target: Target) -> bool:

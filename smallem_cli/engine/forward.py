@@ -1,11 +1,10 @@
 """Passes over a flattened batch (`batch.BatchStep`): the target, a draft, the MTP module.
 
-With the native engine switched on for a model, its pass is one C call (`native.NativeSteps.batch`,
-the same numbers as its one-sequence pass); what follows is the eager pass, the reference.
-
-The same packed weights as the one-sequence path (`model.Block.decode`): the matmuls run
-over all N rows of the batch at once, attention runs per sequence on the K/V gathered
-from the slab through the page tables, padded to [B, S] and masked.
+Given the model's native steps (the backend's: `engines.Backend.steps`), a pass is one C call
+(`native.NativeSteps.batch`); without them, the eager pass below, the reference: the matmuls
+run over all N rows of the batch at once on the packed weights (`Block.pack`), attention runs
+per sequence on the K/V gathered from the slab through the page tables, padded to [B, S] and
+masked.
 
 A slab is one tensor per model, [layer, K or V, kv head, n_pages * page_size, head dim],
 allocated once for the pool (`new_slab`); the new K/V are written into it before
@@ -17,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backends import native
-from ..backends.steps import active_steps
+from ..backends.native import NativeSteps
 from ..model.llama import Block, MTPModule, Transformer, unit_rms
 from ..model.ops import attend
 from .batch import BatchStep
@@ -47,11 +45,11 @@ def block_pass(blk: Block, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor
     qkv = torch.view_as_real(torch.view_as_complex(y.view(N, -1, 2)) * rope).view(N, -1)
     kv.index_copy_(2, b.slots, qkv[:, H * D :].view(N, 2, Hkv, D).permute(1, 2, 0, 3))
     if b.base is not None:  # one sequence, its pages in order: its keys are one view of the slab,
-        # attended as the one-sequence path does (one token sees every key: no mask)
+        # attended without a gather (one token sees every key: no mask)
         att = attend(qkv[:, : H * D], kv[:, :, b.base : b.base + S], b.bias[0] if N > 1 else None, Hkv, G)
     else:
         keys = kv.index_select(2, b.kv_slots.flatten()).view(2, Hkv, B, S, D).transpose(1, 2)  # [2, B, Hkv, S, D]
-        q = qkv[:, : H * D][b.q_rows]  # [B, Tm, H*D]: rows (g, t) per kv head, as in Block.decode
+        q = qkv[:, : H * D][b.q_rows]  # [B, Tm, H*D]: rows (g, t) per kv head, grouped per kv head
         q = q.view(B, Tm, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tm, D)
         s = (q @ keys[0].transpose(-1, -2)).view(B, Hkv, G, Tm, S) + b.bias[:, None, None]  # [B, Hkv, G, Tm, S]
         o = torch.softmax(s, dim=-1).view(B, Hkv, G * Tm, S) @ keys[1]  # [B, Hkv, G*Tm, D]
@@ -63,11 +61,15 @@ def block_pass(blk: Block, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor
 
 
 def transformer_pass(
-    model: Transformer, slab: torch.Tensor, ids: torch.Tensor, b: BatchStep, head: str = "all"
+    model: Transformer,
+    slab: torch.Tensor,
+    ids: torch.Tensor,
+    b: BatchStep,
+    head: str = "all",
+    steps: NativeSteps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [N] -> (logits, hidden [N, d]). head: "all" logits [N, V], "last" [B, V] (each
-    sequence's last row), "none" an empty [0, V]. With native steps switched on, one C pass."""
-    steps = _native(model, slab)
+    sequence's last row), "none" an empty [0, V]. With the model's native `steps`, one C pass."""
     if steps is not None:
         return steps.batch(ids, None, slab, b, head)
     if model.rope_packed is None:
@@ -83,10 +85,15 @@ def transformer_pass(
 
 
 def mtp_pass(
-    mtp: MTPModule, target: Transformer, slab: torch.Tensor, h: torch.Tensor, ids: torch.Tensor, b: BatchStep
+    mtp: MTPModule,
+    target: Transformer,
+    slab: torch.Tensor,
+    h: torch.Tensor,
+    ids: torch.Tensor,
+    b: BatchStep,
+    steps: NativeSteps | None = None,
 ) -> torch.Tensor:
     """Pairs (h_j [N, d], token j+1 [N]) -> the module's states [N, d], through its one-layer slab."""
-    steps = _native(mtp, slab)
     if steps is not None:
         return steps.batch(ids, h, slab, b)[1]
     assert mtp.proj_t is not None and target.rope_packed is not None, "pack() first"
@@ -94,9 +101,3 @@ def mtp_pass(
     table = mtp.token_table(target.embed_tokens.weight)
     x = torch.addmm(F.embedding(ids, table), unit_rms(h, mtp.cfg.norm_eps), mtp.proj_t[:d])
     return block_pass(mtp.block, x, target.rope_packed[b.positions], slab[0], b)
-
-
-def _native(model: Transformer | MTPModule, slab: torch.Tensor) -> native.NativeSteps | None:
-    """The model's native steps when they are switched on (`--engine native`) for a slab they can read."""
-    steps = active_steps(model)
-    return steps if isinstance(steps, native.NativeSteps) and slab.device.type == "cpu" else None

@@ -12,7 +12,10 @@ stale K/V past a sequence's length are never read (attention masks by position).
 
 from __future__ import annotations
 
-from ..model.cache import pages_for
+
+def pages_for(n_tokens: int, page_size: int) -> int:
+    """The pages n_tokens positions fill: ceil(n_tokens / page_size)."""
+    return -(-n_tokens // page_size)
 
 
 class PoolExhausted(RuntimeError):

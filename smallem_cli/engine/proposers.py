@@ -5,28 +5,38 @@ The protocol (the engine's order; `seqs` are `sequence.Seq`, keyed by `seq.uid`)
   tokens fed [P_b], seq.last the token that follows, hidden[b] the target's states [P_b, d].
 - `propose(seqs, ks)`: up to ks[b] guesses for each, as (tokens [m_b], q [m_b, V] or None
   when greedy); a model proposer runs one pass per guess depth over all of them.
-- `accept(seq, n, emitted, hidden)`: as the one-sequence protocol (`proposers.Proposer`).
+- `accept(seq, n, emitted, hidden)`: the round kept n guesses and emitted n+1 tokens
+  (`emitted` [n+1]: the kept guesses, then the target's own); `hidden` [n+1, d] the target's
+  states at [last, d_1..d_n]. The proposer rolls its cache back to what is still true. Called
+  every round, also after one another proposer guessed (`ngram+P`): the tokens then wait to
+  be fed at its next guess.
 - `drop(seq)`: the sequence finished or was preempted: forget its state.
 
 A proposer with a cache (a draft, the MTP module) keeps a slab of its own, addressed by
 the pool's page tables: the target's table for a sequence covers the proposer's positions
 too (its cache never runs more than k positions past the target's).
+
+A sequence alone whose pages lie in order (a generation of one prompt) has its round of k
+guesses made in one native call where the backend has the model's steps (`_chain`): its
+catch-up on what the last round confirmed, then the k guesses, with no trip through Python
+between them. Sampled, at the temperature alone (`verify.proposal`, as `Head.pick` draws),
+on one uniform draw per guess from the sequence's generator, as `verify.sample` draws them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from ..backends.engines import Backend
+from ..backends.native import MAX_T
 from ..model.llama import MTPModule, Transformer
 from ..model.ops import head_matmul
 from ..spec.head import Head
 from ..spec.ngram import NgramProposer
-from ..spec.proposers import Proposer
-from ..spec.verify import Penalty
+from ..spec.verify import Penalty, Warper, uniforms
 from . import batch as B
 from .forward import mtp_pass, slab_for, transformer_pass
 from .pool import PagePool
@@ -69,19 +79,18 @@ def penalty_of(s: Seq) -> Penalty | None:
     return None if s.seen is None else Penalty(s.seen, s.req.sampling.repetition_penalty)
 
 
-class EachGuess:
-    """One single-sequence proposer (`proposers.Proposer`) per sequence, each with its own state:
-    nothing is batched. It serves the n-gram lookup (no model: nothing to batch), and a
-    generation of one prompt, whose proposer was built for it (its own cache, its compiled
-    steps and fused graphs: `generate.stream`)."""
+class NgramGuess:
+    """The prompt lookup (`ngram.NgramProposer`), one index per sequence: nothing to batch."""
 
-    def __init__(self, make: Callable[[], Proposer], name: str) -> None:
-        self.make, self.name = make, name
-        self.each: dict[int, Proposer] = {}
+    name = "ngram"
+
+    def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float) -> None:
+        self.args = vocab_size, min_n, max_n, guess_cost
+        self.each: dict[int, NgramProposer] = {}
 
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         for s, f, h in zip(seqs, fed, hidden, strict=True):
-            self.each[s.uid] = p = self.make()
+            self.each[s.uid] = p = NgramProposer(*self.args)
             p.start(f, s.last, h)
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
@@ -94,16 +103,7 @@ class EachGuess:
         self.each[seq.uid].accept(n, emitted, hidden)
 
     def drop(self, seq: Seq) -> None:
-        p = self.each.pop(seq.uid, None)
-        if p is not None:
-            p.release()
-
-
-class NgramGuess(EachGuess):
-    """The prompt lookup (`ngram.NgramProposer`), one index per sequence."""
-
-    def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float) -> None:
-        super().__init__(lambda: NgramProposer(vocab_size, min_n, max_n, guess_cost), "ngram")
+        self.each.pop(seq.uid, None)
 
 
 def pick(
@@ -143,8 +143,10 @@ class _ModelGuess:
 
     name = "model"
 
-    def __init__(self, pool: PagePool, head: Head, slab: torch.Tensor) -> None:
-        self.pool, self.head, self.slab = pool, head, slab
+    def __init__(self, model: Transformer | MTPModule, pool: PagePool, head: Head, backend: Backend) -> None:
+        self.pool, self.head = pool, head
+        self.slab = slab_for(model, pool.n_pages * pool.page_size, head.w.device)
+        self.steps = backend.steps(model)  # None: eager
         self.state: dict[int, _State] = {}
 
     def _step(self, seqs: list[Seq], counts: list[int]) -> B.BatchStep:
@@ -160,7 +162,36 @@ class _ModelGuess:
     def _feed_guess(self, seqs: list[Seq], out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _chain(self, s: Seq, k: int) -> Guesses | None:
+        """k guesses for `s` alone in one native call (see the module's docstring), its pending
+        entries fed first, or None where the call cannot serve this round (no native steps, a
+        backlog longer than a pass, pages out of order, sampling with filters beside the
+        temperature)."""
+        st, steps = self.state[s.uid], self.steps
+        if steps is None or not (s.warp is None or isinstance(s.warp, Warper)):
+            return None
+        L, m = st.length, st.pending.shape[0]
+        end = L + m + k - 1  # the catch-up's m entries, then the chain's k - 1
+        table = self.pool.tables[s.uid]
+        n_pages = self.pool.pages_for(end)
+        if not 0 < m <= MAX_T or end > steps.positions or len(table) < n_pages:
+            return None
+        first = B.in_order(table, n_pages)
+        if first is None:
+            return None
+        base = first * self.pool.page_size
+        view = self.slab[:, :, :, base : base + end]
+        h = st.pending_h if isinstance(self, MTPGuess) else None
+        sampled = () if s.warp is None else (1.0 / s.warp.temperature, uniforms((k,), s.gen, self.head.w))
+        tokens, q = steps.chain(self.head.ids, k, view, L, (st.pending, h), *sampled, penalty=penalty_of(s))
+        st.true_len, st.length = L + m, end
+        return tokens, None if s.warp is None else self.head.expand(q)
+
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
+        if len(seqs) == 1 and ks[0] > 0 and (got := self._chain(seqs[0], ks[0])) is not None:
+            st = self.state[seqs[0].uid]
+            st.proposed, st.fed_guesses = True, ks[0] - 1
+            return [got]
         live = [i for i, k in enumerate(ks) if k > 0]
         tokens: list[list[torch.Tensor]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
@@ -201,27 +232,27 @@ class _ModelGuess:
 class DraftGuess(_ModelGuess):
     """A draft model: it reads the sequence's tokens, its own slab holds its K/V."""
 
-    def __init__(self, model: Transformer, pool: PagePool, head: Head, name: str) -> None:
-        super().__init__(pool, head, slab_for(model, pool.n_pages * pool.page_size, head.w.device))
+    def __init__(self, model: Transformer, pool: PagePool, head: Head, name: str, backend: Backend) -> None:
+        super().__init__(model, pool, head, backend)
         self.model, self.name = model, name
 
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         for s in seqs:
             self.state[s.uid] = _State()
         b = self._step(seqs, [f.shape[0] for f in fed])
-        transformer_pass(self.model, self.slab, torch.cat(fed), b, head="none")
+        transformer_pass(self.model, self.slab, torch.cat(fed), b, "none", self.steps)
         for s in seqs:
             self.state[s.uid].pending = s.last.view(1)
 
     def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
         pend = [self.state[s.uid].pending for s in seqs]
         b = self._step(seqs, [p.shape[0] for p in pend])
-        _, x = transformer_pass(self.model, self.slab, torch.cat(pend), b, head="none")
+        _, x = transformer_pass(self.model, self.slab, torch.cat(pend), b, "none", self.steps)
         return x[b.last]
 
     def _feed_guess(self, seqs: list[Seq], out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         b = self._step(seqs, [1] * len(seqs))
-        return transformer_pass(self.model, self.slab, x, b, head="none")[1]
+        return transformer_pass(self.model, self.slab, x, b, "none", self.steps)[1]
 
     def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         st = self.state[seq.uid]
@@ -239,8 +270,8 @@ class MTPGuess(_ModelGuess):
 
     name = "mtp"
 
-    def __init__(self, target: Transformer, mtp: MTPModule, pool: PagePool, head: Head) -> None:
-        super().__init__(pool, head, slab_for(mtp, pool.n_pages * pool.page_size, head.w.device))
+    def __init__(self, target: Transformer, mtp: MTPModule, pool: PagePool, head: Head, backend: Backend) -> None:
+        super().__init__(mtp, pool, head, backend)
         self.target, self.mtp = target, mtp
 
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
@@ -249,7 +280,7 @@ class MTPGuess(_ModelGuess):
 
     def _pass(self, seqs: list[Seq], h: list[torch.Tensor], x: list[torch.Tensor]) -> torch.Tensor:
         b = self._step(seqs, [t.shape[0] for t in x])
-        return mtp_pass(self.mtp, self.target, self.slab, torch.cat(h), torch.cat(x), b)[b.last]
+        return mtp_pass(self.mtp, self.target, self.slab, torch.cat(h), torch.cat(x), b, self.steps)[b.last]
 
     def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
         sts = [self.state[s.uid] for s in seqs]

@@ -21,7 +21,6 @@ import torch
 
 from .. import defaults as D
 from ..backends import native
-from ..backends.steps import active_steps, compiled_for
 from ..model.llama import Transformer
 from ..spec.sampling import NonFiniteError, context_mask, finite_flag, first_token
 from ..spec.tree import tree_mask, verify_tree_greedy, verify_tree_sample
@@ -36,11 +35,13 @@ from .tree_guess import grow
 
 @dataclass
 class TargetRunner:
-    """The target with the slab its K/V live in, addressed by the pool's page tables."""
+    """The target with the slab its K/V live in, addressed by the pool's page tables, and its
+    native steps where the backend has them (None: eager)."""
 
     model: Transformer
     slab: torch.Tensor
     pool: PagePool
+    steps: native.NativeSteps | None = None
 
     def step(self, seqs: list[Seq], counts: list[int]) -> B.BatchStep:
         tables = [self.pool.tables[s.uid] for s in seqs]
@@ -56,12 +57,12 @@ class TargetRunner:
         got = self.one_pass(seqs, ids, counts, head=True)
         if got is not None:
             return got
-        return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), head="all"), None
+        return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), "all", self.steps), None
 
     def native_verify(self) -> Callable[..., torch.Tensor] | None:
         """With native steps running this target's passes, their verification of sampled guesses
         (`native.verify_sample`, any `Warper`), else None (`verify.verify_sample`)."""
-        return native.verify_sample if isinstance(active_steps(self.model), native.NativeSteps) else None
+        return native.verify_sample if self.steps is not None else None
 
     def one_pass(
         self, seqs: list[Seq], ids: torch.Tensor, counts: list[int], head: bool
@@ -76,8 +77,8 @@ class TargetRunner:
         s, T = seqs[0], counts[0]
         table = self.pool.tables[s.uid]
         start, end = s.cached, s.cached + T
-        steps = active_steps(self.model)
-        fn = compiled_for(steps, start, end, head, False)
+        steps = self.steps
+        fn = None if steps is None else steps.step_for(start, end, head, False)
         page = B.in_order(table, len(table))
         if fn is None or page is None:
             return None
@@ -103,11 +104,11 @@ def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[i
         hidden = got[1]  # [N, d]
         logits = t.model.logits(hidden[-1:])  # [1, V]: the last position's alone
     else:  # logits [B, V] of each sequence's last position, hidden [N, d]
-        logits, hidden = transformer_pass(t.model, t.slab, torch.cat(fed), t.step(seqs, counts), head="last")
+        logits, hidden = transformer_pass(t.model, t.slab, torch.cat(fed), t.step(seqs, counts), "last", t.steps)
     firsts = []
     for i, (s, f) in enumerate(zip(seqs, fresh, strict=True)):
         s.cached = fed[i].shape[0]
-        if f:  # as the one-sequence loop draws it
+        if f:  # drawn from the prompt's last logits
             s.last, s.seen = first_token(logits[i : i + 1], fed[i], s.warp, s.gen, s.req.sampling.repetition_penalty)
         else:  # recomputed: its next token was emitted before the preemption
             s.last = torch.tensor(s.tokens[-1:], dtype=torch.long, device=dev)
@@ -220,7 +221,7 @@ def tree_round(
     tables = [t.pool.tables[s.uid] for s in seqs]
     every = [list(range(len(tr.parents))) for tr in trees]
     b = B.build_tree(tables, [s.cached for s in seqs], [tr.parents for tr in trees], every, t.pool.page_size, dev)
-    logits, hidden = transformer_pass(t.model, t.slab, ids, b, head="all")  # [N, V], [N, d]
+    logits, hidden = transformer_pass(t.model, t.slab, ids, b, "all", t.steps)  # [N, V], [N, d]
     verdicts_t = []
     first = 0
     for s, tr, f in zip(seqs, trees, fed, strict=True):

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from .. import defaults as D
-from ..backends.steps import active_steps
 from ..stats import Stats
 from .pool import PagePool
 from .proposers import BatchProposer, MTPGuess
@@ -93,10 +92,11 @@ class Engine:
         tree: tuple[int, int] | None = None,
         grow: Callable[[int], bool] | None = None,
         max_pages: int = 0,
+        backend: str = "eager",
     ) -> None:
         """grow(n): the pool and every slab over it made n pages large, called when the pool is
         short and smaller than max_pages; False where the memory was not there (None: the pool
-        stays its size)."""
+        stays its size). backend: what ran the passes, as the stats name it (`Backend.label`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.t, self.proposer, self.max_batch = target, proposer, max_batch
@@ -107,7 +107,7 @@ class Engine:
         if tree is not None and not isinstance(proposer, MTPGuess):
             raise ValueError(f"token trees need the MTP module as proposer, not {proposer.name!r}")
         self._decoder = _Decoder(decode) if decode is not None else None
-        self.grow, self.max_pages = grow, max_pages
+        self.grow, self.max_pages, self.backend = grow, max_pages, backend
         self._uid = 0
         self.rounds = 0
         self.preemptions = 0
@@ -122,8 +122,7 @@ class Engine:
         greedy = req.sampling.greedy
         k = self.k if greedy else self.k_sample
         gen = torch.Generator(device=dev).manual_seed(req.sampling.seed)
-        steps = active_steps(self.t.model)
-        st = Stats(self.proposer.name, k, backend=steps.kind if steps is not None else "eager")
+        st = Stats(self.proposer.name, k, backend=self.backend)
         st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
         self._uid += 1
         if req.stop and self._decoder is None:

@@ -158,7 +158,7 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
             p.slab.device,
         )
         tok = torch.tensor(ids, dtype=torch.long, device=out.device)
-        states = mtp_pass(p.mtp, p.target, p.slab, torch.stack(h), tok, step)  # [F, d]
+        states = mtp_pass(p.mtp, p.target, p.slab, torch.stack(h), tok, step, p.steps)  # [F, d]
         row_seqs = [seqs[b] for b in active for _ in picks[b]]
         vals, toks, qs = _children(
             head, states, eps, width, drawn, row_seqs, [_path(cands[b], i) for b in active for i in picks[b]]

@@ -53,8 +53,7 @@ def _write_folder(
     exception, interruption included, `tmp` is removed and `outdir` left as it was."""
     tmp.mkdir()
     try:
-        # transformers checks "format"
-        checkpoint.write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})
+        checkpoint.write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})  # transformers checks it
         for name, obj in jsons.items():
             (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
@@ -89,23 +88,29 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _remove_stale(outdir: Path) -> None:
-    """Clear what exports whose process is gone left beside `outdir`: a `.NAME.PID.tmp` folder
-    is removed; a `.NAME.PID.old` one is the previous `outdir`, put back if the swap never happened."""
-    if not outdir.parent.is_dir():
+def orphans(out: Path, folder: bool) -> Iterator[tuple[Path, str]]:
+    """(path, "tmp" or "old") of each `.NAME.PID.tmp` / `.NAME.PID.old` beside `out` (a folder, or
+    a file: not a link) that an export whose process is gone left behind."""
+    if not out.parent.is_dir():
         return
-    for p in sorted(outdir.parent.glob(f".{outdir.name}.*.*")):
-        pid, _, suffix = p.name.removeprefix(f".{outdir.name}.").partition(".")
-        if suffix not in ("tmp", "old") or not pid.isdigit() or not p.is_dir() or p.is_symlink():
+    for p in sorted(out.parent.glob(f".{out.name}.*.*")):
+        pid, _, suffix = p.name.removeprefix(f".{out.name}.").partition(".")
+        kind_ok = p.is_dir() if folder else p.is_file()
+        if suffix not in ("tmp", "old") or not pid.isdigit() or not kind_ok or p.is_symlink():
             continue
         try:
             os.kill(int(pid), 0)
-        except OverflowError:  # no process id: not an export's
-            continue
         except ProcessLookupError:
-            if suffix == "old" and not outdir.exists():
-                p.rename(outdir)
-            else:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:  # alive, another user's
+            yield p, suffix
+        except (OverflowError, OSError):  # no process id (not an export's), or alive (another user's)
             pass
+
+
+def _remove_stale(outdir: Path) -> None:
+    """A `.NAME.PID.tmp` folder is removed; a `.NAME.PID.old` one is the previous `outdir`, put back
+    if the swap never happened."""
+    for p, suffix in orphans(outdir, folder=True):
+        if suffix == "old" and not outdir.exists():
+            p.rename(outdir)
+        else:
+            shutil.rmtree(p, ignore_errors=True)

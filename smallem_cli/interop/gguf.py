@@ -1,15 +1,11 @@
 """GGUF export: a smallem model as llama.cpp reads it (architecture `llama`), tokenizer included.
 
-smallem's Transformer is Llama, so the file is llama.cpp's own layout: `token_embd`,
-`blk.N.attn_q/k/v/output`, `blk.N.ffn_gate/up/down`, the norms, and `output` only for an
-untied head. One thing is not a renaming: llama.cpp's `llama` architecture ropes adjacent
-pairs (x_2i, x_2i+1) where Hugging Face's layout, and smallem's, pairs x_i with x_{i+D/2}.
-So the rows of Wq and Wk are reordered within each head, the pairs made adjacent (as
-llama.cpp's own converter does for Hugging Face Llamas): q·k is unchanged, and so are the
-model's outputs.
-
-The tokenizer is the byte-level BPE of tokenizer.json, as llama.cpp's `gpt2` model with the
-`gpt-2` pre-tokenizer; `<|endoftext|>` is both BOS and EOS, and nothing is added to a prompt.
+The layout is llama.cpp's own (`token_embd`, `blk.N.attn_q/k/v/output`, `blk.N.ffn_gate/up/down`,
+the norms, `output` only for an untied head), with one change beyond renaming: llama.cpp ropes
+adjacent pairs (x_2i, x_2i+1) where smallem (and Hugging Face) pairs x_i with x_{i+D/2}, so the rows
+of Wq and Wk are reordered within each head, as llama.cpp's own converter does; q·k, and so the
+outputs, are unchanged. The tokenizer is tokenizer.json's byte-level BPE as llama.cpp's `gpt2`
+model (`gpt-2` pre-tokenizer), `<|endoftext|>` both BOS and EOS, nothing added to a prompt.
 
 Needs the `llamacpp` extra (the `gguf` package), imported only when a file is written.
 """
@@ -17,7 +13,6 @@ Needs the `llamacpp` extra (the `gguf` package), imported only when a file is wr
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +23,15 @@ from .. import atomic
 from ..model import checkpoint
 from ..model.llama import Transformer, permute_rope
 from ..model.tokenizer import EOT
-from .exportdir import _sigterm_raises
+from .exportdir import _sigterm_raises, orphans
 
 DTYPES = ("f32", "f16")
 INSTALL = "pip install 'smallem[llamacpp]'"
 _MATRICES = {  # smallem name in a layer -> llama.cpp's
-    "q_proj": "attn_q",
-    "k_proj": "attn_k",
-    "v_proj": "attn_v",
-    "o_proj": "attn_output",
-    "gate_proj": "ffn_gate",
-    "up_proj": "ffn_up",
-    "down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
+    "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+    "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
 _TOP = {
     "embed_tokens.weight": "token_embd.weight",
     "norm.weight": "output_norm.weight",
@@ -74,11 +63,8 @@ def gguf_name(key: str) -> str:
 
 
 def gguf_tensors(model: Transformer, dtype: str = "f32") -> dict[str, np.ndarray]:
-    """llama.cpp name -> array, in smallem's [out, in] order (GGUF lists the dims reversed).
-
-    Matrices in `dtype` (f32 or f16), norm weights in float32 as llama.cpp wants them; Wq
-    and Wk rows permuted for llama.cpp's rope (`permute_rope`).
-    """
+    """llama.cpp name -> array, in smallem's [out, in] order (GGUF lists the dims reversed): matrices
+    in `dtype` (f32 or f16), norm weights in float32 as llama.cpp wants them, Wq and Wk `permute_rope`d."""
     if dtype not in DTYPES:
         raise GGUFExportError(f"unknown GGUF dtype {dtype!r}: use {' or '.join(DTYPES)}")
     cfg = model.cfg
@@ -175,14 +161,10 @@ def export_gguf(
     dtype: str = "f32",
     overwrite: bool = False,
 ) -> None:
-    """Write a smallem model checkpoint as one GGUF file that llama.cpp loads (arch `llama`).
-
-    The file is written under a temporary name beside `out_file` and renamed into place, so
-    an interrupted export (an exception, Ctrl-C or SIGTERM) leaves no half file. An existing
-    `out_file` is replaced only with `overwrite`, else FileExistsError, and only if it is a regular
-    file (a device, a FIFO, a socket or a link: atomic.NotRegularFileError, even with `overwrite`);
-    the checkpoint and the tokenizer themselves are never written over (GGUFExportError).
-    """
+    """Write a smallem model checkpoint as one GGUF file that llama.cpp loads (arch `llama`), under a
+    temporary name renamed into place: an exception, Ctrl-C or SIGTERM leaves no half file. An existing
+    `out_file` is replaced only with `overwrite` (else FileExistsError) and only if a regular file (else
+    atomic.NotRegularFileError); the checkpoint and the tokenizer are never written over (GGUFExportError)."""
     ckpt, out, tokenizer_json = Path(checkpoint_path), Path(out_file), Path(tokenizer_json)
     if dtype not in DTYPES:
         raise GGUFExportError(f"unknown GGUF dtype {dtype!r}: use {' or '.join(DTYPES)}")
@@ -202,22 +184,8 @@ def export_gguf(
     if meta.get("tokenizer") and meta["tokenizer"] != checkpoint.tokenizer_fingerprint(tokenizer_json):
         raise GGUFExportError(f"{ckpt} was trained with another tokenizer than {tokenizer_json}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out)
+    for p, suffix in orphans(out, folder=False):  # the files aside of exports whose process is gone
+        if suffix == "tmp":
+            p.unlink(missing_ok=True)
     with _sigterm_raises():
         atomic.replace_with(out, lambda tmp: write_gguf(model, tmp, tokenizer_json, dtype, ckpt.stem))
-
-
-def _remove_stale(out: Path) -> None:
-    """Delete the `.NAME.PID.tmp` files that exports whose process is gone left beside `out`."""
-    for p in out.parent.glob(f".{out.name}.*.tmp"):
-        pid = p.name.removeprefix(f".{out.name}.").removesuffix(".tmp")
-        if not pid.isdigit() or not p.is_file() or p.is_symlink():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except OverflowError:
-            continue
-        except ProcessLookupError:
-            p.unlink(missing_ok=True)
-        except OSError:  # alive, another user's
-            pass

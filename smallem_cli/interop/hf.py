@@ -1,12 +1,10 @@
 """Hugging Face interchange: read LlamaForCausalLM folders, write smallem checkpoints as one.
 
-smallem's Transformer is Llama with the `model.` prefix and the `self_attn.` / `mlp.`
-sub-module levels dropped from the parameter names, so both directions are a renaming
-plus a config translation. Only what the Transformer computes exactly is accepted: plain
-rotary positions, SiLU gating, no biases, no quantization. Anything else is refused with
-an HFFormatError naming the field, rather than loaded into a model that silently differs.
-
-Neither direction needs `transformers`: configs are plain JSON, weights plain safetensors.
+smallem's Transformer is Llama with the `model.` prefix and the `self_attn.` / `mlp.` levels dropped
+from the parameter names, so both directions are a renaming plus a config translation. Only what the
+Transformer computes exactly is accepted (plain rotary positions, SiLU gating, no biases, no
+quantization); anything else is refused with an HFFormatError naming the field, rather than loaded
+into a model that silently differs. Neither direction needs `transformers`: JSON and safetensors.
 """
 
 from __future__ import annotations
@@ -119,15 +117,19 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
         raise HFFormatError(f"HF config does not fit smallem: {e}") from None
 
 
+def _in_group(rest: str) -> str:
+    """A layer's parameter under its HF sub-module: `q_proj.weight` -> `self_attn.q_proj.weight`."""
+    sub = rest.split(".", 1)[0]
+    return ("mlp." if sub in _MLP else "self_attn." if sub.endswith("_proj") else "") + rest  # norms sit in the layer
+
+
 def _hf_name(key: str) -> str:
     """smallem parameter name -> HF Llama name: `layers.3.q_proj.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     if key == "lm_head.weight":
         return key
     if key.startswith("layers."):
         _, i, rest = key.split(".", 2)
-        sub = rest.split(".", 1)[0]
-        group = "mlp." if sub in _MLP else "self_attn." if sub.endswith("_proj") else ""  # norms sit in the layer
-        return f"model.layers.{i}.{group}{rest}"
+        return f"model.layers.{i}.{_in_group(rest)}"
     return "model." + key
 
 
@@ -183,11 +185,9 @@ def _declared(folder: Path, files: list[Path]) -> dict[str, tuple[Path, str, tup
 
 
 def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, str]:
-    """A LlamaForCausalLM folder -> (float32 eval Transformer, fingerprint of its tokenizer.json).
-
-    The config, the tokenizer and the tensors' names, shapes and dtypes are all checked
-    before a weight is read or the model is built; the weights must be finite.
-    """
+    """A LlamaForCausalLM folder -> (float32 eval Transformer, fingerprint of its tokenizer.json). The
+    config, tokenizer and tensors' names, shapes and dtypes are checked before a weight is read; the
+    weights must be finite."""
     folder = Path(folder)
     if not is_hf_dir(folder):
         raise HFFormatError(f"{folder} is not a Hugging Face model folder (no config.json)")
@@ -236,42 +236,24 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
 def _hf_config(cfg: ModelConfig, dtype: str, eot: int | None) -> dict[str, Any]:
     # Both rope layouts (rope_theta for transformers 4, rope_parameters for 5) and both dtype names.
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": dtype, "dtype": dtype,
+    }  # fmt: skip
 
 
 def export_hf(
     checkpoint_path: str | Path, outdir: str | Path, tokenizer_json: str | Path, *, overwrite: bool = False
 ) -> None:
-    """Write a smallem model checkpoint as a LlamaForCausalLM folder that `from_pretrained` loads offline.
-
-    The folder is built under a temporary name beside `outdir` and renamed into place, so an
-    interrupted export (an exception, Ctrl-C or SIGTERM) leaves no half folder. An existing
-    non-empty `outdir` is replaced only with `overwrite`, else FileExistsError; anything but a
-    folder (a file, a link, a device, a FIFO, a socket) is never replaced, with or without it
-    (FileExistsError, before the checkpoint is read); a folder that holds the checkpoint or the
-    tokenizer is never replaced (HFFormatError).
-    """
+    """Write a smallem model checkpoint as a LlamaForCausalLM folder that `from_pretrained` loads offline,
+    whole or not at all (`exportdir.write_export`). An existing non-empty `outdir` is replaced only with
+    `overwrite` (else FileExistsError), and never if it is anything but a folder (FileExistsError, before
+    the checkpoint is read) or holds the checkpoint or the tokenizer (HFFormatError)."""
     ckpt, outdir, tokenizer_json = Path(checkpoint_path), Path(outdir), Path(tokenizer_json)
     check_destination(outdir, (ckpt, tokenizer_json), overwrite)
     kind, stored = stored_kind(ckpt)

@@ -1,18 +1,14 @@
 """The target and its MTP module as one folder that vLLM runs with its `mtp` method.
 
-The MTP module is DeepSeek-V3's: norm(h_i) ‖ norm(embed(t_{i+1})) -> a linear 2d -> d -> one
-decoder block -> the target's final norm and head. vLLM has that layer for a dense target in
-Xiaomi's MiMo (`MiMoForCausalLM`, Qwen2 layers; `MiMoMultiTokenPredictorLayer`): hidden_layernorm,
-token_layernorm, input_proj over [hidden ‖ token], a decoder block, final_layernorm, the shared
-embedding and head, fed with the target's last hidden state before its final norm, as ours
-is. A Qwen2 layer is a Llama layer with q/k/v biases: written as zeros, it computes what ours
-does. So `export_mimo` writes the target's Llama weights under Qwen2's names, zero biases, and
-the module as `model.mtp_layers.0`, with `architectures: ["MiMoForCausalLM"]`,
-`num_nextn_predict_layers: 1`.
-
-What differs: vLLM chains a second guess on the module's output after final_layernorm, where
-ours chains on it before (so guesses past the first are not ours, their tokens still checked by
-the target); and MiMo zeroes the token embedding at position 0.
+Our MTP module is DeepSeek-V3's: norm(h_i) ‖ norm(embed(t_{i+1})) -> a linear 2d -> d -> one decoder
+block -> the target's final norm and head. vLLM has that layer for a dense target in Xiaomi's MiMo
+(`MiMoForCausalLM`, Qwen2 layers): hidden_layernorm, token_layernorm, input_proj, a decoder block,
+final_layernorm, the shared embedding and head, fed the target's last hidden state before its final
+norm, as ours is. A Qwen2 layer is a Llama layer with q/k/v biases, computing what ours does when
+they are zero. So `export_mimo` writes the target under Qwen2's names with zero biases and the module
+as `model.mtp_layers.0`. What differs: vLLM chains a second guess on the module's output after
+final_layernorm, ours before (guesses past the first are not ours, though the target still checks
+them); and MiMo zeroes the token embedding at position 0.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import torch
 
 from ..model import checkpoint
 from .exportdir import check_destination, write_export
-from .hf import _DTYPE_NAMES, _MLP, HFFormatError, _hf_config, _hf_name, hf_jsons, load_for_export, stored_kind
+from .hf import _DTYPE_NAMES, HFFormatError, _hf_config, _hf_name, _in_group, hf_jsons, load_for_export, stored_kind
 
 MTP_LAYER = "model.mtp_layers.0"
 MODULE_NAMES = {"hnorm.weight": "hidden_layernorm.weight", "enorm.weight": "token_layernorm.weight"}
@@ -37,10 +33,7 @@ def mtp_name(key: str) -> str:
         return f"{MTP_LAYER}.{MODULE_NAMES[key]}"
     if not key.startswith("block."):
         raise HFFormatError(f"MTP parameter {key} has no place in MiMo's layout")
-    rest = key.removeprefix("block.")
-    sub = rest.split(".", 1)[0]
-    group = "mlp." if sub in _MLP else "self_attn." if sub.endswith("_proj") else ""
-    return f"{MTP_LAYER}.{group}{rest}"
+    return f"{MTP_LAYER}.{_in_group(key.removeprefix('block.'))}"
 
 
 def zero_biases(prefix: str, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict:

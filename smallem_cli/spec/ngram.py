@@ -20,8 +20,8 @@ for free; elsewhere the lookup finds nothing, or a guess the target rejects.
 - No q: the guesses are not drawn from a distribution. Under sampling each is a point
   mass, q = one-hot, which the min(1, p/q) rule handles exactly: the guess is kept with
   probability p(x), and a rejection draws from p with x taken out.
-- `Fallback(ngram, other)`: the n-gram's guesses when its lookup matches, the other
-  proposer's otherwise (`--proposer ngram+mtp`). The other one is told every round's
+- `ngram+P` (`engine.proposers.FallbackGuess`): the n-gram's guesses when its lookup matches,
+  P's otherwise (`--proposer ngram+mtp`). The other one is told every round's
   outcome and catches up on what it did not guess at its next turn.
 """
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .proposers import Pass, Proposer
 from .verify import Penalty, Warp
 
 
@@ -84,7 +83,8 @@ def best_depth(first: float, then: float, k: int, guess_cost: float) -> int:
 
 
 class NgramProposer:
-    """Guesses by prompt lookup (see the module's docstring). Satisfies `proposers.Proposer`."""
+    """One sequence's prompt lookup (see the module's docstring); `engine.proposers.NgramGuess`
+    holds one per sequence."""
 
     name = "ngram"
     DECAY = 0.8  # the acceptance rate's memory, per round: it follows the text from region to region
@@ -133,51 +133,3 @@ class NgramProposer:
             self.reached[j] = self.DECAY * self.reached[j] + played
         self.looked = []
         self.index.extend(out)
-
-    def release(self) -> None:
-        pass
-
-    def cost_step(self) -> object:
-        return self.index.lookup(1)
-
-    def passes(self, k: int) -> list[Pass]:
-        return []
-
-    def counts(self, k: int) -> list[int]:
-        return list(range(k + 1))
-
-
-class Fallback:
-    """The n-gram lookup's guesses when it matches, else another proposer's."""
-
-    def __init__(self, first: NgramProposer, other: Proposer) -> None:
-        self.first, self.other = first, other
-        self.name = f"{first.name}+{other.name}"
-
-    def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.first.start(prompt, first, hidden)
-        self.other.start(prompt, first, hidden)
-
-    def propose(
-        self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tokens, q = self.first.propose(k, warp, generator, penalty)
-        if tokens.shape[0]:
-            return tokens, q
-        return self.other.propose(k, warp, generator, penalty)
-
-    def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.first.accept(n, emitted, hidden)
-        self.other.accept(n, emitted, hidden)
-
-    def release(self) -> None:
-        self.other.release()
-
-    def cost_step(self) -> object:
-        return self.other.cost_step()
-
-    def passes(self, k: int) -> list[Pass]:
-        return self.other.passes(k)
-
-    def counts(self, k: int) -> list[int]:
-        return sorted({*self.first.counts(k), *self.other.counts(k)})

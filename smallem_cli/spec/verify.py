@@ -26,6 +26,7 @@ from torch import Tensor
 
 Warp = Callable[[Tensor], Tensor]  # logits [..., V] -> probabilities [..., V]
 
+
 def warp(
     logits: Tensor,
     temperature: float,
@@ -134,7 +135,7 @@ def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestor
 @dataclass(frozen=True)
 class Warper:
     """`warp` with its settings bound: logits [..., V] -> probabilities [..., V]. A proposer may
-    read them (a compiled chain of guesses applies a plain temperature itself)."""
+    read them (a native chain of guesses applies a plain temperature itself)."""
 
     temperature: float
     top_k: int | None = None
@@ -175,7 +176,7 @@ class Penalty:
 def proposal(w: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """The distribution a proposer draws its guesses from under the user's warp: the temperature
     alone. Verification stays exact whatever q the guesses came from (the target's p is warped in
-    full), a chain of guesses computes a temperature inside itself (native or compiled, one call
+    full), a chain of guesses computes a temperature inside itself (natively, one call
     for the round), and top-p would cost a sort of the head's row at every guess. So top-k,
     top-p and min-p shape p alone; a guess they drop is rejected (its p is 0)."""
     return Warper(w.temperature) if isinstance(w, Warper) and not w.plain else w

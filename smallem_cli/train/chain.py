@@ -1,21 +1,14 @@
 """Train the MTP module on the chain it runs (a "training-time test", EAGLE-3's name).
 
-At inference the module guesses token i+2 from the target's state h_i and token i+1,
-then chains: its guess j+1 reads its own output state from guess j in place of the
-target's (which is not computed yet), and its attention sees the true entries of the
-context plus the chain's own earlier entries. `train.train_mtp` fits guess 1 only, so
-guesses 2.. run on inputs the module never saw in training. Here every position t of a
-training sequence starts a chain of `depth` steps, all in parallel:
-
-    step 1    pairs (h_t, x_{t+1}) at position t, causal over the true entries     -> out_1[t]
-    step d    pairs (out_{d-1}[t], x_{t+d}) at position t+d-1; attention over the
-              true entries 0..t (step 1's keys) and the chain's own entries of
-              steps 2..d at t (one key each, `_chain_attention`)                     -> out_d[t]
-
-and out_d[t] is fitted to the target's distribution for token t+d+1 (KL, as
-`train_mtp`). Teacher forcing: step d reads the text's token x_{t+d}, which is the guess
-whenever the guesses before it were right, the only case in which guess d counts.
-`chain_states` is checked against the module's own step-by-step chain in the tests.
+At inference the module's guess j+1 reads its own output state from guess j in place of the
+target's (not computed yet), and attends to the true context plus the chain's own earlier entries;
+`train.train_mtp` fits guess 1 only. Here every position t starts a chain of `depth` steps, all in
+parallel: step 1 reads (h_t, x_{t+1}), causal over the true entries; step d reads
+(out_{d-1}[t], x_{t+d}) at position t+d-1 and attends to the true entries 0..t and the chain's own
+entries of steps 2..d at t (`_chain_attention`). out_d[t] is fitted to the target's distribution
+for token t+d+1, as in `train_mtp`. Teacher forcing (step d reads the text's x_{t+d}) is exact
+whenever the guesses before were right, the only case in which guess d counts. The tests check
+`chain_states` against the module's own step-by-step chain.
 """
 
 from __future__ import annotations
@@ -122,7 +115,7 @@ def train_mtp_chain(
             extra |= {f"{k}/{d}": v for k, v in read.items()}
         return torch.stack(losses).mean(), extra
 
-    facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
+    facts = _train_loop(loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress)
     facts |= evaluate(target, val_ids, settings.seq_len, mtp)
     facts["chain_depth"] = depth
     return mtp, facts

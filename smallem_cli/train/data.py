@@ -1,10 +1,8 @@
 """Corpus, split and token files.
 
-The default corpus is the King James Bible from Debian's `bible-kjv` package. Verse
-references are stripped; each chapter is one document. The split is deterministic and
-by whole chapters: every 20th chapter (about 5% of the text) is held out for
-validation, so no verse is in both halves. Any UTF-8 text files work as well: each file
-is then split into paragraph chunks the same way.
+The default corpus is the King James Bible (Debian's `bible-kjv`), verse references stripped, a
+chapter per document; any UTF-8 text files are split into paragraph chunks instead. The split is
+deterministic and by whole chunks (every 20th, about 5%, held out), so no verse is in both halves.
 """
 
 from __future__ import annotations

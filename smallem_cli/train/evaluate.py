@@ -1,15 +1,10 @@
 """Evaluation on the validation split: loss in nats per byte, and proposer agreement.
 
-Agreement is what greedy acceptance measures: how often a proposer's argmax equals the
-target's own argmax for the same position. A draft sees the same context as the target;
-the MTP module is fed the true token i+1 and its guess for i+2 is compared with the
-target's argmax at i+2.
-
-Agreement at depth 1..4 (`chain_agreement`) runs the chain as the loop runs it, without
-timing anything: from a context of validation text, the target continues greedily
-g_1..g_4 and the proposer guesses d_1..d_4, each guess fed back to it (the MTP module
-chained on its own state); "kept at depth j" is how often d_1..d_j all equal g_1..g_j:
-what the bench's per-position acceptance measures, at no cost of a stopwatch.
+Agreement is what greedy acceptance measures: how often a proposer's argmax is the target's for
+the same position (the MTP module is fed the true token i+1, its guess for i+2 compared with the
+target's argmax there). `chain_agreement` runs the chain as the loop does, without a stopwatch: the
+target continues a validation context greedily (g_1..g_4), the proposer guesses d_1..d_4 fed back to
+it, and "kept at depth j" is how often d_1..d_j all equal g_1..g_j.
 """
 
 from __future__ import annotations
@@ -54,8 +49,8 @@ class Members:
 
 
 def load_members(target: Path, drafts: list[str] | None, mtp_file: Path | None = None) -> Members:
-    """The target, the drafts (names beside it or paths; None: the shipped ones found
-    there) and the MTP module (`mtp_file`, else the one beside it, if any), on the CPU."""
+    """The target, the drafts (names beside it or paths; None: the shipped ones found there) and the
+    MTP module (`mtp_file`, else the one beside it, if any), on the CPU."""
     tgt = family.load_target(target, torch.device("cpu"))
     shipped = [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
     models, facts = {}, {"target": checkpoint.facts(checkpoint.read_meta(target))}
@@ -79,13 +74,8 @@ def load_members(target: Path, drafts: list[str] | None, mtp_file: Path | None =
 
 
 def windows(ids: np.ndarray, seq_len: int) -> list[torch.Tensor]:
-    """Non-overlapping [1, seq_len + 1] windows covering the stream (last one shorter)."""
-    out = []
-    for s in range(0, len(ids) - 1, seq_len):
-        w = ids[s : s + seq_len + 1]
-        if len(w) >= 2:
-            out.append(torch.from_numpy(w.astype(np.int64))[None])
-    return out
+    """Non-overlapping [1, seq_len + 1] windows covering the stream (the last shorter, of 2 at least)."""
+    return [torch.from_numpy(ids[s : s + seq_len + 1].astype(np.int64))[None] for s in range(0, len(ids) - 1, seq_len)]
 
 
 @torch.no_grad()
@@ -98,9 +88,9 @@ def evaluate_family(
     seq_len: int = D.TRAIN_SEQ_LEN,
     cuts: dict[str, torch.Tensor | None] | None = None,
 ) -> list[Report]:
-    """Loss of each model over the whole stream, each proposer's agreement with the target, and
-    how often its sampled first guess is kept at each of D.EVAL_TEMPERATURES, its q over its cut
-    head (`cuts`: the tokens by proposer name; absent: the whole vocabulary)."""
+    """Loss of each model over the whole stream, each proposer's agreement with the target, and how
+    often its sampled first guess is kept at each of D.EVAL_TEMPERATURES, its q over its cut head
+    (`cuts`: the tokens by proposer name; absent: the whole vocabulary)."""
     models = {"target": target, **drafts}
     nats = dict.fromkeys(models, 0.0)
     agree = dict.fromkeys([*drafts, "mtp"], 0)
@@ -190,7 +180,7 @@ def chain_agreement(
 
 
 def _mtp_chain(target: Transformer, mtp: MTPModule, x: torch.Tensor, depth: int) -> torch.Tensor:
-    """The MTP module's chain from contexts x [B, C], as `MTPProposer` runs it: pairs (h_j, x_{j+1})
+    """The MTP module's chain from contexts x [B, C], as the engine's `MTPGuess` runs it: pairs (h_j, x_{j+1})
     over the context, then each guess fed back with the module's own state -> guesses [B, depth]."""
     C = x.shape[1]
     h = target.hidden(x)  # [B, C, d]

@@ -1,21 +1,14 @@
 """What a proposer is fitted to: the target's distribution, as the proposer will be judged.
 
-A greedy guess is kept when it is the target's argmax. A sampled guess x ~ q is kept with
-probability min(1, p(x)/q(x)), so a guess is kept with probability
-
-    sum_x min(p(x), q(x)) = 1 - TV(p, q)
-
-where p and q are the *warped* distributions (softmax(logits / T) at the temperature the
-user runs), and q is zero outside the proposer's cut head when it guesses with one
-(`proposers.Head`: the `vocab` most frequent tokens). Plain distillation fits q to p at
-T = 1 over the whole vocabulary; `Fit` fits it as it runs:
-
-- KL(p_T || q_T) at each temperature in `temperatures`, averaged; over a cut head, p is
-  renormalised over the cut (the best q there is p's restriction, renormalised);
-- plus `tv` x (1 - sum_cut min(p_T, q_T)), averaged: the rejection probability itself. Its
-  gradient is zero wherever q >= p, so it refines a fit that KL has brought close.
-
-The default (T = 1, no TV term, whole vocabulary) is plain distillation.
+A greedy guess is kept when it is the target's argmax; a sampled guess x ~ q with probability
+min(1, p(x)/q(x)), so with probability sum_x min(p(x), q(x)) = 1 - TV(p, q), p and q *warped*
+(softmax(logits / T) at the user's temperature), q zero outside the proposer's cut head if it has
+one (`proposers.Head`: the `vocab` most frequent tokens). Plain distillation (the default) fits q to
+p at T = 1 over the whole vocabulary; `Fit` fits it as it runs:
+- KL(p_T || q_T) at each of `temperatures`, averaged; over a cut head, p renormalised over the cut
+  (the best q there is p's restriction, renormalised);
+- plus `tv` x (1 - sum_cut min(p_T, q_T)), the rejection probability itself: its gradient is zero
+  wherever q >= p, so it refines a fit that KL has brought close.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Training: a target (with its MTP module, jointly), a draft, or an MTP module alone.
 
-- Batches are random windows of the token stream, drawn from a generator seeded by
-  (seed, step), so a resumed run draws the batches it would have drawn.
-- The budget is training tokens (`budget_tokens`) or else wall-clock seconds; the learning
-  rate follows it (warm-up, then cosine to 10%), so a resumed run continues the same schedule.
-- Every `save_every` seconds the full state (weights, optimizer, step, time) goes to
-  `run_dir/state.safetensors` (see runstate: no pickle); a rerun with the same run_dir
-  resumes from it.
-- The target and its MTP module train jointly (DeepSeek-V3's MTP loss, weight
-  `mtp_weight`): the trunk then learns to carry next-next-token information in h_i,
-  which is what the module reads when it proposes. `train_mtp` instead fits a module
-  to a frozen target, distilling the target's own next-token distribution (`fit.py`:
-  at the temperatures users run, over the cut head it proposes with, if asked).
-
-Library code: progress goes to the `on_progress` callback, never to stdout.
+Batches are random windows of the token stream drawn by (seed, step), and the learning rate
+follows the budget (tokens, else seconds: warm-up, then cosine to 10%), so a run resumed from its
+state (`runstate`, every `save_every_s`) draws and schedules as it would have. A target trains
+jointly with its MTP module (DeepSeek-V3's loss, weight `mtp_weight`), so the trunk learns to carry
+the next-next token in h_i, which the module reads; `train_mtp` fits a module to a frozen target
+instead (`fit.py`). Progress goes to the `on_progress` callback, never to stdout.
 """
 
 from __future__ import annotations
@@ -42,9 +34,7 @@ PRECISIONS = ("fp32", "bf16")  # `TrainSettings.precision`
 @dataclass
 class TrainSettings:
     budget_s: float = D.TRAIN_SECONDS
-    # > 0: stop after this many training tokens instead of budget_s seconds. A token budget
-    # makes a run independent of how loaded the machine is; seconds make its length known.
-    budget_tokens: int = 0
+    budget_tokens: int = 0  # > 0: this many training tokens instead of budget_s (the same run however loaded)
     batch_size: int = D.TRAIN_BATCH
     seq_len: int = D.TRAIN_SEQ_LEN
     lr: float = D.TRAIN_LR
@@ -120,11 +110,8 @@ def lm_loss(model: Transformer, x: torch.Tensor, mtp: MTPModule | None) -> tuple
 def evaluate(
     model: Transformer, ids: np.ndarray, seq_len: int = D.TRAIN_SEQ_LEN, mtp: MTPModule | None = None
 ) -> dict[str, float]:
-    """Mean next-token loss (nats/token) over the whole validation stream, in windows.
-
-    With an MTP module, also its loss and its agreement with the target's argmax.
-    A stream shorter than one window is read as one shorter window.
-    """
+    """Mean next-token loss (nats/token) over the whole validation stream, in windows (one shorter
+    window for a shorter stream); with an MTP module, also its loss and agreement with the target's argmax."""
     seq_len = min(seq_len, len(ids) - 3)
     if seq_len < 2:
         raise ValueError(f"the validation text is too short: {len(ids)} tokens")
@@ -148,17 +135,18 @@ def evaluate(
 
 
 def _train_loop(
-    params: list[torch.nn.Parameter],
     loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     modules: dict[str, torch.nn.Module],
     train_ids: np.ndarray,
     settings: TrainSettings,
     run_dir: Path,
     on_progress: ProgressFn | None,
-    eval_fn: Callable[[], float] | None,
+    val: tuple[Transformer, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """Shared optimisation loop with resume; returns the training facts."""
+    """Shared optimisation loop with resume, over every parameter of `modules` -> the training facts.
+    val: a model whose validation loss is read every `eval_every_s` (shown in the progress)."""
     torch.manual_seed(settings.seed)
+    params = [p for m in modules.values() for p in m.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -173,11 +161,9 @@ def _train_loop(
     def save_state() -> None:
         runstate.save(run_dir, modules, opt, runstate.Position(step, tokens, elapsed), dataclasses.asdict(settings))
 
-    # compiled: the loss's forward and backward run as inductor's fused kernels, one graph for the
-    # run's fixed batch shape. A loss hands back what it reads as tensors, read on the host below:
-    # an `.item()` inside would break the graph there (with the MTP feature loss, the frame resumed
-    # after it was guarded on the values read and recompiled every step up to dynamo's limit).
-    # Compile time counts as training time, as a warm-up would.
+    # compiled: one inductor graph for the run's fixed batch shape (compile time counts as training
+    # time). A loss hands back what it reads as tensors, read on the host below: an `.item()` inside
+    # would break the graph (and, with the feature loss, recompile every step up to dynamo's limit).
     fn = torch.compile(loss_fn, dynamic=False) if settings.compile else loss_fn
     last_save = last_eval = elapsed
     val_loss = None
@@ -199,8 +185,8 @@ def _train_loop(
         now = time.perf_counter()
         dt, t_prev = now - t_prev, now
         elapsed += dt
-        if eval_fn is not None and elapsed - last_eval >= settings.eval_every_s:
-            val_loss = eval_fn()
+        if val is not None and elapsed - last_eval >= settings.eval_every_s:
+            val_loss = evaluate(*val, settings.seq_len)["val_loss"]
             last_eval = elapsed
             t_prev = time.perf_counter()  # evaluation time is not training time
         if elapsed - last_save >= settings.save_every_s:
@@ -208,34 +194,18 @@ def _train_loop(
             last_save = elapsed
             t_prev = time.perf_counter()
         if on_progress is not None:
+            read, rate = {k: v.item() for k, v in extra.items()}, x.numel() / max(dt, 1e-9)
             on_progress(
-                Progress(
-                    step,
-                    elapsed,
-                    spent(settings, tokens, elapsed),
-                    loss.item(),
-                    x.numel() / max(dt, 1e-9),
-                    tokens,
-                    val_loss,
-                    {k: v.item() for k, v in extra.items()},
-                )
+                Progress(step, elapsed, spent(settings, tokens, elapsed), loss.item(), rate, tokens, val_loss, read)
             )
     save_state()
-    return {
-        "steps": step,
-        "tokens_seen": tokens,
-        "train_seconds": round(elapsed, 1),
-        "batch_size": settings.batch_size,
-        "seq_len": settings.seq_len,
-        "lr": settings.lr,
-        "seed": settings.seed,
-        "precision": settings.precision,
-    }
+    facts = {"steps": step, "tokens_seen": tokens, "train_seconds": round(elapsed, 1)}
+    return facts | {k: getattr(settings, k) for k in ("batch_size", "seq_len", "lr", "seed", "precision")}
 
 
 def autocast(precision: str) -> torch.autocast:
-    """The loss's products in bfloat16 under "bf16" (weights, gradients and the optimiser stay
-    float32, and every loss reads float32 logits); a no-op under "fp32". Training runs on the CPU."""
+    """The loss's products in bfloat16 under "bf16" (weights, gradients, optimiser and the logits every
+    loss reads stay float32); a no-op under "fp32". Training runs on the CPU."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
@@ -246,8 +216,8 @@ def new_model(cfg: ModelConfig, seed: int) -> Transformer:
 
 
 def new_mtp(cfg: ModelConfig, seed: int) -> MTPModule:
-    """An MTP module whose first weights follow `seed` alone: torch's default init, drawn
-    from the global RNG seeded here (a fresh process seeds it at random), then put back."""
+    """An MTP module whose first weights follow `seed` alone (torch's default init, from the global RNG
+    seeded here, then put back)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)  # not the target's draws
         return MTPModule(cfg)
@@ -264,11 +234,7 @@ def train_model(
     """Train a model from scratch (a target with `cfg.mtp` gets its MTP module jointly)."""
     model = new_model(cfg, settings.seed)
     mtp = new_mtp(cfg, settings.seed) if cfg.mtp else None
-    modules: dict[str, torch.nn.Module] = {"model": model}
-    params = list(model.parameters())
-    if mtp is not None:
-        modules["mtp"] = mtp
-        params += list(mtp.parameters())
+    modules: dict[str, torch.nn.Module] = {"model": model} | ({"mtp": mtp} if mtp is not None else {})
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         main, aux = lm_loss(model, x, mtp)
@@ -276,10 +242,7 @@ def train_model(
             return main, {}
         return main + settings.mtp_weight * aux, {"mtp_loss": aux.detach()}
 
-    def eval_fn() -> float:
-        return evaluate(model, val_ids, settings.seq_len)["val_loss"]
-
-    facts = _train_loop(params, loss_fn, modules, train_ids, settings, run_dir, on_progress, eval_fn)
+    facts = _train_loop(loss_fn, modules, train_ids, settings, run_dir, on_progress, (model, val_ids))
     facts |= evaluate(model, val_ids, settings.seq_len, mtp)
     if mtp is not None:
         facts["joint_weight"] = settings.mtp_weight  # both files: the trunk learnt under it too
@@ -296,14 +259,10 @@ def train_mtp(
     init: MTPModule | None = None,
     rank: list[int] | None = None,
 ) -> tuple[MTPModule, dict[str, Any]]:
-    """Fit an MTP module to a frozen target by distillation: match the target's
-    distribution for token i+2 (its logits at i+1), from h_i and the true token i+1.
-
-    With `settings.feature_weight` > 0, the module's output state is also pulled towards
-    the target's own state h_{i+1} (after normalisation, which is all the next step reads).
-    When proposing, guesses past the first chain on that output state in place of h_{i+1}
-    (EAGLE's observation), so a state that resembles the target's keeps them on track.
-    """
+    """Fit an MTP module to a frozen target's distribution for token i+2 (its logits at i+1), from h_i
+    and the true token i+1. With `settings.feature_weight`, its output state is also pulled towards the
+    target's h_{i+1} (normalised, as the next step reads it): guesses past the first chain on that state
+    (EAGLE's observation), so one that resembles the target's keeps them on track."""
     _freeze(target)
     mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
     T = settings.seq_len
@@ -322,7 +281,7 @@ def train_mtp(
         feat = F.smooth_l1_loss(F.rms_norm(hm.float(), (d,)), F.rms_norm(h[:, 1:].float(), (d,)))  # [B, T-1, d] both
         return loss + settings.feature_weight * feat, extra | {"feature": feat.detach()}
 
-    facts = _train_loop(list(mtp.parameters()), loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress, None)
+    facts = _train_loop(loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress)
     facts |= evaluate(target, val_ids, settings.seq_len, mtp)
     return mtp, facts
 
@@ -338,11 +297,8 @@ def train_draft_distill(
     rank: list[int] | None = None,
 ) -> tuple[Transformer, dict[str, Any]]:
     """Fit a draft to a frozen target: KL(target || draft) over the whole next-token distribution.
-
-    Greedy acceptance is agreement with the target's argmax, and sampled acceptance is
-    1 - TV(p, q); both reward matching the target, not the corpus. The target's full
-    distribution is also a richer signal per token than the one observed next token.
-    """
+    Acceptance (greedy: the target's argmax; sampled: 1 - TV(p, q)) rewards matching the target, not
+    the corpus, and its whole distribution is a richer signal than the one observed token."""
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"draft vocabulary {draft.cfg.vocab_size} != target's {target.cfg.vocab_size}")
     _freeze(target)
@@ -354,11 +310,7 @@ def train_draft_distill(
             teacher = teacher_log_p(settings.fit, target.logits(target.hidden(inp)).float(), ids)  # [B, T, V or N] each
         return fit_loss(settings.fit, teacher, student_logits(draft, draft.hidden(inp), ids))
 
-    def eval_fn() -> float:
-        return evaluate(draft, val_ids, settings.seq_len)["val_loss"]
-
-    modules: dict[str, torch.nn.Module] = {"model": draft}
-    facts = _train_loop(list(draft.parameters()), loss_fn, modules, train_ids, settings, run_dir, on_progress, eval_fn)
+    facts = _train_loop(loss_fn, {"model": draft}, train_ids, settings, run_dir, on_progress, (draft, val_ids))
     facts |= evaluate(draft, val_ids, settings.seq_len)
     return draft, facts
 
@@ -369,8 +321,8 @@ def _freeze(teacher: Transformer) -> None:
 
 
 def cut_ids(train_ids: np.ndarray, vocab_size: int, fit: Fit, rank: list[int] | None = None) -> torch.Tensor | None:
-    """The tokens a cut head keeps, or None for the whole vocabulary: the first of `rank` (the
-    ranking the member is saved with: `members.proposer_rank`), else of the training stream's."""
+    """The tokens a cut head keeps, or None for the whole vocabulary: the first of `rank` (the member's
+    saved ranking: `members.proposer_rank`), else of the training stream's."""
     if not fit.vocab:
         return None
     return torch.tensor((rank or vocab_rank(train_ids, vocab_size))[: fit.vocab])

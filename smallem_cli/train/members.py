@@ -22,8 +22,7 @@ def save_family_member(
     train_ids: np.ndarray,
     rank: list[int] | None = None,
 ) -> None:
-    """Save a trained member with the tokens its cut head keeps (`vocab_rank`): `rank`, else the
-    training text's tokens by frequency."""
+    """Save a trained member with the tokens its cut head keeps: `rank`, else the training text's by frequency."""
     fp = checkpoint.tokenizer_fingerprint(tokenizer_json)
     checkpoint.save(
         path, model, tokenizer=fp, facts=facts, vocab_rank=rank or vocab_rank(train_ids, model.cfg.vocab_size)
@@ -31,11 +30,9 @@ def save_family_member(
 
 
 def proposer_rank(init: Path | None, meta: dict[str, str], train_ids: np.ndarray, vocab_size: int) -> list[int]:
-    """The tokens a proposer's cut head keeps, most frequent first: a continued proposer's own
-    (the `vocab_rank` in `meta`, its checkpoint `init`'s), else the training text's. A proposer
-    continued on other text (the target's own: `continuations.py`) keeps its ranking: ranked on
-    the target's continuations instead, the sampled head's 2,048 tokens kept fewer guesses at
-    T = 1 and 0.7 (docs/family.md, "Fitting the proposers on the target's own text")."""
+    """The tokens a proposer's cut head keeps, most frequent first: a continued proposer's own (the
+    `vocab_rank` in `meta`, its checkpoint `init`'s), else the training text's. Continued on other
+    text, it keeps its ranking (docs/family.md, "Fitting the proposers on the target's own text")."""
     own = checkpoint.vocab_rank(meta, init, vocab_size) if init else None
     return own or vocab_rank(train_ids, vocab_size)
 
@@ -53,14 +50,10 @@ def train_member(
     init: Path | None = None,
     mtp_dest: Path | None = None,
 ) -> dict[str, Any]:
-    """Train one member of the family and save it beside its facts -> the facts.
-
-    kind: "target" or "draft" from scratch on the text (`cfg`; a target with `cfg.mtp`
-    also writes its jointly trained MTP module to `mtp_dest`, by default mtp.safetensors
-    beside `dest`), "distill" (a draft fitted to
-    `teacher`, from `init` or from `cfg`), or "mtp" (a module fitted to `teacher`).
-    A checkpoint started from `init` keeps the facts of that earlier training as "before".
-    """
+    """Train one member of the family and save it beside its facts -> the facts. kind: "target" or
+    "draft" from scratch (`cfg`; a target with `cfg.mtp` also writes its MTP module to `mtp_dest`,
+    by default mtp.safetensors beside `dest`), "distill" (a draft fitted to `teacher`, from `init` or
+    `cfg`) or "mtp" (a module fitted to `teacher`). One started from `init` keeps its facts as "before"."""
     train_ids, val_ids = data
     meta = checkpoint.read_meta(init) if init else {}
     before = {"before": checkpoint.facts(meta)} if init else {}

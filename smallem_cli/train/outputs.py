@@ -1,8 +1,5 @@
-"""Where a command writes, checked before it works: nothing the user has is replaced
-unless asked (--overwrite), and no output lands on an input it still needs.
-
-Library code: an OutputError says what is wrong, the command says it.
-"""
+"""Where a command writes, checked before it works: nothing the user has is replaced unless asked
+(--overwrite), and no output lands on an input it still needs. An OutputError says what is wrong."""
 
 from __future__ import annotations
 
@@ -19,10 +16,8 @@ def train_outputs(
     dest: Path, option: str, mtp_out: Path | None, joint: bool, teacher: Path | None, overwrite: bool
 ) -> Path | None:
     """Check a training run's outputs -> where its jointly trained MTP module goes (None: it has none).
-
-    `dest` is named by `option`; `joint`: a target with an MTP module, which goes to `mtp_out`,
-    by default mtp.safetensors beside `dest`; `teacher`: the model the run learns from.
-    """
+    `dest` is named by `option`; `joint`: a target with an MTP module, which goes to `mtp_out` (default:
+    mtp.safetensors beside `dest`); `teacher`: the model the run learns from."""
     if mtp_out is not None and not joint:
         raise OutputError("--mtp-out names the MTP module trained jointly with a target (a preset with MTP)")
     mtp_dest = (mtp_out or dest.with_name("mtp.safetensors")) if joint else None
@@ -39,9 +34,8 @@ def train_outputs(
 
 
 def corpus_replaces(out_dir: Path, parts: tuple[list[str], list[str]]) -> Path | None:
-    """The first of `out_dir`'s train.txt and val.txt that writing the (train, validation)
-    documents `parts` would change, or None: a rerun that writes the same corpus again
-    replaces nothing."""
+    """The first of `out_dir`'s train.txt and val.txt that writing the (train, validation) documents
+    `parts` would change, or None (a rerun writing the same corpus replaces nothing)."""
     for path, part in zip((out_dir / "train.txt", out_dir / "val.txt"), parts, strict=True):
         if path.exists() and (not path.is_file() or path.read_bytes() != data.EOT.join(part).encode("utf-8")):
             return path
@@ -58,9 +52,8 @@ def write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str)
 
 
 def continuations_out(out_dir: Path, source: Path, overwrite: bool) -> None:
-    """Check `smallem data --continuations`' folder before the target writes a word: not the
-    corpus its contexts come from, and no corpus there unless --overwrite (what it will hold is
-    known only once generated, so any corpus there counts)."""
+    """Check `smallem data --continuations`' folder before any work: not the corpus its contexts come
+    from, and no corpus there unless --overwrite (any counts: what it will hold is not known yet)."""
     if out_dir.resolve() == source.resolve():
         raise OutputError(f"--out {out_dir} is the corpus the contexts come from: choose another folder")
     taken = [p for p in (out_dir / "train.txt", out_dir / "val.txt") if p.exists()]

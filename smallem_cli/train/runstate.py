@@ -1,14 +1,9 @@
 """A training run's resume state, `run_dir/state.safetensors`: loading it runs no code.
 
-Tensors (the modules' weights, the optimizer's moments, torch's RNG state as uint8) are
-safetensors; everything else (step, tokens, elapsed seconds, the optimizer's groups, the
-settings) is JSON in the same file's metadata, so the two never disagree. A state that
-is truncated, foreign or altered is a RunStateError naming the file, never a half-loaded
-run. The file is written under a temporary name, flushed, and renamed into place, so an
-interrupted save leaves the previous state whole.
-
-Older versions pickled the state to `state.pt`; unpickling runs whatever code the file
-names, so such a file is refused, not read.
+Tensors (weights, optimizer moments, torch's RNG state) are safetensors; the rest (position,
+optimizer groups, settings) is JSON in the same file's metadata, so the two never disagree. A state
+truncated, foreign or altered is a RunStateError naming the file, never a half-loaded run; a save
+is atomic. The pickled `state.pt` of older versions is refused: unpickling runs code.
 """
 
 from __future__ import annotations
@@ -55,7 +50,7 @@ def save(
     pos: Position,
     settings: dict[str, Any],
 ) -> None:
-    """Write the state atomically: a temporary file, flushed to disk, renamed over the old one."""
+    """Write the state atomically (flushed to disk before the rename: a crash cannot leave an empty state)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     for name, mod in modules.items():
@@ -76,14 +71,12 @@ def save(
         "optimizer": json.dumps({"param_groups": sd["param_groups"], "scalars": scalars}),
         "settings": json.dumps(settings, sort_keys=True),
     }
-    final = path_of(run_dir)
-    # on disk before the rename: a crash cannot leave an empty state
-    atomic.replace_with(final, lambda tmp: save_file(tensors, str(tmp), metadata=meta), sync=True)
+    atomic.replace_with(path_of(run_dir), lambda tmp: save_file(tensors, str(tmp), metadata=meta), sync=True)
 
 
 def load(run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer) -> Position | None:
-    """Restore modules, optimizer and RNG from `run_dir`'s state -> its Position, or None if
-    there is none. Everything is checked before anything is changed."""
+    """Restore modules, optimizer and RNG from `run_dir`'s state -> its Position, or None if there is
+    none. Everything is checked before anything is changed."""
     path = path_of(run_dir)
     if not path.exists():
         legacy = run_dir / LEGACY

@@ -1,22 +1,21 @@
 """The native engine (`--engine native`): a decode pass in C++ over the checkpoint's float16 weights.
 
 Why: a one-token pass of the target is bound by reading its weights. As float32 (what
-the eager and compiled engines read) they are 36 MB, more than this machine's L3, so each
+the eager engine reads) they are 36 MB, more than this machine's L3, so each
 token reads them from memory; as the float16 they are stored in they are 18 MB, half the
 bytes, and less than the L3. Inductor's float16 products, tried here, were slower than its
 float32 ones (docs/decisions.md, "Inductor's float16 products"), so `step.cpp` has its own, over weights packed at
 load in panels of 16 output rows in the AVX-512 build, 8 in the AVX2 one (`panels`, `kernels`):
 every product converts the weights to float32 in registers and accumulates in float32, so a
 model whose weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
-is, not rounded. A proposer loaded so (`--proposer-weights int8`, `model.native_int8`) has
+is, not rounded. A proposer loaded so (`--proposer-weights int8`) has
 its matrices as int8 with a scale per row instead (`pack.panels8`): half the bytes a guess
 reads; the target's are always its own values, so the text is the target's.
 
 A step reads the past as a strided view of the slab; it writes the new K/V into the slab
 itself, right after the past (the caller's copy and a buffer saved), and returns them as a
-view there (`steps.Steps`: `model.native`, chosen by `steps.switch`), for every T, with no
-per-shape build: one library, built once by the system's C++ compiler and cached on disk by
-the hash of its source and flags (`kernels`).
+view there, for every T, with no per-shape build: one library, built once by the system's
+C++ compiler and cached on disk by the hash of its source and flags (`kernels`).
 
 Anything that fails (no compiler, a CPU without AVX2/F16C/FMA, weights that float16
 cannot hold exactly, a shape the kernels do not tile) leaves the model eager, with one
@@ -26,6 +25,7 @@ line through `log`.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,11 +33,11 @@ import torch
 from ...engine.batch import BatchStep, visible
 from ...model.llama import MTPModule, Transformer, permute_rope
 from ...spec.verify import Penalty
-from ..steps import StepFn, register
 from .kernels import ENGINES, Log, library
 from .pack import NativeUnavailable, half_exact, panels, panels8
 
 MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
+StepFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
 class _Mat(ctypes.Structure):
@@ -63,20 +63,24 @@ class _ModelW(ctypes.Structure):
 
 
 class NativeSteps:
-    """A model's native decode steps (`steps.Steps`: `get`, `trig`, `enabled`, `positions`,
-    `min_past`) over one library that serves every T, and a proposer's chain of guesses in one
-    call (`chain`)."""
+    """A model's native decode passes over one library that serves every T: a flat batch's
+    (`batch`), one sequence's whose past is one view of the slab (`step_for`), and a proposer's
+    chain of guesses in one call (`chain`). int8: the model's matrices as int8 (a proposer's)."""
 
     def __init__(
-        self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str = "native"
+        self,
+        model: Transformer | MTPModule,
+        target: Transformer,
+        log: Log,
+        root: Path,
+        engine: str = "native",
+        int8: bool = False,
     ) -> None:
-        self.kind = engine  # what `steps.switch` turns on: a key of ENGINES
+        self.kind = engine  # a key of ENGINES
         self.lib = library(root, log, ENGINES[engine])
         self.width = self.lib.smallem_panel()  # a panel's output rows, as this library reads them
         self.score_rows = self.lib.smallem_score_rows()  # rows of attention scores a thread's scratch holds
-        # a proposer's matrices as int8 where it was loaded so (`panels8`): fewer bytes a guess;
-        # the target's never
-        self.int8 = model.native_int8 and model is not target
+        self.int8 = int8  # a proposer's matrices as int8 (`panels8`): fewer bytes a guess; the target's never
         c = model.cfg
         if c.dim % 8 or c.head_dim % 8 or c.hidden_dim % 8 or c.n_heads % c.n_kv_heads:
             raise NativeUnavailable("the model's widths are not multiples of 8")
@@ -86,7 +90,6 @@ class NativeSteps:
         self._rope_row = own.rope_cos.stride(0) * own.rope_cos.element_size()  # bytes a position (`chain`)
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
         self.min_past = 0  # a prompt's pass too: its past is empty
-        self.enabled = True
         self.mtp = isinstance(model, MTPModule)
         self.keep: list[torch.Tensor] = []  # every tensor the C struct points at, alive as long as it
         blocks = [model.block] if isinstance(model, MTPModule) else list(model.layers)
@@ -134,7 +137,6 @@ class NativeSteps:
         head_of = target if isinstance(model, MTPModule) else model
         self.head_src = head_of.head_weight.detach()
         self.g_final = head_of.norm.weight.detach().float().contiguous()
-        register(self)
 
     def _mat(self, w: torch.Tensor, name: str) -> _Mat:
         """W [out, in] in panels, held: float16 (refused if not float16-exact), or int8 (`int8`)."""
@@ -146,13 +148,18 @@ class NativeSteps:
         self.keep.append(h)
         return _Mat(h.data_ptr(), None)
 
-    def __deepcopy__(self, memo: dict) -> None:
-        """A copy of the model gets no native steps: these read this model's weights (as copied here)."""
-        return None
-
     def trig(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, P] of a pass's new positions, start .. length - 1."""
         return self.rope[0][start:length], self.rope[1][start:length]
+
+    def step_for(self, start: int, length: int, head: bool, last: bool) -> StepFn | None:
+        """The step for a pass over positions start .. length - 1 whose past is one view of the
+        slab, or None where it cannot serve it: a pass longer than MAX_T, or positions past the
+        context (the slab holds a page more, but the rope tables stop there and a step checks no
+        shapes)."""
+        if start < self.min_past or length > self.positions:
+            return None
+        return self.get(length - start, head, last)
 
     def get(self, T: int, head: bool, last: bool) -> StepFn | None:
         if T > MAX_T:
@@ -325,35 +332,6 @@ class NativeSteps:
         if top is None:  # no head (or no row of it)
             return x[:0], out, new
         return logits, out, new, top
-
-
-def _attach(model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str) -> str | None:
-    """Give a model native steps (`model.native`, or `model.native_avx2` for that engine) -> None,
-    or why it cannot have them (the model then stays on the others)."""
-    attr = engine.replace("-", "_")
-    if getattr(model, attr) is not None:
-        return None
-    try:
-        setattr(model, attr, NativeSteps(model, target, log, root, engine))
-    except (NativeUnavailable, OSError) as e:
-        return str(e)
-    return None
-
-
-def prepare(
-    target: Transformer, models: list[Transformer | MTPModule], log: Log, root: Path, engine: str = "native"
-) -> tuple[int, int]:
-    """Native steps for the target and the proposer's models -> (models with them, models). A reason
-    that holds for every model (no compiler, an unsafe cache folder) is said once, not per model."""
-    every = list({id(m): m for m in [target, *models]}.values())
-    said: dict[str, list[str]] = {}
-    for m in every:
-        why = _attach(m, target, log, root, engine)
-        if why is not None:
-            said.setdefault(why, []).append(type(m).__name__)
-    for why, names in said.items():
-        log(f"native decode step unavailable ({', '.join(names)}): {why}")
-    return len(every) - sum(map(len, said.values())), len(every)
 
 
 # re-exported: the engine calls native.verify_sample and native.penalize_argmax
