@@ -164,7 +164,7 @@ def test_bench_costs_only(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_p
     # v for every pass size of defaults.COST_PASSES but 1 (the unit), in passes of the same engine
     assert set(out["v"]) == {f"eager:{T}" for T in defaults.COST_PASSES if T > 1}
     assert all(len(xs) == 3 for xs in out["v"].values())
-    assert len(out["one_pass_s"]["eager"]) == 3 and timed == []
+    assert len(out["round_s"]["eager"]) == 3 and timed == []
     table = CliRunner().invoke(app, [*args, "--repeats", "1", "--modes", "greedy"])
     assert table.exit_code == 0 and "c eager:greedy:mtp:1" in table.stdout and "v eager T=16" in table.stdout
     bad = CliRunner().invoke(app, [*args, "--peer", "hf"])

@@ -1,7 +1,6 @@
-"""The backend a run's passes take, chosen once by the command line and handed to the engine:
-"eager" (PyTorch: the reference, and the path on a GPU), or the native C++ kernels on a CPU
-("native", the widest build this CPU runs, and "native-avx2", its AVX2 build, to time beside it).
-"""
+"""The backend a run's passes take, chosen once by the command line: "eager" (PyTorch: the reference,
+and the path on a GPU), or the native C++ kernels on a CPU ("native", the widest build this CPU runs,
+"native-avx2" its AVX2 build, to time beside it)."""
 
 from __future__ import annotations
 
@@ -25,10 +24,8 @@ BENCH_ENGINES = ("eager", *NATIVE[::-1])  # slowest first: the AVX2 build before
 
 
 class Backend:
-    """What runs the passes of one run. Eager: PyTorch for every model. A native build: each model
-    that `prepare` gave its steps runs them; a model that could not have them runs eager, and
-    `label` says so ("partly native"). No state lives on the models: two backends (bench's
-    engines) run the same models side by side."""
+    """What runs a run's passes: PyTorch (eager), or a native build for each model `prepare` gave steps
+    (the others eager: `label` "partly native"). Nothing lives on the models, so backends can share them."""
 
     def __init__(self, name: str = "eager") -> None:
         if name != "eager" and name not in NATIVE:
@@ -49,10 +46,9 @@ class Backend:
         log: Log | None = None,
         int8: Iterable[Transformer | MTPModule] = (),
     ) -> str:
-        """Native steps for the target and the proposer's models (built once by the system's
-        compiler, cached on disk), before anything is timed; `int8`: the proposer models whose
-        matrices the steps read as int8. -> `label`: the name, "eager" where no model could have
-        them, or "partly <name>". A reason that holds for every model is said once."""
+        """Native steps for the target and the proposer's models, before anything is timed (`int8`:
+        proposer models whose matrices they read as int8) -> `label`: the name, "eager" where no model
+        could have them, or "partly <name>". A reason that holds for several models is said once."""
         if self.name == "eager":
             return self.label
         from . import native  # its kernels are built by the system's compiler, once
@@ -81,8 +77,7 @@ class Backend:
 
 def cache_root() -> Path:
     """Where the native kernels are built: $SMALLEM_CACHE, else $XDG_CACHE_HOME/smallem, else
-    ~/.cache/smallem; a leading ~ in either is the home folder (as a shell would have it), not a
-    folder named `~`."""
+    ~/.cache/smallem; a leading ~ in either is the home folder, as in a shell."""
     env = os.environ.get("SMALLEM_CACHE")
     if env:
         return Path(os.path.expanduser(env))
@@ -97,14 +92,13 @@ def fastest(engines: Iterable[str]) -> str:
 
 
 def chosen(engine: str) -> str:
-    """--engine (or bench's --engines) as given, or for "auto" $SMALLEM_ENGINE where it is set: read
-    when a command starts, never at import."""
+    """--engine (or bench's --engines), or for "auto" $SMALLEM_ENGINE where set (read at run, not import)."""
     return os.environ.get("SMALLEM_ENGINE") or engine if engine == "auto" else engine
 
 
 def engine_mode(engine: str, device: torch.device) -> str:
-    """--engine -> the backend's name: "eager", "native" (auto on a CPU) or "native-avx2".
-    ValueError for an unknown name, or a native engine on another device than a CPU."""
+    """--engine -> the backend's name: "eager", "native" (auto on a CPU) or "native-avx2";
+    ValueError for an unknown name, or a native engine off the CPU."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
     if engine in NATIVE and device.type != "cpu":

@@ -1,16 +1,10 @@
 """`smallem bench --batch 1,4,16,64`: throughput and latency of the batch engine.
 
-For each proposer and batch size, the prompts (64 held-out prompts of 32 tokens by
-default) go through one engine that decodes up to that many at a time, greedy, every
-prompt to its token budget. Measured: generated tokens per second over all requests
-(the wall clock from the first admission to the last answer), the mean time a request
-spends in the engine (taken in only when the batch has room: close to admission to answer),
-acceptance and tokens per pass.
-Every request's tokens are compared with the first row's (the target alone at the
-smallest batch size): greedy identity, whatever the batch and the proposer. The engine
-itself asserts after every run that each page went back to the pool.
-A batch size whose cache (every sequence at the full context) does not fit the memory is
-refused in one line before anything runs (`check_sizes`), not lowered: a row runs at its size.
+For each proposer and batch size, the prompts (by default 64 held-out prompts of 32 tokens) go
+greedy through one engine decoding up to that many at a time: tokens/s over all requests (first
+admission to last answer), mean time in the engine, acceptance, tokens per pass, and identity with
+the first row (the target alone at the smallest batch). A batch size whose cache (every sequence
+at the full context) does not fit is refused before anything runs (`check_sizes`), not lowered.
 """
 
 from __future__ import annotations
@@ -84,24 +78,11 @@ def run(
         tokens = sum(len(o) for o in out)
         passes = sum(s["target_passes"] for s in st)  # type: ignore[misc]
         acc = [float(s["acceptance_rate"]) for s in st]  # type: ignore[arg-type]
-        rows.append(
-            BatchRow(
-                engine,
-                name,
-                "auto" if k is None else str(k),
-                size,
-                len(prompts),
-                tokens,
-                wall,
-                tokens / wall,
-                statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
-                statistics.mean(acc),
-                tokens / max(1, passes),
-                eng.rounds,
-                eng.preemptions,
-                f"{same}/{len(prompts)}",
-            )
-        )
+        rows.append(BatchRow(
+            engine, name, "auto" if k is None else str(k), size, len(prompts), tokens, wall, tokens / wall,
+            statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
+            statistics.mean(acc), tokens / max(1, passes), eng.rounds, eng.preemptions, f"{same}/{len(prompts)}",
+        ))  # fmt: skip
     return rows
 
 
@@ -113,10 +94,9 @@ def alone_at_batch(
     engine: str = "eager",
     log: Callable[[str], None] | None = None,
 ) -> tuple[float, list[list[int]]]:
-    """The target alone through the batch engine, greedy, all the prompts decoded together (a
-    batch of len(prompts)), on `engine`: (generated tokens/s over the whole batch, each prompt's
-    tokens). What a peer's batch is set against: a batch of ours, not one stream at a time.
-    A warm-up batch first, as a peer warms up before it is timed."""
+    """The target alone through the batch engine on `engine`, greedy, all the prompts in one batch
+    (what a peer's batch is set against), after a warm-up batch as a peer has -> (generated tokens/s
+    over the whole batch, each prompt's tokens)."""
     from ..engine.build import build_engine
 
     eng = build_engine(
@@ -136,39 +116,18 @@ def alone_at_batch(
 def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) -> Table:
     n = rows[0].requests if rows else 0
     t = Table(title=f"batch engine: {n} prompts x {max_new_tokens} new tokens, greedy, {device}, {threads} threads")
-    cols = (
-        "engine",
-        "proposer",
-        "k",
-        "batch",
-        "tok/s",
-        "x alone",
-        "latency s",
-        "acceptance",
-        "tok/pass",
-        "rounds",
-        "preempted",
-        "identical",
-    )
+    cols = ("engine", "proposer", "k", "batch", "tok/s", "x alone", "latency s", "acceptance", "tok/pass", "rounds",
+            "preempted", "identical")  # fmt: skip
     for c in cols:
         t.add_column(c, justify="left" if c == "proposer" else "right")
     alone = {(r.engine, r.batch): r.tokens_per_s for r in rows if r.proposer == "none"}
     for r in rows:
         base = alone.get((r.engine, r.batch))
         t.add_row(
-            r.engine,
-            r.proposer,
-            r.k,
-            str(r.batch),
-            f"{r.tokens_per_s:.1f}",
-            f"{r.tokens_per_s / base:.2f}" if base else "-",
-            f"{r.latency_s:.2f}",
-            f"{r.acceptance:.2f}",
-            f"{r.tokens_per_pass:.2f}",
-            str(r.rounds),
-            str(r.preemptions),
-            r.identical,
-        )
+            r.engine, r.proposer, r.k, str(r.batch), f"{r.tokens_per_s:.1f}",
+            f"{r.tokens_per_s / base:.2f}" if base else "-", f"{r.latency_s:.2f}", f"{r.acceptance:.2f}",
+            f"{r.tokens_per_pass:.2f}", str(r.rounds), str(r.preemptions), r.identical,
+        )  # fmt: skip
     return t
 
 
@@ -215,10 +174,9 @@ def from_cli(
     engines: tuple[str, ...] = ("eager",),
     weights: str = D.PROPOSER_WEIGHTS,
 ) -> list[BatchRow]:
-    """`smallem bench --batch`: run every configuration with a progress bar on stderr, then print
-    the table (or JSON) on stdout; ks empty: the load policy's k (`auto`). A row named P@tree12
-    grows token trees, P@f16 (or @int8) stores the proposer so (`options.weights_names`); the
-    others store it as `weights`."""
+    """`smallem bench --batch`: every configuration with a progress bar on stderr, then the table (or
+    JSON) on stdout; ks empty: the load policy's k. P@tree12 grows token trees, P@f16 (or @int8)
+    stores the proposer so (`options.weights_names`), else as `weights`."""
     from rich.markup import escape
     from rich.progress import Progress
 
@@ -240,15 +198,9 @@ def from_cli(
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("bench --batch", total=configs)
         rows = run(
-            make,
-            prompts,
-            names,
-            sizes,
-            list(ks) or [None],
-            max_new_tokens,
-            lambda label: bar.update(task, advance=1, description=escape(label)),
-            engines,
-        )
+            make, prompts, names, sizes, list(ks) or [None], max_new_tokens,
+            lambda label: bar.update(task, advance=1, description=escape(label)), engines,
+        )  # fmt: skip
     if plot_file:
         plot(rows, plot_file)
     if json_out:

@@ -1,15 +1,10 @@
 """The cost model's readings and the seed's cost model.
 
-c (a proposer's cost per guess) and v (a verify pass over k+1 tokens) are read with a
-stopwatch on the path a generation takes: one sequence on the engine (`engine_for_one`'s
-layout), its verify pass as `TargetRunner.verify_pass` runs it, with the round's host sync,
-and its proposer's round of k guesses as `BatchProposer.propose` makes it (on a native
-backend one call for the k: `proposers._ModelGuess._chain`), so c is read per k.
-
-A run's round also pays host work that neither reading holds: verification's bookkeeping,
-the scheduler's, the stats'. The bench measures it on the target alone, in the same run: its
-round is one token's time, of which the verify pass over one token is `one_s`; the rest, `o`,
-is added to every round's v (`round_costs`).
+c (a proposer's cost per guess, read per k) and v (a round's target side over k+1 tokens) are read
+with a stopwatch, round-robin, on the path a generation takes: the proposer's round as
+`BatchProposer.propose` makes it, and the target's side as `runner.decode_round` runs it (the verify
+pass, verification, the host sync, the commit), both in rounds of the target alone read in the same
+loop (`round_s`): the cost model's unit, with no reading from another phase of the run in it.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from ..engine.family import NONE, Proposer
 from ..engine.pool import PagePool, pages_for
 from ..engine.proposers import BatchProposer, FallbackGuess, NoGuess, _ModelGuess
 from ..engine.request import Request
-from ..engine.runner import prefill
+from ..engine.runner import TargetRunner, decode_round, prefill
 from ..engine.sequence import Seq
 from ..model.llama import Transformer
 from ..spec.sampling import Sampling
@@ -37,24 +32,22 @@ from ..stats import Stats
 
 @dataclass
 class Readings:
-    """One reading of `forward_costs`. c: "proposer:k" -> one guess of a round of k, in verify
-    passes over one token; v: k -> a verify pass over k+1 tokens, in the same unit; one_s: the
-    seconds of that unit."""
+    """One reading of `forward_costs`, in rounds of the target alone (`round_s` seconds each). c:
+    "proposer:k" -> one guess of a round of k; v: k -> the target's side of a round of k guesses."""
 
     c: dict[str, float]
     v: dict[int, float]
-    one_s: float
+    round_s: float
 
 
 @dataclass
 class Costs:
-    """`readings` round-robin readings of `forward_costs`, per engine. c: "engine:mode:proposer:k"
-    -> readings; v: "engine:T" -> readings of a pass over T tokens; one_pass_s: engine -> seconds
-    of a verify pass over one token."""
+    """Round-robin readings of `forward_costs`: c by "engine:mode:proposer:k", v by "engine:T" (T = k+1
+    tokens verified), round_s by engine (seconds of a round of the target alone)."""
 
     c: dict[str, list[float]]
     v: dict[str, list[float]]
-    one_pass_s: dict[str, list[float]]
+    round_s: dict[str, list[float]]
 
 
 def sync() -> None:
@@ -91,10 +84,35 @@ class _StartAll:
             p.start(seqs, fed, hidden)
 
 
+class _Offer(NoGuess):
+    """Offers the same guesses every round: the target's side of a round, whatever the proposer."""
+
+    def __init__(self, guesses: torch.Tensor) -> None:
+        self.guesses = guesses
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[tuple[torch.Tensor, None]]:
+        return [(self.guesses, None) for _ in seqs]
+
+
+def _target_round(t: TargetRunner, s: Seq, guesses: torch.Tensor, span: int) -> Callable[[], object]:
+    """The target's side of a round offering `guesses` (the round's verdicts synced, as it syncs
+    them), then `s` put back: its length, its last token, its pages (given back in order, taken
+    again in the same order)."""
+    offer = _Offer(guesses)
+
+    def run() -> object:
+        cached, last = s.cached, s.last
+        got = decode_round(t, offer, [s])
+        s.cached, s.last = cached, last
+        t.pool.reserve(s.uid, span)
+        return got
+
+    return run
+
+
 def _round_call(bp: BatchProposer, s: Seq, k: int) -> Callable[[], object]:
-    """A round's k guesses as the run asks for them, synced as the round syncs them, then the
-    proposer's state put back, so that every call starts from the same state. ngram+P: P's
-    round, what the rounds the lookup leaves to P cost (a lookup's own is next to nothing)."""
+    """A round's k guesses as the run asks for them, synced as the round syncs them, then the state put
+    back for the next call. ngram+P: P's round (a lookup's own costs next to nothing)."""
     model = bp.other if isinstance(bp, FallbackGuess) else bp
 
     def run() -> object:
@@ -118,9 +136,10 @@ def forward_costs(
     context: int = 132,
     reps: int = 60,
 ) -> Readings:
-    """Stopwatch around one sequence's passes at a typical context length: the target's verify
-    pass over k+1 tokens for each k of `ks`, and each proposer's round of each of its ks
-    (name -> (proposer, what its sequence draws with, its ks)), from a state one round in."""
+    """Stopwatch around one sequence's rounds at a typical context length: the target's side of a
+    round of k guesses for each k of `ks` (k = 0: the target alone's round, the unit), and each
+    proposer's round of each of its ks (name -> (proposer, what its sequence draws with, its ks)),
+    from a state one round in."""
     deepest = max([*ks, *(k for _, _, kk in proposers.values() for k in kk), 1])
     span = context + 2 * deepest + 4  # a sequence's positions, its proposer's chain included
     pool = PagePool((len(proposers) + 1) * pages_for(span, D.PAGE_SIZE), D.PAGE_SIZE)  # each one's pages in order
@@ -143,32 +162,25 @@ def forward_costs(
         bp.propose([s], [1])  # one round in: two entries to catch up on
         bp.accept(s, 1, torch.tensor(ids[-2:], device=dev), torch.zeros(2, target.cfg.dim, device=dev))
     prefill(t, NoGuess(), [base])
-    feed = torch.tensor(ids[: deepest + 1], device=dev)
-
-    def verify(T: int) -> Callable[[], object]:
-        return lambda: t.verify_pass([base], feed[:T], [T])[0][-1:].argmax(-1).tolist()
-
-    fns: dict[str, Callable[[], object]] = {f"v{k + 1}": verify(k + 1) for k in sorted({0, *ks})}
+    feed = torch.tensor(ids[1 : deepest + 1], device=dev)  # guesses that tend to be rejected
+    fns = {f"v{k + 1}": _target_round(t, base, feed[:k], span) for k in sorted({0, *ks})}
     for name, s in runs:
         bp, kk = started[name]
         fns |= {f"c:{name}:{k}": _round_call(bp, s, k) for k in kk}
     times = _interleaved(fns, reps)
-    one = times["v1"]
+    unit = times["v1"]
     for name, s in [*runs, ("", base)]:
         if name:
             started[name][0].drop(s)
         pool.release(s.uid)
-    c = {fn[2:]: x / int(fn.rsplit(":", 1)[1]) / one for fn, x in times.items() if fn.startswith("c:")}
-    return Readings(c, {k: times[f"v{k + 1}"] / one for k in ks}, one)
+    c = {fn[2:]: x / int(fn.rsplit(":", 1)[1]) / unit for fn, x in times.items() if fn.startswith("c:")}
+    return Readings(c, {k: times[f"v{k + 1}"] / unit for k in ks}, unit)
 
 
 def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
-    """The cost model's α: each guess kept with probability α once the ones before it were.
-
-    accepted / proposed understates it for k > 1, since guesses after a rejection count as
-    proposed but were never in play; here only the guesses that were reached count (the
-    first of every round, the i-th when the i-1 before it were kept).
-    """
+    """The cost model's α: each guess kept with probability α once the ones before it were. Only the
+    guesses reached count (the first of every round, the i-th when the i-1 before it were kept):
+    accepted / proposed would understate it for k > 1, counting guesses never in play."""
     reached = rounds + sum(accepted_at[:-1])
     return sum(accepted_at) / reached if reached else 0.0
 
@@ -179,18 +191,9 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
     return tokens / (k * c + v)
 
 
-def round_costs(c: float, v: float, one_s: float, round_s: float) -> tuple[float, float]:
-    """c and v read in verify passes over one token (`one_s` seconds) -> in rounds of the target
-    alone (`round_s` seconds, measured in the same run), v with the round's host work beside the
-    pass (round_s - one_s) added: the cost model's units, where the target alone's round is 1."""
-    scale = one_s / round_s
-    return c * scale, 1 + (v - 1) * scale
-
-
 def variable_speedup(st: Stats, rounds: int, c: dict[int, float], v: dict[int, float]) -> float:
-    """The cost model for rounds of varying depth (an n-gram lookup): the tokens a round yielded,
-    measured, over a round's cost from the depths the rounds had, sum over m of (rounds with m
-    guesses) * (m·c(m) + v(m+1)) / rounds (v(1): a round without guesses)."""
+    """The cost model for rounds of varying depth (an n-gram lookup): a round's measured tokens over
+    its mean cost, sum over m of (rounds with m guesses) * (m·c(m) + v(m+1)) / rounds."""
     if not rounds:
         return 1.0
     cost = sum(r * (m * c.get(m, 0.0) + v.get(m + 1, 1.0)) for m, r in enumerate(st.guessed)) / rounds

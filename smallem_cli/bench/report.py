@@ -33,10 +33,10 @@ def plot(rows: list[Row], path: Path) -> None:
 
 
 def costs_table(costs: Costs, device: str, threads: int) -> Table:
-    """c per proposer and v(T) per pass size, each in one-token passes of its own engine."""
-    ms = ", ".join(f"{e} {statistics.median(xs) * 1e3:.2f} ms" for e, xs in costs.one_pass_s.items())
-    n = len(next(iter(costs.one_pass_s.values())))
-    t = Table(title=f"forward costs in one-token target passes ({ms}), {n} readings, {device}, {threads} threads")
+    """c per proposer and v(T) per round size, each in rounds of its own engine's target alone."""
+    ms = ", ".join(f"{e} {statistics.median(xs) * 1e3:.2f} ms" for e, xs in costs.round_s.items())
+    n = len(next(iter(costs.round_s.values())))
+    t = Table(title=f"costs in rounds of the target alone ({ms}), {n} readings, {device}, {threads} threads")
     for col in ("cost", "median", "readings"):
         t.add_column(col, justify="right")
     rows = [(f"c {name}", xs) for name, xs in costs.c.items()]

@@ -1,11 +1,9 @@
 """Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each).
 
-Every row is timed in the same run as the target alone, so speed-ups are ratios of
-measurements taken side by side on the same (noisy, shared) machine. The proposer cost c
-and the verify cost v are read with a stopwatch on the path the run takes (`costs`), in rounds
-of the target alone, and fed with the conditional acceptance α to the seed's cost model to
-predict each speed-up; measured / predicted tells how much the loop loses to what the model
-does not count.
+Every row is timed in the same run as the target alone, so speed-ups are ratios of measurements
+taken side by side on the same (noisy, shared) machine. The proposer cost c and the verify cost v
+are read on the path the run takes (`costs`), in rounds of the target alone, and fed with the
+conditional acceptance α to the seed's cost model: measured / predicted tells what the loop loses.
 """
 
 from __future__ import annotations
@@ -27,20 +25,15 @@ from ..model.tokenizer import load_tokenizer
 from ..spec.sampling import Sampling
 from ..stats import Stats
 from ..train.data import read_documents
-from .costs import Costs, conditional_alpha, forward_costs, predicted_speedup, round_costs, variable_speedup
+from .costs import Costs, conditional_alpha, forward_costs, predicted_speedup, variable_speedup
 
 
 def write_prompts(
     val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32, restate: int = 0
 ) -> None:
-    """COUNT prompts of exactly LENGTH tokens: the opening of COUNT evenly spaced validation chunks
-    (more prompts than chunks: evenly spaced among the chunks' successive LENGTH-token windows).
-
-    `restate` > 0: each passage is followed by a newline and its first `restate` tokens again, as a text
-    that quotes itself, so that the continuation can copy what it restates (where the
-    n-gram proposer pays). One JSON object a line: the token ids (what the benchmark
-    feeds) and their text. Written whole or not at all (a temporary file, renamed).
-    """
+    """COUNT prompts of exactly LENGTH tokens: the openings of COUNT evenly spaced validation chunks (or
+    of their LENGTH-token windows, if fewer), each followed, if `restate` > 0, by a newline and its first
+    `restate` tokens again (where the n-gram proposer pays). One JSON line each (ids, text), written whole."""
     tok = load_tokenizer(tokenizer_json)
     docs = [ids for d in read_documents(val_txt) if len(ids := tok.encode(d).ids) > length]
     if len(docs) < count:  # more prompts than chunks: successive windows of each chunk
@@ -159,7 +152,7 @@ def cost_readings(
                 out.c.setdefault(f"{engine}:{name}", []).append(x)
             for k, x in got.v.items():
                 out.v.setdefault(f"{engine}:{k + 1}", []).append(x)
-            out.one_pass_s[engine].append(got.one_s)
+            out.round_s[engine].append(got.round_s)
     return out
 
 
@@ -168,17 +161,14 @@ def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
     (or loaded) for the target and every proposer before anything is timed."""
     models = [m for ps in plan.proposers.values() for p in ps.values() for m in p.models]
     int8 = [m for ps in plan.proposers.values() for p in ps.values() if p.int8 for m in p.models]
+    dev = target.embed_tokens.weight.device
     for engine in dict.fromkeys(("eager", *plan.engines)):
-        backend = plan.backends.setdefault(
-            engine, Backend(engines.engine_mode(engine, target.embed_tokens.weight.device))
-        )
-        backend.prepare(target, models, log, int8)
+        plan.backends.setdefault(engine, Backend(engines.engine_mode(engine, dev))).prepare(target, models, log, int8)
 
 
 def our_row(rows: Iterable[Row], proposer: str, k: int, mode: str = "greedy") -> Row | None:
     """Our row of (proposer, k, mode) that a peer's table sets beside the peer: the one of the
-    fastest engine the run has (`engines.fastest`: native on a CPU), the engine a user gets by
-    default, never the first found (eager's, the reference). None: the run has no such row."""
+    fastest engine the run has (`engines.fastest`), the one a user gets by default; None: no such row."""
     found = {r.engine: r for r in rows if r.proposer == proposer and r.k == k and r.mode == mode}
     return found[engines.fastest(found)] if found else None
 
@@ -199,13 +189,8 @@ Config = tuple[str, str, Proposer, int]  # engine, row name, proposer, k
 
 
 def _configs(plan: Plan, mode: str) -> list[Config]:
-    out: list[Config] = [("eager", "none", NONE, 0)]
-    for engine in plan.engines:
-        if engine != "eager":
-            out.append((engine, "none", NONE, 0))
-    for engine in plan.engines:
-        out += [(engine, n, f, k) for n, f in plan.proposers[mode].items() for k in plan.ks[n]]
-    return out
+    alone: list[Config] = [(e, "none", NONE, 0) for e in ["eager", *(e for e in plan.engines if e != "eager")]]
+    return alone + [(e, n, f, k) for e in plan.engines for n, f in plan.proposers[mode].items() for k in plan.ks[n]]
 
 
 def generations(plan: Plan, n_prompts: int) -> int:
@@ -216,12 +201,9 @@ def generations(plan: Plan, n_prompts: int) -> int:
 def run_bench(
     target: Transformer, prompts: list[list[int]], plan: Plan, progress: Callable[[str], None] | None = None
 ) -> list[Row]:
-    """Every configuration of the plan, the target alone first, timed in the same run.
-
-    The timed generations go round-robin, prompt by prompt (every configuration on prompt 1,
-    then on prompt 2, ...), so that a slow spell of a shared machine falls on all
-    configurations alike rather than on one.
-    """
+    """Every configuration of the plan, the target alone first, timed in the same run, round-robin
+    prompt by prompt (every configuration on prompt 1, then on prompt 2, ...), so that a slow spell of
+    a shared machine (seconds long) falls on all configurations alike rather than on one."""
     costs = cost_readings(target, plan, prompts[0], 1)
     c = {name: xs[0] for name, xs in costs.c.items()}
     v = {name: xs[0] for name, xs in costs.v.items()}
@@ -237,8 +219,6 @@ def run_bench(
         for rep in range(plan.repeats):
             totals = [Stats(name, k, accepted_at=[0] * k, guessed=[0] * (k + 1)) for _, name, _, k in configs]
             texts: list[list[list[int]]] = [[] for _ in configs]
-            # Prompt by prompt, every configuration in turn: a slow spell of the machine
-            # (seconds long) then falls on all configurations alike, not on one.
             for i, prompt in enumerate(prompts):
                 for j, (engine, name, p, k) in enumerate(configs):
                     if progress:
@@ -256,18 +236,12 @@ def run_bench(
             _, st, outs = runs[0]
             rounds = st.passes - len(prompts)  # prefill passes excluded
             alpha = conditional_alpha(st.accepted_at, rounds)
-            # in rounds of this engine's target alone, measured in this run (`costs.round_costs`);
-            # a row of the target alone costs one round, read or not (eager's reference runs
-            # where eager is not among the plan's engines, whose readings it then lacks)
-            round_s = 1 / statistics.median(base[engine])
-            one_s = costs.one_pass_s[engine][0] if k else round_s
-            cc, vv = round_costs(
-                c.get(f"{engine}:{mode}:{name}:{k}", 0.0), v.get(f"{engine}:{k + 1}", 1.0), one_s, round_s
-            )
-            if not k:
-                vv = 1.0
+            # in rounds of this engine's target alone (`costs.forward_costs`); a row of the target
+            # alone costs one round, read or not (eager's reference has none outside the plan)
+            cc = c.get(f"{engine}:{mode}:{name}:{k}", 0.0)
+            vv = v.get(f"{engine}:{k + 1}", 1.0) if k else 1.0
             if sum(st.guessed[:k]):  # rounds of fewer guesses: the model over the rounds as they came
-                vs = {T: round_costs(0, v.get(f"{engine}:{T}", 1.0), one_s, round_s)[1] for T in range(2, k + 2)}
+                vs = {T: v.get(f"{engine}:{T}", 1.0) for T in range(2, k + 2)}
                 pred = variable_speedup(st, rounds, dict.fromkeys(range(1, k + 1), cc), vs)
             else:
                 pred = predicted_speedup(alpha, k, cc, vv)
@@ -280,26 +254,8 @@ def run_bench(
                 same = sum(a == b for a, b in zip(outs, eager_outs, strict=True))
                 identical = f"{same}/{len(outs)}"
             per = [a / max(1, rounds) for a in st.accepted_at]
-            rows.append(
-                Row(
-                    name,
-                    k,
-                    mode,
-                    statistics.median(tps_runs),
-                    speed,
-                    st.acceptance_rate,
-                    st.tokens_per_pass,
-                    per,
-                    alpha,
-                    cc,
-                    vv,
-                    pred,
-                    speed / pred,
-                    identical,
-                    plan.repeats,
-                    tps_runs,
-                    engine,
-                    vs_eager,
-                )
-            )
+            rows.append(Row(
+                name, k, mode, statistics.median(tps_runs), speed, st.acceptance_rate, st.tokens_per_pass, per,
+                alpha, cc, vv, pred, speed / pred, identical, plan.repeats, tps_runs, engine, vs_eager,
+            ))  # fmt: skip
     return rows

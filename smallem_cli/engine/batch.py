@@ -1,31 +1,19 @@
-"""One pass over a batch of sequences, flattened (nano-vllm's layout).
-
-Each sequence b contributes n_b >= 1 new tokens at positions start_b .. start_b + n_b - 1
-(a prompt, or its last token and its guesses: ragged). The pass sees them as one flat
-list of N = sum(n_b) rows, so every weight matmul reads its matrix once for the whole
-batch. Attention is per sequence: each row attends to its own sequence's positions up to
-its own (a block-diagonal causal mask), read through the page tables.
+"""One pass over a batch of sequences, flattened (nano-vllm's layout): sequence b's n_b >= 1 new
+tokens (ragged: a prompt, or its last token and its guesses) are rows of one flat list of
+N = sum(n_b), so every weight matmul reads its matrix once; each row attends to its own
+sequence's positions up to its own, through the page tables every slab of the pool shares.
 
     ids       [N]        the new tokens
     seq       [N]        each row's sequence
     positions [N]        their positions (the rotary angle)
     slots     [N]        where their K/V are written in a slab
-    kv_slots  [B, S]     the slots of each sequence's visible positions 0 .. S-1, padded
-                         (S = the longest sequence after the write; padding points at slot 0)
+    kv_slots  [B, S]     each sequence's slots of positions 0 .. S-1 (S: the longest after the write; padding: slot 0)
+    last      [B]        the flat row of each sequence's last new token
+    base      int|None   one sequence whose pages lie in order: the slot of its position 0 (no gather)
   the eager pass's padded layout, made when first read:
-    q_rows    [B, Tm]    the flat row of each sequence's t-th new token (Tm = max n_b;
-                         padding repeats row 0, and its output is dropped)
+    q_rows    [B, Tm]    the flat row of each sequence's t-th new token (Tm = max n_b; padding: row 0)
     bias      [B, Tm, S] 0 where a key is visible to a query, -inf elsewhere
     out_rows  [N]        where each flat row sits in the padded [B * Tm] layout
-    last      [B]        the flat row of each sequence's last new token
-    base      int|None   one sequence whose pages lie in order: the slot of its position 0
-                         (its keys are then one view of a slab, no gather)
-
-The native engine reads the same step as slots to write and, per row, the slots it sees
-(`visible`): one C pass over the flat batch (`native.NativeSteps.batch`).
-
-Every slab (target, draft, MTP module) of the pool uses the same slots: page tables are
-the pool's, shared by all caches of a sequence.
 """
 
 from __future__ import annotations
@@ -72,17 +60,11 @@ class BatchStep:
     def out_rows(self) -> torch.Tensor:
         return self._masks[2]
 
-    @property
-    def n_tokens(self) -> int:
-        return int(self.positions.shape[0])
-
 
 def visible(b: BatchStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The keys each flat row sees, as slots: (vis, start [N], count [N]): row i sees the slots
-    vis[start[i] .. start[i] + count[i]), in position order: its sequence's positions up to its
-    own (a prefix of its row of kv_slots: no mask is made), or a tree node's prefix and
-    ancestors (where its row of `bias` is 0). The native engine's batch pass reads its keys so
-    (`native.NativeSteps.batch`)."""
+    """The keys each flat row sees, as slots (vis, start [N], count [N]): row i sees
+    vis[start[i] .. start[i] + count[i]) in position order: its sequence's positions up to its own
+    (no mask is made), or a tree node's prefix and ancestors. `native.NativeSteps.batch` reads them."""
     if b.prefix:
         return b.kv_slots.reshape(-1), b.seq * b.kv_slots.shape[1], b.positions + 1
     Tm = b.bias.shape[1]
@@ -123,10 +105,8 @@ def _padded(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def build(
     tables: list[list[int]], starts: list[int], counts: list[int], page_size: int, device: torch.device
 ) -> BatchStep:
-    """The step for sequences with page `tables`, `counts[b]` new tokens from position `starts[b]`.
-
-    Each table must already cover starts[b] + counts[b] positions (the pool reserves first).
-    """
+    """The step for sequences with page `tables` (each already covering starts[b] + counts[b]
+    positions: the pool reserves first), `counts[b]` new tokens from position `starts[b]`."""
     B = len(tables)
     assert B and len(starts) == len(counts) == B and min(counts) >= 1
     lengths = [s + n for s, n in zip(starts, counts, strict=True)]
@@ -178,12 +158,10 @@ def build_tree(
     page_size: int,
     device: torch.device,
 ) -> BatchStep:
-    """A pass over tree nodes: sequence b has starts[b] entries every node sees, then the nodes
-    of a tree (parents[b][i] < i, -1 for a node under the prefix alone) at entries
-    starts[b] + i; the pass writes and scores the nodes rows[b] (ids, increasing). Node i sits
-    at position starts[b] + its depth (0 for a node whose parent is -1) and sees the prefix,
-    its ancestors and itself (written this pass or before).
-    """
+    """A pass over tree nodes: sequence b has starts[b] entries every node sees, then its tree's
+    nodes (parents[b][i] < i, -1 under the prefix alone) at entries starts[b] + i; the pass writes
+    and scores the nodes rows[b] (increasing). Node i sits at position starts[b] + its depth (0
+    under the prefix) and sees the prefix, its ancestors and itself."""
     B = len(tables)
     counts = [len(r) for r in rows]
     assert B and len(starts) == len(parents) == B and min(counts) >= 1
@@ -212,13 +190,5 @@ def build_tree(
     d = device
     seq = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
     masks = (q_rows.to(d), bias.to(d), out_rows.to(d))
-    return BatchStep(
-        torch.cat(pos).to(d),
-        torch.cat(slots).to(d),
-        kv_slots.to(d),
-        seq.to(d),
-        last.to(d),
-        counts,
-        lambda: masks,
-        prefix=False,
-    )
+    pos_d, slots_d = torch.cat(pos).to(d), torch.cat(slots).to(d)
+    return BatchStep(pos_d, slots_d, kv_slots.to(d), seq.to(d), last.to(d), counts, lambda: masks, prefix=False)

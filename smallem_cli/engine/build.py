@@ -1,12 +1,8 @@
 """An engine for a loaded target and a named proposer (the names `smallem generate` takes).
 
-Its cache (the page pool, and one K/V slab per model over it) may grow to max_batch
-sequences at the full context, so that a request that fits the context always fits, and
-that must fit the memory: max_batch is lowered to what `cache_budget` holds (`fit_batch`), or
-refused (`strict`, for `bench --batch`, whose rows must run at the size they name). It is
-allocated as the requests need it: at first for the default batch (D.MAX_BATCH sequences at
-the full context), doubled by the scheduler while short (`grower`). A --max-batch of 100000
-allocated 1.7 TB up front, for 40 requests, and ended in a traceback.
+Its cache may grow to max_batch sequences at the full context (a request that fits the context
+always fits), max_batch lowered to what the memory holds (`fit_batch`); it is allocated as the
+requests need it (`grower`), starting at D.MAX_BATCH sequences.
 """
 
 from __future__ import annotations
@@ -45,8 +41,7 @@ def batch_proposer(p: family.Proposer, target: Transformer, pool: PagePool, back
 
 
 def pool_pages(max_batch: int, context: int, page_size: int, tree: tuple[int, int] | None = None) -> int:
-    """Enough for max_batch sequences at the full context: a request that fits the context
-    always fits the pool alone, and preemption is for smaller pools (`n_pages`)."""
+    """Pages for max_batch sequences at the full context (a request that fits the context fits alone)."""
     return max_batch * pages_for(context + round_ahead(D.MAX_K, tree), page_size)
 
 
@@ -58,23 +53,22 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _kib_field(text: str | None, name: str) -> int | None:
+def _kib_field(path: str, name: str) -> int | None:
     """`Name:  123 kB` of /proc/meminfo or /proc/self/status, in bytes."""
-    for line in (text or "").splitlines():
+    for line in (_read(path) or "").splitlines():
         if line.startswith(name + ":"):
             return int(line.split()[1]) * 1024
     return None
 
 
 def _cgroup_room() -> int | None:
-    """What the cgroup (a container's memory limit) has left, where it has a limit; /proc/meminfo
-    tells the whole host's memory, not the container's."""
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),  # v1
+    """What a container's memory limit (cgroup v2, else v1) has left: /proc/meminfo tells the host's."""
+    for files in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
     ):
-        limit, usage = _read(limit_file), _read(usage_file)
-        if limit and usage and limit.strip().isdigit() and usage.strip().isdigit():
+        limit, usage = ((_read(f) or "").strip() for f in files)
+        if limit.isdigit() and usage.isdigit():
             return max(0, int(limit) - int(usage))
     return None
 
@@ -85,11 +79,9 @@ def _address_space_room() -> int | None:
         import resource  # POSIX only
     except ImportError:
         return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    used = _kib_field(_read("/proc/self/status"), "VmSize")
-    if soft == resource.RLIM_INFINITY or used is None:
-        return None
-    return max(0, soft - used)
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    used = _kib_field("/proc/self/status", "VmSize")
+    return None if soft == resource.RLIM_INFINITY or used is None else max(0, soft - used)
 
 
 def free_memory(device: torch.device) -> int:
@@ -97,12 +89,8 @@ def free_memory(device: torch.device) -> int:
     the machine has available (MemAvailable), the cgroup has left and the address space allows."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    known = [
-        room
-        for room in (_kib_field(_read("/proc/meminfo"), "MemAvailable"), _cgroup_room(), _address_space_room())
-        if room is not None
-    ]
-    if known:
+    rooms = (_kib_field("/proc/meminfo", "MemAvailable"), _cgroup_room(), _address_space_room())
+    if known := [room for room in rooms if room is not None]:
         return min(known)
     try:  # no /proc (macOS): the physical memory, all of it
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -134,9 +122,8 @@ def _size(n: float) -> str:
 
 
 def fit_batch(max_batch: int, per_sequence: int, budget: int, strict: bool = False) -> int:
-    """The sequences to decode together: max_batch, or as many as `budget` holds the cache of at
-    `per_sequence` bytes each, if fewer. UsageError if not even one fits, or (strict) if max_batch
-    does not: each names the largest that fits."""
+    """max_batch, or as many sequences as `budget` holds at `per_sequence` bytes each if fewer;
+    UsageError if not even one fits, or (strict) if max_batch does not."""
     fits = budget // per_sequence
     if fits < 1:
         raise O.UsageError(
@@ -159,16 +146,9 @@ def _widened(slab: torch.Tensor, slots: int) -> torch.Tensor:
     return wide
 
 
-def _out_of_memory(e: RuntimeError) -> bool:
-    """A failed allocation: torch's OutOfMemoryError on a GPU, a plain RuntimeError on the CPU."""
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
-
-
 def grower(target: TargetRunner, bp: BatchProposer) -> Callable[[int], bool]:
-    """The scheduler's `grow`: the pool made n pages large, and every slab over it (the target's,
-    a draft's or the MTP module's) widened to match (every pass is given its slab as it runs).
-    False, with nothing changed, where the memory is no longer there (taken since the budget was
-    measured): the pool stays as it is."""
+    """The scheduler's `grow`: the pool made n pages large, every slab over it widened to match;
+    False, with nothing changed, where the memory is no longer there (taken since it was measured)."""
     other = bp.other if isinstance(bp, FallbackGuess) else bp
     holders = [other] if isinstance(other, DraftGuess | MTPGuess) else []
 
@@ -176,8 +156,8 @@ def grower(target: TargetRunner, bp: BatchProposer) -> Callable[[int], bool]:
         slots = n_pages * target.pool.page_size
         try:  # every slab allocated before any is replaced: a failure leaves them all as they were
             wide = [_widened(target.slab, slots), *(_widened(h.slab, slots) for h in holders)]
-        except RuntimeError as e:
-            if not _out_of_memory(e):
+        except RuntimeError as e:  # torch's OutOfMemoryError on a GPU, a plain RuntimeError on the CPU
+            if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
                 raise
             return False
         target.slab = wide[0]
@@ -203,9 +183,8 @@ def assemble(
     k_sample: int | None = None,
     max_pages: int = 0,
 ) -> Engine:
-    """An engine over `pool` for a target and a loaded proposer, their passes on `backend`
-    (prepared by the caller): the target's slab, the proposer's batched form; the pool grows
-    up to max_pages (0: it keeps its size)."""
+    """An engine over `pool` for a target and a loaded proposer, their passes on `backend` (prepared
+    by the caller); the pool grows up to max_pages (0: it keeps its size)."""
     slab = slab_for(model, pool.n_pages * pool.page_size, model.embed_tokens.weight.device)
     target = TargetRunner(model, slab, pool, backend.steps(model))
     bp = batch_proposer(p, model, pool, backend)
@@ -247,13 +226,10 @@ def build_engine(
     """An engine for many requests (`smallem batch`, `bench --batch`).
 
     k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`).
-    tree: (guesses per tree, candidates per node) for token trees (`tree_guess`), MTP only.
-    backend: what runs the passes (None: eager), prepared here for the proposer's models; `log`
-    says why a model cannot have native steps (None: nothing said).
-    weights: how the native backend stores the proposer's matrices (`family.load_proposer`).
-    n_pages: the pool's size, fixed. Without it, the pool grows as the requests need it, up to
-    max_batch sequences at the full context, max_batch lowered to what fits the memory
-    (`fit_batch`; strict: refused instead, UsageError); the engine's max_batch says it."""
+    tree: (guesses per tree, candidates per node), MTP only. weights: see `family.load_proposer`.
+    backend: None is eager; `log` says why a model cannot have native steps. n_pages: the pool's
+    size, fixed; without it the pool grows up to max_batch sequences at the full context, max_batch
+    lowered to what fits the memory (`fit_batch`; strict: UsageError instead)."""
     model = tgt.model
     # The greedy and the sampled proposer heads differ (`D.PROPOSER_VOCAB`); a batch mixes modes,
     # so the head is chosen by what the batch serves by default: greedy's.

@@ -1,13 +1,9 @@
 """Finding and loading a target and its proposer, by name or path.
 
-A target is a smallem checkpoint (its tokenizer.json beside it) or a Hugging Face Llama
-folder. A proposer is `none`, `ngram` (prompt lookup, no model), a shipped name (`draft-2l`,
-`draft-4l`, `mtp`, looked up beside a smallem target), a path to a smallem draft, a
-smallem MTP module, or an HF folder, or `ngram+P`: the n-gram lookup backed by P.
-An HF folder ships no proposer: its default proposer is `none`, and a shipped name
-with it is refused rather than looked up in whatever folder holds it.
-A proposer must share the target's tokenizer: fingerprints of the two vocabularies are
-compared, and a mismatch is refused before anything runs.
+A target is a smallem checkpoint (its tokenizer.json beside it) or a Hugging Face Llama folder.
+A proposer is `none`, `ngram` (prompt lookup), a shipped name (beside a smallem target only),
+a path to a smallem draft, MTP module or HF folder, or `ngram+P`: the lookup backed by P. One
+whose tokenizer differs from the target's is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -38,9 +34,7 @@ class Target:
 
 
 def default_proposer(target: Path, greedy: bool) -> str:
-    """The proposer used when none is named: beside a smallem checkpoint, the shipped MTP
-    module (greedy: backed up by the n-gram lookup); none for an HF folder (whatever sits
-    beside the folder is not its proposer)."""
+    """The proposer used when none is named: none for an HF folder (it ships none), else D.PROPOSER's."""
     return "none" if hf.is_hf_dir(target) else D.PROPOSER["greedy" if greedy else "sample"]
 
 
@@ -106,14 +100,10 @@ def load_proposer(
     tree: tuple[int, int] | None = None,
     weights: str = D.PROPOSER_WEIGHTS,
 ) -> Proposer:
-    """`spec` -> the proposer it names, its model loaded and packed.
-
-    vocab > 0 cuts the proposer's head to the `vocab` most frequent training tokens, where
-    the checkpoint records them (see `spec.head.Head`); 0 keeps the whole head.
-    tree (guesses, width): the MTP module grows token trees (`engine.tree_guess`); MTP only.
-    weights: "int8" or "f16", how the native backend stores the proposer's matrices
-    (`native.panels8`; the eager backend reads its own values either way).
-    """
+    """`spec` -> the proposer it names, its model loaded and packed. vocab > 0 cuts its head to
+    the `vocab` most frequent training tokens, where the checkpoint records them (`spec.head.Head`).
+    tree (guesses, width): token trees, MTP only. weights: "int8" or "f16", how the native
+    backend stores the proposer's matrices (the eager backend reads its own values either way)."""
     if weights not in D.WEIGHTS:
         raise CheckpointError(f"--proposer-weights takes {' or '.join(D.WEIGHTS)}, got {weights!r}")
     if tree is not None and not _is_mtp(spec, target):

@@ -1,14 +1,8 @@
 """Passes over a flattened batch (`batch.BatchStep`): the target, a draft, the MTP module.
 
-Given the model's native steps (the backend's: `engines.Backend.steps`), a pass is one C call
-(`native.NativeSteps.batch`); without them, the eager pass below, the reference: the matmuls
-run over all N rows of the batch at once on the packed weights (`Block.pack`), attention runs
-per sequence on the K/V gathered from the slab through the page tables, padded to [B, S] and
-masked.
-
-A slab is one tensor per model, [layer, K or V, kv head, n_pages * page_size, head dim],
-allocated once for the pool (`new_slab`); the new K/V are written into it before
-attention reads it, so a row sees its own key.
+With the model's native steps a pass is one C call (`native.NativeSteps.batch`); else the eager
+pass below, the reference: matmuls over all N rows at once, attention per sequence on the K/V
+gathered from the slab through the page tables, written there first (a row sees its own key).
 """
 
 from __future__ import annotations
@@ -22,14 +16,11 @@ from ..model.ops import attend
 from .batch import BatchStep
 
 
-def new_slab(cfg_layers: int, n_kv_heads: int, head_dim: int, n_slots: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(cfg_layers, 2, n_kv_heads, n_slots, head_dim, device=device)
-
-
 def slab_for(model: Transformer | MTPModule, n_slots: int, device: torch.device) -> torch.Tensor:
+    """A model's K/V for the pool: [layer, K or V, kv head, n_slots, head dim] (the MTP module: one layer)."""
     c = model.cfg
     layers = 1 if isinstance(model, MTPModule) else c.n_layers
-    return new_slab(layers, c.n_kv_heads, c.head_dim, n_slots, device)
+    return torch.zeros(layers, 2, c.n_kv_heads, n_slots, c.head_dim, device=device)
 
 
 def block_pass(blk: Block, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, b: BatchStep) -> torch.Tensor:

@@ -1,16 +1,6 @@
-"""One prompt, generated on the engine with a batch of one.
-
-    prefill      the prompt goes through the target (and the proposer); the target's last
-                 logits give the first new token, `last`.
-    round        the proposer guesses d_1..d_k; one target pass reads [last, d_1..d_k]
-                 and scores k+1 positions; verification keeps n guesses and adds one
-                 token of the target's; both caches roll back to what was kept.
-
-The loop is the engine's (`engine.runner`, `engine.scheduler`): the same prefill, verify
-pass, verification and rollback as a batch of many, one host sync per round. A pool that
-holds one sequence hands its pages out in order, so its passes take the fast paths a batch
-of one has: the target's native step over one view of the slab (`TargetRunner.one_pass`),
-and the proposer's round of guesses in one native call (`proposers._ModelGuess._chain`).
+"""One prompt, generated on the engine with a batch of one: the same loop as a batch of many
+(`engine.scheduler`), one host sync per round. A pool of one sequence hands its pages out in
+order, so its passes take the fast paths (`TargetRunner.one_pass`, `_ModelGuess._chain`).
 """
 
 from __future__ import annotations
@@ -55,12 +45,9 @@ def stream(
     stats: Stats | None = None,
     backend: Backend | None = None,
 ) -> Iterator[list[int]]:
-    """Generate, yielding the tokens of each round as soon as they are verified.
-
-    `stats` (if given) is updated in place, so it is valid even if the caller stops early
-    (a stop string, say: see `stops`). The stop token ends generation and is not yielded.
-    `backend`: what runs the passes, prepared by the caller (None: eager).
-    """
+    """Generate, yielding each round's tokens as soon as they are verified. `stats` is updated in
+    place (valid even if the caller stops early); the stop token ends generation, not yielded;
+    `backend` is prepared by the caller (None: eager)."""
     if max_new_tokens < 1:
         return
     engine = engine_for_one(target, proposer, len(prompt) + max_new_tokens, k, stop_token, backend)
@@ -85,7 +72,5 @@ def generate(
 ) -> tuple[list[int], Stats]:
     """All new tokens at once, with their statistics."""
     stats = Stats(proposer.name, k)
-    out: list[int] = []
-    for chunk in stream(target, proposer, prompt, max_new_tokens, k, sampling, stop_token, stats, backend):
-        out.extend(chunk)
-    return out, stats
+    chunks = stream(target, proposer, prompt, max_new_tokens, k, sampling, stop_token, stats, backend)
+    return [t for chunk in chunks for t in chunk], stats

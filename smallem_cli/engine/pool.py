@@ -1,13 +1,7 @@
-"""The page pool every sequence of a batch shares, in plain Python (nano-vllm's block manager).
-
-A page is a run of `page_size` consecutive slots. A sequence owns a table of pages, in
-order; position j of the sequence lives at slot table[j // page_size] * page_size +
-j % page_size. The same table serves every cache of the sequence: the target's slab and
-the proposer's (a draft's, or the MTP module's one-layer slab) each hold page p at the
-same slots, so one allocation covers both, and one page count says what a sequence costs.
-
-Nothing here touches a tensor: growing, shrinking and freeing are list operations, and
-stale K/V past a sequence's length are never read (attention masks by position).
+"""The page pool every sequence of a batch shares, in plain Python (nano-vllm's block manager):
+a sequence owns a table of pages of `page_size` slots each, and its position j lives at slot
+table[j // page_size] * page_size + j % page_size in every slab of the pool. Nothing here touches a
+tensor: stale K/V past a sequence's length are never read (attention masks by position).
 """
 
 from __future__ import annotations
@@ -83,7 +77,6 @@ class PagePool:
 
     def check(self) -> None:
         """Every page is free or owned by exactly one sequence: AssertionError otherwise."""
-        owned = [p for t in self.tables.values() for p in t]
-        everything = owned + self.free
+        everything = [p for t in self.tables.values() for p in t] + self.free
         assert len(everything) == self.n_pages, f"{len(everything)} pages accounted for, pool has {self.n_pages}"
         assert sorted(everything) == list(range(self.n_pages)), "a page is lost or owned twice"

@@ -1,26 +1,19 @@
 """Batched proposers: one call guesses for every sequence of the batch that guesses.
 
 The protocol (the engine's order; `seqs` are `sequence.Seq`, keyed by `seq.uid`):
-- `start(seqs, fed, hidden)`: after the target's prefill of these sequences; fed[b] are the
-  tokens fed [P_b], seq.last the token that follows, hidden[b] the target's states [P_b, d].
-- `propose(seqs, ks)`: up to ks[b] guesses for each, as (tokens [m_b], q [m_b, V] or None
-  when greedy); a model proposer runs one pass per guess depth over all of them.
-- `accept(seq, n, emitted, hidden)`: the round kept n guesses and emitted n+1 tokens
-  (`emitted` [n+1]: the kept guesses, then the target's own); `hidden` [n+1, d] the target's
-  states at [last, d_1..d_n]. The proposer rolls its cache back to what is still true. Called
-  every round, also after one another proposer guessed (`ngram+P`): the tokens then wait to
-  be fed at its next guess.
+- `start(seqs, fed, hidden)`: after the target's prefill; fed[b] the tokens fed [P_b], seq.last
+  the token that follows, hidden[b] the target's states [P_b, d].
+- `propose(seqs, ks)`: up to ks[b] guesses each, as (tokens [m_b], q [m_b, V] or None when
+  greedy); a model proposer runs one pass per guess depth over all of them.
+- `accept(seq, n, emitted, hidden)`: the round kept n guesses and emitted n+1 tokens (the kept
+  guesses, then the target's own); `hidden` [n+1, d] the target's states at [last, d_1..d_n].
+  The proposer rolls its cache back to what is still true. Called every round, also after
+  another proposer guessed (`ngram+P`): the tokens then wait to be fed at its next guess.
 - `drop(seq)`: the sequence finished or was preempted: forget its state.
 
-A proposer with a cache (a draft, the MTP module) keeps a slab of its own, addressed by
-the pool's page tables: the target's table for a sequence covers the proposer's positions
-too (its cache never runs more than k positions past the target's).
-
-A sequence alone whose pages lie in order (a generation of one prompt) has its round of k
-guesses made in one native call where the backend has the model's steps (`_chain`): its
-catch-up on what the last round confirmed, then the k guesses, with no trip through Python
-between them. Sampled, at the temperature alone (`verify.proposal`, as `Head.pick` draws),
-on one uniform draw per guess from the sequence's generator, as `verify.sample` draws them.
+A proposer with a cache (a draft, the MTP module) keeps a slab of its own over the pool's page
+tables. A sequence alone whose pages lie in order gets its round of guesses in one native call
+(`_chain`), sampled at the temperature alone, one uniform draw per guess from its generator.
 """
 
 from __future__ import annotations
@@ -74,8 +67,7 @@ class NoGuess:
 
 
 def penalty_of(s: Seq) -> Penalty | None:
-    """The repetition penalty `s`'s guesses are scored with, as its target rows are: its
-    context so far (`seen`, held only under a penalty) and the factor."""
+    """The repetition penalty `s`'s guesses are scored with, as its target rows are (None: none)."""
     return None if s.seen is None else Penalty(s.seen, s.req.sampling.repetition_penalty)
 
 
@@ -110,9 +102,8 @@ def pick(
     head: Head, h: torch.Tensor, seqs: list[Seq], penalties: list[Penalty | None]
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] over the whole vocabulary
-    (`Head.pick` expands a cut head's; None when greedy): greedy rows in one matmul, sampled rows
-    each with its own warp and generator; a row with a penalty scored with it first, as its
-    target row will be."""
+    (None when greedy): greedy rows in one matmul, sampled rows each with its own warp and
+    generator; a penalised row scored with its penalty first, as its target row will be."""
     logits = head_matmul(h, head.w, head.rows)  # [B, N]: the final norm scales a row, the argmax needs none
     for i, (s, pen) in enumerate(zip(seqs, penalties, strict=True)):
         if pen is not None and s.warp is None:
@@ -150,11 +141,10 @@ class _ModelGuess:
         self.state: dict[int, _State] = {}
 
     def _step(self, seqs: list[Seq], counts: list[int]) -> B.BatchStep:
-        ps = self.pool.page_size
         starts = [self.state[s.uid].length for s in seqs]
         for s, n in zip(seqs, counts, strict=True):
             self.state[s.uid].length += n
-        return B.build([self.pool.tables[s.uid] for s in seqs], starts, counts, ps, self.slab.device)
+        return B.build([self.pool.tables[s.uid] for s in seqs], starts, counts, self.pool.page_size, self.slab.device)
 
     def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
         raise NotImplementedError
@@ -163,10 +153,9 @@ class _ModelGuess:
         raise NotImplementedError
 
     def _chain(self, s: Seq, k: int) -> Guesses | None:
-        """k guesses for `s` alone in one native call (see the module's docstring), its pending
-        entries fed first, or None where the call cannot serve this round (no native steps, a
-        backlog longer than a pass, pages out of order, sampling with filters beside the
-        temperature)."""
+        """k guesses for `s` alone in one native call, its pending entries fed first, or None where
+        the call cannot serve this round (no native steps, a backlog longer than a pass, pages out
+        of order, sampling with filters beside the temperature)."""
         st, steps = self.state[s.uid], self.steps
         if steps is None or not (s.warp is None or isinstance(s.warp, Warper)):
             return None
@@ -217,8 +206,7 @@ class _ModelGuess:
         result: list[Guesses] = []
         for s, t, q, k in zip(seqs, tokens, qs, ks, strict=True):
             st = self.state[s.uid]
-            st.proposed = k > 0
-            st.fed_guesses = max(0, k - 1)
+            st.proposed, st.fed_guesses = k > 0, max(0, k - 1)
             if not t:
                 result.append((s.last[:0], None))
                 continue

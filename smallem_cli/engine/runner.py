@@ -1,15 +1,7 @@
-"""The two passes of the batch engine: prefill newly admitted sequences, and one round.
-
-    prefill   the admitted sequences' tokens through the target in one flat pass; a new
-              request draws its first token from the last position, a recomputed one (it
-              was preempted) already has it; the proposer reads what it needs.
-    round     every running sequence offers its last token and its guesses (ragged, 0..k);
-              one target pass scores them all; each sequence is verified on its own rows,
-              greedy or sampled with its own generator; the target's cache keeps
-              [last, d_1..d_n] (the length moves back: an explicit rollback), the pool
-              takes back the pages past it, the proposer rolls its own cache back.
-
-One host sync per round: the verdicts of every sequence come back together.
+"""The two passes of the batch engine: prefill newly admitted sequences, and one round, in which
+every running sequence offers its last token and its guesses (ragged, 0..k), one target pass
+scores them all, and each sequence is verified on its own rows, its caches rolled back to what
+it kept. One host sync per round: the verdicts of every sequence come back together.
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ from .tree_guess import grow
 
 @dataclass
 class TargetRunner:
-    """The target with the slab its K/V live in, addressed by the pool's page tables, and its
-    native steps where the backend has them (None: eager)."""
+    """The target, the slab its K/V live in (over the pool's pages), its native steps (None: eager)."""
 
     model: Transformer
     slab: torch.Tensor
@@ -50,28 +41,23 @@ class TargetRunner:
     def verify_pass(
         self, seqs: list[Seq], ids: torch.Tensor, counts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """ids [N] (counts[b] new tokens of seqs[b], from its cached length) -> logits [N, V],
-        hidden [N, d], and from a native step each row's argmax and the finite flag [N + 1] (else
-        None): the model's step for this pass where it has one (`one_pass`), else the flattened
-        eager pass."""
+        """ids [N] (counts[b] new tokens of seqs[b], from its cached length) -> logits [N, V], hidden
+        [N, d], and from a native step each row's argmax and the finite flag [N + 1] (else None)."""
         got = self.one_pass(seqs, ids, counts, head=True)
         if got is not None:
             return got
         return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), "all", self.steps), None
 
     def native_verify(self) -> Callable[..., torch.Tensor] | None:
-        """With native steps running this target's passes, their verification of sampled guesses
-        (`native.verify_sample`, any `Warper`), else None (`verify.verify_sample`)."""
+        """With native steps, their verification of sampled guesses (`native.verify_sample`), else None."""
         return native.verify_sample if self.steps is not None else None
 
     def one_pass(
         self, seqs: list[Seq], ids: torch.Tensor, counts: list[int], head: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """A sequence alone whose pages lie in order (a pool of one sequence hands them out so)
-        runs the model's native step for this pass when it has one: the step reads the past as
-        one view of the slab and writes the new K/V after it.
-        -> (logits [N, V] or empty without `head`, hidden [N, d], the native step's argmaxes and
-        finite flag [N + 1] or None), or None (no such step)."""
+        """A sequence alone whose pages lie in order, through the model's native step for this pass
+        (the past read as one view of the slab) -> as `verify_pass` (logits empty without `head`),
+        or None where there is no such step."""
         if len(seqs) != 1:
             return None
         s, T = seqs[0], counts[0]
@@ -208,11 +194,9 @@ def commit(
 def tree_round(
     t: TargetRunner, proposer: MTPGuess, seqs: list[Seq], budget: int, width: int
 ) -> list[tuple[int, int, list[int]]]:
-    """One round with token trees (`tree_guess.grow`) -> per sequence (the tree's depth, kept n,
-    the tokens emitted). One target pass over every tree, each node at position cached +
-    its depth, seeing its ancestors; each tree verified on its own rows (`tree.py`); the
-    kept path's K/V moved to the positions that follow the cache, the rest rolled back.
-    Greedy and sampled requests grow their trees differently (`tree_guess`), and share the pass."""
+    """One round with token trees (`tree_guess.grow`) -> per sequence (the tree's depth, kept n, the
+    tokens emitted). One target pass over every tree, each tree verified on its own rows
+    (`spec.tree`); the kept path's K/V moved to the positions that follow the cache."""
     width, drawn = min(width, budget), min(D.TREE_DRAWS, budget)
     trees = grow(proposer, seqs, budget, width, drawn)
     dev = t.slab.device

@@ -1,18 +1,10 @@
 """Continuous batching: admit, run rounds, preempt when the pool runs dry, finish.
 
-`Engine.run(requests)` pulls requests lazily from any iterable (a file being read, a pipe)
-and yields each answer as soon as its request ends. At most `max_batch` sequences decode
-together; a request joins as soon as a sequence finishes and the pool has pages for it.
-
-Pages: a running sequence reserves, before each round, what the round may write (its
-cached positions + k + 2: the target's verify pass and the proposer's guesses). A request
-is admitted only while the pool has the pages of its prompt and first round. A pool short
-of pages grows first where it can (`grow`, doubling up to `max_pages`: `engine.build`
-allocates the cache as the requests need it, not all up front). When the pool cannot give
-them, the most recently admitted sequence is preempted: its pages all go back, its
-proposer state is dropped, and it waits at the head of the queue, to be recomputed from
-its tokens (nothing it emitted is lost or redrawn). After a run every page is back in the
-pool (checked: `PagePool.check`).
+`Engine.run(requests)` pulls requests lazily from any iterable (a file being read, a pipe) and
+yields each answer as soon as its request ends. A pool short of pages grows where it can
+(`grow`); else the newest sequence is preempted: its pages and proposer state are dropped, and
+it is recomputed from its tokens later (nothing it emitted is lost or redrawn). After a run
+every page is back in the pool (`PagePool.check`).
 """
 
 from __future__ import annotations
@@ -63,18 +55,14 @@ class Progress:
 def round_ahead(k: int, tree: tuple[int, int] | None) -> int:
     """Positions a round of k guesses may write past a sequence's cache: [last, the guesses] (a
     tree's nodes, and the module's entries while it grows: (guesses, width)), and one more."""
-    if tree is None:
-        return k + 2
-    return max(k, tree[0], (k - 1) * tree[1]) + 2
+    return k + 2 if tree is None else max(k, tree[0], (k - 1) * tree[1]) + 2
 
 
 def load_k(k: int, greedy: bool, batch: int, auto: bool, proposer: str) -> int:
     """Guesses per round for a sequence in a batch of `batch`: the request's k, capped under load
     for greedy requests when k was not given (`D.load_cap`). Sampled requests keep theirs: their
     draws, hence their text, must depend on their seed alone, not on what else is running."""
-    if not auto or not greedy:
-        return k
-    return min(k, D.load_cap(proposer, batch))
+    return min(k, D.load_cap(proposer, batch)) if auto and greedy else k
 
 
 class Engine:
@@ -94,9 +82,8 @@ class Engine:
         max_pages: int = 0,
         backend: str = "eager",
     ) -> None:
-        """grow(n): the pool and every slab over it made n pages large, called when the pool is
-        short and smaller than max_pages; False where the memory was not there (None: the pool
-        stays its size). backend: what ran the passes, as the stats name it (`Backend.label`)."""
+        """grow(n): the pool and its slabs made n pages large, False where the memory was not there
+        (None: the pool keeps its size). backend: what ran the passes, as the stats name it."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.t, self.proposer, self.max_batch = target, proposer, max_batch
@@ -108,9 +95,7 @@ class Engine:
             raise ValueError(f"token trees need the MTP module as proposer, not {proposer.name!r}")
         self._decoder = _Decoder(decode) if decode is not None else None
         self.grow, self.max_pages, self.backend = grow, max_pages, backend
-        self._uid = 0
-        self.rounds = 0
-        self.preemptions = 0
+        self._uid = self.rounds = self.preemptions = 0
 
     @property
     def pool(self) -> PagePool:
@@ -118,27 +103,16 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------
     def _seq(self, req: Request) -> Seq:
-        dev = self.t.slab.device
-        greedy = req.sampling.greedy
-        k = self.k if greedy else self.k_sample
-        gen = torch.Generator(device=dev).manual_seed(req.sampling.seed)
+        k = self.k if req.sampling.greedy else self.k_sample
+        gen = torch.Generator(device=self.t.slab.device).manual_seed(req.sampling.seed)
         st = Stats(self.proposer.name, k, backend=self.backend)
         st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
         self._uid += 1
         if req.stop and self._decoder is None:
             raise ValueError("stop strings need the engine to decode text (decode=...)")
         stops = StopPrinter(self._decoder, None, req.stop) if req.stop and self._decoder else None
-        return Seq(
-            req,
-            self._uid,
-            gen,
-            req.sampling.warp(),
-            st,
-            k,
-            list(req.prompt),
-            stops=stops,
-            submitted_s=time.perf_counter(),
-        )
+        warp = req.sampling.warp()
+        return Seq(req, self._uid, gen, warp, st, k, list(req.prompt), stops=stops, submitted_s=time.perf_counter())
 
     def _finish(self, s: Seq, text: str | None = None) -> Finished:
         self.pool.release(s.uid)
@@ -168,13 +142,9 @@ class Engine:
         return self._finish(s) if done else None
 
     # --- pages --------------------------------------------------------------------------
-    def _round_need(self, s: Seq) -> int:
-        return s.cached + round_ahead(s.k, self.tree)
-
     def _grow(self, short: int) -> None:
         """`short` more free pages wanted: the pool doubles (at least by `short`, at most to
-        max_pages) where it can grow; else nothing (the caller waits or preempts). A growth the
-        memory refused is not tried again: the pool keeps its size."""
+        max_pages) where it can grow. A growth the memory refused is not tried again."""
         n = self.pool.n_pages
         if short > 0 and self.grow is not None and n < self.max_pages:
             if not self.grow(min(self.max_pages, max(2 * n, n + short))):
@@ -193,13 +163,14 @@ class Engine:
         i = 0
         while i < len(kept):
             s = kept[i]
-            self._grow(self.pool.need(s.uid, self._round_need(s)) - len(self.pool.free))
-            while self.pool.need(s.uid, self._round_need(s)) > len(self.pool.free) and kept[-1] is not s:
+            need = s.cached + round_ahead(s.k, self.tree)
+            self._grow(self.pool.need(s.uid, need) - len(self.pool.free))
+            while self.pool.need(s.uid, need) > len(self.pool.free) and kept[-1] is not s:
                 self._preempt(kept.pop(), waiting)
-            if self.pool.need(s.uid, self._round_need(s)) > len(self.pool.free):  # alone and still short
+            if self.pool.need(s.uid, need) > len(self.pool.free):  # alone and still short
                 self._preempt(kept.pop(), waiting)
                 continue
-            self.pool.reserve(s.uid, self._round_need(s))
+            self.pool.reserve(s.uid, need)
             i += 1
         return kept
 
@@ -207,8 +178,7 @@ class Engine:
     def run(
         self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
     ) -> Iterator[Finished]:
-        """Answers as their requests end. Stopped early (the caller closes the iterator, or an
-        error), every sequence's pages and proposer state go back."""
+        """Answers as their requests end; stopped early, every sequence's pages and proposer state go back."""
         events = self._events(requests, progress, chunks=False)
         with contextlib.closing(events):  # closing this iterator closes the loop's
             for e in events:
@@ -216,17 +186,84 @@ class Engine:
                     yield e
 
     def events(self, requests: Iterable[Request]) -> Iterator[Finished | Emitted]:
-        """As `run`, and each sequence's new tokens as soon as a pass verified them (`Emitted`,
-        before its `Finished`)."""
+        """As `run`, and each sequence's new tokens as soon as verified (`Emitted`, before its `Finished`)."""
         return self._events(requests, None, chunks=True)
 
     def _events(
         self, requests: Iterable[Request], progress: Callable[[Progress], None] | None, chunks: bool
     ) -> Iterator[Finished | Emitted]:
+        source = iter(requests)
         waiting: deque[Seq] = deque()
         running: list[Seq] = []
+        done = tokens = proposed = accepted = 0
+        t0 = time.perf_counter()
+        exhausted = False
+
+        def ended(s: Seq, emitted: list[int]) -> Iterator[Finished | Emitted]:
+            """Add what a pass emitted for `s`; its new tokens (with `chunks`), then its answer if done."""
+            nonlocal done, tokens
+            before = s.n_generated
+            fin = self._ended(s, emitted)
+            tokens += (len(fin.tokens) if fin is not None else s.n_generated) - before
+            if chunks:
+                yield self._emitted(s, before, fin)
+            if fin is not None:
+                running.remove(s)
+                done += 1
+                yield fin
+
         try:
-            yield from self._loop(iter(requests), waiting, running, progress, chunks)
+            with torch.inference_mode():
+                while True:
+                    while not exhausted and len(running) + len(waiting) < self.max_batch:
+                        req = next(source, None)
+                        if req is None:
+                            exhausted = True
+                        else:
+                            waiting.append(self._seq(req))
+                    if not running and not waiting:
+                        break
+                    admitted: list[Seq] = []
+                    while waiting and len(running) + len(admitted) < self.max_batch:
+                        s = waiting[0]
+                        need = len(s.tokens) + round_ahead(s.k, self.tree)
+                        self._grow(self.pool.pages_for(need) - len(self.pool.free))
+                        if not self.pool.can_allocate(need):
+                            if not running and not admitted:
+                                raise RuntimeError(f"the page pool ({self.pool.n_pages} pages) cannot hold one request")
+                            break
+                        waiting.popleft()
+                        self.pool.add(s.uid)
+                        self.pool.reserve(s.uid, need)
+                        admitted.append(s)
+                    for group in _groups(admitted, D.PREFILL_TOKENS):
+                        running.extend(group)  # from here on, a stop drops them with the others
+                        firsts = prefill(self.t, self.proposer, group)
+                        for s, first in zip(group, firsts, strict=True):
+                            if first is None:  # recomputed after a preemption
+                                continue
+                            s.stats.passes += 1
+                            s.stats.prefill_s = time.perf_counter() - s.submitted_s
+                            yield from ended(s, [first])
+                    if not running:
+                        continue
+                    for s in running:
+                        base = self.k if s.warp is None else self.k_sample
+                        s.k = load_k(base, s.warp is None, len(running), self.auto_k, self.proposer.name)
+                    running[:] = self._reserve(running, waiting)
+                    if not running:
+                        continue
+                    if self.tree is not None and isinstance(self.proposer, MTPGuess):
+                        verdicts = tree_round(self.t, self.proposer, running, *self.tree)
+                    else:
+                        verdicts = decode_round(self.t, self.proposer, running)
+                    self.rounds += 1
+                    for s, (m, n, e) in zip(list(running), verdicts, strict=True):
+                        proposed, accepted = proposed + m, accepted + n
+                        yield from ended(s, e)
+                    if progress is not None:
+                        rate = accepted / proposed if proposed else 0.0
+                        progress(Progress(done, tokens, time.perf_counter() - t0, rate, len(running)))
         finally:
             for s in [*running, *waiting]:
                 if s.uid in self.pool.tables:
@@ -234,84 +271,6 @@ class Engine:
                 self.proposer.drop(s)
         assert self.pool.used() == 0, f"{self.pool.used()} pages not returned after the run"
         self.pool.check()
-
-    def _loop(
-        self,
-        source: Iterator[Request],
-        waiting: deque[Seq],
-        running: list[Seq],
-        progress: Callable[[Progress], None] | None,
-        chunks: bool,
-    ) -> Iterator[Finished | Emitted]:
-        done = tokens = proposed = accepted = 0
-        t0 = time.perf_counter()
-        exhausted = False
-        with torch.inference_mode():
-            while True:
-                while not exhausted and len(running) + len(waiting) < self.max_batch:
-                    req = next(source, None)
-                    if req is None:
-                        exhausted = True
-                    else:
-                        waiting.append(self._seq(req))
-                if not running and not waiting:
-                    break
-                admitted: list[Seq] = []
-                while waiting and len(running) + len(admitted) < self.max_batch:
-                    s = waiting[0]
-                    need = len(s.tokens) + round_ahead(s.k, self.tree)
-                    self._grow(self.pool.pages_for(need) - len(self.pool.free))
-                    if not self.pool.can_allocate(need):
-                        if not running and not admitted:
-                            raise RuntimeError(f"the page pool ({self.pool.n_pages} pages) cannot hold one request")
-                        break
-                    waiting.popleft()
-                    self.pool.add(s.uid)
-                    self.pool.reserve(s.uid, need)
-                    admitted.append(s)
-                for group in _groups(admitted, D.PREFILL_TOKENS):
-                    running.extend(group)  # from here on, a stop drops them with the others
-                    firsts = prefill(self.t, self.proposer, group)
-                    for s, first in zip(group, firsts, strict=True):
-                        if first is None:  # recomputed after a preemption
-                            continue
-                        s.stats.passes += 1
-                        s.stats.prefill_s = time.perf_counter() - s.submitted_s
-                        fin = self._ended(s, [first])
-                        tokens += len(fin.tokens) if fin is not None else s.n_generated
-                        if chunks:
-                            yield self._emitted(s, 0, fin)
-                        if fin is not None:
-                            running.remove(s)
-                            done += 1
-                            yield fin
-                if not running:
-                    continue
-                for s in running:
-                    base = self.k if s.warp is None else self.k_sample
-                    s.k = load_k(base, s.warp is None, len(running), self.auto_k, self.proposer.name)
-                running[:] = self._reserve(running, waiting)
-                if not running:
-                    continue
-                if self.tree is not None and isinstance(self.proposer, MTPGuess):
-                    verdicts = tree_round(self.t, self.proposer, running, *self.tree)
-                else:
-                    verdicts = decode_round(self.t, self.proposer, running)
-                self.rounds += 1
-                for s, (m, n, e) in zip(list(running), verdicts, strict=True):
-                    proposed, accepted = proposed + m, accepted + n
-                    before = s.n_generated
-                    fin = self._ended(s, e)
-                    tokens += len(fin.tokens) - before if fin is not None else s.n_generated - before
-                    if chunks:
-                        yield self._emitted(s, before, fin)
-                    if fin is not None:
-                        running.remove(s)
-                        done += 1
-                        yield fin
-                if progress is not None:
-                    rate = accepted / proposed if proposed else 0.0
-                    progress(Progress(done, tokens, time.perf_counter() - t0, rate, len(running)))
 
     def _emitted(self, s: Seq, before: int, fin: Finished | None) -> Emitted:
         """What a pass added to `s`: its tokens past the `before` first new ones, live stats."""

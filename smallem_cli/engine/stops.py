@@ -1,10 +1,7 @@
 """Stop strings: the printed text ends before the first one, and generation stops there.
 
-`stream` yields token ids; a stop string is text, and may begin in one round's tokens and
-end in a later one's. So the text is cut here, on the decoded text: `StopCutter` says how
-much of the text so far may be printed (holding back a tail that could be the start of a
-stop string, until the next tokens show whether it is), and `StopPrinter` puts it between
-the decoded tokens and stdout. Nothing printed is ever taken back.
+A stop string may begin in one round's tokens and end in a later one's, so the decoded text is
+cut (`StopCutter`), a tail that could begin one held back; nothing printed is ever taken back.
 """
 
 from __future__ import annotations
@@ -33,15 +30,10 @@ def partial_tail(text: str, stops: Sequence[str]) -> int:
 
 
 class StopCutter:
-    """Given the text so far (a growing text whose printed part never changes), where to cut it.
-
-    `cut(text)` -> how many characters of it may be printed. The cut is where the whole text's
-    first stop string begins (the earliest start, whichever stop string completes first), so
-    it does not depend on how the text came in chunks (a proposer's rounds): a stop string
-    seen complete is final (`stopped`) only once no stop string can begin before it any more.
-    Until then, and while no stop string is seen, a tail that could begin one is held back
-    (none when `final`: no more text is coming).
-    """
+    """Where to cut a growing text (whose printed part never changes): `cut(text)` -> how many
+    characters may be printed: up to the whole text's first stop string (however the text came in
+    chunks), final (`stopped`) once none can begin before it; until then a tail that could begin
+    one is held back (none when `final`: no more text is coming)."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
@@ -66,11 +58,8 @@ class StopCutter:
 
 class StopPrinter:
     """Tokens in, text out (to `out`, or kept alone when None), ending before the first stop string.
-
-    `push(ids)` returns True once the text's end is certain: the caller stops generating.
-    `text` is the output (cut before the stop string); `ids` the tokens generated up to the
-    one that completed that stop string, or all of them.
-    """
+    `push(ids)` is True once the text's end is certain; `ids` are the tokens up to the one that
+    completed the stop string, or all of them."""
 
     def __init__(self, tokenizer: Decoder, out: TextIO | None, stops: Sequence[str] = ()) -> None:
         self.tok, self.out = tokenizer, out

@@ -1,31 +1,15 @@
 """Token trees from the MTP module (EAGLE-2's dynamic trees, on the module's own chain).
 
-A chain offers one guess per position; a tree offers several, and one target pass keeps
-the longest path the target agrees with (`tree.py` decides which). The tree grows where
-the module is sure: every node it reaches gets a score, the sum of the log-probabilities
-of the guesses on its path, and
+A tree offers several guesses per position; one target pass keeps the longest path the target
+agrees with (`spec.tree`). A node's score is the sum of the log-probabilities on its path. The
+root's children come from the module's state after the last true token; then, level by level,
+the `width` best nodes are fed to the module (their parent's state, their token) in one pass
+over every sequence's tree, and each one's children are made from its state.
 
-    depth 1     the module's state after the last true token gives the root's children;
-    depth j+1   the `width` best nodes of depth j (by score) are fed to the module, each as
-                (its parent's state, its token), in one pass over every sequence's tree
-                (each node attends to the true entries, its ancestors and itself), and each
-                one's children are made from its state.
-
-The children of a node, by request:
-    greedy      the module's `width` best tokens, fixed given the prefix; the tree is the
-                `budget` best nodes of all depths (a child scores no more than its parent and
-                is made after it, so the best set holds every node's parent); verified by
-                following the target's argmax (`verify_tree_greedy`).
-    sampled     `width` tokens drawn independently from the module's warped distribution q
-                (duplicates kept), every drawn child kept: a node is expanded only while the
-                tree has room for all its children. Verified by SpecInfer's rule
-                (`verify_tree_sample`, kind "iid": each child accepted with min(1, r/q), r
-                moved to norm(max(r - q, 0)) after a rejection), exact for such children.
-                Which nodes are expanded may depend on anything drawn before their children
-                (their own tokens, their siblings'), never on the children themselves.
-
-The module's tree entries are dropped after the round, as a chain's guesses are
-(`MTPGuess.accept`): its cache keeps the true entries alone.
+Greedy: each node's `width` best tokens; the tree is the `budget` best nodes (a child scores no
+more than its parent, so every node's parent is in). Sampled: `width` independent draws from the
+module's warped q, all kept, a node expanded only while all its children fit; verified by
+SpecInfer's rule, exact as long as which nodes are expanded never depends on their own children.
 """
 
 from __future__ import annotations
@@ -69,11 +53,10 @@ class _Cand:
 def _children(
     head: Head, h: torch.Tensor, eps: float, width: int, drawn: int, seqs: list[Seq], paths: list[list[int]]
 ) -> tuple[list[list[float]], list[list[int]], list[torch.Tensor | None]]:
-    """States h [F, d] (row r a node of seqs[r], `paths[r]` the tokens from the root's child down
-    to that node) -> per row the log-probabilities and tokens of its children (`width` best, or
-    `drawn` draws for a sampled request), on the host in one sync, and the distribution [V] they
-    were drawn from (None: greedy). A row of a penalised sequence is scored with the penalty
-    over its context and its path first, as the target's row at that node will be."""
+    """States h [F, d] (row r a node of seqs[r], `paths[r]` the tokens from the root's child down to
+    it) -> per row its children's log-probabilities and tokens (`width` best, or `drawn` draws when
+    sampled), on the host in one sync, and the q [V] they were drawn from (None: greedy). A
+    penalised row is scored with the penalty over its context and path, as its target row will be."""
     logits = _penalised(head_matmul(unit_rms(h, eps), head.w, head.rows), seqs, paths, head.ids)  # [F, V or cut]
     vals, idx = torch.log_softmax(logits, dim=-1).topk(min(width, logits.shape[-1]), dim=-1)  # [F, w]
     sampled = [r for r, s in enumerate(seqs) if s.warp is not None]
@@ -99,9 +82,8 @@ def _children(
 
 
 def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> list[TreeGuess]:
-    """A tree of at most `budget` guesses and seq.k levels for each sequence (one host sync per
-    level): `width` nodes expanded per level, each with its `width` best tokens (greedy) or
-    `drawn` draws (sampled)."""
+    """A tree of at most `budget` guesses and seq.k levels for each sequence, one host sync per level:
+    `width` nodes expanded per level, each with its `width` best tokens (greedy) or `drawn` draws."""
     st = [p.state[s.uid] for s in seqs]
     for x in st:
         x.proposed = True  # `MTPGuess.accept` then drops the tree's entries
@@ -118,12 +100,10 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
     for level in range(1, max(depth, default=0) + 1):
         for b, fb in enumerate(frontier):
             for r, cid in fb:
-                parent = cands[b][cid] if cid >= 0 else None
-                if parent is None:
-                    roots[b] = qs[r]
+                if cid < 0:
+                    roots[b], score = qs[r], 0.0
                 else:
-                    parent.q = qs[r]
-                score = parent.score if parent is not None else 0.0
+                    cands[b][cid].q, score = qs[r], cands[b][cid].score
                 for v, t in zip(vals[r], toks[r], strict=True):
                     cands[b].append(_Cand(score + v, t, cid, level))
         # the best candidates of this level, fed to the module (their parent's state, their
@@ -149,14 +129,9 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
                 rows[-1].append(c.entry)
                 h.append(states[parent_row[c.parent]])
                 ids.append(c.token)
-        step = B.build_tree(
-            [p.pool.tables[seqs[b].uid] for b in active],
-            [st[b].true_len for b in active],
-            [entries[b] for b in active],
-            rows,
-            p.pool.page_size,
-            p.slab.device,
-        )
+        tables = [p.pool.tables[seqs[b].uid] for b in active]
+        starts = [st[b].true_len for b in active]
+        step = B.build_tree(tables, starts, [entries[b] for b in active], rows, p.pool.page_size, p.slab.device)
         tok = torch.tensor(ids, dtype=torch.long, device=out.device)
         states = mtp_pass(p.mtp, p.target, p.slab, torch.stack(h), tok, step, p.steps)  # [F, d]
         row_seqs = [seqs[b] for b in active for _ in picks[b]]

@@ -1,13 +1,8 @@
 """A Llama-style decoder (RMSNorm, rotary positions, SwiGLU) and the MTP module.
 
-Training calls `Transformer.hidden(tokens)` over whole [B, T] batches, causal attention;
-inference runs the engine's passes over a flat batch and a paged slab (`engine.forward`), on
-the weights `pack()` lays out.
-
-Parameter names follow Hugging Face's Llama, so export is a renaming. For inference,
-`pack()` lays the projections out as [in, out] matrices fused per block (QKV, gate|up):
-on CPU, `x @ W_t` with a pre-transposed weight keeps a verify pass over k+1 rows as cheap
-as one row, where `F.linear` falls into a slow small-M path.
+Training runs `Transformer.hidden` over whole [B, T] batches; inference runs the engine's passes
+(`engine.forward`) on the weights `pack()` lays out. Parameter names follow Hugging Face's Llama,
+so export is a renaming.
 """
 
 from __future__ import annotations
@@ -47,38 +42,30 @@ class RMSNorm(nn.Module):
 
 
 def interleave_halves(head_dim: int) -> torch.Tensor:
-    """Column order [0, D/2, 1, D/2+1, ...] within a head: pairs (x_i, x_{i+D/2}) side by side.
-
-    Llama's rope turns each pair (x_i, x_{i+D/2}) by an angle: as a complex number
-    x_i + j·x_{i+D/2}, a product with e^{jθ}. With the pairs adjacent, one complex multiply
-    ropes every head at once. Permuting q's and k's dims alike leaves q·k unchanged, so only
-    the packed weights (and the cached keys) see the new order.
-    """
+    """Column order [0, D/2, 1, D/2+1, ...] within a head: Llama's rope turns each pair (x_i, x_{i+D/2})
+    as the complex x_i + j·x_{i+D/2} times e^{jθ}, so with the pairs adjacent one complex multiply ropes
+    every head. q's and k's dims permuted alike leave q·k unchanged: only the packed weights (and the
+    cached keys) see the order."""
     half = head_dim // 2
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
 
 
 def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of Wq or Wk [n_heads*D, in], rotate-half layout -> each rotary pair adjacent: within
-    each head, rows i and i+D/2 (i < D/2) become rows 2i and 2i+1 (`interleave_halves`), the
-    layout of llama.cpp's rope and of the native engine's."""
+    """Rows of Wq or Wk [n_heads*D, in], rotate-half layout -> rows i and i+D/2 of each head as rows 2i
+    and 2i+1 (`interleave_halves`): the layout of llama.cpp's rope and of the native engine's."""
     d = w.shape[0] // n_heads
     return w.reshape(n_heads, d, *w.shape[1:])[:, interleave_halves(d)].reshape(w.shape)
 
 
 class Block(nn.Module):
-    """Pre-norm attention + SwiGLU MLP, with Llama's parameter names.
-
-    `forward` is the training path (whole sequences, causal). `pack` lays out the weights the
-    inference passes read (`engine.forward.block_pass`): on a small model every op costs a few
-    microseconds of dispatch whatever its size, so they fold what they can into the weights.
-    - rotary: q's and k's columns are interleaved per head (see `interleave_halves`), so one
-      complex multiply ropes every head of q, k and v at once (v by 1 + 0j). (Folding the
-      rotation into Wqkv instead doubles the weights a pass reads: a loss, since the
-      target's decode step is bound by memory traffic.)
-    - RMSNorm weights are folded into the matmul that follows;
-    - the 1/sqrt(head_dim) attention scale is folded into Wq;
-    - QKV and gate|up are single [in, out] matmuls; residual adds ride on addmm.
+    """Pre-norm attention + SwiGLU MLP. `forward` trains (whole sequences, causal); `pack` lays out
+    what the inference passes read (`engine.forward.block_pass`), folding all it can into the weights,
+    as every op of a small model costs microseconds of dispatch:
+    - q's and k's columns interleaved per head (`interleave_halves`): one complex multiply ropes q, k
+      and v (v by 1 + 0j); a rotation folded into Wqkv would double the bytes a pass reads;
+    - the RMSNorm weights and the 1/sqrt(head_dim) scale folded into the matmuls that follow;
+    - QKV and gate|up single [in, out] matmuls (x @ W_t keeps k+1 rows as cheap as one on a CPU,
+      where F.linear takes a slow small-M path); residual adds ride on addmm.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -131,12 +118,9 @@ class Block(nn.Module):
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim: RMSNorm whose weight is folded into the next matmul.
-
-    Four ops, where F.rms_norm's CPU composite costs about seven: a norm, then
-    rsqrt(eps + n·n/d) as one addcmul on a cached eps tensor (a Python scalar in an
-    in-place op costs a tensor wrap of its own), in place.
-    """
+    """x / rms(x) over the last dim (an RMSNorm whose weight is folded into the next matmul), in four
+    ops where F.rms_norm's CPU composite costs seven: a norm, then rsqrt(eps + n·n/d) as one addcmul
+    on a cached eps tensor (a Python scalar in an in-place op costs a tensor wrap of its own)."""
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]
     return x * torch.addcmul(_eps_tensor(eps, x), n, n, value=1.0 / x.shape[-1]).rsqrt_()
 
@@ -211,10 +195,7 @@ class Transformer(nn.Module):
 
 
 def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """e^{jθ} per (position, column pair) of a packed QKV row: complex [max_seq_len, (H+2Hkv)*D/2].
-
-    q and k pairs turn by their angle; v pairs get 1 + 0j.
-    """
+    """e^{jθ} per (position, column pair) of a packed QKV row, complex [max_seq_len, (H+2Hkv)*D/2]; v's 1 + 0j."""
     half = cfg.head_dim // 2
     turn = torch.complex(cos[:, :half], sin[:, :half])  # [max_seq_len, D/2]: angles of pairs (i, i + D/2)
     ones = torch.ones_like(turn)
@@ -222,12 +203,9 @@ def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class MTPModule(nn.Module):
-    """DeepSeek-V3 multi-token prediction: from h_i and token i+1, predict token i+2.
-
-    norm(h_i) ‖ norm(embed(t_{i+1})) -> linear 2d->d -> one block (own attention, own
-    one-layer cache) -> the target's final norm and head. Embedding and head are the
-    target's, so this module holds only the norms, the projection and the block.
-    """
+    """DeepSeek-V3 multi-token prediction, token i+2 from h_i and token i+1: norm(h_i) ‖
+    norm(embed(t_{i+1})) -> linear 2d->d -> one block (its own one-layer cache) -> the target's final
+    norm and head. Embedding and head are the target's: this holds the norms, projection and block."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

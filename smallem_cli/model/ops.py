@@ -1,8 +1,5 @@
-"""Two products of the eager decode path, each written the way that measured fastest here.
-
-Shared by `Transformer.logits` and the engine's passes (`engine/forward.py`, the batched
-proposers, the tree's candidates).
-"""
+"""Two products of the eager decode path, each written the way that measured fastest here (shared
+by `Transformer.logits`, `engine/forward.py`, the batched proposers and the tree's candidates)."""
 
 from __future__ import annotations
 
@@ -11,12 +8,9 @@ import torch
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x [M, d] @ w [d, V] for a wide output head, `rows` being w transposed ([V, d], contiguous).
-
-    MKL's GEMM for a few rows of x against a wide matrix costs several times its one-row
-    case, where the transposed product does not (head 256 x 8192, 2 threads, measured here:
-    M=1 338 us as x @ w against 1,359 as rows @ x.T; M=5 3,289 against 889; M=16 4,275
-    against 1,104). So one row takes x @ w, and three or more the transposed product.
-    """
+    MKL's GEMM for a few rows against a wide matrix costs several times its one-row case, where the
+    transposed product does not (256 x 8192, 2 threads, µs as x @ w against rows @ x.T: M=1 338 vs
+    1,359; M=5 3,289 vs 889; M=16 4,275 vs 1,104): one row takes x @ w, three or more the other."""
     if x.dim() == 2 and x.shape[0] >= 3:
         return (rows @ x.t()).t().contiguous()  # [M, V]
     return x @ w
@@ -24,11 +18,9 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.T
 
 def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, Hkv: int, G: int) -> torch.Tensor:
     """One sequence's attention: queries q [T, H*D] over its keys and values kv [2, Hkv, S, D]
-    (bias [T, S] additive, None when every key is visible) -> [T, H*D].
-
-    By hand: SDPA's CPU fallback for masks and groups costs several times more. Query heads
-    h = j*G + g share kv head j: one bmm over kv heads, rows (g, t).
-    """
+    (bias [T, S] additive, None when every key is visible) -> [T, H*D]. By hand, as SDPA's CPU
+    fallback for masks and groups costs several times more: query heads h = j*G + g share kv head j,
+    one bmm over kv heads, rows (g, t)."""
     T, D = q.shape[0], kv.shape[-1]
     H = Hkv * G
     q = q.view(T, Hkv, G, D)

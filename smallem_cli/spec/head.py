@@ -9,28 +9,19 @@ from .verify import Penalty, Warp, proposal, sample
 
 
 class Head:
-    """The output head a proposer guesses with: the model's own, or only its rows for the
-    `vocab` most frequent tokens (FR-Spec's trick). On a small model the head is the
-    biggest matrix a step reads, and a guess needs no exactness: verification makes the
-    output exact whatever the proposer computes, so a cut head trades a few rejected
-    guesses for a cheaper step. The distribution q is then zero outside the cut.
-    """
+    """The model's output head, or only its rows for the `vocab` most frequent tokens (FR-Spec's
+    trick): on a small model the head is the biggest matrix a step reads, and verification keeps the
+    output exact whatever the proposer computes. q is then zero outside the cut."""
 
     def __init__(self, model: Transformer, vocab: torch.Tensor | None = None) -> None:
         assert model.head_t is not None, "pack() the model first"
         self.eps, self.size = model.cfg.norm_eps, model.cfg.vocab_size
-        if vocab is not None and vocab.numel() == self.size:  # every token: no cut (q's columns in token order)
-            vocab = None
-        self.ids = vocab
-        self.w = model.head_t if vocab is None else model.head_t[:, vocab].contiguous()  # [d, V or N]
+        self.ids = None if vocab is None or vocab.numel() == self.size else vocab  # all: no cut (q in token order)
+        self.w = model.head_t if self.ids is None else model.head_t[:, self.ids].contiguous()  # [d, V or N]
         self.rows = self.w.t().contiguous()  # [V or N, d]: for a few rows at once (`model.head_matmul`)
 
     def pick(
-        self,
-        h: torch.Tensor,
-        warp: Warp | None,
-        gen: torch.Generator | None,
-        penalty: Penalty | None = None,
+        self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden state h [1, d] -> (token [1], q [1, V] or None when greedy); with a
         `penalty`, the logits penalised first, as the target's row."""

@@ -1,28 +1,11 @@
-"""A proposer without a model: guess by copying what followed the same words before.
+"""A proposer without a model: prompt lookup, guessing by copying what followed the same words before.
 
-Prompt lookup (suffix matching): the last n tokens of the text so far (prompt and
-generated alike) are looked up among its earlier positions, longest n first; where they
-occurred before, the tokens that followed them then are the guesses now. Text that
-restates itself (a list quoted again, a refrain, a genealogy's "and he begat") is guessed
-for free; elsewhere the lookup finds nothing, or a guess the target rejects.
-
-- No cache, no model: a guess costs a dictionary lookup. A round whose lookup finds
-  nothing offers no guess, and the target's pass is then a plain one-token pass.
-- Depth from the acceptance measured so far: every round the lookup also checks, for
-  free, what it would have guessed against what the target emitted (under sampling too: a
-  point-mass guess x is kept with probability p(x), the chance that the target's own draw
-  is x). From those running rates (the first guess's, and a later guess's once those
-  before it were kept: a lookup is a copy or wrong from the start) it offers the m <= k
-  guesses with the most expected tokens per cost, over 1 + GUESS_COST·m, where GUESS_COST
-  is what one more token adds to a verify pass. Where copying pays it guesses deep; where its matches
-  are chance (sampled text, prose that does not repeat) it offers nothing, and the pass is
-  a plain one-token pass (or, in `ngram+P`, P guesses).
-- No q: the guesses are not drawn from a distribution. Under sampling each is a point
-  mass, q = one-hot, which the min(1, p/q) rule handles exactly: the guess is kept with
-  probability p(x), and a rejection draws from p with x taken out.
-- `ngram+P` (`engine.proposers.FallbackGuess`): the n-gram's guesses when its lookup matches,
-  P's otherwise (`--proposer ngram+mtp`). The other one is told every round's
-  outcome and catches up on what it did not guess at its next turn.
+The last n tokens of the text so far are looked up among its earlier positions, longest n first;
+what followed them there is the guess. Text that restates itself (a quoted list, a refrain) is
+guessed for free; elsewhere the lookup finds nothing and the pass is a plain one-token pass (or, in
+`ngram+P`, P's guesses). The depth follows the acceptance the lookup measures, for free, every round
+(`best_depth`). Under sampling a guess x is a point mass (q one-hot), which min(1, p/q) handles
+exactly: x is kept with probability p(x), and a rejection draws from p with x taken out.
 """
 
 from __future__ import annotations
@@ -68,12 +51,9 @@ class NgramIndex:
 
 
 def best_depth(first: float, then: float, k: int, guess_cost: float) -> int:
-    """The m in 0..k with the most tokens per cost, when the first guess is kept at rate `first`
-    and each later one, once those before it were, at rate `then`: a lookup is either right (a
-    copy, kept all along) or wrong from its first token, so the two rates differ.
-
-    tokens(m) = 1 + first·(1 + then + ... + then^(m−1)), over a pass of cost 1 + guess_cost·m.
-    """
+    """The m in 0..k with the most tokens, 1 + first·(1 + then + ... + then^(m−1)), per pass cost
+    1 + guess_cost·m: the first guess is kept at rate `first`, a later one (once those before it were)
+    at rate `then`; a lookup is a copy or wrong from its first token, so the two differ."""
 
     def gain(m: int) -> float:
         tokens = 1 + first * sum(then**i for i in range(m))
@@ -83,8 +63,7 @@ def best_depth(first: float, then: float, k: int, guess_cost: float) -> int:
 
 
 class NgramProposer:
-    """One sequence's prompt lookup (see the module's docstring); `engine.proposers.NgramGuess`
-    holds one per sequence."""
+    """One sequence's prompt lookup (`engine.proposers.NgramGuess` holds one per sequence)."""
 
     name = "ngram"
     DECAY = 0.8  # the acceptance rate's memory, per round: it follows the text from region to region

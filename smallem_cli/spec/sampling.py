@@ -1,11 +1,8 @@
 """What a request samples with, and the first token a prefill draws.
 
-Every sampling option changes the target's distribution before verification, so the
-output stays exact for it: greedy, the target alone's with the same options; sampled,
-distributed as the target alone's. A repetition penalty reshapes the target's logits at
-each position of a pass by the context up to that position (`verify.penalize`); the
-proposer guesses without it (its guesses are only checked), which costs acceptance, never
-exactness.
+Every option changes the target's distribution before verification, so the output stays exact for
+it. The repetition penalty reshapes each position's logits by the context up to it
+(`verify.penalize`); a proposer guessing without it costs acceptance, never exactness.
 """
 
 from __future__ import annotations
@@ -67,7 +64,6 @@ class NonFiniteError(RuntimeError):
 
 
 def finite_flag(x: torch.Tensor) -> torch.Tensor:
-    """[1] long: 1 if every value of x is finite. Its smallest and largest values say it (a NaN
-    makes both NaN, an inf is one of them): two reductions, where isfinite().all() writes a mask
-    of x first (on [5, 8192] logits: about 10 µs against 120)."""
+    """[1] long: 1 if every value of x is finite, read off its min and max (a NaN makes both NaN): two
+    reductions, where isfinite().all() writes a mask first ([5, 8192] logits: 10 µs against 120)."""
     return torch.stack(torch.aminmax(x)).isfinite().all().long().view(1)

@@ -1,41 +1,29 @@
 """Token-tree verification: pure tensor functions, batched over B rows, no host sync.
 
-A chain checks one guess per position; a tree offers several candidates per position, so
-one target pass can keep the longest of many paths (SpecInfer, Medusa, EAGLE-2). This
-module decides, from the target's scores at every node, which path is kept and which token
-comes after it. It knows nothing about models: the engine builds the tree, runs the target
-over it (each node seeing its ancestors, `tree_mask`, at position start + its depth), then calls
-`verify_tree_greedy` or `verify_tree_sample` and moves the kept path's K/V into place.
+A tree offers several candidates per position, so one target pass can keep the longest of many
+paths (SpecInfer, Medusa, EAGLE-2). The engine builds the tree, runs the target over it (each node
+seeing its ancestors, `tree_mask`, at position start + its depth), calls `verify_tree_greedy` or
+`verify_tree_sample`, and moves the kept path's K/V into place.
 
-The tree, per row (shared trees broadcast: parents may be [N] while tokens are [B, N]):
-  tokens  long [B, N]  node i's token; node 0 is the root: the last verified token, not a guess;
-  parents long [B, N]  parents[:, 0] == -1 and 0 <= parents[:, i] < i for i >= 1, so node order
-                       is topological (each node after its parent) and siblings are tried in
-                       index order.
-Row u of the target's output (logits / p) is its distribution for the token after node u,
-given the root's context and u's path: the children of u are guesses for that token.
+A tree, per row (shared trees broadcast: parents [N], tokens [B, N]): tokens long [B, N], node 0 the
+root (the last verified token, not a guess); parents long [B, N], parents[:, 0] == -1 and
+0 <= parents[:, i] < i (siblings are tried in index order). Row u of the target's output is its
+distribution after node u, given u's path: u's children are guesses for that token.
 
-Every function decides all nodes at once: each node's outcome (which child it accepts,
-else the token it emits) depends only on its own row of p / q, its children and its own
-random draws, so nodes are decided in parallel and the kept path is read off from the
-ancestor mask. Draws at nodes off the path are discarded, which does not bias the path:
-they are independent of it. Exactness then reduces to one node u: the token that follows
-it (the accepted child's, or the one it emits) must be distributed as r = the target's
-(warped) distribution after u, using nothing but u's own draws.
+A node's outcome (the child it accepts, else the token it emits) depends only on its own row of
+p / q, its children and its own draws, so all are decided at once and the kept path is read off the
+ancestor mask; draws off the path are independent of it and bias nothing. Exactness reduces to one
+node u: its next token must be distributed as r, the target's (warped) distribution after u.
 
-  kind="topk": children fixed given the prefix (the proposer's top candidates, or any tree
-    built without looking at the target's draws). Issue #12's rule: try each child c in
-    turn, accept it with probability r(c) / sum(r), else set r(c) = 0; if none is
-    accepted, draw from r. That law equals drawing x ~ r once and following the child
-    whose token is x (the first such, if siblings repeat a token), which is what runs.
-  kind="iid": the children of u are i.i.d. draws from the proposer's q[u] (SpecInfer's
-    multi-round rule): accept child c with probability min(1, r(c) / q(c)), else
-    r <- norm(max(r - q, 0)); if none is accepted, draw from r. Do not merge duplicate
-    draws into one child: the rule needs all of them, independent. On such trees it keeps
-    more than "topk" (tests/test_tree.py, width 2: 0.88 against 0.18 of rounds keep both
-    levels), as rejecting a child also moves r away from q.
+  kind="topk": children fixed given the prefix. Issue #12's rule (try each child c in turn, accept
+    it with probability r(c) / sum(r), else r(c) = 0; none accepted: draw from r) equals drawing
+    x ~ r once and following the first child whose token is x, which is what runs.
+  kind="iid": children i.i.d. from q[u] (SpecInfer's multi-round rule): accept c with probability
+    min(1, r(c) / q(c)), else r <- norm(max(r - q, 0)); none accepted: draw from r. Duplicate draws
+    stay separate children. On such trees it keeps more than "topk" (tests/test_tree.py, width 2:
+    0.88 against 0.18 of rounds keep both levels).
 
-Greedy (`verify_tree_greedy`) is the temperature-0 limit: x = argmax of the logits.
+Greedy (`verify_tree_greedy`) is the temperature-0 limit: x = the argmax of the logits.
 """
 
 from __future__ import annotations
@@ -50,17 +38,12 @@ from .verify import sample
 
 class TreeVerdict(NamedTuple):
     """What a verified tree yields, per row; L = max_depth + 1 (default N).
-
     n     long [B]     accepted guesses (nodes below the root on the kept path), 0 <= n <= L - 1.
-    out   long [B, L]  out[:, :n+1] are the tokens this pass yields: the n accepted guesses, then
-                       the target's token after the last kept node (a correction, or a bonus at a
-                       leaf). out[:, n+1:] is filler to ignore.
-    nodes long [B, L]  nodes[:, :n+1] is the kept path from the root: nodes[:, 0] == 0 and
-                       nodes[:, j] is the kept node at depth j. nodes[:, n] is the last kept node:
-                       its hidden state feeds the proposer next. With node i written at slot
-                       start + i (the root at start), the kept guesses' K/V go from start + nodes[:, j]
-                       to start + j (j = 1..n), and every other slot is rolled back.
-                       nodes[:, n+1:] repeats nodes[:, n], so gathers stay safe.
+    out   long [B, L]  out[:, :n+1]: the n accepted guesses, then the target's token after the last
+                       kept node (a correction, or a bonus at a leaf); out[:, n+1:] is filler.
+    nodes long [B, L]  nodes[:, :n+1]: the kept path, nodes[:, j] at depth j (nodes[:, 0] == 0), then
+                       nodes[:, n] repeated (safe gathers). nodes[:, n]'s hidden state feeds the
+                       proposer; node i's K/V, written at start + i, go to start + j if kept at depth j.
     """
 
     n: Tensor
@@ -69,11 +52,8 @@ class TreeVerdict(NamedTuple):
 
 
 def tree_mask(parents: Tensor) -> Tensor:
-    """Ancestor mask bool [..., N, N] from parents [..., N]: [i, j] iff j is i or an ancestor of i.
-
-    Row i is what node i may attend to among the tree's nodes (it also sees the whole
-    verified prefix). Built by pointer doubling: ceil(log2(N - 1)) gathers, no host sync.
-    """
+    """Ancestor mask bool [..., N, N] from parents [..., N]: [i, j] iff j is i or an ancestor of i (what
+    node i attends to in the tree). Pointer doubling: ceil(log2(N - 1)) gathers, no host sync."""
     N = parents.shape[-1]
     up = parents.clamp_min(0)  # [..., N] the root is its own parent: harmless, it is everyone's ancestor
     eye = torch.eye(N, dtype=torch.bool, device=parents.device)  # [N, N]
@@ -92,10 +72,8 @@ def tree_depth(parents: Tensor, mask: Tensor | None = None) -> Tensor:
 
 
 def _path(on: Tensor, depth: Tensor, last: Tensor, length: int) -> Tensor:
-    """Nodes long [B, length] of a root path given as a node set on [B, N], ending at last [B].
-
-    depth: long [(B,) N]. Slot j gets the path's node at depth j; later slots repeat last.
-    """
+    """Nodes long [B, length] of a root path given as a node set on [B, N], ending at last [B]: slot j
+    gets its node at depth j (depth long [(B,) N]), later slots repeat last."""
     B, N = on.shape
     slot = torch.where(on, depth, N)  # [B, N] nodes off the path go to a dump slot N
     buf = last.unsqueeze(1).expand(B, N + 1).clone()  # [B, N+1]
@@ -146,12 +124,8 @@ def _walk(tokens: Tensor, parents: Tensor, shape: _Shape, nxt: Tensor, stop: Ten
 
 def verify_tree_greedy(tokens: Tensor, parents: Tensor, logits: Tensor, max_depth: int | None = None) -> TreeVerdict:
     """Greedy tree verification: tokens long [B, N], parents long [B, N] or [N], logits [B, N, V].
-
-    From the root, move to the child whose token is the target's argmax at the current
-    node (the first such child if siblings repeat it); stop where none is: on a chain, the
-    leading guesses equal to the argmax, then the argmax. max_depth (optional) ignores deeper nodes and sets
-    L = max_depth + 1, the width of the verdict; default L = N.
-    """
+    From the root, move to the (first) child whose token is the argmax at the current node, until
+    none is. max_depth: deeper nodes are ignored, and the verdict's width L = max_depth + 1 (else N)."""
     shape = _shape(parents, max_depth)
     x = logits.argmax(dim=-1)  # [B, N] the target's token after each node
     return _walk(tokens, parents, shape, _follow(tokens, shape.child, x), x)
@@ -193,14 +167,12 @@ def verify_tree_sample(
     max_depth: int | None = None,
     width: int | None = None,
 ) -> TreeVerdict:
-    """Exact sampled tree verification -> `TreeVerdict`; the module docstring gives both rules.
+    """Exact sampled tree verification -> `TreeVerdict` (the module docstring gives both rules).
 
-    tokens long [B, N], parents long [B, N] or [N]; p [B, N, V]: the target's (warped)
-    probabilities after each node, rows need not be normalised. kind="topk" ignores q.
-    kind="iid" needs q [B, N, V]: q[:, u] is the proposer's (equally warped) distribution
-    that u's children were drawn from, rows of leaves are unused. width (iid only) is the
-    most children any node has; children past it are never tried, which stays exact;
-    default N - 1, always enough. max_depth as in `verify_tree_greedy`.
+    tokens long [B, N], parents long [B, N] or [N]; p [B, N, V]: the target's (warped) probabilities
+    after each node, not necessarily normalised. kind="iid" needs q [B, N, V], the distribution u's
+    children were drawn from ("topk" ignores it). width (iid): the most children a node has (children
+    past it are never tried, still exact; default N - 1). max_depth as in `verify_tree_greedy`.
     """
     if kind not in ("topk", "iid"):
         raise ValueError(f'kind must be "topk" or "iid", got {kind!r}')
@@ -211,6 +183,5 @@ def verify_tree_sample(
         x = sample(p, generator)  # [B, N] one target draw per node
         return _walk(tokens, parents, shape, _follow(tokens, shape.child, x), x)
     assert q is not None
-    N = tokens.shape[1]
-    nxt, stop = _iid_decisions(tokens, shape.child, p, q, generator, N - 1 if width is None else width)
+    nxt, stop = _iid_decisions(tokens, shape.child, p, q, generator, tokens.shape[1] - 1 if width is None else width)
     return _walk(tokens, parents, shape, nxt, stop)

@@ -1,17 +1,11 @@
 """Speculative-decoding verification: pure tensor functions, batched over B rows.
 
-A proposer (draft model or MTP module) guesses k tokens; the target scores all k+1
-positions in one pass; these functions decide how many guesses to keep and which token
-comes next. `verify_sample` is the rejection scheme of Leviathan et al. / Chen et al.:
-its output tokens are distributed exactly as if drawn from the (warped) target one at a
-time, whatever the proposer, so speed never costs quality. Its temperature-0 limit, greedy
-verification, keeps the leading guesses equal to the target's argmax (`verify_tree_greedy`
-on a chain; tests/test_verify.py holds it as `verify_greedy`).
-
-Everything stays on the device: no `.item()`, no Python branch on a tensor value, every
-random draw through the caller's `torch.Generator`. A CUDA generation loop therefore
-queues a whole verify step without waiting for the GPU, and a seeded generator replays
-a run exactly.
+A proposer guesses k tokens, the target scores all k+1 positions in one pass, and these decide how
+many guesses to keep and which token comes next. `verify_sample` is the rejection scheme of
+Leviathan et al. / Chen et al.: its tokens are distributed exactly as the (warped) target's, whatever
+the proposer. Everything stays on the device (no `.item()`, no Python branch on a tensor value) and
+every draw goes through the caller's `torch.Generator`: a CUDA loop queues a whole step without
+waiting, and a seeded generator replays a run exactly.
 """
 
 from __future__ import annotations
@@ -28,21 +22,12 @@ Warp = Callable[[Tensor], Tensor]  # logits [..., V] -> probabilities [..., V]
 
 
 def warp(
-    logits: Tensor,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
+    logits: Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None
 ) -> Tensor:
-    """Sampling distribution [..., V] float32 from logits [..., V]: temperature, top-k, top-p, min-p.
-
-    top-k keeps exactly the k largest logits (topk breaks ties); top-p then keeps the
-    smallest set of most probable tokens whose mass reaches top_p (at least the top token);
-    min-p last drops the tokens less probable than min_p times the top token's probability
-    (as Hugging Face orders them; a ratio to the top, so renormalising changes nothing).
-    None, top_k >= V, top_p >= 1 or min_p == 0 turn a filter off. Verification is exact
-    for the warped target distribution, whatever warp the proposer drew its guesses with.
-    """
+    """Sampling distribution [..., V] float32 from logits [..., V], in Hugging Face's order: the
+    temperature; top-k (exactly the k largest, topk breaks ties); top-p (the smallest most probable
+    set holding top_p, at least the top token); min-p (drop tokens below min_p x the top one's
+    probability). None, top_k >= V, top_p >= 1 or min_p == 0 turn a filter off."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (use greedy decoding for 0), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -69,14 +54,7 @@ TOP_P_HEADS = (256, 2048)  # on the CPU, top-p first looks for its tokens among 
 
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:
     """Top-p over probabilities [..., V]: keep, most probable first, the tokens whose more probable
-    ones hold less than top_p of the mass (the top token always), renormalised.
-
-    Sorting a whole row costs about 0.4 ms on this CPU for 8,192 tokens, and the tokens kept are
-    nearly always among the few most probable: on the CPU, where a look at the values costs no
-    device sync, the H most probable (topk: 22 us for 256 of them, 44 for 2,048) serve when their
-    mass reaches top_p in every row; every token past them is dropped then, as the full sort would
-    drop it (its running sum in sorted order is at least theirs, and a running sum's first terms
-    are the same, computed in the same order). Else, and on a GPU, the whole row is sorted."""
+    ones hold less than top_p of the mass (the top token always), renormalised."""
     order, sums = _most_probable(probs, top_p)
     # mass of the more probable tokens (an exclusive cumsum, no cancellation)
     keep_sorted = F.pad(sums[..., :-1], (1, 0)) < top_p
@@ -87,8 +65,11 @@ def _nucleus(probs: Tensor, top_p: float) -> Tensor:
 
 
 def _most_probable(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
-    """The most probable tokens of each row of probs [..., V], most probable first, and the
-    running sums of their probabilities: enough of them to hold top_p in every row (`_nucleus`)."""
+    """The most probable tokens of each row of probs [..., V], most probable first, and their running
+    sums, enough to hold top_p in every row. Sorting a row costs ~0.4 ms on this CPU for 8,192 tokens:
+    on the CPU (a look costs no sync) the H most probable (topk: 22 us for 256, 44 for 2,048) serve when
+    they hold top_p in every row, as the full sort drops every token past them too (the same first
+    terms, summed in the same order). Else, and on a GPU, the whole row is sorted."""
     if probs.device.type == "cpu":
         for head in (h for h in TOP_P_HEADS if h < probs.shape[-1]):
             top, order = probs.topk(head, dim=-1)  # [..., head] each
@@ -100,25 +81,17 @@ def _most_probable(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
 
 
 def _repeated(logits: Tensor, hit: Tensor, factor: float) -> Tensor:
-    """CTRL's penalty where `hit` (bool, broadcast to logits): a logit divided by the factor
-    when positive, multiplied by it when not."""
+    """CTRL's penalty where `hit` (bool, broadcast): a logit divided by the factor if positive, else multiplied."""
     return torch.where(hit, torch.where(logits > 0, logits / factor, logits * factor), logits)
 
 
 def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestors: Tensor | None = None) -> Tensor:
-    """The repetition penalty (CTRL; Hugging Face's `repetition_penalty`) over one pass -> [..., T, V].
-
-    logits [..., T, V]: a pass over the tokens fed [..., T] (long); row i predicts the token
-    after fed[i]. seen [..., V] (bool): the tokens of the context before the pass (it may
-    already hold some of fed). Row i's context is seen plus fed[:i+1], so a token counts as
-    repeated in row i from the position it was fed at on: a verify pass over [last, d_1..d_k]
-    scores each position as the target alone would, one token at a time. A repeated token's
-    logit is divided by the penalty when positive, multiplied by it when not. penalty 1 is
-    off (the logits come back as they are); no host sync.
-
-    A pass over a token tree (`tree.py`) gives `ancestors` (bool [T, T], [i, j] iff fed[j] is
-    on row i's path, itself included): row i's context is then seen plus its path alone.
-    """
+    """The repetition penalty (CTRL; Hugging Face's `repetition_penalty`) over one pass -> [..., T, V]:
+    logits [..., T, V] of a pass over fed [..., T] (long), row i predicting the token after fed[i] in
+    the context seen [..., V] (bool, before the pass; it may hold some of fed) plus fed[:i+1], as the
+    target alone would. A token tree's pass (`tree.py`) gives `ancestors` (bool [T, T], [i, j] iff
+    fed[j] is on row i's path, itself included): row i's context is then seen plus its path. penalty 1
+    returns the logits as they are; no host sync."""
     if not (math.isfinite(penalty) and penalty > 0):
         raise ValueError(f"repetition penalty must be > 0 and finite, got {penalty}")
     if penalty == 1.0:
@@ -134,8 +107,7 @@ def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestor
 
 @dataclass(frozen=True)
 class Warper:
-    """`warp` with its settings bound: logits [..., V] -> probabilities [..., V]. A proposer may
-    read them (a native chain of guesses applies a plain temperature itself)."""
+    """`warp` with its settings bound: logits [..., V] -> probabilities [..., V]."""
 
     temperature: float
     top_k: int | None = None
@@ -153,9 +125,8 @@ class Warper:
 
 @dataclass(frozen=True)
 class Penalty:
-    """The repetition penalty a round's guesses are scored with, as the target's rows will be
-    (`penalize`): its context seen [V] (bool) and its factor. A proposer guessing one token at a
-    time works on its own `copy`, which `take`s in each guess as the next one's context."""
+    """The repetition penalty a round's guesses are scored with, as the target's rows (`penalize`):
+    context seen [V] (bool) and factor. A proposer `take`s each guess into its own `copy`."""
 
     seen: Tensor
     factor: float
@@ -174,35 +145,25 @@ class Penalty:
 
 
 def proposal(w: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """The distribution a proposer draws its guesses from under the user's warp: the temperature
-    alone. Verification stays exact whatever q the guesses came from (the target's p is warped in
-    full), a chain of guesses computes a temperature inside itself (natively, one call
-    for the round), and top-p would cost a sort of the head's row at every guess. So top-k,
-    top-p and min-p shape p alone; a guess they drop is rejected (its p is 0)."""
+    """The distribution a proposer draws from under the user's warp: the temperature alone. Exactness
+    needs only p warped in full, a native chain computes a temperature itself, and top-p would cost a
+    sort per guess: top-k, top-p and min-p shape p alone (a guess they drop has p 0: rejected)."""
     return Warper(w.temperature) if isinstance(w, Warper) and not w.plain else w
 
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, like: Tensor) -> Tensor:
-    """U[0, 1) draws in float64 (on the device of `like`) for `sample`: one per token to draw,
-    drawn ahead of time for a chain that samples inside itself."""
+    """U[0, 1) float64 draws on `like`'s device for `sample`, one a token (ahead, for a native chain)."""
     return torch.rand(shape, generator=generator, dtype=torch.float64, device=like.device)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per row of probs [..., V] -> long [...], without a host sync: by the inverse CDF,
-    the token i whose interval [c_(i-1), c_i) of the running sums c of its row holds u * c_V, for
-    one uniform draw u per row (`uniforms`).
-
-    Token i is picked with probability p_i / sum(p), so rows need not be normalised; a
-    zero-probability token has an empty interval and is never picked. The sums run in
-    float64: a token's interval is its probability to float64 rounding. One draw per token,
-    where a race over the vocabulary needs V (8,192 Exp(1) draws cost 242 µs here, about five
-    times these few calls).
-    """
+    """One token per row of probs [..., V] -> long [...], no host sync: by the inverse CDF, the token
+    whose interval [c_(i-1), c_i) of its row's float64 running sums c holds u * c_V, one uniform u a
+    row (`uniforms`). Rows need not be normalised; a zero-probability token is never picked. One draw
+    a row, where a race over the vocabulary needs V (8,192 Exp(1) draws: 242 µs here, about 5x this)."""
     u = uniforms(probs.shape[:-1], generator, probs)  # [...]
     c = probs.double().cumsum(dim=-1)  # [..., V]
-    # the number of intervals wholly below the point (a binary search: counting them by a
-    # comparison over the row cost 41 µs on 8,192 tokens here, the search 16)
+    # the intervals wholly below the point, by binary search (16 µs on 8,192 tokens; a comparison 41)
     below = torch.searchsorted(c, (u * c[..., -1]).unsqueeze(-1), right=True).squeeze(-1)  # [...]
     return below.clamp_max_(probs.shape[-1] - 1)  # u * c_V rounded up to c_V: the last
 
@@ -213,16 +174,11 @@ def greedy_pick(logits: Tensor) -> Tensor:
 
 
 def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Exact speculative sampling -> (n [B], out [B, k+1]).
-
-    drafts: long [B, k], drawn from the proposer's probabilities q [B, k, V];
-    p: [B, k+1, V], the target's probabilities at the k+1 positions (same warp as q).
-    Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first
-    rejection n the next token is drawn from max(0, p_n - q_n), renormalised (from p_n if
-    that is all zero, which happens only when p_n == q_n up to rounding); when all k are
-    accepted it is a bonus draw from p_k. out[:, :n+1] are the tokens this pass yields: the n
-    accepted drafts, then that next token; out[:, n+1:] holds drafts, to be ignored.
-    """
+    """Exact speculative sampling -> (n [B], out [B, k+1]): drafts long [B, k] drawn from q [B, k, V],
+    p [B, k+1, V] the target's (same warp). Draft i is kept with probability min(1, p_i(x_i) / q_i(x_i));
+    at the first rejection n the next token is drawn from max(0, p_n - q_n) renormalised (from p_n if
+    that is all zero: p_n == q_n up to rounding), after k kept from p_k. out[:, :n+1] is what the pass
+    yields; out[:, n+1:] is filler."""
     B, k = drafts.shape
     if k == 0:  # no guess: a draw from p_0, what the rule below comes to, without its tensors
         nxt = sample(p[:, 0].float(), generator)  # [B]

@@ -1,25 +1,17 @@
 """The native engine (`--engine native`): a decode pass in C++ over the checkpoint's float16 weights.
 
-Why: a one-token pass of the target is bound by reading its weights. As float32 (what
-the eager engine reads) they are 36 MB, more than this machine's L3, so each
-token reads them from memory; as the float16 they are stored in they are 18 MB, half the
-bytes, and less than the L3. Inductor's float16 products, tried here, were slower than its
-float32 ones (docs/decisions.md, "Inductor's float16 products"), so `step.cpp` has its own, over weights packed at
-load in panels of 16 output rows in the AVX-512 build, 8 in the AVX2 one (`panels`, `kernels`):
-every product converts the weights to float32 in registers and accumulates in float32, so a
-model whose weights are float16 values (every checkpoint Smallem ships or exports) is computed as it
-is, not rounded. A proposer loaded so (`--proposer-weights int8`) has
-its matrices as int8 with a scale per row instead (`pack.panels8`): half the bytes a guess
-reads; the target's are always its own values, so the text is the target's.
+A one-token pass of the target is bound by reading its weights: 36 MB as the eager engine's float32,
+more than this machine's L3; 18 MB as the float16 they are stored in. Inductor's float16 products
+were slower than its float32 ones (docs/decisions.md), so `step.cpp` has its own, over weights packed
+in panels at load: converted to float32 in registers and accumulated in float32, so float16-valued
+weights (every checkpoint Smallem ships or exports) are computed as they are. A proposer loaded with
+`--proposer-weights int8` reads int8 with a scale per row (`pack.panels8`), half the bytes; the
+target's are always its own values, so the text is the target's.
 
-A step reads the past as a strided view of the slab; it writes the new K/V into the slab
-itself, right after the past (the caller's copy and a buffer saved), and returns them as a
-view there, for every T, with no per-shape build: one library, built once by the system's
-C++ compiler and cached on disk by the hash of its source and flags (`kernels`).
-
-Anything that fails (no compiler, a CPU without AVX2/F16C/FMA, weights that float16
-cannot hold exactly, a shape the kernels do not tile) leaves the model eager, with one
-line through `log`.
+A step reads the past as a strided view of the slab and writes the new K/V right after it, for every
+T, with one library built and cached once (`kernels`). Anything that fails (no compiler, no
+AVX2/F16C/FMA, weights float16 cannot hold, a shape the kernels do not tile) leaves the model eager,
+with one line through `log`.
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ import torch
 from ...engine.batch import BatchStep, visible
 from ...model.llama import MTPModule, Transformer, permute_rope
 from ...spec.verify import Penalty
-from .kernels import ENGINES, Log, library
+from .kernels import ENGINES, Log, library, ptr
 from .pack import NativeUnavailable, half_exact, panels, panels8
 
 MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
@@ -63,9 +55,8 @@ class _ModelW(ctypes.Structure):
 
 
 class NativeSteps:
-    """A model's native decode passes over one library that serves every T: a flat batch's
-    (`batch`), one sequence's whose past is one view of the slab (`step_for`), and a proposer's
-    chain of guesses in one call (`chain`). int8: the model's matrices as int8 (a proposer's)."""
+    """A model's native decode passes, for every T: a flat batch's (`batch`), one sequence's over one
+    view of the slab (`step_for`), a proposer's chain in one call (`chain`). int8: its matrices as int8."""
 
     def __init__(
         self,
@@ -76,7 +67,6 @@ class NativeSteps:
         engine: str = "native",
         int8: bool = False,
     ) -> None:
-        self.kind = engine  # a key of ENGINES
         self.lib = library(root, log, ENGINES[engine])
         self.width = self.lib.smallem_panel()  # a panel's output rows, as this library reads them
         self.score_rows = self.lib.smallem_score_rows()  # rows of attention scores a thread's scratch holds
@@ -84,12 +74,11 @@ class NativeSteps:
         c = model.cfg
         if c.dim % 8 or c.head_dim % 8 or c.hidden_dim % 8 or c.n_heads % c.n_kv_heads:
             raise NativeUnavailable("the model's widths are not multiples of 8")
-        own = target if isinstance(model, MTPModule) else model  # the MTP module turns as its target
+        own = target if isinstance(model, MTPModule) else model  # the MTP module turns (and guesses) as its target
         assert own.rope_cos is not None and own.rope_sin is not None, "pack() the model first"
         self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
         self._rope_row = own.rope_cos.stride(0) * own.rope_cos.element_size()  # bytes a position (`chain`)
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
-        self.min_past = 0  # a prompt's pass too: its past is empty
         self.mtp = isinstance(model, MTPModule)
         self.keep: list[torch.Tensor] = []  # every tensor the C struct points at, alive as long as it
         blocks = [model.block] if isinstance(model, MTPModule) else list(model.layers)
@@ -101,16 +90,8 @@ class NativeSteps:
             norms = [w.weight.detach().float().contiguous() for w in (b.input_layernorm, b.post_attention_layernorm)]
             self.keep += norms
             layers[i] = _LayerW(*[self._mat(w, f"layer {i}") for w in mats], *[w.data_ptr() for w in norms])
-        mw = _ModelW(
-            c.n_layers if not self.mtp else 1,
-            c.dim,
-            c.n_heads,
-            c.n_kv_heads,
-            c.head_dim,
-            c.hidden_dim,
-            c.vocab_size,
-            c.norm_eps,
-        )
+        n_layers = c.n_layers if not self.mtp else 1
+        mw = _ModelW(n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size, c.norm_eps)
         mw.layers = ctypes.cast(layers, ctypes.c_void_p)
         # a chain's head rows in panels, by ids (held, so that their id stays theirs); a draft's
         # whole head is the one its passes read
@@ -134,9 +115,8 @@ class NativeSteps:
         self._batch_scratch = torch.empty(0)  # a batch pass's (`batch`), for its largest batch so far
         # The head and final norm a chain of guesses reads (`chain`): the target's for the MTP
         # module, a draft's own; packed at the chain's first call, per cut of the head.
-        head_of = target if isinstance(model, MTPModule) else model
-        self.head_src = head_of.head_weight.detach()
-        self.g_final = head_of.norm.weight.detach().float().contiguous()
+        self.head_src = own.head_weight.detach()
+        self.g_final = own.norm.weight.detach().float().contiguous()
 
     def _mat(self, w: torch.Tensor, name: str) -> _Mat:
         """W [out, in] in panels, held: float16 (refused if not float16-exact), or int8 (`int8`)."""
@@ -153,11 +133,10 @@ class NativeSteps:
         return self.rope[0][start:length], self.rope[1][start:length]
 
     def step_for(self, start: int, length: int, head: bool, last: bool) -> StepFn | None:
-        """The step for a pass over positions start .. length - 1 whose past is one view of the
-        slab, or None where it cannot serve it: a pass longer than MAX_T, or positions past the
-        context (the slab holds a page more, but the rope tables stop there and a step checks no
-        shapes)."""
-        if start < self.min_past or length > self.positions:
+        """The step for a pass over positions start .. length - 1 whose past is one view of the slab;
+        None for a pass longer than MAX_T or past the context (the slab holds a page more, but the rope
+        tables stop there and a step checks no shapes)."""
+        if start < 0 or length > self.positions:
             return None
         return self.get(length - start, head, last)
 
@@ -193,14 +172,11 @@ class NativeSteps:
         penalty: Penalty | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A proposer's chain (`smallem_chain`): k guesses, with the head cut to `ids` (None: whole).
-        `start`: the state guess 1 is made from [1, d] (the MTP module's, or a draft's final state),
-        or the entries a round confirmed, fed first in the same call: (tokens [m], the MTP module's
-        target states [m, d] or None for a draft), their K/V kept at L .. L+m-1 (m = 0 without).
-        `view` [layers, 2, Hkv, >= L+m+k-1, D]: the model's cache, positions L.. reserved (the K/V
-        of guesses 1 .. k-1 go to L+m ..). Greedy -> (tokens [k], their probabilities [k]);
-        sampled (1/T and uniform draws u [k], float64) -> (tokens [k], q [k, V] over the
-        vocabulary, zero outside a cut head's tokens: the verification reads it so). `penalty`: each
-        guess scored with the repetition penalty over its context (`verify.Penalty`)."""
+        `start`: the state [1, d] guess 1 is made from (the MTP module's, or a draft's final state), or
+        the entries a round confirmed, fed first: (tokens [m], the MTP module's target states [m, d] or
+        None), their K/V kept at L .. L+m-1. `view` [layers, 2, Hkv, >= L+m+k-1, D]: the model's cache,
+        positions L.. reserved. Greedy -> (tokens [k], their probabilities [k]); sampled (1/T, float64
+        uniforms u [k]) -> (tokens [k], q [k, V], zero outside a cut head). `penalty`: `verify.Penalty`."""
         assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
             rows = self.head_src if ids is None else self.head_src[ids]
@@ -231,7 +207,6 @@ class NativeSteps:
             assert seen.dtype == torch.bool and seen.numel() == c.vocab_size
         row = self._rope_row  # cos, sin from position L: by address
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.lib.smallem_chain(
             ctypes.addressof(self.mw), rows.w, rows.scale, N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
             ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + L * row, self.rope[1].data_ptr() + L * row,
@@ -242,18 +217,12 @@ class NativeSteps:
         return (tokens, q) if q is not None else (tokens, tops)
 
     def batch(
-        self,
-        tokens: torch.Tensor,
-        h: torch.Tensor | None,
-        slab: torch.Tensor,
-        b: BatchStep,
-        head: str = "none",
+        self, tokens: torch.Tensor, h: torch.Tensor | None, slab: torch.Tensor, b: BatchStep, head: str = "none"
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's target
-        states h [N, d]) at `b`'s positions, their K/V written into `slab` [L, 2, Hkv, slots, D] at
-        b.slots, each row attending to the slots its mask shows (`batch.visible`).
-        head (`forward.transformer_pass`'s): "all" rows, each sequence's "last", or "none"
-        -> (logits [N, V], [B, V] or [0, V], hidden [N, d])."""
+        states h [N, d]) at `b`'s positions, K/V written into `slab` [L, 2, Hkv, slots, D] at b.slots,
+        each row attending to what its mask shows (`batch.visible`). head: "all" rows, each sequence's
+        "last", or "none" (`forward.transformer_pass`'s) -> (logits [N, V], [B, V] or [0, V], hidden [N, d])."""
         c, threads = self.cfg, torch.get_num_threads()
         N = tokens.shape[0]
         vis, first, count = (t.contiguous() for t in visible(b))
@@ -270,7 +239,6 @@ class NativeSteps:
             self._batch_scratch = torch.empty(need)
         scratch = self._batch_scratch
         strides = (ctypes.c_int64 * 4)(*slab.stride()[:4])
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         self.lib.smallem_batch_step(
             ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), N, cos.data_ptr(), sin.data_ptr(), slab.data_ptr(),
             ctypes.addressof(strides), slots.data_ptr(), vis.data_ptr(), first.data_ptr(), count.data_ptr(), keys,
@@ -308,24 +276,10 @@ class NativeSteps:
         strides = (ctypes.c_int64 * 4)(*past.stride()[:4])
         h = None if h is None else h.contiguous()  # held here: the C code reads it
         self.lib.smallem_step(
-            ctypes.addressof(self.mw),
-            tokens.data_ptr(),
-            None if h is None else h.data_ptr(),
-            T,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            past.data_ptr(),
-            ctypes.addressof(strides),
-            S,
-            x.data_ptr(),
-            logits.data_ptr(),
-            t_head,
-            new.data_ptr(),
-            ctypes.addressof(strides),  # the slab's
-            scratch.data_ptr(),
-            threads,
-            None if top is None else top.data_ptr(),
-        )
+            ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), T, cos.data_ptr(), sin.data_ptr(), past.data_ptr(),
+            ctypes.addressof(strides), S, x.data_ptr(), logits.data_ptr(), t_head, new.data_ptr(),
+            ctypes.addressof(strides), scratch.data_ptr(), threads, ptr(top),  # new's strides: the slab's too
+        )  # fmt: skip
         out = x[-1:] if last else x
         if self.mtp:
             return out, new

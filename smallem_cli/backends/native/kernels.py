@@ -1,12 +1,8 @@
-"""The native engine's compiled kernels: built once by the system's C++ compiler, cached on
-disk by the hash of their source, flags and compiler, loaded with ctypes.
-
-Two builds: "avx512" where torch finds AVX-512 on this CPU (the products read panels of 16
-output rows, one 512-bit register: a loop of independent FMAs ran 110-112 GFLOP/s a core here
-on them against 67 on 256-bit ones, and a pass over a few rows is bound by them), and "avx2"
-(panels of 8) everywhere
-else. An AVX-512 CPU can load the AVX2 build beside it (`--engine native-avx2`), so that
-`smallem bench` times both in one run.
+"""The native engine's kernels: built once by the system's C++ compiler, cached on disk by the hash
+of their source, flags and compiler, loaded with ctypes. Two builds: "avx512" where torch finds
+AVX-512 (panels of 16 output rows, one 512-bit register: independent FMAs ran 110-112 GFLOP/s a core
+here against 67 on 256-bit ones, and a pass over a few rows is bound by them), else "avx2" (panels
+of 8), which an AVX-512 CPU loads beside it (`--engine native-avx2`) for `smallem bench` to time both.
 """
 
 from __future__ import annotations
@@ -45,10 +41,9 @@ SYMBOLS = (  # what every build exports (step.cpp, verify.h): a library without 
 
 
 def prefetch_rows(cpuinfo: str | None = None) -> int:
-    """The fewest input rows a product tile prefetches its next panels for (`matmul.h`
-    PREFETCH_ROWS), by the CPU's maker (`cpuinfo`: /proc/cpuinfo's text, read when None): 5 on
-    AMD, 8 elsewhere. Measured, whole target passes alternated pass by pass: over 5 to 7 rows an
-    AMD Zen 4 host took 2-12% less with it; an Emerald Rapids host 5-7% more at 5 and 6 rows."""
+    """The fewest input rows a product tile prefetches its next panels for (`matmul.h` PREFETCH_ROWS),
+    by the CPU's maker (`cpuinfo`: /proc/cpuinfo's text, read when None): 5 on AMD (a Zen 4 host took
+    2-12% less over 5 to 7 rows, passes alternated), 8 elsewhere (Emerald Rapids: 5-7% more at 5, 6)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
@@ -71,11 +66,15 @@ def loaded() -> ctypes.CDLL:
     return next(iter(_LIBS.values()))
 
 
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for the C code; None (a null pointer) for None."""
+    return None if t is None else t.data_ptr()
+
+
 def private_folder(folder: Path) -> Path:
-    """`folder` (made 0700 where missing) -> its real path, where no one but this user and root
-    could have written it or anything above it: every folder from it up to / is theirs, and not
-    writable by group or others (above `folder`, sticky ones such as /tmp are, as others cannot
-    move what is ours in them). NativeUnavailable naming the first folder that fails."""
+    """`folder` (made 0700 where missing) -> its real path, where every folder from it up to / is this
+    user's or root's and not writable by group or others (above `folder`, sticky ones such as /tmp may
+    be: others cannot move what is ours in them). NativeUnavailable names the first that fails."""
     me = os.geteuid()
     given = Path(os.path.abspath(folder))
     chain = [given, *given.parents]
@@ -104,14 +103,11 @@ def private_folder(folder: Path) -> Path:
 
 
 def _load(data: bytes, folder: Path) -> ctypes.CDLL | str:
-    """`data` loaded as a library with every one of SYMBOLS -> it, or why not (a line).
-
-    Why a copy: CDLL takes a path, looked up again when it loads, so the bytes hashed from the
-    cache could differ from the bytes mapped. These are written into a fresh mkdtemp folder (0700,
-    inside the checked `folder`, not /tmp, which may be mounted noexec), which no one else can
-    enter, and loaded from there: what was hashed is what runs. The copy is removed once loaded:
-    the mapping keeps its inode in use (never unloaded), so no later copy gets the same one and is
-    taken by the loader, which matches loaded objects by device and inode, for this library."""
+    """`data` loaded as a library with every one of SYMBOLS -> it, or why not (a line). CDLL takes a
+    path, looked up again as it loads, so the bytes go into a fresh mkdtemp folder (0700, inside the
+    checked `folder`: /tmp may be noexec) and load from there: what was hashed is what runs. The copy
+    goes once loaded: the mapping keeps its inode in use, so no later copy gets that inode and is taken
+    for this library by the loader (which matches loaded objects by device and inode)."""
     tmp = tempfile.mkdtemp(prefix=".load-", dir=folder)
     try:
         copy = os.path.join(tmp, "step.so")
@@ -181,9 +177,8 @@ def _build(cxx: str, flags: list[str], key: str, folder: Path) -> ctypes.CDLL:
 
 
 def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
-    """The kernels for `isa` (None: `best_isa`), built into `root`/native once, and loaded only if
-    no one else could have written them (`private_folder`) and they are the bytes built (`_cached`).
-    A cached library that fails its check is removed and built again."""
+    """The kernels for `isa` (None: `best_isa`), built into `root`/native once, loaded only from a
+    `private_folder` and as the bytes built (`_cached`); a cached one that fails is built again."""
     best = best_isa()
     isa = isa or best
     if isa not in ISA_FLAGS or (isa == "avx512" and best != "avx512"):

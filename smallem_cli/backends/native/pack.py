@@ -19,9 +19,8 @@ def half_exact(w: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def panels(w: torch.Tensor, name: str, width: int) -> torch.Tensor:
-    """W [out, in] -> float16 panels of `width` output rows [ceil(out / width), in, width]
-    (`step.cpp`'s layout: a product reads each panel front to back; the width is the library's,
-    `smallem_panel`), the last one padded with zero rows."""
+    """W [out, in] -> float16 panels of `width` output rows (the library's `smallem_panel`), as
+    `step.cpp` reads them front to back (`_in_panels`)."""
     return _in_panels(half_exact(w, name), width)
 
 

@@ -7,20 +7,15 @@ import torch
 
 from ...spec.verify import Warper, uniforms
 from . import kernels
+from .kernels import ptr
 
 
 def verify_sample(
-    logits: torch.Tensor,
-    warp: Warper,
-    drafts: torch.Tensor,
-    q: torch.Tensor | None,
-    generator: torch.Generator | None,
+    logits: torch.Tensor, warp: Warper, drafts: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """`verify.verify_sample` for one sequence after `warp` (its temperature, top-k, top-p and
-    min-p), in one call of the loaded library (`smallem_verify_sample`): raw logits [k+1, V] of
-    the verify pass, the guesses [k] and their q [k, V] (None: no guess) -> [k + 2] long: n
-    kept, then the k+1 tokens. It draws what `verify_sample` draws, in the same order, from
-    `generator`."""
+    """`verify.verify_sample` for one sequence after `warp`, in one call (`smallem_verify_sample`): raw
+    logits [k+1, V] of the verify pass, the guesses [k] and their q [k, V] (None: no guess) -> [k + 2]
+    long: n kept, then the k+1 tokens. It draws what `verify_sample` draws, in the same order."""
     lib = kernels.loaded()
     k, V = drafts.shape[0], logits.shape[-1]
     assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
@@ -31,7 +26,6 @@ def verify_sample(
         u = torch.rand(1, k, generator=generator)  # as verify_sample's acceptance draws
     u_next = uniforms((1,), generator, logits)  # as its `sample` of the next token
     out, r = torch.empty(k + 2, dtype=torch.long), torch.empty(3 * V)  # r: the C code's scratch, held here
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     lib.smallem_verify_sample(
         logits.data_ptr(), k, V, 1.0 / warp.temperature, ptr(drafts) if k else None, ptr(q) if k else None, ptr(u),
         u_next.data_ptr(), r.data_ptr(), out.data_ptr(),
@@ -49,6 +43,5 @@ def penalize_argmax(rows: torch.Tensor, seen: torch.Tensor, fed: torch.Tensor, p
     assert rows.dtype == torch.float32 and rows.is_contiguous() and seen.dtype == torch.bool and seen.numel() == V
     fed, seen = fed.contiguous(), seen.contiguous()
     top, mark = torch.empty(T, dtype=torch.long), torch.empty(V, dtype=torch.uint8)  # mark: the C code's scratch
-    ptrs = [t.data_ptr() for t in (seen, fed)]
-    lib.smallem_penalize(rows.data_ptr(), T, V, *ptrs, penalty, top.data_ptr(), mark.data_ptr())
+    lib.smallem_penalize(ptr(rows), T, V, ptr(seen), ptr(fed), penalty, ptr(top), ptr(mark))
     return top
