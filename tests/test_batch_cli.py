@@ -428,7 +428,7 @@ def test_options_are_the_defaults_and_reach_the_engine(family: Family, fake: Fak
     assert [r.max_new_tokens for r in fake.requests] == [7, 7]
     assert fake.args[1] == D.PROPOSER["sample"] and str(fake.args[2]) == "cpu"
     kw = fake.kwargs
-    assert (kw["k"], kw["max_batch"], kw["proposer_vocab"], kw["eot"]) == (2, 4, 64, 0)
+    assert (kw["k"], kw["max_batch"], kw["proposer_vocab"], kw["end_ids"]) == (2, 4, 64, (0,))
     answers(batch(family, "-q", input="one\n"))
     assert fake.args[1] == D.PROPOSER["greedy"]
     assert (fake.kwargs["k"], fake.kwargs["max_batch"], fake.kwargs["proposer_vocab"]) == (None, D.MAX_BATCH, None)

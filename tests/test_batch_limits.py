@@ -325,7 +325,7 @@ def test_the_cache_grows_as_requests_need_it(
 
     def make(**kw: object) -> build.Engine:
         return build.build_engine(
-            tgt, proposer, torch.device("cpu"), k=None, proposer_vocab=None, eot=None, decode=str,
+            tgt, proposer, torch.device("cpu"), k=None, proposer_vocab=None, decode=str,
             backend=Backend(native) if native else None, tree=tree, **kw,
         )  # type: ignore[arg-type]  # fmt: skip
 
@@ -349,7 +349,7 @@ def test_a_growth_the_memory_refuses_keeps_the_pool(family: Family, monkeypatch:
     tgt = load_target(family.target, torch.device("cpu"))
     reqs = [Request(i, i, tuple(range(5 + i % 7, 12 + i % 7)), 120) for i in range(60)]
     eng = build.build_engine(
-        tgt, "ngram+mtp", torch.device("cpu"), k=None, max_batch=64, proposer_vocab=None, eot=None, decode=str
+        tgt, "ngram+mtp", torch.device("cpu"), k=None, max_batch=64, proposer_vocab=None, decode=str
     )
     start, slab = eng.pool.n_pages, eng.t.slab
 
@@ -361,7 +361,7 @@ def test_a_growth_the_memory_refuses_keeps_the_pool(family: Family, monkeypatch:
     assert eng.pool.n_pages == eng.max_pages == start and eng.t.slab is slab and eng.preemptions > 0
     monkeypatch.undo()
     whole = build.build_engine(
-        tgt, "ngram+mtp", torch.device("cpu"), k=None, max_batch=64, proposer_vocab=None, eot=None, decode=str,
+        tgt, "ngram+mtp", torch.device("cpu"), k=None, max_batch=64, proposer_vocab=None, decode=str,
         n_pages=build.pool_pages(64, tgt.model.cfg.max_seq_len, D.PAGE_SIZE),
     )  # fmt: skip
     assert {f.request.index: f.tokens for f in whole.run(reqs)} == got and len(got) == 60

@@ -36,7 +36,13 @@ def decode(ids: list[int]) -> str:
 
 
 def engine(
-    models: dict, kind: str, k: int, max_batch: int, n_pages: int | None = None, eot: int | None = None, cut: int = 0
+    models: dict,
+    kind: str,
+    k: int,
+    max_batch: int,
+    n_pages: int | None = None,
+    end_ids: tuple[int, ...] = (),
+    cut: int = 0,
 ):
     """An eager engine for the target and `kind`: none, ngram, a model of `models` by name (near,
     draft, mtp), or ngram+ one of those; `cut`: the proposer's head cut to that many tokens."""
@@ -49,7 +55,7 @@ def engine(
         p = proposer(base)
     else:
         p = proposer(kind.replace(base, "mtp" if base == "mtp" else "draft"), target, models[base], ids)
-    return assemble(target, p, Backend(), pool, k, auto_k=False, max_batch=max_batch, eot=eot, decode=decode)
+    return assemble(target, p, Backend(), pool, k, auto_k=False, max_batch=max_batch, end_ids=end_ids, decode=decode)
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -238,7 +244,7 @@ def test_batched_guesses_score_the_penalty(models, kind: str) -> None:
         if p is not None:
             pool = PagePool(pool_pages(8, target.cfg.max_seq_len, PS), PS)
             slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
-            eng = Engine(TargetRunner(target, slab, pool), p, 3, auto_k=False, max_batch=8, eot=None, decode=decode)
+            eng = Engine(TargetRunner(target, slab, pool), p, 3, auto_k=False, max_batch=8, decode=decode)
         eng.proposer = spy = Spy(eng.proposer)
         return {f.request.index: f.stats | {"tokens": f.tokens} for f in eng.run(reqs)}, spy
 
@@ -275,7 +281,7 @@ def test_stop_token_and_stop_strings(models) -> None:
     ref, _ = generate(models["target"], NONE, PROMPT, N, 0)
     stop_tok = ref[10]
     cut = ref.index(stop_tok)
-    eng = engine(models, "near", 3, max_batch=2, eot=stop_tok)
+    eng = engine(models, "near", 3, max_batch=2, end_ids=(stop_tok,))
     (fin,) = eng.run([Request(0, "a", tuple(PROMPT), N)])
     assert fin.tokens == ref[:cut]
     words = decode(ref).split(" ")

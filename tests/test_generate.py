@@ -677,27 +677,30 @@ def first_new(ref: list[int], at_least: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("kind", ["none", "near", "mtp", "self", "ngram+mtp"])
 @pytest.mark.parametrize("at_least", [1, 7, 30])
-def test_stop_token_ends_the_output(models, reference, kind: str, at_least: int) -> None:
+def test_an_end_id_ends_the_output(models, reference, kind: str, at_least: int) -> None:
+    """The first of the model's end ids to come ends the output (it is not emitted); the others,
+    never produced, change nothing."""
     stop, idx = first_new(reference, at_least)
+    absent = next(t for t in range(64) if t not in reference)
     for k in (1, 2, 4) if kind != "none" else (0,):
-        out, stats = generate(models["target"], make(kind, models), PROMPT, N, k, stop_token=stop)
+        out, stats = generate(models["target"], make(kind, models), PROMPT, N, k, end_ids=(absent, stop))
         assert out == reference[:idx]
         assert stop not in out
         assert stats.new_tokens == idx
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_stop_token_as_first_token(request, models, backend_name: str) -> None:
+def test_an_end_id_as_first_token(request, models, backend_name: str) -> None:
     ms, b = on(request, backend_name, models)
     ref = ref_on(request, b)
     for kind, k in (("none", 0), ("self", 3), ("mtp", 3)):
-        out, stats = generate(ms["target"], make(kind, ms), PROMPT, N, k, stop_token=ref[0], backend=b)
+        out, stats = generate(ms["target"], make(kind, ms), PROMPT, N, k, end_ids=[ref[0]], backend=b)
         assert out == [] and stats.new_tokens == 0 and stats.proposed == 0
 
 
-def test_stop_token_never_produced_changes_nothing(models, reference) -> None:
-    absent = next(t for t in range(64) if t not in reference)
-    out, _ = generate(models["target"], make("self", models), PROMPT, N, 3, stop_token=absent)
+def test_end_ids_never_produced_change_nothing(models, reference) -> None:
+    absent = [t for t in range(64) if t not in reference][:3]
+    out, _ = generate(models["target"], make("self", models), PROMPT, N, 3, end_ids=absent)
     assert out == reference
 
 

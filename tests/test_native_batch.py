@@ -136,7 +136,7 @@ def _engine(trio: Trio, kind: str, k: int, backend: Backend) -> Engine:
     target, mtp, draft, _ = trio
     pool = PagePool(pool_pages(8, target.cfg.max_seq_len, 16), 16)
     p = proposer(kind, target, {"mtp": mtp, "draft": draft}.get(kind.removeprefix("ngram").removeprefix("+")))
-    return assemble(target, p, backend, pool, k, auto_k=False, max_batch=8, eot=None)
+    return assemble(target, p, backend, pool, k, auto_k=False, max_batch=8)
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "mtp", "draft", "ngram+mtp", "ngram+draft"])

@@ -132,7 +132,6 @@ def test_batch_engine_on_the_shipped_family(target: family.Target, backend_name:
         k=None,
         max_batch=8,
         proposer_vocab=None,
-        eot=None,
         decode=str,
         backend=b,
     )

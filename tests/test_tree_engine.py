@@ -44,9 +44,7 @@ def tree_engine(
     V = target.cfg.vocab_size
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:cut] if cut else None
     p = Proposer("mtp", mtp, Head(target, ids), tree=tree)
-    return assemble(
-        target, p, backend or Backend(), pool, k, auto_k=False, max_batch=max_batch, eot=None, decode=decode
-    )
+    return assemble(target, p, backend or Backend(), pool, k, auto_k=False, max_batch=max_batch, decode=decode)
 
 
 @pytest.fixture(scope="module")

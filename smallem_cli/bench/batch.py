@@ -100,7 +100,7 @@ def alone_at_batch(
     from ..engine.build import build_engine
 
     eng = build_engine(
-        tgt, "none", device, k=None, max_batch=len(prompts), proposer_vocab=None, eot=None, decode=str,
+        tgt, "none", device, k=None, max_batch=len(prompts), proposer_vocab=None, decode=str,
         backend=Backend(engine), log=log, strict=True,
     )  # fmt: skip
     for _ in eng.run([Request(i, i, tuple(p[:16]), 8) for i, p in enumerate(prompts)]):
@@ -189,7 +189,7 @@ def from_cli(
         tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
         stored = suffix if suffix in D.WEIGHTS else weights
         return build_engine(
-            tgt, base, device, k=k, max_batch=size, proposer_vocab=None, eot=None, decode=str, tree=tree,
+            tgt, base, device, k=k, max_batch=size, proposer_vocab=None, decode=str, tree=tree,
             backend=backends.setdefault(engine, Backend(engine)), log=err.print, weights=stored, strict=True,
         )  # fmt: skip
 

@@ -143,7 +143,7 @@ def forward_costs(
     deepest = max([*ks, *(k for _, _, kk in proposers.values() for k in kk), 1])
     span = context + 2 * deepest + 4  # a sequence's positions, its proposer's chain included
     pool = PagePool((len(proposers) + 1) * pages_for(span, D.PAGE_SIZE), D.PAGE_SIZE)  # each one's pages in order
-    engine = assemble(target, NONE, backend, pool, deepest, auto_k=False, max_batch=len(proposers) + 1, eot=None)
+    engine = assemble(target, NONE, backend, pool, deepest, auto_k=False, max_batch=len(proposers) + 1)
     t, dev = engine.t, engine.t.slab.device
     ids = (prompt * (context // len(prompt) + 1))[:context]
     started = {name: (batch_proposer(p, target, pool, backend), kk) for name, (p, _, kk) in proposers.items()}

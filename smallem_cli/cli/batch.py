@@ -200,7 +200,7 @@ def batch(
 
     from ..backends import engines
     from ..engine import family
-    from ..model.tokenizer import EOT, load_tokenizer
+    from ..model.tokenizer import load_tokenizer
     from ..spec.sampling import NonFiniteError
     from . import batch_io as B
 
@@ -223,7 +223,7 @@ def batch(
         tgt = family.load_target(target, dev, tokenizer)
         tok = load_tokenizer(tgt.tokenizer)
         engine = make_engine(
-            tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=proposer_vocab, eot=tok.token_to_id(EOT),
+            tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=proposer_vocab, end_ids=tgt.chat.end_ids,
             decode=tok.decode, tree=O.tree(tree), backend=backend, log=None if quiet else err.print, weights=weights,
         )  # fmt: skip
     except O.INPUT_ERRORS as e:

@@ -41,6 +41,10 @@ def generate(
     ] = None,
     tree: Tree = D.TREE,
     weights: Weights = D.PROPOSER_WEIGHTS,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="the prompt as a user message, in the model's chat template")
+    ] = False,
+    system: Annotated[str | None, typer.Option(help="the system message (implies --chat)")] = None,
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
     import json
@@ -51,7 +55,8 @@ def generate(
     from ..engine import family
     from ..engine.generate import stream
     from ..engine.stops import StopPrinter
-    from ..model.tokenizer import EOT, load_tokenizer
+    from ..model.chat import messages, render
+    from ..model.tokenizer import load_tokenizer
     from ..spec.sampling import NonFiniteError, Sampling
     from ..stats import Stats
 
@@ -67,7 +72,10 @@ def generate(
             proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab), O.tree(tree), weights
         )
         tok = load_tokenizer(tgt.tokenizer)
-        ids = tok.encode(text).ids
+        if chat or system is not None:  # the template writes every special token the model expects
+            ids = tok.encode(render(tgt.chat, messages(text, system)), add_special_tokens=False).ids
+        else:
+            ids = tok.encode(text).ids
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
         backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
         n_threads = O.threads(threads) or O.threads_for_load(torch.get_num_threads())
@@ -81,10 +89,9 @@ def generate(
 
     sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)
     stats = Stats(proposer, kk, backend=used)
-    eot = tok.token_to_id(EOT)
     out = StopPrinter(tok, None if json_out else sys.stdout, stops or [])
     try:
-        for chunk in stream(tgt.model, loaded, ids, max_new_tokens, kk, sampling, eot, stats, backend):
+        for chunk in stream(tgt.model, loaded, ids, max_new_tokens, kk, sampling, tgt.chat.end_ids, stats, backend):
             if out.push(chunk):  # a stop string: the text ends before it, and generation here
                 break
         out.push([], final=True)

@@ -104,8 +104,8 @@ def _continuations(
         ids = corpus.token_file(tgt.tokenizer, train_txt)
         reqs = C.requests(C.contexts(ids, n, context_tokens, seed, eot), new_tokens, sampled_every, seed)
         engine = build_engine(
-            tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, eot=eot, decode=tok.decode,
-            backend=engines.Backend(engines.engine_mode(engines.chosen("auto"), dev)), log=err.print,
+            tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, end_ids=tgt.chat.end_ids,
+            decode=tok.decode, backend=engines.Backend(engines.engine_mode(engines.chosen("auto"), dev)), log=err.print,
         )  # fmt: skip
         val = corpus.read_documents(val_txt)
     except (family.CheckpointError, ValueError, OSError, UnicodeDecodeError) as e:

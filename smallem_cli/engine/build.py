@@ -8,7 +8,7 @@ requests need it (`grower`), starting at D.MAX_BATCH sequences.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -178,7 +178,7 @@ def assemble(
     *,
     auto_k: bool,
     max_batch: int,
-    eot: int | None,
+    end_ids: Collection[int] = (),
     decode: Callable[[list[int]], str] | None = None,
     k_sample: int | None = None,
     max_pages: int = 0,
@@ -195,7 +195,7 @@ def assemble(
         k,
         auto_k=auto_k,
         max_batch=max_batch,
-        eot=eot,
+        end_ids=end_ids,
         decode=decode,
         k_sample=k_sample,
         tree=p.tree,
@@ -213,7 +213,7 @@ def build_engine(
     k: int | None,
     max_batch: int,
     proposer_vocab: int | None,
-    eot: int | None,
+    end_ids: Collection[int] = (),
     decode: Callable[[list[int]], str],
     n_pages: int | None = None,
     page_size: int = D.PAGE_SIZE,
@@ -252,7 +252,7 @@ def build_engine(
         kg,
         auto_k=k is None,
         max_batch=max_batch,
-        eot=eot,
+        end_ids=end_ids,
         decode=decode,
         k_sample=ks,
         max_pages=max_pages,

@@ -8,7 +8,7 @@ whose tokenizer differs from the target's is refused before anything runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ import torch
 from .. import defaults as D
 from ..interop import hf
 from ..model import checkpoint
+from ..model.chat import ChatFormat, hf_format, own_format
 from ..model.checkpoint import CheckpointError
 from ..model.llama import MTPModule, Transformer
 from ..model.tokenizer import load_tokenizer
@@ -31,6 +32,7 @@ class Target:
     fingerprint: str
     path: Path
     hf: bool = False  # a Hugging Face folder, not a smallem checkpoint
+    chat: ChatFormat = field(default_factory=ChatFormat)  # the tokens that end its turn, its chat template
 
 
 def default_proposer(target: Path, greedy: bool) -> str:
@@ -42,19 +44,22 @@ def load_target(path: Path, device: torch.device, tokenizer: Path | None = None)
     """A smallem checkpoint or an HF Llama folder, packed for inference on `device`."""
     if hf.is_hf_dir(path):
         model, fp = hf.load_hf(path, device)
-        tok = tokenizer or path / "tokenizer.json"
+        tok_path = tokenizer or path / "tokenizer.json"
     else:
         model, meta = checkpoint.load_model(path, device)
-        tok = tokenizer or path.parent / "tokenizer.json"
-        if not tok.is_file():
-            raise CheckpointError(f"tokenizer not found: {tok}")
-        fp = checkpoint.tokenizer_fingerprint(tok)
+        tok_path = tokenizer or path.parent / "tokenizer.json"
+        if not tok_path.is_file():
+            raise CheckpointError(f"tokenizer not found: {tok_path}")
+        fp = checkpoint.tokenizer_fingerprint(tok_path)
         if meta.get("tokenizer") and meta["tokenizer"] != fp:
-            raise CheckpointError(f"{path} was trained with another tokenizer than {tok}")
-    top = max(load_tokenizer(tok).get_vocab(with_added_tokens=True).values(), default=-1)
+            raise CheckpointError(f"{path} was trained with another tokenizer than {tok_path}")
+    tok = load_tokenizer(tok_path)
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= model.cfg.vocab_size:  # an id past the embedding would fail in the middle of a run
-        raise CheckpointError(f"{tok}: token id {top} does not fit {path}'s vocabulary of {model.cfg.vocab_size}")
-    return Target(model.pack(), tok, fp, path, hf=hf.is_hf_dir(path))
+        raise CheckpointError(f"{tok_path}: token id {top} does not fit {path}'s vocabulary of {model.cfg.vocab_size}")
+    is_hf = hf.is_hf_dir(path)
+    chat = hf_format(path, tok, model.cfg.vocab_size) if is_hf else own_format(tok)
+    return Target(model.pack(), tok_path, fp, path, is_hf, chat)
 
 
 @dataclass

@@ -5,7 +5,7 @@ order, so its passes take the fast paths (`TargetRunner.one_pass`, `_ModelGuess.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from ..backends.engines import Backend
 from ..defaults import PAGE_SIZE
@@ -24,14 +24,14 @@ def engine_for_one(
     proposer: Proposer,
     n_tokens: int,
     k: int,
-    stop_token: int | None,
+    end_ids: Collection[int],
     backend: Backend | None = None,
     page_size: int = PAGE_SIZE,
 ) -> Engine:
     """An engine for one sequence of a prompt and new tokens, n_tokens positions in all."""
     n_pages = pages_for(n_tokens + round_ahead(k, proposer.tree), page_size) + 1
     pool = PagePool(n_pages, page_size)
-    return assemble(target, proposer, backend or Backend(), pool, k, auto_k=False, max_batch=1, eot=stop_token)
+    return assemble(target, proposer, backend or Backend(), pool, k, auto_k=False, max_batch=1, end_ids=end_ids)
 
 
 def stream(
@@ -41,7 +41,7 @@ def stream(
     max_new_tokens: int,
     k: int,
     sampling: Sampling = Sampling(),
-    stop_token: int | None = None,
+    end_ids: Collection[int] = (),
     stats: Stats | None = None,
     backend: Backend | None = None,
 ) -> Iterator[list[int]]:
@@ -50,7 +50,7 @@ def stream(
     `backend` is prepared by the caller (None: eager)."""
     if max_new_tokens < 1:
         return
-    engine = engine_for_one(target, proposer, len(prompt) + max_new_tokens, k, stop_token, backend)
+    engine = engine_for_one(target, proposer, len(prompt) + max_new_tokens, k, end_ids, backend)
     request = Request(0, 0, tuple(prompt), max_new_tokens, sampling)
     for event in engine.events([request]):
         if isinstance(event, Emitted):
@@ -67,10 +67,10 @@ def generate(
     max_new_tokens: int,
     k: int,
     sampling: Sampling = Sampling(),
-    stop_token: int | None = None,
+    end_ids: Collection[int] = (),
     backend: Backend | None = None,
 ) -> tuple[list[int], Stats]:
     """All new tokens at once, with their statistics."""
     stats = Stats(proposer.name, k)
-    chunks = stream(target, proposer, prompt, max_new_tokens, k, sampling, stop_token, stats, backend)
+    chunks = stream(target, proposer, prompt, max_new_tokens, k, sampling, end_ids, stats, backend)
     return [t for chunk in chunks for t in chunk], stats

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +74,7 @@ class Engine:
         *,
         auto_k: bool,
         max_batch: int,
-        eot: int | None,
+        end_ids: Collection[int] = (),
         decode: Callable[[list[int]], str] | None = None,
         k_sample: int | None = None,
         tree: tuple[int, int] | None = None,
@@ -88,7 +88,7 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.t, self.proposer, self.max_batch = target, proposer, max_batch
         self.k, self.k_sample, self.auto_k = k, k if k_sample is None else k_sample, auto_k
-        self.eot, self.decode = eot, decode
+        self.end_ids, self.decode = frozenset(end_ids), decode
         # token trees (`tree_guess`): (guesses per tree, candidates per node); k is their depth
         self.tree = tree
         if tree is not None and not isinstance(proposer, MTPGuess):
@@ -128,9 +128,10 @@ class Engine:
     def _ended(self, s: Seq, emitted: list[int]) -> Finished | None:
         """Add what a round emitted; the answer if the sequence is done (budget, end of text, stop string)."""
         budget = s.req.max_new_tokens - s.n_generated
-        stop = self.eot is not None and self.eot in emitted[:budget]
-        if stop:
-            emitted = emitted[: emitted.index(self.eot)]  # type: ignore[arg-type]
+        end = next((i for i, t in enumerate(emitted[:budget]) if t in self.end_ids), None)
+        stop = end is not None
+        if end is not None:  # the model's end of turn: not emitted
+            emitted = emitted[:end]
         kept = emitted[:budget]
         s.tokens.extend(kept)
         done = stop or s.n_generated >= s.req.max_new_tokens
