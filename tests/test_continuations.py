@@ -60,7 +60,7 @@ def test_continuations_command_writes_the_targets_own_text(family: Family, tmp_p
         if i % 3 == 0:  # sampled at T = 1 (the engine's own seeded draws): its context leads it
             assert docs[i].startswith(tok.decode(list(ctx)))
             continue
-        new, _ = generate(model, NONE, list(ctx), 12, 0, Sampling(), eot)
+        new, _ = generate(model, NONE, list(ctx), 12, 0, Sampling(), (eot,))
         assert docs[i] == tok.decode([*ctx, *new])
 
     # nothing replaced unasked, and the source is not an output: one line each, before any work

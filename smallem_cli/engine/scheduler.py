@@ -216,28 +216,10 @@ class Engine:
         try:
             with torch.inference_mode():
                 while True:
-                    while not exhausted and len(running) + len(waiting) < self.max_batch:
-                        req = next(source, None)
-                        if req is None:
-                            exhausted = True
-                        else:
-                            waiting.append(self._seq(req))
+                    exhausted = exhausted or self._pull(source, running, waiting)
                     if not running and not waiting:
                         break
-                    admitted: list[Seq] = []
-                    while waiting and len(running) + len(admitted) < self.max_batch:
-                        s = waiting[0]
-                        need = len(s.tokens) + round_ahead(s.k, self.tree)
-                        self._grow(self.pool.pages_for(need) - len(self.pool.free))
-                        if not self.pool.can_allocate(need):
-                            if not running and not admitted:
-                                raise RuntimeError(f"the page pool ({self.pool.n_pages} pages) cannot hold one request")
-                            break
-                        waiting.popleft()
-                        self.pool.add(s.uid)
-                        self.pool.reserve(s.uid, need)
-                        admitted.append(s)
-                    for group in _groups(admitted, D.PREFILL_TOKENS):
+                    for group in _groups(self._admit(running, waiting), D.PREFILL_TOKENS):
                         running.extend(group)  # from here on, a stop drops them with the others
                         firsts = prefill(self.t, self.proposer, group)
                         for s, first in zip(group, firsts, strict=True):
@@ -246,19 +228,9 @@ class Engine:
                             s.stats.passes += 1
                             s.stats.prefill_s = time.perf_counter() - s.submitted_s
                             yield from ended(s, [first])
+                    verdicts = self._round(running, waiting) if running else []
                     if not running:
                         continue
-                    for s in running:
-                        base = self.k if s.warp is None else self.k_sample
-                        s.k = load_k(base, s.warp is None, len(running), self.auto_k, self.proposer.name)
-                    running[:] = self._reserve(running, waiting)
-                    if not running:
-                        continue
-                    if self.tree is not None and isinstance(self.proposer, MTPGuess):
-                        verdicts = tree_round(self.t, self.proposer, running, *self.tree)
-                    else:
-                        verdicts = decode_round(self.t, self.proposer, running)
-                    self.rounds += 1
                     for s, (m, n, e) in zip(list(running), verdicts, strict=True):
                         proposed, accepted = proposed + m, accepted + n
                         yield from ended(s, e)
@@ -272,6 +244,48 @@ class Engine:
                 self.proposer.drop(s)
         assert self.pool.used() == 0, f"{self.pool.used()} pages not returned after the run"
         self.pool.check()
+
+    def _pull(self, source: Iterator[Request], running: list[Seq], waiting: deque[Seq]) -> bool:
+        """Requests from `source` wait their turn, up to max_batch sequences in all -> whether it ran out."""
+        while len(running) + len(waiting) < self.max_batch:
+            req = next(source, None)
+            if req is None:
+                return True
+            waiting.append(self._seq(req))
+        return False
+
+    def _admit(self, running: list[Seq], waiting: deque[Seq]) -> list[Seq]:
+        """The waiting sequences, in order, that the pool has the pages of their prompt and first round for."""
+        admitted: list[Seq] = []
+        while waiting and len(running) + len(admitted) < self.max_batch:
+            s = waiting[0]
+            need = len(s.tokens) + round_ahead(s.k, self.tree)
+            self._grow(self.pool.pages_for(need) - len(self.pool.free))
+            if not self.pool.can_allocate(need):
+                if not running and not admitted:
+                    raise RuntimeError(f"the page pool ({self.pool.n_pages} pages) cannot hold one request")
+                break
+            waiting.popleft()
+            self.pool.add(s.uid)
+            self.pool.reserve(s.uid, need)
+            admitted.append(s)
+        return admitted
+
+    def _round(self, running: list[Seq], waiting: deque[Seq]) -> list[tuple[int, int, list[int]]]:
+        """One round: each sequence's k by the load, its pages reserved (the newest preempted where the
+        pool is short: `running` shrinks), then its guesses verified -> per sequence (m, n, emitted)."""
+        for s in running:
+            base = self.k if s.warp is None else self.k_sample
+            s.k = load_k(base, s.warp is None, len(running), self.auto_k, self.proposer.name)
+        running[:] = self._reserve(running, waiting)
+        if not running:
+            return []
+        if self.tree is not None and isinstance(self.proposer, MTPGuess):
+            verdicts = tree_round(self.t, self.proposer, running, *self.tree)
+        else:
+            verdicts = decode_round(self.t, self.proposer, running)
+        self.rounds += 1
+        return verdicts
 
     def _emitted(self, s: Seq, before: int, fin: Finished | None) -> Emitted:
         """What a pass added to `s`: its tokens past the `before` first new ones, live stats."""
