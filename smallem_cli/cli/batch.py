@@ -200,7 +200,6 @@ def batch(
 
     from ..backends import engines
     from ..engine import family
-    from ..model.tokenizer import load_tokenizer
     from ..spec.sampling import NonFiniteError
     from . import batch_io as B
 
@@ -221,7 +220,7 @@ def batch(
         backend = engines.Backend(engines.engine_mode(engines.chosen(engine_name), dev))
         source = open_input(file)  # before the models load: a missing file fails at once
         tgt = family.load_target(target, dev, tokenizer)
-        tok = load_tokenizer(tgt.tokenizer)
+        tok = tgt.tok
         engine = make_engine(
             tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=proposer_vocab, end_ids=tgt.chat.end_ids,
             decode=tok.decode, tree=O.tree(tree), backend=backend, log=None if quiet else err.print, weights=weights,

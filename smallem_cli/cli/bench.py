@@ -87,7 +87,8 @@ def bench(
         ),
     ] = D.PROPOSER_WEIGHTS,
 ) -> None:
-    """The seed's measurement table: tokens/s, speed-up, acceptance, cost model."""
+    """The seed's measurement table: tokens/s, speed-up, acceptance, cost model. A prompts file's line
+    is {"tokens": ids}, {"text": ...} (the target's tokenizer) or {"messages": [...]} (its chat template)."""
     import json
 
     import torch
@@ -115,6 +116,8 @@ def bench(
         O.check_sampling(temperature, top_k, top_p, min_p=min_p)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
+        if peer and (tgt.tokenizer is None or tgt.hf):  # a peer runs an export of a smallem checkpoint
+            raise O.UsageError(f"--peer {peer} needs a smallem checkpoint as --target (it exports it for the peer)")
         trees = O.tree_names(names, O.tree_budgets(tree)) if tree else {}  # "mtp@tree12" -> ("mtp", 12)
         first, *others = O.weights_list(weights)
         stored = O.weights_names(names, others)  # "mtp@f16" -> ("mtp", "f16")
@@ -122,7 +125,9 @@ def bench(
             from ..bench.batch import from_cli
 
             sizes = O.parse_sizes(batch)
-            found = O.read_prompts(prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]})
+            found = O.read_prompts(
+                prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]}, tgt.tok, tgt.chat
+            )
             names = names + list(trees) + list(stored)
             batch_engines = engines.bench_engines(engines.chosen(engine_names), dev)
             rows = from_cli(
@@ -135,7 +140,7 @@ def bench(
         prompts_file = prompts_file or D.PROMPTS
         names += list(trees) + list(stored)
         ks = O.bench_ks(names, mode_list, extra, sweep)
-        prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks)
+        prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks, tgt.tok, tgt.chat)
         O.check_vocab(proposer_vocab)
         vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
         rows_of = {n: (n, None, first) for n in names}  # a row -> its proposer, tree and weights

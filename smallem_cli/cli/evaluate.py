@@ -31,7 +31,7 @@ def eval_cmd(
         raise fail(f"no validation text in {data_dir}: run `smallem data` (or `make data`) first")
     try:
         fam = load_members(target, drafts, mtp)
-        ids = corpus.token_file(fam.target.tokenizer, val_txt)
+        ids = corpus.token_file(fam.target.tokenizer, val_txt, fam.target.tok)
         n_bytes = sum(len(d.encode("utf-8")) for d in corpus.read_documents(val_txt))
     except UnicodeDecodeError as e:
         raise fail(f"{val_txt} is not valid UTF-8 (byte {e.start})") from None

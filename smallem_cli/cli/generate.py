@@ -56,7 +56,6 @@ def generate(
     from ..engine.generate import stream
     from ..engine.stops import StopPrinter
     from ..model.chat import messages, render
-    from ..model.tokenizer import load_tokenizer
     from ..spec.sampling import NonFiniteError, Sampling
     from ..stats import Stats
 
@@ -71,7 +70,7 @@ def generate(
         loaded = family.load_proposer(
             proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab), O.tree(tree), weights
         )
-        tok = load_tokenizer(tgt.tokenizer)
+        tok = tgt.tok
         if chat or system is not None:  # the template writes every special token the model expects
             ids = tok.encode(render(tgt.chat, messages(text, system)), add_special_tokens=False).ids
         else:

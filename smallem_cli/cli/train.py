@@ -79,7 +79,6 @@ def _continuations(
     from ..backends import engines
     from ..engine import family
     from ..engine.build import build_engine
-    from ..model.tokenizer import load_tokenizer
     from ..train import continuations as C
     from ..train import data as corpus
     from ..train.outputs import OutputError, continuations_out
@@ -99,9 +98,9 @@ def _continuations(
         if context_tokens + new_tokens > tgt.model.cfg.max_seq_len:
             positions = tgt.model.cfg.max_seq_len
             raise ValueError(f"a context and its continuation exceed the target's {positions} positions")
-        tok = load_tokenizer(tgt.tokenizer)
+        tok = tgt.tok
         eot = tok.token_to_id(corpus.EOT)
-        ids = corpus.token_file(tgt.tokenizer, train_txt)
+        ids = corpus.token_file(tgt.tokenizer, train_txt, tgt.tok)
         reqs = C.requests(C.contexts(ids, n, context_tokens, seed, eot), new_tokens, sampled_every, seed)
         engine = build_engine(
             tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, end_ids=tgt.chat.end_ids,

@@ -1,9 +1,10 @@
 """Finding and loading a target and its proposer, by name or path.
 
-A target is a smallem checkpoint (its tokenizer.json beside it) or a Hugging Face Llama folder.
-A proposer is `none`, `ngram` (prompt lookup), a shipped name (beside a smallem target only),
-a path to a smallem draft, MTP module or HF folder, or `ngram+P`: the lookup backed by P. One
-whose tokenizer differs from the target's is refused before anything runs.
+A target is a smallem checkpoint (its tokenizer.json beside it), a Hugging Face Llama folder or a
+llama.cpp GGUF file (architecture llama; its tokenizer and chat format inside). A proposer is
+`none`, `ngram` (prompt lookup), a shipped name (beside a smallem target only), a path to a smallem
+draft, MTP module or HF folder, or `ngram+P`: the lookup backed by P. One whose tokenizer differs
+from the target's is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from .. import defaults as D
-from ..interop import hf
+from ..interop import gguf_read, hf
 from ..model import checkpoint
 from ..model.chat import ChatFormat, hf_format, own_format
 from ..model.checkpoint import CheckpointError
@@ -28,20 +30,35 @@ SHIPPED_PROPOSERS = ("none", "draft-2l", "draft-4l", "mtp")
 @dataclass
 class Target:
     model: Transformer
-    tokenizer: Path
-    fingerprint: str
+    tokenizer: Path | None  # its tokenizer.json; None for a GGUF file, whose tokenizer is inside
+    fingerprint: str  # of its vocabulary (`checkpoint.vocab_fingerprint`): a proposer's must be equal
     path: Path
+    tok: Tokenizer  # the tokenizer, loaded: what callers encode and decode with
     hf: bool = False  # a Hugging Face folder, not a smallem checkpoint
     chat: ChatFormat = field(default_factory=ChatFormat)  # the tokens that end its turn, its chat template
+    gguf: tuple[str, ...] = ()  # a GGUF file: the tensor types it holds (e.g. ("F32", "Q8_0"))
+
+    @property
+    def ships_none(self) -> bool:
+        """An HF folder or a GGUF file: no shipped proposer lies beside it."""
+        return self.hf or bool(self.gguf)
 
 
 def default_proposer(target: Path, greedy: bool) -> str:
-    """The proposer used when none is named: none for an HF folder (it ships none), else D.PROPOSER's."""
-    return "none" if hf.is_hf_dir(target) else D.PROPOSER["greedy" if greedy else "sample"]
+    """The proposer used when none is named: none for an HF folder or a GGUF file (they ship none),
+    else D.PROPOSER's."""
+    if hf.is_hf_dir(target) or gguf_read.is_gguf(target):
+        return "none"
+    return D.PROPOSER["greedy" if greedy else "sample"]
 
 
 def load_target(path: Path, device: torch.device, tokenizer: Path | None = None) -> Target:
-    """A smallem checkpoint or an HF Llama folder, packed for inference on `device`."""
+    """A smallem checkpoint, an HF Llama folder or a llama GGUF file, packed for inference on `device`."""
+    if gguf_read.is_gguf(path):
+        if tokenizer is not None:
+            raise CheckpointError(f"--tokenizer: the GGUF file {path} holds its own tokenizer; leave it out")
+        got = gguf_read.load_gguf(path, device)
+        return Target(got.model.pack(), None, got.fingerprint, path, got.tokenizer, chat=got.chat, gguf=got.types)
     if hf.is_hf_dir(path):
         model, fp = hf.load_hf(path, device)
         tok_path = tokenizer or path / "tokenizer.json"
@@ -59,7 +76,7 @@ def load_target(path: Path, device: torch.device, tokenizer: Path | None = None)
         raise CheckpointError(f"{tok_path}: token id {top} does not fit {path}'s vocabulary of {model.cfg.vocab_size}")
     is_hf = hf.is_hf_dir(path)
     chat = hf_format(path, tok, model.cfg.vocab_size) if is_hf else own_format(tok)
-    return Target(model.pack(), tok_path, fp, path, is_hf, chat)
+    return Target(model.pack(), tok_path, fp, path, tok, is_hf, chat)
 
 
 @dataclass
@@ -89,10 +106,11 @@ def proposer_path(spec: str, target_dir: Path) -> Path:
 
 
 def _proposer_path(spec: str, target: Target) -> Path:
-    if spec in SHIPPED_PROPOSERS and target.hf:
+    if spec in SHIPPED_PROPOSERS and target.ships_none:
+        kind = "GGUF" if target.gguf else "Hugging Face"
         raise CheckpointError(
             f"proposer {spec!r} is a shipped name, looked up beside a smallem checkpoint; "
-            f"the Hugging Face target {target.path} ships none: give the proposer's path, or none"
+            f"the {kind} target {target.path} ships none: give the proposer's path, or none"
         )
     return proposer_path(spec, target.path.parent)
 

@@ -26,7 +26,7 @@ from ..model.tokenizer import EOT
 from .exportdir import _sigterm_raises, orphans
 
 DTYPES = ("f32", "f16")
-INSTALL = "pip install 'smallem[llamacpp]'"
+INSTALL = "pip install 'smallem[gguf]'"
 _MATRICES = {  # smallem name in a layer -> llama.cpp's
     "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
     "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",

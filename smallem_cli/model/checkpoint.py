@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from .. import atomic
 from ..config import ConfigError, ModelConfig
@@ -33,7 +34,12 @@ class CheckpointError(ValueError):
 
 def tokenizer_fingerprint(tokenizer_json: str | Path) -> str:
     """A short hash of the tokenizer's vocabulary: equal fingerprints, same token ids."""
-    vocab = load_tokenizer(tokenizer_json).get_vocab(with_added_tokens=True)
+    return vocab_fingerprint(load_tokenizer(tokenizer_json))
+
+
+def vocab_fingerprint(tok: Tokenizer) -> str:
+    """`tokenizer_fingerprint` of a loaded tokenizer (one read from a GGUF file has no tokenizer.json)."""
+    vocab = tok.get_vocab(with_added_tokens=True)
     return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
 
 

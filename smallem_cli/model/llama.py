@@ -57,6 +57,12 @@ def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, d, *w.shape[1:])[:, interleave_halves(d)].reshape(w.shape)
 
 
+def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of `permute_rope`: llama.cpp's adjacent pairs -> rotate-half rows (an exact reordering)."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d, *w.shape[1:])[:, torch.argsort(interleave_halves(d))].reshape(w.shape)
+
+
 class Block(nn.Module):
     """Pre-norm attention + SwiGLU MLP. `forward` trains (whole sequences, causal); `pack` lays out
     what the inference passes read (`engine.forward.block_pass`), folding all it can into the weights,

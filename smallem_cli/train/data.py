@@ -81,19 +81,26 @@ def read_documents(path: Path) -> list[str]:
     return [d for d in path.read_text(encoding="utf-8").split(EOT) if d]
 
 
-def encode_file(tokenizer_json: Path, text_path: Path) -> np.ndarray:
-    """Token ids of a corpus file as uint16, each document followed by end-of-text."""
-    tok = load_tokenizer(tokenizer_json)
+def encode_file(tokenizer_json: Path | Tokenizer, text_path: Path) -> np.ndarray:
+    """Token ids of a corpus file as uint16, each document followed by end-of-text (where the tokenizer,
+    a file or one loaded, has it)."""
+    tok = tokenizer_json if isinstance(tokenizer_json, Tokenizer) else load_tokenizer(tokenizer_json)
     eot = tok.token_to_id(EOT)
+    if tok.get_vocab_size(with_added_tokens=True) > 1 << 16:
+        raise ValueError(f"a vocabulary of {tok.get_vocab_size(with_added_tokens=True)} tokens does not fit uint16")
     ids: list[int] = []
     for enc in tok.encode_batch(read_documents(text_path)):
         ids.extend(enc.ids)
-        ids.append(eot)
+        ids.extend([] if eot is None else [eot])
     return np.asarray(ids, dtype=np.uint16)
 
 
-def token_file(tokenizer_json: Path, text_path: Path) -> np.ndarray:
-    """Encoded ids, cached beside the text as .bin (rebuilt when older than its inputs)."""
+def token_file(tokenizer_json: Path | None, text_path: Path, tok: Tokenizer | None = None) -> np.ndarray:
+    """Encoded ids, cached beside the text as .bin (rebuilt when older than its inputs); with no
+    tokenizer file (a GGUF target's is inside it), encoded by `tok` each time, nothing cached."""
+    if tokenizer_json is None:
+        assert tok is not None, "token_file needs a tokenizer file or a loaded tokenizer"
+        return encode_file(tok, text_path)
     bin_path = text_path.with_suffix(".bin")
     newest = max(text_path.stat().st_mtime, tokenizer_json.stat().st_mtime)
     if not bin_path.exists() or bin_path.stat().st_mtime < newest:

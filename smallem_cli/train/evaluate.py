@@ -53,7 +53,8 @@ def load_members(target: Path, drafts: list[str] | None, mtp_file: Path | None =
     MTP module (`mtp_file`, else the one beside it, if any), on the CPU."""
     tgt = family.load_target(target, torch.device("cpu"))
     shipped = [n for n in ("draft-2l", "draft-4l") if (target.parent / f"{n}.safetensors").exists()]
-    models, facts = {}, {"target": checkpoint.facts(checkpoint.read_meta(target))}
+    own = {} if tgt.gguf else checkpoint.facts(checkpoint.read_meta(target))  # a GGUF file has no training facts
+    models, facts = {}, {"target": own}
     cuts: dict[str, torch.Tensor | None] = {}
     V, cut = tgt.model.cfg.vocab_size, D.proposer_vocab(greedy=False)
 
