@@ -161,12 +161,14 @@ def test_bench_costs_only(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_p
     ks = {p: {defaults.default_k(p, True), defaults.default_k(p, False), 1} for p in ("draft-2l", "mtp")}
     names = {f"eager:{m}:{p}:{k}" for m in ("greedy", "sample") for p in ("draft-2l", "mtp") for k in ks[p]}
     assert set(out["c"]) == names and all(len(xs) == 3 and min(xs) > 0 for xs in out["c"].values())
-    # v for every pass size of defaults.COST_PASSES but 1 (the unit), in passes of the same engine
-    assert set(out["v"]) == {f"eager:{T}" for T in defaults.COST_PASSES if T > 1}
+    # v for every pass size of defaults.COST_PASSES but 1 (the unit), per mode, in rounds of that
+    # mode's target alone on the same engine
+    assert set(out["v"]) == {f"eager:{m}:{T}" for m in ("greedy", "sample") for T in defaults.COST_PASSES if T > 1}
     assert all(len(xs) == 3 for xs in out["v"].values())
-    assert len(out["round_s"]["eager"]) == 3 and timed == []
+    assert set(out["round_s"]) == {"eager:greedy", "eager:sample"}
+    assert all(len(xs) == 3 for xs in out["round_s"].values()) and timed == []
     table = CliRunner().invoke(app, [*args, "--repeats", "1", "--modes", "greedy"])
-    assert table.exit_code == 0 and "c eager:greedy:mtp:1" in table.stdout and "v eager T=16" in table.stdout
+    assert table.exit_code == 0 and "c eager:greedy:mtp:1" in table.stdout and "v eager:greedy T=16" in table.stdout
     bad = CliRunner().invoke(app, [*args, "--peer", "hf"])
     assert bad.exit_code == 2 and "--costs" in bad.stderr
 

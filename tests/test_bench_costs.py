@@ -185,7 +185,8 @@ def test_a_timed_target_round_leaves_its_sequence_as_it_was(
     costs.forward_costs(target.model, {}, [1, 3], PROMPT, b, context=40)
     assert set(outs) == {"v1", "v2", "v4"} and set(before) == {0, 1, 3}
     for k, states in before.items():
-        assert len(states) == 3 and states[0] == states[1] == states[2], k
+        # the unit (k = 0) is read before and after the rest: twice as many calls
+        assert len(states) == (6 if k == 0 else 3) and all(x == states[0] for x in states), k
     for name, (a, *rest) in outs.items():
         m, n, emitted = a[0]
         assert all(r == a for r in rest) and m == int(name[1:]) - 1 and len(emitted) == n + 1
@@ -193,24 +194,25 @@ def test_a_timed_target_round_leaves_its_sequence_as_it_was(
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_readings_are_positive_and_finite(family: Family, monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
-    """A real stopwatch (values never compared): every reading named, positive and finite."""
+    """A real stopwatch (values never compared): every reading named, positive and finite, the
+    target's rounds greedy or sampled (its offered guesses verified as point masses)."""
     names = ["draft-2l", "mtp", "ngram+mtp"]
     target, ps, b = _loaded(family, names, engine)
-    each = {
-        f"{m}:{n}": (ps[n], s, [1, 3]) for m, s in (("greedy", Sampling()), ("sample", Sampling(1.0))) for n in names
-    }
-    got = costs.forward_costs(target.model, each, [1, 2, 3], PROMPT, b, context=40, reps=3)
-    assert set(got.c) == {f"{name}:{k}" for name in each for k in (1, 3)}
-    assert set(got.v) == {1, 2, 3}
-    for x in [*got.c.values(), *got.v.values(), got.round_s]:
-        assert math.isfinite(x) and x > 0
+    for m, s in (("greedy", Sampling()), ("sample", Sampling(1.0))):
+        each = {f"{m}:{n}": (ps[n], s, [1, 3]) for n in names}
+        got = costs.forward_costs(target.model, each, [1, 2, 3], PROMPT, b, context=40, reps=3, sampling=s)
+        assert set(got.c) == {f"{name}:{k}" for name in each for k in (1, 3)}
+        assert set(got.v) == {1, 2, 3}
+        for x in [*got.c.values(), *got.v.values(), got.round_s]:
+            assert math.isfinite(x) and x > 0
 
 
 # --- the bench's readings and rows --------------------------------------------------------------
 def test_cost_readings_read_each_engine_on_its_own_backend(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`cost_readings`: per reading and engine, one `forward_costs` on that engine's backend, for
-    every mode's proposer (the target alone left out) at its ks (0 left out); named
-    engine:mode:proposer:k, v by engine:T (T = k + 1), round_s by engine."""
+    """`cost_readings`: per reading, engine and mode, one `forward_costs` on that engine's backend,
+    for the mode's proposers (the target alone left out) at their ks (0 left out), its target
+    drawing as the mode does; named engine:mode:proposer:k, v by engine:mode:T (T = k + 1),
+    round_s by engine:mode."""
     target = fam.load_target(family.target, DEV)
     mtp = fam.load_proposer("mtp", target, DEV, 0)
     modes = ["greedy", "sample"]
@@ -219,26 +221,47 @@ def test_cost_readings_read_each_engine_on_its_own_backend(family: Family, monke
         {m: {"none": NONE, "mtp": mtp} for m in modes}, {"none": [0], "mtp": [0, 2, 3]}, modes,
         engines=("eager", "native"), backends={"native": native_b},
     )  # fmt: skip
-    calls: list[tuple[dict, list[int], Backend]] = []
+    calls: list[tuple[dict, list[int], Backend, Sampling]] = []
 
-    def fake(target: Any, proposers: dict, ks: list[int], prompt: list[int], backend: Backend) -> costs.Readings:
-        calls.append((proposers, ks, backend))
+    def fake(
+        target: Any, proposers: dict, ks: list[int], prompt: list[int], backend: Backend, sampling: Sampling
+    ) -> costs.Readings:
+        calls.append((proposers, ks, backend, sampling))
         c = {f"{n}:{k}": k / 4 + (backend.name == "native") for n, (_, _, kk) in proposers.items() for k in kk}
-        return costs.Readings(c, {k: 1.0 + k / 8 for k in ks}, 0.001 if backend.name == "eager" else 0.002)
+        sampled = not sampling.greedy
+        v = {k: 1.0 + k / 8 + sampled for k in ks}
+        return costs.Readings(c, v, (0.001 if backend.name == "eager" else 0.002) * (1 + sampled))
 
     monkeypatch.setattr(bench, "forward_costs", fake)
     got = bench.cost_readings(target.model, plan, PROMPT, 2)
-    assert [b.name for _, _, b in calls] == ["eager", "native"] * 2 and calls[1][2] is native_b
-    want = {f"{m}:mtp": (mtp, bench.plan_sampling(plan, m), [2, 3]) for m in modes}
-    assert all(p == want and ks == [1, 2, 3] for p, ks, _ in calls)
+    assert [(b.name, s.greedy) for _, _, b, s in calls] == [
+        ("eager", True),
+        ("eager", False),
+        ("native", True),
+        ("native", False),
+    ] * 2
+    assert calls[2][2] is native_b
+    for p, ks, _, s in calls:
+        m = "greedy" if s.greedy else "sample"
+        assert s == bench.plan_sampling(plan, m) and ks == [1, 2, 3]
+        assert p == {f"{m}:mtp": (mtp, bench.plan_sampling(plan, m), [2, 3])}
     assert bench.plan_sampling(plan, "sample").temperature == plan.temperature
     assert got.c["native:sample:mtp:3"] == [1.75, 1.75] and got.c["eager:greedy:mtp:2"] == [0.5, 0.5]
     assert set(got.c) == {f"{e}:{m}:mtp:{k}" for e in ("eager", "native") for m in modes for k in (2, 3)}
-    assert got.v == {f"{e}:{T}": [1 + (T - 1) / 8] * 2 for e in ("eager", "native") for T in (2, 3, 4)}
-    assert got.round_s == {"eager": [0.001, 0.001], "native": [0.002, 0.002]}
+    engines = ("eager", "native")
+    want_v = {
+        f"{e}:{m}:{T}": [1 + (T - 1) / 8 + (m == "sample")] * 2 for e in engines for m in modes for T in (2, 3, 4)
+    }
+    assert got.v == want_v
+    assert got.round_s == {
+        "eager:greedy": [0.001] * 2,
+        "eager:sample": [0.002] * 2,
+        "native:greedy": [0.002] * 2,
+        "native:sample": [0.004] * 2,
+    }
     calls.clear()
     bench.cost_readings(target.model, plan, PROMPT, 1, passes=[1, 2, 5])
-    assert [ks for _, ks, _ in calls] == [[1, 4], [1, 4]]  # T - 1, the unit T = 1 left out
+    assert [ks for _, ks, _, _ in calls] == [[1, 4]] * 4  # T - 1, the unit T = 1 left out
 
 
 def test_rows_cost_in_rounds_of_the_target_alone(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -252,8 +275,8 @@ def test_rows_cost_in_rounds_of_the_target_alone(family: Family, monkeypatch: py
     )  # fmt: skip
     readings = costs.Costs(
         {"eager:greedy:mtp:2": [0.9], "native:greedy:mtp:2": [0.3]},
-        {"eager:3": [1.2], "native:3": [1.1]},
-        {"eager": [0.001], "native": [0.001]},
+        {"eager:greedy:3": [1.2], "native:greedy:3": [1.1], "native:sample:3": [9.9]},  # the other mode's: unread
+        {"eager:greedy": [0.001], "native:greedy": [0.001]},
     )
     monkeypatch.setattr(bench, "cost_readings", lambda *a, **kw: readings)
     real_run = bench.run_prompt

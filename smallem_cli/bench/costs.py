@@ -3,8 +3,9 @@
 c (a proposer's cost per guess, read per k) and v (a round's target side over k+1 tokens) are read
 with a stopwatch, round-robin, on the path a generation takes: the proposer's round as
 `BatchProposer.propose` makes it, and the target's side as `runner.decode_round` runs it (the verify
-pass, verification, the host sync, the commit), both in rounds of the target alone read in the same
-loop (`round_s`): the cost model's unit, with no reading from another phase of the run in it.
+pass, verification, the host sync, the commit), drawing greedy or sampled as the mode does. Both
+are in rounds of that mode's target alone (`round_s`, the cost model's unit), timed back to back
+as its run makes them (docs/benchmarks.md, 2026-12-04: why).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from .. import defaults as D
 from ..backends.engines import Backend
@@ -42,8 +44,8 @@ class Readings:
 
 @dataclass
 class Costs:
-    """Round-robin readings of `forward_costs`: c by "engine:mode:proposer:k", v by "engine:T" (T = k+1
-    tokens verified), round_s by engine (seconds of a round of the target alone)."""
+    """Round-robin readings of `forward_costs`: c by "engine:mode:proposer:k", v by "engine:mode:T"
+    (T = k+1 tokens verified), round_s by "engine:mode" (seconds of a round of the target alone)."""
 
     c: dict[str, list[float]]
     v: dict[str, list[float]]
@@ -85,20 +87,22 @@ class _StartAll:
 
 
 class _Offer(NoGuess):
-    """Offers the same guesses every round: the target's side of a round, whatever the proposer."""
+    """Offers the same guesses every round: the target's side of a round, whatever the proposer
+    (a sampled round's guesses as point masses, as the n-gram lookup's are)."""
 
-    def __init__(self, guesses: torch.Tensor) -> None:
+    def __init__(self, guesses: torch.Tensor, vocab_size: int, sampled: bool) -> None:
         self.guesses = guesses
+        self.q = F.one_hot(guesses, vocab_size).float() if sampled else None
 
-    def propose(self, seqs: list[Seq], ks: list[int]) -> list[tuple[torch.Tensor, None]]:
-        return [(self.guesses, None) for _ in seqs]
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return [(self.guesses, self.q) for _ in seqs]
 
 
 def _target_round(t: TargetRunner, s: Seq, guesses: torch.Tensor, span: int) -> Callable[[], object]:
     """The target's side of a round offering `guesses` (the round's verdicts synced, as it syncs
     them), then `s` put back: its length, its last token, its pages (given back in order, taken
     again in the same order)."""
-    offer = _Offer(guesses)
+    offer = _Offer(guesses, t.model.cfg.vocab_size, s.warp is not None)
 
     def run() -> object:
         cached, last = s.cached, s.last
@@ -135,11 +139,13 @@ def forward_costs(
     backend: Backend,
     context: int = 132,
     reps: int = 60,
+    sampling: Sampling = Sampling(),
 ) -> Readings:
     """Stopwatch around one sequence's rounds at a typical context length: the target's side of a
     round of k guesses for each k of `ks` (k = 0: the target alone's round, the unit), and each
     proposer's round of each of its ks (name -> (proposer, what its sequence draws with, its ks)),
-    from a state one round in."""
+    from a state one round in. The target's rounds draw with `sampling`: a mode's rows are read in
+    rounds of that mode's target alone (a sampled round verifies differently)."""
     deepest = max([*ks, *(k for _, _, kk in proposers.values() for k in kk), 1])
     span = context + 2 * deepest + 4  # a sequence's positions, its proposer's chain included
     pool = PagePool((len(proposers) + 1) * pages_for(span, D.PAGE_SIZE), D.PAGE_SIZE)  # each one's pages in order
@@ -153,7 +159,7 @@ def forward_costs(
         pool.add(s.uid)
         pool.reserve(s.uid, span)
         runs.append((name, s))
-    base = engine._seq(Request(len(runs), 0, tuple(ids), 1 << 20))
+    base = engine._seq(Request(len(runs), 0, tuple(ids), 1 << 20, sampling))
     pool.add(base.uid)
     pool.reserve(base.uid, span)
     for name, s in runs:
@@ -167,8 +173,13 @@ def forward_costs(
     for name, s in runs:
         bp, kk = started[name]
         fns |= {f"c:{name}:{k}": _round_call(bp, s, k) for k in kk}
+    # The unit is timed as the target alone runs: its rounds back to back, its weights kept in the
+    # CPU's cache (interleaved with the proposers', its one-token round read up to 1.5x slower),
+    # before and after the rest (a shift of the machine's load in between touches both).
+    alone = {"v1": fns.pop("v1")}
+    before = _interleaved(alone, reps)["v1"]
     times = _interleaved(fns, reps)
-    unit = times["v1"]
+    unit = (before + _interleaved(alone, reps)["v1"]) / 2
     for name, s in [*runs, ("", base)]:
         if name:
             started[name][0].drop(s)

@@ -41,8 +41,8 @@ def costs_table(costs: Costs, device: str, threads: int) -> Table:
         t.add_column(col, justify="right")
     rows = [(f"c {name}", xs) for name, xs in costs.c.items()]
     for name, xs in costs.v.items():
-        engine, T = name.split(":")
-        rows.append((f"v {engine} T={T}", xs))
+        engine, mode, T = name.split(":")
+        rows.append((f"v {engine}:{mode} T={T}", xs))
     for label, xs in rows:
         t.add_row(label, f"{statistics.median(xs):.3f}", " ".join(f"{x:.3f}" for x in xs))
     return t

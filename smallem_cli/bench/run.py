@@ -138,21 +138,20 @@ def cost_readings(
     `passes`: the token counts T whose v is read (default: 1 .. the plan's largest k + 1)."""
     top = max((k for ks in plan.ks.values() for k in ks), default=1)
     ks = sorted({T - 1 for T in passes} - {0}) if passes else list(range(1, top + 1))
-    each = {
-        f"{m}:{n}": (p, plan_sampling(plan, m), [k for k in plan.ks[n] if k])
-        for m in plan.modes
-        for n, p in plan.proposers[m].items()
-        if p is not NONE
-    }
-    out = Costs({}, {}, {e: [] for e in plan.engines})
+    out = Costs({}, {}, {f"{e}:{m}": [] for e in plan.engines for m in plan.modes})
     for _ in range(readings):
         for engine in plan.engines:
-            got = forward_costs(target, each, ks or [1], prompt, plan.backends.get(engine) or Backend(engine))
-            for name, x in got.c.items():
-                out.c.setdefault(f"{engine}:{name}", []).append(x)
-            for k, x in got.v.items():
-                out.v.setdefault(f"{engine}:{k + 1}", []).append(x)
-            out.round_s[engine].append(got.round_s)
+            for m in plan.modes:  # each mode in rounds of its own target alone
+                draws = plan_sampling(plan, m)
+                each = {f"{m}:{n}": (p, draws, [k for k in plan.ks[n] if k]) for n, p in plan.proposers[m].items()}
+                each = {name: x for name, x in each.items() if x[0] is not NONE}
+                backend = plan.backends.get(engine) or Backend(engine)
+                got = forward_costs(target, each, ks or [1], prompt, backend, sampling=draws)
+                for name, x in got.c.items():
+                    out.c.setdefault(f"{engine}:{name}", []).append(x)
+                for k, x in got.v.items():
+                    out.v.setdefault(f"{engine}:{m}:{k + 1}", []).append(x)
+                out.round_s[f"{engine}:{m}"].append(got.round_s)
     return out
 
 
@@ -239,9 +238,9 @@ def run_bench(
             # in rounds of this engine's target alone (`costs.forward_costs`); a row of the target
             # alone costs one round, read or not (eager's reference has none outside the plan)
             cc = c.get(f"{engine}:{mode}:{name}:{k}", 0.0)
-            vv = v.get(f"{engine}:{k + 1}", 1.0) if k else 1.0
+            vv = v.get(f"{engine}:{mode}:{k + 1}", 1.0) if k else 1.0
             if sum(st.guessed[:k]):  # rounds of fewer guesses: the model over the rounds as they came
-                vs = {T: v.get(f"{engine}:{T}", 1.0) for T in range(2, k + 2)}
+                vs = {T: v.get(f"{engine}:{mode}:{T}", 1.0) for T in range(2, k + 2)}
                 pred = variable_speedup(st, rounds, dict.fromkeys(range(1, k + 1), cc), vs)
             else:
                 pred = predicted_speedup(alpha, k, cc, vv)
