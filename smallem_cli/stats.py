@@ -11,6 +11,7 @@ class Stats:
     k: int
     new_tokens: int = 0
     passes: int = 0  # target passes that yielded tokens: the prefill, then one per round
+    end_token: int = 0  # 1 where the model's end token ended it: a pass yielded it, the text leaves it out
     proposed: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # rounds whose i-th guess was kept
@@ -31,7 +32,7 @@ class Stats:
 
     @property
     def tokens_per_pass(self) -> float:
-        return self.new_tokens / max(1, self.passes)
+        return (self.new_tokens + self.end_token) / max(1, self.passes)
 
     def copy_from(self, other: Stats) -> None:
         """Take every counter of `other` (the engine's own); this one's proposer label stays (a path, say)."""

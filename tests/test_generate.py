@@ -686,7 +686,9 @@ def test_an_end_id_ends_the_output(models, reference, kind: str, at_least: int) 
         out, stats = generate(models["target"], make(kind, models), PROMPT, N, k, end_ids=(absent, stop))
         assert out == reference[:idx]
         assert stop not in out
-        assert stats.new_tokens == idx
+        assert stats.new_tokens == idx and stats.end_token == 1
+        if kind == "none":  # a token a pass, the end token's pass included
+            assert stats.passes == idx + 1 and stats.tokens_per_pass == 1.0
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -696,6 +698,7 @@ def test_an_end_id_as_first_token(request, models, backend_name: str) -> None:
     for kind, k in (("none", 0), ("self", 3), ("mtp", 3)):
         out, stats = generate(ms["target"], make(kind, ms), PROMPT, N, k, end_ids=[ref[0]], backend=b)
         assert out == [] and stats.new_tokens == 0 and stats.proposed == 0
+        assert stats.passes == 1 and stats.tokens_per_pass == 1.0  # the pass yielded the end token
 
 
 def test_end_ids_never_produced_change_nothing(models, reference) -> None:

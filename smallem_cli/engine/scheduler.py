@@ -131,7 +131,7 @@ class Engine:
         end = next((i for i, t in enumerate(emitted[:budget]) if t in self.end_ids), None)
         stop = end is not None
         if end is not None:  # the model's end of turn: not emitted
-            emitted = emitted[:end]
+            emitted, s.stats.end_token = emitted[:end], 1
         kept = emitted[:budget]
         s.tokens.extend(kept)
         done = stop or s.n_generated >= s.req.max_new_tokens
