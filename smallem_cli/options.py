@@ -198,7 +198,14 @@ def _line_ids(obj: object, where: str, vocab_size: int, tok: Tokenizer | None, c
             raise UsageError(f'{where}: "text" must be a string, got {type(text).__name__}')
         if not text.strip():
             raise UsageError(f'{where}: "text" is empty')
-        return _encode(tok, text, True, where)
+        if tok is None:
+            raise UsageError(f'{where}: a "text" or "messages" prompt needs the tokenizer of the target')
+        from .model.tokenizer import TokenizerError, encode
+
+        try:
+            return _non_empty(encode(tok, text), where)
+        except TokenizerError as e:
+            raise UsageError(f"{where}: {e}") from None
     conv = obj["messages"]
     if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
         raise UsageError(f'{where}: "messages" must be a list of {{"role": ..., "content": ...}} objects, not empty')
@@ -207,23 +214,18 @@ def _line_ids(obj: object, where: str, vocab_size: int, tok: Tokenizer | None, c
             raise UsageError(f'{where}: message {i}: its "role" and "content" must be strings')
     if chat is None or chat.template is None:
         raise UsageError(f'{where}: the target has no chat template: give this prompt as "text" or "tokens"')
-    from .model.chat import ChatError, render
+    from .model.chat import ChatError, chat_ids
+    from .model.tokenizer import TokenizerError
 
-    try:
-        text = render(chat, conv)
-    except ChatError as e:
-        raise UsageError(f"{where}: {e}") from None
-    return _encode(tok, text, False, where)
-
-
-def _encode(tok: Tokenizer | None, text: str, special: bool, where: str) -> list[int]:
-    """`text`'s ids by the target's tokenizer (`special`: with the special tokens it adds), not empty."""
     if tok is None:
         raise UsageError(f'{where}: a "text" or "messages" prompt needs the tokenizer of the target')
     try:
-        ids = tok.encode(text, add_special_tokens=special).ids
-    except Exception as e:  # a lone surrogate, say: the tokenizer's error, on one line
-        raise UsageError(f"{where}: the tokenizer refused the prompt: {one_line(str(e)) or type(e).__name__}") from None
+        return _non_empty(chat_ids(tok, chat, conv), where)
+    except (ChatError, TokenizerError) as e:  # the template's refusal, or the tokenizer's
+        raise UsageError(f"{where}: {e}") from None
+
+
+def _non_empty(ids: list[int], where: str) -> list[int]:
     if not ids:
         raise UsageError(f"{where}: the prompt encodes to no tokens")
     return ids

@@ -124,3 +124,9 @@ def test_chat_without_a_template_or_with_a_bad_one_is_refused(family: Family, hf
     write(hf_dir, "tokenizer_config.json", {"chat_template": "{{ raise_exception('no user messages') }}"})
     refused(run("hi", "--target", str(hf_dir), "--chat"), "no user messages")
     ok(run("hi", "--target", str(hf_dir)))  # without --chat the template is never read
+
+
+def test_a_message_the_tokenizer_refuses_is_one_line(hf_dir: Path) -> None:
+    """A system message of bytes that are not UTF-8 (lone surrogates in Python) renders, then the
+    tokenizer refuses it: one line, exit 2."""
+    refused(run("hi", "--target", str(hf_dir), "--system", "\udcff"), "tokenizer refused the prompt")

@@ -225,3 +225,9 @@ def test_bench_sizes_are_bounded_before_any_work(family: Family, args: list[str]
 
 def test_threads_beyond_the_cpus_are_refused(family: Family) -> None:
     refused(generate(family, "--threads", "1000"), r"--threads must be between 1 and \d+")
+
+
+def test_a_prompt_the_tokenizer_refuses_is_one_line(family: Family) -> None:
+    """Bytes of a command line that are not UTF-8 reach Python as lone surrogates, which the
+    tokenizer refuses: one line, exit 2 (a chat message: `test_chat`)."""
+    refused(generate(family, "-n", "3", prompt="\udcff and God said"), "tokenizer refused the prompt")

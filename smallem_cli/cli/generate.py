@@ -55,7 +55,8 @@ def generate(
     from ..engine import family
     from ..engine.generate import stream
     from ..engine.stops import StopPrinter
-    from ..model.chat import messages, render
+    from ..model.chat import chat_ids, messages
+    from ..model.tokenizer import encode
     from ..spec.sampling import NonFiniteError, Sampling
     from ..stats import Stats
 
@@ -71,10 +72,10 @@ def generate(
             proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab), O.tree(tree), weights
         )
         tok = tgt.tok
-        if chat or system is not None:  # the template writes every special token the model expects
-            ids = tok.encode(render(tgt.chat, messages(text, system)), add_special_tokens=False).ids
+        if chat or system is not None:
+            ids = chat_ids(tok, tgt.chat, messages(text, system))
         else:
-            ids = tok.encode(text).ids
+            ids = encode(tok, text)
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
         backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
         n_threads = O.threads(threads) or O.threads_for_load(torch.get_num_threads())

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from .tokenizer import EOT
+from .tokenizer import EOT, encode
 
 MAX_JSON_BYTES = 16 << 20  # a config file is kilobytes: a larger one is refused, not read into memory
 
@@ -115,3 +115,9 @@ def render(fmt: ChatFormat, conversation: list[dict[str, str]], add_generation_p
     except Exception as e:  # a template is a program: whatever it raises is its failure, on one line
         why = str(e).splitlines()[0] if str(e) else ""
         raise ChatError(f"the chat template failed: {type(e).__name__}: {why}") from None
+
+
+def chat_ids(tok: Tokenizer, fmt: ChatFormat, conversation: list[dict[str, str]]) -> list[int]:
+    """The conversation's ids as the model reads them: rendered with the generation prompt, every
+    special token written by the template, none added by the tokenizer."""
+    return encode(tok, render(fmt, conversation), special=False)

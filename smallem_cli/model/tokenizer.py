@@ -15,6 +15,16 @@ class TokenizerError(ValueError):
     """A tokenizer file that is missing or unreadable."""
 
 
+def encode(tok: Tokenizer, text: str, special: bool = True) -> list[int]:
+    """`text`'s ids (`special`: with the special tokens the tokenizer adds); TokenizerError on one
+    line where it refuses the text (a lone surrogate: bytes of a command line that are not UTF-8)."""
+    try:
+        return tok.encode(text, add_special_tokens=special).ids
+    except Exception as e:  # tokenizers raises a bare Exception (or a TypeError) on such text
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise TokenizerError(f"the tokenizer refused the prompt: {why}") from None
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     if not Path(path).is_file():
         raise TokenizerError(f"tokenizer not found: {path}")
