@@ -27,7 +27,7 @@ from smallem_cli.cli.app import app
 from smallem_cli.engine import family as F
 from smallem_cli.engine.family import NONE
 from smallem_cli.engine.generate import generate
-from smallem_cli.interop.gguf import export_gguf, gguf_name, gguf_tensors, gguf_vocab
+from smallem_cli.interop.gguf import add_llama_metadata, export_gguf, gguf_name, gguf_tensors, gguf_vocab
 from smallem_cli.interop.gguf_read import GGUFReadError, load_gguf
 from smallem_cli.model import checkpoint
 from smallem_cli.model.chat import messages, render
@@ -70,21 +70,7 @@ def write(
     if vocab:
         vocab(tokens, merges)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_seq_len)
-    w.add_embedding_length(cfg.dim)
-    w.add_block_count(cfg.n_layers)
-    w.add_feed_forward_length(cfg.hidden_dim)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(kinds)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(eot)
-    w.add_eos_token_id(eot)
+    add_llama_metadata(w, cfg, tokens, kinds, merges, eot, pre)
     if kv:
         kv(w)
     written = {}

@@ -7,7 +7,7 @@ of Wq and Wk are reordered within each head, as llama.cpp's own converter does; 
 outputs, are unchanged. The tokenizer is tokenizer.json's byte-level BPE as llama.cpp's `gpt2`
 model (`gpt-2` pre-tokenizer), `<|endoftext|>` both BOS and EOS, nothing added to a prompt.
 
-Needs the `llamacpp` extra (the `gguf` package), imported only when a file is written.
+Needs the `gguf` extra (the `gguf` package), imported only when a file is written.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import atomic
+from ..config import ModelConfig
 from ..model import checkpoint
 from ..model.llama import Transformer, permute_rope
 from ..model.tokenizer import EOT
@@ -112,6 +113,35 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> tuple[list[str], 
 
 
 # --- the file --------------------------------------------------------------------------------
+def add_llama_metadata(
+    w: Any,
+    cfg: ModelConfig,
+    tokens: list[str],
+    kinds: list[int],
+    merges: list[str],
+    eot: int | None,
+    pre: str = "gpt-2",
+) -> None:
+    """A llama model's hyperparameters and its byte-level BPE tokenizer, on GGUFWriter `w`."""
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.dim)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(cfg.hidden_dim)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(kinds)
+    w.add_token_merges(merges)
+    if eot is not None:
+        w.add_bos_token_id(eot)
+        w.add_eos_token_id(eot)
+
+
 def write_gguf(
     model: Transformer, out_file: str | Path, tokenizer_json: str | Path, dtype: str = "f32", name: str = "smallem"
 ) -> None:
@@ -125,23 +155,7 @@ def write_gguf(
         w.add_name(name)
         w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
         w.add_vocab_size(cfg.vocab_size)
-        w.add_context_length(cfg.max_seq_len)
-        w.add_embedding_length(cfg.dim)
-        w.add_block_count(cfg.n_layers)
-        w.add_feed_forward_length(cfg.hidden_dim)
-        w.add_head_count(cfg.n_heads)
-        w.add_head_count_kv(cfg.n_kv_heads)
-        w.add_rope_dimension_count(cfg.head_dim)
-        w.add_rope_freq_base(cfg.rope_theta)
-        w.add_layer_norm_rms_eps(cfg.norm_eps)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(tokens)
-        w.add_token_types(kinds)
-        w.add_token_merges(merges)
-        if eot is not None:
-            w.add_bos_token_id(eot)
-            w.add_eos_token_id(eot)
+        add_llama_metadata(w, cfg, tokens, kinds, merges, eot)
         w.add_add_bos_token(False)
         w.add_add_eos_token(False)
         for tname, arr in tensors.items():
