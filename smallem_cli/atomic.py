@@ -21,20 +21,15 @@ class NotRegularFileError(FileExistsError):
     export's folder). An OSError, so every command reports it as it reports a failed write."""
 
 
-def kind(mode: int) -> str:
-    """What an `lstat` mode is, in words, for a message."""
-    for test, name in (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+_KINDS = {  # what an `lstat` mode is, in words, for a message
+    stat.S_IFREG: "a regular file",
+    stat.S_IFDIR: "a folder",
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def check_replaceable(out: Path, folder: bool = False) -> bool:
@@ -46,23 +41,19 @@ def check_replaceable(out: Path, folder: bool = False) -> bool:
         mode = os.lstat(out).st_mode
     except FileNotFoundError:
         return False
+    what = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
     if folder and not stat.S_ISDIR(mode):
-        raise NotRegularFileError(f"{out} exists and is {kind(mode)}, not a folder: give another path")
+        raise NotRegularFileError(f"{out} exists and is {what}, not a folder: give another path")
     if not folder and not stat.S_ISREG(mode):
-        raise NotRegularFileError(f"{out} is {kind(mode)}: only a regular file is replaced; give another path")
+        raise NotRegularFileError(f"{out} is {what}: only a regular file is replaced; give another path")
     return True
-
-
-def aside(out: Path) -> Path:
-    """Where this process writes `out` before the rename."""
-    return out.with_name(f".{out.name}.{os.getpid()}.tmp")
 
 
 def replace_with(out: Path, write: Callable[[Path], None], sync: bool = False) -> None:
     """write(tmp) the file aside, then rename it to `out` (sync: on disk before the rename, so a crash
     cannot leave an empty file). NotRegularFileError, nothing written, if `out` is no regular file."""
     check_replaceable(out)  # before the write: a refusal costs nothing and leaves nothing aside
-    tmp = aside(out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
         if sync:

@@ -84,8 +84,7 @@ class ModelConfig:
             raise ConfigError(f"config is not valid JSON: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config is a JSON object, not {_show(raw)}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError(f"unknown config fields: {', '.join(map(str, unknown))}"[:300])
         return cls(**raw)

@@ -67,9 +67,8 @@ TRAIN_SEQ_LEN = 256
 TRAIN_LR = 2e-3
 TRAIN_SEED = 1234
 TRAIN_MTP_WEIGHT = 0.3  # `train target`: its MTP module's loss weight (DeepSeek-V3's lambda, 0.3 for most of its run)
-# `train --compile` (the loss through inductor, about 30 s cold for the target's) and `--precision
-# bf16` (the loss's products under bfloat16 autocast; docs/family.md, "`smallem train --precision
-# bf16`"): off by default, asked for by the Makefile's recipe.
+# `train --compile` (the loss through inductor, ~30 s cold) and `--precision bf16` (bfloat16
+# autocast; docs/family.md): off by default, asked for by the Makefile's recipe.
 TRAIN_COMPILE = False
 TRAIN_PRECISION = "fp32"
 TEMPERATURE = 0.0
@@ -95,10 +94,9 @@ COST_PASSES = (1, 2, 3, 4, 5, 8, 16)  # `bench --costs`: v for passes over these
 # the top 1,024 is rare, but a sampled one is drawn from q, whose mass outside the cut no guess takes.
 PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 
-
 # How the native engine stores a proposer's matrices (`--proposer-weights`): "int8" (per-row scales:
 # half the bytes a guess reads, for about the same acceptance; docs/benchmarks.md, "A proposer's
-# matrices as int8") or "f16", its checkpoint's values. The target's are always its own.
+# matrices as int8") or "f16", its own values (`native.narrowest`). The target's are always its own.
 PROPOSER_WEIGHTS = "int8"
 WEIGHTS = ("int8", "f16")
 WEIGHTS_HELP = f"int8 | f16: how the native engine stores the proposer's matrices [default: {PROPOSER_WEIGHTS}]"

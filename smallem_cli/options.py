@@ -68,10 +68,8 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def read_prompt(prompt: str | None, max_new_tokens: int = 1) -> str:
+def read_prompt(prompt: str | None) -> str:
     """The prompt argument, or stdin for `-` or for no argument on a pipe; not empty."""
-    if max_new_tokens < 1:  # checked first: before stdin is awaited
-        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if prompt is None and sys.stdin.isatty():
         raise UsageError("no prompt: give one as an argument, or pipe it on stdin")
     text = prompt if prompt is not None and prompt != "-" else sys.stdin.buffer.read()
@@ -100,7 +98,11 @@ def check_sampling(
     min_p: float | None = None,
     repetition_penalty: float = 1.0,
     stops: list[str] | None = None,
+    max_new_tokens: int = 1,
 ) -> None:
+    """The generation options, checked before anything loads (or stdin is awaited)."""
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if not temperature >= 0:
         raise UsageError(f"temperature must be >= 0, got {temperature}")
     if not math.isfinite(temperature):
@@ -127,12 +129,6 @@ def check_sampling(
         raise UsageError(f"--seed must be between 0 and 2^63-1, got {seed}")
 
 
-PROMPT_LINE = (
-    'a JSON object with "tokens" (ids in 0..{top}), "text" (a string) or "messages" '
-    '(a list of {{"role": ..., "content": ...}})'
-)
-
-
 def read_prompts(
     path: Path,
     cfg: ModelConfig,
@@ -142,12 +138,9 @@ def read_prompts(
     chat: ChatFormat | None = None,
 ) -> list[list[int]]:
     """`bench`'s prompts file, a JSON object a line, checked line by line. A line's prompt is its
-    "tokens" (ids; a "text" beside them, as `smallem prompts` writes, is only their reading), else its
-    "text" (encoded by `tokenizer`, special tokens added as the tokenizer adds them), else its
-    "messages" (rendered through `chat`'s template with the generation prompt, then encoded adding
-    nothing: the template writes every special token, as `generate --chat` does). Each prompt must
-    leave room in the model's context for max_new tokens and the largest k's pass."""
-    vocab_size = cfg.vocab_size
+    "tokens" (a "text" beside them, as `smallem prompts` writes, is only their reading), else its
+    "text" (encoded by `tokenizer`), else its "messages" (through `chat`'s template, as `generate
+    --chat` does). Each must leave room in the context for max_new tokens and the largest k's pass."""
     try:
         with open(path, "rb") as f:  # bounded: a device such as /dev/zero never ends
             raw = f.read(D.MAX_PROMPTS_BYTES + 1)
@@ -170,7 +163,7 @@ def read_prompts(
             obj = json.loads(line)
         except (ValueError, RecursionError):
             obj = None
-        ids = _line_ids(obj, where, vocab_size, tokenizer, chat)
+        ids = _line_ids(obj, where, cfg.vocab_size, tokenizer, chat)
         try:
             check_context(len(ids), max_new, top_k, cfg.max_seq_len)
         except UsageError as e:
@@ -184,7 +177,10 @@ def read_prompts(
 def _line_ids(obj: object, where: str, vocab_size: int, tok: Tokenizer | None, chat: ChatFormat | None) -> list[int]:
     """A prompts file's line (parsed) -> its prompt's ids, or UsageError naming `where` and the fault."""
     if not isinstance(obj, dict) or not {"tokens", "text", "messages"} & obj.keys():
-        raise UsageError(f"{where}: not a prompt ({PROMPT_LINE.format(top=vocab_size - 1)})")
+        raise UsageError(
+            f'{where}: not a prompt (a JSON object with "tokens" (ids in 0..{vocab_size - 1}), "text" (a string) '
+            'or "messages" (a list of {"role": ..., "content": ...}))'
+        )
     if "tokens" in obj:
         ids = obj["tokens"]
         if not isinstance(ids, list) or not ids or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
@@ -193,39 +189,30 @@ def _line_ids(obj: object, where: str, vocab_size: int, tok: Tokenizer | None, c
     if "text" in obj and "messages" in obj:
         raise UsageError(f'{where}: a prompt is "text" or "messages", not both')
     if "text" in obj:
-        text = obj["text"]
-        if not isinstance(text, str):
-            raise UsageError(f'{where}: "text" must be a string, got {type(text).__name__}')
-        if not text.strip():
+        if not isinstance(obj["text"], str):
+            raise UsageError(f'{where}: "text" must be a string, got {type(obj["text"]).__name__}')
+        if not obj["text"].strip():
             raise UsageError(f'{where}: "text" is empty')
-        if tok is None:
-            raise UsageError(f'{where}: a "text" or "messages" prompt needs the tokenizer of the target')
-        from .model.tokenizer import TokenizerError, encode
-
-        try:
-            return _non_empty(encode(tok, text), where)
-        except TokenizerError as e:
-            raise UsageError(f"{where}: {e}") from None
-    conv = obj["messages"]
-    if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
-        raise UsageError(f'{where}: "messages" must be a list of {{"role": ..., "content": ...}} objects, not empty')
-    for i, m in enumerate(conv, 1):
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise UsageError(f'{where}: message {i}: its "role" and "content" must be strings')
-    if chat is None or chat.template is None:
-        raise UsageError(f'{where}: the target has no chat template: give this prompt as "text" or "tokens"')
-    from .model.chat import ChatError, chat_ids
-    from .model.tokenizer import TokenizerError
-
+    else:
+        conv = obj["messages"]
+        if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
+            raise UsageError(
+                f'{where}: "messages" must be a list of {{"role": ..., "content": ...}} objects, not empty'
+            )
+        for i, m in enumerate(conv, 1):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise UsageError(f'{where}: message {i}: its "role" and "content" must be strings')
+        if chat is None or chat.template is None:
+            raise UsageError(f'{where}: the target has no chat template: give this prompt as "text" or "tokens"')
     if tok is None:
         raise UsageError(f'{where}: a "text" or "messages" prompt needs the tokenizer of the target')
+    from .model.chat import ChatError, chat_ids
+    from .model.tokenizer import TokenizerError, encode
+
     try:
-        return _non_empty(chat_ids(tok, chat, conv), where)
+        ids = encode(tok, obj["text"]) if "text" in obj else chat_ids(tok, chat, obj["messages"])
     except (ChatError, TokenizerError) as e:  # the template's refusal, or the tokenizer's
         raise UsageError(f"{where}: {e}") from None
-
-
-def _non_empty(ids: list[int], where: str) -> list[int]:
     if not ids:
         raise UsageError(f"{where}: the prompt encodes to no tokens")
     return ids
@@ -318,11 +305,10 @@ def check_bench(modes: str, repeats: int, max_new: int, peer: str | None, plot: 
         raise UsageError("--costs times no generations: --peer and --plot do not apply")
     if peer not in (None, "hf", "llamacpp", "vllm"):
         raise UsageError(f"unknown peer {peer!r}: use hf (transformers), llamacpp (llama.cpp) or vllm (vLLM)")
-    if peer == "hf" and importlib.util.find_spec("transformers") is None:
-        raise UsageError("--peer hf needs transformers: pip install 'smallem[hf]'")
-    missing = [m for m in ("llama_cpp", "gguf") if peer == "llamacpp" and importlib.util.find_spec(m) is None]
+    needs = {"hf": ("transformers",), "llamacpp": ("llama_cpp", "gguf")}.get(peer or "", ())
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
     if missing:
-        raise UsageError(f"--peer llamacpp needs {' and '.join(missing)}: pip install 'smallem[llamacpp]'")
+        raise UsageError(f"--peer {peer} needs {' and '.join(missing)}: pip install 'smallem[{peer}]'")
     if plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib: pip install 'smallem[plot]'")
     return mode_list

@@ -18,6 +18,7 @@ class Stats:
     # rounds by how many guesses they checked (index 0..k): a fixed-k proposer fills index k
     # alone; an n-gram lookup proposes fewer when unsure
     guessed: list[int] = field(default_factory=list)
+    reused: int = 0  # prompt positions found in the cache: a conversation's earlier turns
     prefill_s: float = 0.0
     elapsed_s: float = 0.0  # prefill included
     backend: str = "eager"  # what ran the passes (`Backend.label`): "eager" (PyTorch), a native build, "partly …"

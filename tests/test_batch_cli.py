@@ -251,12 +251,11 @@ def fin(index: int, rid: str | int | None = None) -> Finished:
 
 def test_answers() -> None:
     assert B.answer(fin(0, "x")) == {"id": "x", "text": "text 0", "tokens": [5, 6, 7], "stats": {"new_tokens": 3}}
-    assert B.error_answer(3, "empty prompt") == {"id": 3, "error": "empty prompt"}
 
 
 def test_ordered_writer_holds_answers_until_their_turn() -> None:
     out = io.StringIO()
-    w = B.OrderedWriter(out)
+    w = B.Writer(out, ordered=True)
     w.put(2, {"id": 3})
     w.put(1, {"id": 2})
     assert out.getvalue() == "" and len(w.waiting) == 2
@@ -270,12 +269,11 @@ def test_ordered_writer_holds_answers_until_their_turn() -> None:
         w.put(0, {"id": 1})
     w.close()  # line 4's answer never came: what is held still goes out, in order
     assert [json.loads(x)["id"] for x in out.getvalue().splitlines()] == [1, 2, 3, 5, 6]
-    assert w.written == 5
 
 
 def test_line_writer_writes_as_answers_come() -> None:
     out = io.StringIO()
-    w = B.LineWriter(out)
+    w = B.Writer(out)
     w.put(2, {"id": 3, "text": "caf\u00e9\n"})
     w.put(0, {"id": 1})
     assert out.getvalue() == '{"id": 3, "text": "caf\\u00e9\\n"}\n{"id": 1}\n'
@@ -301,13 +299,12 @@ class Pipe(io.StringIO):
 
 def test_a_broken_pipe_is_output_closed() -> None:
     out = Pipe(lines=2)
-    w = B.OrderedWriter(out)
+    w = B.Writer(out, ordered=True)
     w.put(0, {"id": 1})
     w.put(1, {"id": 2})
     with pytest.raises(B.OutputClosed):
         w.put(2, {"id": 3})
     assert out.writes == ['{"id": 1}\n', '{"id": 2}\n', '{"id": 3}\n']  # one write a line
-    assert w.written == 2
 
 
 def test_ctrl_c_waits_for_the_line_end() -> None:

@@ -245,7 +245,7 @@ def test_cost_readings_read_each_engine_on_its_own_backend(family: Family, monke
         m = "greedy" if s.greedy else "sample"
         assert s == bench.plan_sampling(plan, m) and ks == [1, 2, 3]
         assert p == {f"{m}:mtp": (mtp, bench.plan_sampling(plan, m), [2, 3])}
-    assert bench.plan_sampling(plan, "sample").temperature == plan.temperature
+    assert bench.plan_sampling(plan, "sample") == plan.sample and plan.sample.temperature > 0
     assert got.c["native:sample:mtp:3"] == [1.75, 1.75] and got.c["eager:greedy:mtp:2"] == [0.5, 0.5]
     assert set(got.c) == {f"{e}:{m}:mtp:{k}" for e in ("eager", "native") for m in modes for k in (2, 3)}
     engines = ("eager", "native")
@@ -279,14 +279,14 @@ def test_rows_cost_in_rounds_of_the_target_alone(family: Family, monkeypatch: py
         {"eager:greedy": [0.001], "native:greedy": [0.001]},
     )
     monkeypatch.setattr(bench, "cost_readings", lambda *a, **kw: readings)
-    real_run = bench.run_prompt
+    real_run = bench.generate
 
-    def run_prompt(target: Any, p: Any, backend: Backend, *a: Any) -> tuple[list[int], Stats]:
-        out, st = real_run(target, p, backend, *a)
+    def clocked(*a: Any, backend: Backend) -> tuple[list[int], Stats]:
+        out, st = real_run(*a, backend=backend)
         st.elapsed_s = st.new_tokens * (0.004 if backend.name == "eager" else 0.002)
         return out, st
 
-    monkeypatch.setattr(bench, "run_prompt", run_prompt)
+    monkeypatch.setattr(bench, "generate", clocked)
     models: list[tuple[float, ...]] = []
     real_pred, real_var = bench.predicted_speedup, bench.variable_speedup
     monkeypatch.setattr(

@@ -94,8 +94,7 @@ def test_a_continued_proposer_keeps_its_cut(family: Family, tmp_path: Path) -> N
     assert result.exit_code == 0, (result.stderr, result.exception)
     assert checkpoint.vocab_rank(checkpoint.read_meta(out), out, 300) == own
     # a new member (no checkpoint it continues) lists its training text's tokens by frequency
-    from smallem_cli.train.loop import vocab_rank
-    from smallem_cli.train.members import save_family_member
+    from smallem_cli.train.loop import save_family_member, vocab_rank
 
     ids = corpus.encode_file(family.tokenizer, tmp_path / "data" / "train.txt")
     new = tmp_path / "new.safetensors"

@@ -240,3 +240,27 @@ def test_bench_peer_llamacpp(family: Family, tmp_path: Path) -> None:
         assert set(r["pass_cost"]) == set(r["ours_pass_cost"]) == {"2", "3", "5", "9"}
     table = CliRunner().invoke(app, args)
     assert table.exit_code == 0 and "llama.cpp f32" in table.stdout and "one-token pass ms" in table.stdout
+
+
+@pytest.mark.parametrize("quant", [None, "Q8_0"])
+def test_bench_peer_llamacpp_runs_a_gguf_target_itself(family: Family, tmp_path: Path, quant: str | None) -> None:
+    """A GGUF target is benched against llama.cpp on the file itself: one row, named by its tensor
+    types; on float32 weights llama.cpp's tokens are ours."""
+    need("gguf")
+    need("llama_cpp")
+    from test_gguf_load import write as write_file
+
+    path = tmp_path / "t.gguf"
+    write_file(path, family, quant=quant)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"tokens": list(range(5 + i, 17 + i)), "text": ""}) for i in range(2)))
+    args = ["bench", "--target", str(path), "--proposers", "ngram", "--prompts", str(prompts), "-n", "12"]
+    args += ["--repeats", "1", "--modes", "greedy", "--engines", "eager", "--peer", "llamacpp", "--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, (res.stderr, res.exception)
+    peer = {r["peer"].split(" (")[0]: r for r in json.loads(res.stdout)["peer"]}
+    assert list(peer) == ["llama.cpp F32" if quant is None else "llama.cpp F32/Q8_0"]
+    row = next(iter(peer.values()))
+    assert row["tokens_per_s"] > 0 and row["ours_identical"] == "2/2"
+    if quant is None:
+        assert row["identical"] == "2/2"

@@ -243,8 +243,8 @@ def test_generate_batch_eval_take_a_gguf_target(family: Family, tmp_path: Path) 
 
 @pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
 def test_backend_is_named_honestly(family: Family, tmp_path: Path) -> None:
-    """An f16 file runs native (its weights are float16-exact); a Q8_0 one cannot (its dequantized
-    values are not), so it runs eager, and beside a native draft the run says "partly native"."""
+    """An f16 file runs native on its float16 weights; a Q8_0 one on its dequantized values, which
+    only float32 holds, and the run says so, beside a float16 draft too."""
     f16 = exported(family, tmp_path, "f16")
     q8 = tmp_path / "q8.gguf"
     write(q8, family, quant="Q8_0")
@@ -256,8 +256,8 @@ def test_backend_is_named_honestly(family: Family, tmp_path: Path) -> None:
         return json.loads(res.stdout)["stats"]["backend"]
 
     assert backend("--target", str(f16)) == "native"
-    assert backend("--target", str(q8)) == "eager"
-    assert backend("--target", str(q8), "--proposer", str(family.draft)) == "partly native"
+    assert backend("--target", str(q8)) == "native (f32)"
+    assert backend("--target", str(q8), "--proposer", str(family.draft)) == "native (f16+f32)"
 
 
 # --- refusals -----------------------------------------------------------------------------------

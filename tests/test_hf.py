@@ -33,6 +33,7 @@ from smallem_cli.engine.family import NONE  # noqa: E402
 from smallem_cli.engine.forward import slab_for, transformer_pass  # noqa: E402
 from smallem_cli.engine.generate import generate  # noqa: E402
 from smallem_cli.engine.pool import PagePool, pages_for  # noqa: E402
+from smallem_cli.interop.exportdir import ExportError  # noqa: E402
 from smallem_cli.interop.hf import HFFormatError, config_from_hf, export_hf, is_hf_dir, load_hf  # noqa: E402
 from smallem_cli.model import checkpoint  # noqa: E402
 from smallem_cli.model.llama import MTPModule, Transformer  # noqa: E402
@@ -349,7 +350,7 @@ def test_export_round_trip_is_exact(tmp_path: Path, tok_path: Path) -> None:
 def test_export_refusals(tmp_path: Path, tok_path: Path) -> None:
     mtp_ckpt = tmp_path / "mtp.safetensors"
     checkpoint.save(mtp_ckpt, MTPModule(PRESETS["tiny"]))
-    with pytest.raises(HFFormatError, match="MTP"):
+    with pytest.raises(ExportError, match="MTP"):
         export_hf(mtp_ckpt, tmp_path / "out", tok_path)
     ckpt = tmp_path / "m.safetensors"
     checkpoint.save(
@@ -357,7 +358,7 @@ def test_export_refusals(tmp_path: Path, tok_path: Path) -> None:
         Transformer(ModelConfig(vocab_size=VOCAB, dim=32, n_layers=1, n_heads=4, hidden_dim=64)),
         tokenizer="0" * 16,
     )
-    with pytest.raises(HFFormatError, match="another tokenizer"):
+    with pytest.raises(ExportError, match="another tokenizer"):
         export_hf(ckpt, tmp_path / "out", tok_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors", "mtp.safetensors"]
 

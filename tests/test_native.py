@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import pytest
 import torch
-from conftest import DRAFT_CFG, PROMPT, TINY, Family, noisy_copy, random_model, random_mtp
+from conftest import DRAFT_CFG, PROMPT, TINY, Family, Trained, noisy_copy, random_model, random_mtp
 from engine_help import halved, proposer, sequence_pass
 from typer.testing import CliRunner
 
@@ -327,8 +327,8 @@ def test_pass_refuses_a_slab_without_room(pair: tuple[Transformer, MTPModule, Ba
     assert steps is not None
     slab = torch.zeros(c.n_layers, 2, c.n_kv_heads, 20, c.head_dim)
     with pytest.raises(ValueError, match="no room in the slab for 1 positions after a past of 20"):
-        steps.get(1, True, False)(torch.tensor([3]), *steps.trig(20, 21), slab)  # type: ignore[misc]
-    step = steps.get(1, True, False)
+        steps.step_for(20, 21, True, False)(torch.tensor([3]), *steps.trig(20, 21), slab)  # type: ignore[misc]
+    step = steps.step_for(19, 20, True, False)
     assert step is not None
     new = step(torch.tensor([3]), *steps.trig(19, 20), slab[:, :, :, :19])[2]
     assert new.data_ptr() == slab[:, :, :, 19:].data_ptr() and slab[:, :, :, 19].abs().sum() > 0  # written in place
@@ -500,22 +500,16 @@ def test_generation_is_the_eager_one(
             assert "draft" not in kind or c[1].accepted > 0, c[1]  # a draft's guesses were kept, some of them
 
 
-def test_refuses_weights_and_widths_it_cannot_serve(pair: tuple[Transformer, MTPModule, Backend]) -> None:
-    """float32 weights (float16 would change the model) and a head width its kernels do not
-    tile: one line each, the model left on the eager path (the backend's label says how much of
-    the run is native); the text is the eager one's."""
+def test_refuses_widths_it_cannot_serve(pair: tuple[Transformer, MTPModule, Backend]) -> None:
+    """A head width its kernels do not tile: one line, that model left on the eager path (the
+    backend's label says how much of the run is native); the text is the eager one's."""
     log: list[str] = []
-    f32 = random_model(TINY, seed=0)
-    b = Backend("native")
-    assert b.prepare(f32, [], log.append) == "eager" and b.steps(f32) is None
     narrow = halved(random_model(DRAFT_CFG, seed=1))  # head_dim 12
     target = pair[0]
     partly = Backend("native")
     assert partly.prepare(target, [narrow], log.append) == "partly native", log  # type: ignore[list-item]
     assert partly.steps(target) is not None and partly.steps(narrow) is None
-    assert len(log) == 2 and "float16-exact" in log[0] and "(Transformer)" in log[1] and "multiples of 8" in log[1], log
-    out, _ = generate(f32, NONE, PROMPT, 10, 0, backend=b)
-    assert len(out) == 10 and out == generate(f32, NONE, PROMPT, 10, 0)[0]
+    assert len(log) == 1 and "(Transformer)" in log[0] and "multiples of 8" in log[0], log
     p = proposer("draft", target, narrow)
     assert generate(target, p, PROMPT, 30, 3, backend=partly)[0] == generate(target, p, PROMPT, 30, 3)[0]
 
@@ -688,3 +682,33 @@ def test_json_stats_name_the_backend(family: Family, monkeypatch: pytest.MonkeyP
         got = runner.invoke(app, argv, input="The quick brown fox\nA slow one\n")
         assert got.exit_code == 0, got.stderr
         assert [json.loads(line)["stats"]["backend"] for line in got.stdout.splitlines()] == [engine] * 2
+
+
+@pytest.mark.parametrize("kind", ["none", "draft", "mtp"])
+def test_float32_weights_run_native_as_they_are(trained: Trained, kind: str) -> None:
+    """Weights float16 cannot hold (a model trained in float32) are read as float32: the run is
+    native, says so, and its greedy tokens are the eager engine's, proposer chains included."""
+    target = trained.model
+    model = {"draft": noisy_copy(target, 0.05, seed=5), "mtp": trained.mtp}.get(kind)
+    p = proposer(kind, target, model)
+    b = Backend("native")
+    assert b.prepare(target, p.models) == "native (f32)"
+    assert all(b.steps(m).kinds == {torch.float32} for m in [target, *p.models])  # type: ignore[union-attr]
+    k = 0 if model is None else 3
+    got = generate(target, p, trained.period[:10], 40, k, backend=b)[0]
+    assert len(got) == 40 and got == generate(target, p, trained.period[:10], 40, k)[0]
+
+
+def test_each_matrix_is_read_in_the_narrowest_exact_type() -> None:
+    """float16 where it holds a matrix exactly, else bfloat16 (the values of a bfloat16 checkpoint,
+    some too small for float16), else float32; the text is the eager engine's."""
+    model = halved(random_model(TINY, seed=0))
+    with torch.no_grad():
+        for w in (model.layers[0].gate_proj.weight, model.layers[0].up_proj.weight):  # read as one matrix
+            w.copy_(w.to(torch.bfloat16).float())  # bfloat16-valued, one value below float16's range
+        model.layers[0].up_proj.weight[0, 0] = 2.0**-30
+        model.layers[1].down_proj.weight[0, 0] = 1.0 + 2.0**-20  # float32 alone holds it
+    b = Backend("native")
+    assert b.prepare(model.pack(), []) == "native (bf16+f16+f32)"
+    got = generate(model, NONE, PROMPT, 30, 0, backend=b)[0]
+    assert got == generate(model, NONE, PROMPT, 30, 0)[0]

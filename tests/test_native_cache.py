@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from smallem_cli.backends import engines, native
 from smallem_cli.backends.native import kernels
-from smallem_cli.backends.native.pack import NativeUnavailable
+from smallem_cli.backends.native.kernels import NativeUnavailable
 from smallem_cli.cli.app import app
 
 no_native = shutil.which("g++") is None or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")

@@ -231,7 +231,7 @@ def test_the_installs_own_files_are_not_replaced_unasked(
         pytest.skip("no shipped checkpoints")
     calls: list[object] = []
     monkeypatch.setattr("smallem_cli.train.data.train_tokenizer", lambda *a, **k: calls.append(a))
-    monkeypatch.setattr("smallem_cli.train.members.train_member", lambda *a, **k: calls.append(a) or {})
+    monkeypatch.setattr("smallem_cli.train.loop.train_member", lambda *a, **k: calls.append(a) or {})
     argv = ["train", "tokenizer", "--text", str(corpus), "--data", str(tmp_path / "data")]
     refused(CliRunner().invoke(app, argv), str(D.TOKENIZER), "--overwrite")
     result = train(family, corpus, tmp_path, "target", "--preset", "joint", "--run-dir", str(tmp_path / "r"))

@@ -104,7 +104,7 @@ def tokens(text: str) -> list[int]:
 
 def test_printer_stops_and_keeps_the_tokens_through_the_stop() -> None:
     out = io.StringIO()
-    p = StopPrinter(ByteTokenizer(), out, ["END"])  # type: ignore[arg-type]
+    p = StopPrinter(ByteTokenizer().decode, out, ["END"])
     assert not p.push(tokens("abc E"))
     assert out.getvalue() == "abc "  # "E" held back
     assert not p.push(tokens("N"))
@@ -119,25 +119,25 @@ def test_printer_waits_for_a_stop_that_began_earlier() -> None:
     the earliest stop string whatever the chunks, so the printer waits for the next tokens."""
     for chunks in (["bca", "ac"], ["b", "c", "a", "a"], ["bcaac"]):
         out = io.StringIO()
-        p = StopPrinter(ByteTokenizer(), out, ["caa", "a"])  # type: ignore[arg-type]
+        p = StopPrinter(ByteTokenizer().decode, out, ["caa", "a"])
         stops = [p.push(tokens(c)) for c in chunks]
         assert stops[-1] and not any(stops[:-1])
         assert out.getvalue() == p.text == "b" and p.ids == tokens("bcaa")
     out = io.StringIO()
-    p = StopPrinter(ByteTokenizer(), out, ["caa", "a"])  # type: ignore[arg-type]
+    p = StopPrinter(ByteTokenizer().decode, out, ["caa", "a"])
     assert not p.push(tokens("bca")) and p.push(tokens("b"))  # "cab": no "caa", so "a" ends it
     assert p.stopped and out.getvalue() == p.text == "bc" and p.ids == tokens("bca")
 
 
 def test_printer_without_a_stop_prints_everything() -> None:
     out = io.StringIO()
-    p = StopPrinter(ByteTokenizer(), out, ["END"])  # type: ignore[arg-type]
+    p = StopPrinter(ByteTokenizer().decode, out, ["END"])
     for chunk in ("ab", "c E", "N"):
         assert not p.push(tokens(chunk))
     assert out.getvalue() == "abc "
     p.push([], final=True)
     assert out.getvalue() == p.text == "abc EN" and p.ids == tokens("abc EN")
-    quiet = StopPrinter(ByteTokenizer(), None)  # type: ignore[arg-type]  # --json with no stop
+    quiet = StopPrinter(ByteTokenizer().decode, None)  # --json with no stop
     quiet.push(tokens("é!"))
     assert quiet.text == "é!" and quiet.ids == tokens("é!")
 
@@ -145,14 +145,14 @@ def test_printer_without_a_stop_prints_everything() -> None:
 def test_printer_stop_across_a_split_character() -> None:
     """A two-byte character split across pushes: TextStream holds the half back, the stop is found whole."""
     out = io.StringIO()
-    p = StopPrinter(ByteTokenizer(), out, ["né"])  # type: ignore[arg-type]
+    p = StopPrinter(ByteTokenizer().decode, out, ["né"])
     b = tokens("a né b")
     assert not p.push(b[:3]) and out.getvalue() == "a "  # "n" held back
     assert not p.push(b[3:4]) and out.getvalue() == "a "  # half of "é"
     assert p.push(b[4:]) and p.text == "a " and out.getvalue() == "a "
     assert p.ids == b[:5]
     out2 = io.StringIO()
-    q = StopPrinter(ByteTokenizer(), out2, ["nè"])  # type: ignore[arg-type]  # another second byte
+    q = StopPrinter(ByteTokenizer().decode, out2, ["nè"])  # another second byte
     for i in range(len(b)):
         assert not q.push(b[i : i + 1])
     q.push([], final=True)

@@ -21,7 +21,7 @@ from smallem_cli.config import PRESETS
 from smallem_cli.model import checkpoint
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.train.evaluate import evaluate_family
-from smallem_cli.train.loop import Progress, TrainSettings, lr_at, spent, train_draft_distill, train_model, train_mtp
+from smallem_cli.train.loop import Progress, TrainSettings, distill, lr_at, spent, train_model
 
 
 def _agreement(target: Transformer, draft: Transformer, ids: np.ndarray) -> float:
@@ -42,8 +42,8 @@ def test_distilled_draft_learns_the_targets_argmax(
         budget_s=1.5, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=10, save_every_s=1e9, eval_every_s=1e9
     )
     monkeypatch.setattr("smallem_cli.train.loop.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
-    model, facts = train_draft_distill(trained.model, student, stream, stream[:400], settings, tmp_path)
-    after = _agreement(trained.model, model, stream[:400])
+    facts = distill(trained.model, student, stream, stream[:400], settings, tmp_path)
+    after = _agreement(trained.model, student, stream[:400])
     assert facts["steps"] == 150 and "val_loss" in facts
     assert before < 0.3, before
     assert after > 0.9, (before, after)
@@ -54,9 +54,7 @@ def test_distilled_draft_learns_the_targets_argmax(
 def test_distilling_across_vocabularies_is_refused(trained: Trained, tmp_path: Path) -> None:
     other = Transformer(dataclasses.replace(DRAFT_CFG, vocab_size=DRAFT_CFG.vocab_size + 1))
     with pytest.raises(ValueError, match="vocabulary"):
-        train_draft_distill(
-            trained.model, other, np.zeros(100, np.uint16), np.zeros(100, np.uint16), TrainSettings(), tmp_path
-        )
+        distill(trained.model, other, np.zeros(100, np.uint16), np.zeros(100, np.uint16), TrainSettings(), tmp_path)
 
 
 def test_train_draft_distill_command(family: Family, tmp_path: Path) -> None:
@@ -115,7 +113,7 @@ def test_mtp_feature_loss_pulls_its_state_to_the_targets(
     settings = dataclasses.replace(settings, feature_weight=1.0)
     seen: list[dict[str, float]] = []
     monkeypatch.setattr("smallem_cli.train.loop.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
-    train_mtp(trained.model, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.extra), start)
+    distill(trained.model, start, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.extra))
     assert len(seen) == 80 and {"kl@1", "feature"} <= set(seen[0])
     assert seen[-1]["feature"] < 0.5 * seen[0]["feature"], (seen[0], seen[-1])
 
@@ -250,9 +248,7 @@ def test_a_token_budget_ignores_the_clock(trained: Trained, tmp_path: Path, monk
     monkeypatch.setattr("smallem_cli.train.loop.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
     student = Transformer(DRAFT_CFG)
     student.init_weights(3)
-    _, facts = train_draft_distill(
-        trained.model, student, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.done)
-    )
+    facts = distill(trained.model, student, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.done))
     assert facts["steps"] == 25 and facts["tokens_seen"] == 8 * 32 * 25  # the clock alone would stop at 10
     assert seen[-1] == 1.0 and seen == sorted(seen)
     # halfway through the tokens, whatever the clock says, the cosine is halfway down
@@ -270,7 +266,7 @@ def _distil(
     student.init_weights(3)
     kw = {"lr": 1e-2, "warmup_steps": 2, "save_every_s": 1e9, "eval_every_s": 1e9} | settings
     config = TrainSettings(budget_tokens=steps * 8 * 32, batch_size=8, seq_len=32, **kw)
-    return train_draft_distill(trained.model, student, stream, stream[:400], config, run, on_progress)
+    return student, distill(trained.model, student, stream, stream[:400], config, run, on_progress)
 
 
 def test_compiled_loss_trains_as_the_eager_one(trained: Trained, tmp_path: Path) -> None:

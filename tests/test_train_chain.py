@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import TINY, random_model, random_mtp
 
-from smallem_cli.train.chain import chain_states, train_mtp_chain
-from smallem_cli.train.loop import TrainSettings
+from smallem_cli.train.chain import chain_states
+from smallem_cli.train.loop import TrainSettings, distill, new_mtp
 
 
 def step_by_step(target, mtp, h: torch.Tensor, x: torch.Tensor, t: int, depth: int) -> list[torch.Tensor]:
@@ -51,8 +51,8 @@ def test_chain_training_lowers_every_step(tmp_path) -> None:
         (first if not first else last).update(p.extra)
 
     s = TrainSettings(budget_s=1e9, budget_tokens=40 * 8 * 34, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=2,
-                      save_every_s=1e9, eval_every_s=1e9)  # fmt: skip
-    _, facts = train_mtp_chain(target, stream, stream[:400], s, tmp_path / "run", 3, on_progress=seen)
+                      save_every_s=1e9, eval_every_s=1e9, chain=3)  # fmt: skip
+    facts = distill(target, new_mtp(TINY, s.seed), stream, stream[:400], s, tmp_path / "run", on_progress=seen)
     kls = [f"kl@1/{d}" for d in (1, 2, 3)]
     assert facts["chain_depth"] == 3 and set(first) == {*kls, "accept@1/1", "accept@1/2", "accept@1/3"}
     assert all(last[k] < first[k] for k in kls)

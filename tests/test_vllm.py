@@ -46,7 +46,7 @@ def test_prometheus_counters_and_acceptance() -> None:
     c = V.prometheus_counters(METRICS)
     assert c == {"drafts": 40, "draft_tokens": 120, "accepted": 66, "per_pos": [30, 24, 12]}
     a = V.acceptance(c)
-    assert a is not None and (a.drafts, a.draft_tokens, a.accepted) == (40, 120, 66)
+    assert a is not None and a.drafts == 40
     assert a.rate == pytest.approx(66 / 120) and a.tokens_per_step == pytest.approx(1 + 66 / 40)
     assert a.per_pos == pytest.approx([0.75, 0.6, 0.3])
     assert V.acceptance(V.prometheus_counters("")) is None  # no speculation: no figures, not zeros
@@ -54,7 +54,7 @@ def test_prometheus_counters_and_acceptance() -> None:
 
 
 def test_offline_counters_and_their_growth() -> None:
-    """vllm_run reads LLM.get_metrics(): counters summed over engines, the per-position vector."""
+    """vllm_run reads LLM.get_metrics()'s: counters summed over engines, the per-position vector."""
     metrics = [
         SimpleNamespace(name="vllm:spec_decode_num_drafts", value=10),
         SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=30),
@@ -63,20 +63,22 @@ def test_offline_counters_and_their_growth() -> None:
         SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[1, 1, 1]),
         SimpleNamespace(name="vllm:num_requests_running", value=3),
     ]
-    after = vllm_run.spec_counters(SimpleNamespace(get_metrics=lambda: metrics))
+    after = vllm_run.spec_counters(metrics)
     assert after == {"drafts": 10, "draft_tokens": 30, "accepted": 17, "per_pos": [9, 7, 1]}
     before = {"drafts": 4, "draft_tokens": 12, "accepted": 7, "per_pos": [4, 3]}
     assert vllm_run.minus(after, before) == {"drafts": 6, "draft_tokens": 18, "accepted": 10, "per_pos": [5, 4, 1]}
-    empty = vllm_run.spec_counters(SimpleNamespace(get_metrics=list))
+    empty = vllm_run.spec_counters([])
     assert V.acceptance(empty) is None
     assert V.grown(after, before) == vllm_run.minus(after, before)  # the server's counters, the same way
 
 
 def test_completion_tokens() -> None:
-    assert V.completion_tokens({"choices": [{"text": "x", "token_ids": [5, 6, 7]}]}) == [5, 6, 7]
+    assert V.completion_tokens(json.dumps({"choices": [{"text": "x", "token_ids": [5, 6, 7]}]})) == [5, 6, 7]
     for bad in ({"choices": [{"text": "x"}]}, {"choices": []}, {"error": "no"}, {"choices": [{"token_ids": ["a"]}]}):
-        with pytest.raises(V.VllmError):
-            V.completion_tokens(bad)
+        with pytest.raises(V.VllmError, match="no token ids"):
+            V.completion_tokens(json.dumps(bad))
+    with pytest.raises(V.VllmError, match="no token ids"):
+        V.completion_tokens("<html>not JSON</html>")
 
 
 def test_agreement() -> None:

@@ -1,6 +1,5 @@
-"""The backend a run's passes take, chosen once by the command line: "eager" (PyTorch: the reference,
-and the path on a GPU), or the native C++ kernels on a CPU ("native", the widest build this CPU runs,
-"native-avx2" its AVX2 build, to time beside it)."""
+"""The backend a run's passes take, chosen once by the command line: "eager" (PyTorch), or the native
+C++ kernels on a CPU ("native", the widest build this CPU runs; "native-avx2", to time beside it)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ class Backend:
     (the others eager: `label` "partly native"). Nothing lives on the models, so backends can share them."""
 
     def __init__(self, name: str = "eager") -> None:
-        if name != "eager" and name not in NATIVE:
-            raise ValueError(f"unknown backend {name!r}")
+        assert name in BENCH_ENGINES, name
         self.name = self.label = name
         self._steps: dict[int, tuple[object, NativeSteps]] = {}  # id(model) -> (model, its steps)
         self._refused: set[int] = set()
@@ -46,32 +44,32 @@ class Backend:
         log: Log | None = None,
         int8: Iterable[Transformer | MTPModule] = (),
     ) -> str:
-        """Native steps for the target and the proposer's models, before anything is timed (`int8`:
-        proposer models whose matrices they read as int8) -> `label`: the name, "eager" where no model
-        could have them, or "partly <name>". A reason that holds for several models is said once."""
+        """Native steps for the target and the proposer's models (`int8`: those read as int8), before
+        anything is timed -> `label`: the name, "eager" where no model could have them, or "partly <name>"."""
         if self.name == "eager":
             return self.label
         from . import native  # its kernels are built by the system's compiler, once
 
         quiet = log or (lambda _: None)
-        small = {id(m) for m in int8}
-        said: dict[str, list[str]] = {}
+        small = {id(m) for m in int8 if m is not target}  # the target's matrices are never int8
+        said: dict[str, list[str]] = {}  # a reason that holds for several models is said once
         every = list({id(m): m for m in [target, *models]}.values())
         for m in every:
             if id(m) in self._steps or id(m) in self._refused:
                 continue
             try:
-                steps = native.NativeSteps(
-                    m, target, quiet, cache_root(), self.name, id(m) in small and m is not target
-                )
+                steps = native.NativeSteps(m, target, quiet, cache_root(), self.name, id(m) in small)
                 self._steps[id(m)] = (m, steps)
             except (native.NativeUnavailable, OSError) as e:
                 self._refused.add(id(m))
                 said.setdefault(str(e), []).append(type(m).__name__)
         for why, names in said.items():
             quiet(f"native decode step unavailable ({', '.join(names)}): {why}")
-        ready = sum(self.steps(m) is not None for m in every)
-        self.label = self.name if ready == len(every) else "eager" if not ready else f"partly {self.name}"
+        ready = [s for m in every if (s := self.steps(m)) is not None]
+        self.label = self.name if len(ready) == len(every) else "eager" if not ready else f"partly {self.name}"
+        kinds = sorted({native.KIND_NAMES[k] for s in ready for k in s.kinds})
+        if kinds not in ([], ["f16"]):  # what the weights are read as, where not the family's float16
+            self.label += f" ({'+'.join(kinds)})"
         return self.label
 
 

@@ -1,10 +1,6 @@
-"""`smallem bench --batch 1,4,16,64`: throughput and latency of the batch engine.
-
-For each proposer and batch size, the prompts (by default 64 held-out prompts of 32 tokens) go
-greedy through one engine decoding up to that many at a time: tokens/s over all requests (first
-admission to last answer), mean time in the engine, acceptance, tokens per pass, and identity with
-the first row (the target alone at the smallest batch). A batch size whose cache (every sequence
-at the full context) does not fit is refused before anything runs (`check_sizes`), not lowered.
+"""`smallem bench --batch 1,4,16,64`: the batch engine's throughput and latency, greedy, at these
+batch sizes: tokens/s over all requests (first admission to last answer), mean time in the engine,
+acceptance, tokens per pass, and identity with the first row (the target alone at the smallest batch).
 """
 
 from __future__ import annotations
@@ -12,7 +8,6 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +17,11 @@ from rich.table import Table
 
 from .. import defaults as D
 from .. import options as O
-from ..backends.engines import Backend
+from ..backends.engines import Backend, Log
 from ..engine import family
-from ..engine.request import Request
+from ..engine.request import Finished, Request
 from ..engine.scheduler import Engine
-
-EngineFactory = Callable[[str, int | None, int, str], Engine]  # (proposer, k or None, max batch, engine) -> one
+from .report import right_table, save_plot
 
 
 @dataclass
@@ -48,78 +42,35 @@ class BatchRow:
     identical: str  # "64/64": requests whose tokens equal the reference row's
 
 
-def run(
-    make: EngineFactory,
-    prompts: list[list[int]],
-    names: list[str],
-    sizes: list[int],
-    ks: list[int | None],
-    max_new_tokens: int,
-    step: Callable[[str], None] | None = None,
-    engines: tuple[str, ...] = ("eager",),
-) -> list[BatchRow]:
-    """Rows for the target alone, then each proposer at each k, at every batch size, per engine."""
-    reference: list[list[int]] | None = None
-    rows = []
-    configs = [("none", None)] + [(n, k) for n in names if n != "none" for k in ks]
-    for engine, (name, k), size in ((e, c, s) for e in engines for c in configs for s in sizes):
-        if step:
-            step(f"{engine} {name} k={k or 'auto'} batch {size}")
-        eng = make(name, k, size, engine)
-        reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
-        t0 = time.perf_counter()
-        done = {f.request.index: f for f in eng.run(reqs)}
-        wall = time.perf_counter() - t0
-        out = [done[i].tokens for i in range(len(prompts))]
-        if reference is None:
-            reference = out
-        same = sum(a == b for a, b in zip(out, reference, strict=True))
-        st = [f.stats for f in done.values()]
-        tokens = sum(len(o) for o in out)
-        passes = sum(s["target_passes"] for s in st)  # type: ignore[misc]
-        acc = [float(s["acceptance_rate"]) for s in st]  # type: ignore[arg-type]
-        rows.append(BatchRow(
-            engine, name, "auto" if k is None else str(k), size, len(prompts), tokens, wall, tokens / wall,
-            statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
-            statistics.mean(acc), tokens / max(1, passes), eng.rounds, eng.preemptions, f"{same}/{len(prompts)}",
-        ))  # fmt: skip
-    return rows
+def _timed(eng: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[Finished]]:
+    """All the prompts through `eng` -> (wall seconds, each prompt's answer in order)."""
+    reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    done = {f.request.index: f for f in eng.run(reqs)}
+    return time.perf_counter() - t0, [done[i] for i in range(len(prompts))]
 
 
 def alone_at_batch(
-    tgt: family.Target,
-    device: torch.device,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    engine: str = "eager",
-    log: Callable[[str], None] | None = None,
+    tgt: family.Target, prompts: list[list[int]], max_new_tokens: int, engine: str, log: Log
 ) -> tuple[float, list[list[int]]]:
-    """The target alone through the batch engine on `engine`, greedy, all the prompts in one batch
-    (what a peer's batch is set against), after a warm-up batch as a peer has -> (generated tokens/s
-    over the whole batch, each prompt's tokens)."""
+    """The target alone through the batch engine, all the prompts in one batch after a warm-up batch,
+    as a peer's batch runs -> (generated tokens/s over the whole batch, each prompt's tokens)."""
     from ..engine.build import build_engine
 
     eng = build_engine(
-        tgt, "none", device, k=None, max_batch=len(prompts), proposer_vocab=None, decode=str,
-        backend=Backend(engine), log=log, strict=True,
+        tgt, "none", tgt.model.embed_tokens.weight.device, k=None, max_batch=len(prompts), proposer_vocab=None,
+        decode=str, backend=Backend(engine), log=log, strict=True,
     )  # fmt: skip
-    for _ in eng.run([Request(i, i, tuple(p[:16]), 8) for i, p in enumerate(prompts)]):
-        pass
-    reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
-    done = {f.request.index: f.tokens for f in eng.run(reqs)}
-    wall = time.perf_counter() - t0
-    out = [done[i] for i in range(len(prompts))]
-    return sum(len(o) for o in out) / wall, out
+    _timed(eng, [p[:16] for p in prompts], 8)
+    wall, done = _timed(eng, prompts, max_new_tokens)
+    return sum(len(f.tokens) for f in done) / wall, [f.tokens for f in done]
 
 
 def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) -> Table:
     n = rows[0].requests if rows else 0
-    t = Table(title=f"batch engine: {n} prompts x {max_new_tokens} new tokens, greedy, {device}, {threads} threads")
-    cols = ("engine", "proposer", "k", "batch", "tok/s", "x alone", "latency s", "acceptance", "tok/pass", "rounds",
-            "preempted", "identical")  # fmt: skip
-    for c in cols:
-        t.add_column(c, justify="left" if c == "proposer" else "right")
+    title = f"batch engine: {n} prompts x {max_new_tokens} new tokens, greedy, {device}, {threads} threads"
+    cols = ("engine", "proposer", "k", "batch", "tok/s", "x alone", "latency s", "acceptance", "tok/pass", "rounds")
+    t = right_table(title, (*cols, "preempted", "identical"), "proposer")
     alone = {(r.engine, r.batch): r.tokens_per_s for r in rows if r.proposer == "none"}
     for r in rows:
         base = alone.get((r.engine, r.batch))
@@ -129,34 +80,6 @@ def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) 
             f"{r.tokens_per_pass:.2f}", str(r.rounds), str(r.preemptions), r.identical,
         )  # fmt: skip
     return t
-
-
-def plot(rows: list[BatchRow], path: Path) -> None:
-    """Throughput against batch size, one line per engine, proposer and k (needs matplotlib: smallem[plot])."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for e, name, k in dict.fromkeys((r.engine, r.proposer, r.k) for r in rows):
-        pts = [(r.batch, r.tokens_per_s) for r in rows if (r.engine, r.proposer, r.k) == (e, name, k)]
-        ax.plot(*zip(*pts, strict=True), marker="o", label=f"{e} " + (name if name == "none" else f"{name} k={k}"))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (sequences decoded together)")
-    ax.set_ylabel("generated tokens/s, all requests")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def check_sizes(tgt: family.Target, device: torch.device, sizes: list[int]) -> None:
-    """UsageError, before any row runs, for a batch size whose target cache alone does not fit the
-    memory (`engine.build.fit_batch`); a proposer's cache on top is checked as its engine is built."""
-    from ..engine.build import cache_budget, fit_batch, sequence_bytes
-
-    per_sequence = sequence_bytes([tgt.model], tgt.model.cfg.max_seq_len, D.PAGE_SIZE)
-    fit_batch(max(sizes), per_sequence, cache_budget(device), strict=True)  # the largest fits: all do
 
 
 def from_cli(
@@ -174,35 +97,52 @@ def from_cli(
     engines: tuple[str, ...] = ("eager",),
     weights: str = D.PROPOSER_WEIGHTS,
 ) -> list[BatchRow]:
-    """`smallem bench --batch`: every configuration with a progress bar on stderr, then the table (or
-    JSON) on stdout; ks empty: the load policy's k. P@tree12 grows token trees, P@f16 (or @int8)
-    stores the proposer so (`options.weights_names`), else as `weights`."""
+    """`smallem bench --batch`: the target alone, then each proposer (P@tree12: with token trees; P@f16:
+    its weights so, else as `weights`) at each k (none: the load policy's), at every size, per engine."""
     from rich.markup import escape
     from rich.progress import Progress
 
-    from ..engine.build import build_engine
+    from ..engine.build import build_engine, cache_budget, fit_batch, sequence_bytes
 
+    # UsageError before any row runs for a size whose target cache alone does not fit (the largest
+    # fits: all do); a proposer's cache on top is checked as its engine is built
+    per_sequence = sequence_bytes([tgt.model], tgt.model.cfg.max_seq_len, D.PAGE_SIZE)
+    fit_batch(max(sizes), per_sequence, cache_budget(device), strict=True)
     backends: dict[str, Backend] = {}  # one per engine: the target's native steps built once
-
-    def make(name: str, k: int | None, size: int, engine: str) -> Engine:
-        base, _, suffix = name.partition("@")  # token trees (`options.tree_names`), or weights
-        tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
-        stored = suffix if suffix in D.WEIGHTS else weights
-        return build_engine(
-            tgt, base, device, k=k, max_batch=size, proposer_vocab=None, decode=str, tree=tree,
-            backend=backends.setdefault(engine, Backend(engine)), log=err.print, weights=stored, strict=True,
-        )  # fmt: skip
-
-    check_sizes(tgt, device, sizes)
-    configs = (1 + sum(n != "none" for n in names) * max(1, len(ks))) * len(sizes) * len(engines)
+    configs = [("none", None)] + [(n, k) for n in names if n != "none" for k in (ks or [None])]
+    runs = [(e, name, k, size) for e in engines for name, k in configs for size in sizes]
+    reference: list[list[int]] | None = None
+    rows = []
     with Progress(console=err, transient=True) as bar:
-        task = bar.add_task("bench --batch", total=configs)
-        rows = run(
-            make, prompts, names, sizes, list(ks) or [None], max_new_tokens,
-            lambda label: bar.update(task, advance=1, description=escape(label)), engines,
-        )  # fmt: skip
-    if plot_file:
-        plot(rows, plot_file)
+        task = bar.add_task("bench --batch", total=len(runs))
+        for engine, name, k, size in runs:
+            bar.update(task, advance=1, description=escape(f"{engine} {name} k={k or 'auto'} batch {size}"))
+            base, _, suffix = name.partition("@")  # token trees (`options.tree_names`), or weights
+            tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
+            eng = build_engine(
+                tgt, base, device, k=k, max_batch=size, proposer_vocab=None, decode=str, tree=tree,
+                backend=backends.setdefault(engine, Backend(engine)), log=err.print,
+                weights=suffix if suffix in D.WEIGHTS else weights, strict=True,
+            )  # fmt: skip
+            wall, done = _timed(eng, prompts, max_new_tokens)
+            outs = [f.tokens for f in done]
+            reference = outs if reference is None else reference
+            same = sum(a == b for a, b in zip(outs, reference, strict=True))
+            st = [f.stats for f in done]
+            tokens = sum(len(o) for o in outs)
+            passes = sum(s["target_passes"] for s in st)  # type: ignore[misc]
+            acc = statistics.mean(float(s["acceptance_rate"]) for s in st)  # type: ignore[arg-type]
+            rows.append(BatchRow(
+                engine, name, "auto" if k is None else str(k), size, len(prompts), tokens, wall, tokens / wall,
+                statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
+                acc, tokens / max(1, passes), eng.rounds, eng.preemptions, f"{same}/{len(prompts)}",
+            ))  # fmt: skip
+    if plot_file:  # throughput against batch size, a line per engine, proposer and k
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            label = f"{r.engine} " + (r.proposer if r.proposer == "none" else f"{r.proposer} k={r.k}")
+            lines.setdefault(label, []).append((r.batch, r.tokens_per_s))
+        save_plot(lines, plot_file, "batch size (sequences decoded together)", "generated tokens/s, all requests", True)
     if json_out:
         head = {"device": str(device), "threads": torch.get_num_threads(), "max_new_tokens": max_new_tokens}
         print(json.dumps(head | {"prompts": len(prompts), "batch_rows": [r.__dict__ for r in rows]}))

@@ -1,12 +1,6 @@
-"""The cost model's readings and the seed's cost model.
-
-c (a proposer's cost per guess, read per k) and v (a round's target side over k+1 tokens) are read
-with a stopwatch, round-robin, on the path a generation takes: the proposer's round as
-`BatchProposer.propose` makes it, and the target's side as `runner.decode_round` runs it (the verify
-pass, verification, the host sync, the commit), drawing greedy or sampled as the mode does. Both
-are in rounds of that mode's target alone (`round_s`, the cost model's unit), timed back to back
-as its run makes them (docs/benchmarks.md, 2026-12-04: why).
-"""
+"""The seed's cost model and its readings: c (a proposer's cost per guess, read per k) and v (a
+round's target side over k+1 tokens), read round-robin on the path a generation takes, greedy or
+sampled as the mode draws, in rounds of that mode's target alone (`round_s`, the model's unit)."""
 
 from __future__ import annotations
 
@@ -60,30 +54,15 @@ def sync() -> None:
 def _interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
     """Median seconds of each fn over reps calls, taken round-robin (after two warm-up rounds), so
     that a shift in the machine's load touches every fn alike and their ratios stay true."""
-    for _ in range(2):
-        for fn in fns.values():
-            fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
+    for r in range(reps + 2):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             sync()
-            times[name].append(time.perf_counter() - t0)
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-class _StartAll:
-    """Every proposer being timed, started on the one prefill (`runner.prefill`)."""
-
-    name = "none"
-
-    def __init__(self, each: list[BatchProposer]) -> None:
-        self.each = each
-
-    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
-        for p in self.each:
-            p.start(seqs, fed, hidden)
 
 
 class _Offer(NoGuess):
@@ -99,9 +78,8 @@ class _Offer(NoGuess):
 
 
 def _target_round(t: TargetRunner, s: Seq, guesses: torch.Tensor, span: int) -> Callable[[], object]:
-    """The target's side of a round offering `guesses` (the round's verdicts synced, as it syncs
-    them), then `s` put back: its length, its last token, its pages (given back in order, taken
-    again in the same order)."""
+    """The target's side of a round offering `guesses`, then `s` put back: its length, its last
+    token, its pages (given back in order, taken again in the same order)."""
     offer = _Offer(guesses, t.model.cfg.vocab_size, s.warp is not None)
 
     def run() -> object:
@@ -121,8 +99,7 @@ def _round_call(bp: BatchProposer, s: Seq, k: int) -> Callable[[], object]:
 
     def run() -> object:
         saved = replace(model.state[s.uid]) if isinstance(model, _ModelGuess) else None
-        tokens, _ = model.propose([s], [k])[0]
-        out = tokens.tolist()
+        out = model.propose([s], [k])[0][0].tolist()
         if saved is not None:
             model.state[s.uid] = saved
         return out
@@ -141,48 +118,38 @@ def forward_costs(
     reps: int = 60,
     sampling: Sampling = Sampling(),
 ) -> Readings:
-    """Stopwatch around one sequence's rounds at a typical context length: the target's side of a
-    round of k guesses for each k of `ks` (k = 0: the target alone's round, the unit), and each
-    proposer's round of each of its ks (name -> (proposer, what its sequence draws with, its ks)),
-    from a state one round in. The target's rounds draw with `sampling`: a mode's rows are read in
-    rounds of that mode's target alone (a sampled round verifies differently)."""
+    """Stopwatch around one sequence's rounds at a typical context length, from a state one round in:
+    the target's side of a round of k guesses for each k of `ks`, drawing with `sampling`, and each
+    proposer's round of each of its ks (name -> (proposer, what its sequence draws with, its ks))."""
     deepest = max([*ks, *(k for _, _, kk in proposers.values() for k in kk), 1])
     span = context + 2 * deepest + 4  # a sequence's positions, its proposer's chain included
     pool = PagePool((len(proposers) + 1) * pages_for(span, D.PAGE_SIZE), D.PAGE_SIZE)  # each one's pages in order
     engine = assemble(target, NONE, backend, pool, deepest, auto_k=False, max_batch=len(proposers) + 1)
     t, dev = engine.t, engine.t.slab.device
     ids = (prompt * (context // len(prompt) + 1))[:context]
-    started = {name: (batch_proposer(p, target, pool, backend), kk) for name, (p, _, kk) in proposers.items()}
-    runs = []
-    for name, (_, sampling, _) in proposers.items():  # a sequence per proposer: its own draws
-        s = engine._seq(Request(len(runs), 0, tuple(ids), 1 << 20, sampling))
+    runs: list[tuple[str, BatchProposer, Seq, list[int]]] = []  # the target alone's last
+    for name, (p, draws, kk) in [*proposers.items(), ("", (NONE, sampling, []))]:
+        s = engine._seq(Request(len(runs), 0, tuple(ids), 1 << 20, draws))
         pool.add(s.uid)
         pool.reserve(s.uid, span)
-        runs.append((name, s))
-    base = engine._seq(Request(len(runs), 0, tuple(ids), 1 << 20, sampling))
-    pool.add(base.uid)
-    pool.reserve(base.uid, span)
-    for name, s in runs:
-        bp, _ = started[name]
-        prefill(t, _StartAll([bp]), [s])  # type: ignore[arg-type]
-        bp.propose([s], [1])  # one round in: two entries to catch up on
-        bp.accept(s, 1, torch.tensor(ids[-2:], device=dev), torch.zeros(2, target.cfg.dim, device=dev))
-    prefill(t, NoGuess(), [base])
+        runs.append((name, batch_proposer(p, target, pool, backend) if name else NoGuess(), s, kk))
+    for name, bp, s, _ in runs:
+        prefill(t, bp, [s])
+        if name:
+            bp.propose([s], [1])  # one round in: two entries to catch up on
+            bp.accept(s, 1, torch.tensor(ids[-2:], device=dev), torch.zeros(2, target.cfg.dim, device=dev))
     feed = torch.tensor(ids[1 : deepest + 1], device=dev)  # guesses that tend to be rejected
-    fns = {f"v{k + 1}": _target_round(t, base, feed[:k], span) for k in sorted({0, *ks})}
-    for name, s in runs:
-        bp, kk = started[name]
-        fns |= {f"c:{name}:{k}": _round_call(bp, s, k) for k in kk}
+    fns = {f"v{k + 1}": _target_round(t, runs[-1][2], feed[:k], span) for k in sorted(set(ks) - {0})}
+    fns |= {f"c:{name}:{k}": _round_call(bp, s, k) for name, bp, s, kk in runs for k in kk}
     # The unit is timed as the target alone runs: its rounds back to back, its weights kept in the
     # CPU's cache (interleaved with the proposers', its one-token round read up to 1.5x slower),
     # before and after the rest (a shift of the machine's load in between touches both).
-    alone = {"v1": fns.pop("v1")}
+    alone = {"v1": _target_round(t, runs[-1][2], feed[:0], span)}
     before = _interleaved(alone, reps)["v1"]
     times = _interleaved(fns, reps)
     unit = (before + _interleaved(alone, reps)["v1"]) / 2
-    for name, s in [*runs, ("", base)]:
-        if name:
-            started[name][0].drop(s)
+    for _, bp, s, _ in runs:
+        bp.drop(s)
         pool.release(s.uid)
     c = {fn[2:]: x / int(fn.rsplit(":", 1)[1]) / unit for fn, x in times.items() if fn.startswith("c:")}
     return Readings(c, {k: times[f"v{k + 1}"] / unit for k in ks}, unit)

@@ -1,5 +1,5 @@
 """Peers side by side, timed in the same process as our rows, on the same weights (exported),
-prompts and token counts:
+prompts and token counts (their extras are checked before anything is timed, `options.check_bench`):
 - `hf`: transformers' generate() and assisted generation (the `hf` extra: transformers);
 - `llamacpp`: llama.cpp on the target exported as GGUF, f32 and f16 weights, the engine a CPU
   user would pick instead (the `llamacpp` extra: llama-cpp-python and gguf);
@@ -14,6 +14,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,60 +23,36 @@ import torch
 from rich.console import Group
 from rich.table import Table
 
-from ..backends.engines import Backend, engine_mode, fastest
+from ..backends.engines import Log, fastest
 from ..defaults import default_k
 from ..engine.family import NONE, Proposer, Target
 from ..engine.generate import generate
+from ..interop.vllm_peer import agreement
+from ..stats import Stats
 from .costs import forward_costs, sync
-from .run import Row, our_row
+from .report import right_table
+from .run import Gen, Plan, Row, best_greedy, our_row, round_robin
+
+LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
+COST_CONTEXT = 132  # positions in the cache when a pass is timed, as bench's forward_costs
 
 
-def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: int, rows: list[Row]) -> list[dict]:
-    """transformers' generate() (target alone) and assisted generation (draft-2l), same
-    weights, prompts and token counts, timed here; greedy outputs checked against ours, and
-    their speed compared with our rows of the same run (the fastest engine's)."""
-    try:
-        import transformers
-    except ImportError:
-        raise ImportError("--peer hf needs transformers: pip install 'smallem[hf]'") from None
-    from ..interop.hf import export_hf
+def run_peer(
+    peer: str, target: Target, ckpt_dir: Path, prompts: list[list[int]], rows: list[Row], plan: Plan, log: Log
+) -> list[dict]:
+    """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`, `vllm_peer.bench_peer`)."""
+    max_new = plan.max_new
+    if peer == "llamacpp":  # with our fastest greedy speculative row, timed in turn
+        return llamacpp_peer(target, prompts, plan, best_greedy(rows, plan))
+    if peer == "vllm":
+        from ..interop.vllm_peer import bench_peer
+        from .batch import alone_at_batch
 
-    def ours(name: str, k: int) -> float:
-        """Our greedy row's tokens/s (`our_row`: the fastest engine's)."""
-        row = our_row(rows, name, k)
-        return row.tokens_per_s if row else float("nan")
+        def at_batch(engine: str) -> tuple[float, list[list[int]]]:  # vLLM's batch against our batch engine's
+            return alone_at_batch(target, prompts, max_new, engine, log)
 
-    k = default_k("draft-2l", greedy=True)  # our draft-2l row beside assisted generation: its default greedy k
-    out: list[dict] = []
-    dev = target.model.embed_tokens.weight.device
-    with tempfile.TemporaryDirectory() as tmp:
-        models = {}
-        for name in ("target", "draft-2l"):
-            export_hf(ckpt_dir / f"{name}.safetensors", Path(tmp) / name, target.tokenizer)
-            m = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / name, dtype=torch.float32).eval()
-            m.generation_config.eos_token_id = None  # run the full token count, as we do
-            m.generation_config.pad_token_id = 0
-            models[name] = m.to(dev)
-        ref = {i: generate(target.model, NONE, p, max_new, 0)[0] for i, p in enumerate(prompts)}
-        for label, kwargs, ours_tps in (
-            ("transformers generate()", {}, ours("none", 0)),
-            ("transformers assisted (draft-2l)", {"assistant_model": models["draft-2l"]}, ours("draft-2l", k)),
-        ):
-            tokens, secs, same = 0, 0.0, 0
-            with torch.inference_mode():
-                warm = torch.tensor([prompts[0]], device=dev)
-                models["target"].generate(warm, do_sample=False, max_new_tokens=8, **kwargs)
-                for i, p in enumerate(prompts):
-                    ids = torch.tensor([p], device=dev)
-                    t0 = time.perf_counter()
-                    res = models["target"].generate(ids, do_sample=False, max_new_tokens=max_new, **kwargs)
-                    sync()
-                    secs += time.perf_counter() - t0
-                    new = res[0, len(p) :].tolist()
-                    tokens += len(new)
-                    same += new == ref[i]
-            out.append(peer_row(label, tokens / secs, ours_tps, f"{same}/{len(prompts)}"))
-    return out
+        return bench_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
+    return hf_peer(target, ckpt_dir, prompts, max_new, rows)
 
 
 def peer_row(peer: str, tps: float, ours_tps: float, identical: str, **more: Any) -> dict[str, Any]:
@@ -86,16 +63,12 @@ def peer_row(peer: str, tps: float, ours_tps: float, identical: str, **more: Any
 
 def peer_table(peer_rows: list[dict]) -> Table | Group:
     """The peers' rows; with llama.cpp's, also the pass costs over T tokens, in one-token passes."""
-    t = Table(title="side by side with a peer (greedy, same weights and prompts)")
     steps = any("tokens_per_step" in r for r in peer_rows)  # vLLM's: tokens per target step, beside ours
     spec = any("spec" in r for r in peer_rows)  # llama.cpp's: our speculative decoding, timed in turn
-    for col in ("peer", "peer tok/s", "ours tok/s", "ours / peer", "identical to ours"):
-        t.add_column(col, justify="right")
-    if steps:
-        t.add_column("tokens/step peer | ours", justify="right")
-    if spec:
-        for col in ("ours, speculative", "tok/s", "/ peer", "identical"):
-            t.add_column(col, justify="right")
+    cols = ["peer", "peer tok/s", "ours tok/s", "ours / peer", "identical to ours"]
+    cols += ["tokens/step peer | ours"] if steps else []
+    cols += ["ours, speculative", "tok/s", "/ peer", "identical"] if spec else []
+    t = right_table("side by side with a peer (greedy, same weights and prompts)", cols)
     for r in peer_rows:
         ran = not math.isnan(r["ours_tokens_per_s"])  # our row of that proposer was in the plan
         batch = f" (batch {n})" if (n := r.get("ours_batch") or 1) > 1 else ""
@@ -110,9 +83,8 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
     if not costs:
         return t
     passes = sorted({int(T) for r in costs for T in r["pass_cost"]})
-    c = Table(title="pass over T tokens, in one-token passes of the same engine (context 132)")
-    for col in ("engine", "one-token pass ms", *(f"T={T}" for T in passes)):
-        c.add_column(col, justify="right")
+    title = "pass over T tokens, in one-token passes of the same engine (context 132)"
+    c = right_table(title, ("engine", "one-token pass ms", *(f"T={T}" for T in passes)))
     for r in costs:
         c.add_row(r["peer"], f"{r['one_pass_ms']:.3f}", *(f"{r['pass_cost'][str(T)]:.2f}" for T in passes))
     r = costs[-1]  # ours: the same reading in every row
@@ -122,55 +94,62 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
     return Group(t, c)
 
 
-# --- llama.cpp -------------------------------------------------------------------------------
-Spec = tuple[str, Proposer, int]  # our speculative row beside llama.cpp: its name, the proposer, k
-LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
-COST_CONTEXT = 132  # positions in the cache when a pass is timed, as bench's forward_costs
+def _wall(gen: Callable[[list[int], int], list[int]]) -> Gen:
+    """`gen` (prompt, n) -> its n tokens, timed by the wall clock around the whole call."""
+
+    def timed(i: int, p: list[int], n: int) -> tuple[list[int], Stats]:
+        t0 = time.perf_counter()
+        out = gen(p, n)
+        return out, Stats("", 0, new_tokens=len(out), elapsed_s=time.perf_counter() - t0)
+
+    return timed
 
 
-def run_peer(
-    peer: str,
-    target: Target,
-    ckpt_dir: Path,
-    prompts: list[list[int]],
-    max_new: int,
-    rows: list[Row],
-    engines: tuple[str, ...] = ("eager",),
-    repeats: int = 1,
-    log: Callable[[str], None] | None = None,
-    spec: Spec | None = None,
-) -> list[dict]:
-    """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`, `vllm_peer.bench_peer`)."""
-    if peer == "llamacpp":
-        return llamacpp_peer(target, prompts, max_new, engines, repeats, log, spec)
-    if peer == "vllm":
-        from ..interop.vllm_peer import bench_peer
-        from .batch import alone_at_batch
+def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: int, rows: list[Row]) -> list[dict]:
+    """transformers' generate() and assisted generation (draft-2l), greedy, checked against our tokens
+    and set beside our rows of the same run (`our_row`)."""
+    import transformers
 
-        def at_batch(engine: str) -> tuple[float, list[list[int]]]:  # vLLM's batch against our batch engine's
-            return alone_at_batch(target, target.model.embed_tokens.weight.device, prompts, max_new, engine, log)
+    from ..interop.hf import export_hf
 
-        return bench_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
-    return hf_peer(target, ckpt_dir, prompts, max_new, rows)
+    dev = target.model.embed_tokens.weight.device
+    ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {}
+        for name in ("target", "draft-2l"):
+            export_hf(ckpt_dir / f"{name}.safetensors", Path(tmp) / name, target.tokenizer)
+            m = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / name, dtype=torch.float32).eval()
+            m.generation_config.eos_token_id = None  # run the full token count, as we do
+            m.generation_config.pad_token_id = 0
+            models[name] = m.to(dev)
 
+        def hf(p: list[int], n: int, **kwargs: Any) -> list[int]:  # greedy; the assistant, if any, in kwargs
+            res = models["target"].generate(torch.tensor([p], device=dev), do_sample=False, max_new_tokens=n, **kwargs)
+            sync()
+            return res[0, len(p) :].tolist()
 
-def _llama_cpp() -> Any:
-    try:
-        import llama_cpp
-    except ImportError:
-        raise ImportError("--peer llamacpp needs llama-cpp-python: pip install 'smallem[llamacpp]'") from None
-    return llama_cpp
+        assisted = partial(hf, assistant_model=models["draft-2l"])
+        gens = {"transformers generate()": _wall(hf), "transformers assisted (draft-2l)": _wall(assisted)}
+        with torch.inference_mode():
+            runs = round_robin(gens, prompts, max_new, 1)
+    k = default_k("draft-2l", greedy=True)  # our draft-2l row beside assisted generation: its default greedy k
+    out = []
+    for (label, [(st, outs)]), (name, kk) in zip(runs.items(), [("none", 0), ("draft-2l", k)], strict=True):
+        row = our_row(rows, name, kk)
+        same = agreement(ref, outs)[0]
+        out.append(peer_row(label, st.tokens_per_s, row.tokens_per_s if row else math.nan, f"{same}/{len(prompts)}"))
+    return out
 
 
 class LlamaCpp:
     """One GGUF file under llama.cpp, driven through its C API (`llama_decode` on a batch): greedy
-    generation by argmax of the logits, and passes over T tokens for their cost. The K/V cache is
-    float32 (llama.cpp's default is float16): it then holds what ours holds, and a greedy run depends
-    on the weights' dtype alone."""
+    generation by argmax of the logits, and passes over T tokens for their cost. Its K/V cache is
+    float32 (llama.cpp's default is float16), as ours: a greedy run depends on the weights' dtype alone."""
 
     def __init__(self, path: Path, n_ctx: int, threads: int, n_vocab: int) -> None:
-        lib = self.lib = _llama_cpp()
-        f32 = lib.GGML_TYPE_F32
+        import llama_cpp as lib
+
+        self.lib, f32 = lib, lib.GGML_TYPE_F32
         self.llm = lib.Llama(
             model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
             n_threads_batch=threads, n_gpu_layers=0, type_k=f32, type_v=f32, verbose=False,
@@ -198,18 +177,15 @@ class LlamaCpp:
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with code {rc}")
 
-    def argmax(self) -> int:
-        logits = self.lib.llama_get_logits_ith(self.ctx, -1)
-        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
-
     def generate(self, prompt: list[int], n: int) -> list[int]:
         """n greedy tokens after the prompt, from an empty cache."""
         self.clear()
-        self.decode(prompt, 0)
-        out = [self.argmax()]
+        out: list[int] = []
         while len(out) < n:
-            self.decode(out[-1:], len(prompt) + len(out) - 1)
-            out.append(self.argmax())
+            fed = out[-1:] or prompt
+            self.decode(fed, len(prompt) + len(out) - len(fed))
+            logits = self.lib.llama_get_logits_ith(self.ctx, -1)
+            out.append(int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax()))
         return out
 
     def pass_seconds(self, prompt: list[int], passes: list[int], reps: int = 60) -> dict[int, float]:
@@ -236,68 +212,54 @@ class LlamaCpp:
 
 
 def llamacpp_peer(
-    target: Target,
-    prompts: list[list[int]],
-    max_new: int,
-    engines: tuple[str, ...] = ("eager",),
-    repeats: int = 1,
-    log: Callable[[str], None] | None = None,
-    spec: Spec | None = None,
+    target: Target, prompts: list[list[int]], plan: Plan, spec: tuple[str, Proposer, int] | None
 ) -> list[dict]:
-    """llama.cpp on the target's weights (exported as GGUF, f32 and f16), greedy, on torch's thread
-    count; timed prompt by prompt in alternation with our target alone on the fastest of `engines`
-    and, with `spec`, our speculative decoding with that proposer, `repeats` times (median of the
-    runs' tokens/s). Its tokens are checked against our eager target alone's; the pass costs over T
-    tokens (LLAMACPP_PASSES) are read for both engines."""
+    """llama.cpp on the target's weights, greedy, on torch's thread count: a GGUF target's own file, else
+    the target exported as GGUF (f32 and f16); timed in turn with our target alone on the plan's fastest
+    engine and our speculative `spec` (name, proposer, k); its tokens checked against our eager target
+    alone's, the pass costs over T tokens read for both."""
     from ..interop.gguf import write_gguf
 
-    _llama_cpp()
-    model = target.model
+    model, max_new = target.model, plan.max_new
     threads = torch.get_num_threads()
-    engine = fastest(engines)
-    n_ctx = min(1024, model.cfg.max_seq_len)
-    passes = [1, *LLAMACPP_PASSES]
-    backend = Backend(engine_mode(engine, model.embed_tokens.weight.device))
-    # our passes (and the proposer's), built (or loaded) before anything is timed
-    backend.prepare(model, spec[1].models if spec else [], log, spec[1].models if spec and spec[1].int8 else [])
-
-    def ours(p: list[int]) -> tuple[list[int], float]:
-        out, st = generate(model, NONE, p, max_new, 0, backend=backend)
-        return out, st.elapsed_s
-
-    def ours_spec(p: list[int], n: int) -> list[int]:
-        assert spec is not None
-        return generate(model, spec[1], p, n, spec[2], backend=backend)[0]
+    engine = fastest(plan.engines)
+    backend = plan.backends[engine]  # prepared (`prepare_engines`)
 
     ref = [generate(model, NONE, p, max_new, 0)[0] for p in prompts]  # the reference: the eager target alone
+    gens: dict[str, Gen] = {"ours": lambda i, p, n: generate(model, NONE, p, n, 0, backend=backend)}
     with tempfile.TemporaryDirectory() as tmp:
         peers: dict[str, LlamaCpp] = {}
         try:
-            for dtype in ("f32", "f16"):
-                path = Path(tmp) / f"target-{dtype}.gguf"
-                write_gguf(model, path, target.tokenizer, dtype, target.path.stem)
-                peers[dtype] = LlamaCpp(path, n_ctx, threads, model.cfg.vocab_size)
-            gens = {d: p.generate for d, p in peers.items()}
+            files = {"/".join(target.gguf): target.path} if target.gguf else {}
+            for dtype in () if target.gguf else ("f32", "f16"):
+                files[dtype] = Path(tmp) / f"target-{dtype}.gguf"
+                assert target.tokenizer is not None  # a smallem checkpoint or an HF folder: beside it
+                write_gguf(model, files[dtype], target.tokenizer, dtype, target.path.stem)
+            for dtype, path in files.items():
+                peers[dtype] = LlamaCpp(path, min(1024, model.cfg.max_seq_len), threads, model.cfg.vocab_size)
+                gens[dtype] = _wall(peers[dtype].generate)
             if spec is not None:  # timed as the peers are: the wall clock around the whole call
-                gens["spec"] = ours_spec
-            runs = _alternate(ours, gens, prompts, max_new, ref, repeats)
-            costs = {d: p.pass_seconds(prompts[0], passes) for d, p in peers.items()}
+                _, proposer, k = spec
+                gens["spec"] = _wall(lambda p, n: generate(model, proposer, p, n, k, backend=backend)[0])
+            runs = round_robin(gens, prompts, max_new, plan.repeats)
+            costs = {d: p.pass_seconds(prompts[0], [1, *LLAMACPP_PASSES]) for d, p in peers.items()}
         finally:
             for p in peers.values():
                 p.close()
     got = forward_costs(model, {}, [T - 1 for T in LLAMACPP_PASSES], prompts[0], backend, COST_CONTEXT)
-    ours_tps, n = statistics.median(runs["ours"][0]), len(prompts)
+    tps = {name: statistics.median(st.tokens_per_s for st, _ in r) for name, r in runs.items()}
+    same = {name: agreement(ref, r[0][1]) for name, r in runs.items()}  # in the first run
+    n = len(prompts)
     out = []
     for dtype, secs in costs.items():
-        tps = statistics.median(runs[dtype][0])
         row = peer_row(
             f"llama.cpp {dtype} ({threads} threads)",
-            tps,
-            ours_tps,
-            f"{runs[dtype][1]}/{n}",
-            tokens_identical=f"{runs[dtype][2]}/{n * max_new}",
+            tps[dtype],
+            tps["ours"],
+            f"{same[dtype][0]}/{n}",
+            tokens_identical=f"{same[dtype][1]}/{n * max_new}",
             ours_engine=engine,
-            ours_identical=f"{runs['ours'][1]}/{n}",
+            ours_identical=f"{same['ours'][0]}/{n}",
             one_pass_ms=secs[1] * 1e3,
             pass_cost={str(T): secs[T] / secs[1] for T in LLAMACPP_PASSES},
             ours_one_pass_ms=got.round_s * 1e3,
@@ -305,46 +267,7 @@ def llamacpp_peer(
             threads=threads,
         )
         if spec is not None:
-            spec_tps = statistics.median(runs["spec"][0])
-            row.update(spec=f"{spec[0]} k={spec[2]}", spec_tokens_per_s=spec_tps, spec_over_peer=spec_tps / tps,
-                       spec_identical=f"{runs['spec'][1]}/{n}")  # fmt: skip
+            row.update(spec=f"{spec[0]} k={spec[2]}", spec_tokens_per_s=tps["spec"],
+                       spec_over_peer=tps["spec"] / tps[dtype], spec_identical=f"{same['spec'][0]}/{n}")  # fmt: skip
         out.append(row)
     return out
-
-
-def _alternate(
-    ours: Callable[[list[int]], tuple[list[int], float]],
-    peers: dict[str, Callable[[list[int], int], list[int]]],
-    prompts: list[list[int]],
-    max_new: int,
-    ref: list[list[int]],
-    repeats: int,
-) -> dict[str, tuple[list[float], int, int]]:
-    """Ours and each peer, prompt by prompt in turn, `repeats` times (after a warm-up):
-    name -> (tokens/s of each run, prompts whose tokens equal ref's, tokens equal to ref's at
-    the same place, in the first run)."""
-    warm = prompts[0][:16]
-    ours(warm)
-    for gen in peers.values():
-        gen(warm, 16)
-    names = ["ours", *peers]
-    tps: dict[str, list[float]] = {n: [] for n in names}
-    same: dict[str, tuple[int, int]] = {}
-    for rep in range(repeats):
-        secs = dict.fromkeys(names, 0.0)
-        outs: dict[str, list[list[int]]] = {n: [] for n in names}
-        for p in prompts:
-            out, s = ours(p)
-            secs["ours"] += s
-            outs["ours"].append(out)
-            for name, gen in peers.items():
-                t0 = time.perf_counter()
-                outs[name].append(gen(p, max_new))
-                secs[name] += time.perf_counter() - t0
-        for n in names:
-            tps[n].append(len(prompts) * max_new / secs[n])
-            if rep == 0:
-                whole = sum(a == b for a, b in zip(outs[n], ref, strict=True))
-                each = sum(x == y for a, b in zip(outs[n], ref, strict=True) for x, y in zip(a, b, strict=True))
-                same[n] = (whole, each)
-    return {n: (tps[n], *same[n]) for n in names}

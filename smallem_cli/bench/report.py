@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 
 from rich.table import Table
@@ -11,38 +12,55 @@ from .costs import Costs
 from .run import Row
 
 
-def plot(rows: list[Row], path: Path) -> None:
-    """Speed-up against k for each proposer and mode (needs matplotlib: pip install smallem[plot])."""
+def right_table(title: str, cols: Iterable[str], left: str = "") -> Table:
+    """A table of these columns, each right-justified but `left`."""
+    t = Table(title=title)
+    for col in cols:
+        t.add_column(col, justify="left" if col == left else "right")
+    return t
+
+
+def save_plot(lines: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str, log2: bool) -> None:
+    """A PNG of a line per label (needs matplotlib: pip install smallem[plot]); x on a log2 scale, or
+    a grey line at y = 1 (the target alone)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in lines.items():
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    if log2:
+        ax.set_xscale("log", base=2)
+    else:
+        ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Speed-up against k for each proposer, mode and engine."""
+    lines = {}
     for mode, engine in sorted({(r.mode, r.engine) for r in rows}):
         for name in sorted({r.proposer for r in rows if r.proposer != "none"}):
             pts = sorted((r.k, r.speedup) for r in rows if (r.proposer, r.mode, r.engine) == (name, mode, engine))
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=f"{name} ({mode}, {engine})")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("k (proposals per round)")
-    ax.set_ylabel("speed-up over the target alone")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+                lines[f"{name} ({mode}, {engine})"] = pts
+    save_plot(lines, path, "k (proposals per round)", "speed-up over the target alone", False)
 
 
 def costs_table(costs: Costs, device: str, threads: int) -> Table:
     """c per proposer and v(T) per round size, each in rounds of its own engine's target alone."""
     ms = ", ".join(f"{e} {statistics.median(xs) * 1e3:.2f} ms" for e, xs in costs.round_s.items())
     n = len(next(iter(costs.round_s.values())))
-    t = Table(title=f"costs in rounds of the target alone ({ms}), {n} readings, {device}, {threads} threads")
-    for col in ("cost", "median", "readings"):
-        t.add_column(col, justify="right")
+    title = f"costs in rounds of the target alone ({ms}), {n} readings, {device}, {threads} threads"
+    t = right_table(title, ("cost", "median", "readings"))
     rows = [(f"c {name}", xs) for name, xs in costs.c.items()]
-    for name, xs in costs.v.items():
-        engine, mode, T = name.split(":")
-        rows.append((f"v {engine}:{mode} T={T}", xs))
+    rows += [("v {}:{} T={}".format(*name.split(":")), xs) for name, xs in costs.v.items()]
     for label, xs in rows:
         t.add_row(label, f"{statistics.median(xs):.3f}", " ".join(f"{x:.3f}" for x in xs))
     return t
@@ -51,11 +69,8 @@ def costs_table(costs: Costs, device: str, threads: int) -> Table:
 def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: str, threads: int) -> Table:
     """A row a configuration: speed, acceptance, the cost model's inputs and prediction, identity."""
     title = f"{n_prompts} prompts x {max_new} new tokens, median of {repeats} runs, {device}, {threads} threads"
-    t = Table(title=title)
     cols = ("mode", "engine", "proposer", "k", "tok/s", "speed-up", "vs eager", "α", "α model", "tok/pass")
-    cols += ("per position", "c", "v", "predicted", "meas/pred", "identical")
-    for col in cols:
-        t.add_column(col, justify="right")
+    t = right_table(title, (*cols, "per position", "c", "v", "predicted", "meas/pred", "identical"))
     for r in rows:
         t.add_row(
             r.mode, r.engine, r.proposer, str(r.k), f"{r.tokens_per_s:.1f}", f"×{r.speedup:.2f}",
@@ -70,10 +85,8 @@ def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: s
 
 def sweep_table(rows: list[Row]) -> Table:
     ks = sorted({r.k for r in rows if r.k})
-    t = Table(title="k sweep: speed-up (acceptance)")
-    t.add_column("mode / engine / proposer")
-    for k in ks:
-        t.add_column(f"k={k}", justify="right")
+    head = "mode / engine / proposer"
+    t = right_table("k sweep: speed-up (acceptance)", [head, *(f"k={k}" for k in ks)], head)
     for mode, engine in dict.fromkeys((r.mode, r.engine) for r in rows):
         for name in dict.fromkeys(r.proposer for r in rows if r.proposer != "none"):
             mine = [r for r in rows if (r.mode, r.engine, r.proposer) == (mode, engine, name)]

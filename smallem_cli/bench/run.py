@@ -1,9 +1,8 @@
 """Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each).
 
 Every row is timed in the same run as the target alone, so speed-ups are ratios of measurements
-taken side by side on the same (noisy, shared) machine. The proposer cost c and the verify cost v
-are read on the path the run takes (`costs`), in rounds of the target alone, and fed with the
-conditional acceptance α to the seed's cost model: measured / predicted tells what the loop loses.
+taken side by side on the same (noisy, shared) machine. c and v (`costs`) and the conditional
+acceptance α feed the seed's cost model: measured / predicted tells what the loop loses.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import json
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from itertools import zip_longest
 from pathlib import Path
 
 from .. import atomic
@@ -31,9 +31,8 @@ from .costs import Costs, conditional_alpha, forward_costs, predicted_speedup, v
 def write_prompts(
     val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32, restate: int = 0
 ) -> None:
-    """COUNT prompts of exactly LENGTH tokens: the openings of COUNT evenly spaced validation chunks (or
-    of their LENGTH-token windows, if fewer), each followed, if `restate` > 0, by a newline and its first
-    `restate` tokens again (where the n-gram proposer pays). One JSON line each (ids, text), written whole."""
+    """COUNT prompts of LENGTH tokens: the openings of COUNT evenly spaced validation chunks (or of their
+    LENGTH-token windows, if fewer), each then restating its first `restate` tokens on a new line."""
     tok = load_tokenizer(tokenizer_json)
     docs = [ids for d in read_documents(val_txt) if len(ids := tok.encode(d).ids) > length]
     if len(docs) < count:  # more prompts than chunks: successive windows of each chunk
@@ -55,7 +54,6 @@ def read_prompts(path: Path) -> list[list[int]]:
     return [json.loads(line)["tokens"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-# --- measurement ---------------------------------------------------------------------------
 @dataclass
 class Row:
     proposer: str
@@ -78,31 +76,33 @@ class Row:
     vs_eager: float | None = None  # over the eager target alone (same mode, same run), when it ran
 
 
-def run_prompt(
-    target: Transformer,
-    p: Proposer,
-    backend: Backend,
-    prompt: list[int],
-    i: int,
-    max_new: int,
-    k: int,
-    sampling: Sampling,
-) -> tuple[list[int], Stats]:
-    """Prompt number i once; sampling seeded by (seed + i), so every configuration sees the same draws' seeds."""
-    s = replace(sampling, seed=sampling.seed + i)  # every option kept, min-p and the penalty too
-    return generate(target, p, prompt, max_new, k, s, backend=backend)
+Gen = Callable[[int, list[int], int], tuple[list[int], Stats]]  # (prompt's index, prompt, n) -> (tokens, stats)
 
 
-def add_stats(total: Stats, st: Stats) -> None:
-    total.new_tokens += st.new_tokens
-    total.passes += st.passes
-    total.proposed += st.proposed
-    total.accepted += st.accepted
-    for j, r in enumerate(st.guessed):
-        total.guessed[j] += r
-    total.elapsed_s += st.elapsed_s
-    for j, a in enumerate(st.accepted_at):
-        total.accepted_at[j] += a
+def round_robin(
+    gens: dict[str, Gen], prompts: list[list[int]], max_new: int, repeats: int, progress: engines.Log | None = None
+) -> dict[str, list[tuple[Stats, list[list[int]]]]]:
+    """Each gen on a warm-up, then every gen on prompt 1, then on prompt 2, ..., `repeats` times, so
+    that a slow spell of a shared machine (seconds long) falls on all alike -> per gen, per run:
+    (its stats summed over the prompts, its outputs)."""
+    for gen in gens.values():
+        gen(0, prompts[0][:16], 16)
+    runs: dict[str, list[tuple[Stats, list[list[int]]]]] = {label: [] for label in gens}
+    for rep in range(repeats):
+        for got in runs.values():
+            got.append((Stats("", 0), []))
+        for i, prompt in enumerate(prompts):
+            for label, gen in gens.items():
+                if progress:
+                    progress(f"{label}, prompt {i + 1}/{len(prompts)}, run {rep + 1}/{repeats}")
+                out, st = gen(i, prompt, max_new)
+                total, outs = runs[label][-1]
+                outs.append(out)
+                for name in ("new_tokens", "passes", "proposed", "accepted", "elapsed_s"):
+                    setattr(total, name, getattr(total, name) + getattr(st, name))
+                total.accepted_at = [a + b for a, b in zip_longest(total.accepted_at, st.accepted_at, fillvalue=0)]
+                total.guessed = [a + b for a, b in zip_longest(total.guessed, st.guessed, fillvalue=0)]
+    return runs
 
 
 @dataclass
@@ -112,36 +112,28 @@ class Plan:
     modes: list[str]  # "greedy", "sample"
     max_new: int = D.MAX_NEW_TOKENS
     repeats: int = D.BENCH_REPEATS
-    temperature: float = D.BENCH_TEMPERATURE
-    seed: int = 0
     # "eager", "native-avx2" and/or "native" (steps loaded beforehand, `prepare_engines`). Without eager,
     # the eager target alone still runs, as the reference of identity and of `vs_eager`.
     engines: tuple[str, ...] = ("eager",)
-    # the sample mode's filters beside its temperature (None: off)
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
+    sample: Sampling = field(default_factory=lambda: Sampling(D.BENCH_TEMPERATURE))  # the sample mode's draws
     backends: dict[str, Backend] = field(default_factory=dict)  # by engine, made by `prepare_engines`
 
 
 def plan_sampling(plan: Plan, mode: str) -> Sampling:
-    """What the plan's `mode` ("greedy" or "sample") draws with."""
-    if mode == "greedy":
-        return Sampling(seed=plan.seed)
-    return Sampling(plan.temperature, plan.top_k, plan.top_p, plan.seed, plan.min_p)
+    return plan.sample if mode == "sample" else Sampling()
 
 
 def cost_readings(
     target: Transformer, plan: Plan, prompt: list[int], readings: int, passes: list[int] | None = None
 ) -> Costs:
-    """c and v alone (`bench --costs`): seconds of work, where the full bench takes minutes.
-    `passes`: the token counts T whose v is read (default: 1 .. the plan's largest k + 1)."""
+    """c and v alone (`bench --costs`), each mode in rounds of its own target alone. `passes`: the
+    token counts T whose v is read (default: 1 .. the plan's largest k + 1)."""
     top = max((k for ks in plan.ks.values() for k in ks), default=1)
     ks = sorted({T - 1 for T in passes} - {0}) if passes else list(range(1, top + 1))
     out = Costs({}, {}, {f"{e}:{m}": [] for e in plan.engines for m in plan.modes})
     for _ in range(readings):
         for engine in plan.engines:
-            for m in plan.modes:  # each mode in rounds of its own target alone
+            for m in plan.modes:
                 draws = plan_sampling(plan, m)
                 each = {f"{m}:{n}": (p, draws, [k for k in plan.ks[n] if k]) for n, p in plan.proposers[m].items()}
                 each = {name: x for name, x in each.items() if x[0] is not NONE}
@@ -165,44 +157,38 @@ def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
         plan.backends.setdefault(engine, Backend(engines.engine_mode(engine, dev))).prepare(target, models, log, int8)
 
 
-def our_row(rows: Iterable[Row], proposer: str, k: int, mode: str = "greedy") -> Row | None:
-    """Our row of (proposer, k, mode) that a peer's table sets beside the peer: the one of the
-    fastest engine the run has (`engines.fastest`), the one a user gets by default; None: no such row."""
-    found = {r.engine: r for r in rows if r.proposer == proposer and r.k == k and r.mode == mode}
+def our_row(rows: Iterable[Row], proposer: str, k: int) -> Row | None:
+    """Our greedy row of (proposer, k) set beside a peer: the fastest engine's, a user's default."""
+    found = {r.engine: r for r in rows if r.proposer == proposer and r.k == k and r.mode == "greedy"}
     return found[engines.fastest(found)] if found else None
 
 
 def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, Proposer, int] | None:
-    """The fastest greedy speculative row of a run, of its fastest engine: (name, proposer, k),
-    for a peer to be timed against (None if the run had none)."""
+    """The fastest greedy speculative row of the fastest engine, for a peer: (name, proposer, k) or None."""
     engine = engines.fastest(plan.engines)
     found = [r for r in rows if r.mode == "greedy" and r.k > 0 and r.engine == engine and "@" not in r.proposer]
-    if not found or "greedy" not in plan.proposers:
-        return None
-    best = max(found, key=lambda r: r.tokens_per_s)
-    make = plan.proposers["greedy"].get(best.proposer)
-    return (best.proposer, make, best.k) if make is not None else None
+    best = max(found, key=lambda r: r.tokens_per_s, default=None)
+    return None if best is None else (best.proposer, plan.proposers["greedy"][best.proposer], best.k)
 
 
-Config = tuple[str, str, Proposer, int]  # engine, row name, proposer, k
-
-
-def _configs(plan: Plan, mode: str) -> list[Config]:
-    alone: list[Config] = [(e, "none", NONE, 0) for e in ["eager", *(e for e in plan.engines if e != "eager")]]
+def _configs(plan: Plan, mode: str) -> list[tuple[str, str, Proposer, int]]:  # engine, row name, proposer, k
+    alone = [(e, "none", NONE, 0) for e in ["eager", *(e for e in plan.engines if e != "eager")]]
     return alone + [(e, n, f, k) for e in plan.engines for n, f in plan.proposers[mode].items() for k in plan.ks[n]]
 
 
 def generations(plan: Plan, n_prompts: int) -> int:
-    """Timed generations of a run (for a progress bar)."""
     return sum(len(_configs(plan, m)) for m in plan.modes) * plan.repeats * n_prompts
 
 
+def _gen(target: Transformer, p: Proposer, k: int, draws: Sampling, backend: Backend) -> Gen:
+    """Prompt number i drawn with seed + i: every configuration sees the same draws' seeds."""
+    return lambda i, prompt, n: generate(target, p, prompt, n, k, replace(draws, seed=draws.seed + i), backend=backend)
+
+
 def run_bench(
-    target: Transformer, prompts: list[list[int]], plan: Plan, progress: Callable[[str], None] | None = None
+    target: Transformer, prompts: list[list[int]], plan: Plan, progress: engines.Log | None = None
 ) -> list[Row]:
-    """Every configuration of the plan, the target alone first, timed in the same run, round-robin
-    prompt by prompt (every configuration on prompt 1, then on prompt 2, ...), so that a slow spell of
-    a shared machine (seconds long) falls on all configurations alike rather than on one."""
+    """Every configuration of the plan, the target alone first, timed in the same run (`round_robin`)."""
     costs = cost_readings(target, plan, prompts[0], 1)
     c = {name: xs[0] for name, xs in costs.c.items()}
     v = {name: xs[0] for name, xs in costs.v.items()}
@@ -211,28 +197,12 @@ def run_bench(
     for mode in plan.modes:
         draws = plan_sampling(plan, mode)
         configs = _configs(plan, mode)
-        for engine, _, p, k in configs:
-            generate(target, p, prompts[0][:16], 16, k, draws, backend=backends[engine])  # warm-up
-        # all_runs[j][r]: configuration j's tokens/s, stats and outputs over all prompts, in timed run r
-        all_runs: list[list[tuple[float, Stats, list[list[int]]]]] = [[] for _ in configs]
-        for rep in range(plan.repeats):
-            totals = [Stats(name, k, accepted_at=[0] * k, guessed=[0] * (k + 1)) for _, name, _, k in configs]
-            texts: list[list[list[int]]] = [[] for _ in configs]
-            for i, prompt in enumerate(prompts):
-                for j, (engine, name, p, k) in enumerate(configs):
-                    if progress:
-                        label = f"{mode} {engine} {name} k={k}, prompt {i + 1}/{len(prompts)}, run {rep + 1}"
-                        progress(f"{label}/{plan.repeats}")
-                    out, st = run_prompt(target, p, backends[engine], prompt, i, plan.max_new, k, draws)
-                    texts[j].append(out)
-                    add_stats(totals[j], st)
-            for j, total in enumerate(totals):
-                all_runs[j].append((total.new_tokens / total.elapsed_s, total, texts[j]))
-        eager_runs, eager_outs = [r[0] for r in all_runs[0]], all_runs[0][0][2]  # the eager target alone
-        base = {e: [r[0] for r in all_runs[j]] for j, (e, n, _, _) in enumerate(configs) if n == "none"}
-        for (engine, name, _, k), runs in zip(configs, all_runs, strict=True):
-            tps_runs = [r[0] for r in runs]
-            _, st, outs = runs[0]
+        gens = {f"{mode} {e} {name} k={k}": _gen(target, p, k, draws, backends[e]) for e, name, p, k in configs}
+        runs = list(round_robin(gens, prompts, plan.max_new, plan.repeats, progress).values())
+        tps = [[st.tokens_per_s for st, _ in r] for r in runs]  # each configuration's, run by run
+        base = {e: tps[j] for j, (e, n, _, _) in enumerate(configs) if n == "none"}  # tps[0]: the eager one
+        for j, (engine, name, _, k) in enumerate(configs):
+            st, outs = runs[j][0]  # the first run's
             rounds = st.passes - len(prompts)  # prefill passes excluded
             alpha = conditional_alpha(st.accepted_at, rounds)
             # in rounds of this engine's target alone (`costs.forward_costs`); a row of the target
@@ -246,15 +216,13 @@ def run_bench(
                 pred = predicted_speedup(alpha, k, cc, vv)
             # Each timed run against the target alone's run of the same round, then the
             # median: a slow spell of the machine spans both sides of a ratio.
-            speed = statistics.median(a / b for a, b in zip(tps_runs, base[engine], strict=True))
-            vs_eager = statistics.median(a / b for a, b in zip(tps_runs, eager_runs, strict=True))
-            identical = None
-            if mode == "greedy":
-                same = sum(a == b for a, b in zip(outs, eager_outs, strict=True))
-                identical = f"{same}/{len(outs)}"
+            speed = statistics.median(a / b for a, b in zip(tps[j], base[engine], strict=True))
+            vs_eager = statistics.median(a / b for a, b in zip(tps[j], tps[0], strict=True))
+            same = sum(a == b for a, b in zip(outs, runs[0][0][1], strict=True))
+            identical = f"{same}/{len(outs)}" if mode == "greedy" else None
             per = [a / max(1, rounds) for a in st.accepted_at]
             rows.append(Row(
-                name, k, mode, statistics.median(tps_runs), speed, st.acceptance_rate, st.tokens_per_pass, per,
-                alpha, cc, vv, pred, speed / pred, identical, plan.repeats, tps_runs, engine, vs_eager,
+                name, k, mode, statistics.median(tps[j]), speed, st.acceptance_rate, st.tokens_per_pass, per,
+                alpha, cc, vv, pred, speed / pred, identical, plan.repeats, tps[j], engine, vs_eager,
             ))  # fmt: skip
     return rows

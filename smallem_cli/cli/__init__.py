@@ -8,11 +8,9 @@ from .console import BROKEN_PIPE_EXIT, StdoutClosed, StdoutError, guard_streams,
 
 quiet_ctrl_c()  # first: Ctrl-C while the libraries below load exits 130, without a traceback
 
-from rich.text import Text  # noqa: E402
-
-from . import batch, bench, evaluate, export, generate, train  # noqa: E402, F401  (each registers its commands)
+from . import batch, bench, chat, evaluate, export, generate, train  # noqa: E402, F401  (each registers its commands)
 from .app import app as command  # noqa: E402  (`app` stays the module's name here)
-from .app import err  # noqa: E402
+from .app import fail  # noqa: E402
 
 
 def main() -> None:
@@ -31,5 +29,5 @@ def main() -> None:
         raise SystemExit(BROKEN_PIPE_EXIT) from None
     except StdoutError as e:
         stdout_to_devnull()
-        err.print(Text.assemble(("error:", "red"), f" {e}"), soft_wrap=True)
+        fail(str(e))  # the error line
         raise SystemExit(1) from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -12,6 +12,12 @@ from rich.text import Text
 
 from .. import defaults as D
 from .. import options as O
+
+if TYPE_CHECKING:
+    from ..backends.engines import Backend
+    from ..engine.family import Proposer as Loaded
+    from ..engine.family import Target as Model
+    from ..stats import Stats
 
 app = typer.Typer(
     add_completion=False,
@@ -53,3 +59,42 @@ ProposerVocab = Annotated[
 Tree = Annotated[int, typer.Option("--tree", help=D.TREE_HELP)]
 Weights = Annotated[str, typer.Option("--proposer-weights", help=D.WEIGHTS_HELP)]
 DataDir = Annotated[Path, typer.Option("--data", help="folder with val.txt")]
+
+
+def load_run(
+    target: Path,
+    proposer: str,
+    device: str,
+    tokenizer: Path | None,
+    vocab: int,
+    tree: tuple[int, int] | None,
+    weights: str,
+    engine: str,
+    threads: int | None,
+    quiet: bool,
+) -> tuple[Model, Loaded, Backend]:
+    """What `generate` and `chat` load alike: the target, the proposer (`vocab`: its head's cut),
+    the backend with every model's native steps built, the thread count set. INPUT_ERRORS on bad input."""
+    import torch
+
+    from ..backends.engines import Backend, chosen, engine_mode
+    from ..engine import family
+
+    dev = family.pick_device(device)
+    tgt = family.load_target(target, dev, tokenizer)
+    loaded = family.load_proposer(proposer, tgt, dev, vocab, tree, weights)
+    backend = Backend(engine_mode(chosen(engine), dev))
+    if n_threads := O.threads(threads) or O.threads_for_load(torch.get_num_threads()):
+        torch.set_num_threads(n_threads)
+    # every model the run may use, given its native steps (built once) before the clock starts
+    backend.prepare(tgt.model, loaded.models, None if quiet else err.print, loaded.models if loaded.int8 else ())
+    return tgt, loaded, backend
+
+
+def stats_line(stats: Stats) -> str:
+    """A generation's statistics, as `generate` and `chat` print them."""
+    return (
+        f"{stats.new_tokens} tokens in {stats.elapsed_s:.2f} s: {stats.tokens_per_s:.1f} tok/s, "
+        f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass "
+        f"({stats.proposer}, k={stats.k}, {stats.backend})"
+    )

@@ -1,14 +1,10 @@
 """`smallem batch`: many requests, one a line, through the batched engine; JSON answers on stdout.
 
-The lines' format and the answers' are batch_io's. Here: the options, the input, the progress
-display on stderr, Ctrl-C and a reader that goes away:
-- Ctrl-C: the lines written stay whole (a Ctrl-C waits for the line being written; a second does
-  not); with --ordered the answers held back go out first, in input order (a second Ctrl-C stops
-  that at a line's end); then `interrupted` on stderr, exit 130.
-- a --max-batch whose caches at the full context the memory cannot hold is lowered to what it can
-  (`engine.build.fit_batch`), said on stderr (not with --quiet).
-- a broken pipe (`smallem batch f | head -1`): stdout goes to /dev/null, so nothing is left to fail
-  at exit, and the run ends at once, quietly, exit 141 (128 + SIGPIPE, as if killed by the signal).
+The lines' format and the answers' are batch_io's. Here: the options, the input, the progress on
+stderr, a --max-batch lowered to what the memory holds (`engine.build.fit_batch`), Ctrl-C (lines
+stay whole, held answers go out first, exit 130), and a reader that goes away (`... | head -1`):
+stdout goes to /dev/null, so nothing is left to fail at exit, and the run ends quietly, exit 141
+(128 + SIGPIPE).
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from .app import Device, Proposer, ProposerVocab, Target, Threads, Tokenizer, Tr
 from .console import BROKEN_PIPE_EXIT, stdout_to_devnull
 
 if TYPE_CHECKING:  # torch, through the engine: loaded once the command runs, not to parse it
-    from rich.progress import Progress, TaskID
+    from rich.progress import Progress
 
     from ..engine.request import Request
 
@@ -53,12 +49,6 @@ def open_input(file: str | None) -> BinaryIO:
         raise O.UsageError(f"input file not found: {file}") from None
     except OSError as e:
         raise O.UsageError(f"cannot read {file}: {e.strerror or e}") from None
-
-
-def context_k(proposer: str, k: int | None) -> int:
-    """The guesses a verify pass may hold, for the context check: the user's k, else the larger
-    of the proposer's defaults (a request's temperature may pick either mode)."""
-    return max(O.pick_k(proposer, k, True), O.pick_k(proposer, k, False))
 
 
 @contextmanager
@@ -86,7 +76,7 @@ def whole_line() -> Iterator[None]:
 
 
 def write_held(writer: Any, closed: type[Exception]) -> None:
-    """After a Ctrl-C: the answers an OrderedWriter still holds go out in input order. A second Ctrl-C
+    """After a Ctrl-C: the answers a Writer still holds go out in input order. A second Ctrl-C
     stops this at a line's end; a reader gone away (`closed`) stops it quietly: the run is ending anyway."""
     try:
         writer.close()
@@ -104,7 +94,6 @@ class Display:
         self.answered = self.rejected = self.tokens = 0
         self.acceptance: float | None = None
         self.bar: Progress | None = None
-        self.task: TaskID | None = None
         if show:
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -119,7 +108,7 @@ class Display:
     def progress(self, p: Any) -> None:
         """The engine's report: p.done, p.tokens, p.elapsed_s, p.acceptance."""
         self.acceptance = float(p.acceptance)
-        if self.bar is not None and self.task is not None:
+        if self.bar is not None:
             rate = p.tokens / p.elapsed_s if p.elapsed_s else 0.0
             self.bar.update(self.task, info=f"{rate:,.1f} tok/s, acceptance {p.acceptance:.2f}")
 
@@ -127,7 +116,7 @@ class Display:
         self.answered += 1
         self.rejected += rejected
         self.tokens += tokens
-        if self.bar is not None and self.task is not None:
+        if self.bar is not None:
             self.bar.update(self.task, completed=self.answered)
 
     def stop(self) -> None:
@@ -205,12 +194,11 @@ def batch(
 
     source: BinaryIO | None = None
     try:
-        greedy = temperature == 0
-        proposer = proposer or family.default_proposer(target, greedy)
-        slack = context_k(proposer, k)  # checks k
-        O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty)
-        if max_new_tokens < 1:
-            raise O.UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        proposer = proposer or family.default_proposer(target, temperature == 0)
+        # the guesses a verify pass may hold, for the context check (a request's temperature may pick
+        # either mode's default k); checks k
+        slack = max(O.pick_k(proposer, k, True), O.pick_k(proposer, k, False))
+        O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, max_new_tokens=max_new_tokens)
         if max_batch < 1:
             raise O.UsageError(f"--max-batch must be >= 1, got {max_batch}")
         O.check_vocab(proposer_vocab)
@@ -232,7 +220,7 @@ def batch(
     assert source is not None  # opened above, or the command has ended
 
     defaults = B.Defaults(max_new_tokens, temperature, top_k, top_p, seed, min_p=min_p, repetition_penalty=penalty)
-    writer = (B.OrderedWriter if ordered else B.LineWriter)(sys.stdout, whole_line)
+    writer = B.Writer(sys.stdout, whole_line, ordered)
     shown = Display(show=not quiet and err.is_terminal)
 
     def requests() -> Iterator[Request]:
@@ -240,7 +228,7 @@ def batch(
         lines = B.parse_lines(source, defaults, lambda text: tok.encode(text).ids, tgt.model.cfg.max_seq_len, slack)
         for item in lines:
             if isinstance(item, B.Rejected):
-                writer.put(item.index, B.error_answer(item.id, item.error))
+                writer.put(item.index, {"id": item.id, "error": item.error})
                 shown.answer(rejected=True)
             else:
                 yield item

@@ -11,36 +11,21 @@ Every line gets exactly one answer, `{"id", "text", "tokens", "stats"}` or `{"id
 - a blank line is an error ("empty prompt"), not skipped: line N's answer keeps id N;
 - a line of more than `max_line_bytes` before its `\\n` is never held whole, parsed nor tokenized:
   its rest is read and dropped chunk by chunk, and it is answered "line too long" under its number.
-Each answer is one write and a flush, so an interrupted run leaves whole lines. `OrderedWriter`
-(`--ordered`) holds answers until every earlier line's is out; what it still holds at the end, or at
-a Ctrl-C, goes out in input order, the lines never answered left out.
+Each answer is one write and a flush (`Writer`), so an interrupted run leaves whole lines.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import BinaryIO, TextIO
 
 from .. import defaults as D
 from .. import options as O
 from ..engine.request import Finished, Request
 from ..spec.sampling import Sampling
-
-FIELDS = (
-    "id",
-    "prompt",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "seed",
-    "stop",
-)
 
 Encode = Callable[[str], Sequence[int]]  # text -> token ids
 Record = dict[str, object]
@@ -80,15 +65,13 @@ def _shown(value: object, limit: int = 40) -> str:
 
 
 # --- input ---------------------------------------------------------------------------------------
-def _int(obj: dict[str, object], name: str, default: int) -> int:
-    value = obj.get(name, default)
+def _int(name: str, value: object) -> int:
     if type(value) is not int:  # bool is an int to Python, not to a user
         raise BadField(f"{name} must be an integer, got {_shown(value)}")
     return value
 
 
-def _number(obj: dict[str, object], name: str, default: float) -> float:
-    value = obj.get(name, default)
+def _number(name: str, value: object) -> float:
     if type(value) not in (int, float):
         raise BadField(f"{name} must be a number, got {_shown(value)}")
     try:
@@ -97,15 +80,7 @@ def _number(obj: dict[str, object], name: str, default: float) -> float:
         raise BadField(f"{name} is out of range, got {_shown(value)}") from None
 
 
-def _optional(obj: dict[str, object], name: str, default: float | None, read: Callable) -> float | None:
-    """top_k (read by `_int`), top_p, min_p (`_number`): `null` turns it off."""
-    return None if obj.get(name, default) is None else read(obj, name, default)
-
-
-def _stop(obj: dict[str, object], default: tuple[str, ...]) -> tuple[str, ...]:
-    if "stop" not in obj:
-        return default
-    value = obj["stop"]
+def _stop(name: str, value: object) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise BadField(f"stop must be a string or a list of strings, got {_shown(value)}")
@@ -113,6 +88,20 @@ def _stop(obj: dict[str, object], default: tuple[str, ...]) -> tuple[str, ...]:
         raise BadField("stop strings must not be empty")
     return tuple(stops)
 
+
+# How a JSON request's fields other than "id" and "prompt" are read
+_READ: dict[str, Callable[[str, object], object]] = {
+    "max_new_tokens": _int,
+    "temperature": _number,
+    "top_k": _int,
+    "top_p": _number,
+    "min_p": _number,
+    "repetition_penalty": _number,
+    "seed": _int,
+    "stop": _stop,
+}
+FIELDS = ("id", "prompt", *_READ)
+_OFF = ("top_k", "top_p", "min_p")  # `null` turns these off
 
 # options' messages name the command line's options: a request names its fields ("--min-p": "min_p")
 _OPTIONS = ("--max-new-tokens", "--seed", "top-k", "top-p", "--min-p", "--repetition-penalty")
@@ -132,46 +121,34 @@ def parse_line(
     """One input line (without its newline; `lineno` 1-based) -> a checked Request, or why it is none.
     max_len, the target's context, must hold the prompt, max_new_tokens and a verify pass of k guesses."""
     index, rid = lineno - 1, lineno
-    obj: dict[str, object] | None = None
-    if line.lstrip().startswith("{"):
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError):
-            obj = None
-        if not isinstance(obj, dict):  # (a line opening with `{` is an object or no JSON at all)
-            return Rejected(index, rid, "invalid JSON object")
+    prompt, opts = line, defaults
     try:
-        if obj is None:
-            prompt, fields = line, defaults
-            stop = defaults.stop
-        else:
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except (ValueError, RecursionError):
+                obj = None
+            if not isinstance(obj, dict):  # (a line opening with `{` is an object or no JSON at all)
+                return Rejected(index, rid, "invalid JSON object")
             if "id" in obj:  # a bad id is answered under the line's number
                 if type(obj["id"]) not in (str, int):
                     raise BadField(f"id must be a string or an integer, got {_shown(obj['id'])}")
-                rid = obj["id"]  # type: ignore[assignment]
+                rid = obj["id"]
             unknown = sorted(set(obj) - set(FIELDS))
             if unknown:
                 raise BadField(f"unknown field {_shown(unknown[0])} (fields: {', '.join(FIELDS)})")
             if "prompt" not in obj:
                 raise BadField('no prompt: a JSON request needs a "prompt" string')
-            prompt = obj["prompt"]  # type: ignore[assignment]
+            prompt = obj["prompt"]
             if not isinstance(prompt, str):
                 raise BadField(f"prompt must be a string, got {_shown(prompt)}")
-            fields = Defaults(
-                _int(obj, "max_new_tokens", defaults.max_new_tokens),
-                _number(obj, "temperature", defaults.temperature),
-                _optional(obj, "top_k", defaults.top_k, _int),
-                _optional(obj, "top_p", defaults.top_p, _number),
-                _int(obj, "seed", defaults.seed),
-                min_p=_optional(obj, "min_p", defaults.min_p, _number),
-                repetition_penalty=_number(obj, "repetition_penalty", defaults.repetition_penalty),
-            )
-            stop = _stop(obj, defaults.stop)
-        if fields.max_new_tokens < 1:
-            raise BadField(f"max_new_tokens must be >= 1, got {fields.max_new_tokens}")
-        O.check_sampling(
-            fields.temperature, fields.top_k, fields.top_p, fields.seed, fields.min_p, fields.repetition_penalty
-        )
+            given: dict[str, object] = {}  # the fields given override the options'
+            for name, read in _READ.items():
+                if name in obj:
+                    given[name] = None if obj[name] is None and name in _OFF else read(name, obj[name])
+            opts = replace(defaults, **given)
+        sampling = Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.min_p, opts.repetition_penalty)
+        O.check_sampling(**asdict(sampling), max_new_tokens=opts.max_new_tokens)
         if not prompt.strip():
             raise BadField("empty prompt")
         if not prompt.isascii():
@@ -182,15 +159,12 @@ def parse_line(
         ids = tuple(encode(prompt))
         if not ids:
             raise BadField("empty prompt")
-        O.check_context(len(ids), fields.max_new_tokens, k, max_len)
+        O.check_context(len(ids), opts.max_new_tokens, k, max_len)
     except BadField as e:
         return Rejected(index, rid, str(e))
     except O.UsageError as e:
         return Rejected(index, rid, _usage(e))
-    sampling = Sampling(
-        fields.temperature, fields.top_k, fields.top_p, fields.seed, fields.min_p, fields.repetition_penalty
-    )
-    return Request(index, rid, ids, fields.max_new_tokens, sampling, stop)
+    return Request(index, rid, ids, opts.max_new_tokens, sampling, opts.stop)
 
 
 def max_line_bytes(max_len: int) -> int:
@@ -216,52 +190,34 @@ def read_lines(source: BinaryIO, limit: int) -> Iterator[bytes | None]:
         yield None
 
 
-class SeenIds:
-    """The ids of the lines so far, to tell a repeated one. A line's number is its default id,
-    and numbers never repeat: only the ids the lines gave, and which lines gave one, are kept."""
-
-    def __init__(self) -> None:
-        self.given: dict[str | int, int] = {}  # an id a line gave (other than its number) -> the first such line
-        self.renamed: set[int] = set()  # the lines answered under another id than their number
-
-    def claim(self, rid: str | int, lineno: int) -> int | None:
-        """Line `lineno` answers as `rid`: the earlier line whose answer has that id, if one has."""
-        if type(rid) is int and rid == lineno:  # its own number: taken only by an earlier line that gave it
-            return self.given.get(rid)
-        self.renamed.add(lineno)
-        first = self.given.setdefault(rid, lineno)
-        if first != lineno:
-            return first
-        if type(rid) is int and 1 <= rid < lineno and rid not in self.renamed:
-            return rid  # an earlier line answered under its number, which this line now gives
-        return None
-
-
 def parse_lines(
-    lines: Iterable[bytes] | BinaryIO,
-    defaults: Defaults,
-    encode: Encode,
-    max_len: int,
-    k: int = 0,
-    max_bytes: int | None = None,
+    source: BinaryIO, defaults: Defaults, encode: Encode, max_len: int, k: int = 0, max_bytes: int | None = None
 ) -> Iterator[Request | Rejected]:
-    """Raw lines (a binary file's, read in bounded chunks; or bytes, `\\n` kept or not) -> one
-    Request or Rejected each, lazily. max_bytes: a line's limit [default: max_line_bytes(max_len)]."""
+    """A binary file's lines, read in bounded chunks -> one Request or Rejected each, lazily.
+    max_bytes: a line's limit [default: max_line_bytes(max_len)]. A line's number is its default id,
+    and numbers never repeat: to tell a repeated id, only the ids lines gave, and which lines, are kept."""
     limit = max_line_bytes(max_len) if max_bytes is None else max_bytes
-    raws: Iterable[bytes | None] = read_lines(lines, limit) if hasattr(lines, "readline") else lines  # type: ignore[arg-type]
-    seen = SeenIds()
-    for lineno, raw in enumerate(raws, 1):
+    given: dict[str | int, int] = {}  # an id a line gave (other than its number) -> the first such line
+    renamed: set[int] = set()  # the lines answered under another id than their number
+    for lineno, raw in enumerate(read_lines(source, limit), 1):
         item = _parse_raw(raw, lineno, limit, defaults, encode, max_len, k)
-        first = seen.claim(item.id, lineno)
+        rid = item.id
+        if type(rid) is int and rid == lineno:  # its own number: taken only by an earlier line that gave it
+            first = given.get(rid)
+        else:
+            renamed.add(lineno)
+            first = given.setdefault(rid, lineno)
+            if first == lineno:  # an earlier line may have answered under its number, which this one gives
+                first = rid if type(rid) is int and 1 <= rid < lineno and rid not in renamed else None
         if first is not None:
-            item = Rejected(item.index, item.id, f"duplicate id {_shown(item.id)}: line {first} has it too")
+            item = Rejected(item.index, rid, f"duplicate id {_shown(rid)}: line {first} has it too")
         yield item
 
 
 def _parse_raw(
     raw: bytes | None, lineno: int, limit: int, defaults: Defaults, encode: Encode, max_len: int, k: int
 ) -> Request | Rejected:
-    if raw is None or len(raw.removesuffix(b"\n")) > limit:  # checked before anything reads the line
+    if raw is None:  # read_lines dropped it: nothing reads the line
         return Rejected(lineno - 1, lineno, f"line too long: over {limit} bytes")
     try:
         line = raw.removesuffix(b"\n").removesuffix(b"\r").decode("utf-8")
@@ -275,53 +231,28 @@ def answer(fin: Finished) -> Record:
     return {"id": fin.request.id, "text": fin.text, "tokens": list(fin.tokens), "stats": fin.stats}
 
 
-def error_answer(rid: str | int, msg: str) -> Record:
-    return {"id": rid, "error": msg}
-
-
 class OutputClosed(Exception):
     """The reader of the answers went away (a broken pipe): nothing more can be written."""
 
 
-Guard = Callable[[], AbstractContextManager[object]]  # around each line's write
+class Writer:
+    """Writes each answer as one JSON line: one write, then a flush, inside `guard()` (the CLI's keeps
+    a Ctrl-C from landing in the middle of a line); a broken pipe raises OutputClosed. `ordered`: each
+    answer waits until every earlier line's is out, and leaves the held ones before its write (a Ctrl-C
+    at a write's end then leaves none to write twice)."""
 
-
-class LineWriter:
-    """Writes each answer as it comes, as one JSON line: one write, then a flush, inside `guard()`
-    (the CLI's keeps a Ctrl-C from landing in the middle of a line). A broken pipe raises OutputClosed."""
-
-    def __init__(self, out: TextIO, guard: Guard = nullcontext) -> None:
-        self.out, self.guard = out, guard
-        self.written = 0
-
-    def put(self, index: int, record: Record) -> None:
-        """The answer to input line `index` (0-based)."""
-        self.write(record)
-
-    def write(self, record: Record) -> None:
-        line = json.dumps(record) + "\n"
-        try:
-            with self.guard():  # a Ctrl-C held by the guard is raised at its end: the line is counted first
-                self.out.write(line)
-                self.out.flush()
-                self.written += 1
-        except BrokenPipeError:
-            raise OutputClosed from None
-
-    def close(self) -> None:
-        """The end of the run: answers still held back go out."""
-
-
-class OrderedWriter(LineWriter):
-    """Writes the answers in input order: each waits until every earlier line's answer is out. An
-    answer leaves the held ones before its write: a Ctrl-C at a write's end leaves none to write twice."""
-
-    def __init__(self, out: TextIO, guard: Guard = nullcontext, start: int = 0) -> None:
-        super().__init__(out, guard)
-        self.next = start  # the index whose answer goes out next
+    def __init__(
+        self, out: TextIO, guard: Callable[[], AbstractContextManager[object]] = nullcontext, ordered: bool = False
+    ) -> None:
+        self.out, self.guard, self.ordered = out, guard, ordered
+        self.next = 0  # ordered: the index whose answer goes out next
         self.waiting: dict[int, Record] = {}
 
     def put(self, index: int, record: Record) -> None:
+        """The answer to input line `index` (0-based)."""
+        if not self.ordered:
+            self.write(record)
+            return
         if index < self.next or index in self.waiting:
             raise ValueError(f"a second answer to input line {index + 1}")
         self.waiting[index] = record
@@ -330,9 +261,18 @@ class OrderedWriter(LineWriter):
             self.next += 1
             self.write(record)
 
+    def write(self, record: Record) -> None:
+        line = json.dumps(record) + "\n"
+        try:
+            with self.guard():
+                self.out.write(line)
+                self.out.flush()
+        except BrokenPipeError:
+            raise OutputClosed from None
+
     def close(self) -> None:
-        """Answers still held (an engine lost a request, or a Ctrl-C came while an earlier line's was
-        not done) go out in ascending input order rather than be lost; lines never answered are missing."""
+        """The end of the run: answers still held (an engine lost a request, or a Ctrl-C came while an
+        earlier line's was not done) go out in ascending input order; lines never answered are missing."""
         for index in sorted(self.waiting):
             record = self.waiting.pop(index)
             self.next = index + 1

@@ -92,23 +92,24 @@ def bench(
     import json
 
     import torch
+    from rich.progress import Progress
 
     from ..backends import engines
     from ..bench import report as R
     from ..bench import run as B
+    from ..bench.batch import from_cli
     from ..bench.peer import peer_table, run_peer
     from ..engine import family
+    from ..interop.vllm_peer import VllmError, find_python
+    from ..spec.sampling import Sampling
 
     try:
         if O.threads(threads):
             torch.set_num_threads(threads)
-        names = [p for p in proposers.split(",") if p]
         extra = O.parse_ks(k) if k else []
         sweep = O.parse_ks(sweep_k) if sweep_k else []
         mode_list = O.check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
         if peer == "vllm":  # vLLM lives in a venv of its own (.venv-vllm): its python must be there
-            from ..interop.vllm_peer import VllmError, find_python
-
             try:
                 find_python()
             except VllmError as e:
@@ -116,83 +117,62 @@ def bench(
         O.check_sampling(temperature, top_k, top_p, min_p=min_p)
         dev = family.pick_device(device)
         tgt = family.load_target(target, dev)
-        if peer and (tgt.tokenizer is None or tgt.hf):  # a peer runs an export of a smallem checkpoint
+        if peer in ("hf", "vllm") and (tgt.tokenizer is None or tgt.hf):  # they run exports of the family
             raise O.UsageError(f"--peer {peer} needs a smallem checkpoint as --target (it exports it for the peer)")
+        names = [p for p in proposers.split(",") if p]
         trees = O.tree_names(names, O.tree_budgets(tree)) if tree else {}  # "mtp@tree12" -> ("mtp", 12)
         first, *others = O.weights_list(weights)
         stored = O.weights_names(names, others)  # "mtp@f16" -> ("mtp", "f16")
+        rows_of = {n: (n, None, first) for n in names}  # a row -> its proposer, tree and weights
+        rows_of |= {n: (p, O.tree(b), first) for n, (p, b) in trees.items()}
+        rows_of |= {n: (p, None, w) for n, (p, w) in stored.items()}
+        engine_list = engines.bench_engines(engines.chosen(engine_names), dev)
         if batch is not None:  # the batch engine's table instead: greedy, one run per size
-            from ..bench.batch import from_cli
-
             sizes = O.parse_sizes(batch)
             found = O.read_prompts(
                 prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]}, tgt.tok, tgt.chat
             )
-            names = names + list(trees) + list(stored)
-            batch_engines = engines.bench_engines(engines.chosen(engine_names), dev)
             rows = from_cli(
-                tgt, dev, names, sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file, batch_engines,
-                first,
+                tgt, dev, list(rows_of), sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file,
+                engine_list, first,
             )  # fmt: skip
             if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
                 raise fail("greedy identity FAILED in the batch engine", 1)
             return
-        prompts_file = prompts_file or D.PROMPTS
-        names += list(trees) + list(stored)
-        ks = O.bench_ks(names, mode_list, extra, sweep)
-        prompt_ids = O.read_prompts(prompts_file, tgt.model.cfg, max_new_tokens, ks, tgt.tok, tgt.chat)
+        ks = O.bench_ks(list(rows_of), mode_list, extra, sweep)
+        prompt_ids = O.read_prompts(prompts_file or D.PROMPTS, tgt.model.cfg, max_new_tokens, ks, tgt.tok, tgt.chat)
         O.check_vocab(proposer_vocab)
         vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
-        rows_of = {n: (n, None, first) for n in names}  # a row -> its proposer, tree and weights
-        rows_of |= {n: (p, O.tree(b), first) for n, (p, b) in trees.items()}
-        rows_of |= {n: (p, None, w) for n, (p, w) in stored.items()}
         loaded = {
             v: {n: family.load_proposer(p, tgt, dev, v, t, w) for n, (p, t, w) in rows_of.items()}
             for v in set(vocab.values())
         }
-        engine_list = engines.bench_engines(engines.chosen(engine_names), dev)
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
-    plan = B.Plan(
-        {m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, temperature, 0, engine_list,
-        top_k, top_p, min_p,
-    )  # fmt: skip
-    passes = list(D.COST_PASSES) if costs else None
+    draws = Sampling(temperature, top_k, top_p, min_p=min_p)
+    plan = B.Plan({m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, engine_list, draws)
     B.prepare_engines(tgt.model, plan, err.print)  # every pass the bench takes, before the clock
+    head = {"device": str(dev), "threads": torch.get_num_threads()}
     if costs:
-        readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats, passes)
+        readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats, list(D.COST_PASSES))
         if json_out:
-            print(json.dumps({"device": str(dev), "threads": torch.get_num_threads(), **readings.__dict__}))
+            print(json.dumps(head | readings.__dict__))
         else:
             tables.print(R.costs_table(readings, str(dev), torch.get_num_threads()))
         return
-    total = B.generations(plan, len(prompt_ids))
-    from rich.progress import Progress
-
     with Progress(console=err, transient=True) as bar:
-        task = bar.add_task("bench", total=total)
-
-        def step(label: str) -> None:
-            bar.update(task, advance=1, description=escape(label))  # the bar's text is markup
-
-        rows = B.run_bench(tgt.model, prompt_ids, plan, step)
-    from ..interop.vllm_peer import VllmError
-
-    peer_rows: list[dict] = []
-    if peer:
-        best = B.best_greedy(rows, plan)
-        try:
-            peer_rows = run_peer(
-                peer, tgt, target.parent, prompt_ids, max_new_tokens, rows, engine_list, repeats, err.print, best
-            )
-        except VllmError as e:  # vLLM failed in its subprocess: its error line
-            raise fail(str(e), 1) from None
+        task = bar.add_task("bench", total=B.generations(plan, len(prompt_ids)))
+        # the bar's text is markup
+        rows = B.run_bench(tgt.model, prompt_ids, plan, lambda s: bar.update(task, advance=1, description=escape(s)))
+    try:
+        peer_rows = run_peer(peer, tgt, target.parent, prompt_ids, rows, plan, err.print) if peer else []
+    except VllmError as e:  # vLLM failed in its subprocess: its error line
+        raise fail(str(e), 1) from None
     if plot_file:
         R.plot(rows, plot_file)
     if json_out:
-        head = {"device": str(dev), "threads": torch.get_num_threads(), "prompts": len(prompt_ids)}
         run = {"max_new_tokens": max_new_tokens, "repeats": repeats, "rows": [r.__dict__ for r in rows]}
-        print(json.dumps(head | run | {"peer": peer_rows}))
+        print(json.dumps(head | {"prompts": len(prompt_ids)} | run | {"peer": peer_rows}))
     else:
         tables.print(R.table(rows, len(prompt_ids), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
         if sweep:

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Protocol, TextIO, TypeVar
+from typing import TYPE_CHECKING, TextIO, TypeVar
 
 if TYPE_CHECKING:  # train imports torch: seconds the command line does not wait for before it parses
     from rich.console import Console
@@ -155,29 +155,3 @@ def progress_printer(name: str, err: Console) -> ProgressFn:
             )
 
     return log
-
-
-class Decoder(Protocol):
-    """What decodes tokens to text: a `tokenizers.Tokenizer`, or anything with its `decode`."""
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class TextStream:
-    """Decodes a growing token list and writes only the new, complete characters."""
-
-    def __init__(self, tokenizer: Decoder, out: TextIO | None) -> None:
-        self.tok, self.out = tokenizer, out  # out None: keep the tokens, write nothing
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def push(self, ids: list[int], final: bool = False) -> None:
-        self.ids.extend(ids)
-        if self.out is None:
-            return
-        text = self.tok.decode(self.ids)
-        end = len(text) if final else len(text.rstrip("\ufffd"))  # hold back a split UTF-8 character
-        if end > self.printed:
-            self.out.write(text[self.printed : end])
-            self.out.flush()
-            self.printed = end

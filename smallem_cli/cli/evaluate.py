@@ -33,14 +33,11 @@ def eval_cmd(
         fam = load_members(target, drafts, mtp)
         ids = corpus.token_file(fam.target.tokenizer, val_txt, fam.target.tok)
         n_bytes = sum(len(d.encode("utf-8")) for d in corpus.read_documents(val_txt))
+        reports = evaluate_family(fam.target.model, ids, n_bytes, fam.drafts, fam.mtp, cuts=fam.cuts)
+        kept = chain_agreement(fam.target.model, ids, fam.drafts, fam.mtp)  # ValueError: a text too short
     except UnicodeDecodeError as e:
         raise fail(f"{val_txt} is not valid UTF-8 (byte {e.start})") from None
     except O.INPUT_ERRORS as e:
-        raise fail(str(e)) from None
-    reports = evaluate_family(fam.target.model, ids, n_bytes, fam.drafts, fam.mtp, cuts=fam.cuts)
-    try:
-        kept = chain_agreement(fam.target.model, ids, fam.drafts, fam.mtp)
-    except ValueError as e:
         raise fail(str(e)) from None
     for r in reports:
         r.kept_at = kept.get(r.name)

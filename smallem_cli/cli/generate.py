@@ -9,7 +9,7 @@ import typer
 
 from .. import defaults as D
 from .. import options as O
-from .app import Device, Proposer, ProposerVocab, Target, Tokenizer, Tree, Weights, app, err, fail
+from .app import Device, Proposer, ProposerVocab, Target, Tokenizer, Tree, Weights, app, err, fail, load_run, stats_line
 
 
 @app.command()
@@ -49,9 +49,6 @@ def generate(
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
     import json
 
-    import torch
-
-    from ..backends import engines
     from ..engine import family
     from ..engine.generate import stream
     from ..engine.stops import StopPrinter
@@ -63,13 +60,12 @@ def generate(
     try:
         proposer = proposer or family.default_proposer(target, temperature == 0)
         kk = O.pick_k(proposer, k, temperature == 0)
-        O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, stops)
-        text = O.read_prompt(prompt, max_new_tokens)
-        dev = family.pick_device(device)
-        tgt = family.load_target(target, dev, tokenizer)
+        O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, stops, max_new_tokens)
+        text = O.read_prompt(prompt)
         O.check_vocab(proposer_vocab)
-        loaded = family.load_proposer(
-            proposer, tgt, dev, D.proposer_vocab(temperature == 0, proposer_vocab), O.tree(tree), weights
+        vocab = D.proposer_vocab(temperature == 0, proposer_vocab)
+        tgt, loaded, backend = load_run(
+            target, proposer, device, tokenizer, vocab, O.tree(tree), weights, engine, threads, quiet
         )
         tok = tgt.tok
         if chat or system is not None:
@@ -77,19 +73,12 @@ def generate(
         else:
             ids = encode(tok, text)
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
-        backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
-        n_threads = O.threads(threads) or O.threads_for_load(torch.get_num_threads())
-        if n_threads:
-            torch.set_num_threads(n_threads)
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None
-    # every model this run may use, given its native steps (built once) before the clock starts
-    log = (lambda _: None) if quiet else err.print
-    used = backend.prepare(tgt.model, loaded.models, log, loaded.models if loaded.int8 else ())
 
     sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)
-    stats = Stats(proposer, kk, backend=used)
-    out = StopPrinter(tok, None if json_out else sys.stdout, stops or [])
+    stats = Stats(proposer, kk, backend=backend.label)
+    out = StopPrinter(tok.decode, None if json_out else sys.stdout, stops or [])
     try:
         for chunk in stream(tgt.model, loaded, ids, max_new_tokens, kk, sampling, tgt.chat.end_ids, stats, backend):
             if out.push(chunk):  # a stop string: the text ends before it, and generation here
@@ -110,8 +99,4 @@ def generate(
     else:
         print()
     if not quiet:
-        err.print(
-            f"{stats.new_tokens} tokens in {stats.elapsed_s:.2f} s: {stats.tokens_per_s:.1f} tok/s, "
-            f"acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_pass:.2f} tokens/pass "
-            f"({stats.proposer}, k={stats.k}, {used})"
-        )
+        err.print(stats_line(stats))

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from .. import defaults as D
-from ..config import PRESETS, ModelConfig
+from ..config import PRESETS
 from .app import Threads, app, err, fail
 from .console import progress_printer
-
-if TYPE_CHECKING:
-    from ..train.fit import Fit
 
 EXP = " (an experiment: docs/family.md)"  # an option whose result was not shipped
 
@@ -41,62 +38,44 @@ def data(
     """Build the corpus and its deterministic train/validation split; or, with --continuations,
     a corpus of the target's own text to fit proposers on (`continuations.py`)."""
     import subprocess
-
-    from ..train import data as corpus
-    from ..train.outputs import OutputError, write_corpus
-
-    if continuations:
-        if files:
-            raise fail("--continuations reads the corpus in --source: give no text files")
-        _continuations(out, overwrite, continuations, source, target, context_tokens, new_tokens, sampled_every, seed)
-        return
-    try:
-        chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
-        train_path, val_path = write_corpus(out, chunks, overwrite, "--out")
-    except (OSError, UnicodeDecodeError, RuntimeError, subprocess.CalledProcessError, OutputError) as e:
-        raise fail(str(e)) from None
-    err.print(
-        f"{len(chunks)} chunks -> {train_path} ({train_path.stat().st_size} bytes), "
-        f"{val_path} ({val_path.stat().st_size} bytes)"
-    )
-
-
-def _continuations(
-    out: Path,
-    overwrite: bool,
-    n: int,
-    source: Path,
-    target: Path,
-    context_tokens: int,
-    new_tokens: int,
-    sampled_every: int,
-    seed: int,
-) -> None:
-    """`smallem data --continuations N`: the target continues N contexts of --source's training split
-    on the batch engine; they go to --out's train.txt, the source's validation split to its val.txt."""
     import time
 
+    from ..train import data as corpus
+
+    if not continuations:
+        try:
+            chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
+            train_path, val_path = _write_corpus(out, chunks, overwrite, "--out")
+        except (OSError, UnicodeDecodeError, subprocess.CalledProcessError) as e:
+            raise fail(str(e)) from None
+        err.print(
+            f"{len(chunks)} chunks -> {train_path} ({train_path.stat().st_size} bytes), "
+            f"{val_path} ({val_path.stat().st_size} bytes)"
+        )
+        return
+    # the target continues N contexts of --source's training split on the batch engine: they go to
+    # --out's train.txt, the source's validation split to its val.txt
     from ..backends import engines
     from ..engine import family
     from ..engine.build import build_engine
     from ..train import continuations as C
-    from ..train import data as corpus
-    from ..train.outputs import OutputError, continuations_out
 
+    n = continuations
+    if files:
+        raise fail("--continuations reads the corpus in --source: give no text files")
     if n < 0 or context_tokens < 1 or new_tokens < 1 or sampled_every < 0:
         raise fail("--continuations, --sampled-every >= 0; --context-tokens, --new-tokens >= 1")
     train_txt, val_txt = source / "train.txt", source / "val.txt"
     if not train_txt.is_file() or not val_txt.is_file():
         raise fail(f"no corpus in {source}: run `smallem data` (or `make data`) first")
-    try:
-        continuations_out(out, source, overwrite)
-    except OutputError as e:
-        raise fail(str(e)) from None
+    if out.resolve() == source.resolve():
+        raise fail(f"--out {out} is the corpus the contexts come from: choose another folder")
+    for path in (out / "train.txt", out / "val.txt"):  # what it will hold is not known yet: any counts
+        _new_file(path, "--out", overwrite)
     try:
         dev = family.pick_device("auto")
         tgt = family.load_target(target, dev)
-        if context_tokens + new_tokens > tgt.model.cfg.max_seq_len:
-            positions = tgt.model.cfg.max_seq_len
+        if context_tokens + new_tokens > (positions := tgt.model.cfg.max_seq_len):
             raise ValueError(f"a context and its continuation exceed the target's {positions} positions")
         tok = tgt.tok
         eot = tok.token_to_id(corpus.EOT)
@@ -121,6 +100,27 @@ def _continuations(
     except OSError as e:
         raise fail(str(e)) from None
     err.print(f"{len(docs)} continuations -> {train_path} ({train_path.stat().st_size} bytes), {val_path}")
+
+
+def _new_file(path: Path, option: str, overwrite: bool) -> None:
+    """Refuse an output that is a folder, or that exists without --overwrite (nothing is replaced unasked)."""
+    if path.is_dir():
+        raise fail(f"{path} is a folder, not a file: choose another {option}")
+    if path.exists() and not overwrite:
+        raise fail(f"{path} exists: pass --overwrite to replace it, or {option} to write elsewhere")
+
+
+def _write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str) -> tuple[Path, Path]:
+    """Write train.txt and val.txt of `chunks`' split, unless that would replace another corpus in
+    `out_dir` (named by `option`) unasked: a rerun writing the same corpus replaces nothing."""
+    from ..train import data as corpus
+
+    parts = corpus.split(chunks)
+    for path, part in zip((out_dir / "train.txt", out_dir / "val.txt"), parts, strict=True):
+        same = path.is_file() and path.read_bytes() == corpus.EOT.join(part).encode("utf-8")
+        if path.exists() and not same and not overwrite:
+            raise fail(f"{path} holds another corpus: pass --overwrite to replace it, or {option} to use another")
+    return corpus.write_parts(out_dir, parts)
 
 
 class Kind(str, Enum):
@@ -189,18 +189,20 @@ def train(
     import torch
 
     from ..model import checkpoint
+    from ..model.tokenizer import load_tokenizer
     from ..train import data as corpus
     from ..train import loop as tr
-    from ..train.data import train_tokenizer
-    from ..train.members import train_member
-    from ..train.outputs import OutputError, train_outputs, write_corpus
+    from ..train.fit import Fit
 
     # the options alone, checked before any work (writing --text's split included)
     if budget <= 0 or tokens < 0:
         raise fail("--budget must be > 0 seconds and --tokens >= 0")
     if (chain and kind is not Kind.mtp) or not 0 <= chain <= D.MAX_K:
         raise fail(f"--chain applies to an MTP module, between 1 and {D.MAX_K} guesses")
-    fit = _fit(fit_temperatures, fit_tv, fit_vocab)
+    try:
+        fit = Fit(tuple(float(t) for t in fit_temperatures.split(",")), fit_tv, fit_vocab)
+    except ValueError as e:
+        raise fail(f"--fit-temperatures takes numbers > 0 (e.g. 1,0.7); --fit-tv, --fit-vocab >= 0: {e}") from None
     if not fit.plain and not (kind is Kind.mtp or distill):
         raise fail("--fit-temperatures, --fit-tv and --fit-vocab apply to an MTP module or a draft with --distill")
     if precision not in tr.PRECISIONS:
@@ -213,15 +215,20 @@ def train(
     name = preset or ("draft-2l" if kind is Kind.draft else kind.value)
     job = "distill" if kind is Kind.draft and distill else kind.value
     dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
-    dest, option = (tokenizer, "tokenizer") if kind is Kind.tokenizer else (dest, "out")
+    dest, option = (tokenizer, "--tokenizer") if kind is Kind.tokenizer else (dest, "--out")
     joint = kind is Kind.target and name in PRESETS and PRESETS[name].mtp
     if mtp_weight < 0 or (mtp_weight != D.TRAIN_MTP_WEIGHT and not joint):
         raise fail("--mtp-weight applies to a target trained with its MTP module, and is >= 0")
-    teacher = target if job in ("mtp", "distill") else None
-    try:
-        mtp_dest = train_outputs(dest, f"--{option}", mtp_out, joint, teacher, overwrite)
-    except OutputError as e:
-        raise fail(str(e)) from None
+    if mtp_out is not None and not joint:
+        raise fail("--mtp-out names the MTP module trained jointly with a target (a preset with MTP)")
+    mtp_dest = (mtp_out or dest.with_name("mtp.safetensors")) if joint else None
+    if mtp_dest is not None and mtp_dest.resolve() == dest.resolve():
+        raise fail(f"the target and its MTP module would both be written to {dest}: give another --mtp-out")
+    if job in ("mtp", "distill") and dest.resolve() == target.resolve():
+        raise fail(f"{option} {dest} is the target it learns from: choose another file")
+    _new_file(dest, option, overwrite)
+    if mtp_dest is not None:
+        _new_file(mtp_dest, "--mtp-out", overwrite)
     if compile_loss:  # the compiler torch.compile will call, found as it finds it
         from torch._inductor import cpp_builder, exc
 
@@ -231,17 +238,17 @@ def train(
             raise fail("--compile needs a C++ compiler (g++, or $CXX) for torch.compile: train without it") from None
     if threads:
         torch.set_num_threads(threads)
-    if text:  # the user's own corpus: build its split where --data points
+    if text:  # the user's own corpus: build its split where --data points (not over another corpus)
         try:
-            write_corpus(data_dir, corpus.text_chunks(text), overwrite, "--data")  # not over another corpus
-        except (OSError, UnicodeDecodeError, OutputError) as e:
-            raise fail(str(e) if isinstance(e, OutputError) else f"cannot use the training text: {e}") from None
+            _write_corpus(data_dir, corpus.text_chunks(text), overwrite, "--data")
+        except (OSError, UnicodeDecodeError) as e:
+            raise fail(f"cannot use the training text: {e}") from None
     train_txt, val_txt = data_dir / "train.txt", data_dir / "val.txt"
     if not train_txt.is_file() or not val_txt.is_file():
         raise fail(f"no corpus in {data_dir}: run `smallem data` (or `make data`) first")
     if kind is Kind.tokenizer:
         try:
-            train_tokenizer(train_txt, tokenizer)
+            corpus.train_tokenizer(train_txt, tokenizer)
         except OSError as e:
             raise fail(f"cannot write the tokenizer: {e}") from None
         err.print(f"tokenizer -> {tokenizer}")
@@ -255,14 +262,20 @@ def train(
             f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
             f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
         )
+    cfg = None
+    if job != "mtp" and not init:  # a new model: the named preset, checked against the tokenizer
+        if name not in PRESETS:
+            raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+        cfg = PRESETS[name]
+        if cfg.vocab_size != (vs := len(load_tokenizer(tokenizer).get_vocab(with_added_tokens=True))):
+            raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
     settings = tr.TrainSettings(
         budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, mtp_weight=mtp_weight,
         feature_weight=feature_weight, chain=chain, fit=fit, compile=compile_loss, precision=precision,
     )  # fmt: skip
-    cfg = _preset(name, tokenizer) if job != "mtp" and not init else None
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     try:
-        facts = train_member(
+        facts = tr.train_member(
             job, cfg, (train_ids, val_ids), settings, run, dest, tokenizer, progress_printer(name, err), target, init,
             mtp_dest,
         )  # fmt: skip
@@ -272,25 +285,3 @@ def train(
         raise fail(f"torch.compile failed ({type(e.inner_exception).__name__}): rerun without --compile") from None
     also = f", its MTP module -> {mtp_dest}" if mtp_dest else ""
     err.print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in facts.items()) + f" -> {dest}{also}")
-
-
-def _fit(temperatures: str, tv: float, vocab: int) -> Fit:
-    """The --fit-* options as a Fit, or one line on stderr."""
-    from ..train.fit import Fit
-
-    try:
-        return Fit(tuple(float(t) for t in temperatures.split(",")), tv, vocab)
-    except ValueError as e:
-        raise fail(f"--fit-temperatures takes numbers > 0 (e.g. 1,0.7); --fit-tv, --fit-vocab >= 0: {e}") from None
-
-
-def _preset(name: str, tokenizer: Path) -> ModelConfig:
-    """The named preset, checked against the tokenizer's vocabulary."""
-    from ..model.tokenizer import load_tokenizer
-
-    if name not in PRESETS:
-        raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
-    cfg = PRESETS[name]
-    if cfg.vocab_size != (vs := len(load_tokenizer(tokenizer).get_vocab(with_added_tokens=True))):
-        raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
-    return cfg

@@ -5,6 +5,7 @@ order, so its passes take the fast paths (`TargetRunner.one_pass`, `_ModelGuess.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Iterator
 
 from ..backends.engines import Backend
@@ -12,11 +13,13 @@ from ..defaults import PAGE_SIZE
 from ..model.llama import Transformer
 from ..spec.sampling import Sampling
 from ..stats import Stats
-from .build import assemble
+from .build import assemble, cache_budget, pool_pages, sequence_bytes
 from .family import Proposer
 from .pool import PagePool, pages_for
 from .request import Request
 from .scheduler import Emitted, Engine, round_ahead
+
+FIRST_CHAT_POSITIONS = 1024  # a conversation's cache at first: it doubles as the conversation outgrows it
 
 
 def engine_for_one(
@@ -32,6 +35,27 @@ def engine_for_one(
     n_pages = pages_for(n_tokens + round_ahead(k, proposer.tree), page_size) + 1
     pool = PagePool(n_pages, page_size)
     return assemble(target, proposer, backend or Backend(), pool, k, auto_k=False, max_batch=1, end_ids=end_ids)
+
+
+def engine_for_chat(
+    target: Transformer,
+    proposer: Proposer,
+    k: int,
+    end_ids: Collection[int],
+    backend: Backend | None = None,
+    page_size: int = PAGE_SIZE,
+) -> tuple[Engine, int]:
+    """An engine for one conversation, its cache grown as the conversation grows, up to the model's
+    context or what the memory holds -> (the engine, the positions a conversation may reach)."""
+    context = target.cfg.max_seq_len
+    per_sequence = sequence_bytes([target, *proposer.models], context, page_size, proposer.tree)
+    context = min(context, context * cache_budget(target.embed_tokens.weight.device) // per_sequence)
+    pool = PagePool(pool_pages(1, min(context, FIRST_CHAT_POSITIONS), page_size, proposer.tree), page_size)
+    max_pages = pool_pages(1, context, page_size, proposer.tree)
+    engine = assemble(
+        target, proposer, backend or Backend(), pool, k, auto_k=False, max_batch=1, end_ids=end_ids, max_pages=max_pages
+    )
+    return engine, context
 
 
 def stream(
@@ -51,13 +75,19 @@ def stream(
     if max_new_tokens < 1:
         return
     engine = engine_for_one(target, proposer, len(prompt) + max_new_tokens, k, end_ids, backend)
-    request = Request(0, 0, tuple(prompt), max_new_tokens, sampling)
-    for event in engine.events([request]):
-        if isinstance(event, Emitted):
-            if stats is not None:
-                stats.copy_from(event.stats)
-            if event.tokens:
-                yield event.tokens
+    yield from answer(engine, Request(0, 0, tuple(prompt), max_new_tokens, sampling), stats)
+
+
+def answer(engine: Engine, request: Request, stats: Stats | None = None) -> Iterator[list[int]]:
+    """One request on `engine`, each round's tokens yielded as soon as verified; `stats` is updated
+    in place. Closed early, between rounds, a conversation's request keeps its cache."""
+    with contextlib.closing(engine.events([request])) as events:
+        for event in events:
+            if isinstance(event, Emitted):
+                if stats is not None:
+                    stats.copy_from(event.stats)
+                if event.tokens:
+                    yield event.tokens
 
 
 def generate(

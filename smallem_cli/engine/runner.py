@@ -76,12 +76,13 @@ class TargetRunner:
 
 
 def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
-    """Fill the target's cache for `seqs` (their pages reserved) -> each one's first new token
-    (None for a recomputed sequence, whose `last` was already emitted)."""
+    """Fill the target's cache for `seqs` (their pages reserved) from their cached length (0 but
+    in a conversation) -> each one's first new token (None for a recomputed sequence, whose `last`
+    was already emitted)."""
     dev = t.slab.device
     fresh = [s.n_generated == 0 for s in seqs]
     fed = [
-        torch.tensor(s.tokens if f else s.tokens[:-1], dtype=torch.long, device=dev)
+        torch.tensor(s.tokens[s.cached :] if f else s.tokens[s.cached : -1], dtype=torch.long, device=dev)
         for s, f in zip(seqs, fresh, strict=True)
     ]
     counts = [x.shape[0] for x in fed]
@@ -92,8 +93,13 @@ def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[i
     else:  # logits [B, V] of each sequence's last position, hidden [N, d]
         logits, hidden = transformer_pass(t.model, t.slab, torch.cat(fed), t.step(seqs, counts), "last", t.steps)
     firsts = []
+    states = list(hidden.split(counts))
     for i, (s, f) in enumerate(zip(seqs, fresh, strict=True)):
-        s.cached = fed[i].shape[0]
+        s.cached += counts[i]
+        if s.req.session is not None:  # its proposer starts over the whole conversation, not this part
+            s.states = [*(s.states or []), states[i].clone()]
+            states[i] = torch.cat(s.states)
+            fed[i] = torch.tensor(s.tokens[: s.cached], dtype=torch.long, device=dev)
         if f:  # drawn from the prompt's last logits
             s.last, s.seen = first_token(logits[i : i + 1], fed[i], s.warp, s.gen, s.req.sampling.repetition_penalty)
         else:  # recomputed: its next token was emitted before the preemption
@@ -104,7 +110,7 @@ def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[i
     values = torch.cat([*firsts, finite_flag(logits)]).tolist()  # one sync
     if values[-1] != 1:
         raise NonFiniteError("the target's logits are not finite (NaN or inf)")
-    proposer.start(seqs, fed, list(hidden.split(counts)))
+    proposer.start(seqs, fed, states)
     return [v if f else None for v, f in zip(values[:-1], fresh, strict=True)]
 
 
@@ -182,6 +188,8 @@ def commit(
     s.last = out[n : n + 1]
     if s.seen is not None:
         s.seen.index_fill_(0, out, True)
+    if s.states is not None:
+        s.states.append(hidden.clone())
     st = s.stats
     st.passes += 1
     st.proposed += m

@@ -4,7 +4,8 @@
 yields each answer as soon as its request ends. A pool short of pages grows where it can
 (`grow`); else the newest sequence is preempted: its pages and proposer state are dropped, and
 it is recomputed from its tokens later (nothing it emitted is lost or redrawn). After a run
-every page is back in the pool (`PagePool.check`).
+every page is back in the pool (`PagePool.check`), but those of a conversation (`Request.session`):
+its cache outlives each answer, and its next request prefills only what differs from the last.
 """
 
 from __future__ import annotations
@@ -25,13 +26,6 @@ from .request import Finished, Request
 from .runner import TargetRunner, decode_round, prefill, tree_round
 from .sequence import Seq
 from .stops import StopPrinter
-
-
-@dataclass(frozen=True)
-class _Decoder:
-    """A decode function where a tokenizer is expected (`stops.StopPrinter` only decodes)."""
-
-    decode: Callable[[list[int]], str]
 
 
 @dataclass
@@ -93,9 +87,14 @@ class Engine:
         self.tree = tree
         if tree is not None and not isinstance(proposer, MTPGuess):
             raise ValueError(f"token trees need the MTP module as proposer, not {proposer.name!r}")
-        self._decoder = _Decoder(decode) if decode is not None else None
         self.grow, self.max_pages, self.backend = grow, max_pages, backend
         self._uid = self.rounds = self.preemptions = 0
+        self.sessions: dict[int, Seq] = {}  # a conversation's sequence between its requests, pages held
+
+    def end_session(self, session: int) -> None:
+        """Forget a conversation: its pages go back."""
+        if (s := self.sessions.pop(session, None)) is not None:
+            self.pool.release(s.uid)
 
     @property
     def pool(self) -> PagePool:
@@ -107,16 +106,32 @@ class Engine:
         gen = torch.Generator(device=self.t.slab.device).manual_seed(req.sampling.seed)
         st = Stats(self.proposer.name, k, backend=self.backend)
         st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
-        self._uid += 1
-        if req.stop and self._decoder is None:
+        if req.stop and self.decode is None:
             raise ValueError("stop strings need the engine to decode text (decode=...)")
-        stops = StopPrinter(self._decoder, None, req.stop) if req.stop and self._decoder else None
+        stops = StopPrinter(self.decode, None, req.stop) if req.stop and self.decode else None
         warp = req.sampling.warp()
-        return Seq(req, self._uid, gen, warp, st, k, list(req.prompt), stops=stops, submitted_s=time.perf_counter())
+        prior = self.sessions.pop(req.session, None) if req.session is not None else None
+        if prior is None:
+            self._uid += 1
+        uid = self._uid if prior is None else prior.uid
+        s = Seq(req, uid, gen, warp, st, k, list(req.prompt), stops=stops, submitted_s=time.perf_counter())
+        if prior is not None:
+            self._resume(s, prior)
+        return s
+
+    def _resume(self, s: Seq, prior: Seq) -> None:
+        """`s` takes over the cache of its session's previous sequence, rolled back to the longest
+        prefix they share (the cache holds every token but the last; an answer cut by its budget or
+        a stop left positions past its tokens). Its last prompt token is fed again at the least: its
+        logits draw the first new token."""
+        held = min(prior.cached, len(prior.tokens), len(s.tokens) - 1)
+        n = next((i for i in range(held) if prior.tokens[i] != s.tokens[i]), held)
+        self.pool.trim(s.uid, n)
+        s.cached = s.stats.reused = n
+        s.states = [torch.cat(prior.states)[:n]] if prior.states else None
 
     def _finish(self, s: Seq, text: str | None = None) -> Finished:
-        self.pool.release(s.uid)
-        self.proposer.drop(s)
+        self._let_go(s)
         st = s.stats
         st.new_tokens = s.n_generated
         st.elapsed_s = time.perf_counter() - s.submitted_s
@@ -142,6 +157,15 @@ class Engine:
             return self._finish(s, s.stops.text)
         return self._finish(s) if done else None
 
+    def _let_go(self, s: Seq) -> None:
+        """A sequence ended: its pages go back, but a conversation's, kept for its next request; its
+        proposer state goes (it starts again over the whole conversation: `runner.prefill`)."""
+        if s.req.session is not None:
+            self.sessions[s.req.session] = s
+        else:
+            self.pool.release(s.uid)
+        self.proposer.drop(s)
+
     # --- pages --------------------------------------------------------------------------
     def _grow(self, short: int) -> None:
         """`short` more free pages wanted: the pool doubles (at least by `short`, at most to
@@ -154,7 +178,7 @@ class Engine:
     def _preempt(self, s: Seq, waiting: deque[Seq]) -> None:
         self.pool.release(s.uid)
         self.proposer.drop(s)
-        s.cached, s.preempted = 0, s.preempted + 1
+        s.cached, s.preempted, s.states = 0, s.preempted + 1, None
         self.preemptions += 1
         waiting.appendleft(s)
 
@@ -237,12 +261,18 @@ class Engine:
                     if progress is not None:
                         rate = accepted / proposed if proposed else 0.0
                         progress(Progress(done, tokens, time.perf_counter() - t0, rate, len(running)))
+        except GeneratorExit:  # the consumer stopped at a yield, between rounds: conversations keep their cache
+            for s in [s for s in [*running, *waiting] if s.req.session is not None and s.uid in self.pool.tables]:
+                (running.remove if s in running else waiting.remove)(s)
+                self._let_go(s)
+            raise
         finally:
             for s in [*running, *waiting]:
                 if s.uid in self.pool.tables:
                     self.pool.release(s.uid)
                 self.proposer.drop(s)
-        assert self.pool.used() == 0, f"{self.pool.used()} pages not returned after the run"
+        held = sum(len(self.pool.tables[s.uid]) for s in self.sessions.values())
+        assert self.pool.used() == held, f"{self.pool.used() - held} pages not returned after the run"
         self.pool.check()
 
     def _pull(self, source: Iterator[Request], running: list[Seq], waiting: deque[Seq]) -> bool:
@@ -260,13 +290,16 @@ class Engine:
         while waiting and len(running) + len(admitted) < self.max_batch:
             s = waiting[0]
             need = len(s.tokens) + round_ahead(s.k, self.tree)
-            self._grow(self.pool.pages_for(need) - len(self.pool.free))
-            if not self.pool.can_allocate(need):
+            held = s.uid in self.pool.tables  # a conversation's cache
+            short = self.pool.need(s.uid, need) if held else self.pool.pages_for(need)
+            self._grow(short - len(self.pool.free))
+            if short > len(self.pool.free):
                 if not running and not admitted:
                     raise RuntimeError(f"the page pool ({self.pool.n_pages} pages) cannot hold one request")
                 break
             waiting.popleft()
-            self.pool.add(s.uid)
+            if not held:
+                self.pool.add(s.uid)
             self.pool.reserve(s.uid, need)
             admitted.append(s)
         return admitted

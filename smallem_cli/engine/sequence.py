@@ -29,6 +29,9 @@ class Seq:
     stops: StopPrinter | None = None  # the request's stop strings, watching the text as it grows
     submitted_s: float = 0.0
     preempted: int = 0  # times its pages were taken back (recomputed at its next admission)
+    # a conversation's: the target's states at its cached positions ([cached, d] in all), which
+    # start the proposer on its next request without the target passing over it again
+    states: list[torch.Tensor] | None = None
 
     @property
     def n_generated(self) -> int:

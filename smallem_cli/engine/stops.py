@@ -6,10 +6,8 @@ cut (`StopCutter`), a tail that could begin one held back; nothing printed is ev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TextIO
-
-from ..cli.console import Decoder, TextStream
 
 
 def stop_index(text: str, stops: Sequence[str], start: int = 0) -> int | None:
@@ -61,13 +59,13 @@ class StopPrinter:
     `push(ids)` is True once the text's end is certain; `ids` are the tokens up to the one that
     completed the stop string, or all of them."""
 
-    def __init__(self, tokenizer: Decoder, out: TextIO | None, stops: Sequence[str] = ()) -> None:
-        self.tok, self.out = tokenizer, out
+    def __init__(self, decode: Callable[[list[int]], str], out: TextIO | None, stops: Sequence[str] = ()) -> None:
+        self.decode, self.out = decode, out
         self.cutter = StopCutter(stops)
-        # TextStream writes the decoded text here, a split UTF-8 character held back; with
-        # nowhere to print and no stop string to look for, nothing needs decoding until the end
-        self.stream = TextStream(tokenizer, self if out is not None or self.cutter.stops else None)
-        self.decoded = ""  # the text TextStream has written, in full
+        # with nowhere to print and no stop string to look for, nothing needs decoding until the end
+        self.live = out is not None or bool(self.cutter.stops)
+        self.pushed: list[int] = []
+        self.decoded = ""  # the text so far, a split UTF-8 character at its end held back
         self.printed = 0
         self.before = 0  # tokens pushed before the last push
         self.found_after = 0  # tokens pushed before the one in which the stop string was found
@@ -78,17 +76,15 @@ class StopPrinter:
 
     def push(self, ids: list[int], final: bool = False) -> bool:
         if not self.stopped:
-            self.before = len(self.stream.ids)
-            self.stream.push(ids, final)
+            self.before = len(self.pushed)
+            self.pushed.extend(ids)
+            if self.live:
+                text = self.decode(self.pushed)
+                self.decoded = text if final else text.rstrip("\ufffd")
+                self._show()
             if final:
                 self._show(final=True)
         return self.stopped
-
-    def write(self, text: str) -> None:  # TextStream's output
-        self.decoded += text
-
-    def flush(self) -> None:
-        self._show()
 
     def _show(self, final: bool = False) -> None:
         found = self.cutter.found
@@ -109,14 +105,14 @@ class StopPrinter:
     @property
     def text(self) -> str:
         end = self.end
-        return self.tok.decode(self.stream.ids) if end is None else self.decoded[:end]
+        return self.decode(self.pushed) if end is None else self.decoded[:end]
 
     @property
     def ids(self) -> list[int]:
-        ids, at = self.stream.ids, self.end
+        ids, at = self.pushed, self.end
         if at is None:
             return ids
         for n in range(self.found_after + 1, len(ids)):  # the first token whose text holds that stop string
-            if any(self.tok.decode(ids[:n]).startswith(s, at) for s in self.cutter.stops):
+            if any(self.decode(ids[:n]).startswith(s, at) for s in self.cutter.stops):
                 return ids[:n]
         return ids

@@ -21,13 +21,17 @@ from ..model import checkpoint
 
 
 class ExportError(ValueError):
-    """The destination may not be written (HFFormatError is one)."""
+    """A model that cannot be exported faithfully, or a destination that may not be written."""
 
 
 def check_destination(outdir: Path, inputs: tuple[Path, ...], overwrite: bool) -> None:
     """An export may write `outdir`: a folder or nothing (`atomic.check_replaceable`), holding none of its
     inputs, empty unless `overwrite`. Called before the checkpoint is read: a refusal comes at once."""
-    _remove_stale(outdir)
+    for p, suffix in orphans(outdir, folder=True):  # `.old`: the previous `outdir`, if the swap never happened
+        if suffix == "old" and not outdir.exists():
+            p.rename(outdir)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
     atomic.check_replaceable(outdir, folder=True)
     for src in inputs:  # replacing the folder would delete the export's own input
         if src.resolve().is_relative_to(outdir.resolve()):
@@ -37,40 +41,33 @@ def check_destination(outdir: Path, inputs: tuple[Path, ...], overwrite: bool) -
 
 
 def write_export(outdir: Path, tensors: dict[str, torch.Tensor], jsons: dict[str, Any], tokenizer_json: Path) -> None:
-    """The folder, written whole under a temporary name and swapped in (see `_write_folder`)."""
+    """The folder built under a temporary name, then swapped in for `outdir` (moved aside first); on any
+    exception, interruption included, the temporary folder is removed and `outdir` left as it was."""
     outdir.parent.mkdir(parents=True, exist_ok=True)
     tmp, old = (outdir.with_name(f".{outdir.name}.{os.getpid()}.{x}") for x in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted run with this process id
-    with _sigterm_raises():
-        _write_folder(tmp, old, outdir, tensors, jsons, tokenizer_json)
+    with sigterm_raises():
+        tmp.mkdir()
+        try:
+            checkpoint.write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})  # transformers checks it
+            for name, obj in jsons.items():
+                (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
+            # Judged again just before the swap: while the folder was built, `outdir` may have become
+            # something else, which the rename would move aside and `rmtree` then fail to remove.
+            if atomic.check_replaceable(outdir, folder=True):
+                outdir.rename(old)
+            tmp.rename(outdir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old.exists() and not outdir.exists():
+                old.rename(outdir)  # put the previous folder back
+            raise
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_folder(
-    tmp: Path, old: Path, outdir: Path, tensors: dict[str, torch.Tensor], jsons: dict[str, Any], tokenizer_json: Path
-) -> None:
-    """Build the folder as `tmp`, then swap it in for `outdir` (moved aside to `old`); on any
-    exception, interruption included, `tmp` is removed and `outdir` left as it was."""
-    tmp.mkdir()
-    try:
-        checkpoint.write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})  # transformers checks it
-        for name, obj in jsons.items():
-            (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
-        # Judged again just before the swap: while the folder was built, `outdir` may have become
-        # something else, which the rename would move aside and `rmtree` then fail to remove.
-        if atomic.check_replaceable(outdir, folder=True):  # empty, or replaced on request: move aside, then swap in
-            outdir.rename(old)
-        tmp.rename(outdir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not outdir.exists():
-            old.rename(outdir)  # put the previous folder back
-        raise
-
-
 @contextmanager
-def _sigterm_raises() -> Iterator[None]:
+def sigterm_raises() -> Iterator[None]:
     """SIGTERM (a `kill`, a stopped job) raises SystemExit(143) in the main thread, so the
     export's clean-up runs as for Ctrl-C; a second SIGTERM is ignored while it does."""
     if threading.current_thread() is not threading.main_thread():
@@ -104,13 +101,3 @@ def orphans(out: Path, folder: bool) -> Iterator[tuple[Path, str]]:
             yield p, suffix
         except (OverflowError, OSError):  # no process id (not an export's), or alive (another user's)
             pass
-
-
-def _remove_stale(outdir: Path) -> None:
-    """A `.NAME.PID.tmp` folder is removed; a `.NAME.PID.old` one is the previous `outdir`, put back
-    if the swap never happened."""
-    for p, suffix in orphans(outdir, folder=True):
-        if suffix == "old" and not outdir.exists():
-            p.rename(outdir)
-        else:
-            shutil.rmtree(p, ignore_errors=True)

@@ -1,13 +1,9 @@
 """GGUF export: a smallem model as llama.cpp reads it (architecture `llama`), tokenizer included.
 
-The layout is llama.cpp's own (`token_embd`, `blk.N.attn_q/k/v/output`, `blk.N.ffn_gate/up/down`,
-the norms, `output` only for an untied head), with one change beyond renaming: llama.cpp ropes
-adjacent pairs (x_2i, x_2i+1) where smallem (and Hugging Face) pairs x_i with x_{i+D/2}, so the rows
-of Wq and Wk are reordered within each head, as llama.cpp's own converter does; q·k, and so the
-outputs, are unchanged. The tokenizer is tokenizer.json's byte-level BPE as llama.cpp's `gpt2`
-model (`gpt-2` pre-tokenizer), `<|endoftext|>` both BOS and EOS, nothing added to a prompt.
-
-Needs the `gguf` extra (the `gguf` package), imported only when a file is written.
+Beyond renaming, one change: llama.cpp ropes adjacent pairs (x_2i, x_2i+1) where smallem pairs x_i with
+x_{i+D/2}, so the rows of Wq and Wk are reordered within each head (q·k, and so the outputs, unchanged).
+The tokenizer is the byte-level BPE as llama.cpp's `gpt2` model, `<|endoftext|>` both BOS and EOS.
+The `gguf` package (the `gguf` extra) is imported only when a file is written.
 """
 
 from __future__ import annotations
@@ -21,10 +17,10 @@ import torch
 
 from .. import atomic
 from ..config import ModelConfig
-from ..model import checkpoint
 from ..model.llama import Transformer, permute_rope
 from ..model.tokenizer import EOT
-from .exportdir import _sigterm_raises, orphans
+from .exportdir import ExportError, orphans, sigterm_raises
+from .hf import load_for_export
 
 DTYPES = ("f32", "f16")
 INSTALL = "pip install 'smallem[gguf]'"
@@ -40,10 +36,6 @@ _TOP = {
 }
 
 
-class GGUFExportError(ValueError):
-    """A model or tokenizer that cannot be written as a GGUF file llama.cpp computes alike."""
-
-
 def _gguf() -> Any:
     try:
         import gguf
@@ -52,7 +44,6 @@ def _gguf() -> Any:
     return gguf
 
 
-# --- weights -------------------------------------------------------------------------------
 def gguf_name(key: str) -> str:
     """smallem parameter name -> llama.cpp tensor name: `layers.3.q_proj.weight` -> `blk.3.attn_q.weight`."""
     if key in _TOP:
@@ -60,29 +51,25 @@ def gguf_name(key: str) -> str:
     parts = key.split(".")
     if len(parts) == 4 and parts[0] == "layers" and parts[2] in _MATRICES and parts[3] == "weight":
         return f"blk.{parts[1]}.{_MATRICES[parts[2]]}.weight"
-    raise GGUFExportError(f"no GGUF name for the parameter {key}")
+    raise ExportError(f"no GGUF name for the parameter {key}")
 
 
 def gguf_tensors(model: Transformer, dtype: str = "f32") -> dict[str, np.ndarray]:
     """llama.cpp name -> array, in smallem's [out, in] order (GGUF lists the dims reversed): matrices
     in `dtype` (f32 or f16), norm weights in float32 as llama.cpp wants them, Wq and Wk `permute_rope`d."""
-    if dtype not in DTYPES:
-        raise GGUFExportError(f"unknown GGUF dtype {dtype!r}: use {' or '.join(DTYPES)}")
-    cfg = model.cfg
     out = {}
     for key, v in model.state_dict().items():
         w = v.detach().to("cpu", torch.float32)
         if key.endswith("q_proj.weight"):
-            w = permute_rope(w, cfg.n_heads)
+            w = permute_rope(w, model.cfg.n_heads)
         elif key.endswith("k_proj.weight"):
-            w = permute_rope(w, cfg.n_kv_heads)
+            w = permute_rope(w, model.cfg.n_kv_heads)
         if w.dim() == 2 and dtype == "f16":
             w = w.to(torch.float16)
         out[gguf_name(key)] = w.contiguous().numpy()
     return out
 
 
-# --- tokenizer -------------------------------------------------------------------------------
 def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> tuple[list[str], list[int], list[str], int | None]:
     """A byte-level BPE tokenizer.json -> (tokens by id, their GGUF token types, merges "a b", the id of
     <|endoftext|> or None). The list is padded to `vocab_size` with unused `[PADn]` tokens."""
@@ -92,19 +79,17 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> tuple[list[str], 
         model, pre = tok["model"], tok.get("pre_tokenizer") or {}
         vocab, merges = model["vocab"], model.get("merges", [])
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        raise GGUFExportError(f"{path}: unreadable tokenizer: {e}") from None
+        raise ExportError(f"{path}: unreadable tokenizer: {e}") from None
     if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or model.get("byte_fallback"):
         kind = f"{model.get('type')} with a {pre.get('type')} pre-tokenizer"
-        raise GGUFExportError(f"{path}: {kind}: only byte-level BPE (GPT-2's) has a llama.cpp `gpt2` form")
-    ids: dict[int, str] = {}
-    types: dict[int, int] = {}
-    for text, i in vocab.items():
-        ids[i], types[i] = text, 1  # NORMAL
+        raise ExportError(f"{path}: {kind}: only byte-level BPE (GPT-2's) has a llama.cpp `gpt2` form")
+    ids: dict[int, str] = {i: text for text, i in vocab.items()}
+    types = dict.fromkeys(ids, 1)  # NORMAL
     for added in tok.get("added_tokens") or []:
         i = added["id"]
         ids[i], types[i] = added["content"], 3 if added.get("special") else 4  # CONTROL, USER_DEFINED
     if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
-        raise GGUFExportError(f"{path}: its token ids do not fit the model's vocabulary of {vocab_size}")
+        raise ExportError(f"{path}: its token ids do not fit the model's vocabulary of {vocab_size}")
     tokens = [ids.get(i, f"[PAD{i}]") for i in range(vocab_size)]
     kinds = [types.get(i, 5) for i in range(vocab_size)]  # 5: UNUSED
     pairs = [m if isinstance(m, str) else " ".join(m) for m in merges]
@@ -112,7 +97,6 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> tuple[list[str], 
     return tokens, kinds, pairs, eot
 
 
-# --- the file --------------------------------------------------------------------------------
 def add_llama_metadata(
     w: Any,
     cfg: ModelConfig,
@@ -175,31 +159,25 @@ def export_gguf(
     dtype: str = "f32",
     overwrite: bool = False,
 ) -> None:
-    """Write a smallem model checkpoint as one GGUF file that llama.cpp loads (arch `llama`), under a
-    temporary name renamed into place: an exception, Ctrl-C or SIGTERM leaves no half file. An existing
-    `out_file` is replaced only with `overwrite` (else FileExistsError) and only if a regular file (else
-    atomic.NotRegularFileError); the checkpoint and the tokenizer are never written over (GGUFExportError)."""
+    """Write a smallem model checkpoint as one GGUF file that llama.cpp loads, written aside and renamed into
+    place (no half file); an existing regular file replaced only with `overwrite`, an input never."""
     ckpt, out, tokenizer_json = Path(checkpoint_path), Path(out_file), Path(tokenizer_json)
     if dtype not in DTYPES:
-        raise GGUFExportError(f"unknown GGUF dtype {dtype!r}: use {' or '.join(DTYPES)}")
+        raise ExportError(f"unknown GGUF dtype {dtype!r}: use {' or '.join(DTYPES)}")
     _gguf()  # the missing extra is reported before the checkpoint is read
     for src in (ckpt, tokenizer_json):
         if out.resolve() == src.resolve():
-            raise GGUFExportError(f"cannot export over the input {src}: choose another file")
+            raise ExportError(f"cannot export over the input {src}: choose another file")
     if out.is_dir():
         raise FileExistsError(f"{out} is a folder: give the path of the .gguf file to write")
     # Only a regular file or nothing, judged before the checkpoint is read so that the refusal comes
     # at once (replace_with judges it again just before its rename); --overwrite changes nothing here.
     if atomic.check_replaceable(out) and not overwrite:
         raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
-    if not tokenizer_json.is_file():
-        raise GGUFExportError(f"tokenizer.json not found: {tokenizer_json}")
-    model, meta = checkpoint.load_model(ckpt)  # an MTP module is refused here: it has no plain Llama form
-    if meta.get("tokenizer") and meta["tokenizer"] != checkpoint.tokenizer_fingerprint(tokenizer_json):
-        raise GGUFExportError(f"{ckpt} was trained with another tokenizer than {tokenizer_json}")
+    model, _, _ = load_for_export(ckpt, tokenizer_json, "holds an MTP module: it needs its target and has no GGUF form")
     out.parent.mkdir(parents=True, exist_ok=True)
     for p, suffix in orphans(out, folder=False):  # the files aside of exports whose process is gone
         if suffix == "tmp":
             p.unlink(missing_ok=True)
-    with _sigterm_raises():
+    with sigterm_raises():
         atomic.replace_with(out, lambda tmp: write_gguf(model, tmp, tokenizer_json, dtype, ckpt.stem))

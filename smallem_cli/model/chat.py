@@ -1,10 +1,8 @@
 """A model's conversation format: the tokens that end its turn, and its chat template.
 
-A Hugging Face folder says both in its JSON files: `eos_token_id` in config.json and
-generation_config.json (an id or a list), `eos_token` and `chat_template` in tokenizer_config.json.
-Smallem's own checkpoints end a text at `<|endoftext|>` and have no template. A template is
-Jinja, rendered in a sandbox (`jinja2.sandbox.ImmutableSandboxedEnvironment`): it can format
-the messages and nothing else, so a folder's template never runs code of its own.
+Smallem's own checkpoints end a text at `<|endoftext|>` and have no template; a Hugging Face folder
+says both in its JSON files. A template is Jinja, rendered in a sandbox: it can format the messages
+and nothing else, so a folder's template never runs code of its own.
 """
 
 from __future__ import annotations
@@ -63,21 +61,18 @@ def _token_text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _ids(value: object, name: str, vocab: int) -> list[int]:
-    ids = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(type(i) is int and 0 <= i < vocab for i in ids):
-        raise ChatError(f"{name} must be token ids below {vocab}, got {value!r}")
-    return ids
-
-
 def hf_format(folder: Path, tok: Tokenizer, vocab: int) -> ChatFormat:
-    """What an HF folder says of its conversations: every end id its files name (config.json,
-    generation_config.json, and tokenizer_config.json's eos_token), and its chat template (the
-    "default" one of a list of named templates)."""
-    config, gen = _json(folder / "config.json"), _json(folder / "generation_config.json")
-    tc = _json(folder / "tokenizer_config.json")
-    ends = _ids(config.get("eos_token_id"), "config.json eos_token_id", vocab)
-    ends += _ids(gen.get("eos_token_id"), "generation_config.json eos_token_id", vocab)
+    """What an HF folder says of its conversations: every end id its files name (`eos_token_id` in
+    config.json and generation_config.json, an id or a list, and tokenizer_config.json's eos_token),
+    and its chat template (the "default" one of a list of named templates)."""
+    files = {n: _json(folder / n) for n in ("config.json", "generation_config.json", "tokenizer_config.json")}
+    tc, ends = files.pop("tokenizer_config.json"), []
+    for name, got in files.items():
+        value = got.get("eos_token_id")
+        ids = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(type(i) is int and 0 <= i < vocab for i in ids):
+            raise ChatError(f"{name} eos_token_id must be token ids below {vocab}, got {value!r}")
+        ends += ids
     eos, bos = _token_text(tc.get("eos_token")), _token_text(tc.get("bos_token"))
     if eos and (i := tok.token_to_id(eos)) is not None:
         ends.append(i)

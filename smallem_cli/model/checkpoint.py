@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -79,11 +78,14 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, meta: dict[s
     path.chmod(0o666 & ~mask)
 
 
-def _readable(path: Path) -> None:
-    """A regular file we may open, or a CheckpointError saying which of the two it is not (safetensors
-    reports a file it may not open as "No such file or directory")."""
-    try:
+def read_meta(path: str | Path) -> dict[str, str]:
+    """A smallem file's metadata alone (its header: no tensor is loaded), or a CheckpointError."""
+    path = Path(path)
+    try:  # what the path is not, said here: safetensors reports a file it may not open as "No such file"
         st = path.stat()
+        if stat.S_ISREG(st.st_mode):
+            with open(path, "rb"):
+                pass
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint not found: {path}") from None
     except OSError as e:
@@ -92,17 +94,6 @@ def _readable(path: Path) -> None:
         raise CheckpointError(f"{path} is a folder, not a checkpoint file (an HF model folder holds a config.json)")
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{path} is not a regular file")
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
-
-
-def read_meta(path: str | Path) -> dict[str, str]:
-    """A smallem file's metadata alone (its header: no tensor is loaded), or a CheckpointError."""
-    path = Path(path)
-    _readable(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
@@ -122,30 +113,6 @@ def header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     with safe_open(str(path), framework="pt") as f:
         slices = {k: f.get_slice(k) for k in f.keys()}
         return {k: (s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
-
-
-def check_tensors(
-    declared: dict[str, tuple[str, tuple[int, ...]]],
-    expected: dict[str, tuple[int, ...]],
-    where: str,
-    rename: Callable[[str], str] = str,
-) -> None:
-    """The tensors a file declares against those a config expects (names, shapes, dtypes), before any
-    weight is read or model built: a wrong file costs one error line, not a model's memory. `rename`
-    maps a model's parameter name to the file's."""
-    names = {rename(k): k for k in expected}
-    missing = sorted(set(names) - set(declared))
-    extra = sorted(set(declared) - set(names))
-    if missing or extra:
-        raise CheckpointError(
-            f"{where}: tensors do not match its config (missing {missing[:3]}, unexpected {extra[:3]})"[:500]
-        )
-    for name, k in names.items():
-        dtype, shape = declared[name]
-        if shape != expected[k]:
-            raise CheckpointError(f"{where}: {name} has shape {shape}, config says {expected[k]}")
-        if dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{where}: {name} has dtype {dtype}, not one of {', '.join(FLOAT_DTYPES)}")
 
 
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -177,13 +144,26 @@ def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int,
 
 
 def _tensors(path: str | Path, cfg: ModelConfig, mtp: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors of a smallem file, checked against its config before any is read."""
+    """The tensors of a smallem file, their names, shapes and dtypes checked against its config
+    before any weight is read or model built: a wrong file costs one error line, not a model's memory."""
+    expected = expected_shapes(cfg, mtp)
     try:
-        check_tensors(header(path), expected_shapes(cfg, mtp), str(path))
+        declared = header(path)
+        missing, extra = sorted(set(expected) - set(declared)), sorted(set(declared) - set(expected))
+        if missing or extra:
+            raise CheckpointError(
+                f"{path}: tensors do not match its config (missing {missing[:3]}, unexpected {extra[:3]})"[:500]
+            )
+        for name, want in expected.items():
+            dtype, shape = declared[name]
+            if shape != want:
+                raise CheckpointError(f"{path}: {name} has shape {shape}, config says {want}")
+            if dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"{path}: {name} has dtype {dtype}, not one of {', '.join(FLOAT_DTYPES)}")
         tensors = load_file(str(path))
+    except CheckpointError:
+        raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        if isinstance(e, CheckpointError):
-            raise
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
     check_finite(tensors, str(path))
     return tensors
@@ -224,7 +204,7 @@ def config_of(meta: dict[str, str], path: str | Path) -> ModelConfig:
 
 
 def _build(model: M, tensors: dict[str, torch.Tensor], device: torch.device | str) -> M:
-    """The model (a Transformer or an MTPModule) with these weights in float32, on `device`, in eval mode."""
+    """The model with these weights in float32, on `device`, in eval mode."""
     model.load_state_dict({k: v.float() for k, v in tensors.items()})
     return model.to(device).eval()
 

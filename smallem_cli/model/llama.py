@@ -1,8 +1,7 @@
 """A Llama-style decoder (RMSNorm, rotary positions, SwiGLU) and the MTP module.
 
 Training runs `Transformer.hidden` over whole [B, T] batches; inference runs the engine's passes
-(`engine.forward`) on the weights `pack()` lays out. Parameter names follow Hugging Face's Llama,
-so export is a renaming.
+(`engine.forward`) on the weights `pack()` lays out. Parameter names follow Hugging Face's Llama.
 """
 
 from __future__ import annotations
@@ -15,12 +14,10 @@ from ..config import ModelConfig
 from .ops import head_matmul
 
 
-def rope_tables(cfg: ModelConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [max_seq_len, head_dim], Llama's non-interleaved (rotate-half) layout."""
-    exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim
-    inv = 1.0 / cfg.rope_theta**exps
-    ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64, device=device), inv)
-    ang = torch.cat([ang, ang], dim=-1)
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv).repeat(1, 2)
     return ang.cos().float(), ang.sin().float()
 
 
@@ -43,9 +40,8 @@ class RMSNorm(nn.Module):
 
 def interleave_halves(head_dim: int) -> torch.Tensor:
     """Column order [0, D/2, 1, D/2+1, ...] within a head: Llama's rope turns each pair (x_i, x_{i+D/2})
-    as the complex x_i + j·x_{i+D/2} times e^{jθ}, so with the pairs adjacent one complex multiply ropes
-    every head. q's and k's dims permuted alike leave q·k unchanged: only the packed weights (and the
-    cached keys) see the order."""
+    by e^{jθ}, so with the pairs adjacent one complex multiply ropes every head. q's and k's dims
+    permuted alike leave q·k unchanged: only the packed weights (and the cached keys) see the order."""
     half = head_dim // 2
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
 
@@ -66,13 +62,10 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 class Block(nn.Module):
     """Pre-norm attention + SwiGLU MLP. `forward` trains (whole sequences, causal); `pack` lays out
     what the inference passes read (`engine.forward.block_pass`), folding all it can into the weights,
-    as every op of a small model costs microseconds of dispatch:
-    - q's and k's columns interleaved per head (`interleave_halves`): one complex multiply ropes q, k
-      and v (v by 1 + 0j); a rotation folded into Wqkv would double the bytes a pass reads;
-    - the RMSNorm weights and the 1/sqrt(head_dim) scale folded into the matmuls that follow;
-    - QKV and gate|up single [in, out] matmuls (x @ W_t keeps k+1 rows as cheap as one on a CPU,
-      where F.linear takes a slow small-M path); residual adds ride on addmm.
-    """
+    as every op of a small model costs microseconds of dispatch: q's and k's columns interleaved per
+    head (`interleave_halves`: one complex multiply ropes q, k and v), the norm weights and attention
+    scale folded into the matmuls, QKV and gate|up as single [in, out] matmuls (x @ W_t keeps k+1 rows
+    as cheap as one on a CPU, where F.linear takes a slow small-M path)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -92,11 +85,10 @@ class Block(nn.Module):
 
     def pack(self) -> None:
         """Build the inference weights (the parameters stay as they are, for export)."""
-        D = self.head_dim
+        D, order = self.head_dim, interleave_halves(self.head_dim)
         with torch.no_grad():
             ln1 = self.input_layernorm.weight[:, None]  # norm weights fold into the next matmul
             ln2 = self.post_attention_layernorm.weight[:, None]
-            order = interleave_halves(D)
             wq = (self.q_proj.weight.t() * ln1 / D**0.5).unflatten(1, (-1, D))[..., order]  # attention scale in
             wk = (self.k_proj.weight.t() * ln1).unflatten(1, (-1, D))[..., order]
             wv = self.v_proj.weight.t() * ln1  # [d, Hkv*D]
@@ -123,23 +115,18 @@ class Block(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
+_EPS: dict[tuple[float, torch.device, torch.dtype], torch.Tensor] = {}  # `unit_rms`'s eps, as tensors
+
+
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim (an RMSNorm whose weight is folded into the next matmul), in four
     ops where F.rms_norm's CPU composite costs seven: a norm, then rsqrt(eps + n·n/d) as one addcmul
     on a cached eps tensor (a Python scalar in an in-place op costs a tensor wrap of its own)."""
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]
-    return x * torch.addcmul(_eps_tensor(eps, x), n, n, value=1.0 / x.shape[-1]).rsqrt_()
-
-
-_EPS: dict[tuple[float, torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _eps_tensor(eps: float, like: torch.Tensor) -> torch.Tensor:
-    key = (eps, like.device, like.dtype)
-    t = _EPS.get(key)
+    t = _EPS.get(key := (eps, x.device, x.dtype))
     if t is None:
-        t = _EPS[key] = torch.tensor(eps, device=like.device, dtype=like.dtype)
-    return t
+        t = _EPS[key] = torch.tensor(eps, device=x.device, dtype=x.dtype)
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]
+    return x * torch.addcmul(t, n, n, value=1.0 / x.shape[-1]).rsqrt_()
 
 
 class Transformer(nn.Module):
@@ -181,7 +168,11 @@ class Transformer(nn.Module):
         # [dim, vocab], the final norm folded in
         self.head_t = (self.head_weight.detach().t() * self.norm.weight.detach()[:, None]).contiguous()
         self.head_rows = self.head_t.t().contiguous()  # [vocab, dim]: the same, for passes over a few rows
-        self.rope_packed = packed_rope(self.cfg, self.cos, self.sin)
+        # e^{jθ} per (position, column pair) of a packed QKV row: q's and k's pairs (i, i + D/2), v's 1 + 0j
+        c, half = self.cfg, self.cfg.head_dim // 2
+        turn = torch.complex(self.cos[:, :half], self.sin[:, :half])  # [max_seq_len, D/2]
+        ones = torch.ones_like(turn).repeat(1, c.n_kv_heads)
+        self.rope_packed = torch.cat([turn.repeat(1, c.n_heads + c.n_kv_heads), ones], dim=1)
         self.rope_cos, self.rope_sin = self.rope_packed.real.contiguous(), self.rope_packed.imag.contiguous()
         return self
 
@@ -198,14 +189,6 @@ class Transformer(nn.Module):
         for blk in self.layers:
             x = blk(x, self.cos[:T], self.sin[:T])
         return x
-
-
-def packed_rope(cfg: ModelConfig, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """e^{jθ} per (position, column pair) of a packed QKV row, complex [max_seq_len, (H+2Hkv)*D/2]; v's 1 + 0j."""
-    half = cfg.head_dim // 2
-    turn = torch.complex(cos[:, :half], sin[:, :half])  # [max_seq_len, D/2]: angles of pairs (i, i + D/2)
-    ones = torch.ones_like(turn)
-    return torch.cat([turn.repeat(1, cfg.n_heads + cfg.n_kv_heads), ones.repeat(1, cfg.n_kv_heads)], dim=1)
 
 
 class MTPModule(nn.Module):

@@ -1,5 +1,4 @@
-"""The tokenizer file a model reads (`tokenizers`' JSON); Smallem's own is a byte-level BPE of
-8,192 tokens, like the seed's (`train.data.train_tokenizer`)."""
+"""The tokenizer file a model reads (`tokenizers`' JSON; Smallem's own: `train.data.train_tokenizer`)."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-# The special token that ends a document, and the generation: id 0 of Smallem's tokenizer.
-EOT = "<|endoftext|>"
+EOT = "<|endoftext|>"  # the special token that ends a document, and the generation: id 0 of Smallem's
 
 
 class TokenizerError(ValueError):

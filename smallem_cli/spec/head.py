@@ -25,18 +25,14 @@ class Head:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden state h [1, d] -> (token [1], q [1, V] or None when greedy); with a
         `penalty`, the logits penalised first, as the target's row."""
-        if warp is None:
-            # The final norm scales a row by a positive number: the argmax needs no norm (nor
-            # does the penalty: it scales each logit by a factor of its sign's).
-            i = self._penalised(h @ self.w, penalty).argmax(-1)
-            return (i if self.ids is None else self.ids[i]), None
-        logits = self._penalised(unit_rms(h, self.eps) @ self.w, penalty)  # [1, V or N]
-        q = proposal(warp)(logits)  # the temperature alone, as a chain draws
-        i = sample(q, gen)
-        return (i if self.ids is None else self.ids[i]), self.expand(q)
-
-    def _penalised(self, logits: torch.Tensor, penalty: Penalty | None) -> torch.Tensor:
-        return logits if penalty is None else penalty.apply(logits, self.ids)
+        # The final norm scales a row by a positive number: the argmax needs no norm (nor does the
+        # penalty: it scales each logit by a factor of its sign's).
+        logits = (h if warp is None else unit_rms(h, self.eps)) @ self.w  # [1, V or N]
+        if penalty is not None:
+            logits = penalty.apply(logits, self.ids)
+        q = None if warp is None else proposal(warp)(logits)  # the temperature alone, as a chain draws
+        i = logits.argmax(-1) if q is None else sample(q, gen)
+        return (i if self.ids is None else self.ids[i]), None if q is None else self.expand(q)
 
     def expand(self, q: torch.Tensor) -> torch.Tensor:
         """q over the head's tokens [m, N] -> over the vocabulary [m, V] (zero outside a cut head);

@@ -1,9 +1,7 @@
 """A proposer without a model: prompt lookup, guessing by copying what followed the same words before.
 
 The last n tokens of the text so far are looked up among its earlier positions, longest n first;
-what followed them there is the guess. Text that restates itself (a quoted list, a refrain) is
-guessed for free; elsewhere the lookup finds nothing and the pass is a plain one-token pass (or, in
-`ngram+P`, P's guesses). The depth follows the acceptance the lookup measures, for free, every round
+what followed them there is the guess, as deep as the acceptance the lookup measures is worth
 (`best_depth`). Under sampling a guess x is a point mass (q one-hot), which min(1, p/q) handles
 exactly: x is kept with probability p(x), and a rejection draws from p with x taken out.
 """
@@ -14,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .verify import Penalty, Warp
+
+DECAY = 0.8  # the acceptance rate's memory, per round: it follows the text from region to region
 
 
 class NgramIndex:
@@ -56,17 +56,13 @@ def best_depth(first: float, then: float, k: int, guess_cost: float) -> int:
     at rate `then`; a lookup is a copy or wrong from its first token, so the two differ."""
 
     def gain(m: int) -> float:
-        tokens = 1 + first * sum(then**i for i in range(m))
-        return tokens / (1 + guess_cost * m)
+        return (1 + first * sum(then**i for i in range(m))) / (1 + guess_cost * m)
 
     return max(range(k + 1), key=gain)
 
 
 class NgramProposer:
     """One sequence's prompt lookup (`engine.proposers.NgramGuess` holds one per sequence)."""
-
-    name = "ngram"
-    DECAY = 0.8  # the acceptance rate's memory, per round: it follows the text from region to region
 
     def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float = 0.0) -> None:
         self.vocab_size, self.guess_cost = vocab_size, guess_cost
@@ -78,9 +74,7 @@ class NgramProposer:
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.device = prompt.device
-        self.index = NgramIndex(self.index.min_n, self.index.max_n)
         self.index.extend(prompt.tolist() + first.view(-1).tolist())
-        self.kept, self.reached = [0.0, 0.0], [0.0, 0.0]
 
     @property
     def rates(self) -> tuple[float, float]:
@@ -108,7 +102,7 @@ class NgramProposer:
         in_play = hits + (hits < told)
         first = (min(hits, 1), min(in_play, 1))  # the first guess; then the later ones in play
         for j, (kept, played) in enumerate((first, (hits - first[0], in_play - first[1]))):
-            self.kept[j] = self.DECAY * self.kept[j] + kept
-            self.reached[j] = self.DECAY * self.reached[j] + played
+            self.kept[j] = DECAY * self.kept[j] + kept
+            self.reached[j] = DECAY * self.reached[j] + played
         self.looked = []
         self.index.extend(out)

@@ -1,14 +1,10 @@
 """Token-tree verification: pure tensor functions, batched over B rows, no host sync.
 
 A tree offers several candidates per position, so one target pass can keep the longest of many
-paths (SpecInfer, Medusa, EAGLE-2). The engine builds the tree, runs the target over it (each node
-seeing its ancestors, `tree_mask`, at position start + its depth), calls `verify_tree_greedy` or
-`verify_tree_sample`, and moves the kept path's K/V into place.
-
-A tree, per row (shared trees broadcast: parents [N], tokens [B, N]): tokens long [B, N], node 0 the
-root (the last verified token, not a guess); parents long [B, N], parents[:, 0] == -1 and
-0 <= parents[:, i] < i (siblings are tried in index order). Row u of the target's output is its
-distribution after node u, given u's path: u's children are guesses for that token.
+paths (SpecInfer, Medusa, EAGLE-2). Per row (shared trees broadcast: parents [N], tokens [B, N]):
+tokens long [B, N], node 0 the root (the last verified token, not a guess); parents long [B, N],
+parents[:, 0] == -1 and 0 <= parents[:, i] < i (siblings are tried in index order). Row u of the
+target's output (each node seeing its ancestors, `tree_mask`) is its distribution after node u.
 
 A node's outcome (the child it accepts, else the token it emits) depends only on its own row of
 p / q, its children and its own draws, so all are decided at once and the kept path is read off the
@@ -20,8 +16,7 @@ node u: its next token must be distributed as r, the target's (warped) distribut
     x ~ r once and following the first child whose token is x, which is what runs.
   kind="iid": children i.i.d. from q[u] (SpecInfer's multi-round rule): accept c with probability
     min(1, r(c) / q(c)), else r <- norm(max(r - q, 0)); none accepted: draw from r. Duplicate draws
-    stay separate children. On such trees it keeps more than "topk" (tests/test_tree.py, width 2:
-    0.88 against 0.18 of rounds keep both levels).
+    stay separate children. On such trees it keeps more than "topk" would.
 
 Greedy (`verify_tree_greedy`) is the temperature-0 limit: x = the argmax of the logits.
 """
@@ -131,16 +126,36 @@ def verify_tree_greedy(tokens: Tensor, parents: Tensor, logits: Tensor, max_dept
     return _walk(tokens, parents, shape, _follow(tokens, shape.child, x), x)
 
 
-def _iid_decisions(
-    tokens: Tensor, child: Tensor, p: Tensor, q: Tensor, generator: torch.Generator | None, width: int
-) -> tuple[Tensor, Tensor]:
-    """SpecInfer's multi-round rule at every node at once -> (nxt [B, N], stop [B, N])."""
+def verify_tree_sample(
+    tokens: Tensor,
+    parents: Tensor,
+    p: Tensor,
+    q: Tensor | None,
+    generator: torch.Generator | None,
+    kind: Literal["topk", "iid"] = "topk",
+    max_depth: int | None = None,
+    width: int | None = None,
+) -> TreeVerdict:
+    """Exact sampled tree verification (the module docstring gives both rules) -> `TreeVerdict`:
+    tokens long [B, N], parents long [B, N] or [N]; p [B, N, V]: the target's (warped) probabilities
+    after each node, not necessarily normalised. kind="iid" needs q [B, N, V], the distribution u's
+    children were drawn from ("topk" ignores it). width (iid): the most children a node has (children
+    past it are never tried, still exact; default N - 1). max_depth as in `verify_tree_greedy`."""
+    if kind not in ("topk", "iid"):
+        raise ValueError(f'kind must be "topk" or "iid", got {kind!r}')
+    if kind == "iid" and q is None:
+        raise ValueError('kind="iid" needs q, the distributions the children were drawn from')
+    shape = _shape(parents, max_depth)
+    if kind == "topk":
+        x = sample(p, generator)  # [B, N] one target draw per node
+        return _walk(tokens, parents, shape, _follow(tokens, shape.child, x), x)
+    # "iid": SpecInfer's multi-round rule at every node at once
     B, N, _ = p.shape
     r = p.float() / p.float().sum(dim=-1, keepdim=True)  # [B, N, V]
     q = q.float()  # [B, N, V]
-    rank = child.long().cumsum(dim=-1) * child  # [(B,) N, N] 1 + sibling rank at each child, 0 elsewhere
+    rank = shape.child.long().cumsum(dim=-1) * shape.child  # [(B,) N, N] 1 + sibling rank at each child
     nxt = torch.full((B, N), -1, dtype=torch.long, device=p.device)  # [B, N]
-    for j in range(1, width + 1):  # the j-th child of every node
+    for j in range(1, (N - 1 if width is None else width) + 1):  # the j-th child of every node
         at = rank == j  # [(B,) N, N]
         has = at.any(dim=-1) & (nxt < 0)  # [B, N] a j-th child, and nothing accepted yet
         c = at.long().argmax(dim=-1).expand(B, N)  # [B, N]
@@ -154,34 +169,4 @@ def _iid_decisions(
         # A zero residual means r == q up to rounding: then rejection was (nearly) impossible; keep r.
         moved = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(r.dtype).tiny), r)  # [B, N, V]
         r = torch.where((has & ~accept).unsqueeze(-1), moved, r)  # [B, N, V]
-    return nxt, sample(r, generator)
-
-
-def verify_tree_sample(
-    tokens: Tensor,
-    parents: Tensor,
-    p: Tensor,
-    q: Tensor | None,
-    generator: torch.Generator | None,
-    kind: Literal["topk", "iid"] = "topk",
-    max_depth: int | None = None,
-    width: int | None = None,
-) -> TreeVerdict:
-    """Exact sampled tree verification -> `TreeVerdict` (the module docstring gives both rules).
-
-    tokens long [B, N], parents long [B, N] or [N]; p [B, N, V]: the target's (warped) probabilities
-    after each node, not necessarily normalised. kind="iid" needs q [B, N, V], the distribution u's
-    children were drawn from ("topk" ignores it). width (iid): the most children a node has (children
-    past it are never tried, still exact; default N - 1). max_depth as in `verify_tree_greedy`.
-    """
-    if kind not in ("topk", "iid"):
-        raise ValueError(f'kind must be "topk" or "iid", got {kind!r}')
-    if kind == "iid" and q is None:
-        raise ValueError('kind="iid" needs q, the distributions the children were drawn from')
-    shape = _shape(parents, max_depth)
-    if kind == "topk":
-        x = sample(p, generator)  # [B, N] one target draw per node
-        return _walk(tokens, parents, shape, _follow(tokens, shape.child, x), x)
-    assert q is not None
-    nxt, stop = _iid_decisions(tokens, shape.child, p, q, generator, tokens.shape[1] - 1 if width is None else width)
-    return _walk(tokens, parents, shape, nxt, stop)
+    return _walk(tokens, parents, shape, nxt, sample(r, generator))

@@ -1,11 +1,9 @@
 """Speculative-decoding verification: pure tensor functions, batched over B rows.
 
-A proposer guesses k tokens, the target scores all k+1 positions in one pass, and these decide how
-many guesses to keep and which token comes next. `verify_sample` is the rejection scheme of
-Leviathan et al. / Chen et al.: its tokens are distributed exactly as the (warped) target's, whatever
-the proposer. Everything stays on the device (no `.item()`, no Python branch on a tensor value) and
-every draw goes through the caller's `torch.Generator`: a CUDA loop queues a whole step without
-waiting, and a seeded generator replays a run exactly.
+`verify_sample` is the rejection scheme of Leviathan et al. / Chen et al.: its tokens are
+distributed exactly as the (warped) target's, whatever the proposer. Everything stays on the device
+(no `.item()`, no Python branch on a tensor value) and every draw goes through the caller's
+`torch.Generator`: a CUDA loop queues a whole step without waiting, and a seeded run replays exactly.
 """
 
 from __future__ import annotations
@@ -54,30 +52,24 @@ TOP_P_HEADS = (256, 2048)  # on the CPU, top-p first looks for its tokens among 
 
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:
     """Top-p over probabilities [..., V]: keep, most probable first, the tokens whose more probable
-    ones hold less than top_p of the mass (the top token always), renormalised."""
-    order, sums = _most_probable(probs, top_p)
+    ones hold less than top_p of the mass (the top token always), renormalised. On the CPU (a look
+    costs no sync) the H most probable serve when they hold top_p in every row, as a full sort (far
+    slower) would drop every token past them too; else, and on a GPU, the whole row is sorted."""
+    heads = TOP_P_HEADS if probs.device.type == "cpu" else ()
+    for head in [*(h for h in heads if h < probs.shape[-1]), None]:
+        if head is None:
+            top, order = probs.sort(dim=-1, descending=True)  # [..., V] each
+        else:
+            top, order = probs.topk(head, dim=-1)  # [..., head] each
+        sums = top.cumsum(dim=-1)
+        if head is None or bool((sums[..., -1] >= top_p).all()):
+            break
     # mass of the more probable tokens (an exclusive cumsum, no cancellation)
     keep_sorted = F.pad(sums[..., :-1], (1, 0)) < top_p
     keep_sorted[..., 0] = True  # the top token always stays
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)  # [..., V] vocabulary order
     probs = probs.masked_fill(~keep, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
-
-
-def _most_probable(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
-    """The most probable tokens of each row of probs [..., V], most probable first, and their running
-    sums, enough to hold top_p in every row. Sorting a row costs ~0.4 ms on this CPU for 8,192 tokens:
-    on the CPU (a look costs no sync) the H most probable (topk: 22 us for 256, 44 for 2,048) serve when
-    they hold top_p in every row, as the full sort drops every token past them too (the same first
-    terms, summed in the same order). Else, and on a GPU, the whole row is sorted."""
-    if probs.device.type == "cpu":
-        for head in (h for h in TOP_P_HEADS if h < probs.shape[-1]):
-            top, order = probs.topk(head, dim=-1)  # [..., head] each
-            sums = top.cumsum(dim=-1)
-            if bool((sums[..., -1] >= top_p).all()):
-                return order, sums
-    top, order = probs.sort(dim=-1, descending=True)  # [..., V] each
-    return order, top.cumsum(dim=-1)
 
 
 def _repeated(logits: Tensor, hit: Tensor, factor: float) -> Tensor:
@@ -117,11 +109,6 @@ class Warper:
     def __call__(self, logits: Tensor) -> Tensor:
         return warp(logits, self.temperature, self.top_k, self.top_p, self.min_p)
 
-    @property
-    def plain(self) -> bool:
-        """A temperature alone: no top-k, no top-p, no min-p."""
-        return self.top_k is None and self.top_p is None and not self.min_p
-
 
 @dataclass(frozen=True)
 class Penalty:
@@ -148,7 +135,7 @@ def proposal(w: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """The distribution a proposer draws from under the user's warp: the temperature alone. Exactness
     needs only p warped in full, a native chain computes a temperature itself, and top-p would cost a
     sort per guess: top-k, top-p and min-p shape p alone (a guess they drop has p 0: rejected)."""
-    return Warper(w.temperature) if isinstance(w, Warper) and not w.plain else w
+    return Warper(w.temperature) if isinstance(w, Warper) else w
 
 
 def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, like: Tensor) -> Tensor:
@@ -159,18 +146,13 @@ def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, like: Te
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One token per row of probs [..., V] -> long [...], no host sync: by the inverse CDF, the token
     whose interval [c_(i-1), c_i) of its row's float64 running sums c holds u * c_V, one uniform u a
-    row (`uniforms`). Rows need not be normalised; a zero-probability token is never picked. One draw
-    a row, where a race over the vocabulary needs V (8,192 Exp(1) draws: 242 µs here, about 5x this)."""
+    row (`uniforms`; a race over the vocabulary would need V). Rows need not be normalised; a
+    zero-probability token is never picked."""
     u = uniforms(probs.shape[:-1], generator, probs)  # [...]
     c = probs.double().cumsum(dim=-1)  # [..., V]
-    # the intervals wholly below the point, by binary search (16 µs on 8,192 tokens; a comparison 41)
+    # the intervals wholly below the point, by binary search
     below = torch.searchsorted(c, (u * c[..., -1]).unsqueeze(-1), right=True).squeeze(-1)  # [...]
     return below.clamp_max_(probs.shape[-1] - 1)  # u * c_V rounded up to c_V: the last
-
-
-def greedy_pick(logits: Tensor) -> Tensor:
-    """Most likely token: logits [..., V] -> long [...]."""
-    return logits.argmax(dim=-1)
 
 
 def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:

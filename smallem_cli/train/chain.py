@@ -1,28 +1,21 @@
 """Train the MTP module on the chain it runs (a "training-time test", EAGLE-3's name).
 
 At inference the module's guess j+1 reads its own output state from guess j in place of the
-target's (not computed yet), and attends to the true context plus the chain's own earlier entries;
-`train.train_mtp` fits guess 1 only. Here every position t starts a chain of `depth` steps, all in
-parallel: step 1 reads (h_t, x_{t+1}), causal over the true entries; step d reads
-(out_{d-1}[t], x_{t+d}) at position t+d-1 and attends to the true entries 0..t and the chain's own
-entries of steps 2..d at t (`_chain_attention`). out_d[t] is fitted to the target's distribution
-for token t+d+1, as in `train_mtp`. Teacher forcing (step d reads the text's x_{t+d}) is exact
-whenever the guesses before were right, the only case in which guess d counts. The tests check
-`chain_states` against the module's own step-by-step chain.
+target's (not computed yet), and attends to the true context plus the chain's own earlier entries.
+Here every position t starts a chain of `depth` steps, all in parallel: step 1 reads (h_t, x_{t+1}),
+causal over the true entries; step d reads (out_{d-1}[t], x_{t+d}) at position t+d-1 and attends to
+the true entries 0..t and the chain's own entries of steps 2..d at t. out_d[t] is fitted to the
+target's distribution for token t+d+1. Teacher forcing (step d reads the text's x_{t+d}) is exact
+whenever the guesses before were right, the only case in which guess d counts.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..model.llama import MTPModule, Transformer, apply_rope
-from .fit import fit_loss, student_logits, teacher_log_p
-from .loop import ProgressFn, TrainSettings, _freeze, _train_loop, cut_ids, evaluate, new_mtp
+from .fit import Fit, LossFn, fit_loss, student_logits, teacher_log_p
 
 
 def _chain_attention(
@@ -79,43 +72,22 @@ def chain_states(
     return outs
 
 
-def train_mtp_chain(
-    target: Transformer,
-    train_ids: np.ndarray,
-    val_ids: np.ndarray,
-    settings: TrainSettings,
-    run_dir: Path,
-    depth: int,
-    on_progress: ProgressFn | None = None,
-    init: MTPModule | None = None,
-    rank: list[int] | None = None,
-) -> tuple[MTPModule, dict[str, Any]]:
-    """Fit the module's chain of `depth` guesses to the frozen target: the mean of every
-    step's fit (`settings.fit`; the guesses the proposer runs at k = depth)."""
-    if depth < 1:
-        raise ValueError(f"the chain needs a depth >= 1, got {depth}")
-    _freeze(target)
-    mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
-    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
+def chain_loss(target: Transformer, mtp: MTPModule, fit: Fit, ids: torch.Tensor | None, depth: int) -> LossFn:
+    """`loop.distill`'s loss for a chain of `depth` guesses (those the proposer runs at k = depth):
+    the mean of every step's fit to the frozen target."""
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            # [B, T, V or N]: row j predicts token j+1
-            teacher = teacher_log_p(settings.fit, target.logits(h).float(), ids)
-        outs = chain_states(mtp, target, h, inp, depth)
-        # out_d[t] guesses token t+d+1: the target's view of it is row t+d
+            teacher = teacher_log_p(fit, target.logits(h).float(), ids)  # [B, T, V or N]: row j predicts token j+1
         losses, extra = [], {}
-        for d, o in enumerate(outs, 1):
-            rows = slice(d, d + o.shape[1])
+        for d, o in enumerate(chain_states(mtp, target, h, inp, depth), 1):
+            rows = slice(d, d + o.shape[1])  # out_d[t] guesses token t+d+1: the target's view of it is row t+d
             view = [(lp[:, rows], lp_fit[:, rows]) for lp, lp_fit in teacher]
-            loss, read = fit_loss(settings.fit, view, student_logits(target, o, ids))
+            loss, read = fit_loss(fit, view, student_logits(target, o, ids))
             losses.append(loss)
             extra |= {f"{k}/{d}": v for k, v in read.items()}
         return torch.stack(losses).mean(), extra
 
-    facts = _train_loop(loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress)
-    facts |= evaluate(target, val_ids, settings.seq_len, mtp)
-    facts["chain_depth"] = depth
-    return mtp, facts
+    return loss_fn

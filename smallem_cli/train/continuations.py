@@ -48,12 +48,11 @@ def requests(ctxs: list[tuple[int, ...]], new_tokens: int, sampled_every: int, s
 
 
 def documents(
-    answers: Iterator[Finished], decode: Callable[[list[int]], str], done: Callable[[int], None] | None = None
+    answers: Iterator[Finished], decode: Callable[[list[int]], str], done: Callable[[int], None]
 ) -> list[str]:
     """Each request's context and continuation as text, in request order (`done` hears the count so far)."""
     got: dict[int, str] = {}
     for a in answers:
         got[a.request.index] = decode([*a.request.prompt, *a.tokens])
-        if done is not None:
-            done(len(got))
+        done(len(got))
     return [got[i] for i in sorted(got)]

@@ -25,7 +25,7 @@ _REF = re.compile(r"^([1-3]?[A-Za-z]+)(\d+):(\d+) (.*)$")
 def kjv_chapters() -> list[str]:
     """All 1,189 chapters of the KJV as plain text, one verse a line, references stripped."""
     if shutil.which("bible") is None:
-        raise RuntimeError("the `bible` command is missing: install Debian's bible-kjv package")
+        raise FileNotFoundError("the `bible` command is missing: install Debian's bible-kjv package")
     out = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True).stdout
     chapters: list[list[str]] = []
     current = None

@@ -9,7 +9,6 @@ it, and "kept at depth j" is how often d_1..d_j all equal g_1..g_j.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,48 +91,32 @@ def evaluate_family(
     """Loss of each model over the whole stream, each proposer's agreement with the target, and how
     often its sampled first guess is kept at each of D.EVAL_TEMPERATURES, its q over its cut head
     (`cuts`: the tokens by proposer name; absent: the whole vocabulary)."""
-    models = {"target": target, **drafts}
-    nats = dict.fromkeys(models, 0.0)
-    agree = dict.fromkeys([*drafts, "mtp"], 0)
-    temps = D.EVAL_TEMPERATURES
-    kept = {name: [0.0] * len(temps) for name in agree}
-
-    def sampled(name: str, t_logits: torch.Tensor, logits: torch.Tensor) -> None:
-        ids = (cuts or {}).get(name)
-        for i, T in enumerate(temps):
-            kept[name][i] += acceptance(t_logits, logits if ids is None else logits[:, ids], ids, T).sum().item()
-
-    n_tok = n_mtp = 0
-    mtp_nats = 0.0
+    names = ["target", *drafts] + (["mtp"] if mtp is not None else [])
+    nats, n, agree = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    kept = {name: [0.0] * len(D.EVAL_TEMPERATURES) for name in names}
     for w in windows(val_ids, seq_len):
         x, y = w[:, :-1], w[:, 1:]
         T = x.shape[1]
         h = target.hidden(x)
         t_logits = target.logits(h)[0]  # [T, V]
-        t_best = t_logits.argmax(-1)
-        nats["target"] += F.cross_entropy(t_logits, y[0], reduction="sum").item()
-        for name, d in drafts.items():
-            logits = d.logits(d.hidden(x))[0]
-            nats[name] += F.cross_entropy(logits, y[0], reduction="sum").item()
-            agree[name] += (logits.argmax(-1) == t_best).sum().item()
-            sampled(name, t_logits, logits)
-        n_tok += T
+        # each proposer's logits from position `skip` on: the MTP module at i reads h_i and token i+1 and
+        # guesses token i+2, the target's argmax at i+1
+        guesses = {name: (d.logits(d.hidden(x))[0], 0) for name, d in drafts.items()}
         if mtp is not None and T >= 2:
-            # position i: h_i and token i+1 -> token i+2, compared with the target's argmax at i+1
             hm = mtp(h[:, :-1], target.embed_tokens(x[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
-            m_logits = target.logits(hm)[0]  # [T-1, V]
-            mtp_nats += F.cross_entropy(m_logits, y[0, 1:], reduction="sum").item()
-            agree["mtp"] += (m_logits.argmax(-1) == t_best[1:]).sum().item()
-            sampled("mtp", t_logits[1:], m_logits)
-            n_mtp += T - 1
-    per_byte = n_tok / n_bytes  # tokens per byte of the stream
-    reports = [Report(name, nats[name] / n_tok, nats[name] / n_tok * per_byte) for name in models]
+            guesses["mtp"] = (target.logits(hm)[0], 1)  # [T-1, V]
+        for name, (lg, skip) in {"target": (t_logits, 0), **guesses}.items():
+            nats[name] += F.cross_entropy(lg, y[0, skip:], reduction="sum").item()
+            n[name] += T - skip
+        for name, (lg, skip) in guesses.items():
+            agree[name] += (lg.argmax(-1) == t_logits[skip:].argmax(-1)).sum().item()
+            ids = (cuts or {}).get(name)
+            for i, t in enumerate(D.EVAL_TEMPERATURES):
+                kept[name][i] += acceptance(t_logits[skip:], lg if ids is None else lg[:, ids], ids, t).sum().item()
+    per_byte = n["target"] / n_bytes  # tokens per byte of the stream
+    reports = [Report(name, nats[name] / n[name], nats[name] / n[name] * per_byte) for name in names]
     for r in reports[1:]:
-        r.agreement, r.sampled = agree[r.name] / n_tok, [a / n_tok for a in kept[r.name]]
-    if mtp is not None:
-        m = Report("mtp", mtp_nats / n_mtp, mtp_nats / n_mtp * per_byte, agree["mtp"] / n_mtp)
-        m.sampled = [a / n_mtp for a in kept["mtp"]]
-        reports.append(m)
+        r.agreement, r.sampled = agree[r.name] / n[r.name], [a / n[r.name] for a in kept[r.name]]
     return reports
 
 
@@ -146,14 +129,12 @@ def contexts(val_ids: np.ndarray, count: int, length: int, depth: int) -> torch.
     return torch.from_numpy(np.stack([val_ids[s : s + length] for s in starts]).astype(np.int64))
 
 
-def _greedy_chain(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, depth: int) -> torch.Tensor:
-    """Extend each row of x [B, C] by `depth` greedy tokens of `step` (tokens [B, T] -> logits
-    of the last position [B, V]) -> [B, depth]."""
+def _greedy_chain(model: Transformer, x: torch.Tensor, depth: int) -> torch.Tensor:
+    """Extend each row of x [B, C] by `depth` greedy tokens of `model` -> [B, depth]."""
     out = []
     for _ in range(depth):
-        nxt = step(x).argmax(-1, keepdim=True)  # [B, 1]
-        out.append(nxt)
-        x = torch.cat([x, nxt], dim=1)
+        out.append(model.logits(model.hidden(x)[:, -1]).argmax(-1, keepdim=True))  # [B, 1]
+        x = torch.cat([x, out[-1]], dim=1)
     return torch.cat(out, dim=1)
 
 
@@ -170,11 +151,8 @@ def chain_agreement(
     """Each proposer's chain against the target's greedy continuation, from `count` contexts
     of `length` validation tokens -> name -> rate at which guesses 1..j were all kept, j = 1..depth."""
     x = contexts(val_ids, count, length, depth)  # [B, C]
-    g = _greedy_chain(lambda t: target.logits(target.hidden(t)[:, -1]), x, depth)  # [B, depth]
-    guesses = {
-        name: _greedy_chain(lambda t, d=d: d.logits(d.hidden(t)[:, -1]), x, depth)  # type: ignore[misc]
-        for name, d in drafts.items()
-    }
+    g = _greedy_chain(target, x, depth)  # [B, depth]
+    guesses = {name: _greedy_chain(d, x, depth) for name, d in drafts.items()}
     if mtp is not None:
         guesses["mtp"] = _mtp_chain(target, mtp, x, depth)
     return {name: (d == g).long().cumprod(dim=1).float().mean(dim=0).tolist() for name, d in guesses.items()}
@@ -183,9 +161,7 @@ def chain_agreement(
 def _mtp_chain(target: Transformer, mtp: MTPModule, x: torch.Tensor, depth: int) -> torch.Tensor:
     """The MTP module's chain from contexts x [B, C], as the engine's `MTPGuess` runs it: pairs (h_j, x_{j+1})
     over the context, then each guess fed back with the module's own state -> guesses [B, depth]."""
-    C = x.shape[1]
-    h = target.hidden(x)  # [B, C, d]
-    hs, toks = h[:, :-1], x[:, 1:]  # pairs (h_j, x_{j+1}), j < C-1: the last guesses x_C's successor
+    hs, toks = target.hidden(x)[:, :-1], x[:, 1:]  # pairs (h_j, x_{j+1}), j < C-1: the last guesses x_C's successor
     out = []
     for _ in range(depth):
         T = hs.shape[1]
@@ -194,7 +170,6 @@ def _mtp_chain(target: Transformer, mtp: MTPModule, x: torch.Tensor, depth: int)
         out.append(guess)
         hs = torch.cat([hs, states[:, -1:]], dim=1)  # chain on its own state
         toks = torch.cat([toks, guess], dim=1)
-    assert hs.shape[1] == C - 1 + depth
     return torch.cat(out, dim=1)
 
 

@@ -13,12 +13,20 @@ p at T = 1 over the whole vocabulary; `Fit` fits it as it runs:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..model.llama import Transformer
+
+# A training loss: a batch [B, T+2] -> (the loss, what it reads as 0-dim tensors: an `.item()` inside
+# would break a compiled loss's graph, so the training loop reads them on the host)
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# The target's side of a fit, one pair per temperature: log p_T on the cut (what acceptance
+# reads) and renormalised over it (what the KL fits; the same tensor over the whole vocabulary).
+Teacher = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -60,15 +68,10 @@ def _log_p(teacher: torch.Tensor, ids: torch.Tensor | None, T: float) -> torch.T
     return lp if ids is None else lp[..., ids]
 
 
-# The target's side of a fit, one pair per temperature: log p_T on the cut (what acceptance
-# reads) and renormalised over it (what the KL fits; the same tensor over the whole vocabulary).
-Teacher = list[tuple[torch.Tensor, torch.Tensor]]
-
-
 @torch.no_grad()
 def teacher_log_p(fit: Fit, teacher: torch.Tensor, ids: torch.Tensor | None) -> Teacher:
-    """The target's logits [..., V] -> its side of the fit, computed once per batch (a chain's
-    steps each read a slice of it: `[(a[:, s], b[:, s]) for a, b in teacher]`)."""
+    """The target's logits [..., V] -> its side of the fit, computed once per batch (a chain's steps
+    each read a slice of it)."""
     out = []
     for T in fit.temperatures:
         lp = _log_p(teacher, ids, T)
@@ -77,9 +80,8 @@ def teacher_log_p(fit: Fit, teacher: torch.Tensor, ids: torch.Tensor | None) -> 
 
 
 def fit_loss(fit: Fit, teacher: Teacher, student: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """teacher: `teacher_log_p`'s; student: the proposer's logits [..., V], or [..., N] over the
-    cut -> (the loss, and what it reads: "kl@T" and "accept@T" = mean sum min(p_T, q_T), as
-    0-dim tensors, read on the host by the training loop: no `.item()` breaks a compiled loss's graph)."""
+    """teacher: `teacher_log_p`'s; student: the proposer's logits [..., V], or [..., N] over the cut ->
+    (the loss, and what it reads: "kl@T" and "accept@T" = mean sum min(p_T, q_T))."""
     total = student.new_zeros(())
     extra: dict[str, torch.Tensor] = {}
     for T, (lp, lp_fit) in zip(fit.temperatures, teacher, strict=True):

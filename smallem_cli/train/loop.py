@@ -1,11 +1,12 @@
-"""Training: a target (with its MTP module, jointly), a draft, or an MTP module alone.
+"""Training: a target (with its MTP module, jointly), a draft, or an MTP module alone, and saving
+each member of the family beside its facts (`train_member`: what `smallem train` runs).
 
 Batches are random windows of the token stream drawn by (seed, step), and the learning rate
 follows the budget (tokens, else seconds: warm-up, then cosine to 10%), so a run resumed from its
 state (`runstate`, every `save_every_s`) draws and schedules as it would have. A target trains
 jointly with its MTP module (DeepSeek-V3's loss, weight `mtp_weight`), so the trunk learns to carry
-the next-next token in h_i, which the module reads; `train_mtp` fits a module to a frozen target
-instead (`fit.py`). Progress goes to the `on_progress` callback, never to stdout.
+the next-next token in h_i, which the module reads; `distill` fits a module, or a draft, to a frozen
+target instead. Progress goes to the `on_progress` callback, never to stdout.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -24,9 +25,11 @@ import torch.nn.functional as F
 
 from .. import defaults as D
 from ..config import ModelConfig
+from ..model import checkpoint
 from ..model.llama import MTPModule, Transformer
 from . import runstate
-from .fit import Fit, fit_loss, student_logits, teacher_log_p
+from .chain import chain_loss
+from .fit import Fit, LossFn, fit_loss, student_logits, teacher_log_p
 
 PRECISIONS = ("fp32", "bf16")  # `TrainSettings.precision`
 
@@ -43,17 +46,13 @@ class TrainSettings:
     weight_decay: float = 0.1
     mtp_weight: float = D.TRAIN_MTP_WEIGHT  # a target's joint training: main loss + this x its MTP loss
     feature_weight: float = 0.0  # MTP distillation: weight of the state-matching loss (EAGLE's feature loss)
-    chain: int = 0  # MTP distillation: > 0 fits the whole chain of this many guesses (`train_chain.py`)
+    chain: int = 0  # MTP distillation: > 0 fits the whole chain of this many guesses (`chain.py`)
     fit: Fit = field(default_factory=Fit)  # distillation: what q is fitted to (temperatures, TV, cut head)
     seed: int = D.TRAIN_SEED
-    compile: bool = D.TRAIN_COMPILE  # the loss through torch.compile (`_train_loop`)
-    precision: str = D.TRAIN_PRECISION  # "fp32" or "bf16": the loss's products under bfloat16 autocast
+    compile: bool = D.TRAIN_COMPILE  # the loss through torch.compile
+    precision: str = D.TRAIN_PRECISION  # one of PRECISIONS: "bf16" runs the loss's products under autocast
     save_every_s: float = 120.0
     eval_every_s: float = 300.0
-
-    def __post_init__(self) -> None:  # checked when made, not at the first step
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
 
 @dataclass
@@ -93,25 +92,12 @@ def lr_at(settings: TrainSettings, step: int, frac: float) -> float:
     return settings.lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def lm_loss(model: Transformer, x: torch.Tensor, mtp: MTPModule | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x: [B, T+2]. Next-token loss on positions 0..T-1, and the MTP loss (token i+2 from h_i, token i+1)."""
-    inp, tgt, tgt2 = x[:, :-2], x[:, 1:-1], x[:, 2:]
-    h = model.hidden(inp)  # [B, T, d]
-    # logits in float32 whatever the products ran in (`precision`): no softmax runs in bfloat16
-    loss = F.cross_entropy(model.logits(h).float().flatten(0, 1), tgt.flatten())
-    if mtp is None:
-        return loss, None
-    T = h.shape[1]
-    hm = mtp(h, model.embed_tokens(tgt), model.cos[:T], model.sin[:T])
-    return loss, F.cross_entropy(model.logits(hm).float().flatten(0, 1), tgt2.flatten())
-
-
 @torch.no_grad()
 def evaluate(
     model: Transformer, ids: np.ndarray, seq_len: int = D.TRAIN_SEQ_LEN, mtp: MTPModule | None = None
 ) -> dict[str, float]:
-    """Mean next-token loss (nats/token) over the whole validation stream, in windows (one shorter
-    window for a shorter stream); with an MTP module, also its loss and agreement with the target's argmax."""
+    """Mean next-token loss (nats/token) over the validation stream, in windows (one shorter window for
+    a shorter stream); with an MTP module, also its loss and agreement with the target's argmax."""
     seq_len = min(seq_len, len(ids) - 3)
     if seq_len < 2:
         raise ValueError(f"the validation text is too short: {len(ids)} tokens")
@@ -135,7 +121,7 @@ def evaluate(
 
 
 def _train_loop(
-    loss_fn: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    loss_fn: LossFn,
     modules: dict[str, torch.nn.Module],
     train_ids: np.ndarray,
     settings: TrainSettings,
@@ -143,18 +129,15 @@ def _train_loop(
     on_progress: ProgressFn | None,
     val: tuple[Transformer, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """Shared optimisation loop with resume, over every parameter of `modules` -> the training facts.
+    """The optimisation loop, resumable, over every parameter of `modules` -> the training facts.
     val: a model whose validation loss is read every `eval_every_s` (shown in the progress)."""
     torch.manual_seed(settings.seed)
     params = [p for m in modules.values() for p in m.parameters()]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=settings.lr,
-        betas=(0.9, 0.95),
-        fused=False,
-    )
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95), fused=False)
     pos = runstate.load(run_dir, modules, opt) or runstate.Position()
     step, elapsed, tokens = pos.step, pos.elapsed, pos.tokens
 
@@ -174,7 +157,8 @@ def _train_loop(
         x = batch(train_ids, settings, step)
         for g in opt.param_groups:
             g["lr"] = lr_at(settings, step, done)
-        with autocast(settings.precision):
+        # bf16: the loss's products in bfloat16; weights, gradients, optimiser and every loss's logits stay float32
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bf16"):
             loss, extra = fn(x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -203,12 +187,6 @@ def _train_loop(
     return facts | {k: getattr(settings, k) for k in ("batch_size", "seq_len", "lr", "seed", "precision")}
 
 
-def autocast(precision: str) -> torch.autocast:
-    """The loss's products in bfloat16 under "bf16" (weights, gradients, optimiser and the logits every
-    loss reads stay float32); a no-op under "fp32". Training runs on the CPU."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
-
-
 def new_model(cfg: ModelConfig, seed: int) -> Transformer:
     model = Transformer(cfg)
     model.init_weights(seed)
@@ -216,7 +194,7 @@ def new_model(cfg: ModelConfig, seed: int) -> Transformer:
 
 
 def new_mtp(cfg: ModelConfig, seed: int) -> MTPModule:
-    """An MTP module whose first weights follow `seed` alone (torch's default init, from the global RNG
+    """An MTP module whose first weights follow `seed` alone (torch's default init from the global RNG,
     seeded here, then put back)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)  # not the target's draws
@@ -237,10 +215,17 @@ def train_model(
     modules: dict[str, torch.nn.Module] = {"model": model} | ({"mtp": mtp} if mtp is not None else {})
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        main, aux = lm_loss(model, x, mtp)
-        if aux is None:
-            return main, {}
-        return main + settings.mtp_weight * aux, {"mtp_loss": aux.detach()}
+        """x: [B, T+2]. Next-token loss, plus the MTP loss (token i+2 from h_i and token i+1)."""
+        inp, tgt = x[:, :-2], x[:, 1:-1]
+        h = model.hidden(inp)  # [B, T, d]
+        # logits in float32 whatever the products ran in (`precision`): no softmax runs in bfloat16
+        loss = F.cross_entropy(model.logits(h).float().flatten(0, 1), tgt.flatten())
+        if mtp is None:
+            return loss, {}
+        T = h.shape[1]
+        hm = mtp(h, model.embed_tokens(tgt), model.cos[:T], model.sin[:T])
+        aux = F.cross_entropy(model.logits(hm).float().flatten(0, 1), x[:, 2:].flatten())
+        return loss + settings.mtp_weight * aux, {"mtp_loss": aux.detach()}
 
     facts = _train_loop(loss_fn, modules, train_ids, settings, run_dir, on_progress, (model, val_ids))
     facts |= evaluate(model, val_ids, settings.seq_len, mtp)
@@ -249,30 +234,41 @@ def train_model(
     return model, mtp, facts
 
 
-def train_mtp(
+def distill(
     target: Transformer,
+    student: Transformer | MTPModule,
     train_ids: np.ndarray,
     val_ids: np.ndarray,
     settings: TrainSettings,
     run_dir: Path,
     on_progress: ProgressFn | None = None,
-    init: MTPModule | None = None,
     rank: list[int] | None = None,
-) -> tuple[MTPModule, dict[str, Any]]:
-    """Fit an MTP module to a frozen target's distribution for token i+2 (its logits at i+1), from h_i
-    and the true token i+1. With `settings.feature_weight`, its output state is also pulled towards the
-    target's h_{i+1} (normalised, as the next step reads it): guesses past the first chain on that state
-    (EAGLE's observation), so one that resembles the target's keeps them on track."""
-    _freeze(target)
-    mtp = init if init is not None else new_mtp(target.cfg, settings.seed)
+) -> dict[str, Any]:
+    """Fit a proposer (trained in place) to a frozen target's next-token distribution (`fit.py`) ->
+    the facts. Acceptance (greedy: the target's argmax; sampled: 1 - TV(p, q)) rewards matching the
+    target, not the corpus, and its whole distribution is a richer signal than the one observed token.
+    A draft reads the text; an MTP module reads h_i and the true token i+1 and guesses token i+2 (the
+    target's logits at i+1), or with `settings.chain` the chain of that many guesses (`chain.py`).
+    With `settings.feature_weight` its output state is also pulled towards the target's h_{i+1}
+    (normalised, as the next step reads it): guesses past the first chain on that state (EAGLE's
+    observation), so one that resembles the target's keeps them on track."""
+    if student.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"proposer vocabulary {student.cfg.vocab_size} != target's {target.cfg.vocab_size}")
+    target.requires_grad_(False).eval()
+    # a cut head's tokens (None: all of them): the first of the member's ranking, else of the stream's
+    cut = settings.fit.vocab
+    ids = torch.tensor((rank or vocab_rank(train_ids, target.cfg.vocab_size))[:cut]) if cut else None
+    mtp = student if isinstance(student, MTPModule) else None
     T = settings.seq_len
-    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
 
     def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            teacher = teacher_log_p(settings.fit, target.logits(h[:, 1:]).float(), ids)  # target's view of token i+2
+            # [B, T or T-1, V or N]: the target's view of the token a draft guesses, or an MTP module
+            teacher = teacher_log_p(settings.fit, target.logits(h if mtp is None else h[:, 1:]).float(), ids)
+        if mtp is None:
+            return fit_loss(settings.fit, teacher, student_logits(student, student.hidden(inp), ids))
         hm = mtp(h[:, :-1], target.embed_tokens(inp[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
         loss, extra = fit_loss(settings.fit, teacher, student_logits(target, hm, ids))
         if not settings.feature_weight:
@@ -281,57 +277,79 @@ def train_mtp(
         feat = F.smooth_l1_loss(F.rms_norm(hm.float(), (d,)), F.rms_norm(h[:, 1:].float(), (d,)))  # [B, T-1, d] both
         return loss + settings.feature_weight * feat, extra | {"feature": feat.detach()}
 
-    facts = _train_loop(loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress)
+    if mtp is None:
+        facts = _train_loop(loss_fn, {"model": student}, train_ids, settings, run_dir, on_progress, (student, val_ids))
+        return facts | evaluate(student, val_ids, settings.seq_len)
+    fn = chain_loss(target, mtp, settings.fit, ids, settings.chain) if settings.chain else loss_fn
+    facts = _train_loop(fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress)
     facts |= evaluate(target, val_ids, settings.seq_len, mtp)
-    return mtp, facts
-
-
-def train_draft_distill(
-    target: Transformer,
-    draft: Transformer,
-    train_ids: np.ndarray,
-    val_ids: np.ndarray,
-    settings: TrainSettings,
-    run_dir: Path,
-    on_progress: ProgressFn | None = None,
-    rank: list[int] | None = None,
-) -> tuple[Transformer, dict[str, Any]]:
-    """Fit a draft to a frozen target: KL(target || draft) over the whole next-token distribution.
-    Acceptance (greedy: the target's argmax; sampled: 1 - TV(p, q)) rewards matching the target, not
-    the corpus, and its whole distribution is a richer signal than the one observed token."""
-    if draft.cfg.vocab_size != target.cfg.vocab_size:
-        raise ValueError(f"draft vocabulary {draft.cfg.vocab_size} != target's {target.cfg.vocab_size}")
-    _freeze(target)
-    ids = cut_ids(train_ids, target.cfg.vocab_size, settings.fit, rank)
-
-    def loss_fn(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        inp = x[:, :-2]
-        with torch.no_grad():
-            teacher = teacher_log_p(settings.fit, target.logits(target.hidden(inp)).float(), ids)  # [B, T, V or N] each
-        return fit_loss(settings.fit, teacher, student_logits(draft, draft.hidden(inp), ids))
-
-    facts = _train_loop(loss_fn, {"model": draft}, train_ids, settings, run_dir, on_progress, (draft, val_ids))
-    facts |= evaluate(draft, val_ids, settings.seq_len)
-    return draft, facts
-
-
-def _freeze(teacher: Transformer) -> None:
-    teacher.requires_grad_(False)
-    teacher.eval()
-
-
-def cut_ids(train_ids: np.ndarray, vocab_size: int, fit: Fit, rank: list[int] | None = None) -> torch.Tensor | None:
-    """The tokens a cut head keeps, or None for the whole vocabulary: the first of `rank` (the member's
-    saved ranking: `members.proposer_rank`), else of the training stream's."""
-    if not fit.vocab:
-        return None
-    return torch.tensor((rank or vocab_rank(train_ids, vocab_size))[: fit.vocab])
-
-
-RANKED_TOKENS = 4096  # how many of the most frequent training tokens a checkpoint lists
+    return facts | ({"chain_depth": settings.chain} if settings.chain else {})
 
 
 def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
-    """Token ids ordered by their count in the training stream, most frequent first."""
+    """The 4,096 token ids most frequent in the training stream (the list a checkpoint keeps), most first."""
     counts = np.bincount(train_ids, minlength=vocab_size)
-    return np.argsort(-counts, kind="stable")[:RANKED_TOKENS].tolist()
+    return np.argsort(-counts, kind="stable")[:4096].tolist()
+
+
+def save_family_member(
+    path: Path,
+    model: Transformer | MTPModule,
+    tokenizer_json: Path,
+    facts: dict[str, Any],
+    train_ids: np.ndarray,
+    rank: list[int] | None = None,
+) -> None:
+    """Save a trained member with the tokens its cut head keeps: `rank`, else the training text's by frequency."""
+    fp = checkpoint.tokenizer_fingerprint(tokenizer_json)
+    checkpoint.save(
+        path, model, tokenizer=fp, facts=facts, vocab_rank=rank or vocab_rank(train_ids, model.cfg.vocab_size)
+    )
+
+
+def train_member(
+    kind: Literal["target", "draft", "distill", "mtp"],
+    cfg: ModelConfig | None,
+    data: tuple[np.ndarray, np.ndarray],
+    settings: TrainSettings,
+    run_dir: Path,
+    dest: Path,
+    tokenizer_json: Path,
+    on_progress: ProgressFn | None,
+    teacher: Path,
+    init: Path | None,
+    mtp_dest: Path | None,
+) -> dict[str, Any]:
+    """Train one member of the family and save it beside its facts -> the facts. kind: "target" or
+    "draft" from scratch (`cfg`; a target with `cfg.mtp` also writes its MTP module to `mtp_dest`),
+    "distill" (a draft fitted to `teacher`, from `init` or `cfg`) or "mtp" (a module fitted to
+    `teacher`). One started from `init` keeps its facts as "before"."""
+    train_ids, val_ids = data
+    if kind in ("target", "draft"):
+        model, mtp, facts = train_model(cfg, train_ids, val_ids, settings, run_dir, on_progress)
+        own = {k: v for k, v in facts.items() if not k.startswith("mtp_")}
+        save_family_member(dest, model, tokenizer_json, own, train_ids)
+        if mtp is not None:
+            mtp_facts = {k: v for k, v in facts.items() if not k.startswith("val")}
+            mtp_facts["trained"] = f"jointly with {dest.name}"
+            save_family_member(mtp_dest or dest.with_name("mtp.safetensors"), mtp, tokenizer_json, mtp_facts, train_ids)
+        return own
+    meta = checkpoint.read_meta(init) if init else {}
+    tgt = checkpoint.load_model(teacher)[0]
+    # the tokens its cut head keeps (fitted to with --fit-vocab, and saved): a continued proposer keeps its
+    # own ranking, even on other text (docs/family.md, "Fitting the proposers on the target's own text")
+    V = tgt.cfg.vocab_size
+    rank = (checkpoint.vocab_rank(meta, init, V) if init else None) or vocab_rank(train_ids, V)
+    if kind == "mtp":
+        student = checkpoint.load_mtp(init, tgt)[0] if init else new_mtp(tgt.cfg, settings.seed)
+        trained = "distilled from the frozen target" + (f", chain of {settings.chain}" if settings.chain else "")
+    else:
+        student = checkpoint.load_model(init)[0].train() if init else new_model(cfg, settings.seed)
+        trained = f"distilled from {teacher.name}"
+    facts = distill(tgt, student, train_ids, val_ids, settings, run_dir, on_progress, rank)
+    facts["trained"] = trained + (f", starting from {init.name}" if init else "")
+    if not settings.fit.plain:  # what q was fitted to, beside how long
+        facts["fit"] = dataclasses.asdict(settings.fit)
+    before = {"before": checkpoint.facts(meta)} if init else {}
+    save_family_member(dest, student, tokenizer_json, facts | before, train_ids, rank)
+    return facts

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .. import atomic
+from .. import options as O
 
-FORMAT = "smallem-run-state"
-VERSION = "1"
-NAME = "state.safetensors"
-LEGACY = "state.pt"  # pickled by earlier versions: never loaded
+FORMAT, VERSION = "smallem-run-state", "1"
 
 
 class RunStateError(ValueError):
@@ -39,48 +37,34 @@ class Position:
     elapsed: float = 0.0
 
 
-def path_of(run_dir: Path) -> Path:
-    return run_dir / NAME
-
-
 def save(
-    run_dir: Path,
-    modules: dict[str, torch.nn.Module],
-    opt: torch.optim.Optimizer,
-    pos: Position,
-    settings: dict[str, Any],
+    run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer, pos: Position, settings: dict
 ) -> None:
     """Write the state atomically (flushed to disk before the rename: a crash cannot leave an empty state)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     for name, mod in modules.items():
         tensors |= {f"module.{name}.{k}": v.detach().contiguous() for k, v in mod.state_dict().items()}
-    sd = opt.state_dict()
-    scalars: dict[str, dict[str, Any]] = {}
-    for i, st in sd["state"].items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"opt.{i}.{k}"] = v.detach().contiguous()
-            else:
-                scalars.setdefault(str(i), {})[k] = v
+    sd = opt.state_dict()  # AdamW's: every per-parameter entry a tensor
+    tensors |= {f"opt.{i}.{k}": v.detach().contiguous() for i, st in sd["state"].items() for k, v in st.items()}
     meta = {
         "format": FORMAT,
         "version": VERSION,
-        "position": json.dumps({"step": pos.step, "tokens": pos.tokens, "elapsed": pos.elapsed}),
+        "position": json.dumps(asdict(pos)),
         "modules": json.dumps(sorted(modules)),
-        "optimizer": json.dumps({"param_groups": sd["param_groups"], "scalars": scalars}),
+        "optimizer": json.dumps({"param_groups": sd["param_groups"]}),
         "settings": json.dumps(settings, sort_keys=True),
     }
-    atomic.replace_with(path_of(run_dir), lambda tmp: save_file(tensors, str(tmp), metadata=meta), sync=True)
+    path = run_dir / "state.safetensors"
+    atomic.replace_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), sync=True)
 
 
 def load(run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer) -> Position | None:
     """Restore modules, optimizer and RNG from `run_dir`'s state -> its Position, or None if there is
     none. Everything is checked before anything is changed."""
-    path = path_of(run_dir)
+    path = run_dir / "state.safetensors"
     if not path.exists():
-        legacy = run_dir / LEGACY
-        if legacy.exists():
+        if (legacy := run_dir / "state.pt").exists():
             raise RunStateError(
                 f"{legacy} is a resume state in the old pickle format, which smallem no longer loads "
                 "(a pickle can run code): delete it to train afresh, or pass another --run-dir"
@@ -94,20 +78,27 @@ def load(run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Op
         tensors = load_file(str(path))
         pos = _position(json.loads(meta["position"]))
         names = json.loads(meta["modules"])
-        opt_meta = json.loads(meta["optimizer"])
-        groups, scalars = opt_meta["param_groups"], opt_meta["scalars"]
+        groups = json.loads(meta["optimizer"])["param_groups"]
     except RunStateError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise RunStateError(f"cannot read the run state {path}: {_one_line(e)}") from None
+        raise RunStateError(f"cannot read the run state {path}: {O.one_line(str(e))}") from None
     if names != sorted(modules):
         raise RunStateError(f"{path} is the state of a run of {names}, not {sorted(modules)}: pass another --run-dir")
     if any(not torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
         raise RunStateError(f"{path}: the state holds NaN or infinity")
     states = {name: _prefixed(tensors, f"module.{name}.") for name in modules}
     for name, mod in modules.items():
-        _check_fits(path, name, states[name], mod.state_dict())
-    opt_state = _opt_state(path, tensors, scalars, opt)
+        found, expected = states[name], mod.state_dict()
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        if missing or extra:
+            raise RunStateError(f"{path}: {name} does not fit this run (missing {missing[:3]}, unexpected {extra[:3]})")
+        for k, v in expected.items():
+            if found[k].shape != v.shape or found[k].dtype != v.dtype:
+                raise RunStateError(
+                    f"{path}: {name}.{k} is {found[k].dtype} {tuple(found[k].shape)}, not {tuple(v.shape)}"
+                )
+    opt_state = _opt_state(path, tensors, opt)
     rng = tensors.get("rng.torch")
     if rng is None or rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:
         raise RunStateError(f"{path}: no valid RNG state")
@@ -119,20 +110,15 @@ def load(run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Op
         opt.load_state_dict({"state": opt_state, "param_groups": groups})
         torch.set_rng_state(rng)
     except (ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise RunStateError(f"{path} does not fit this run: {_one_line(e)}") from None
+        raise RunStateError(f"{path} does not fit this run: {O.one_line(str(e))}") from None
     return pos
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 def _position(raw: Any) -> Position:
     step, tokens, elapsed = raw["step"], raw["tokens"], raw["elapsed"]
-    for v in (step, tokens):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"bad step or token count {v!r}")
-    if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not math.isfinite(elapsed) or elapsed < 0:
+    if any(type(v) is not int or v < 0 for v in (step, tokens)):  # a bool is no count
+        raise ValueError(f"bad step or token count in {raw!r}")
+    if type(elapsed) not in (int, float) or not math.isfinite(elapsed) or elapsed < 0:
         raise ValueError(f"bad elapsed seconds {elapsed!r}")
     return Position(step, tokens, float(elapsed))
 
@@ -141,18 +127,7 @@ def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.
     return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def _check_fits(path: Path, name: str, found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    if missing or extra:
-        raise RunStateError(f"{path}: {name} does not fit this run (missing {missing[:3]}, unexpected {extra[:3]})")
-    for k, v in expected.items():
-        if found[k].shape != v.shape or found[k].dtype != v.dtype:
-            raise RunStateError(f"{path}: {name}.{k} is {found[k].dtype} {tuple(found[k].shape)}, not {tuple(v.shape)}")
-
-
-def _opt_state(
-    path: Path, tensors: dict[str, torch.Tensor], scalars: dict[str, dict[str, Any]], opt: torch.optim.Optimizer
-) -> dict[int, dict[str, Any]]:
+def _opt_state(path: Path, tensors: dict[str, torch.Tensor], opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     """The optimizer's per-parameter state, each moment checked against its parameter's shape."""
     params = [p for g in opt.param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
@@ -164,14 +139,7 @@ def _opt_state(
         if t.shape != want:
             raise RunStateError(f"{path}: optimizer {k} of parameter {i} has shape {tuple(t.shape)}, not {tuple(want)}")
         state.setdefault(int(i), {})[k] = t
-    for i, extra in scalars.items():
-        if not i.isdigit() or int(i) not in state:
-            raise RunStateError(f"{path}: optimizer state for an unknown parameter {i!r}")
-        state[int(i)] |= extra
-    if isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
-        for i, st in state.items():
-            if lacks := {"step", "exp_avg", "exp_avg_sq"} - set(st):
-                raise RunStateError(
-                    f"{path} does not fit this run: parameter {i}'s optimizer state lacks {sorted(lacks)}"
-                )
+    for i, st in state.items():  # AdamW's
+        if lacks := {"step", "exp_avg", "exp_avg_sq"} - set(st):
+            raise RunStateError(f"{path} does not fit this run: parameter {i}'s optimizer state lacks {sorted(lacks)}")
     return state

@@ -1,17 +1,10 @@
-"""The native engine (`--engine native`): a decode pass in C++ over the checkpoint's float16 weights.
+"""The native engine (`--engine native`): a decode pass in C++ over the model's own weights.
 
-A one-token pass of the target is bound by reading its weights: 36 MB as the eager engine's float32,
-more than this machine's L3; 18 MB as the float16 they are stored in. Inductor's float16 products
-were slower than its float32 ones (docs/decisions.md), so `step.cpp` has its own, over weights packed
-in panels at load: converted to float32 in registers and accumulated in float32, so float16-valued
-weights (every checkpoint Smallem ships or exports) are computed as they are. A proposer loaded with
-`--proposer-weights int8` reads int8 with a scale per row (`pack.panels8`), half the bytes; the
-target's are always its own values, so the text is the target's.
-
-A step reads the past as a strided view of the slab and writes the new K/V right after it, for every
-T, with one library built and cached once (`kernels`). Anything that fails (no compiler, no
-AVX2/F16C/FMA, weights float16 cannot hold, a shape the kernels do not tile) leaves the model eager,
-with one line through `log`.
+A one-token pass is bound by reading the weights, so `step.cpp` reads each matrix in the narrowest
+of float16, bfloat16 and float32 that holds its values exactly (`narrowest`), in
+panels, accumulating in float32: the model is computed as it is. A proposer's may be int8
+(`--proposer-weights int8`, `panels8`); the target's never are, so the text is the target's.
+Anything that fails leaves the model eager, with one line through `log`.
 """
 
 from __future__ import annotations
@@ -24,18 +17,17 @@ import torch
 
 from ...engine.batch import BatchStep, visible
 from ...model.llama import MTPModule, Transformer, permute_rope
-from ...spec.verify import Penalty
-from .kernels import ENGINES, Log, library, ptr
-from .pack import NativeUnavailable, half_exact, panels, panels8
+from ...spec.verify import Penalty, Warper, uniforms
+from . import kernels
+from .kernels import ENGINES, Log, NativeUnavailable, library, ptr
 
-MAX_T = 64  # the longest pass served (verify passes, a draft's catch-up); longer ones run eager
-StepFn = Callable[..., tuple[torch.Tensor, ...]]
+MAX_T = 64  # the longest one-sequence step (verify passes, a draft's catch-up); longer ones take the batch pass
 
 
 class _Mat(ctypes.Structure):
     """A matrix in panels (`matmul.h`'s `Mat`): float16, or int8 with its rows' scales."""
 
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("kind", ctypes.c_int)]
 
 
 class _LayerW(ctypes.Structure):
@@ -51,7 +43,43 @@ class _ModelW(ctypes.Structure):
         *[(n, ctypes.c_void_p) for n in ("g_final", "table")],
         ("wh", _Mat),
         ("g_h", ctypes.c_void_p),
+        ("embed_kind", ctypes.c_int),
     ]
+
+
+KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # matmul.h's W_F16, W_BF16, W_F32
+KIND_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def narrowest(w: torch.Tensor) -> torch.Tensor:
+    """w in the narrowest of float16, bfloat16 and float32 that holds every value exactly: the model
+    computed as it is, from the fewest bytes (a quantized file's dequantized values: float32)."""
+    w = w.detach().float()
+    for dtype in (torch.float16, torch.bfloat16):
+        if torch.equal((t := w.to(dtype)).float(), w):
+            return t.contiguous()
+    return w.contiguous()
+
+
+def panels(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """W [out, in] -> panels of `width` output rows (the library's `smallem_panel`), as `step.cpp`
+    reads them front to back: [ceil(out / width), in, width], the last panel padded with zero rows."""
+    pad = -rows.shape[0] % width
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    return rows.view(-1, width, rows.shape[1]).transpose(1, 2).contiguous()
+
+
+def panels8(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> int8 panels (`panels`' layout) and float32 scales [ceil(out / width) * width]:
+    row n is scale[n] * q[n], q[n] = round(W[n] / scale[n]), scale[n] = max |W[n]| / 127 (symmetric,
+    per output row). For a proposer only."""
+    w = w.detach().float()
+    top = w.abs().amax(dim=1)
+    scale = torch.where(top > 0, top / 127, torch.ones_like(top))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    pad = -w.shape[0] % width  # the padding rows' scales: 1 (their outputs are never stored)
+    return panels(q, width), torch.cat([scale, scale.new_ones(pad)]).contiguous()
 
 
 class NativeSteps:
@@ -59,106 +87,87 @@ class NativeSteps:
     view of the slab (`step_for`), a proposer's chain in one call (`chain`). int8: its matrices as int8."""
 
     def __init__(
-        self,
-        model: Transformer | MTPModule,
-        target: Transformer,
-        log: Log,
-        root: Path,
-        engine: str = "native",
-        int8: bool = False,
+        self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str, int8: bool
     ) -> None:
         self.lib = library(root, log, ENGINES[engine])
         self.width = self.lib.smallem_panel()  # a panel's output rows, as this library reads them
         self.score_rows = self.lib.smallem_score_rows()  # rows of attention scores a thread's scratch holds
         self.int8 = int8  # a proposer's matrices as int8 (`panels8`): fewer bytes a guess; the target's never
-        c = model.cfg
+        self.cfg = c = model.cfg
         if c.dim % 8 or c.head_dim % 8 or c.hidden_dim % 8 or c.n_heads % c.n_kv_heads:
             raise NativeUnavailable("the model's widths are not multiples of 8")
-        own = target if isinstance(model, MTPModule) else model  # the MTP module turns (and guesses) as its target
+        self.mtp = isinstance(model, MTPModule)
+        own = target if self.mtp else model  # the MTP module turns (and guesses) as its target
         assert own.rope_cos is not None and own.rope_sin is not None, "pack() the model first"
         self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
-        self._rope_row = own.rope_cos.stride(0) * own.rope_cos.element_size()  # bytes a position (`chain`)
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
-        self.mtp = isinstance(model, MTPModule)
-        self.keep: list[torch.Tensor] = []  # every tensor the C struct points at, alive as long as it
-        blocks = [model.block] if isinstance(model, MTPModule) else list(model.layers)
-        layers = (_LayerW * len(blocks))()
+        self.keep: list[torch.Tensor] = []  # every tensor the C structs point at, alive as long as they
+        self.kinds: set[torch.dtype] = set()  # the dtypes its matrices are read in (int8 aside)
+        blocks = [model.block] if self.mtp else list(model.layers)
+        self.layers_c = (_LayerW * len(blocks))()
         for i, b in enumerate(blocks):
             H, Hkv = b.n_heads, b.n_kv_heads
             qkv = torch.cat([permute_rope(b.q_proj.weight, H), permute_rope(b.k_proj.weight, Hkv), b.v_proj.weight])
             mats = [qkv, b.o_proj.weight, torch.cat([b.gate_proj.weight, b.up_proj.weight]), b.down_proj.weight]
-            norms = [w.weight.detach().float().contiguous() for w in (b.input_layernorm, b.post_attention_layernorm)]
-            self.keep += norms
-            layers[i] = _LayerW(*[self._mat(w, f"layer {i}") for w in mats], *[w.data_ptr() for w in norms])
-        n_layers = c.n_layers if not self.mtp else 1
-        mw = _ModelW(n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size, c.norm_eps)
-        mw.layers = ctypes.cast(layers, ctypes.c_void_p)
+            norms = [self._held(_floats(w.weight)) for w in (b.input_layernorm, b.post_attention_layernorm)]
+            self.layers_c[i] = _LayerW(*[self._mat(w) for w in mats], *norms)
+        self.mw = mw = _ModelW(len(blocks), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
+        mw.eps, mw.layers = c.norm_eps, ctypes.cast(self.layers_c, ctypes.c_void_p)
         # a chain's head rows in panels, by ids (held, so that their id stays theirs); a draft's
         # whole head is the one its passes read
         self._heads: dict[int, tuple[torch.Tensor | None, _Mat]] = {}
-        if isinstance(model, MTPModule):
-            table = model.token_table(target.embed_tokens.weight).detach().contiguous()
-            g_h = model.hnorm.weight.detach().float().contiguous()
-            self.keep += [table, g_h]
-            mw.wh = self._mat(model.eh_proj.weight[:, : c.dim], "eh_proj")  # [d, d]: the h half
-            mw.table, mw.g_h = table.data_ptr(), g_h.data_ptr()
+        if self.mtp:
+            mw.wh = self._mat(model.eh_proj.weight[:, : c.dim])  # [d, d]: the h half
+            mw.table = self._held(model.token_table(target.embed_tokens.weight).detach().contiguous())
+            mw.g_h = self._held(_floats(model.hnorm.weight))
         else:
-            embed = half_exact(model.embed_tokens.weight, "embed_tokens")
-            g = model.norm.weight.detach().float().contiguous()
-            self.keep += [embed, g]
-            mw.head = self._mat(model.head_weight, "head")
-            mw.embed, mw.g_final = embed.data_ptr(), g.data_ptr()
+            mw.head = self._mat(model.head_weight)
+            embed = narrowest(model.embed_tokens.weight)
+            mw.embed, mw.embed_kind = self._held(embed), KINDS[embed.dtype]
+            self.kinds.add(embed.dtype)
+            mw.g_final = self._held(_floats(model.norm.weight))
             self._heads[id(None)] = (None, mw.head)
-        self.layers_c, self.mw = layers, mw
-        self.cfg = c
-        self._scratch: dict[tuple[int, int, int], torch.Tensor] = {}  # by (T, threads, extra floats)
-        self._batch_scratch = torch.empty(0)  # a batch pass's (`batch`), for its largest batch so far
+        self._scratch = torch.empty(0)  # the C code's, for the largest pass so far
         # The head and final norm a chain of guesses reads (`chain`): the target's for the MTP
         # module, a draft's own; packed at the chain's first call, per cut of the head.
         self.head_src = own.head_weight.detach()
-        self.g_final = own.norm.weight.detach().float().contiguous()
+        self.g_final = _floats(own.norm.weight)
 
-    def _mat(self, w: torch.Tensor, name: str) -> _Mat:
-        """W [out, in] in panels, held: float16 (refused if not float16-exact), or int8 (`int8`)."""
+    def _held(self, t: torch.Tensor) -> int:
+        """t's address, t kept alive as long as the C structs that point at it."""
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def _mat(self, w: torch.Tensor) -> _Mat:
+        """W [out, in] in panels, held: its own values (`narrowest`), or int8 (`int8`)."""
         if self.int8:
             q, scale = panels8(w, self.width)
-            self.keep += [q, scale]
-            return _Mat(q.data_ptr(), scale.data_ptr())
-        h = panels(w, name, self.width)
-        self.keep.append(h)
-        return _Mat(h.data_ptr(), None)
+            return _Mat(self._held(q), self._held(scale), 0)
+        t = narrowest(w)
+        self.kinds.add(t.dtype)
+        return _Mat(self._held(panels(t, self.width)), None, KINDS[t.dtype])
 
     def trig(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, P] of a pass's new positions, start .. length - 1."""
         return self.rope[0][start:length], self.rope[1][start:length]
 
-    def step_for(self, start: int, length: int, head: bool, last: bool) -> StepFn | None:
-        """The step for a pass over positions start .. length - 1 whose past is one view of the slab;
-        None for a pass longer than MAX_T or past the context (the slab holds a page more, but the rope
-        tables stop there and a step checks no shapes)."""
-        if start < 0 or length > self.positions:
+    def step_for(self, start: int, length: int, head: bool, last: bool) -> Callable | None:
+        """The target's step (tokens, cos, sin, past) -> (logits, hidden, the new K/V, each row's argmax
+        and the finite flag or None) for a pass over positions start .. length - 1 whose past is one view
+        of the slab; None for a pass longer than MAX_T or past the context (the rope tables stop there)."""
+        if self.mtp or start < 0 or length > self.positions or length - start > MAX_T:
             return None
-        return self.get(length - start, head, last)
+        return lambda tokens, cos, sin, past: self._run(tokens, cos, sin, past, head, last)
 
-    def get(self, T: int, head: bool, last: bool) -> StepFn | None:
-        if T > MAX_T:
-            return None
-        if self.mtp:
-            return lambda h, tokens, cos, sin, past: self._run(tokens, h, cos, sin, past, False, last)
-        return lambda tokens, cos, sin, past: self._run(tokens, None, cos, sin, past, head, last)
-
-    def _need(self, T: int, threads: int) -> int:
-        """Floats of smallem_step's scratch for a pass over T tokens."""
+    def _scratch_for(self, T: int, threads: int, more: int = 0) -> tuple[torch.Tensor, int]:
+        """The C code's scratch for a pass over T tokens (plus `more` floats: a chain's), one buffer
+        grown as needed -> (it, the floats smallem_step takes of it)."""
         c = self.cfg
         Q, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_dim
-        return T * (c.dim + Q + c.n_heads * c.head_dim + 3 * F) + threads * self.score_rows * (self.positions + T + 8)
-
-    def _scratch_for(self, T: int, threads: int, more: int = 0) -> torch.Tensor:
-        """The C code's scratch for a pass over T tokens (plus `more` floats), made once per size."""
-        key = (T, threads, more)
-        if key not in self._scratch:
-            self._scratch[key] = torch.empty(self._need(T, threads) + more)
-        return self._scratch[key]
+        need = T * (c.dim + Q + c.n_heads * c.head_dim + 3 * F) + threads * self.score_rows * (self.positions + T + 8)
+        if self._scratch.numel() < need + more:
+            self._scratch = torch.empty(need + more)
+        return self._scratch, need
 
     def chain(
         self,
@@ -180,7 +189,7 @@ class NativeSteps:
         assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
             rows = self.head_src if ids is None else self.head_src[ids]
-            self._heads[id(ids)] = (ids, self._mat(rows, "the proposer's head"))
+            self._heads[id(ids)] = (ids, self._mat(rows))
         ids_t, rows = self._heads[id(ids)]
         c, threads = self.cfg, torch.get_num_threads()
         N = c.vocab_size if ids_t is None else ids_t.numel()
@@ -190,10 +199,7 @@ class NativeSteps:
             m = feed.shape[0]
         else:
             out, feed, feed_h, m = start.contiguous(), None, None, 0
-        T = max(m, 1)  # the widest step of the call
-        need = self._need(T, threads)
-        more = 3 * c.dim + N + m * c.dim
-        scratch = self._scratch_for(T, threads, more)
+        scratch, need = self._scratch_for(max(m, 1), threads, 3 * c.dim + N + m * c.dim)  # the widest step: m
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
         q = None  # greedy: no q (the C code reads it only with u)
         if u is not None:
@@ -205,11 +211,11 @@ class NativeSteps:
         if penalty is not None:
             seen, mark = penalty.seen.contiguous(), torch.empty(c.vocab_size, dtype=torch.uint8)
             assert seen.dtype == torch.bool and seen.numel() == c.vocab_size
-        row = self._rope_row  # cos, sin from position L: by address
+        at = L * self.rope[0].stride(0) * self.rope[0].element_size()  # cos, sin from position L on: by address
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
         self.lib.smallem_chain(
-            ctypes.addressof(self.mw), rows.w, rows.scale, N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
-            ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + L * row, self.rope[1].data_ptr() + L * row,
+            ctypes.addressof(self.mw), rows.w, rows.scale, rows.kind, N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
+            ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + at, self.rope[1].data_ptr() + at,
             view.data_ptr(), ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else inv_t,
             tokens.data_ptr(), tops.data_ptr(), ptr(q), scratch.data_ptr(), need, threads,
             ptr(seen), 1.0 if penalty is None else penalty.factor, ptr(mark),
@@ -234,10 +240,7 @@ class NativeSteps:
         h = None if h is None else h.contiguous()  # held here: the C code reads it
         tokens, slots = tokens.contiguous(), b.slots.contiguous()
         assert slab.is_contiguous() and keys <= self.positions + N
-        need = self._need(N, threads)
-        if self._batch_scratch.numel() < need:  # one buffer for every batch size, grown as needed
-            self._batch_scratch = torch.empty(need)
-        scratch = self._batch_scratch
+        scratch, _ = self._scratch_for(N, threads)
         strides = (ctypes.c_int64 * 4)(*slab.stride()[:4])
         self.lib.smallem_batch_step(
             ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), N, cos.data_ptr(), sin.data_ptr(), slab.data_ptr(),
@@ -247,20 +250,11 @@ class NativeSteps:
         return logits, x
 
     def _run(
-        self,
-        tokens: torch.Tensor,
-        h: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        past: torch.Tensor,
-        head: bool,
-        last: bool,
+        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor, head: bool, last: bool
     ) -> tuple[torch.Tensor, ...]:
         c = self.cfg
-        T, S = tokens.shape[0], past.shape[3]
-        L = 1 if self.mtp else c.n_layers
-        threads = torch.get_num_threads()
-        scratch = self._scratch_for(T, threads)
+        T, S, threads = tokens.shape[0], past.shape[3], torch.get_num_threads()
+        scratch, _ = self._scratch_for(T, threads)
         x = torch.empty(T, c.dim)
         # the new K/V [L, 2, Hkv, T, D]: in the slab, right after the past, which must hold them
         at = past.storage_offset() + S * past.stride(3)
@@ -268,26 +262,55 @@ class NativeSteps:
         reach = at + sum((n - 1) * s for n, s in dims) + (T - 1) * past.stride(3) + c.head_dim
         if reach > past.untyped_storage().nbytes() // past.element_size():  # the C code would write past the slab
             raise ValueError(f"no room in the slab for {T} positions after a past of {S}")
-        new = past.as_strided((L, 2, c.n_kv_heads, T, c.head_dim), past.stride(), at)
+        new = past.as_strided((c.n_layers, 2, c.n_kv_heads, T, c.head_dim), past.stride(), at)
         t_head = (1 if last else T) if head else 0
         logits = torch.empty(t_head, c.vocab_size)
         top = torch.empty(t_head + 1, dtype=torch.long) if t_head else None  # each row's argmax, the finite flag
         assert past.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and tokens.is_contiguous()
         strides = (ctypes.c_int64 * 4)(*past.stride()[:4])
-        h = None if h is None else h.contiguous()  # held here: the C code reads it
         self.lib.smallem_step(
-            ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), T, cos.data_ptr(), sin.data_ptr(), past.data_ptr(),
+            ctypes.addressof(self.mw), tokens.data_ptr(), None, T, cos.data_ptr(), sin.data_ptr(), past.data_ptr(),
             ctypes.addressof(strides), S, x.data_ptr(), logits.data_ptr(), t_head, new.data_ptr(),
             ctypes.addressof(strides), scratch.data_ptr(), threads, ptr(top),  # new's strides: the slab's too
         )  # fmt: skip
-        out = x[-1:] if last else x
-        if self.mtp:
-            return out, new
-        if top is None:  # no head (or no row of it)
-            return x[:0], out, new
-        return logits, out, new, top
+        return logits, (x[-1:] if last else x), new, top  # top: None without a head
 
 
-# re-exported: the engine calls native.verify_sample and native.penalize_argmax
-from .sampled import penalize_argmax as penalize_argmax  # noqa: E402
-from .sampled import verify_sample as verify_sample  # noqa: E402
+def _floats(w: torch.Tensor) -> torch.Tensor:
+    """A norm's weight as the C code reads it: float32, contiguous, detached."""
+    return w.detach().float().contiguous()
+
+
+def verify_sample(
+    logits: torch.Tensor, warp: Warper, drafts: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """`verify.verify_sample` for one sequence after `warp`, in one call (`verify.h`): raw logits
+    [k+1, V] of the verify pass, the guesses [k] and their q [k, V] (None: no guess) -> [k + 2]
+    long: n kept, then the k+1 tokens. It draws what `verify_sample` draws, in the same order."""
+    k, V = drafts.shape[0], logits.shape[-1]
+    assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
+    u = None  # without a guess, nothing to accept: verify_sample draws only the next token
+    if k:
+        assert q is not None and tuple(q.shape) == (k, V)
+        q, drafts = q.float().contiguous(), drafts.contiguous()
+        u = torch.rand(1, k, generator=generator)  # as verify_sample's acceptance draws
+    u_next = uniforms((1,), generator, logits)  # as its `sample` of the next token
+    out, r = torch.empty(k + 2, dtype=torch.long), torch.empty(3 * V)  # r: the C code's scratch, held here
+    kernels.loaded().smallem_verify_sample(
+        logits.data_ptr(), k, V, 1.0 / warp.temperature, ptr(drafts) if k else None, ptr(q) if k else None, ptr(u),
+        u_next.data_ptr(), r.data_ptr(), out.data_ptr(),
+        warp.top_k or 0, 1.0 if warp.top_p is None else warp.top_p, warp.min_p or 0.0,  # 0, 1, 0: off
+    )  # fmt: skip
+    return out
+
+
+def penalize_argmax(rows: torch.Tensor, seen: torch.Tensor, fed: torch.Tensor, penalty: float) -> torch.Tensor:
+    """`verify.penalize` over one sequence's rows [T, V] of a pass over `fed` [T], in place (the
+    same float32 operations), with the context `seen` [V] (bool) -> each penalised row's argmax [T]
+    (torch.argmax's choice: the first largest)."""
+    T, V = rows.shape
+    assert rows.dtype == torch.float32 and rows.is_contiguous() and seen.dtype == torch.bool and seen.numel() == V
+    fed, seen = fed.contiguous(), seen.contiguous()
+    top, mark = torch.empty(T, dtype=torch.long), torch.empty(V, dtype=torch.uint8)  # mark: the C code's scratch
+    kernels.loaded().smallem_penalize(ptr(rows), T, V, ptr(seen), ptr(fed), penalty, ptr(top), ptr(mark))
+    return top

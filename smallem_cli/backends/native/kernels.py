@@ -1,9 +1,7 @@
 """The native engine's kernels: built once by the system's C++ compiler, cached on disk by the hash
-of their source, flags and compiler, loaded with ctypes. Two builds: "avx512" where torch finds
-AVX-512 (panels of 16 output rows, one 512-bit register: independent FMAs ran 110-112 GFLOP/s a core
-here against 67 on 256-bit ones, and a pass over a few rows is bound by them), else "avx2" (panels
-of 8), which an AVX-512 CPU loads beside it (`--engine native-avx2`) for `smallem bench` to time both.
-"""
+of their source, flags and compiler, loaded with ctypes. Two builds: "avx512" (panels of 16 output
+rows, one 512-bit register) where torch finds AVX-512, else "avx2" (panels of 8), which an AVX-512 CPU
+loads beside it (`--engine native-avx2`) to time both."""
 
 from __future__ import annotations
 
@@ -21,29 +19,36 @@ from pathlib import Path
 
 import torch
 
-from .pack import NativeUnavailable
-
 Log = Callable[[str], None]
 HERE = Path(__file__).parent
-SOURCES = ("step.cpp",)  # it includes the headers beside it
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f"]}
-# The engines (`--engine`) and their builds: the widest this CPU runs, and the AVX2 one beside it
-# (on an AVX-512 CPU, to time both in one run); each a model's attribute of that name, "-" as "_".
+# The engines (`--engine`) and their builds: the widest this CPU runs (None), and the AVX2 one.
 ENGINES = {"native": None, "native-avx2": "avx2"}
 _LIBS: dict[str, ctypes.CDLL] = {}  # by ISA, loaded once a process
 _FAILED: dict[str, str] = {}  # build key -> why its build failed: a compiler is tried once a process
-BUILD_TIMEOUT = 300.0  # seconds a build may run (one takes ~6 s here): a hung compiler must not hang generate
-SYMBOLS = (  # what every build exports (step.cpp, verify.h): a library without one is not ours
-    "smallem_step", "smallem_chain", "smallem_batch_step", "smallem_verify_sample",
-    "smallem_penalize", "smallem_panel", "smallem_score_rows",
-)  # fmt: skip
+BUILD_TIMEOUT = 300.0  # seconds a build may run: a hung compiler must not hang generate
+# What every build exports (step.cpp, verify.h), a library without one is not ours: each function's
+# arguments (p a pointer, i an int, f a float) and whether it returns an int (else nothing).
+SIGNATURES = {
+    "smallem_step": ("pppippppippipppip", False),
+    "smallem_chain": ("pppiipppppiippppipfppppiipfp", False),
+    "smallem_batch_step": ("pppippppppppippippip", False),
+    "smallem_verify_sample": ("piifppppppiff", False),
+    "smallem_penalize": ("piippfpp", False),
+    "smallem_panel": ("", True),
+    "smallem_score_rows": ("", True),
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The native engine cannot serve this machine or this model (the message says why)."""
 
 
 def prefetch_rows(cpuinfo: str | None = None) -> int:
     """The fewest input rows a product tile prefetches its next panels for (`matmul.h` PREFETCH_ROWS),
-    by the CPU's maker (`cpuinfo`: /proc/cpuinfo's text, read when None): 5 on AMD (a Zen 4 host took
-    2-12% less over 5 to 7 rows, passes alternated), 8 elsewhere (Emerald Rapids: 5-7% more at 5, 6)."""
+    by the CPU's maker (`cpuinfo`: /proc/cpuinfo's text, read when None): 5 on AMD, 8 elsewhere, as
+    measured (docs/decisions.md)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
@@ -77,8 +82,7 @@ def private_folder(folder: Path) -> Path:
     be: others cannot move what is ours in them). NativeUnavailable names the first that fails."""
     me = os.geteuid()
     given = Path(os.path.abspath(folder))
-    chain = [given, *given.parents]
-    for p in reversed(chain):  # from / down: a symlink someone else owns could be repointed at any time
+    for p in reversed([given, *given.parents]):  # from / down: another's symlink could be repointed any time
         try:
             st = os.lstat(p)
         except FileNotFoundError:
@@ -103,7 +107,7 @@ def private_folder(folder: Path) -> Path:
 
 
 def _load(data: bytes, folder: Path) -> ctypes.CDLL | str:
-    """`data` loaded as a library with every one of SYMBOLS -> it, or why not (a line). CDLL takes a
+    """`data` loaded as a library with every one of SIGNATURES -> it, or why not (a line). CDLL takes a
     path, looked up again as it loads, so the bytes go into a fresh mkdtemp folder (0700, inside the
     checked `folder`: /tmp may be noexec) and load from there: what was hashed is what runs. The copy
     goes once loaded: the mapping keeps its inode in use, so no later copy gets that inode and is taken
@@ -118,7 +122,7 @@ def _load(data: bytes, folder: Path) -> ctypes.CDLL | str:
         return f"does not load ({str(e).rsplit(': ', 1)[-1][:200]})"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    missing = [s for s in SYMBOLS if not hasattr(lib, s)]  # before argtypes: no AttributeError later
+    missing = [s for s in SIGNATURES if not hasattr(lib, s)]  # before argtypes: no AttributeError later
     return f"lacks {missing[0]}" if missing else lib
 
 
@@ -147,7 +151,7 @@ def _build(cxx: str, flags: list[str], key: str, folder: Path) -> ctypes.CDLL:
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))  # 0700: no one else can enter
     try:
         out = tmp / "step.so"
-        argv = [cxx, *flags, "-o", str(out), *(str(HERE / s) for s in SOURCES)]
+        argv = [cxx, *flags, "-o", str(out), str(HERE / "step.cpp")]  # it includes the headers beside it
         # a session of its own: on a timeout the compiler's children (cc1plus) are killed with it,
         # and none of them is left holding the stderr pipe open
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -200,10 +204,8 @@ def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
         why = lib
         with contextlib.suppress(OSError):
             path.unlink()
-    if why is None:
-        log(f"building the native decode step for this machine ({isa}; once, cached in {root})")
-    else:
-        log(f"building the native decode step again ({isa}): the cached one {why}")
+    why = f"again ({isa}): the cached one {why}" if why else f"for this machine ({isa}; once, cached in {root})"
+    log(f"building the native decode step {why}")
     try:
         lib = _build(cxx, flags, key, folder)
     except NativeUnavailable as e:
@@ -213,19 +215,10 @@ def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
 
 
 def _bind(isa: str, lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` with its functions' C signatures (step.cpp, verify.h), argument by argument; kept for `isa`."""
-    ptr, num = ctypes.c_void_p, ctypes.c_int
-    lib.smallem_step.restype = lib.smallem_chain.restype = None
-    lib.smallem_step.argtypes = [ptr] * 3 + [num] + [ptr] * 4 + [num] + [ptr] * 2 + [num] + [ptr] * 3 + [num, ptr]
-    lib.smallem_chain.argtypes = [ptr] * 3 + [num] + [ptr] * 5 + [num] * 2 + [ptr] * 4 + [num] + [ptr]
-    lib.smallem_chain.argtypes += [ctypes.c_float] + [ptr] * 4 + [num] * 2 + [ptr, ctypes.c_float, ptr]
-    lib.smallem_batch_step.restype = None
-    lib.smallem_batch_step.argtypes = [ptr] * 3 + [num] + [ptr] * 8 + [num] + [ptr] * 2 + [num] + [ptr] * 2 + [num, ptr]
-    lib.smallem_verify_sample.restype = None
-    lib.smallem_verify_sample.argtypes = [ptr, num, num, ctypes.c_float] + [ptr] * 6 + [num] + [ctypes.c_float] * 2
-    lib.smallem_penalize.restype = None
-    lib.smallem_penalize.argtypes = [ptr, num, num, ptr, ptr, ctypes.c_float, ptr, ptr]
-    lib.smallem_panel.restype, lib.smallem_panel.argtypes = num, []
-    lib.smallem_score_rows.restype, lib.smallem_score_rows.argtypes = num, []
+    """`lib` with its functions' C signatures (`SIGNATURES`), kept for `isa`."""
+    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
+    for name, (args, returns_int) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int if returns_int else None, [kinds[a] for a in args]
     _LIBS[isa] = lib
     return lib

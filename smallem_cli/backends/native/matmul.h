@@ -1,4 +1,5 @@
-// The products of the native engine over float16 weights in panels, and the RMSNorm rows.
+// The products of the native engine over weights in panels (float16, bfloat16, float32, or a
+// proposer's int8), and the RMSNorm rows.
 #pragma once
 
 #include "vec.h"
@@ -18,6 +19,9 @@ static inline void v_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec v_add(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec v_mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec load16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vec loadb16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 static inline vec load8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
@@ -32,23 +36,35 @@ static inline void v_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec v_add(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline vec v_mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec load16(const uint16_t *p) { return load_h(p); }
+static inline vec loadb16(const uint16_t *p) { return load_b(p); }
 static inline vec load8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #endif
 
-// A weight matrix in panels (below): float16 (the checkpoint's own values: the target, always),
-// or int8 with a float32 scale per output row, row n being scale[n] * q[n] (a proposer's, where
-// the caller asks for it: `native.panels8`). A proposer's numbers change only how often its
-// guesses are kept; a greedy output is the target's whatever they are, and a sampled guess is
-// verified against the q it was drawn from.
+// A weight matrix in panels (below): the model's own values in the narrowest of float16,
+// bfloat16 and float32 that holds them exactly (the target, always), or int8 with a float32 scale
+// per output row, row n being scale[n] * q[n] (a proposer's, where the caller asks for it:
+// `native.panels8`). A proposer's numbers change only how often its guesses are kept; a greedy
+// output is the target's whatever they are, and a sampled guess is verified against the q it was
+// drawn from.
+enum { W_F16 = 0, W_BF16 = 1, W_F32 = 2 };
 struct Mat {
     const void *w;
-    const float *scale;  // [panels * PANEL] (the last panel's padding included), or null: float16
+    const float *scale;  // [panels * PANEL] (the last panel's padding included): int8; null: `kind`
+    int kind;            // W_F16, W_BF16 or W_F32
 };
 struct F16 {
     using T = uint16_t;
     static inline vec load(const uint16_t *p) { return load16(p); }
+};
+struct BF16 {
+    using T = uint16_t;
+    static inline vec load(const uint16_t *p) { return loadb16(p); }
+};
+struct F32 {
+    using T = float;
+    static inline vec load(const float *p) { return v_load(p); }
 };
 struct I8 {
     using T = int8_t;
@@ -190,6 +206,10 @@ static void matmul_of(const float *x, int M, int ldx, const typename W::T *wp, c
 static void matmul(const float *x, int M, int ldx, Mat w, int N, int K, float *y, int ldy, bool add) {
     if (w.scale)
         matmul_of<I8>(x, M, ldx, (const int8_t *)w.w, w.scale, N, K, y, ldy, add);
+    else if (w.kind == W_BF16)
+        matmul_of<BF16>(x, M, ldx, (const uint16_t *)w.w, nullptr, N, K, y, ldy, add);
+    else if (w.kind == W_F32)
+        matmul_of<F32>(x, M, ldx, (const float *)w.w, nullptr, N, K, y, ldy, add);
     else
         matmul_of<F16>(x, M, ldx, (const uint16_t *)w.w, nullptr, N, K, y, ldy, add);
 }

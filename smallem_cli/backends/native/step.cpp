@@ -1,13 +1,14 @@
 // One decode pass of a Smallem model (a Transformer or the MTP module) over T new tokens,
-// reading its 16-bit weights as they lie in the checkpoint (`native.py` builds and loads it).
+// reading its weights as the model holds them (`native/__init__.py` builds and loads it).
 //
-// Why: on a CPU a small model's one-token pass is bound by reading its weights. The target
-// holds 36 MB of float32 weights, more than this machine's 32 MB L3, so every token reads
-// them from DRAM; as float16 they are 18 MB, which stay in L3 from one token to the next.
-// The checkpoints are float16, so computing with them (converted to float32 in registers,
-// float32 accumulation) is the same model, with no rounding of its own.
+// Why: on a CPU a small model's one-token pass is bound by reading its weights. The family's
+// target holds 36 MB of float32 weights, more than this machine's 32 MB L3, so every token reads
+// them from DRAM; as float16 they are 18 MB, which stay in L3 from one token to the next. Each
+// matrix is read in the narrowest type that holds its values exactly (float16, bfloat16, else
+// float32: `native.narrowest`), converted to float32 in registers and accumulated in float32:
+// the same model, with no rounding of its own.
 //
-// The past is read as a strided view of the slab, as the compiled graphs read it (`graphs.py`);
+// The past is read as a strided view of the slab;
 // the new K/V go to `out_new` [L, 2, Hkv, T, D]: the slab itself, right after the past (the
 // positions the caller reserved), or a buffer. Every output row is computed the same way
 // whatever T is (each sum in the same order), so a token's numbers do not depend on the pass
@@ -23,8 +24,8 @@
 #include "verify.h"  // smallem_verify_sample: one library, one translation unit (one compile)
 
 // Every matrix W [out, in] is stored in panels of PANEL output rows (`native.panels`):
-// [ceil(out / PANEL), in, PANEL], so that a product reads each panel front to back; float16, or
-// a proposer's int8 with its rows' scales (`Mat`, matmul.h).
+// [ceil(out / PANEL), in, PANEL], so that a product reads each panel front to back; float16,
+// bfloat16 or float32, or a proposer's int8 with its rows' scales (`Mat`, matmul.h).
 
 // The panel width this library was built for (16 with AVX-512, else 8): the packing must match.
 extern "C" int smallem_panel() { return PANEL; }
@@ -42,13 +43,14 @@ struct ModelW {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
     float eps;
     const LayerW *layers;
-    const uint16_t *embed; // [V, d] row-major (a Transformer's token embedding; unused by the MTP module)
+    const void *embed;     // [V, d] row-major, `embed_kind` (a Transformer's token embedding; not the MTP module's)
     Mat head;              // [V, d] output head, or w null (no head: the MTP module)
     const float *g_final;  // [d] final norm, or null
     // The MTP module's prologue: x = table[token] + (unit_rms(h) * g_h) @ Wh^T
     const float *table;    // [V, d] float32 (the token's half, `MTPModule.token_table`), or null
     Mat wh;                // [d, d] the h half of eh_proj
     const float *g_h;      // [d]
+    int embed_kind;        // W_F16, W_BF16 or W_F32 (matmul.h)
 };
 
 // Where a pass's new K/V go, and which keys each of its rows sees.
@@ -113,7 +115,7 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
 
 #pragma omp parallel num_threads(threads)
     {
-        // embedding: a Transformer's token rows (float16), or the MTP module's prologue
+        // embedding: a Transformer's token rows, or the MTP module's prologue
         if (mw->table) {
             rms_rows(h, T, d, mw->eps, mw->g_h, xn);
 #pragma omp for schedule(static)
@@ -122,8 +124,14 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
         } else {
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
-                const uint16_t *e = mw->embed + (size_t)tokens[t] * d;
-                for (int i = 0; i < d; i += 8) _mm256_storeu_ps(x + (size_t)t * d + i, load_h(e + i));
+                const size_t row = (size_t)tokens[t] * d;
+                float *xt = x + (size_t)t * d;
+                const uint16_t *e = (const uint16_t *)mw->embed + row;
+                if (mw->embed_kind == W_F32)
+                    memcpy(xt, (const float *)mw->embed + row, d * sizeof(float));
+                else
+                    for (int i = 0; i < d; i += 8)
+                        _mm256_storeu_ps(xt + i, mw->embed_kind == W_BF16 ? load_b(e + i) : load_h(e + i));
             }
         }
         for (int l = 0; l < mw->n_layers; l++) {
@@ -242,7 +250,8 @@ extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, cons
 // seen (V bytes, null: no penalty): the repetition penalty's context before the round; each
 // guess is scored as the target's row will be (`smallem_penalize`: seen and the guesses before
 // it), in `mark` (V bytes of scratch).
-extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const float *head_scale, int N, const float *g_final,
+extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const float *head_scale, int head_kind, int N,
+                              const float *g_final,
                               const int64_t *ids, const float *h0, const int64_t *feed, const float *feed_h, int m,
                               int k, const float *cos_t, const float *sin_t, float *view, const int64_t *st, int L,
                               const double *u, float inv_t, int64_t *tokens, float *tops, float *q, float *scratch,
@@ -262,7 +271,7 @@ extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const flo
 #pragma omp parallel num_threads(threads)
         {
             rms_rows(state, 1, d, mw->eps, g_final, xn);
-            matmul(xn, 1, d, Mat{head_rows, head_scale}, N, d, logits, N, false);
+            matmul(xn, 1, d, Mat{head_rows, head_scale, head_kind}, N, d, logits, N, false);
         }
         if (seen)  // the repetition penalty, as the target's rows get it (`smallem_penalize`)
             for (int i = 0; i < N; i++)

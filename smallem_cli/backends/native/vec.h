@@ -75,3 +75,7 @@ static inline int64_t argmax_finite(const float *x, int n, bool *finite) {
 }
 
 static inline __m256 load_h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+// Eight bfloat16 -> float32: a bfloat16 is a float32's upper half, so this is exact.
+static inline __m256 load_b(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}

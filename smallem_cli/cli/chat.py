@@ -1,0 +1,145 @@
+"""`smallem chat`: a conversation in the terminal, each answer streamed as it is verified.
+
+The conversation's cache outlives each answer (`Request.session`): a turn prefills only what its
+rendering adds to the last one. Ctrl-C stops an answer, not the session (what was printed stays in
+the conversation); Ctrl-D, or the end of a piped stdin, ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from .. import defaults as D
+from .. import options as O
+from .app import Device, Proposer, Target, Threads, Tokenizer, Weights, app, err, fail, load_run, stats_line
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from tokenizers import Tokenizer as Tok
+
+    from ..engine.request import Request
+    from ..engine.scheduler import Engine
+    from ..stats import Stats
+
+
+@app.command()
+def chat(
+    target: Target = D.TARGET,
+    proposer: Proposer = None,
+    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round [default: per proposer]")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="per answer")] = D.MAX_NEW_TOKENS,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = D.TEMPERATURE,
+    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
+    min_p: Annotated[float | None, typer.Option("--min-p")] = None,
+    penalty: Annotated[float, typer.Option("--repetition-penalty")] = 1.0,
+    seed: Annotated[int, typer.Option(help="the first answer's; each next answer's is one more")] = D.SEED,
+    system: Annotated[str | None, typer.Option(help="the system message")] = None,
+    device: Device = D.DEVICE,
+    tokenizer: Tokenizer = None,
+    engine: Annotated[str, typer.Option(help="auto | native | native-avx2 | eager")] = D.ENGINE,
+    weights: Weights = D.PROPOSER_WEIGHTS,
+    threads: Threads = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
+) -> None:
+    """Talk with a chat model: a line of stdin is a message, the answer streams to stdout."""
+    from ..engine import family
+    from ..engine.generate import engine_for_chat
+    from ..engine.request import Request
+    from ..model.chat import ChatError, chat_ids
+    from ..spec.sampling import NonFiniteError, Sampling
+    from ..stats import Stats
+
+    try:
+        proposer = proposer or family.default_proposer(target, temperature == 0)
+        kk = O.pick_k(proposer, k, temperature == 0)
+        O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, [], max_new_tokens)
+        vocab = D.proposer_vocab(temperature == 0, None)
+        tgt, loaded, backend = load_run(
+            target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet
+        )
+        if tgt.chat.template is None:
+            raise O.UsageError(f"{target} has no chat template: `smallem generate` continues plain text")
+    except O.INPUT_ERRORS as e:
+        raise fail(str(e)) from None
+    conversation = [] if system is None else [{"role": "system", "content": system}]
+    eng, context = engine_for_chat(tgt.model, loaded, kk, tgt.chat.end_ids, backend)
+    ctrl_c = _CtrlC()
+    previous = signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        while (line := ctrl_c.read("> " if sys.stdin.isatty() else "")) is not None:
+            if not line.strip():
+                continue
+            conversation.append({"role": "user", "content": line})
+            try:
+                ids = chat_ids(tgt.tok, tgt.chat, conversation)
+                O.check_context(len(ids), max_new_tokens, kk, context)
+            except (ChatError, O.UsageError) as e:  # this message is refused; the conversation goes on
+                conversation.pop()
+                err.print(f"error: {O.one_line(str(e))}")
+                continue
+            sampling = Sampling(temperature, top_k, top_p, seed + len(conversation) // 2, min_p, penalty)
+            request = Request(0, 0, tuple(ids), max_new_tokens, sampling, session=0)
+            stats = Stats(proposer, kk, backend=backend.label)
+            try:
+                text = _answer(eng, request, tgt.tok, stats, ctrl_c)
+            except NonFiniteError as e:
+                raise fail(str(e), 1) from None
+            conversation.append({"role": "assistant", "content": text})
+            if ctrl_c.hit:
+                err.print("(interrupted)")
+            elif not quiet:
+                err.print(f"{stats_line(stats)}; {stats.reused} of {len(ids)} prompt tokens from the cache")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _CtrlC:
+    """The SIGINT handler of a session. At the prompt, Ctrl-C clears the line; anywhere else it
+    raises a flag, read between rounds: the answer then stops where its cache is whole."""
+
+    def __init__(self) -> None:
+        self.reading = self.hit = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.reading:
+            raise KeyboardInterrupt
+        self.hit = True
+
+    def read(self, prompt: str) -> str | None:
+        """The next message; None at the end of input (Ctrl-D)."""
+        self.reading, self.hit = True, False
+        try:
+            while True:
+                try:
+                    return input(prompt)
+                except EOFError:
+                    if prompt:
+                        print()
+                    return None
+                except KeyboardInterrupt:
+                    print()
+        finally:
+            self.reading = False
+
+
+def _answer(engine: Engine, request: Request, tok: Tok, stats: Stats, ctrl_c: _CtrlC) -> str:
+    """Stream one answer to stdout (`stats` kept up to date) -> its text, as far as it went."""
+    from ..engine.generate import answer
+    from ..engine.stops import StopPrinter
+
+    out = StopPrinter(tok.decode, sys.stdout, [])
+    with contextlib.closing(answer(engine, request, stats)) as chunks:
+        for chunk in chunks:
+            out.push(chunk)
+            if ctrl_c.hit:
+                break
+    out.push([], final=True)
+    print(flush=True)
+    return out.text
