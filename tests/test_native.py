@@ -75,13 +75,11 @@ def one_sequence(
     new: torch.Tensor,
     steps: native.NativeSteps | None = None,
     head: bool = True,
-    last: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`new` after `past`, one sequence whose pages lie in order (slots 0 ..): the past through
-    the flat pass, then `new` through the model's native one-sequence step (`NativeSteps.step_for`,
+    the flat pass, then `new` through the model's native one-sequence step (`NativeSteps.step`,
     what `TargetRunner.one_pass` runs for a prompt or a round) with `steps`, else the eager flat
-    pass -> (logits: every row's, the last's (`last`) or none (no `head`), hidden [T or 1, d],
-    the K/V `new` wrote [L, 2, Hkv, T, D])."""
+    pass -> (logits: every row's, or none (no `head`), hidden [T, d], the K/V `new` wrote [L, 2, Hkv, T, D])."""
     P, T = past.shape[0], new.shape[0]
     slab = slab_for(model, (pages_for(P + T, PS) + 1) * PS, CPU)
     table = list(range(slab.shape[3] // PS))
@@ -90,13 +88,10 @@ def one_sequence(
             transformer_pass(model, slab, past, B.build([table], [0], [P], PS, CPU), "none", steps)
         if steps is None:
             logits, hidden = transformer_pass(model, slab, new, B.build([table], [P], [T], PS, CPU), "all")
-            if last:
-                logits, hidden = logits[-1:], hidden[-1:]
             logits = logits if head else logits[:0]
         else:
-            step = steps.step_for(P, P + T, head, last)
-            assert step is not None
-            logits, hidden, kv, *_ = step(new, *steps.trig(P, P + T), slab[:, :, :, :P])
+            assert steps.serves(P, P + T)
+            logits, hidden, kv, _ = steps.step(new, slab[:, :, :, :P], head)
             assert kv.data_ptr() == slab[:, :, :, P:].data_ptr()  # written in place, right after the past
     return logits, hidden, slab[:, :, :, P : P + T].clone()
 
@@ -176,23 +171,18 @@ def draft(pair: tuple[Transformer, MTPModule, Backend]) -> Transformer:
     return d  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize(
-    ("T", "head", "last"),
-    [(1, True, False), (2, False, True), (3, True, True), (5, True, False), (11, True, False), (16, True, False)],
-)
-def test_target_pass_is_the_eager_one(
-    pair: tuple[Transformer, MTPModule, Backend], T: int, head: bool, last: bool
-) -> None:
+@pytest.mark.parametrize(("T", "head"), [(1, True), (2, False), (3, True), (5, True), (11, True), (16, True)])
+def test_target_pass_is_the_eager_one(pair: tuple[Transformer, MTPModule, Backend], T: int, head: bool) -> None:
     """Logits, hidden states and the K/V a pass writes match the eager pass's, for any T: the
-    one-sequence step (with or without its head, every row or the last), and the flat pass over
-    the same sequence (every row's logits)."""
+    one-sequence step (with or without its head), and the flat pass over the same sequence (every
+    row's logits)."""
     target, _, b = pair
     steps = b.steps(target)
     assert steps is not None
     tokens = torch.randint(0, TINY.vocab_size, (40,), generator=torch.Generator().manual_seed(T))
     past, new = tokens[:20], tokens[20 : 20 + T]
-    a, c = one_sequence(target, past, new, None, head, last), one_sequence(target, past, new, steps, head, last)
-    assert c[1].shape[0] == (1 if last else T) and c[0].shape[0] == (0 if not head else 1 if last else T)
+    a, c = one_sequence(target, past, new, None, head), one_sequence(target, past, new, steps, head)
+    assert c[1].shape[0] == T and c[0].shape[0] == (T if head else 0)
     if not head:  # no logits (the step's empty rows are not the head's width: nothing reads them)
         a, c = a[1:], c[1:]
     assert all(close(x, y) for x, y in zip(a, c, strict=True)), [(x - y).abs().max() for x, y in zip(a, c, strict=True)]
@@ -216,12 +206,13 @@ def test_verify_pass_reads_its_argmax_and_finite_flag() -> None:
     with torch.no_grad():
         transformer_pass(model, slab, tokens[:19], B.build([[0, 1]], [0], [19], PS, CPU), "none")  # type: ignore[arg-type]
         past = slab[:, :, :, :19]
-        logits, _, _, top = steps.step_for(19, 24, True, False)(tokens[19:], *steps.trig(19, 24), past)  # type: ignore[misc]
+        logits, _, _, top = steps.step(tokens[19:], past, True)
+        assert top is not None
         assert top.tolist() == [*logits.argmax(-1).tolist(), 1]
         g = next(t for t in steps.keep if t.data_ptr() == steps.mw.g_final)  # the final norm the C code reads
         g[3] = float("nan")
-        _, _, _, top = steps.step_for(19, 24, True, False)(tokens[19:], *steps.trig(19, 24), past)  # type: ignore[misc]
-        assert top[-1] == 0
+        top = steps.step(tokens[19:], past, True)[3]
+        assert top is not None and top[-1] == 0
     chunks: list[list[int]] = []
     with pytest.raises(NonFiniteError, match="not finite"):
         for chunk in stream(model, NONE, PROMPT, 20, 0, backend=b):  # type: ignore[arg-type]
@@ -327,10 +318,8 @@ def test_pass_refuses_a_slab_without_room(pair: tuple[Transformer, MTPModule, Ba
     assert steps is not None
     slab = torch.zeros(c.n_layers, 2, c.n_kv_heads, 20, c.head_dim)
     with pytest.raises(ValueError, match="no room in the slab for 1 positions after a past of 20"):
-        steps.step_for(20, 21, True, False)(torch.tensor([3]), *steps.trig(20, 21), slab)  # type: ignore[misc]
-    step = steps.step_for(19, 20, True, False)
-    assert step is not None
-    new = step(torch.tensor([3]), *steps.trig(19, 20), slab[:, :, :, :19])[2]
+        steps.step(torch.tensor([3]), slab, True)
+    new = steps.step(torch.tensor([3]), slab[:, :, :, :19], True)[2]
     assert new.data_ptr() == slab[:, :, :, 19:].data_ptr() and slab[:, :, :, 19].abs().sum() > 0  # written in place
 
 

@@ -60,18 +60,17 @@ def path_to(node: Tensor, parents: Tensor) -> Tensor:
     mask = tree_mask(parents)  # [(B,) N, N]
     B, N = node.shape[0], parents.shape[-1]
     on = mask.expand(B, N, N).gather(1, node.view(B, 1, 1).expand(B, 1, N)).squeeze(1)  # [B, N] node, ancestors
-    return _path(on, tree_depth(parents, mask), node, N)
+    return _path(on, tree_depth(parents, mask), node)
 
 
-def walk_tree(tokens: Tensor, parents: Tensor, nxt: Tensor, stop: Tensor, max_depth: int | None = None) -> TreeVerdict:
+def walk_tree(tokens: Tensor, parents: Tensor, nxt: Tensor, stop: Tensor) -> TreeVerdict:
     """The kept path, given every node's decision (the verifiers' last step, `tree._walk`).
 
     tokens long [B, N], parents long [B, N] or [N]; nxt long [B, N]: the child node that u
     accepts, or -1; stop long [B, N]: the token u emits when the path ends there (read only
-    where nxt == -1). From the root, follow nxt until it is -1. With max_depth, nodes deeper
-    than it do not exist: nxt must not name them.
+    where nxt == -1). From the root, follow nxt until it is -1.
     """
-    return _walk(tokens, parents, _shape(parents, max_depth), nxt, stop)
+    return _walk(tokens, parents, _shape(parents), nxt, stop)
 
 
 # A handmade tree:      0
@@ -202,7 +201,7 @@ def test_greedy_tree_picks_the_right_branch():
         assert torch.all(v.nodes[0, n + 1 :] == nodes[-1])
 
 
-def test_greedy_tree_batched_rows_with_repeated_siblings_and_max_depth():
+def test_greedy_tree_batched_rows_with_repeated_siblings():
     V = 10
     g = torch.Generator().manual_seed(3)
     # Rows share HAND; row 1's two root children carry the same token 4: the first is kept.
@@ -214,17 +213,10 @@ def test_greedy_tree_batched_rows_with_repeated_siblings_and_max_depth():
     assert v.nodes.tolist() == [[0, 1, 3, 6, 6, 6, 6]] * 2
     # A shared tree [N] and the same tree per row [B, N] give the same verdict.
     assert all(torch.equal(a, b) for a, b in zip(v, verify_tree_greedy(tokens, HAND.expand(2, 7), logits), strict=True))
-    # max_depth=1: deeper nodes do not exist; the verdict narrows to 2 columns.
-    v1 = verify_tree_greedy(tokens, HAND, logits_for(best, V, g), max_depth=1)
-    assert v1.out.shape == (2, 2) and v1.n.tolist() == [1, 1]
-    assert v1.out.tolist() == [[4, 1], [4, 1]] and v1.nodes.tolist() == [[0, 1], [0, 1]]
-    v0 = verify_tree_greedy(tokens, HAND, logits_for(best, V, g), max_depth=0)
-    assert v0.n.tolist() == [0, 0] and v0.out.tolist() == [[4], [4]]
 
 
-@pytest.mark.parametrize("kind", ["topk", "iid"])
-def test_sampling_a_one_hot_target_is_greedy(kind):
-    # Temperature 0 as a limit: a point-mass target makes both rules the greedy walk.
+def test_sampling_a_one_hot_target_is_greedy():
+    # Temperature 0 as a limit: a point-mass target makes the rule the greedy walk.
     g = torch.Generator().manual_seed(4)
     B, N, V = 3000, 12, 5
     parents = random_parents(B, N, g)
@@ -232,7 +224,7 @@ def test_sampling_a_one_hot_target_is_greedy(kind):
     logits = torch.randn(B, N, V, generator=g)
     p = torch.nn.functional.one_hot(logits.argmax(-1), V).float()  # [B, N, V]
     q = torch.softmax(torch.randn(B, N, V, generator=g), -1)
-    want, got = verify_tree_greedy(tokens, parents, logits), verify_tree_sample(tokens, parents, p, q, g, kind)
+    want, got = verify_tree_greedy(tokens, parents, logits), verify_tree_sample(tokens, parents, p, q, g)
     assert torch.equal(want.n, got.n) and int(want.n.max()) >= 3
     valid = torch.arange(N) <= want.n[:, None]
     assert torch.equal(want.out[valid], got.out[valid]) and torch.equal(want.nodes, got.nodes)
@@ -244,16 +236,14 @@ def test_sampling_a_one_hot_target_is_greedy(kind):
 def build_trees(pick: str, q1, q2, B: int, g: torch.Generator):
     """Width-2, depth-2 trees (W2D2) from the proposer, per row -> tokens [B, 7], p [B, 7, V], q [B, 7, V].
 
-    pick: "top2" (the proposer's two most likely tokens), "gumbel" (two distinct tokens
-    drawn without replacement from q), "iid" (two independent draws from q, maybe equal).
+    pick: "gumbel" (two distinct tokens drawn without replacement from q), "iid" (two independent
+    draws from q, maybe equal).
     Node u's rows: p = the target after u's path, q = what u's children were drawn from;
     the depth-2 rows only serve a third token, which the test ignores (uniform).
     """
     V = q1.shape[0]
 
     def two(q):  # q [B, V] -> long [B, 2]
-        if pick == "top2":
-            return q.topk(2, dim=-1).indices
         if pick == "gumbel":
             return (q / torch.empty_like(q).exponential_(generator=g)).topk(2, dim=-1).indices
         return sample(q.unsqueeze(1).expand(B, 2, V), g)
@@ -284,26 +274,19 @@ def chi2_against(counts, a1, a2) -> tuple[float, int, int]:
     return chi_square(counts, N_PAIRS * a1[:, None] * a2)
 
 
-def module_rule(kind: str):
-    return lambda tokens, p, q, g: verify_tree_sample(tokens, W2D2, p, q, g, kind, width=2)
-
-
 # The seed's proposer, and one nearer the target so that deep paths are kept more often
 # (the seed's top two tokens at the root carry only 0.2 of the target's mass).
 NEAR1, NEAR2 = (3 * P1 + Q1) / 4, (3 * P2 + Q2) / 4
 
 
-@pytest.mark.parametrize(
-    "kind, pick, near",
-    [("topk", "top2", True), ("topk", "gumbel", True), ("iid", "iid", False), ("iid", "iid", True),
-     ("topk", "iid", True)],
-)  # fmt: skip
-def test_tree_sample_exact_chi_square(kind, pick, near):
+@pytest.mark.parametrize("near", [False, True])
+def test_tree_sample_exact_chi_square(near):
     q1, q2 = (NEAR1, NEAR2) if near else (Q1, Q2)
-    counts, deep = pair_counts(module_rule(kind), pick, q1, q2, seed=1234)
+    rule = lambda t, p, q, g: verify_tree_sample(t, W2D2, p, q, g, width=2)  # noqa: E731
+    counts, deep = pair_counts(rule, "iid", q1, q2, seed=1234)
     chi_p, df, impossible = chi2_against(counts, P1, P2)
     chi_q, _, _ = chi2_against(counts, q1, q2)
-    print(f"{kind} on {pick} trees (near={near}): chi2 vs target {chi_p:.1f}, vs proposer {chi_q:.1f}, deep {deep:.3f}")
+    print(f"iid trees (near={near}): chi2 vs target {chi_p:.1f}, vs proposer {chi_q:.1f}, deep {deep:.3f}")
     assert df == 24 and impossible == 0
     assert chi_p < CHI2_CRIT[df], chi_p
     assert chi_q > 1000, chi_q
@@ -388,40 +371,27 @@ def test_tree_sample_layout_on_random_trees():
     p = torch.softmax(2 * torch.randn(B, N, V, generator=g), -1)
     q = torch.softmax(torch.randn(B, N, V, generator=g), -1)
     depth = tree_depth(parents)
-    for kind in ("topk", "iid"):
-        v = verify_tree_sample(tokens, parents, p, q, g, kind)
-        assert v.n.dtype == v.out.dtype == v.nodes.dtype == torch.long and v.out.shape == (B, N)
-        assert int(v.n.max()) >= 3
-        for b in range(0, B, 97):
-            n, nodes = int(v.n[b]), v.nodes[b].tolist()
-            assert nodes[0] == 0 and all(parents[b, nodes[j]] == nodes[j - 1] for j in range(1, n + 1))
-            assert all(int(depth[b, nodes[j]]) == j for j in range(n + 1)) and set(nodes[n + 1 :]) <= {nodes[n]}
-            assert v.out[b, :n].tolist() == tokens[b, nodes[1 : n + 1]].tolist()
-            nxt = v.out[b, n]
-            assert float(p[b, nodes[n], nxt]) > 0  # a token the target can give there
-            # The emitted token is no child of the last node (the walk would have gone on),
-            # unless two siblings carried it under "iid" and the first was rejected.
-            if kind == "topk":
-                kids = (parents[b] == nodes[n]).nonzero().flatten()
-                assert int(nxt) not in tokens[b, kids].tolist()
-    with pytest.raises(ValueError):
-        verify_tree_sample(tokens, parents, p, None, g, "iid")
-    with pytest.raises(ValueError):
-        verify_tree_sample(tokens, parents, p, q, g, "nope")  # type: ignore[arg-type]
+    v = verify_tree_sample(tokens, parents, p, q, g)
+    assert v.n.dtype == v.out.dtype == v.nodes.dtype == torch.long and v.out.shape == (B, N)
+    assert int(v.n.max()) >= 3
+    for b in range(0, B, 97):
+        n, nodes = int(v.n[b]), v.nodes[b].tolist()
+        assert nodes[0] == 0 and all(parents[b, nodes[j]] == nodes[j - 1] for j in range(1, n + 1))
+        assert all(int(depth[b, nodes[j]]) == j for j in range(n + 1)) and set(nodes[n + 1 :]) <= {nodes[n]}
+        assert v.out[b, :n].tolist() == tokens[b, nodes[1 : n + 1]].tolist()
+        assert float(p[b, nodes[n], v.out[b, n]]) > 0  # a token the target can give there
 
 
 def test_iid_width_limit_stays_exact_and_same_seed_same_verdict():
     def run(seed, width=None):
-        return verify_tree_sample(tokens, W2D2, p, q, torch.Generator().manual_seed(seed), "iid", width=width)
+        return verify_tree_sample(tokens, W2D2, p, q, torch.Generator().manual_seed(seed), width=width)
 
     tokens, p, q = build_trees("iid", Q1, Q2, 1000, torch.Generator().manual_seed(6))
     a, b, c = run(11), run(11), run(12)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
     assert torch.equal(run(11, width=2).n, a.n)  # width 2 is all this tree has
-    counts, _ = pair_counts(
-        lambda t, p, q, g: verify_tree_sample(t, W2D2, p, q, g, "iid", width=1), "iid", Q1, Q2, seed=9
-    )
+    counts, _ = pair_counts(lambda t, p, q, g: verify_tree_sample(t, W2D2, p, q, g, width=1), "iid", Q1, Q2, seed=9)
     chi_p, df, _ = chi2_against(counts, P1, P2)  # only each node's first child is tried: still exact
     assert chi_p < CHI2_CRIT[df], chi_p
 
@@ -439,14 +409,8 @@ def test_runs_on_meta_device():
     p = q = torch.softmax(logits, -1)
     assert tree_mask(parents).device == meta and tree_bias(parents).shape == (N, N)
     assert path_to(torch.zeros(B, dtype=torch.long, device=meta), parents).shape == (B, N)
-    for v in (
-        verify_tree_greedy(tokens, parents, logits),
-        verify_tree_sample(tokens, parents, p, None, None, "topk"),
-        verify_tree_sample(tokens, parents, p, q, None, "iid", width=2),
-    ):
+    for v in (verify_tree_greedy(tokens, parents, logits), verify_tree_sample(tokens, parents, p, q, None, width=2)):
         assert v.n.shape == (B,) and v.out.shape == v.nodes.shape == (B, N) and v.out.device == meta
-    v = verify_tree_greedy(tokens, parents, logits, max_depth=2)
-    assert v.out.shape == (B, 3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -463,8 +427,7 @@ def test_cuda_no_host_sync():
     try:
         bias = tree_bias(parents, torch.bfloat16)
         v1 = verify_tree_greedy(tokens, parents, logits)
-        v2 = verify_tree_sample(tokens, parents, p, None, g, "topk")
-        v3 = verify_tree_sample(tokens, parents, p, q, g, "iid", width=4)
+        v2 = verify_tree_sample(tokens, parents, p, q, g, width=4)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert bias.shape == (B, N, N) and all(v.out.device.type == "cuda" for v in (v1, v2, v3))
+    assert bias.shape == (B, N, N) and all(v.out.device.type == "cuda" for v in (v1, v2))

@@ -27,7 +27,7 @@ from ..backends.engines import Log, fastest
 from ..defaults import default_k
 from ..engine.family import NONE, Proposer, Target
 from ..engine.generate import generate
-from ..interop.vllm_peer import agreement
+from ..interop.vllm_peer import agreement, peer_row
 from ..stats import Stats
 from .costs import forward_costs, sync
 from .report import right_table
@@ -53,12 +53,6 @@ def run_peer(
 
         return bench_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
     return hf_peer(target, ckpt_dir, prompts, max_new, rows)
-
-
-def peer_row(peer: str, tps: float, ours_tps: float, identical: str, **more: Any) -> dict[str, Any]:
-    """A peer's row: its tokens/s beside ours (nan: our row was not run), then `more`."""
-    return {"peer": peer, "tokens_per_s": tps, "ours_tokens_per_s": ours_tps, "ours_over_peer": ours_tps / tps,
-            "identical": identical, **more}  # fmt: skip
 
 
 def peer_table(peer_rows: list[dict]) -> Table | Group:

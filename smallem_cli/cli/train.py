@@ -79,7 +79,8 @@ def data(
             raise ValueError(f"a context and its continuation exceed the target's {positions} positions")
         tok = tgt.tok
         eot = tok.token_to_id(corpus.EOT)
-        ids = corpus.token_file(tgt.tokenizer, train_txt, tgt.tok)
+        # a model of its own tokenizer encodes the corpus afresh: the .bin beside it is the family's
+        ids = corpus.token_file(None if tgt.ships_none else tgt.tokenizer, train_txt, tgt.tok)
         reqs = C.requests(C.contexts(ids, n, context_tokens, seed, eot), new_tokens, sampled_every, seed)
         engine = build_engine(
             tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, end_ids=tgt.chat.end_ids,
@@ -144,8 +145,12 @@ def train(
         Path | None, typer.Option(help="target: its jointly trained MTP module (default: mtp.safetensors beside --out)")
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="replace existing output files (checked before training)")] = False,
-    tokenizer: Annotated[Path, typer.Option(help="tokenizer.json (train tokenizer: the output)")] = D.TOKENIZER,
-    target: Annotated[Path, typer.Option(help="target checkpoint (the teacher of mtp and --distill)")] = D.TARGET,
+    tokenizer: Annotated[
+        Path, typer.Option(help="tokenizer.json (train tokenizer: the output; an HF or GGUF --target: its own)")
+    ] = D.TOKENIZER,
+    target: Annotated[
+        Path, typer.Option(help="the teacher of mtp (a smallem checkpoint, an HF folder or a GGUF file) and --distill")
+    ] = D.TARGET,
     init: Annotated[Path | None, typer.Option(help="start from this checkpoint (an MTP module or a draft)")] = None,
     distill: Annotated[bool, typer.Option(help="draft: fit the target's distribution, not the corpus")] = False,
     mtp_weight: Annotated[
@@ -211,6 +216,11 @@ def train(
         raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
     if kind is Kind.draft and init and not distill:
         raise fail("--init for a draft continues it by distillation: add --distill")
+    from ..engine import family
+
+    foreign = kind is Kind.mtp and family.foreign(target)  # an HF folder or a GGUF file: its tokenizer its own
+    if kind is Kind.draft and distill and family.foreign(target):
+        raise fail(f"--distill fits a draft of the family's vocabulary: for {target}, train an MTP module")
     # where the results go, checked before any work: nothing existing is replaced unasked
     name = preset or ("draft-2l" if kind is Kind.draft else kind.value)
     job = "distill" if kind is Kind.draft and distill else kind.value
@@ -253,10 +263,21 @@ def train(
             raise fail(f"cannot write the tokenizer: {e}") from None
         err.print(f"tokenizer -> {tokenizer}")
         return
-    if not tokenizer.is_file():
+    if not foreign and not tokenizer.is_file():
         raise fail(f"tokenizer not found: {tokenizer} (run `smallem train tokenizer`)")
-    train_ids = corpus.token_file(tokenizer, train_txt)
-    val_ids = corpus.token_file(tokenizer, val_txt)
+    teacher = None  # the frozen target of mtp and --distill, and its name
+    try:
+        if foreign:  # its tokenizer and vocabulary are its own: they encode the corpus and mark the module
+            tgt = family.load_target(target, torch.device("cpu"))
+            teacher, fp = (tgt.model, target.name), tgt.fingerprint
+            train_ids, val_ids = (corpus.token_file(None, t, tgt.tok) for t in (train_txt, val_txt))
+        else:
+            if job in ("mtp", "distill"):
+                teacher = (checkpoint.load_model(target)[0], target.name)
+            fp = checkpoint.tokenizer_fingerprint(tokenizer)
+            train_ids, val_ids = (corpus.token_file(tokenizer, t) for t in (train_txt, val_txt))
+    except (checkpoint.CheckpointError, ValueError, OSError) as e:
+        raise fail(str(e)) from None
     if len(val_ids) < 8:  # checked before training, not after the budget is spent
         raise fail(
             f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
@@ -276,7 +297,7 @@ def train(
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     try:
         facts = tr.train_member(
-            job, cfg, (train_ids, val_ids), settings, run, dest, tokenizer, progress_printer(name, err), target, init,
+            job, cfg, (train_ids, val_ids), settings, run, dest, fp, progress_printer(name, err), teacher, init,
             mtp_dest,
         )  # fmt: skip
     except (checkpoint.CheckpointError, ValueError, OSError) as e:

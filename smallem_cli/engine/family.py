@@ -44,12 +44,15 @@ class Target:
         return self.hf or bool(self.gguf)
 
 
+def foreign(path: Path) -> bool:
+    """An HF folder or a GGUF file: a model Smallem did not train, its tokenizer its own."""
+    return hf.is_hf_dir(path) or gguf_read.is_gguf(path)
+
+
 def default_proposer(target: Path, greedy: bool) -> str:
     """The proposer used when none is named: none for an HF folder or a GGUF file (they ship none),
     else D.PROPOSER's."""
-    if hf.is_hf_dir(target) or gguf_read.is_gguf(target):
-        return "none"
-    return D.PROPOSER["greedy" if greedy else "sample"]
+    return "none" if foreign(target) else D.PROPOSER["greedy" if greedy else "sample"]
 
 
 def load_target(path: Path, device: torch.device, tokenizer: Path | None = None) -> Target:

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from ..backends.native import NativeSteps
 from ..model.llama import Block, MTPModule, Transformer, unit_rms
-from ..model.ops import attend
 from .batch import BatchStep
 
 
@@ -21,6 +20,21 @@ def slab_for(model: Transformer | MTPModule, n_slots: int, device: torch.device)
     c = model.cfg
     layers = 1 if isinstance(model, MTPModule) else c.n_layers
     return torch.zeros(layers, 2, c.n_kv_heads, n_slots, c.head_dim, device=device)
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, Hkv: int, G: int) -> torch.Tensor:
+    """One sequence's attention: queries q [T, H*D] over its keys and values kv [2, Hkv, S, D] (bias
+    [T, S] additive, None when every key is visible) -> [T, H*D]. By hand, as SDPA's CPU fallback for
+    masks and groups costs several times more: query heads h = j*G + g share kv head j, rows (g, t)."""
+    T, D = q.shape[0], kv.shape[-1]
+    H = Hkv * G
+    q = q.view(T, Hkv, G, D)
+    q = q.view(Hkv, G, D) if T == 1 else q.permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
+    s = torch.bmm(q, kv[0].transpose(1, 2))  # [Hkv, G*T, S]
+    if bias is not None:
+        s = (s.view(Hkv, G, T, -1) + bias).view(Hkv, G * T, -1)
+    o = torch.bmm(torch.softmax(s, dim=-1), kv[1])  # [Hkv, G*T, D]
+    return o.view(1, H * D) if T == 1 else o.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
 
 
 def block_pass(blk: Block, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, b: BatchStep) -> torch.Tensor:

@@ -25,8 +25,7 @@ import torch
 
 from ..backends.engines import Backend
 from ..backends.native import MAX_T
-from ..model.llama import MTPModule, Transformer
-from ..model.ops import head_matmul
+from ..model.llama import MTPModule, Transformer, head_matmul
 from ..spec.head import Head
 from ..spec.ngram import NgramProposer
 from ..spec.verify import Penalty, Warper, uniforms

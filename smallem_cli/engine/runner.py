@@ -6,7 +6,6 @@ it kept. One host sync per round: the verdicts of every sequence come back toget
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,31 +47,23 @@ class TargetRunner:
             return got
         return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), "all", self.steps), None
 
-    def native_verify(self) -> Callable[..., torch.Tensor] | None:
-        """With native steps, their verification of sampled guesses (`native.verify_sample`), else None."""
-        return native.verify_sample if self.steps is not None else None
-
     def one_pass(
         self, seqs: list[Seq], ids: torch.Tensor, counts: list[int], head: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """A sequence alone whose pages lie in order, through the model's native step for this pass
         (the past read as one view of the slab) -> as `verify_pass` (logits empty without `head`),
         or None where there is no such step."""
-        if len(seqs) != 1:
+        if len(seqs) != 1 or self.steps is None:
             return None
         s, T = seqs[0], counts[0]
         table = self.pool.tables[s.uid]
-        start, end = s.cached, s.cached + T
-        steps = self.steps
-        fn = None if steps is None else steps.step_for(start, end, head, False)
         page = B.in_order(table, len(table))
-        if fn is None or page is None:
+        if page is None or not self.steps.serves(s.cached, s.cached + T):
             return None
-        assert steps is not None
         base = page * self.pool.page_size
-        past = self.slab[:, :, :, base : base + start]  # [L, K or V, Hkv, start, D]: a view
-        logits, hidden, _, *top = fn(ids.contiguous(), *steps.trig(start, end), past)
-        return logits, hidden, top[0] if top else None
+        past = self.slab[:, :, :, base : base + s.cached]  # [L, K or V, Hkv, start, D]: a view
+        logits, hidden, _, top = self.steps.step(ids.contiguous(), past, head)
+        return logits, hidden, top
 
 
 def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
@@ -129,7 +120,7 @@ def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> l
         top = torch.cat([logits.argmax(-1) if any(s.warp is None for s in seqs) else ids, finite_flag(logits)])
     sampled = []  # top: each row's argmax [N], then the finite flag
     first = 0
-    native_verify = t.native_verify()
+    fast = t.steps is not None  # native steps: a sequence's penalty, and its sampled verdict, in one call each
     for s, g, c in zip(seqs, guesses, counts, strict=True):
         if s.seen is None and s.warp is None:  # greedy: `top` holds its verdict
             first += c
@@ -137,15 +128,15 @@ def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> l
         rows = logits[first : first + c]  # [m+1, V]
         if s.seen is not None:  # each row scored with the context up to its own position
             fed, penalty = ids[first : first + c], s.req.sampling.repetition_penalty
-            if native_verify is not None:  # in place, with the argmaxes: one call
+            if fast:  # in place, with the argmaxes
                 best = native.penalize_argmax(rows, s.seen, fed, penalty)
             else:
                 rows = penalize(rows, s.seen, fed, penalty)
                 best = rows.argmax(-1)
             if s.warp is None:
                 top[first : first + c] = best
-        if native_verify is not None and isinstance(s.warp, Warper):  # the rule below, one call
-            sampled.append(native_verify(rows, s.warp, *g, s.gen))
+        if fast and isinstance(s.warp, Warper):  # the rule below
+            sampled.append(native.verify_sample(rows, s.warp, *g, s.gen))
         elif s.warp is not None:
             drafts, q = g
             p = s.warp(rows)  # [m+1, V]
@@ -227,7 +218,7 @@ def tree_round(
         else:  # children drawn from q: SpecInfer's rule
             p = s.warp(rows)  # [c, V]
             q = tr.q if tr.q is not None else torch.zeros_like(p)  # no guess: nothing was drawn
-            v = verify_tree_sample(f[None], parents, p[None], q[None], s.gen, kind="iid", width=drawn)
+            v = verify_tree_sample(f[None], parents, p[None], q[None], s.gen, width=drawn)
         verdicts_t.append(torch.cat([v.n, v.out[0], v.nodes[0]]))
         first += c
     values = torch.cat([*verdicts_t, finite_flag(logits)]).tolist()  # the one sync

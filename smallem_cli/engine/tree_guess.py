@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.llama import unit_rms
-from ..model.ops import head_matmul
+from ..model.llama import head_matmul, unit_rms
 from ..spec.head import Head
 from ..spec.verify import Penalty, proposal, sample
 from . import batch as B

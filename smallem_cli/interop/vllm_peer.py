@@ -143,6 +143,12 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[int, int, int
     return whole, each, sum(len(a) for a in ref)
 
 
+def peer_row(peer: str, tps: float, ours_tps: float, identical: str, **more: Any) -> dict[str, Any]:
+    """A peer's row of `bench --peer`: its tokens/s beside ours (nan: our row was not run), then `more`."""
+    return {"peer": peer, "tokens_per_s": tps, "ours_tokens_per_s": ours_tps, "ours_over_peer": ours_tps / tps,
+            "identical": identical, **more}  # fmt: skip
+
+
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> str:
     """GET `url`, or POST `body` as JSON to it: the answer's text. VllmError if the server refuses."""
     data = None if body is None else json.dumps(body).encode()
@@ -296,23 +302,23 @@ def bench_peer(
                 got, ours = res[part], batch if part == "batch" and draft is None else single
                 tps = sum(len(t) for t in got["tokens"]) / got["seconds"]
                 acc, (whole, each, total) = acceptance(got["spec"]), agreement(ref, got["tokens"])
-                vllm_row = {
-                    "peer": f"vLLM {label}, {how}",
-                    "tokens_per_s": tps,
-                    "ours_tokens_per_s": ours.tokens_per_s,
-                    "ours_over_peer": ours.tokens_per_s / tps,
-                    "identical": f"{whole}/{n}",
-                    "tokens_identical": f"{each}/{total}",
-                    "tokens_per_step": acc.tokens_per_step if acc else 1.0,
-                    "ours_tokens_per_step": ours.tokens_per_step,
-                    "ours_engine": ours.engine,
-                    "ours_batch": ours.batch,
-                    "ours_identical": ours.identical,
-                    "acceptance": acc.rate if acc else None,
-                    "accepted_at": acc.per_pos if acc else None,
-                    "threads": threads,
-                    "version": res["version"],
-                    "load_s": res["load_s"],
-                }
-                out.append(vllm_row)
+                out.append(
+                    peer_row(
+                        f"vLLM {label}, {how}",
+                        tps,
+                        ours.tokens_per_s,
+                        f"{whole}/{n}",
+                        tokens_identical=f"{each}/{total}",
+                        tokens_per_step=acc.tokens_per_step if acc else 1.0,
+                        ours_tokens_per_step=ours.tokens_per_step,
+                        ours_engine=ours.engine,
+                        ours_batch=ours.batch,
+                        ours_identical=ours.identical,
+                        acceptance=acc.rate if acc else None,
+                        accepted_at=acc.per_pos if acc else None,
+                        threads=threads,
+                        version=res["version"],
+                        load_s=res["load_s"],
+                    )
+                )
     return out

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .ops import head_matmul
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +126,15 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
         t = _EPS[key] = torch.tensor(eps, device=x.device, dtype=x.dtype)
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]
     return x * torch.addcmul(t, n, n, value=1.0 / x.shape[-1]).rsqrt_()
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [M, d] @ w [d, V] for a wide output head, `rows` being w transposed ([V, d], contiguous).
+    MKL's GEMM for a few rows against a wide matrix costs several times its one-row case, where the
+    transposed product does not: one row takes x @ w, three or more the other."""
+    if x.dim() == 2 and x.shape[0] >= 3:
+        return (rows @ x.t()).t().contiguous()  # [M, V]
+    return x @ w
 
 
 class Transformer(nn.Module):

@@ -10,20 +10,16 @@ A node's outcome (the child it accepts, else the token it emits) depends only on
 p / q, its children and its own draws, so all are decided at once and the kept path is read off the
 ancestor mask; draws off the path are independent of it and bias nothing. Exactness reduces to one
 node u: its next token must be distributed as r, the target's (warped) distribution after u.
-
-  kind="topk": children fixed given the prefix. Issue #12's rule (try each child c in turn, accept
-    it with probability r(c) / sum(r), else r(c) = 0; none accepted: draw from r) equals drawing
-    x ~ r once and following the first child whose token is x, which is what runs.
-  kind="iid": children i.i.d. from q[u] (SpecInfer's multi-round rule): accept c with probability
-    min(1, r(c) / q(c)), else r <- norm(max(r - q, 0)); none accepted: draw from r. Duplicate draws
-    stay separate children. On such trees it keeps more than "topk" would.
+Its children are i.i.d. from q[u] (SpecInfer's multi-round rule): accept child c with probability
+min(1, r(c) / q(c)), else r <- norm(max(r - q, 0)); none accepted: draw from r. Duplicate draws
+stay separate children.
 
 Greedy (`verify_tree_greedy`) is the temperature-0 limit: x = the argmax of the logits.
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,11 +28,11 @@ from .verify import sample
 
 
 class TreeVerdict(NamedTuple):
-    """What a verified tree yields, per row; L = max_depth + 1 (default N).
-    n     long [B]     accepted guesses (nodes below the root on the kept path), 0 <= n <= L - 1.
-    out   long [B, L]  out[:, :n+1]: the n accepted guesses, then the target's token after the last
+    """What a verified tree yields, per row.
+    n     long [B]     accepted guesses (nodes below the root on the kept path), 0 <= n <= N - 1.
+    out   long [B, N]  out[:, :n+1]: the n accepted guesses, then the target's token after the last
                        kept node (a correction, or a bonus at a leaf); out[:, n+1:] is filler.
-    nodes long [B, L]  nodes[:, :n+1]: the kept path, nodes[:, j] at depth j (nodes[:, 0] == 0), then
+    nodes long [B, N]  nodes[:, :n+1]: the kept path, nodes[:, j] at depth j (nodes[:, 0] == 0), then
                        nodes[:, n] repeated (safe gathers). nodes[:, n]'s hidden state feeds the
                        proposer; node i's K/V, written at start + i, go to start + j if kept at depth j.
     """
@@ -66,14 +62,14 @@ def tree_depth(parents: Tensor, mask: Tensor | None = None) -> Tensor:
     return mask.sum(dim=-1) - 1
 
 
-def _path(on: Tensor, depth: Tensor, last: Tensor, length: int) -> Tensor:
-    """Nodes long [B, length] of a root path given as a node set on [B, N], ending at last [B]: slot j
+def _path(on: Tensor, depth: Tensor, last: Tensor) -> Tensor:
+    """Nodes long [B, N] of a root path given as a node set on [B, N], ending at last [B]: slot j
     gets its node at depth j (depth long [(B,) N]), later slots repeat last."""
     B, N = on.shape
     slot = torch.where(on, depth, N)  # [B, N] nodes off the path go to a dump slot N
     buf = last.unsqueeze(1).expand(B, N + 1).clone()  # [B, N+1]
     buf.scatter_(1, slot, torch.arange(N, device=on.device).expand(B, N))  # the dump slot takes many writes
-    return buf[:, :length]  # [B, length]
+    return buf[:, :N]  # [B, N]
 
 
 class _Shape(NamedTuple):
@@ -81,18 +77,13 @@ class _Shape(NamedTuple):
 
     mask: Tensor  # bool [(B,) N, N] ancestors
     depth: Tensor  # long [(B,) N]
-    child: Tensor  # bool [(B,) N, N]: [u, c] iff c is a child of u, no deeper than max_depth
-    length: int  # L, the verdict's width
+    child: Tensor  # bool [(B,) N, N]: [u, c] iff c is a child of u
 
 
-def _shape(parents: Tensor, max_depth: int | None) -> _Shape:
-    N = parents.shape[-1]
+def _shape(parents: Tensor) -> _Shape:
     mask = tree_mask(parents)  # [(B,) N, N]
-    depth = tree_depth(parents, mask)  # [(B,) N]
-    child = parents.unsqueeze(-2) == torch.arange(N, device=parents.device).unsqueeze(-1)  # [(B,) N, N]
-    if max_depth is not None:
-        child = child & (depth <= max_depth).unsqueeze(-2)  # [(B,) N, N]
-    return _Shape(mask, depth, child, N if max_depth is None else min(max(max_depth, 0), N - 1) + 1)
+    child = parents.unsqueeze(-2) == torch.arange(parents.shape[-1], device=parents.device).unsqueeze(-1)
+    return _Shape(mask, tree_depth(parents, mask), child)
 
 
 def _follow(tokens: Tensor, child: Tensor, x: Tensor) -> Tensor:
@@ -106,22 +97,22 @@ def _walk(tokens: Tensor, parents: Tensor, shape: _Shape, nxt: Tensor, stop: Ten
     B, N = tokens.shape
     arange = torch.arange(N, device=tokens.device)  # [N]
     taken = nxt.gather(1, parents.clamp_min(0).expand(B, N)) == arange  # [B, N] its parent accepted it
-    taken = (taken | (arange == 0)) & (shape.depth < shape.length)  # [B, N] the root always; none too deep
+    taken = taken | (arange == 0)  # [B, N] the root always
     on = ~(shape.mask & ~taken.unsqueeze(1)).any(dim=-1)  # [B, N] every node from the root to it was taken
     n = on.sum(dim=-1) - 1  # [B]
     # On a path, later nodes are deeper (topological order): the last kept node has the largest index.
     last = (on * arange).argmax(dim=-1)  # [B]
-    nodes = _path(on, shape.depth, last, shape.length)  # [B, L]
-    out = torch.cat([tokens.gather(1, nodes[:, 1:]), nodes[:, :1]], dim=1)  # [B, L] guesses after the root
+    nodes = _path(on, shape.depth, last)  # [B, N]
+    out = torch.cat([tokens.gather(1, nodes[:, 1:]), nodes[:, :1]], dim=1)  # [B, N] guesses after the root
     out.scatter_(1, n.unsqueeze(1), stop.gather(1, last.unsqueeze(1)))  # out[:, n] = the target's token
     return TreeVerdict(n, out, nodes)
 
 
-def verify_tree_greedy(tokens: Tensor, parents: Tensor, logits: Tensor, max_depth: int | None = None) -> TreeVerdict:
+def verify_tree_greedy(tokens: Tensor, parents: Tensor, logits: Tensor) -> TreeVerdict:
     """Greedy tree verification: tokens long [B, N], parents long [B, N] or [N], logits [B, N, V].
     From the root, move to the (first) child whose token is the argmax at the current node, until
-    none is. max_depth: deeper nodes are ignored, and the verdict's width L = max_depth + 1 (else N)."""
-    shape = _shape(parents, max_depth)
+    none is."""
+    shape = _shape(parents)
     x = logits.argmax(dim=-1)  # [B, N] the target's token after each node
     return _walk(tokens, parents, shape, _follow(tokens, shape.child, x), x)
 
@@ -130,26 +121,16 @@ def verify_tree_sample(
     tokens: Tensor,
     parents: Tensor,
     p: Tensor,
-    q: Tensor | None,
+    q: Tensor,
     generator: torch.Generator | None,
-    kind: Literal["topk", "iid"] = "topk",
-    max_depth: int | None = None,
     width: int | None = None,
 ) -> TreeVerdict:
-    """Exact sampled tree verification (the module docstring gives both rules) -> `TreeVerdict`:
-    tokens long [B, N], parents long [B, N] or [N]; p [B, N, V]: the target's (warped) probabilities
-    after each node, not necessarily normalised. kind="iid" needs q [B, N, V], the distribution u's
-    children were drawn from ("topk" ignores it). width (iid): the most children a node has (children
-    past it are never tried, still exact; default N - 1). max_depth as in `verify_tree_greedy`."""
-    if kind not in ("topk", "iid"):
-        raise ValueError(f'kind must be "topk" or "iid", got {kind!r}')
-    if kind == "iid" and q is None:
-        raise ValueError('kind="iid" needs q, the distributions the children were drawn from')
-    shape = _shape(parents, max_depth)
-    if kind == "topk":
-        x = sample(p, generator)  # [B, N] one target draw per node
-        return _walk(tokens, parents, shape, _follow(tokens, shape.child, x), x)
-    # "iid": SpecInfer's multi-round rule at every node at once
+    """Exact sampled tree verification (the module docstring's rule, at every node at once) ->
+    `TreeVerdict`: tokens long [B, N], parents long [B, N] or [N]; p [B, N, V]: the target's (warped)
+    probabilities after each node, not necessarily normalised; q [B, N, V]: the distribution each
+    node's children were drawn from. width: the most children a node has (children past it are never
+    tried, still exact; default N - 1)."""
+    shape = _shape(parents)
     B, N, _ = p.shape
     r = p.float() / p.float().sum(dim=-1, keepdim=True)  # [B, N, V]
     q = q.float()  # [B, N, V]

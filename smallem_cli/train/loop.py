@@ -295,13 +295,14 @@ def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
 def save_family_member(
     path: Path,
     model: Transformer | MTPModule,
-    tokenizer_json: Path,
+    fp: str,
     facts: dict[str, Any],
     train_ids: np.ndarray,
     rank: list[int] | None = None,
 ) -> None:
-    """Save a trained member with the tokens its cut head keeps: `rank`, else the training text's by frequency."""
-    fp = checkpoint.tokenizer_fingerprint(tokenizer_json)
+    """Save a trained member with its tokenizer's fingerprint `fp` (`checkpoint.tokenizer_fingerprint`,
+    or a GGUF target's vocabulary's) and the tokens its cut head keeps: `rank`, else the training
+    text's by frequency."""
     checkpoint.save(
         path, model, tokenizer=fp, facts=facts, vocab_rank=rank or vocab_rank(train_ids, model.cfg.vocab_size)
     )
@@ -314,28 +315,30 @@ def train_member(
     settings: TrainSettings,
     run_dir: Path,
     dest: Path,
-    tokenizer_json: Path,
+    fp: str,
     on_progress: ProgressFn | None,
-    teacher: Path,
+    teacher: tuple[Transformer, str] | None,
     init: Path | None,
     mtp_dest: Path | None,
 ) -> dict[str, Any]:
-    """Train one member of the family and save it beside its facts -> the facts. kind: "target" or
-    "draft" from scratch (`cfg`; a target with `cfg.mtp` also writes its MTP module to `mtp_dest`),
-    "distill" (a draft fitted to `teacher`, from `init` or `cfg`) or "mtp" (a module fitted to
-    `teacher`). One started from `init` keeps its facts as "before"."""
+    """Train one member of the family and save it beside its facts (`fp`: its tokenizer's
+    fingerprint) -> the facts. kind: "target" or "draft" from scratch (`cfg`; a target with
+    `cfg.mtp` also writes its MTP module to `mtp_dest`), "distill" (a draft fitted to `teacher`,
+    (the model, its name), from `init` or `cfg`) or "mtp" (a module fitted to `teacher`: a smallem
+    target or any other). One started from `init` keeps its facts as "before"."""
     train_ids, val_ids = data
     if kind in ("target", "draft"):
         model, mtp, facts = train_model(cfg, train_ids, val_ids, settings, run_dir, on_progress)
         own = {k: v for k, v in facts.items() if not k.startswith("mtp_")}
-        save_family_member(dest, model, tokenizer_json, own, train_ids)
+        save_family_member(dest, model, fp, own, train_ids)
         if mtp is not None:
             mtp_facts = {k: v for k, v in facts.items() if not k.startswith("val")}
             mtp_facts["trained"] = f"jointly with {dest.name}"
-            save_family_member(mtp_dest or dest.with_name("mtp.safetensors"), mtp, tokenizer_json, mtp_facts, train_ids)
+            save_family_member(mtp_dest or dest.with_name("mtp.safetensors"), mtp, fp, mtp_facts, train_ids)
         return own
     meta = checkpoint.read_meta(init) if init else {}
-    tgt = checkpoint.load_model(teacher)[0]
+    assert teacher is not None, "distillation needs its target"
+    tgt, teacher_name = teacher
     # the tokens its cut head keeps (fitted to with --fit-vocab, and saved): a continued proposer keeps its
     # own ranking, even on other text (docs/family.md, "Fitting the proposers on the target's own text")
     V = tgt.cfg.vocab_size
@@ -345,11 +348,11 @@ def train_member(
         trained = "distilled from the frozen target" + (f", chain of {settings.chain}" if settings.chain else "")
     else:
         student = checkpoint.load_model(init)[0].train() if init else new_model(cfg, settings.seed)
-        trained = f"distilled from {teacher.name}"
+        trained = f"distilled from {teacher_name}"
     facts = distill(tgt, student, train_ids, val_ids, settings, run_dir, on_progress, rank)
     facts["trained"] = trained + (f", starting from {init.name}" if init else "")
     if not settings.fit.plain:  # what q was fitted to, beside how long
         facts["fit"] = dataclasses.asdict(settings.fit)
     before = {"before": checkpoint.facts(meta)} if init else {}
-    save_family_member(dest, student, tokenizer_json, facts | before, train_ids, rank)
+    save_family_member(dest, student, fp, facts | before, train_ids, rank)
     return facts

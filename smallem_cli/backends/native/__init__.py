@@ -10,7 +10,6 @@ Anything that fails leaves the model eager, with one line through `log`.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -84,7 +83,7 @@ def panels8(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 class NativeSteps:
     """A model's native decode passes, for every T: a flat batch's (`batch`), one sequence's over one
-    view of the slab (`step_for`), a proposer's chain in one call (`chain`). int8: its matrices as int8."""
+    view of the slab (`step`), a proposer's chain in one call (`chain`). int8: its matrices as int8."""
 
     def __init__(
         self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str, int8: bool
@@ -147,17 +146,10 @@ class NativeSteps:
         self.kinds.add(t.dtype)
         return _Mat(self._held(panels(t, self.width)), None, KINDS[t.dtype])
 
-    def trig(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, P] of a pass's new positions, start .. length - 1."""
-        return self.rope[0][start:length], self.rope[1][start:length]
-
-    def step_for(self, start: int, length: int, head: bool, last: bool) -> Callable | None:
-        """The target's step (tokens, cos, sin, past) -> (logits, hidden, the new K/V, each row's argmax
-        and the finite flag or None) for a pass over positions start .. length - 1 whose past is one view
-        of the slab; None for a pass longer than MAX_T or past the context (the rope tables stop there)."""
-        if self.mtp or start < 0 or length > self.positions or length - start > MAX_T:
-            return None
-        return lambda tokens, cos, sin, past: self._run(tokens, cos, sin, past, head, last)
+    def serves(self, start: int, end: int) -> bool:
+        """Whether `step` takes a pass over positions start .. end - 1: not the MTP module's, nor longer
+        than MAX_T, nor past the context (the rope tables stop there)."""
+        return not self.mtp and end <= self.positions and end - start <= MAX_T
 
     def _scratch_for(self, T: int, threads: int, more: int = 0) -> tuple[torch.Tensor, int]:
         """The C code's scratch for a pass over T tokens (plus `more` floats: a chain's), one buffer
@@ -249,9 +241,12 @@ class NativeSteps:
         )  # fmt: skip
         return logits, x
 
-    def _run(
-        self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor, head: bool, last: bool
-    ) -> tuple[torch.Tensor, ...]:
+    def step(
+        self, tokens: torch.Tensor, past: torch.Tensor, head: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The target's pass (`smallem_step`, one that it `serves`) over tokens [T] after `past`
+        [L, 2, Hkv, S, D], one view of the slab -> (logits [T, V] ([0, V] without `head`), hidden [T, d],
+        the new K/V written right after the past, each row's argmax and the finite flag [T + 1] or None)."""
         c = self.cfg
         T, S, threads = tokens.shape[0], past.shape[3], torch.get_num_threads()
         scratch, _ = self._scratch_for(T, threads)
@@ -263,9 +258,10 @@ class NativeSteps:
         if reach > past.untyped_storage().nbytes() // past.element_size():  # the C code would write past the slab
             raise ValueError(f"no room in the slab for {T} positions after a past of {S}")
         new = past.as_strided((c.n_layers, 2, c.n_kv_heads, T, c.head_dim), past.stride(), at)
-        t_head = (1 if last else T) if head else 0
+        t_head = T if head else 0
         logits = torch.empty(t_head, c.vocab_size)
-        top = torch.empty(t_head + 1, dtype=torch.long) if t_head else None  # each row's argmax, the finite flag
+        top = torch.empty(t_head + 1, dtype=torch.long) if head else None  # each row's argmax, the finite flag
+        cos, sin = self.rope[0][S : S + T], self.rope[1][S : S + T]  # [T, P]
         assert past.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and tokens.is_contiguous()
         strides = (ctypes.c_int64 * 4)(*past.stride()[:4])
         self.lib.smallem_step(
@@ -273,7 +269,7 @@ class NativeSteps:
             ctypes.addressof(strides), S, x.data_ptr(), logits.data_ptr(), t_head, new.data_ptr(),
             ctypes.addressof(strides), scratch.data_ptr(), threads, ptr(top),  # new's strides: the slab's too
         )  # fmt: skip
-        return logits, (x[-1:] if last else x), new, top  # top: None without a head
+        return logits, x, new, top
 
 
 def _floats(w: torch.Tensor) -> torch.Tensor:
