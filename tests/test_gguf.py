@@ -244,8 +244,8 @@ def test_bench_peer_llamacpp(family: Family, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("quant", [None, "Q8_0"])
 def test_bench_peer_llamacpp_runs_a_gguf_target_itself(family: Family, tmp_path: Path, quant: str | None) -> None:
-    """A GGUF target is benched against llama.cpp on the file itself: one row, named by its tensor
-    types; on float32 weights llama.cpp's tokens are ours."""
+    """A GGUF target is benched against llama.cpp on the file itself (a row named by its tensor types),
+    then on its values stored anew as f32 and f16; on float32 values llama.cpp's tokens are ours."""
     need("gguf")
     need("llama_cpp")
     from test_gguf_load import write as write_file
@@ -259,8 +259,9 @@ def test_bench_peer_llamacpp_runs_a_gguf_target_itself(family: Family, tmp_path:
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, (res.stderr, res.exception)
     peer = {r["peer"].split(" (")[0]: r for r in json.loads(res.stdout)["peer"]}
-    assert list(peer) == ["llama.cpp F32" if quant is None else "llama.cpp F32/Q8_0"]
-    row = next(iter(peer.values()))
-    assert row["tokens_per_s"] > 0 and row["ours_identical"] == "2/2"
+    own = "llama.cpp F32" if quant is None else "llama.cpp F32/Q8_0"
+    assert list(peer) == [own, "llama.cpp f32", "llama.cpp f16"]  # the file, then its values stored anew
+    assert all(r["tokens_per_s"] > 0 and r["ours_identical"] == "2/2" for r in peer.values())
+    assert peer["llama.cpp f32"]["identical"] == "2/2"  # its dequantized values, exactly
     if quant is None:
-        assert row["identical"] == "2/2"
+        assert peer[own]["identical"] == "2/2"

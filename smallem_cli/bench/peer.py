@@ -208,11 +208,11 @@ class LlamaCpp:
 def llamacpp_peer(
     target: Target, prompts: list[list[int]], plan: Plan, spec: tuple[str, Proposer, int] | None
 ) -> list[dict]:
-    """llama.cpp on the target's weights, greedy, on torch's thread count: a GGUF target's own file, else
-    the target exported as GGUF (f32 and f16); timed in turn with our target alone on the plan's fastest
+    """llama.cpp on the target's weights, greedy, on torch's thread count: as GGUF in f32 and f16 (and a
+    GGUF target's own file first); timed in turn with our target alone on the plan's fastest
     engine and our speculative `spec` (name, proposer, k); its tokens checked against our eager target
     alone's, the pass costs over T tokens read for both."""
-    from ..interop.gguf import write_gguf
+    from ..interop.gguf import restore_gguf, write_gguf
 
     model, max_new = target.model, plan.max_new
     threads = torch.get_num_threads()
@@ -225,10 +225,13 @@ def llamacpp_peer(
         peers: dict[str, LlamaCpp] = {}
         try:
             files = {"/".join(target.gguf): target.path} if target.gguf else {}
-            for dtype in () if target.gguf else ("f32", "f16"):
+            for dtype in ("f32", "f16"):  # a GGUF target's values stored anew, its metadata kept
                 files[dtype] = Path(tmp) / f"target-{dtype}.gguf"
-                assert target.tokenizer is not None  # a smallem checkpoint or an HF folder: beside it
-                write_gguf(model, files[dtype], target.tokenizer, dtype, target.path.stem)
+                if target.gguf:
+                    restore_gguf(target.path, model, files[dtype], dtype)
+                else:
+                    assert target.tokenizer is not None  # a smallem checkpoint or an HF folder: beside it
+                    write_gguf(model, files[dtype], target.tokenizer, dtype, target.path.stem)
             for dtype, path in files.items():
                 peers[dtype] = LlamaCpp(path, min(1024, model.cfg.max_seq_len), threads, model.cfg.vocab_size)
                 gens[dtype] = _wall(peers[dtype].generate)

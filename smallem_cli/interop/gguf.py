@@ -151,6 +151,26 @@ def write_gguf(
         w.close()
 
 
+def restore_gguf(src: str | Path, model: Transformer, out_file: str | Path, dtype: str) -> None:
+    """GGUF file `src`'s metadata (hyperparameters, tokenizer, template) with `model`'s weights in
+    `dtype` (f32 or f16): `src`'s model, its dequantized values stored anew (for llama.cpp's peer rows)."""
+    gguf = _gguf()
+    skip = ("general.architecture", "general.file_type", "general.quantization_version")  # the writer's own
+    w = gguf.GGUFWriter(str(out_file), "llama")
+    try:
+        for name, f in gguf.GGUFReader(str(src)).fields.items():
+            if not name.startswith("GGUF.") and name not in skip:
+                w.add_key_value(name, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+        w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+        for tname, arr in gguf_tensors(model, dtype).items():
+            w.add_tensor(tname, arr)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+
+
 def export_gguf(
     checkpoint_path: str | Path,
     out_file: str | Path,
