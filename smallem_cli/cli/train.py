@@ -218,8 +218,9 @@ def train(
         raise fail("--init for a draft continues it by distillation: add --distill")
     from ..engine import family
 
-    foreign = kind is Kind.mtp and family.foreign(target)  # an HF folder or a GGUF file: its tokenizer its own
-    if kind is Kind.draft and distill and family.foreign(target):
+    other = family.foreign(target)  # an HF folder or a GGUF file: its tokenizer its own
+    foreign = kind is Kind.mtp and other
+    if kind is Kind.draft and distill and other:
         raise fail(f"--distill fits a draft of the family's vocabulary: for {target}, train an MTP module")
     # where the results go, checked before any work: nothing existing is replaced unasked
     name = preset or ("draft-2l" if kind is Kind.draft else kind.value)

@@ -137,16 +137,11 @@ def write_gguf(
     w = gguf.GGUFWriter(str(out_file), "llama")
     try:
         w.add_name(name)
-        w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
         w.add_vocab_size(cfg.vocab_size)
         add_llama_metadata(w, cfg, tokens, kinds, merges, eot)
         w.add_add_bos_token(False)
         w.add_add_eos_token(False)
-        for tname, arr in tensors.items():
-            w.add_tensor(tname, arr)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        _finish(w, tensors, dtype)
     finally:
         w.close()
 
@@ -161,14 +156,20 @@ def restore_gguf(src: str | Path, model: Transformer, out_file: str | Path, dtyp
         for name, f in gguf.GGUFReader(str(src)).fields.items():
             if not name.startswith("GGUF.") and name not in skip:
                 w.add_key_value(name, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
-        w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
-        for tname, arr in gguf_tensors(model, dtype).items():
-            w.add_tensor(tname, arr)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        _finish(w, gguf_tensors(model, dtype), dtype)
     finally:
         w.close()
+
+
+def _finish(w: Any, tensors: dict[str, np.ndarray], dtype: str) -> None:
+    """The file type, the tensors, and the whole file written, on GGUFWriter `w` (its metadata added)."""
+    gguf = _gguf()
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    for tname, arr in tensors.items():
+        w.add_tensor(tname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
 
 
 def export_gguf(

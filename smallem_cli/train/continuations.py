@@ -18,9 +18,10 @@ from ..engine.request import Finished, Request
 from ..spec.sampling import Sampling
 
 
-def contexts(ids: np.ndarray, n: int, length: int, seed: int, eot: int) -> list[tuple[int, ...]]:
+def contexts(ids: np.ndarray, n: int, length: int, seed: int, eot: int | None) -> list[tuple[int, ...]]:
     """n windows of `length` tokens of `ids` (a token file), each within one document (no end-of-text
-    marker), drawn by a generator of `seed`: the same arguments give the same windows."""
+    marker; None: the tokenizer has none, so the documents run together), drawn by a generator of
+    `seed`: the same arguments give the same windows."""
     if len(ids) <= length:
         raise ValueError(f"the training split holds {len(ids)} tokens: too few for contexts of {length}")
     rng = np.random.default_rng(seed)
@@ -32,7 +33,7 @@ def contexts(ids: np.ndarray, n: int, length: int, seed: int, eot: int) -> list[
             raise ValueError(f"too few windows of {length} tokens within one document of the training split")
         s = int(rng.integers(0, len(ids) - length))
         w = ids[s : s + length]
-        if not (w == eot).any():
+        if eot is None or not (w == eot).any():
             out.append(tuple(int(t) for t in w))
     return out
 
