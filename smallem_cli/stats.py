@@ -20,6 +20,10 @@ class Stats:
     guessed: list[int] = field(default_factory=list)
     reused: int = 0  # prompt positions found in the cache: a conversation's earlier turns
     prefill_s: float = 0.0
+    # a round's split, as the cost model reads it: host seconds in the proposer's guesses (on a GPU its
+    # work also lands in round_s, at the round's one sync), and seconds in decode rounds, guesses included
+    propose_s: float = 0.0
+    round_s: float = 0.0
     elapsed_s: float = 0.0  # prefill included
     backend: str = "eager"  # what ran the passes (`Backend.label`): "eager" (PyTorch), a native build, "partly …"
 

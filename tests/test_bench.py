@@ -173,19 +173,6 @@ def test_bench_costs_only(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_p
     assert bad.exit_code == 2 and "--costs" in bad.stderr
 
 
-def test_cost_model_for_rounds_of_varying_depth() -> None:
-    """Rounds of an n-gram lookup: measured tokens a round over the cost of the rounds as they
-    came (m guesses cost m·c(m) + v(m+1); none, one plain pass)."""
-    from smallem_cli.stats import Stats
-
-    st = Stats("ngram", 4, accepted=9, guessed=[6, 0, 2, 0, 2])  # 10 rounds: 6 empty, 2 of 2 guesses, 2 of 4
-    v = {2: 1.1, 3: 1.2, 4: 1.3, 5: 1.5}
-    cost = (6 * 1.0 + 2 * (2 * 0.1 + 1.2) + 2 * (4 * 0.1 + 1.5)) / 10
-    c = dict.fromkeys(range(1, 5), 0.1)
-    assert bench.variable_speedup(st, 10, c, v) == pytest.approx((1 + 9 / 10) / cost)
-    assert bench.variable_speedup(Stats("ngram", 4, guessed=[5, 0, 0, 0, 0]), 5, c, v) == pytest.approx(1.0)
-
-
 def test_run_bench_ngram_rows(family: Family) -> None:
     """ngram and ngram+mtp in one run: greedy identity, and the cost model over the depths the
     rounds had."""
@@ -202,7 +189,7 @@ def test_run_bench_ngram_rows(family: Family) -> None:
     assert [r.proposer for r in rows] == ["none", "ngram", "ngram+mtp"]
     assert all(r.identical == "2/2" for r in rows)
     ngram = rows[1]
-    # c is a stopwatch reading (noisy on a shared machine): only its sanity is asserted here
+    # c is read from the run's clock (noisy on a shared machine): only its sanity is asserted here
     assert math.isfinite(ngram.cost_c) and ngram.cost_c >= 0 and ngram.predicted_speedup > 0
 
 

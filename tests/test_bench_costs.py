@@ -265,49 +265,47 @@ def test_cost_readings_read_each_engine_on_its_own_backend(family: Family, monke
 
 
 def test_rows_cost_in_rounds_of_the_target_alone(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A row's c and v: its engine's readings (already in rounds of that engine's target alone),
-    fed to the cost model as they are, whatever the run's own clock says (fake here: eager 4 ms a
-    token, native 2)."""
+    """A row's c and v: the seconds its own runs spent guessing and in the rest of their rounds, in
+    rounds of its engine's target alone in the same run (a fake clock here: the target alone's round
+    4 ms eager, 2 ms native; a guess 1 ms; a speculative round's rest 3 ms)."""
     target = fam.load_target(family.target, DEV)
     plan = bench.Plan(
         {"greedy": {"mtp": fam.load_proposer("mtp", target, DEV, 0)}}, {"mtp": [2]}, ["greedy"], max_new=12,
-        repeats=1, engines=("eager", "native"),
+        repeats=2, engines=("eager", "native"),
     )  # fmt: skip
-    readings = costs.Costs(
-        {"eager:greedy:mtp:2": [0.9], "native:greedy:mtp:2": [0.3]},
-        {"eager:greedy:3": [1.2], "native:greedy:3": [1.1], "native:sample:3": [9.9]},  # the other mode's: unread
-        {"eager:greedy": [0.001], "native:greedy": [0.001]},
-    )
-    monkeypatch.setattr(bench, "cost_readings", lambda *a, **kw: readings)
     real_run = bench.generate
 
     def clocked(*a: Any, backend: Backend) -> tuple[list[int], Stats]:
         out, st = real_run(*a, backend=backend)
-        st.elapsed_s = st.new_tokens * (0.004 if backend.name == "eager" else 0.002)
+        rounds = st.passes - 1
+        st.propose_s = st.proposed * 0.001
+        alone = 0.004 if backend.name == "eager" else 0.002
+        st.round_s = st.propose_s + rounds * (0.003 if st.proposed else alone)
         return out, st
 
     monkeypatch.setattr(bench, "generate", clocked)
     models: list[tuple[float, ...]] = []
-    real_pred, real_var = bench.predicted_speedup, bench.variable_speedup
+    real_pred = bench.predicted_speedup
     monkeypatch.setattr(
         bench, "predicted_speedup", lambda a, k, c, v: models.append((k, c, v)) or real_pred(a, k, c, v)
     )
-
-    def variable(st: Stats, rounds: int, c: dict[int, float], v: dict[int, float]) -> float:
-        models.append((max(c), c[max(c)], v[max(v)]))
-        return real_var(st, rounds, c, v)
-
-    monkeypatch.setattr(bench, "variable_speedup", variable)
     rows = {(r.engine, r.proposer): r for r in bench.run_bench(target.model, [PROMPT], plan)}
     native_r, eager_r = rows[("native", "mtp")], rows[("eager", "mtp")]
-    assert eager_r.cost_c == pytest.approx(0.9) and eager_r.cost_v == pytest.approx(1.2)
-    assert native_r.cost_c == pytest.approx(0.3) and native_r.cost_v == pytest.approx(1.1)
-    fed = [(2, pytest.approx(0.9), pytest.approx(1.2)), (2, pytest.approx(0.3), pytest.approx(1.1))]
+    assert eager_r.cost_c == pytest.approx(0.25) and eager_r.cost_v == pytest.approx(0.75)
+    assert native_r.cost_c == pytest.approx(0.5) and native_r.cost_v == pytest.approx(1.5)
+    fed = [(2, pytest.approx(0.25), pytest.approx(0.75)), (2, pytest.approx(0.5), pytest.approx(1.5))]
     assert [m for m in models if m[0]] == fed  # the model is fed them: eager's row, then native's
     for r in rows.values():
         assert r.predicted_speedup > 0 and r.measured_over_predicted == pytest.approx(r.speedup / r.predicted_speedup)
     alone = rows[("native", "none")]
     assert alone.cost_c == 0 and alone.cost_v == 1.0 and alone.predicted_speedup == 1.0
+
+
+def test_a_round_clocks_its_guesses_and_the_rest(family: Family) -> None:
+    """`Stats.propose_s` and `round_s`: every decode round adds to both, the guesses' share within it."""
+    target = fam.load_target(family.target, DEV)
+    _, st = generate(target.model, fam.load_proposer("mtp", target, DEV, 0), PROMPT, 20, 3)
+    assert st.passes > 1 and 0 < st.propose_s < st.round_s < st.elapsed_s
 
 
 # --- the cost model's arithmetic ---------------------------------------------------------------
@@ -324,17 +322,12 @@ def test_predicted_speedup_and_alpha_by_hand() -> None:
     assert costs.conditional_alpha([0, 0], 0) == 0.0
 
 
-def test_variable_speedup_costs_each_depth_at_its_own_c() -> None:
-    """Rounds of varying depth: sum over m of rounds(m) * (m·c(m) + v(m+1)) / rounds; a round
-    without guesses is v(1) (1 where not read); no round at all, 1."""
-    st = Stats("ngram", 4, accepted=9, guessed=[2, 0, 4, 0, 4])  # 10 rounds: 2 empty, 4 of 2, 4 of 4 guesses
-    c = {2: 0.1, 4: 0.05}
-    v = {3: 1.2, 5: 1.5}
-    cost = (2 * 1.0 + 4 * (0.2 + 1.2) + 4 * (0.2 + 1.5)) / 10  # 1.44
-    assert cost == pytest.approx(1.44)
-    assert costs.variable_speedup(st, 10, c, v) == pytest.approx(1.9 / 1.44)
-    assert costs.variable_speedup(st, 10, c, v | {1: 1.1}) == pytest.approx(1.9 / (1.44 + 2 * 0.1 / 10))
-    assert costs.variable_speedup(st, 0, c, v) == 1.0
+def test_run_costs_by_hand() -> None:
+    """c: seconds a guess; v: the rest of a round; both over the target alone's seconds a round."""
+    run = Stats("mtp", 4, passes=11, proposed=40, propose_s=0.02, round_s=0.07)  # 10 rounds, 40 guesses
+    alone = Stats("none", 0, passes=21, round_s=0.04)  # 20 rounds of 2 ms
+    assert costs.run_costs(run, 10, alone, 20) == pytest.approx((0.0005 / 0.002, 0.005 / 0.002))
+    assert costs.run_costs(Stats("none", 0, round_s=0.04), 20, alone, 20) == pytest.approx((0.0, 1.0))
 
 
 # --- our rows beside a peer's ----------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The seed's cost model and its readings: c (a proposer's cost per guess, read per k) and v (a
-round's target side over k+1 tokens), read round-robin on the path a generation takes, greedy or
-sampled as the mode draws, in rounds of that mode's target alone (`round_s`, the model's unit)."""
+"""The seed's cost model and its readings: c (a proposer's cost per guess) and v (a round's target
+side over k+1 tokens), in rounds of the target alone. A bench row reads them from its own runs
+(`run_costs`); `forward_costs` times them alone, round-robin, for `bench --costs` and the peers."""
 
 from __future__ import annotations
 
@@ -169,10 +169,9 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
     return tokens / (k * c + v)
 
 
-def variable_speedup(st: Stats, rounds: int, c: dict[int, float], v: dict[int, float]) -> float:
-    """The cost model for rounds of varying depth (an n-gram lookup): a round's measured tokens over
-    its mean cost, sum over m of (rounds with m guesses) * (m·c(m) + v(m+1)) / rounds."""
-    if not rounds:
-        return 1.0
-    cost = sum(r * (m * c.get(m, 0.0) + v.get(m + 1, 1.0)) for m, r in enumerate(st.guessed)) / rounds
-    return (1 + st.accepted / rounds) / cost
+def run_costs(st: Stats, rounds: int, alone: Stats, alone_rounds: int) -> tuple[float, float]:
+    """c and v as a run spent them (`Stats.propose_s`, `round_s`), in rounds of the target alone's run
+    beside it: c, the proposer's seconds per guess; v, the rest of a round (its verification)."""
+    unit = alone.round_s / max(1, alone_rounds)
+    c = st.propose_s / st.proposed / unit if st.proposed else 0.0
+    return c, (st.round_s - st.propose_s) / max(1, rounds) / unit

@@ -25,7 +25,7 @@ from ..model.tokenizer import load_tokenizer
 from ..spec.sampling import Sampling
 from ..stats import Stats
 from ..train.data import read_documents
-from .costs import Costs, conditional_alpha, forward_costs, predicted_speedup, variable_speedup
+from .costs import Costs, conditional_alpha, forward_costs, predicted_speedup, run_costs
 
 
 def write_prompts(
@@ -65,8 +65,8 @@ class Row:
     tokens_per_pass: float
     accepted_at: list[float]  # rate at which the i-th proposal was kept
     alpha_model: float  # α of the cost model: P(a guess is kept | the guesses before it were)
-    cost_c: float  # proposer cost per proposed token, in rounds of the target alone
-    cost_v: float  # a round's verify pass over k+1 tokens and its host work, in rounds of the target alone
+    cost_c: float  # the proposer's seconds per guess, in rounds of the target alone (same run)
+    cost_v: float  # a round's other seconds (verification, bookkeeping), in rounds of the target alone
     predicted_speedup: float
     measured_over_predicted: float
     identical: str | None  # "8/8" for greedy rows: same tokens as the eager target alone
@@ -98,11 +98,23 @@ def round_robin(
                 out, st = gen(i, prompt, max_new)
                 total, outs = runs[label][-1]
                 outs.append(out)
-                for name in ("new_tokens", "passes", "proposed", "accepted", "elapsed_s"):
-                    setattr(total, name, getattr(total, name) + getattr(st, name))
-                total.accepted_at = [a + b for a, b in zip_longest(total.accepted_at, st.accepted_at, fillvalue=0)]
-                total.guessed = [a + b for a, b in zip_longest(total.guessed, st.guessed, fillvalue=0)]
+                _add(total, st)
     return runs
+
+
+def _add(total: Stats, st: Stats) -> None:
+    """`st`'s counters added to `total`'s."""
+    for name in ("new_tokens", "passes", "proposed", "accepted", "elapsed_s", "propose_s", "round_s"):
+        setattr(total, name, getattr(total, name) + getattr(st, name))
+    total.accepted_at = [a + b for a, b in zip_longest(total.accepted_at, st.accepted_at, fillvalue=0)]
+    total.guessed = [a + b for a, b in zip_longest(total.guessed, st.guessed, fillvalue=0)]
+
+
+def _summed(run: list[tuple[Stats, list[list[int]]]]) -> Stats:
+    total = Stats("", 0)
+    for st, _ in run:
+        _add(total, st)
+    return total
 
 
 @dataclass
@@ -188,10 +200,8 @@ def _gen(target: Transformer, p: Proposer, k: int, draws: Sampling, backend: Bac
 def run_bench(
     target: Transformer, prompts: list[list[int]], plan: Plan, progress: engines.Log | None = None
 ) -> list[Row]:
-    """Every configuration of the plan, the target alone first, timed in the same run (`round_robin`)."""
-    costs = cost_readings(target, plan, prompts[0], 1)
-    c = {name: xs[0] for name, xs in costs.c.items()}
-    v = {name: xs[0] for name, xs in costs.v.items()}
+    """Every configuration of the plan, the target alone first, timed in the same run (`round_robin`).
+    The cost model's c and v are read from the runs themselves (`costs.run_costs`): the path they took."""
     backends = {e: plan.backends.get(e) or Backend(e) for e in ("eager", *plan.engines)}
     rows: list[Row] = []
     for mode in plan.modes:
@@ -200,24 +210,22 @@ def run_bench(
         gens = {f"{mode} {e} {name} k={k}": _gen(target, p, k, draws, backends[e]) for e, name, p, k in configs}
         runs = list(round_robin(gens, prompts, plan.max_new, plan.repeats, progress).values())
         tps = [[st.tokens_per_s for st, _ in r] for r in runs]  # each configuration's, run by run
-        base = {e: tps[j] for j, (e, n, _, _) in enumerate(configs) if n == "none"}  # tps[0]: the eager one
+        base = {e: j for j, (e, n, _, _) in enumerate(configs) if n == "none"}  # 0: the eager one
+        prefills = len(prompts) * plan.repeats  # passes that are no round
         for j, (engine, name, _, k) in enumerate(configs):
-            st, outs = runs[j][0]  # the first run's
-            rounds = st.passes - len(prompts)  # prefill passes excluded
+            st, alone = _summed(runs[j]), _summed(runs[base[engine]])
+            rounds = st.passes - prefills
             alpha = conditional_alpha(st.accepted_at, rounds)
-            # in rounds of this engine's target alone (`costs.forward_costs`); a row of the target
-            # alone costs one round, read or not (eager's reference has none outside the plan)
-            cc = c.get(f"{engine}:{mode}:{name}:{k}", 0.0)
-            vv = v.get(f"{engine}:{mode}:{k + 1}", 1.0) if k else 1.0
-            if sum(st.guessed[:k]):  # rounds of fewer guesses: the model over the rounds as they came
-                vs = {T: v.get(f"{engine}:{mode}:{T}", 1.0) for T in range(2, k + 2)}
-                pred = variable_speedup(st, rounds, dict.fromkeys(range(1, k + 1), cc), vs)
+            cc, vv = run_costs(st, rounds, alone, alone.passes - prefills) if k else (0.0, 1.0)
+            if sum(st.guessed[:k]):  # rounds of fewer guesses (a lookup): the tokens they measured
+                pred = (1 + st.accepted / max(1, rounds)) / (st.proposed / max(1, rounds) * cc + vv)
             else:
                 pred = predicted_speedup(alpha, k, cc, vv)
             # Each timed run against the target alone's run of the same round, then the
             # median: a slow spell of the machine spans both sides of a ratio.
-            speed = statistics.median(a / b for a, b in zip(tps[j], base[engine], strict=True))
+            speed = statistics.median(a / b for a, b in zip(tps[j], tps[base[engine]], strict=True))
             vs_eager = statistics.median(a / b for a, b in zip(tps[j], tps[0], strict=True))
+            outs = runs[j][0][1]
             same = sum(a == b for a, b in zip(outs, runs[0][0][1], strict=True))
             identical = f"{same}/{len(outs)}" if mode == "greedy" else None
             per = [a / max(1, rounds) for a in st.accepted_at]

@@ -6,6 +6,7 @@ it kept. One host sync per round: the verdicts of every sequence come back toget
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +109,9 @@ def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[i
 def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[tuple[int, int, list[int]]]:
     """One round over `seqs` (pages reserved for s.cached + s.k + 1) -> per sequence (guesses
     offered m, kept n, the tokens emitted)."""
+    t0 = time.perf_counter()
     guesses = proposer.propose(seqs, [s.k for s in seqs])
+    guessed_s = time.perf_counter() - t0
     counts = [g[0].shape[0] + 1 for g in guesses]
     fed_each = [
         torch.cat([s.last.view(1), g[0]]) if c > 1 else s.last.view(1)
@@ -164,7 +167,16 @@ def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> l
         commit(t, proposer, s, m, n, emitted, hidden[first : first + n + 1])
         verdicts.append((m, n, emitted))
         first += c
+    _clock(seqs, t0, guessed_s)
     return verdicts
+
+
+def _clock(seqs: list[Seq], t0: float, guessed_s: float) -> None:
+    """The round's seconds, begun at t0, guessed_s of them in the proposer, on each sequence's stats."""
+    spent = time.perf_counter() - t0
+    for s in seqs:
+        s.stats.propose_s += guessed_s
+        s.stats.round_s += spent
 
 
 def commit(
@@ -197,7 +209,9 @@ def tree_round(
     tokens emitted). One target pass over every tree, each tree verified on its own rows
     (`spec.tree`); the kept path's K/V moved to the positions that follow the cache."""
     width, drawn = min(width, budget), min(D.TREE_DRAWS, budget)
+    t0 = time.perf_counter()
     trees = grow(proposer, seqs, budget, width, drawn)
+    guessed_s = time.perf_counter() - t0
     dev = t.slab.device
     fed = [torch.cat([s.last.view(1), tr.tokens]) for s, tr in zip(seqs, trees, strict=True)]
     ids = torch.cat(fed)  # [N]
@@ -240,4 +254,5 @@ def tree_round(
         commit(t, proposer, s, tr.depth, n, emitted, hidden.index_select(0, path))
         verdicts.append((tr.depth, n, emitted))
         first += c
+    _clock(seqs, t0, guessed_s)
     return verdicts
