@@ -8,9 +8,7 @@ import json
 import math
 from dataclasses import dataclass
 
-# Bounds on a config read from a file, checked before anything is allocated: generous for the
-# models smallem runs on a CPU (a Llama of ~2B parameters fits), far below what would exhaust
-# the machine. A wrong field then costs one error line, not gigabytes and minutes.
+# Bounds on a config read from a file, checked before anything is allocated (a ~2B Llama fits).
 LIMITS = {
     "vocab_size": 1 << 20,
     "dim": 1 << 14,
@@ -40,8 +38,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
-    # A multi-token-prediction module (DeepSeek-V3 style) is trained with this model.
-    mtp: bool = False
+    mtp: bool = False  # a multi-token-prediction module (DeepSeek-V3 style) is trained with this model
 
     @property
     def head_dim(self) -> int:
@@ -112,14 +109,12 @@ def _show(value: object) -> str:
     return f"{value!r}"[:40] + f" ({kinds.get(type(value), type(value).__name__)})"
 
 
-# The shipped family. The drafts share a width (the seed: same config, 2 or 4 layers)
-# and are narrow, so that one of their tokens costs a fraction of a target pass.
+# The shipped family: narrow drafts, so that one of their tokens costs a fraction of a target pass.
 PRESETS: dict[str, ModelConfig] = {
     "target": ModelConfig(dim=256, n_layers=8, n_heads=4, n_kv_heads=4, hidden_dim=768, mtp=True),
     "draft-2l": ModelConfig(dim=192, n_layers=2, n_heads=3, n_kv_heads=3, hidden_dim=512),
     "draft-4l": ModelConfig(dim=192, n_layers=4, n_heads=3, n_kv_heads=3, hidden_dim=512),
-    # Tiny random models for tests.
-    "tiny": ModelConfig(
+    "tiny": ModelConfig(  # tiny random models for tests
         vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=256, mtp=True
     ),
 }

@@ -83,8 +83,7 @@ def read_prompt(prompt: str | None) -> str:
 
 
 def pick_k(proposer: str, k: int | None, greedy: bool) -> int:
-    """The proposals per round: the user's k (1..MAX_K), else the proposer's default. `none` proposes
-    nothing: its k is 0, and a k given with it is ignored."""
+    """The proposals per round: the user's k (1..MAX_K), else the proposer's default; `none`'s is 0."""
     if k is not None and not 1 <= k <= D.MAX_K and not (proposer == "none" and k == 0):
         raise UsageError(f"k must be between 1 and {D.MAX_K}, got {k}")
     return D.default_k(proposer, greedy, k)
@@ -137,10 +136,8 @@ def read_prompts(
     tokenizer: Tokenizer | None = None,
     chat: ChatFormat | None = None,
 ) -> list[list[int]]:
-    """`bench`'s prompts file, a JSON object a line, checked line by line. A line's prompt is its
-    "tokens" (a "text" beside them, as `smallem prompts` writes, is only their reading), else its
-    "text" (encoded by `tokenizer`), else its "messages" (through `chat`'s template, as `generate
-    --chat` does). Each must leave room in the context for max_new tokens and the largest k's pass."""
+    """`bench`'s prompts file, a JSON object a line: its "tokens", else its "text" (by `tokenizer`), else its
+    "messages" (by `chat`'s template); each leaves room for max_new tokens and the largest k's pass."""
     try:
         with open(path, "rb") as f:  # bounded: a device such as /dev/zero never ends
             raw = f.read(D.MAX_PROMPTS_BYTES + 1)
@@ -159,11 +156,7 @@ def read_prompts(
         if not line.strip():
             continue
         where = f"{path}, line {n}"
-        try:
-            obj = json.loads(line)
-        except (ValueError, RecursionError):
-            obj = None
-        ids = _line_ids(obj, where, cfg.vocab_size, tokenizer, chat)
+        ids = _line_ids(json_value(line), where, cfg.vocab_size, tokenizer, chat)
         try:
             check_context(len(ids), max_new, top_k, cfg.max_seq_len)
         except UsageError as e:
@@ -172,6 +165,14 @@ def read_prompts(
     if not prompts:
         raise UsageError(f"prompts file {path} holds no prompt")
     return prompts
+
+
+def json_value(text: str) -> object:
+    """The JSON value of `text`, or None where it is none."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _line_ids(obj: object, where: str, vocab_size: int, tok: Tokenizer | None, chat: ChatFormat | None) -> list[int]:
@@ -232,8 +233,7 @@ def check_context(prompt_tokens: int, max_new: int, k: int, ctx: int) -> None:
 
 
 def threads(n: int | None) -> int | None:
-    """--threads: None (torch's default) or 1 to the CPUs this process may run on (more only make each
-    pass's barriers wait for threads that share a core)."""
+    """--threads: None (torch's default) or 1 to the CPUs this process may run on (more share a core)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if n is not None and not 1 <= n <= cpus:
         raise UsageError(f"--threads must be between 1 and {cpus} (the CPUs this process may use), got {n}")
@@ -244,14 +244,12 @@ LOADAVG = Path("/proc/loadavg")
 
 
 def threads_for_load(cores: int) -> int | None:
-    """`generate`'s default thread count: None (torch's, all cores) unless other processes are running
-    now (the runnable count of /proc/loadavg, less this one), then the cores they leave, at least 1:
-    a thread descheduled for another process stalls every barrier (docs/benchmarks.md, "Threads")."""
+    """`generate`'s default threads: None (all cores), or the cores other running processes (/proc/loadavg)
+    leave, at least 1: a descheduled thread stalls every barrier (docs/benchmarks.md, "Threads")."""
     try:
-        running = int(LOADAVG.read_text().split()[3].split("/")[0])
+        busy = int(LOADAVG.read_text().split()[3].split("/")[0]) - 1  # less this process
     except (OSError, ValueError, IndexError):
         return None
-    busy = running - 1
     return max(1, cores - busy) if busy > 0 and cores > 1 else None
 
 

@@ -1,11 +1,5 @@
 """`smallem batch`: many requests, one a line, through the batched engine; JSON answers on stdout.
-
-The lines' format and the answers' are batch_io's. Here: the options, the input, the progress on
-stderr, a --max-batch lowered to what the memory holds (`engine.build.fit_batch`), Ctrl-C (lines
-stay whole, held answers go out first, exit 130), and a reader that goes away (`... | head -1`):
-stdout goes to /dev/null, so nothing is left to fail at exit, and the run ends quietly, exit 141
-(128 + SIGPIPE).
-"""
+A Ctrl-C leaves whole lines (exit 130); a reader that goes away ends the run quietly (exit 141)."""
 
 from __future__ import annotations
 
@@ -53,8 +47,7 @@ def open_input(file: str | None) -> BinaryIO:
 
 @contextmanager
 def whole_line() -> Iterator[None]:
-    """Around one line's write: a Ctrl-C waits for the line's end, then interrupts; a second
-    Ctrl-C interrupts at once (a reader that stopped reading would hold the first one forever)."""
+    """Around one line's write: a Ctrl-C waits for the line's end, a second one interrupts at once."""
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous is None:
         yield  # signals reach only the main thread; a handler set outside Python cannot be put back
@@ -76,8 +69,7 @@ def whole_line() -> Iterator[None]:
 
 
 def write_held(writer: Any, closed: type[Exception]) -> None:
-    """After a Ctrl-C: the answers a Writer still holds go out in input order. A second Ctrl-C
-    stops this at a line's end; a reader gone away (`closed`) stops it quietly: the run is ending anyway."""
+    """After a Ctrl-C: the answers a Writer holds go out, until a second Ctrl-C or the reader goes away."""
     try:
         writer.close()
     except KeyboardInterrupt:
@@ -195,8 +187,7 @@ def batch(
     source: BinaryIO | None = None
     try:
         proposer = proposer or family.default_proposer(target, temperature == 0)
-        # the guesses a verify pass may hold, for the context check (a request's temperature may pick
-        # either mode's default k); checks k
+        # the guesses a verify pass may hold, in either mode (a request may pick its temperature)
         slack = max(O.pick_k(proposer, k, True), O.pick_k(proposer, k, False))
         O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, max_new_tokens=max_new_tokens)
         if max_batch < 1:
@@ -224,7 +215,6 @@ def batch(
     shown = Display(show=not quiet and err.is_terminal)
 
     def requests() -> Iterator[Request]:
-        """The engine pulls the requests one by one; a bad line is answered here, in its turn."""
         lines = B.parse_lines(source, defaults, lambda text: tok.encode(text).ids, tgt.model.cfg.max_seq_len, slack)
         for item in lines:
             if isinstance(item, B.Rejected):

@@ -1,18 +1,6 @@
-"""`smallem batch`'s input and output: request lines in, one JSON answer line out per line.
-
-Input: a request per line (ending at `\\n`, a `\\r` before it dropped): plain text (the prompt as
-is), or, where the first non-blank character is `{`, a JSON object of `FIELDS`. "prompt" (a string)
-is required; every other field defaults to the command line's option, under `smallem generate`'s
-rules. "stop" is a string or a list of them; `null` turns "top_k" / "top_p" / "min_p" off; "id" is a
-string or an integer, by default the line's 1-based number.
-
-Every line gets exactly one answer, `{"id", "text", "tokens", "stats"}` or `{"id", "error"}`:
-- a line whose id repeats an earlier line's (3 and "3" are two ids) is an error, not decoded;
-- a blank line is an error ("empty prompt"), not skipped: line N's answer keeps id N;
-- a line of more than `max_line_bytes` before its `\\n` is never held whole, parsed nor tokenized:
-  its rest is read and dropped chunk by chunk, and it is answered "line too long" under its number.
-Each answer is one write and a flush (`Writer`), so an interrupted run leaves whole lines.
-"""
+"""`smallem batch`'s input and output: a request a line (plain text, or a JSON object of `FIELDS` whose
+fields left out take the options), and exactly one JSON answer line per line, an error included (a blank
+line, a repeated id, a line over `max_line_bytes`, never held whole). Each answer is one write and a flush."""
 
 from __future__ import annotations
 
@@ -64,7 +52,6 @@ def _shown(value: object, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# --- input ---------------------------------------------------------------------------------------
 def _int(name: str, value: object) -> int:
     if type(value) is not int:  # bool is an int to Python, not to a user
         raise BadField(f"{name} must be an integer, got {_shown(value)}")
@@ -118,16 +105,13 @@ def _usage(e: O.UsageError) -> str:
 def parse_line(
     line: str, lineno: int, defaults: Defaults, encode: Encode, max_len: int, k: int = 0
 ) -> Request | Rejected:
-    """One input line (without its newline; `lineno` 1-based) -> a checked Request, or why it is none.
-    max_len, the target's context, must hold the prompt, max_new_tokens and a verify pass of k guesses."""
+    """One input line (`lineno` 1-based) -> a checked Request whose prompt, max_new_tokens and a pass of k
+    guesses fit in max_len, or why it is none."""
     index, rid = lineno - 1, lineno
     prompt, opts = line, defaults
     try:
         if line.lstrip().startswith("{"):
-            try:
-                obj = json.loads(line)
-            except (ValueError, RecursionError):
-                obj = None
+            obj = O.json_value(line)
             if not isinstance(obj, dict):  # (a line opening with `{` is an object or no JSON at all)
                 return Rejected(index, rid, "invalid JSON object")
             if "id" in obj:  # a bad id is answered under the line's number
@@ -176,8 +160,7 @@ _DROP_CHUNK = 1 << 16  # bytes read at a time from the rest of a line too long t
 
 
 def read_lines(source: BinaryIO, limit: int) -> Iterator[bytes | None]:
-    """A binary file's lines (`\\n` kept), None for a line of more than `limit` bytes before its `\\n`:
-    memory stays within `limit` + a chunk whatever the input (`for line in file` reads a line whole)."""
+    """A binary file's lines (`\\n` kept), None for a line of more than `limit` bytes: memory stays bounded."""
     while True:
         raw = source.readline(limit + 1)  # one byte more than a line may have: its `\n`, or too long
         if not raw:
@@ -193,9 +176,8 @@ def read_lines(source: BinaryIO, limit: int) -> Iterator[bytes | None]:
 def parse_lines(
     source: BinaryIO, defaults: Defaults, encode: Encode, max_len: int, k: int = 0, max_bytes: int | None = None
 ) -> Iterator[Request | Rejected]:
-    """A binary file's lines, read in bounded chunks -> one Request or Rejected each, lazily.
-    max_bytes: a line's limit [default: max_line_bytes(max_len)]. A line's number is its default id,
-    and numbers never repeat: to tell a repeated id, only the ids lines gave, and which lines, are kept."""
+    """A binary file's lines -> one Request or Rejected each, lazily; max_bytes: a line's limit. To tell a
+    repeated id, only the ids lines gave (a line's number is its default id), and which lines, are kept."""
     limit = max_line_bytes(max_len) if max_bytes is None else max_bytes
     given: dict[str | int, int] = {}  # an id a line gave (other than its number) -> the first such line
     renamed: set[int] = set()  # the lines answered under another id than their number
@@ -226,7 +208,6 @@ def _parse_raw(
     return parse_line(line, lineno, defaults, encode, max_len, k)
 
 
-# --- output --------------------------------------------------------------------------------------
 def answer(fin: Finished) -> Record:
     return {"id": fin.request.id, "text": fin.text, "tokens": list(fin.tokens), "stats": fin.stats}
 
@@ -236,10 +217,8 @@ class OutputClosed(Exception):
 
 
 class Writer:
-    """Writes each answer as one JSON line: one write, then a flush, inside `guard()` (the CLI's keeps
-    a Ctrl-C from landing in the middle of a line); a broken pipe raises OutputClosed. `ordered`: each
-    answer waits until every earlier line's is out, and leaves the held ones before its write (a Ctrl-C
-    at a write's end then leaves none to write twice)."""
+    """Writes each answer as one JSON line, one write and a flush inside `guard()` (no Ctrl-C mid-line);
+    a broken pipe raises OutputClosed. `ordered`: each answer waits until every earlier line's is out."""
 
     def __init__(
         self, out: TextIO, guard: Callable[[], AbstractContextManager[object]] = nullcontext, ordered: bool = False
@@ -271,8 +250,7 @@ class Writer:
             raise OutputClosed from None
 
     def close(self) -> None:
-        """The end of the run: answers still held (an engine lost a request, or a Ctrl-C came while an
-        earlier line's was not done) go out in ascending input order; lines never answered are missing."""
+        """The end of the run: answers still held go out in input order; lines never answered are missing."""
         for index in sorted(self.waiting):
             record = self.waiting.pop(index)
             self.next = index + 1

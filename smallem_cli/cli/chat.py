@@ -1,31 +1,19 @@
-"""`smallem chat`: a conversation in the terminal, each answer streamed as it is verified.
-
-The conversation's cache outlives each answer (`Request.session`): a turn prefills only what its
-rendering adds to the last one. Ctrl-C stops an answer, not the session (what was printed stays in
-the conversation); Ctrl-D, or the end of a piped stdin, ends it.
-"""
+"""`smallem chat`: a conversation in the terminal, each answer streamed as it is verified; its cache
+outlives each answer (`Request.session`). Ctrl-C stops an answer, Ctrl-D (or the end of stdin) the session."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import sys
-from typing import TYPE_CHECKING, Annotated
+from types import FrameType
+from typing import Annotated
 
 import typer
 
 from .. import defaults as D
 from .. import options as O
 from .app import Device, Proposer, Target, Threads, Tokenizer, Weights, app, err, fail, load_run, stats_line
-
-if TYPE_CHECKING:
-    from types import FrameType
-
-    from tokenizers import Tokenizer as Tok
-
-    from ..engine.request import Request
-    from ..engine.scheduler import Engine
-    from ..stats import Stats
 
 
 @app.command()
@@ -50,8 +38,9 @@ def chat(
 ) -> None:
     """Talk with a chat model: a line of stdin is a message, the answer streams to stdout."""
     from ..engine import family
-    from ..engine.generate import engine_for_chat
+    from ..engine.generate import answer, engine_for_chat
     from ..engine.request import Request
+    from ..engine.stops import StopPrinter
     from ..model.chat import ChatError, chat_ids
     from ..spec.sampling import NonFiniteError, Sampling
     from ..stats import Stats
@@ -87,11 +76,18 @@ def chat(
             sampling = Sampling(temperature, top_k, top_p, seed + len(conversation) // 2, min_p, penalty)
             request = Request(0, 0, tuple(ids), max_new_tokens, sampling, session=0)
             stats = Stats(proposer, kk, backend=backend.label)
+            out = StopPrinter(tgt.tok.decode, sys.stdout, [])  # streamed as it comes, until a Ctrl-C
             try:
-                text = _answer(eng, request, tgt.tok, stats, ctrl_c)
+                with contextlib.closing(answer(eng, request, stats)) as chunks:
+                    for chunk in chunks:
+                        out.push(chunk)
+                        if ctrl_c.hit:
+                            break
             except NonFiniteError as e:
                 raise fail(str(e), 1) from None
-            conversation.append({"role": "assistant", "content": text})
+            out.push([], final=True)
+            print(flush=True)
+            conversation.append({"role": "assistant", "content": out.text})
             if ctrl_c.hit:
                 err.print("(interrupted)")
             elif not quiet:
@@ -127,19 +123,3 @@ class _CtrlC:
                     print()
         finally:
             self.reading = False
-
-
-def _answer(engine: Engine, request: Request, tok: Tok, stats: Stats, ctrl_c: _CtrlC) -> str:
-    """Stream one answer to stdout (`stats` kept up to date) -> its text, as far as it went."""
-    from ..engine.generate import answer
-    from ..engine.stops import StopPrinter
-
-    out = StopPrinter(tok.decode, sys.stdout, [])
-    with contextlib.closing(answer(engine, request, stats)) as chunks:
-        for chunk in chunks:
-            out.push(chunk)
-            if ctrl_c.hit:
-                break
-    out.push([], final=True)
-    print(flush=True)
-    return out.text

@@ -9,18 +9,16 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, TextIO, TypeVar
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:  # train imports torch: seconds the command line does not wait for before it parses
     from rich.console import Console
 
     from ..train.loop import Progress as P
     from ..train.loop import ProgressFn
-
-
-T = TypeVar("T")
 
 
 def quiet_ctrl_c() -> None:
@@ -52,8 +50,7 @@ class StdoutError(Exception):
 
 
 class _Closed(io.TextIOBase):
-    """A stdout the process was started without (`>&-`): every write fails, so a command that prints
-    fails with one line, and one that prints nothing is not hindered."""
+    """A stdout the process was started without (`>&-`): only a command that prints fails."""
 
     def writable(self) -> bool:
         return True
@@ -68,19 +65,22 @@ class _Guarded(io.TextIOBase):
     def __init__(self, raw: TextIO) -> None:
         self.raw = raw
 
-    def _call(self, fn: Callable[[], T]) -> T:
+    @contextmanager
+    def _failing(self) -> Iterator[None]:
         try:
-            return fn()
+            yield
         except BrokenPipeError:
             raise StdoutClosed from None
         except OSError as e:
             raise StdoutError(f"cannot write to stdout: {e.strerror or e}") from None
 
     def write(self, s: str) -> int:
-        return self._call(lambda: self.raw.write(s))
+        with self._failing():
+            return self.raw.write(s)
 
     def flush(self) -> None:
-        self._call(self.raw.flush)
+        with self._failing():
+            self.raw.flush()
 
     def writable(self) -> bool:
         return True
@@ -97,8 +97,7 @@ class _Guarded(io.TextIOBase):
 
 
 def guard_streams() -> None:
-    """A closed stdin reads as empty; a closed stdout fails only when written; a failed write to stdout
-    is a StdoutError or StdoutClosed (`main`: one line, or a quiet exit)."""
+    """A closed stdin reads as empty; a failed write to stdout is a StdoutError or StdoutClosed (`main`)."""
     if sys.stdin is None:
         sys.stdin = open(os.devnull, encoding="utf-8")
     if sys.stdout is None:
@@ -108,8 +107,7 @@ def guard_streams() -> None:
 
 
 def stdout_to_devnull() -> None:
-    """After stdout failed: point it at /dev/null, or Python's flush at exit warns with a traceback
-    (what Python's documentation recommends, in the signal module's)."""
+    """After stdout failed: point it at /dev/null, or Python's flush at exit warns with a traceback."""
     try:
         fd = sys.stdout.fileno()
     except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # not a file: nothing to redirect

@@ -68,10 +68,7 @@ def generate(
             target, proposer, device, tokenizer, vocab, O.tree(tree), weights, engine, threads, quiet
         )
         tok = tgt.tok
-        if chat or system is not None:
-            ids = chat_ids(tok, tgt.chat, messages(text, system))
-        else:
-            ids = encode(tok, text)
+        ids = chat_ids(tok, tgt.chat, messages(text, system)) if chat or system is not None else encode(tok, text)
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
     except O.INPUT_ERRORS as e:
         raise fail(str(e)) from None

@@ -53,8 +53,7 @@ def data(
             f"{val_path} ({val_path.stat().st_size} bytes)"
         )
         return
-    # the target continues N contexts of --source's training split on the batch engine: they go to
-    # --out's train.txt, the source's validation split to its val.txt
+    # the target continues contexts of --source's train.txt into --out's; --source's val.txt is copied
     from ..backends import engines
     from ..engine import family
     from ..engine.build import build_engine
@@ -112,8 +111,7 @@ def _new_file(path: Path, option: str, overwrite: bool) -> None:
 
 
 def _write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str) -> tuple[Path, Path]:
-    """Write train.txt and val.txt of `chunks`' split, unless that would replace another corpus in
-    `out_dir` (named by `option`) unasked: a rerun writing the same corpus replaces nothing."""
+    """Write train.txt and val.txt of `chunks`' split, unless that replaces another corpus unasked."""
     from ..train import data as corpus
 
     parts = corpus.split(chunks)
