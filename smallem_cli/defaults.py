@@ -69,7 +69,6 @@ LINE_BYTES_PER_TOKEN = 64
 CACHE_MEMORY_SHARE = 0.5  # the batch engine's K/V cache: at most this share of the free memory
 # Decode steps: "native" (C++), "native-avx2", "eager" (PyTorch); "auto": $SMALLEM_ENGINE, else native on a CPU.
 ENGINE = "auto"
-COST_PASSES = (1, 2, 3, 4, 5, 8, 16)  # `bench --costs`: v for passes over these many tokens
 # A proposer's head keeps this many most frequent tokens (0: all); a sampled guess needs more of q's mass.
 PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 # How the native engine stores a proposer's matrices: "int8" (half the bytes, about the same acceptance)

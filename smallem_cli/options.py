@@ -292,15 +292,13 @@ def check_vocab(proposer_vocab: int | None) -> None:
         raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")
 
 
-def check_bench(modes: str, repeats: int, max_new: int, peer: str | None, plot: bool, costs: bool) -> list[str]:
+def check_bench(modes: str, repeats: int, max_new: int, peer: str | None, plot: bool) -> list[str]:
     """`bench`'s options -> its modes. Optional extras are checked before minutes of timing."""
     mode_list = [m for m in modes.split(",") if m]
     if not set(mode_list) <= {"greedy", "sample"} or not mode_list:
         raise UsageError(f"modes must be greedy and/or sample, got {modes!r}")
     if repeats < 1 or max_new < 1:
         raise UsageError("--repeats and --max-new-tokens must be >= 1")
-    if costs and (peer or plot):
-        raise UsageError("--costs times no generations: --peer and --plot do not apply")
     if peer not in (None, "hf", "llamacpp", "vllm"):
         raise UsageError(f"unknown peer {peer!r}: use hf (transformers), llamacpp (llama.cpp) or vllm (vLLM)")
     needs = {"hf": ("transformers",), "llamacpp": ("llama_cpp", "gguf")}.get(peer or "", ())

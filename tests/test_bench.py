@@ -146,33 +146,6 @@ def test_missing_extras_are_refused_before_timing(
     assert timed == []  # refused before any timing
 
 
-def test_bench_costs_only(family: Family, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`bench --costs`: the stopwatch readings alone, one per --repeats, and no generation timed."""
-    timed: list[object] = []
-    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: timed.append(a))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"tokens": list(range(5, 17)), "text": ""}))
-    args = ["bench", "--target", str(family.target), "--proposers", "draft-2l,mtp", "--prompts", str(prompts)]
-    args += ["-k", "1", "--costs"]
-    res = CliRunner().invoke(app, [*args, "--repeats", "3", "--json"])
-    assert res.exit_code == 0, res.output
-    out = json.loads(res.stdout)
-    # c per k of each proposer's round: its default k for the mode, and the -k given
-    ks = {p: {defaults.default_k(p, True), defaults.default_k(p, False), 1} for p in ("draft-2l", "mtp")}
-    names = {f"eager:{m}:{p}:{k}" for m in ("greedy", "sample") for p in ("draft-2l", "mtp") for k in ks[p]}
-    assert set(out["c"]) == names and all(len(xs) == 3 and min(xs) > 0 for xs in out["c"].values())
-    # v for every pass size of defaults.COST_PASSES but 1 (the unit), per mode, in rounds of that
-    # mode's target alone on the same engine
-    assert set(out["v"]) == {f"eager:{m}:{T}" for m in ("greedy", "sample") for T in defaults.COST_PASSES if T > 1}
-    assert all(len(xs) == 3 for xs in out["v"].values())
-    assert set(out["round_s"]) == {"eager:greedy", "eager:sample"}
-    assert all(len(xs) == 3 for xs in out["round_s"].values()) and timed == []
-    table = CliRunner().invoke(app, [*args, "--repeats", "1", "--modes", "greedy"])
-    assert table.exit_code == 0 and "c eager:greedy:mtp:1" in table.stdout and "v eager:greedy T=16" in table.stdout
-    bad = CliRunner().invoke(app, [*args, "--peer", "hf"])
-    assert bad.exit_code == 2 and "--costs" in bad.stderr
-
-
 def test_run_bench_ngram_rows(family: Family) -> None:
     """ngram and ngram+mtp in one run: greedy identity, and the cost model over the depths the
     rounds had."""

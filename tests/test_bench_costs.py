@@ -4,7 +4,6 @@ charges for the work each timed call did, or the readings' sanity alone)."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import shutil
 from collections.abc import Callable
@@ -15,16 +14,13 @@ import pytest
 import torch
 from conftest import Family
 
-from smallem_cli.backends import native
 from smallem_cli.backends.engines import Backend
 from smallem_cli.bench import costs
 from smallem_cli.bench import run as bench
 from smallem_cli.engine import family as fam
-from smallem_cli.engine import proposers as P
 from smallem_cli.engine.family import NONE
 from smallem_cli.engine.generate import generate
 from smallem_cli.engine.runner import TargetRunner
-from smallem_cli.spec.sampling import Sampling
 from smallem_cli.stats import Stats
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -44,117 +40,33 @@ def _loaded(family: Family, names: list[str], engine: str) -> tuple[fam.Target, 
     return target, ps, b
 
 
-# --- forward_costs: what is timed ------------------------------------------------------------------
-# A fake clock: a verify pass over T tokens takes 10 ms + 1 ms a token, a proposer model's pass
-# (eager) 2 ms, a native chain of k guesses in one call 1 ms + 1 ms a guess.
-def _charge(work: list[tuple[str, int]]) -> float:
-    kinds = {w for w, _ in work}
-    if kinds == {"verify"}:
-        assert len(work) == 1, work  # one verify pass per reading of v
-        return 0.010 + 0.001 * work[0][1]
-    if kinds == {"chain"}:
-        assert len(work) == 1, work  # a native round: one call for its k guesses
-        return 0.001 + 0.001 * work[0][1]
-    assert kinds <= {"pass"}, work
-    return 0.002 * len(work)
-
-
-def _spy_work(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """Every target verify pass (its tokens), proposer model pass and native chain (its k) made."""
-    work: list[tuple[str, int]] = []
-    verify, t_pass, m_pass, chain = TargetRunner.verify_pass, P.transformer_pass, P.mtp_pass, native.NativeSteps.chain
+# --- pass_costs: what is timed ---------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ENGINES)
+def test_v_is_read_on_the_target_round(family: Family, monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    """v(T): the target's side of a round verifying T tokens (one verify pass over T), in rounds of
+    one token; the unit's seconds. A fake clock: a verify pass over T tokens takes 10 ms + 1 ms a token."""
+    target, _, b = _loaded(family, [], engine)
+    work: list[int] = []
+    verify = TargetRunner.verify_pass
 
     def spy_verify(self: TargetRunner, seqs: list, ids: torch.Tensor, counts: list[int]) -> Any:
-        work.append(("verify", int(ids.shape[0])))
+        work.append(int(ids.shape[0]))
         return verify(self, seqs, ids, counts)
 
-    def spy_pass(real: Callable[..., Any]) -> Callable[..., Any]:
-        def spied(*a: Any, **kw: Any) -> Any:
-            work.append(("pass", 1))
-            return real(*a, **kw)
-
-        return spied
-
-    def spy_chain(self: native.NativeSteps, ids: Any, k: int, *a: Any, **kw: Any) -> Any:
-        work.append(("chain", k))
-        return chain(self, ids, k, *a, **kw)
-
-    monkeypatch.setattr(TargetRunner, "verify_pass", spy_verify)
-    monkeypatch.setattr(P, "transformer_pass", spy_pass(t_pass))
-    monkeypatch.setattr(P, "mtp_pass", spy_pass(m_pass))
-    monkeypatch.setattr(native.NativeSteps, "chain", spy_chain)
-    return work
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("proposer", ["draft-2l", "mtp", "ngram+mtp"])
-def test_c_is_read_per_k_on_the_round_and_v_on_the_target_round(
-    family: Family, monkeypatch: pytest.MonkeyPatch, engine: str, proposer: str
-) -> None:
-    """c(k): one round of k guesses as the run asks for it (eager: a pass per guess; native: one
-    call for the k; ngram+P: P's round), over k, in rounds of the target alone; v(k): the target's
-    side of a round of k guesses (one verify pass over k+1 tokens) in the same unit; round_s: that
-    unit's seconds."""
-    target, ps, b = _loaded(family, [proposer], engine)
-    work = _spy_work(monkeypatch)
-
-    def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    def interleaved(fns: dict[int, Callable[[], object]], reps: int) -> dict[int, float]:
         out = {}
         for name, fn in fns.items():
             work.clear()
             fn()
-            out[name] = _charge(work)
+            assert len(work) == 1, work  # one verify pass a reading
+            out[name] = 0.010 + 0.001 * work[0]
         return out
 
+    monkeypatch.setattr(TargetRunner, "verify_pass", spy_verify)
     monkeypatch.setattr(costs, "_interleaved", interleaved)
-    ks = [1, 2, 4]
-    got = costs.forward_costs(target.model, {"greedy:p": (ps[proposer], Sampling(), ks)}, [1, 2, 3], PROMPT, b)
-    one = 0.010 + 0.001
-    assert got.round_s == pytest.approx(one)
-    assert got.v == pytest.approx({k: (0.010 + 0.001 * (k + 1)) / one for k in (1, 2, 3)})
-    round_s = {k: 0.002 * k if engine == "eager" else 0.001 + 0.001 * k for k in ks}
-    assert got.c == pytest.approx({f"greedy:p:{k}": round_s[k] / k / one for k in ks})
-    rounds = [k * got.c[f"greedy:p:{k}"] for k in ks]
-    assert all(a < b for a, b in itertools.pairwise(rounds))  # a round of more guesses costs more
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("proposer", ["draft-2l", "mtp"])
-@pytest.mark.parametrize("sampled", [False, True])
-def test_a_timed_round_leaves_the_proposer_as_it_was(
-    family: Family, monkeypatch: pytest.MonkeyPatch, engine: str, proposer: str, sampled: bool
-) -> None:
-    """The timed round is repeatable: every call starts from the same state (the proposer's
-    cache length and what it has to catch up on put back), so greedy, the same guesses."""
-    target, ps, b = _loaded(family, [proposer], engine)
-    made: list[Any] = []
-    real = costs.batch_proposer
-    monkeypatch.setattr(costs, "batch_proposer", lambda *a: made.append(real(*a)) or made[-1])
-    seen: dict[str, tuple[list, list]] = {}
-
-    def state() -> list[tuple]:
-        sts = [st for bp in made for st in bp.state.values()]
-        assert sts  # the sequence being timed has a state, one round in
-        return [(st.length, st.true_len, st.pending.tolist(), st.pending_h.tolist()) for st in sts]
-
-    def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-        for name, fn in fns.items():
-            if name.startswith("c:"):
-                before = state()
-                outs = [fn(), fn(), fn()]
-                assert state() == before, name
-                seen[name] = (outs, before)
-        return dict.fromkeys(fns, 1.0)
-
-    monkeypatch.setattr(costs, "_interleaved", interleaved)
-    draws = Sampling(1.0, seed=3) if sampled else Sampling()
-    costs.forward_costs(target.model, {"m:p": (ps[proposer], draws, [1, 3])}, [1], PROMPT, b)
-    assert set(seen) == {"c:m:p:1", "c:m:p:3"}
-    for name, (outs, _) in seen.items():
-        k = int(name.rsplit(":", 1)[1])
-        assert all(len(o) == k for o in outs)  # type: ignore[arg-type]
-        if not sampled:
-            assert outs[0] == outs[1] == outs[2], name
+    unit, v = costs.pass_costs(target.model, [1, 2, 3, 5], PROMPT, b)
+    assert unit == pytest.approx(0.011)
+    assert v == pytest.approx({T: (0.010 + 0.001 * T) / 0.011 for T in (1, 2, 3, 5)})
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -175,95 +87,34 @@ def test_a_timed_target_round_leaves_its_sequence_as_it_was(
         return real(t, proposer, seqs)
 
     monkeypatch.setattr(costs, "decode_round", spied)
-    outs: dict[str, list] = {}
+    outs: dict[int, list] = {}
 
-    def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    def interleaved(fns: dict[int, Callable[[], object]], reps: int) -> dict[int, float]:
         outs.update({name: [fn(), fn(), fn()] for name, fn in fns.items()})
         return dict.fromkeys(fns, 1.0)
 
     monkeypatch.setattr(costs, "_interleaved", interleaved)
-    costs.forward_costs(target.model, {}, [1, 3], PROMPT, b, context=40)
-    assert set(outs) == {"v1", "v2", "v4"} and set(before) == {0, 1, 3}
+    costs.pass_costs(target.model, [2, 4], PROMPT, b, context=40)
+    assert set(outs) == {1, 2, 4} and set(before) == {0, 1, 3}
     for k, states in before.items():
         # the unit (k = 0) is read before and after the rest: twice as many calls
         assert len(states) == (6 if k == 0 else 3) and all(x == states[0] for x in states), k
-    for name, (a, *rest) in outs.items():
+    for T, (a, *rest) in outs.items():
         m, n, emitted = a[0]
-        assert all(r == a for r in rest) and m == int(name[1:]) - 1 and len(emitted) == n + 1
+        assert all(r == a for r in rest) and m == T - 1 and len(emitted) == n + 1
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_readings_are_positive_and_finite(family: Family, monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
-    """A real stopwatch (values never compared): every reading named, positive and finite, the
-    target's rounds greedy or sampled (its offered guesses verified as point masses)."""
-    names = ["draft-2l", "mtp", "ngram+mtp"]
-    target, ps, b = _loaded(family, names, engine)
-    for m, s in (("greedy", Sampling()), ("sample", Sampling(1.0))):
-        each = {f"{m}:{n}": (ps[n], s, [1, 3]) for n in names}
-        got = costs.forward_costs(target.model, each, [1, 2, 3], PROMPT, b, context=40, reps=3, sampling=s)
-        assert set(got.c) == {f"{name}:{k}" for name in each for k in (1, 3)}
-        assert set(got.v) == {1, 2, 3}
-        for x in [*got.c.values(), *got.v.values(), got.round_s]:
-            assert math.isfinite(x) and x > 0
+def test_readings_are_positive_and_finite(family: Family, engine: str) -> None:
+    """A real stopwatch (values never compared): every reading named, positive and finite."""
+    target, _, b = _loaded(family, [], engine)
+    unit, v = costs.pass_costs(target.model, [1, 2, 3], PROMPT, b, context=40, reps=3)
+    assert set(v) == {1, 2, 3} and v[1] == 1.0
+    for x in [*v.values(), unit]:
+        assert math.isfinite(x) and x > 0
 
 
-# --- the bench's readings and rows --------------------------------------------------------------
-def test_cost_readings_read_each_engine_on_its_own_backend(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`cost_readings`: per reading, engine and mode, one `forward_costs` on that engine's backend,
-    for the mode's proposers (the target alone left out) at their ks (0 left out), its target
-    drawing as the mode does; named engine:mode:proposer:k, v by engine:mode:T (T = k + 1),
-    round_s by engine:mode."""
-    target = fam.load_target(family.target, DEV)
-    mtp = fam.load_proposer("mtp", target, DEV, 0)
-    modes = ["greedy", "sample"]
-    native_b = Backend("native")  # never prepared: only its identity matters here
-    plan = bench.Plan(
-        {m: {"none": NONE, "mtp": mtp} for m in modes}, {"none": [0], "mtp": [0, 2, 3]}, modes,
-        engines=("eager", "native"), backends={"native": native_b},
-    )  # fmt: skip
-    calls: list[tuple[dict, list[int], Backend, Sampling]] = []
-
-    def fake(
-        target: Any, proposers: dict, ks: list[int], prompt: list[int], backend: Backend, sampling: Sampling
-    ) -> costs.Readings:
-        calls.append((proposers, ks, backend, sampling))
-        c = {f"{n}:{k}": k / 4 + (backend.name == "native") for n, (_, _, kk) in proposers.items() for k in kk}
-        sampled = not sampling.greedy
-        v = {k: 1.0 + k / 8 + sampled for k in ks}
-        return costs.Readings(c, v, (0.001 if backend.name == "eager" else 0.002) * (1 + sampled))
-
-    monkeypatch.setattr(bench, "forward_costs", fake)
-    got = bench.cost_readings(target.model, plan, PROMPT, 2)
-    assert [(b.name, s.greedy) for _, _, b, s in calls] == [
-        ("eager", True),
-        ("eager", False),
-        ("native", True),
-        ("native", False),
-    ] * 2
-    assert calls[2][2] is native_b
-    for p, ks, _, s in calls:
-        m = "greedy" if s.greedy else "sample"
-        assert s == bench.plan_sampling(plan, m) and ks == [1, 2, 3]
-        assert p == {f"{m}:mtp": (mtp, bench.plan_sampling(plan, m), [2, 3])}
-    assert bench.plan_sampling(plan, "sample") == plan.sample and plan.sample.temperature > 0
-    assert got.c["native:sample:mtp:3"] == [1.75, 1.75] and got.c["eager:greedy:mtp:2"] == [0.5, 0.5]
-    assert set(got.c) == {f"{e}:{m}:mtp:{k}" for e in ("eager", "native") for m in modes for k in (2, 3)}
-    engines = ("eager", "native")
-    want_v = {
-        f"{e}:{m}:{T}": [1 + (T - 1) / 8 + (m == "sample")] * 2 for e in engines for m in modes for T in (2, 3, 4)
-    }
-    assert got.v == want_v
-    assert got.round_s == {
-        "eager:greedy": [0.001] * 2,
-        "eager:sample": [0.002] * 2,
-        "native:greedy": [0.002] * 2,
-        "native:sample": [0.004] * 2,
-    }
-    calls.clear()
-    bench.cost_readings(target.model, plan, PROMPT, 1, passes=[1, 2, 5])
-    assert [ks for _, ks, _, _ in calls] == [[1, 4]] * 4  # T - 1, the unit T = 1 left out
-
-
+# --- the bench's rows -------------------------------------------------------------------------------
 def test_rows_cost_in_rounds_of_the_target_alone(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
     """A row's c and v: the seconds its own runs spent guessing and in the rest of their rounds, in
     rounds of its engine's target alone in the same run (a fake clock here: the target alone's round

@@ -29,12 +29,12 @@ from ..engine.family import NONE, Proposer, Target
 from ..engine.generate import generate
 from ..interop.vllm_peer import agreement, peer_row
 from ..stats import Stats
-from .costs import forward_costs, sync
+from .costs import pass_costs, sync
 from .report import right_table
 from .run import Gen, Plan, Row, best_greedy, our_row, round_robin
 
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
-COST_CONTEXT = 132  # positions in the cache when a pass is timed, as bench's forward_costs
+COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `costs.pass_costs`'s
 
 
 def run_peer(
@@ -243,7 +243,7 @@ def llamacpp_peer(
         finally:
             for p in peers.values():
                 p.close()
-    got = forward_costs(model, {}, [T - 1 for T in LLAMACPP_PASSES], prompts[0], backend, COST_CONTEXT)
+    unit, ours = pass_costs(model, list(LLAMACPP_PASSES), prompts[0], backend, COST_CONTEXT)
     tps = {name: statistics.median(st.tokens_per_s for st, _ in r) for name, r in runs.items()}
     same = {name: agreement(ref, r[0][1]) for name, r in runs.items()}  # in the first run
     n = len(prompts)
@@ -259,8 +259,8 @@ def llamacpp_peer(
             ours_identical=f"{same['ours'][0]}/{n}",
             one_pass_ms=secs[1] * 1e3,
             pass_cost={str(T): secs[T] / secs[1] for T in LLAMACPP_PASSES},
-            ours_one_pass_ms=got.round_s * 1e3,
-            ours_pass_cost={str(T): got.v[T - 1] for T in LLAMACPP_PASSES},
+            ours_one_pass_ms=unit * 1e3,
+            ours_pass_cost={str(T): ours[T] for T in LLAMACPP_PASSES},
             threads=threads,
         )
         if spec is not None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
 from pathlib import Path
 
 from rich.table import Table
 
-from .costs import Costs
 from .run import Row
 
 
@@ -51,19 +49,6 @@ def plot(rows: list[Row], path: Path) -> None:
             if pts:
                 lines[f"{name} ({mode}, {engine})"] = pts
     save_plot(lines, path, "k (proposals per round)", "speed-up over the target alone", False)
-
-
-def costs_table(costs: Costs, device: str, threads: int) -> Table:
-    """c per proposer and v(T) per round size, each in rounds of its own engine's target alone."""
-    ms = ", ".join(f"{e} {statistics.median(xs) * 1e3:.2f} ms" for e, xs in costs.round_s.items())
-    n = len(next(iter(costs.round_s.values())))
-    title = f"costs in rounds of the target alone ({ms}), {n} readings, {device}, {threads} threads"
-    t = right_table(title, ("cost", "median", "readings"))
-    rows = [(f"c {name}", xs) for name, xs in costs.c.items()]
-    rows += [("v {}:{} T={}".format(*name.split(":")), xs) for name, xs in costs.v.items()]
-    for label, xs in rows:
-        t.add_row(label, f"{statistics.median(xs):.3f}", " ".join(f"{x:.3f}" for x in xs))
-    return t
 
 
 def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: str, threads: int) -> Table:

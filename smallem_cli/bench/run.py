@@ -25,7 +25,7 @@ from ..model.tokenizer import load_tokenizer
 from ..spec.sampling import Sampling
 from ..stats import Stats
 from ..train.data import read_documents
-from .costs import Costs, conditional_alpha, forward_costs, predicted_speedup, run_costs
+from .costs import conditional_alpha, predicted_speedup, run_costs
 
 
 def write_prompts(
@@ -133,30 +133,6 @@ class Plan:
 
 def plan_sampling(plan: Plan, mode: str) -> Sampling:
     return plan.sample if mode == "sample" else Sampling()
-
-
-def cost_readings(
-    target: Transformer, plan: Plan, prompt: list[int], readings: int, passes: list[int] | None = None
-) -> Costs:
-    """c and v alone (`bench --costs`), each mode in rounds of its own target alone. `passes`: the
-    token counts T whose v is read (default: 1 .. the plan's largest k + 1)."""
-    top = max((k for ks in plan.ks.values() for k in ks), default=1)
-    ks = sorted({T - 1 for T in passes} - {0}) if passes else list(range(1, top + 1))
-    out = Costs({}, {}, {f"{e}:{m}": [] for e in plan.engines for m in plan.modes})
-    for _ in range(readings):
-        for engine in plan.engines:
-            for m in plan.modes:
-                draws = plan_sampling(plan, m)
-                each = {f"{m}:{n}": (p, draws, [k for k in plan.ks[n] if k]) for n, p in plan.proposers[m].items()}
-                each = {name: x for name, x in each.items() if x[0] is not NONE}
-                backend = plan.backends.get(engine) or Backend(engine)
-                got = forward_costs(target, each, ks or [1], prompt, backend, sampling=draws)
-                for name, x in got.c.items():
-                    out.c.setdefault(f"{engine}:{name}", []).append(x)
-                for k, x in got.v.items():
-                    out.v.setdefault(f"{engine}:{m}:{k + 1}", []).append(x)
-                out.round_s[f"{engine}:{m}"].append(got.round_s)
-    return out
 
 
 def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:

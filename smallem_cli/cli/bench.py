@@ -69,9 +69,6 @@ def bench(
     peer: Annotated[
         str | None, typer.Option(help="hf | llamacpp | vllm: time transformers, llama.cpp or vLLM side by side")
     ] = None,
-    costs: Annotated[
-        bool, typer.Option("--costs", help="only the stopwatch readings of c and v, --repeats of them (seconds)")
-    ] = False,
     engine_names: Annotated[
         str, typer.Option("--engines", help="eager, native-avx2, native, comma-separated (auto: eager,native on a CPU)")
     ] = D.ENGINE,
@@ -108,7 +105,7 @@ def bench(
             torch.set_num_threads(threads)
         extra = O.parse_ks(k) if k else []
         sweep = O.parse_ks(sweep_k) if sweep_k else []
-        mode_list = O.check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None, costs)
+        mode_list = O.check_bench(modes, repeats, max_new_tokens, peer, plot_file is not None)
         if peer == "vllm":  # vLLM lives in a venv of its own (.venv-vllm): its python must be there
             try:
                 find_python()
@@ -153,13 +150,6 @@ def bench(
     plan = B.Plan({m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, engine_list, draws)
     B.prepare_engines(tgt.model, plan, err.print)  # every pass the bench takes, before the clock
     head = {"device": str(dev), "threads": torch.get_num_threads()}
-    if costs:
-        readings = B.cost_readings(tgt.model, plan, prompt_ids[0], repeats, list(D.COST_PASSES))
-        if json_out:
-            print(json.dumps(head | readings.__dict__))
-        else:
-            tables.print(R.costs_table(readings, str(dev), torch.get_num_threads()))
-        return
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("bench", total=B.generations(plan, len(prompt_ids)))
         # the bar's text is markup
