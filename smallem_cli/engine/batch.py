@@ -1,19 +1,6 @@
 """One pass over a batch of sequences, flattened (nano-vllm's layout): sequence b's n_b >= 1 new
-tokens (ragged: a prompt, or its last token and its guesses) are rows of one flat list of
-N = sum(n_b), so every weight matmul reads its matrix once; each row attends to its own
-sequence's positions up to its own, through the page tables every slab of the pool shares.
-
-    ids       [N]        the new tokens
-    seq       [N]        each row's sequence
-    positions [N]        their positions (the rotary angle)
-    slots     [N]        where their K/V are written in a slab
-    kv_slots  [B, S]     each sequence's slots of positions 0 .. S-1 (S: the longest after the write; padding: slot 0)
-    last      [B]        the flat row of each sequence's last new token
-    base      int|None   one sequence whose pages lie in order: the slot of its position 0 (no gather)
-  the eager pass's padded layout, made when first read:
-    q_rows    [B, Tm]    the flat row of each sequence's t-th new token (Tm = max n_b; padding: row 0)
-    bias      [B, Tm, S] 0 where a key is visible to a query, -inf elsewhere
-    out_rows  [N]        where each flat row sits in the padded [B * Tm] layout
+tokens are rows of one flat list of N = sum(n_b), so every weight matmul reads its matrix once;
+each row attends to its own sequence's positions up to its own, through the pool's page tables.
 """
 
 from __future__ import annotations
@@ -31,17 +18,17 @@ Masks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q_rows, bias, out_ro
 
 @dataclass
 class BatchStep:
-    """A pass's inputs. The eager pass's padded layout (q_rows, bias, out_rows) is made when first
-    read (`masks`): the native pass does without it, reading its keys as slots (`visible`)."""
+    """A pass's inputs. The eager pass's padded layout (q_rows, bias, out_rows; Tm = max n_b) is made
+    when first read: the native pass does without it, reading its keys as slots (`visible`)."""
 
-    positions: torch.Tensor
-    slots: torch.Tensor
-    kv_slots: torch.Tensor
+    positions: torch.Tensor  # [N] each row's position (the rotary angle)
+    slots: torch.Tensor  # [N] where each row's K/V are written in a slab
+    kv_slots: torch.Tensor  # [B, S] each sequence's slots of positions 0 .. S-1 (padding: slot 0)
     seq: torch.Tensor  # [N] each row's sequence
-    last: torch.Tensor
+    last: torch.Tensor  # [B] the flat row of each sequence's last new token
     counts: list[int]  # n_b per sequence
     masks: Callable[[], Masks]
-    base: int | None = None
+    base: int | None = None  # one sequence whose pages lie in order: the slot of its position 0 (no gather)
     prefix: bool = True  # row i sees its sequence's positions 0 .. positions[i] (a tree's rows do not)
 
     @cached_property
@@ -49,22 +36,21 @@ class BatchStep:
         return self.masks()
 
     @property
-    def q_rows(self) -> torch.Tensor:
+    def q_rows(self) -> torch.Tensor:  # [B, Tm] the flat row of each sequence's t-th new token (padding: row 0)
         return self._masks[0]
 
     @property
-    def bias(self) -> torch.Tensor:
+    def bias(self) -> torch.Tensor:  # [B, Tm, S] 0 where a key is visible to a query, -inf elsewhere
         return self._masks[1]
 
     @property
-    def out_rows(self) -> torch.Tensor:
+    def out_rows(self) -> torch.Tensor:  # [N] where each flat row sits in the padded [B * Tm] layout
         return self._masks[2]
 
 
 def visible(b: BatchStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The keys each flat row sees, as slots (vis, start [N], count [N]): row i sees
-    vis[start[i] .. start[i] + count[i]) in position order: its sequence's positions up to its own
-    (no mask is made), or a tree node's prefix and ancestors. `native.NativeSteps.batch` reads them."""
+    """The keys each flat row sees, as slots (vis, start [N], count [N]): row i sees vis[start[i] ..
+    start[i] + count[i]) in position order (`native.NativeSteps.batch` reads them)."""
     if b.prefix:
         return b.kv_slots.reshape(-1), b.seq * b.kv_slots.shape[1], b.positions + 1
     Tm = b.bias.shape[1]

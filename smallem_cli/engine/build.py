@@ -1,8 +1,5 @@
-"""An engine for a loaded target and a named proposer (the names `smallem generate` takes).
-
-Its cache may grow to max_batch sequences at the full context (a request that fits the context
-always fits), max_batch lowered to what the memory holds (`fit_batch`); it is allocated as the
-requests need it (`grower`), starting at D.MAX_BATCH sequences.
+"""An engine for a loaded target and a named proposer, its cache grown as the requests need it
+(`grower`) up to max_batch sequences at the full context, max_batch lowered to what the memory holds.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from .scheduler import Engine, round_ahead
 
 
 def batch_proposer(p: family.Proposer, target: Transformer, pool: PagePool, backend: Backend) -> BatchProposer:
-    """The batched form of a loaded proposer (`family.load_proposer`), its slab over `pool`."""
     model: DraftGuess | MTPGuess | None = None
     if isinstance(p.model, MTPModule):
         assert p.head is not None
@@ -45,7 +41,6 @@ def pool_pages(max_batch: int, context: int, page_size: int, tree: tuple[int, in
     return max_batch * pages_for(context + round_ahead(D.MAX_K, tree), page_size)
 
 
-# --- what the cache may take ---------------------------------------------------------------------
 def _read(path: str) -> str | None:
     try:
         return Path(path).read_text()
@@ -85,8 +80,8 @@ def _address_space_room() -> int | None:
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free for new tensors on `device`: a GPU's free memory; for the CPU the least of what
-    the machine has available (MemAvailable), the cgroup has left and the address space allows."""
+    """Bytes free for new tensors on `device`; for the CPU the least of what the machine has available,
+    the cgroup has left and the address space allows."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     rooms = (_kib_field("/proc/meminfo", "MemAvailable"), _cgroup_room(), _address_space_room())
@@ -106,7 +101,7 @@ def cache_budget(device: torch.device) -> int:
 def sequence_bytes(
     models: list[Transformer | MTPModule], context: int, page_size: int, tree: tuple[int, int] | None = None
 ) -> int:
-    """The cache one sequence at the full context takes in the slabs of `models` (`forward.slab_for`)."""
+    """The cache one sequence at the full context takes in the slabs of `models`."""
     per_slot = torch.empty(0).element_size() * sum(
         (1 if isinstance(m, MTPModule) else m.cfg.n_layers) * 2 * m.cfg.n_kv_heads * m.cfg.head_dim for m in models
     )
@@ -183,8 +178,7 @@ def assemble(
     k_sample: int | None = None,
     max_pages: int = 0,
 ) -> Engine:
-    """An engine over `pool` for a target and a loaded proposer, their passes on `backend` (prepared
-    by the caller); the pool grows up to max_pages (0: it keeps its size)."""
+    """An engine over `pool`, its passes on `backend` (prepared); the pool grows up to max_pages."""
     slab = slab_for(model, pool.n_pages * pool.page_size, model.embed_tokens.weight.device)
     target = TargetRunner(model, slab, pool, backend.steps(model))
     bp = batch_proposer(p, model, pool, backend)
@@ -216,21 +210,16 @@ def build_engine(
     end_ids: Collection[int] = (),
     decode: Callable[[list[int]], str],
     n_pages: int | None = None,
-    page_size: int = D.PAGE_SIZE,
     tree: tuple[int, int] | None = None,
     backend: Backend | None = None,
     log: Log | None = None,
     weights: str = D.PROPOSER_WEIGHTS,
     strict: bool = False,
 ) -> Engine:
-    """An engine for many requests (`smallem batch`, `bench --batch`).
-
-    k None: the proposer's default per mode, capped under load for greedy requests (`D.LOAD_K`).
-    tree: (guesses per tree, candidates per node), MTP only. weights: see `family.load_proposer`.
-    backend: None is eager; `log` says why a model cannot have native steps. n_pages: the pool's
-    size, fixed; without it the pool grows up to max_batch sequences at the full context, max_batch
-    lowered to what fits the memory (`fit_batch`; strict: UsageError instead)."""
-    model = tgt.model
+    """An engine for many requests (`smallem batch`, `bench --batch`). k None: the proposer's default
+    per mode, capped under load for greedy requests. n_pages: the pool's size, fixed; else max_batch
+    is lowered to what fits the memory (`fit_batch`; strict: UsageError instead)."""
+    model, page_size = tgt.model, D.PAGE_SIZE
     # The greedy and the sampled proposer heads differ (`D.PROPOSER_VOCAB`); a batch mixes modes,
     # so the head is chosen by what the batch serves by default: greedy's.
     vocab = D.proposer_vocab(True, proposer_vocab)
@@ -243,17 +232,16 @@ def build_engine(
         max_batch = fit_batch(max_batch, per_sequence, cache_budget(device), strict)
         max_pages = pool_pages(max_batch, model.cfg.max_seq_len, page_size, tree)
         n_pages = pool_pages(min(max_batch, D.MAX_BATCH), model.cfg.max_seq_len, page_size, tree)
-    kg, ks = D.default_k(proposer, True, k), D.default_k(proposer, False, k)
     return assemble(
         model,
         p,
         backend,
         PagePool(n_pages, page_size),
-        kg,
+        D.default_k(proposer, True, k),
         auto_k=k is None,
         max_batch=max_batch,
         end_ids=end_ids,
         decode=decode,
-        k_sample=ks,
+        k_sample=D.default_k(proposer, False, k),
         max_pages=max_pages,
     )

@@ -1,6 +1,5 @@
-"""One prompt, generated on the engine with a batch of one: the same loop as a batch of many
-(`engine.scheduler`), one host sync per round. A pool of one sequence hands its pages out in
-order, so its passes take the fast paths (`TargetRunner.one_pass`, `_ModelGuess._chain`).
+"""One prompt, generated on the engine with a batch of one: a pool of one sequence hands its pages
+out in order, so its passes take the fast paths (`TargetRunner.one_pass`, `_ModelGuess._chain`).
 """
 
 from __future__ import annotations
@@ -22,36 +21,20 @@ from .scheduler import Emitted, Engine, round_ahead
 FIRST_CHAT_POSITIONS = 1024  # a conversation's cache at first: it doubles as the conversation outgrows it
 
 
-def engine_for_one(
-    target: Transformer,
-    proposer: Proposer,
-    n_tokens: int,
-    k: int,
-    end_ids: Collection[int],
-    backend: Backend | None = None,
-    page_size: int = PAGE_SIZE,
-) -> Engine:
-    """An engine for one sequence of a prompt and new tokens, n_tokens positions in all."""
-    n_pages = pages_for(n_tokens + round_ahead(k, proposer.tree), page_size) + 1
-    pool = PagePool(n_pages, page_size)
-    return assemble(target, proposer, backend or Backend(), pool, k, auto_k=False, max_batch=1, end_ids=end_ids)
-
-
 def engine_for_chat(
     target: Transformer,
     proposer: Proposer,
     k: int,
     end_ids: Collection[int],
     backend: Backend | None = None,
-    page_size: int = PAGE_SIZE,
 ) -> tuple[Engine, int]:
     """An engine for one conversation, its cache grown as the conversation grows, up to the model's
     context or what the memory holds -> (the engine, the positions a conversation may reach)."""
     context = target.cfg.max_seq_len
-    per_sequence = sequence_bytes([target, *proposer.models], context, page_size, proposer.tree)
+    per_sequence = sequence_bytes([target, *proposer.models], context, PAGE_SIZE, proposer.tree)
     context = min(context, context * cache_budget(target.embed_tokens.weight.device) // per_sequence)
-    pool = PagePool(pool_pages(1, min(context, FIRST_CHAT_POSITIONS), page_size, proposer.tree), page_size)
-    max_pages = pool_pages(1, context, page_size, proposer.tree)
+    pool = PagePool(pool_pages(1, min(context, FIRST_CHAT_POSITIONS), PAGE_SIZE, proposer.tree), PAGE_SIZE)
+    max_pages = pool_pages(1, context, PAGE_SIZE, proposer.tree)
     engine = assemble(
         target, proposer, backend or Backend(), pool, k, auto_k=False, max_batch=1, end_ids=end_ids, max_pages=max_pages
     )
@@ -69,18 +52,17 @@ def stream(
     stats: Stats | None = None,
     backend: Backend | None = None,
 ) -> Iterator[list[int]]:
-    """Generate, yielding each round's tokens as soon as they are verified. `stats` is updated in
-    place (valid even if the caller stops early); the stop token ends generation, not yielded;
-    `backend` is prepared by the caller (None: eager)."""
+    """Each round's tokens as soon as verified (an end token ends it, not yielded); `stats` is updated
+    in place, valid even if the caller stops early; `backend` is prepared by the caller (None: eager)."""
     if max_new_tokens < 1:
         return
-    engine = engine_for_one(target, proposer, len(prompt) + max_new_tokens, k, end_ids, backend)
+    pool = PagePool(pages_for(len(prompt) + max_new_tokens + round_ahead(k, proposer.tree), PAGE_SIZE) + 1, PAGE_SIZE)
+    engine = assemble(target, proposer, backend or Backend(), pool, k, auto_k=False, max_batch=1, end_ids=end_ids)
     yield from answer(engine, Request(0, 0, tuple(prompt), max_new_tokens, sampling), stats)
 
 
 def answer(engine: Engine, request: Request, stats: Stats | None = None) -> Iterator[list[int]]:
-    """One request on `engine`, each round's tokens yielded as soon as verified; `stats` is updated
-    in place. Closed early, between rounds, a conversation's request keeps its cache."""
+    """`stream` on `engine`. Closed early, between rounds, a conversation's request keeps its cache."""
     with contextlib.closing(engine.events([request])) as events:
         for event in events:
             if isinstance(event, Emitted):

@@ -1,19 +1,13 @@
 """Batched proposers: one call guesses for every sequence of the batch that guesses.
 
-The protocol (the engine's order; `seqs` are `sequence.Seq`, keyed by `seq.uid`):
-- `start(seqs, fed, hidden)`: after the target's prefill; fed[b] the tokens fed [P_b], seq.last
-  the token that follows, hidden[b] the target's states [P_b, d].
-- `propose(seqs, ks)`: up to ks[b] guesses each, as (tokens [m_b], q [m_b, V] or None when
-  greedy); a model proposer runs one pass per guess depth over all of them.
-- `accept(seq, n, emitted, hidden)`: the round kept n guesses and emitted n+1 tokens (the kept
-  guesses, then the target's own); `hidden` [n+1, d] the target's states at [last, d_1..d_n].
-  The proposer rolls its cache back to what is still true. Called every round, also after
-  another proposer guessed (`ngram+P`): the tokens then wait to be fed at its next guess.
-- `drop(seq)`: the sequence finished or was preempted: forget its state.
-
-A proposer with a cache (a draft, the MTP module) keeps a slab of its own over the pool's page
-tables. A sequence alone whose pages lie in order gets its round of guesses in one native call
-(`_chain`), sampled at the temperature alone, one uniform draw per guess from its generator.
+The protocol, in the engine's order (`seqs` are `sequence.Seq`, keyed by `seq.uid`):
+- `start(seqs, fed, hidden)`: after the prefill; fed[b] the tokens fed, hidden[b] the target's states.
+- `propose(seqs, ks)`: up to ks[b] guesses each, as (tokens [m_b], q [m_b, V] or None when greedy).
+- `accept(seq, n, emitted, hidden)`: n guesses kept, n+1 tokens emitted, `hidden` [n+1, d] the target's
+  states at [last, d_1..d_n]. Called every round, also after another proposer guessed (`ngram+P`):
+  the tokens then wait to be fed at its next guess.
+- `drop(seq)`: the sequence finished or was preempted.
+A draft or the MTP module keeps a slab of its own over the pool's page tables.
 """
 
 from __future__ import annotations
@@ -100,9 +94,8 @@ class NgramGuess:
 def pick(
     head: Head, h: torch.Tensor, seqs: list[Seq], penalties: list[Penalty | None]
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] over the whole vocabulary
-    (None when greedy): greedy rows in one matmul, sampled rows each with its own warp and
-    generator; a penalised row scored with its penalty first, as its target row will be."""
+    """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] (None when greedy); a
+    penalised row scored with its penalty first, as its target row will be."""
     logits = head_matmul(h, head.w, head.rows)  # [B, N]: the final norm scales a row, the argmax needs none
     for i, (s, pen) in enumerate(zip(seqs, penalties, strict=True)):
         if pen is not None and s.warp is None:
@@ -176,9 +169,10 @@ class _ModelGuess:
         return tokens, None if s.warp is None else self.head.expand(q)
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
+        for s, k in zip(seqs, ks, strict=True):
+            st = self.state[s.uid]
+            st.proposed, st.fed_guesses = k > 0, max(0, k - 1)
         if len(seqs) == 1 and ks[0] > 0 and (got := self._chain(seqs[0], ks[0])) is not None:
-            st = self.state[seqs[0].uid]
-            st.proposed, st.fed_guesses = True, ks[0] - 1
             return [got]
         live = [i for i, k in enumerate(ks) if k > 0]
         tokens: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -202,15 +196,10 @@ class _ModelGuess:
                     qs[i].append(q[j])
                     if (pen := pens[i]) is not None:
                         pen.take(x[j : j + 1])
-        result: list[Guesses] = []
-        for s, t, q, k in zip(seqs, tokens, qs, ks, strict=True):
-            st = self.state[s.uid]
-            st.proposed, st.fed_guesses = k > 0, max(0, k - 1)
-            if not t:
-                result.append((s.last[:0], None))
-                continue
-            result.append((torch.cat(t), None if q[0] is None else torch.cat(q)))  # type: ignore[arg-type]  # q [m, V]
-        return result
+        return [
+            (torch.cat(t), None if q[0] is None else torch.cat(q)) if t else (s.last[:0], None)  # type: ignore[arg-type]
+            for s, t, q in zip(seqs, tokens, qs, strict=True)
+        ]
 
     def drop(self, seq: Seq) -> None:
         self.state.pop(seq.uid, None)
@@ -225,11 +214,9 @@ class DraftGuess(_ModelGuess):
 
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         for s in seqs:
-            self.state[s.uid] = _State()
+            self.state[s.uid] = _State(pending=s.last.view(1))
         b = self._step(seqs, [f.shape[0] for f in fed])
         transformer_pass(self.model, self.slab, torch.cat(fed), b, "none", self.steps)
-        for s in seqs:
-            self.state[s.uid].pending = s.last.view(1)
 
     def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
         pend = [self.state[s.uid].pending for s in seqs]

@@ -1,7 +1,5 @@
-"""The two passes of the batch engine: prefill newly admitted sequences, and one round, in which
-every running sequence offers its last token and its guesses (ragged, 0..k), one target pass
-scores them all, and each sequence is verified on its own rows, its caches rolled back to what
-it kept. One host sync per round: the verdicts of every sequence come back together.
+"""Prefill, and one round: one target pass over every sequence's last token and guesses (ragged,
+0..k), each sequence verified on its own rows and rolled back to what it kept; one host sync.
 """
 
 from __future__ import annotations
@@ -51,9 +49,8 @@ class TargetRunner:
     def one_pass(
         self, seqs: list[Seq], ids: torch.Tensor, counts: list[int], head: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """A sequence alone whose pages lie in order, through the model's native step for this pass
-        (the past read as one view of the slab) -> as `verify_pass` (logits empty without `head`),
-        or None where there is no such step."""
+        """`verify_pass` for a sequence alone whose pages lie in order, through the native step (the
+        past one view of the slab; logits empty without `head`); None where there is no such step."""
         if len(seqs) != 1 or self.steps is None:
             return None
         s, T = seqs[0], counts[0]
@@ -68,9 +65,8 @@ class TargetRunner:
 
 
 def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
-    """Fill the target's cache for `seqs` (their pages reserved) from their cached length (0 but
-    in a conversation) -> each one's first new token (None for a recomputed sequence, whose `last`
-    was already emitted)."""
+    """Fill the target's cache for `seqs` from their cached length -> each one's first new token
+    (None for a recomputed sequence: its `last` was already emitted)."""
     dev = t.slab.device
     fresh = [s.n_generated == 0 for s in seqs]
     fed = [
@@ -107,8 +103,7 @@ def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[i
 
 
 def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[tuple[int, int, list[int]]]:
-    """One round over `seqs` (pages reserved for s.cached + s.k + 1) -> per sequence (guesses
-    offered m, kept n, the tokens emitted)."""
+    """One round over `seqs` -> per sequence (guesses offered m, kept n, the tokens emitted)."""
     t0 = time.perf_counter()
     guesses = proposer.propose(seqs, [s.k for s in seqs])
     guessed_s = time.perf_counter() - t0
@@ -143,8 +138,7 @@ def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> l
         elif s.warp is not None:
             drafts, q = g
             p = s.warp(rows)  # [m+1, V]
-            q = q if q is not None else p[:0]
-            n, out = verify_sample(drafts[None], q[None], p[None], s.gen)
+            n, out = verify_sample(drafts[None], (p[:0] if q is None else q)[None], p[None], s.gen)
             sampled.append(torch.cat([n, out[0]]))
         first += c
     N = sum(counts)
@@ -172,7 +166,6 @@ def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> l
 
 
 def _clock(seqs: list[Seq], t0: float, guessed_s: float) -> None:
-    """The round's seconds, begun at t0, guessed_s of them in the proposer, on each sequence's stats."""
     spent = time.perf_counter() - t0
     for s in seqs:
         s.stats.propose_s += guessed_s
@@ -182,8 +175,7 @@ def _clock(seqs: list[Seq], t0: float, guessed_s: float) -> None:
 def commit(
     t: TargetRunner, proposer: BatchProposer, s: Seq, m: int, n: int, emitted: list[int], hidden: torch.Tensor
 ) -> None:
-    """Keep what a round verified for `s` (m guesses offered, n kept, `emitted` = n + 1 tokens,
-    `hidden` [n+1, d] the target's states of [last, d_1..d_n], in place in its cache)."""
+    """Keep what a round verified for `s`: `hidden` [n+1, d] the target's states of [last, d_1..d_n]."""
     s.cached += n + 1  # rollback: [last, d_1..d_n] stay, the rest is past the length
     out = torch.tensor(emitted, dtype=torch.long, device=hidden.device)
     proposer.accept(s, n, out, hidden)
@@ -205,9 +197,8 @@ def commit(
 def tree_round(
     t: TargetRunner, proposer: MTPGuess, seqs: list[Seq], budget: int, width: int
 ) -> list[tuple[int, int, list[int]]]:
-    """One round with token trees (`tree_guess.grow`) -> per sequence (the tree's depth, kept n, the
-    tokens emitted). One target pass over every tree, each tree verified on its own rows
-    (`spec.tree`); the kept path's K/V moved to the positions that follow the cache."""
+    """`decode_round` with token trees (`tree_guess.grow`), m the tree's depth; the kept path's K/V
+    move to the positions that follow the cache."""
     width, drawn = min(width, budget), min(D.TREE_DRAWS, budget)
     t0 = time.perf_counter()
     trees = grow(proposer, seqs, budget, width, drawn)

@@ -1,11 +1,6 @@
-"""Continuous batching: admit, run rounds, preempt when the pool runs dry, finish.
+"""Continuous batching: admit, run rounds, preempt when the pool runs dry, finish (docs/architecture.md).
 
-`Engine.run(requests)` pulls requests lazily from any iterable (a file being read, a pipe) and
-yields each answer as soon as its request ends. A pool short of pages grows where it can
-(`grow`); else the newest sequence is preempted: its pages and proposer state are dropped, and
-it is recomputed from its tokens later (nothing it emitted is lost or redrawn). After a run
-every page is back in the pool (`PagePool.check`), but those of a conversation (`Request.session`):
-its cache outlives each answer, and its next request prefills only what differs from the last.
+A preempted sequence is recomputed from its tokens later: nothing it emitted is lost or redrawn.
 """
 
 from __future__ import annotations
@@ -47,15 +42,14 @@ class Progress:
 
 
 def round_ahead(k: int, tree: tuple[int, int] | None) -> int:
-    """Positions a round of k guesses may write past a sequence's cache: [last, the guesses] (a
-    tree's nodes, and the module's entries while it grows: (guesses, width)), and one more."""
+    """Positions a round may write past a sequence's cache: [last, k guesses] (a tree (guesses, width):
+    its nodes, or the module's entries while it grows), and one more."""
     return k + 2 if tree is None else max(k, tree[0], (k - 1) * tree[1]) + 2
 
 
 def load_k(k: int, greedy: bool, batch: int, auto: bool, proposer: str) -> int:
-    """Guesses per round for a sequence in a batch of `batch`: the request's k, capped under load
-    for greedy requests when k was not given (`D.load_cap`). Sampled requests keep theirs: their
-    draws, hence their text, must depend on their seed alone, not on what else is running."""
+    """k, capped under load for greedy requests when k was not given (`D.load_cap`). Sampled requests
+    keep theirs: their text must depend on their seed alone, not on what else is running."""
     return min(k, D.load_cap(proposer, batch)) if auto and greedy else k
 
 
@@ -76,15 +70,13 @@ class Engine:
         max_pages: int = 0,
         backend: str = "eager",
     ) -> None:
-        """grow(n): the pool and its slabs made n pages large, False where the memory was not there
-        (None: the pool keeps its size). backend: what ran the passes, as the stats name it."""
+        """grow(n): the pool and its slabs made n pages large, False where the memory was not there."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.t, self.proposer, self.max_batch = target, proposer, max_batch
         self.k, self.k_sample, self.auto_k = k, k if k_sample is None else k_sample, auto_k
         self.end_ids, self.decode = frozenset(end_ids), decode
-        # token trees (`tree_guess`): (guesses per tree, candidates per node); k is their depth
-        self.tree = tree
+        self.tree = tree  # (guesses per tree, candidates per node); k is their depth
         if tree is not None and not isinstance(proposer, MTPGuess):
             raise ValueError(f"token trees need the MTP module as proposer, not {proposer.name!r}")
         self.grow, self.max_pages, self.backend = grow, max_pages, backend
@@ -92,7 +84,6 @@ class Engine:
         self.sessions: dict[int, Seq] = {}  # a conversation's sequence between its requests, pages held
 
     def end_session(self, session: int) -> None:
-        """Forget a conversation: its pages go back."""
         if (s := self.sessions.pop(session, None)) is not None:
             self.pool.release(s.uid)
 
@@ -100,7 +91,6 @@ class Engine:
     def pool(self) -> PagePool:
         return self.t.pool
 
-    # --- requests -----------------------------------------------------------------------
     def _seq(self, req: Request) -> Seq:
         k = self.k if req.sampling.greedy else self.k_sample
         gen = torch.Generator(device=self.t.slab.device).manual_seed(req.sampling.seed)
@@ -109,21 +99,21 @@ class Engine:
         if req.stop and self.decode is None:
             raise ValueError("stop strings need the engine to decode text (decode=...)")
         stops = StopPrinter(self.decode, None, req.stop) if req.stop and self.decode else None
-        warp = req.sampling.warp()
         prior = self.sessions.pop(req.session, None) if req.session is not None else None
         if prior is None:
             self._uid += 1
         uid = self._uid if prior is None else prior.uid
-        s = Seq(req, uid, gen, warp, st, k, list(req.prompt), stops=stops, submitted_s=time.perf_counter())
+        s = Seq(
+            req, uid, gen, req.sampling.warp(), st, k, list(req.prompt), stops=stops, submitted_s=time.perf_counter()
+        )
         if prior is not None:
             self._resume(s, prior)
         return s
 
     def _resume(self, s: Seq, prior: Seq) -> None:
-        """`s` takes over the cache of its session's previous sequence, rolled back to the longest
-        prefix they share (the cache holds every token but the last; an answer cut by its budget or
-        a stop left positions past its tokens). Its last prompt token is fed again at the least: its
-        logits draw the first new token."""
+        """`s` takes over its session's previous cache, rolled back to the longest prefix they share
+        (an answer cut by its budget or a stop left positions past its tokens); its last prompt token
+        is fed again at the least: its logits draw the first new token."""
         held = min(prior.cached, len(prior.tokens), len(s.tokens) - 1)
         n = next((i for i in range(held) if prior.tokens[i] != s.tokens[i]), held)
         self.pool.trim(s.uid, n)
@@ -132,9 +122,7 @@ class Engine:
 
     def _finish(self, s: Seq, text: str | None = None) -> Finished:
         self._let_go(s)
-        st = s.stats
-        st.new_tokens = s.n_generated
-        st.elapsed_s = time.perf_counter() - s.submitted_s
+        st = self._live(s)
         stats = st.as_dict() | {"latency_s": round(st.elapsed_s, 4), "preempted": s.preempted}
         if text is None:
             text = self.decode(s.generated) if self.decode is not None else ""
@@ -144,32 +132,28 @@ class Engine:
         """Add what a round emitted; the answer if the sequence is done (budget, end of text, stop string)."""
         budget = s.req.max_new_tokens - s.n_generated
         end = next((i for i, t in enumerate(emitted[:budget]) if t in self.end_ids), None)
-        stop = end is not None
         if end is not None:  # the model's end of turn: not emitted
             emitted, s.stats.end_token = emitted[:end], 1
         kept = emitted[:budget]
         s.tokens.extend(kept)
-        done = stop or s.n_generated >= s.req.max_new_tokens
-        # stop strings as `smallem generate` cuts them (`stops.StopPrinter`): the text ends before
-        # the earliest one, the tokens with the one that completed it
+        done = end is not None or s.n_generated >= s.req.max_new_tokens
+        # as `smallem generate` cuts them: the text ends before the stop string, the tokens with it
         if s.stops is not None and (s.stops.push(kept, final=done) or done):
             s.tokens[len(s.req.prompt) :] = s.stops.ids
             return self._finish(s, s.stops.text)
         return self._finish(s) if done else None
 
     def _let_go(self, s: Seq) -> None:
-        """A sequence ended: its pages go back, but a conversation's, kept for its next request; its
-        proposer state goes (it starts again over the whole conversation: `runner.prefill`)."""
+        """Its pages go back, but a conversation's; its proposer state goes (`runner.prefill` restarts it)."""
         if s.req.session is not None:
             self.sessions[s.req.session] = s
         else:
             self.pool.release(s.uid)
         self.proposer.drop(s)
 
-    # --- pages --------------------------------------------------------------------------
     def _grow(self, short: int) -> None:
-        """`short` more free pages wanted: the pool doubles (at least by `short`, at most to
-        max_pages) where it can grow. A growth the memory refused is not tried again."""
+        """`short` more pages wanted: the pool doubles (at least by `short`, at most to max_pages);
+        a growth the memory refused is not tried again."""
         n = self.pool.n_pages
         if short > 0 and self.grow is not None and n < self.max_pages:
             if not self.grow(min(self.max_pages, max(2 * n, n + short))):
@@ -199,7 +183,6 @@ class Engine:
             i += 1
         return kept
 
-    # --- the loop -----------------------------------------------------------------------
     def run(
         self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
     ) -> Iterator[Finished]:
@@ -231,7 +214,7 @@ class Engine:
             fin = self._ended(s, emitted)
             tokens += (len(fin.tokens) if fin is not None else s.n_generated) - before
             if chunks:
-                yield self._emitted(s, before, fin)
+                yield Emitted(s.req, (fin.tokens if fin is not None else s.generated)[before:], self._live(s))
             if fin is not None:
                 running.remove(s)
                 done += 1
@@ -305,8 +288,8 @@ class Engine:
         return admitted
 
     def _round(self, running: list[Seq], waiting: deque[Seq]) -> list[tuple[int, int, list[int]]]:
-        """One round: each sequence's k by the load, its pages reserved (the newest preempted where the
-        pool is short: `running` shrinks), then its guesses verified -> per sequence (m, n, emitted)."""
+        """Each sequence's k by the load, its pages reserved (`running` may shrink), its guesses
+        verified -> per sequence (m, n, emitted)."""
         for s in running:
             base = self.k if s.warp is None else self.k_sample
             s.k = load_k(base, s.warp is None, len(running), self.auto_k, self.proposer.name)
@@ -320,11 +303,10 @@ class Engine:
         self.rounds += 1
         return verdicts
 
-    def _emitted(self, s: Seq, before: int, fin: Finished | None) -> Emitted:
-        """What a pass added to `s`: its tokens past the `before` first new ones, live stats."""
+    def _live(self, s: Seq) -> Stats:
         s.stats.new_tokens = s.n_generated
         s.stats.elapsed_s = time.perf_counter() - s.submitted_s
-        return Emitted(s.req, (fin.tokens if fin is not None else s.generated)[before:], s.stats)
+        return s.stats
 
 
 def _groups(seqs: list[Seq], budget: int) -> Iterator[list[Seq]]:
