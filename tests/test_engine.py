@@ -304,7 +304,7 @@ def test_pool_random_walk() -> None:
         if op < 0.2 or not lengths:  # admit
             uid += 1
             n = rng.randrange(1, 40)
-            if pool.can_allocate(n):
+            if pool.pages_for(n) <= len(pool.free):
                 pool.add(uid)
                 pool.reserve(uid, n)
                 lengths[uid] = n

@@ -1,10 +1,6 @@
-"""Finding and loading a target and its proposer, by name or path.
-
-A target is a smallem checkpoint (its tokenizer.json beside it), a Hugging Face Llama folder or a
-llama.cpp GGUF file (architecture llama; its tokenizer and chat format inside). A proposer is
-`none`, `ngram` (prompt lookup), a shipped name (beside a smallem target only), a path to a smallem
-draft, MTP module or HF folder, or `ngram+P`: the lookup backed by P. One whose tokenizer differs
-from the target's is refused before anything runs.
+"""Finding and loading a target (a smallem checkpoint, an HF Llama folder, a GGUF file) and its
+proposer (`none`, `ngram`, a shipped name, a path, or `ngram+P`), by name or path. A proposer whose
+tokenizer differs from the target's is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -39,8 +35,7 @@ class Target:
     gguf: tuple[str, ...] = ()  # a GGUF file: the tensor types it holds (e.g. ("F32", "Q8_0"))
 
     @property
-    def ships_none(self) -> bool:
-        """An HF folder or a GGUF file: no shipped proposer lies beside it."""
+    def ships_none(self) -> bool:  # an HF folder or a GGUF file: no shipped proposer lies beside it
         return self.hf or bool(self.gguf)
 
 
@@ -50,8 +45,7 @@ def foreign(path: Path) -> bool:
 
 
 def default_proposer(target: Path, greedy: bool) -> str:
-    """The proposer used when none is named: none for an HF folder or a GGUF file (they ship none),
-    else D.PROPOSER's."""
+    """The proposer used when none is named: none for an HF folder or a GGUF file (they ship none)."""
     return "none" if foreign(target) else D.PROPOSER["greedy" if greedy else "sample"]
 
 
@@ -84,9 +78,7 @@ def load_target(path: Path, device: torch.device, tokenizer: Path | None = None)
 
 @dataclass
 class Proposer:
-    """A loaded proposer, which the engine gives its batched form (`build.batch_proposer`):
-    the n-gram lookup, a model (a draft or the MTP module, guessing with `head`), or both
-    (`ngram+P`: the lookup where it matches, the model elsewhere), or neither ("none")."""
+    """A loaded proposer (`build.batch_proposer` makes it batched): the n-gram lookup, a model, both, or neither."""
 
     name: str
     model: Transformer | MTPModule | None = None
@@ -126,10 +118,8 @@ def load_proposer(
     tree: tuple[int, int] | None = None,
     weights: str = D.PROPOSER_WEIGHTS,
 ) -> Proposer:
-    """`spec` -> the proposer it names, its model loaded and packed. vocab > 0 cuts its head to
-    the `vocab` most frequent training tokens, where the checkpoint records them (`spec.head.Head`).
-    tree (guesses, width): token trees, MTP only. weights: "int8" or "f16", how the native
-    backend stores the proposer's matrices (the eager backend reads its own values either way)."""
+    """`spec` -> the proposer it names, packed. vocab > 0 cuts its head to the `vocab` most frequent
+    training tokens, where the checkpoint records them. weights: how the native backend stores it."""
     if weights not in D.WEIGHTS:
         raise CheckpointError(f"--proposer-weights takes {' or '.join(D.WEIGHTS)}, got {weights!r}")
     if tree is not None and not _is_mtp(spec, target):
@@ -167,7 +157,7 @@ def load_proposer(
 
 
 def _is_mtp(spec: str, target: Target) -> bool:
-    """Whether `spec` names an MTP module's checkpoint (its header says so; nothing is loaded)."""
+    """Whether `spec` names an MTP module's checkpoint (read from its header alone)."""
     if spec in ("none", D.NGRAM) or spec.startswith(D.NGRAM + "+"):
         return False
     path = _proposer_path(spec, target)

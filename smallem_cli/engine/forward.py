@@ -1,8 +1,5 @@
-"""Passes over a flattened batch (`batch.BatchStep`): the target, a draft, the MTP module.
-
-With the model's native steps a pass is one C call (`native.NativeSteps.batch`); else the eager
-pass below, the reference: matmuls over all N rows at once, attention per sequence on the K/V
-gathered from the slab through the page tables, written there first (a row sees its own key).
+"""Passes over a flattened batch (`batch.BatchStep`): the target, a draft, the MTP module. With the
+model's native steps a pass is one C call; else the eager pass below, the reference.
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, Hkv: in
 
 
 def block_pass(blk: Block, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, b: BatchStep) -> torch.Tensor:
-    """x [N, d] -> [N, d] through one block; rope: complex [N, (H+2Hkv)*D/2]; kv: this layer's slab
-    [K or V, Hkv, slots, D], written at b.slots, read at b.kv_slots."""
+    """x [N, d] -> [N, d] through one block; kv: this layer's slab, written at b.slots (a row sees its own key)."""
     p = blk.packed
     assert p is not None, "call pack() before decoding"
     N = x.shape[0]
@@ -73,8 +69,7 @@ def transformer_pass(
     head: str = "all",
     steps: NativeSteps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [N] -> (logits, hidden [N, d]). head: "all" logits [N, V], "last" [B, V] (each
-    sequence's last row), "none" an empty [0, V]. With the model's native `steps`, one C pass."""
+    """ids [N] -> (logits, hidden [N, d]). head: "all" logits [N, V], "last" [B, V], "none" [0, V]."""
     if steps is not None:
         return steps.batch(ids, None, slab, b, head)
     if model.rope_packed is None:

@@ -1,14 +1,12 @@
-"""The page pool every sequence of a batch shares, in plain Python (nano-vllm's block manager):
-a sequence owns a table of pages of `page_size` slots each, and its position j lives at slot
-table[j // page_size] * page_size + j % page_size in every slab of the pool. Nothing here touches a
-tensor: stale K/V past a sequence's length are never read (attention masks by position).
+"""The page pool every sequence of a batch shares, in plain Python (nano-vllm's block manager): a
+sequence's position j lives at slot table[j // page_size] * page_size + j % page_size of every slab.
+Nothing here touches a tensor: stale K/V past a sequence's length are never read.
 """
 
 from __future__ import annotations
 
 
 def pages_for(n_tokens: int, page_size: int) -> int:
-    """The pages n_tokens positions fill: ceil(n_tokens / page_size)."""
     return -(-n_tokens // page_size)
 
 
@@ -25,8 +23,7 @@ class PagePool:
         self.tables: dict[int, list[int]] = {}
 
     def grow(self, n_pages: int) -> None:
-        """The pool made n_pages large (the slabs over it were widened to match: `engine.build`). The
-        new pages go under the free ones: the pages already free are still handed out first, in order."""
+        """The pool made n_pages large; the new pages go under the free ones, handed out last."""
         if n_pages < self.n_pages:
             raise ValueError(f"a pool grows, it does not shrink: {n_pages} pages < {self.n_pages}")
         self.free[:0] = range(n_pages - 1, self.n_pages - 1, -1)
@@ -35,17 +32,12 @@ class PagePool:
     def pages_for(self, n_tokens: int) -> int:
         return pages_for(n_tokens, self.page_size)
 
-    def can_allocate(self, n_tokens: int) -> bool:
-        """Whether a new sequence of n_tokens would fit now."""
-        return self.pages_for(n_tokens) <= len(self.free)
-
     def add(self, seq: int) -> None:
         if seq in self.tables:
             raise ValueError(f"sequence {seq} is already in the pool")
         self.tables[seq] = []
 
     def need(self, seq: int, n_tokens: int) -> int:
-        """Pages `seq` lacks to hold n_tokens positions."""
         return max(0, self.pages_for(n_tokens) - len(self.tables[seq]))
 
     def reserve(self, seq: int, n_tokens: int) -> None:
@@ -64,12 +56,10 @@ class PagePool:
             del table[keep:]
 
     def release(self, seq: int) -> None:
-        """Forget `seq`; all its pages go back."""
         self.trim(seq, 0)
         del self.tables[seq]
 
     def slot(self, seq: int, j: int) -> int:
-        """The slot of `seq`'s position j (in every slab of the pool)."""
         return self.tables[seq][j // self.page_size] * self.page_size + j % self.page_size
 
     def used(self) -> int:

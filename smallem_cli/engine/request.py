@@ -17,9 +17,7 @@ class Request:
     max_new_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
-    # a conversation: its sequence's cache outlives the answer, and the session's next request
-    # (the whole conversation again) reuses what it shares with it (`Engine.end_session`)
-    session: int | None = None
+    session: int | None = None  # a conversation: its cache outlives the answer (`Engine._resume`)
 
 
 @dataclass

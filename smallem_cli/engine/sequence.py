@@ -19,18 +19,15 @@ class Seq:
     gen: torch.Generator  # seeded by the request alone: its output does not depend on the batch
     warp: Warp | None  # None: greedy
     stats: Stats
-    k: int  # guesses per round (greedy requests may get fewer under load: `policy.pick_k`)
+    k: int  # guesses per round (greedy requests may get fewer under load: `scheduler.load_k`)
     tokens: list[int] = field(default_factory=list)  # prompt, then every token emitted
     last: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [1]: not yet cached
     cached: int = 0  # positions of the target's cache in use: every token but `last`
-    # the repetition penalty's context (bool [V], on the device: every token so far, `last`
-    # included); None when the request has no penalty
-    seen: torch.Tensor | None = None
+    seen: torch.Tensor | None = None  # the penalty's context: bool [V], every token so far (None: no penalty)
     stops: StopPrinter | None = None  # the request's stop strings, watching the text as it grows
     submitted_s: float = 0.0
     preempted: int = 0  # times its pages were taken back (recomputed at its next admission)
-    # a conversation's: the target's states at its cached positions ([cached, d] in all), which
-    # start the proposer on its next request without the target passing over it again
+    # a conversation's: the target's states at its cached positions, to start its next request's proposer
     states: list[torch.Tensor] | None = None
 
     @property

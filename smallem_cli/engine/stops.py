@@ -1,7 +1,5 @@
-"""Stop strings: the printed text ends before the first one, and generation stops there.
-
-A stop string may begin in one round's tokens and end in a later one's, so the decoded text is
-cut (`StopCutter`), a tail that could begin one held back; nothing printed is ever taken back.
+"""Stop strings: the text ends before the first one. One may begin in a round's tokens and end in a
+later one's, so a tail that could begin one is held back: nothing printed is ever taken back.
 """
 
 from __future__ import annotations
@@ -28,10 +26,8 @@ def partial_tail(text: str, stops: Sequence[str]) -> int:
 
 
 class StopCutter:
-    """Where to cut a growing text (whose printed part never changes): `cut(text)` -> how many
-    characters may be printed: up to the whole text's first stop string (however the text came in
-    chunks), final (`stopped`) once none can begin before it; until then a tail that could begin
-    one is held back (none when `final`: no more text is coming)."""
+    """`cut(text)` of a growing text -> how many characters may be printed: up to its first stop string,
+    final (`stopped`) once none can begin before it; until then a tail that could begin one held back."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
@@ -55,9 +51,8 @@ class StopCutter:
 
 
 class StopPrinter:
-    """Tokens in, text out (to `out`, or kept alone when None), ending before the first stop string.
-    `push(ids)` is True once the text's end is certain; `ids` are the tokens up to the one that
-    completed the stop string, or all of them."""
+    """Tokens in, text out (to `out`, or kept when None), ending before the first stop string. `push`
+    is True once the text's end is certain; `ids` are the tokens up to the one that completed it."""
 
     def __init__(self, decode: Callable[[list[int]], str], out: TextIO | None, stops: Sequence[str] = ()) -> None:
         self.decode, self.out = decode, out
@@ -98,8 +93,7 @@ class StopPrinter:
 
     @property
     def end(self) -> int | None:
-        """Where the text ends: the stop string's start, once certain, else the earliest one seen
-        complete (a run interrupted before it was certain), else None."""
+        """The stop string's start, once certain, else the earliest one seen complete, else None."""
         return self.cutter.stopped if self.cutter.stopped is not None else self.cutter.found
 
     @property

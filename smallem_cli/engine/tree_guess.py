@@ -1,15 +1,10 @@
-"""Token trees from the MTP module (EAGLE-2's dynamic trees, on the module's own chain).
+"""Token trees from the MTP module (EAGLE-2's dynamic trees; docs/architecture.md#token-trees).
 
-A tree offers several guesses per position; one target pass keeps the longest path the target
-agrees with (`spec.tree`). A node's score is the sum of the log-probabilities on its path. The
-root's children come from the module's state after the last true token; then, level by level,
-the `width` best nodes are fed to the module (their parent's state, their token) in one pass
-over every sequence's tree, and each one's children are made from its state.
-
-Greedy: each node's `width` best tokens; the tree is the `budget` best nodes (a child scores no
-more than its parent, so every node's parent is in). Sampled: `width` independent draws from the
-module's warped q, all kept, a node expanded only while all its children fit; verified by
-SpecInfer's rule, exact as long as which nodes are expanded never depends on their own children.
+A node scores the sum of the log-probabilities on its path; level by level the `width` best nodes
+are fed to the module in one pass over every tree. Greedy: the tree is the `budget` best nodes (a
+child scores no more than its parent, so every node's parent is in). Sampled: draws from the
+module's q, all kept, verified by SpecInfer's rule: exact as long as which nodes are expanded
+never depends on their own children.
 """
 
 from __future__ import annotations
@@ -34,9 +29,7 @@ class TreeGuess:
     tokens: torch.Tensor  # long [N]: nodes 1..N
     parents: list[int]  # [N + 1]: parents[0] == -1, 0 <= parents[i] < i
     depth: int  # the deepest node's depth (0: no guess)
-    # sampled trees: q [N + 1, V], row u the distribution u's children were drawn from (zeros
-    # for a node without children); None for a greedy tree
-    q: torch.Tensor | None = None
+    q: torch.Tensor | None = None  # sampled: [N + 1, V], row u what u's children were drawn from (or zeros)
 
 
 @dataclass
@@ -52,10 +45,8 @@ class _Cand:
 def _children(
     head: Head, h: torch.Tensor, eps: float, width: int, drawn: int, seqs: list[Seq], paths: list[list[int]]
 ) -> tuple[list[list[float]], list[list[int]], list[torch.Tensor | None]]:
-    """States h [F, d] (row r a node of seqs[r], `paths[r]` the tokens from the root's child down to
-    it) -> per row its children's log-probabilities and tokens (`width` best, or `drawn` draws when
-    sampled), on the host in one sync, and the q [V] they were drawn from (None: greedy). A
-    penalised row is scored with the penalty over its context and path, as its target row will be."""
+    """States h [F, d] (row r a node of seqs[r] at the end of `paths[r]`) -> per row its children's
+    log-probabilities and tokens (`width` best, or `drawn` draws), in one sync, and their q [V] or None."""
     logits = _penalised(head_matmul(unit_rms(h, eps), head.w, head.rows), seqs, paths, head.ids)  # [F, V or cut]
     vals, idx = torch.log_softmax(logits, dim=-1).topk(min(width, logits.shape[-1]), dim=-1)  # [F, w]
     sampled = [r for r, s in enumerate(seqs) if s.warp is not None]
@@ -105,9 +96,8 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
                     cands[b][cid].q, score = qs[r], cands[b][cid].score
                 for v, t in zip(vals[r], toks[r], strict=True):
                     cands[b].append(_Cand(score + v, t, cid, level))
-        # the best candidates of this level, fed to the module (their parent's state, their
-        # token), for the sequences whose trees go deeper; a sampled tree expands a node only
-        # while every child it will draw fits the budget
+        # this level's best, to be fed to the module; a sampled tree expands a node only while
+        # every child it will draw fits the budget
         picks = []
         for b, cb in enumerate(cands):
             best = sorted((i for i, c in enumerate(cb) if c.depth == level), key=lambda i, cb=cb: -cb[i].score)

@@ -1,8 +1,5 @@
-"""A model's conversation format: the tokens that end its turn, and its chat template.
-
-Smallem's own checkpoints end a text at `<|endoftext|>` and have no template; a Hugging Face folder
-says both in its JSON files. A template is Jinja, rendered in a sandbox: it can format the messages
-and nothing else, so a folder's template never runs code of its own.
+"""A model's conversation format: the tokens that end its turn, and its chat template (Jinja, rendered
+in a sandbox: a folder's template never runs code of its own).
 """
 
 from __future__ import annotations
@@ -62,9 +59,8 @@ def _token_text(value: object) -> str:
 
 
 def hf_format(folder: Path, tok: Tokenizer, vocab: int) -> ChatFormat:
-    """What an HF folder says of its conversations: every end id its files name (`eos_token_id` in
-    config.json and generation_config.json, an id or a list, and tokenizer_config.json's eos_token),
-    and its chat template (the "default" one of a list of named templates)."""
+    """An HF folder's end ids (`eos_token_id` of its config files, tokenizer_config's eos_token) and
+    chat template (the "default" one of a list)."""
     files = {n: _json(folder / n) for n in ("config.json", "generation_config.json", "tokenizer_config.json")}
     tc, ends = files.pop("tokenizer_config.json"), []
     for name, got in files.items():
@@ -113,6 +109,5 @@ def render(fmt: ChatFormat, conversation: list[dict[str, str]], add_generation_p
 
 
 def chat_ids(tok: Tokenizer, fmt: ChatFormat, conversation: list[dict[str, str]]) -> list[int]:
-    """The conversation's ids as the model reads them: rendered with the generation prompt, every
-    special token written by the template, none added by the tokenizer."""
+    """The conversation's ids: every special token written by the template, none added by the tokenizer."""
     return encode(tok, render(fmt, conversation), special=False)

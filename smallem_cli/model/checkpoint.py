@@ -1,8 +1,5 @@
-"""Checkpoints: safetensors files, 16-bit on disk, config and facts in the metadata.
-
-A file holds one model, of `kind` "model" (a target or a draft, Llama parameter names) or "mtp" (an
-MTP module, which needs its target), and the tokenizer's fingerprint: a proposer trained with
-another tokenizer is refused.
+"""Checkpoints: safetensors files, 16-bit on disk, one model of `kind` "model" or "mtp", with its
+config, training facts and tokenizer fingerprint in the metadata.
 """
 
 from __future__ import annotations

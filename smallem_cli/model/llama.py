@@ -1,7 +1,5 @@
-"""A Llama-style decoder (RMSNorm, rotary positions, SwiGLU) and the MTP module.
-
-Training runs `Transformer.hidden` over whole [B, T] batches; inference runs the engine's passes
-(`engine.forward`) on the weights `pack()` lays out. Parameter names follow Hugging Face's Llama.
+"""A Llama-style decoder and the MTP module. Training runs `Transformer.hidden`; inference runs the
+engine's passes on the weights `pack()` lays out. Parameter names follow Hugging Face's Llama.
 """
 
 from __future__ import annotations
@@ -59,12 +57,9 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """Pre-norm attention + SwiGLU MLP. `forward` trains (whole sequences, causal); `pack` lays out
-    what the inference passes read (`engine.forward.block_pass`), folding all it can into the weights,
-    as every op of a small model costs microseconds of dispatch: q's and k's columns interleaved per
-    head (`interleave_halves`: one complex multiply ropes q, k and v), the norm weights and attention
-    scale folded into the matmuls, QKV and gate|up as single [in, out] matmuls (x @ W_t keeps k+1 rows
-    as cheap as one on a CPU, where F.linear takes a slow small-M path)."""
+    """Pre-norm attention + SwiGLU MLP. `pack` folds all it can into the inference weights, as every op of
+    a small model costs microseconds of dispatch: rope as one complex multiply, norms and attention scale
+    in the matmuls, QKV and gate|up as single [in, out] matmuls (F.linear takes a slow small-M path)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -83,7 +78,7 @@ class Block(nn.Module):
         self.packed: dict[str, torch.Tensor] | None = None
 
     def pack(self) -> None:
-        """Build the inference weights (the parameters stay as they are, for export)."""
+        """The inference weights (the parameters stay as they are, for export)."""
         D, order = self.head_dim, interleave_halves(self.head_dim)
         with torch.no_grad():
             ln1 = self.input_layernorm.weight[:, None]  # norm weights fold into the next matmul
@@ -118,9 +113,8 @@ _EPS: dict[tuple[float, torch.device, torch.dtype], torch.Tensor] = {}  # `unit_
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim (an RMSNorm whose weight is folded into the next matmul), in four
-    ops where F.rms_norm's CPU composite costs seven: a norm, then rsqrt(eps + n·n/d) as one addcmul
-    on a cached eps tensor (a Python scalar in an in-place op costs a tensor wrap of its own)."""
+    """x / rms(x) over the last dim, in four ops where F.rms_norm's CPU composite costs seven (the eps
+    tensor cached: a Python scalar in an in-place op costs a tensor wrap of its own)."""
     t = _EPS.get(key := (eps, x.device, x.dtype))
     if t is None:
         t = _EPS[key] = torch.tensor(eps, device=x.device, dtype=x.dtype)
@@ -129,9 +123,8 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x [M, d] @ w [d, V] for a wide output head, `rows` being w transposed ([V, d], contiguous).
-    MKL's GEMM for a few rows against a wide matrix costs several times its one-row case, where the
-    transposed product does not: one row takes x @ w, three or more the other."""
+    """x [M, d] @ w [d, V], `rows` being w transposed: MKL's GEMM for a few rows against a wide matrix
+    costs several times its one-row case, where the transposed product does not."""
     if x.dim() == 2 and x.shape[0] >= 3:
         return (rows @ x.t()).t().contiguous()  # [M, V]
     return x @ w
@@ -200,9 +193,8 @@ class Transformer(nn.Module):
 
 
 class MTPModule(nn.Module):
-    """DeepSeek-V3 multi-token prediction, token i+2 from h_i and token i+1: norm(h_i) ‖
-    norm(embed(t_{i+1})) -> linear 2d->d -> one block (its own one-layer cache) -> the target's final
-    norm and head. Embedding and head are the target's: this holds the norms, projection and block."""
+    """DeepSeek-V3 multi-token prediction, token i+2 from h_i and token i+1: norm(h_i) ‖ norm(embed(t_{i+1}))
+    -> linear 2d->d -> one block -> the target's final norm and head (embedding and head: the target's)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

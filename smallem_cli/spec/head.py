@@ -23,10 +23,8 @@ class Head:
     def pick(
         self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final hidden state h [1, d] -> (token [1], q [1, V] or None when greedy); with a
-        `penalty`, the logits penalised first, as the target's row."""
-        # The final norm scales a row by a positive number: the argmax needs no norm (nor does the
-        # penalty: it scales each logit by a factor of its sign's).
+        """Final hidden state h [1, d] -> (token [1], q [1, V] or None when greedy), penalised first."""
+        # the final norm scales a row by a positive number: the argmax (and the penalty) need no norm
         logits = (h if warp is None else unit_rms(h, self.eps)) @ self.w  # [1, V or N]
         if penalty is not None:
             logits = penalty.apply(logits, self.ids)
@@ -35,8 +33,7 @@ class Head:
         return (i if self.ids is None else self.ids[i]), None if q is None else self.expand(q)
 
     def expand(self, q: torch.Tensor) -> torch.Tensor:
-        """q over the head's tokens [m, N] -> over the vocabulary [m, V] (zero outside a cut head);
-        a q already over the vocabulary (a native chain's) as it is."""
+        """q over the head's tokens [m, N] -> over the vocabulary [m, V] (a native chain's already is)."""
         if self.ids is None or q.shape[-1] == self.size:
             return q
         return q.new_zeros(q.shape[0], self.size).index_copy_(1, self.ids, q)

@@ -1,9 +1,6 @@
-"""A proposer without a model: prompt lookup, guessing by copying what followed the same words before.
-
-The last n tokens of the text so far are looked up among its earlier positions, longest n first;
-what followed them there is the guess, as deep as the acceptance the lookup measures is worth
-(`best_depth`). Under sampling a guess x is a point mass (q one-hot), which min(1, p/q) handles
-exactly: x is kept with probability p(x), and a rejection draws from p with x taken out.
+"""Prompt lookup: guessing by copying what followed the text's last n tokens before, as deep as the
+measured acceptance is worth (`best_depth`). Under sampling a guess is a point mass (q one-hot):
+kept with probability p(x), exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ class NgramIndex:
 
     def extend(self, tokens: list[int]) -> None:
         for t in tokens:
-            # The grams ending at the current last token now have a follower: index them.
+            # the grams ending at the current last token now have a follower
             end = len(self.tokens) - 1
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 self.last[tuple(self.tokens[end - n + 1 : end + 1])] = end
@@ -41,8 +38,7 @@ class NgramIndex:
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             end = self.last.get(tuple(toks[size - n :]))
             if end is not None:
-                # Copy what followed; past the end of the text, copy the copy (a repeat whose
-                # period is shorter than k goes on repeating).
+                # past the end of the text, copy the copy: a repeat shorter than k goes on repeating
                 out: list[int] = []
                 for j in range(end + 1, end + 1 + k):
                     out.append(toks[j] if j < size else out[j - size])
@@ -52,8 +48,7 @@ class NgramIndex:
 
 def best_depth(first: float, then: float, k: int, guess_cost: float) -> int:
     """The m in 0..k with the most tokens, 1 + first·(1 + then + ... + then^(m−1)), per pass cost
-    1 + guess_cost·m: the first guess is kept at rate `first`, a later one (once those before it were)
-    at rate `then`; a lookup is a copy or wrong from its first token, so the two differ."""
+    1 + guess_cost·m (a lookup is a copy or wrong from its first token: its first rate differs)."""
 
     def gain(m: int) -> float:
         return (1 + first * sum(then**i for i in range(m))) / (1 + guess_cost * m)
@@ -94,8 +89,7 @@ class NgramProposer:
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         out = emitted.tolist()
-        # What the lookup would have kept, offered or not: the leading guesses equal to the
-        # tokens emitted (a guess past the emitted ones cannot be told).
+        # what the lookup would have kept, offered or not (a guess past the emitted ones cannot be told)
         hits, told = 0, min(len(self.looked), len(out))
         while hits < told and self.looked[hits] == out[hits]:
             hits += 1

@@ -1,7 +1,5 @@
-"""What a request samples with, and the first token a prefill draws.
-
-Every option changes the target's distribution before verification, so the output stays exact for
-it; a proposer guessing without one (the repetition penalty) costs acceptance, never exactness.
+"""What a request samples with, and the first token a prefill draws. Every option changes the
+target's distribution before verification, so the output stays exact for it.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ from .verify import Warp, Warper, penalize, sample
 
 @dataclass(frozen=True)
 class Sampling:
-    """The options a generation samples with. Pure values: a batch engine applies them per request."""
-
     temperature: float = 0.0  # 0 means greedy
     top_k: int | None = None
     top_p: float | None = None
@@ -25,8 +21,7 @@ class Sampling:
     repetition_penalty: float = 1.0  # CTRL's: a token of the context has its logit scaled down; 1 is off
 
     @property
-    def greedy(self) -> bool:
-        """Greedy decoding (temperature 0): top-k, top-p and min-p then change nothing, the penalty does."""
+    def greedy(self) -> bool:  # top-k, top-p and min-p then change nothing, the penalty does
         return self.temperature == 0.0
 
     @property
@@ -46,8 +41,7 @@ def context_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def first_token(
     raw: torch.Tensor, prompt: torch.Tensor, w: Warp | None, gen: torch.Generator | None, penalty: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The prefill's last logits raw [1, V] -> (the first new token [1], the penalty's context:
-    bool [V] over the prompt and that token, None without a penalty). No host sync."""
+    """The prefill's last logits [1, V] -> (the first new token [1], the penalty's context or None)."""
     seen = None if penalty == 1.0 else context_mask(prompt, raw.shape[-1])
     logits = raw if seen is None else penalize(raw, seen, prompt[-1:], penalty)
     last = logits.argmax(dim=-1) if w is None else sample(w(logits), gen)

@@ -1,20 +1,13 @@
-"""Token-tree verification: pure tensor functions, batched over B rows, no host sync.
+"""Token-tree verification (SpecInfer, EAGLE-2): pure tensor functions, batched over B rows, no host sync.
 
-A tree offers several candidates per position, so one target pass can keep the longest of many
-paths (SpecInfer, Medusa, EAGLE-2). Per row (shared trees broadcast: parents [N], tokens [B, N]):
-tokens long [B, N], node 0 the root (the last verified token, not a guess); parents long [B, N],
-parents[:, 0] == -1 and 0 <= parents[:, i] < i (siblings are tried in index order). Row u of the
-target's output (each node seeing its ancestors, `tree_mask`) is its distribution after node u.
+tokens long [B, N], node 0 the root (the last verified token, not a guess); parents long [B, N] or
+[N], parents[..., 0] == -1 and 0 <= parents[..., i] < i (siblings tried in index order).
 
 A node's outcome (the child it accepts, else the token it emits) depends only on its own row of
 p / q, its children and its own draws, so all are decided at once and the kept path is read off the
-ancestor mask; draws off the path are independent of it and bias nothing. Exactness reduces to one
-node u: its next token must be distributed as r, the target's (warped) distribution after u.
-Its children are i.i.d. from q[u] (SpecInfer's multi-round rule): accept child c with probability
-min(1, r(c) / q(c)), else r <- norm(max(r - q, 0)); none accepted: draw from r. Duplicate draws
-stay separate children.
-
-Greedy (`verify_tree_greedy`) is the temperature-0 limit: x = the argmax of the logits.
+ancestor mask; draws off the path bias nothing. Exactness reduces to one node u whose children are
+i.i.d. from q[u] (SpecInfer's multi-round rule): accept child c with probability min(1, r(c) / q(c)),
+else r <- norm(max(r - q, 0)); none accepted: draw from r. Greedy is the temperature-0 limit.
 """
 
 from __future__ import annotations
@@ -28,18 +21,9 @@ from .verify import sample
 
 
 class TreeVerdict(NamedTuple):
-    """What a verified tree yields, per row.
-    n     long [B]     accepted guesses (nodes below the root on the kept path), 0 <= n <= N - 1.
-    out   long [B, N]  out[:, :n+1]: the n accepted guesses, then the target's token after the last
-                       kept node (a correction, or a bonus at a leaf); out[:, n+1:] is filler.
-    nodes long [B, N]  nodes[:, :n+1]: the kept path, nodes[:, j] at depth j (nodes[:, 0] == 0), then
-                       nodes[:, n] repeated (safe gathers). nodes[:, n]'s hidden state feeds the
-                       proposer; node i's K/V, written at start + i, go to start + j if kept at depth j.
-    """
-
-    n: Tensor
-    out: Tensor
-    nodes: Tensor
+    n: Tensor  # long [B]: accepted guesses (nodes below the root on the kept path)
+    out: Tensor  # long [B, N]: the n accepted guesses, then the target's token; filler after
+    nodes: Tensor  # long [B, N]: the kept path, nodes[:, j] at depth j, then nodes[:, n] repeated
 
 
 def tree_mask(parents: Tensor) -> Tensor:
@@ -109,9 +93,7 @@ def _walk(tokens: Tensor, parents: Tensor, shape: _Shape, nxt: Tensor, stop: Ten
 
 
 def verify_tree_greedy(tokens: Tensor, parents: Tensor, logits: Tensor) -> TreeVerdict:
-    """Greedy tree verification: tokens long [B, N], parents long [B, N] or [N], logits [B, N, V].
-    From the root, move to the (first) child whose token is the argmax at the current node, until
-    none is."""
+    """From the root, move to the (first) child whose token is the argmax at the node, until none is."""
     shape = _shape(parents)
     x = logits.argmax(dim=-1)  # [B, N] the target's token after each node
     return _walk(tokens, parents, shape, _follow(tokens, shape.child, x), x)
@@ -125,11 +107,9 @@ def verify_tree_sample(
     generator: torch.Generator | None,
     width: int | None = None,
 ) -> TreeVerdict:
-    """Exact sampled tree verification (the module docstring's rule, at every node at once) ->
-    `TreeVerdict`: tokens long [B, N], parents long [B, N] or [N]; p [B, N, V]: the target's (warped)
-    probabilities after each node, not necessarily normalised; q [B, N, V]: the distribution each
-    node's children were drawn from. width: the most children a node has (children past it are never
-    tried, still exact; default N - 1)."""
+    """The module docstring's rule at every node at once: p [B, N, V] the target's (warped) probabilities
+    after each node, not necessarily normalised; q [B, N, V] what its children were drawn from;
+    width: the most children a node has (default N - 1)."""
     shape = _shape(parents)
     B, N, _ = p.shape
     r = p.float() / p.float().sum(dim=-1, keepdim=True)  # [B, N, V]

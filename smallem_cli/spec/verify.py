@@ -1,8 +1,5 @@
-"""Speculative-decoding verification: pure tensor functions, batched over B rows.
-
-`verify_sample` is the rejection scheme of Leviathan et al. / Chen et al.: its tokens are
-distributed exactly as the (warped) target's, whatever the proposer. Everything stays on the device
-(no `.item()`, no Python branch on a tensor value) and every draw goes through the caller's
+"""Speculative-decoding verification: pure tensor functions, batched over B rows. Everything stays on
+the device (no `.item()`, no branch on a tensor value) and every draw goes through the caller's
 `torch.Generator`: a CUDA loop queues a whole step without waiting, and a seeded run replays exactly.
 """
 
@@ -22,10 +19,8 @@ Warp = Callable[[Tensor], Tensor]  # logits [..., V] -> probabilities [..., V]
 def warp(
     logits: Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None
 ) -> Tensor:
-    """Sampling distribution [..., V] float32 from logits [..., V], in Hugging Face's order: the
-    temperature; top-k (exactly the k largest, topk breaks ties); top-p (the smallest most probable
-    set holding top_p, at least the top token); min-p (drop tokens below min_p x the top one's
-    probability). None, top_k >= V, top_p >= 1 or min_p == 0 turn a filter off."""
+    """Sampling distribution [..., V] float32 from logits, in Hugging Face's order: temperature, top-k,
+    top-p, min-p. None, top_k >= V, top_p >= 1 or min_p == 0 turn a filter off."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (use greedy decoding for 0), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -51,10 +46,8 @@ TOP_P_HEADS = (256, 2048)  # on the CPU, top-p first looks for its tokens among 
 
 
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:
-    """Top-p over probabilities [..., V]: keep, most probable first, the tokens whose more probable
-    ones hold less than top_p of the mass (the top token always), renormalised. On the CPU (a look
-    costs no sync) the H most probable serve when they hold top_p in every row, as a full sort (far
-    slower) would drop every token past them too; else, and on a GPU, the whole row is sorted."""
+    """Top-p over probabilities [..., V], renormalised. On the CPU (a look costs no sync) the H most
+    probable serve when they hold top_p in every row, sparing a full sort (far slower)."""
     heads = TOP_P_HEADS if probs.device.type == "cpu" else ()
     for head in [*(h for h in heads if h < probs.shape[-1]), None]:
         if head is None:
@@ -78,12 +71,9 @@ def _repeated(logits: Tensor, hit: Tensor, factor: float) -> Tensor:
 
 
 def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestors: Tensor | None = None) -> Tensor:
-    """The repetition penalty (CTRL; Hugging Face's `repetition_penalty`) over one pass -> [..., T, V]:
-    logits [..., T, V] of a pass over fed [..., T] (long), row i predicting the token after fed[i] in
-    the context seen [..., V] (bool, before the pass; it may hold some of fed) plus fed[:i+1], as the
-    target alone would. A token tree's pass (`tree.py`) gives `ancestors` (bool [T, T], [i, j] iff
-    fed[j] is on row i's path, itself included): row i's context is then seen plus its path. penalty 1
-    returns the logits as they are; no host sync."""
+    """The repetition penalty (CTRL's, HF's) over logits [..., T, V] of a pass over fed [..., T]: row i's
+    context is seen [..., V] (before the pass) plus fed[:i+1], as the target alone would see it, or
+    with a tree's `ancestors` (bool [T, T]) seen plus its path."""
     if not (math.isfinite(penalty) and penalty > 0):
         raise ValueError(f"repetition penalty must be > 0 and finite, got {penalty}")
     if penalty == 1.0:
@@ -112,8 +102,7 @@ class Warper:
 
 @dataclass(frozen=True)
 class Penalty:
-    """The repetition penalty a round's guesses are scored with, as the target's rows (`penalize`):
-    context seen [V] (bool) and factor. A proposer `take`s each guess into its own `copy`."""
+    """The penalty a round's guesses are scored with, as the target's rows; a proposer `take`s each guess."""
 
     seen: Tensor
     factor: float
@@ -122,12 +111,10 @@ class Penalty:
         return Penalty(self.seen.clone(), self.factor)
 
     def apply(self, logits: Tensor, ids: Tensor | None = None) -> Tensor:
-        """`penalize` on rows of logits [R, N] (seen [V] for every row, or [R, V] one each); a cut
-        head's columns are the tokens `ids` [N] (None: column = token)."""
+        """`penalize` on rows of logits [R, N] (seen [V] or [R, V]); a cut head's columns are `ids` [N]."""
         return _repeated(logits, self.seen if ids is None else self.seen[..., ids], self.factor)
 
     def take(self, tokens: Tensor) -> None:
-        """Add tokens to the context (in place)."""
         self.seen.index_fill_(0, tokens.view(-1), True)
 
 
@@ -144,10 +131,8 @@ def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, like: Te
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per row of probs [..., V] -> long [...], no host sync: by the inverse CDF, the token
-    whose interval [c_(i-1), c_i) of its row's float64 running sums c holds u * c_V, one uniform u a
-    row (`uniforms`; a race over the vocabulary would need V). Rows need not be normalised; a
-    zero-probability token is never picked."""
+    """One token per row of probs [..., V] (not necessarily normalised) -> long [...]: by the inverse CDF
+    over float64 running sums, one uniform a row (a race would need V); a zero-probability token never."""
     u = uniforms(probs.shape[:-1], generator, probs)  # [...]
     c = probs.double().cumsum(dim=-1)  # [..., V]
     # the intervals wholly below the point, by binary search
@@ -156,11 +141,9 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
 
 
 def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Exact speculative sampling -> (n [B], out [B, k+1]): drafts long [B, k] drawn from q [B, k, V],
-    p [B, k+1, V] the target's (same warp). Draft i is kept with probability min(1, p_i(x_i) / q_i(x_i));
-    at the first rejection n the next token is drawn from max(0, p_n - q_n) renormalised (from p_n if
-    that is all zero: p_n == q_n up to rounding), after k kept from p_k. out[:, :n+1] is what the pass
-    yields; out[:, n+1:] is filler."""
+    """Exact speculative sampling (Leviathan et al.) -> (n [B], out [B, k+1], filler past n): draft i,
+    drawn from q, kept with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection n the next
+    token is drawn from max(0, p_n - q_n) renormalised (p_n if that is all zero), after k kept from p_k."""
     B, k = drafts.shape
     if k == 0:  # no guess: a draw from p_0, what the rule below comes to, without its tensors
         nxt = sample(p[:, 0].float(), generator)  # [B]
