@@ -3,15 +3,14 @@
 The protocol, in the engine's order (`seqs` are `sequence.Seq`, keyed by `seq.uid`):
 - `start(seqs, fed, hidden)`: after the prefill; fed[b] the tokens fed, hidden[b] the target's states.
 - `propose(seqs, ks)`: up to ks[b] guesses each, as (tokens [m_b], q [m_b, V] or None when greedy).
-- `accept(seq, n, emitted, hidden)`: n guesses kept, n+1 tokens emitted, `hidden` [n+1, d] the target's
-  states at [last, d_1..d_n]. Called every round, also after another proposer guessed (`ngram+P`):
-  the tokens then wait to be fed at its next guess.
+- `accept(seq, n, emitted, hidden)`: n guesses kept, n+1 tokens emitted, `hidden` [n+1, d] at [last, d_1..d_n];
+  every round, also after another proposer guessed (`ngram+P`): the tokens then wait for its next guess.
 - `drop(seq)`: the sequence finished or was preempted.
-A draft or the MTP module keeps a slab of its own over the pool's page tables.
-"""
+A draft or the MTP module keeps a slab of its own over the pool's page tables."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,20 +42,13 @@ class BatchProposer(Protocol):
     def drop(self, seq: Seq) -> None: ...
 
 
-class NoGuess:
-    name = "none"
+class NoGuess(BatchProposer):
+    """No guess: the protocol's own start, accept and drop, which do nothing."""
 
-    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
-        pass
+    name = "none"
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
         return [(s.last[:0], None) for s in seqs]
-
-    def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
-        pass
-
-    def drop(self, seq: Seq) -> None:
-        pass
 
 
 def penalty_of(s: Seq) -> Penalty | None:
@@ -94,8 +86,7 @@ class NgramGuess:
 def pick(
     head: Head, h: torch.Tensor, seqs: list[Seq], penalties: list[Penalty | None]
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] (None when greedy); a
-    penalised row scored with its penalty first, as its target row will be."""
+    """Final states h [B, d] -> a guess per sequence [B] and its q [1, V] or None, penalised as its target row."""
     logits = head_matmul(h, head.w, head.rows)  # [B, N]: the final norm scales a row, the argmax needs none
     for i, (s, pen) in enumerate(zip(seqs, penalties, strict=True)):
         if pen is not None and s.warp is None:
@@ -138,16 +129,13 @@ class _ModelGuess:
             self.state[s.uid].length += n
         return B.build([self.pool.tables[s.uid] for s in seqs], starts, counts, self.pool.page_size, self.slab.device)
 
-    def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _feed_guess(self, seqs: list[Seq], out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    # each subclass's: the pending entries fed -> [G, d]; then one guess each, fed on the states `out`
+    _feed_pending: Callable[[list[Seq]], torch.Tensor]
+    _feed_guess: Callable[[list[Seq], torch.Tensor, torch.Tensor], torch.Tensor]
 
     def _chain(self, s: Seq, k: int) -> Guesses | None:
-        """k guesses for `s` alone in one native call, its pending entries fed first, or None where
-        the call cannot serve this round (no native steps, a backlog longer than a pass, pages out
-        of order, sampling with filters beside the temperature)."""
+        """k guesses for `s` alone in one native call, its pending entries fed first; None where it cannot
+        serve (no native steps, a backlog longer than a pass, pages out of order, filters beside the temperature)."""
         st, steps = self.state[s.uid], self.steps
         if steps is None or not (s.warp is None or isinstance(s.warp, Warper)):
             return None
@@ -206,8 +194,6 @@ class _ModelGuess:
 
 
 class DraftGuess(_ModelGuess):
-    """A draft model: it reads the sequence's tokens, its own slab holds its K/V."""
-
     def __init__(self, model: Transformer, pool: PagePool, head: Head, name: str, backend: Backend) -> None:
         super().__init__(model, pool, head, backend)
         self.model, self.name = model, name

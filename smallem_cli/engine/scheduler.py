@@ -1,15 +1,14 @@
 """Continuous batching: admit, run rounds, preempt when the pool runs dry, finish (docs/architecture.md).
 
-A preempted sequence is recomputed from its tokens later: nothing it emitted is lost or redrawn.
-"""
+A preempted sequence is recomputed from its tokens later: nothing it emitted is lost or redrawn."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -42,8 +41,7 @@ class Progress:
 
 
 def round_ahead(k: int, tree: tuple[int, int] | None) -> int:
-    """Positions a round may write past a sequence's cache: [last, k guesses] (a tree (guesses, width):
-    its nodes, or the module's entries while it grows), and one more."""
+    """Positions a round may write past a sequence's cache: [last, k guesses or a tree's entries], and one more."""
     return k + 2 if tree is None else max(k, tree[0], (k - 1) * tree[1]) + 2
 
 
@@ -111,9 +109,8 @@ class Engine:
         return s
 
     def _resume(self, s: Seq, prior: Seq) -> None:
-        """`s` takes over its session's previous cache, rolled back to the longest prefix they share
-        (an answer cut by its budget or a stop left positions past its tokens); its last prompt token
-        is fed again at the least: its logits draw the first new token."""
+        """`s` takes over its session's cache, rolled back to the longest prefix they share (a cut answer left
+        positions past its tokens); its last prompt token is fed again at least: it draws the first new token."""
         held = min(prior.cached, len(prior.tokens), len(s.tokens) - 1)
         n = next((i for i in range(held) if prior.tokens[i] != s.tokens[i]), held)
         self.pool.trim(s.uid, n)
@@ -152,8 +149,7 @@ class Engine:
         self.proposer.drop(s)
 
     def _grow(self, short: int) -> None:
-        """`short` more pages wanted: the pool doubles (at least by `short`, at most to max_pages);
-        a growth the memory refused is not tried again."""
+        """`short` more pages wanted: the pool doubles, up to max_pages; a growth refused is not tried again."""
         n = self.pool.n_pages
         if short > 0 and self.grow is not None and n < self.max_pages:
             if not self.grow(min(self.max_pages, max(2 * n, n + short))):
@@ -187,11 +183,7 @@ class Engine:
         self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
     ) -> Iterator[Finished]:
         """Answers as their requests end; stopped early, every sequence's pages and proposer state go back."""
-        events = self._events(requests, progress, chunks=False)
-        with contextlib.closing(events):  # closing this iterator closes the loop's
-            for e in events:
-                if isinstance(e, Finished):
-                    yield e
+        return cast(Iterator[Finished], self._events(requests, progress, chunks=False))  # no `Emitted` then
 
     def events(self, requests: Iterable[Request]) -> Iterator[Finished | Emitted]:
         """As `run`, and each sequence's new tokens as soon as verified (`Emitted`, before its `Finished`)."""
@@ -288,8 +280,7 @@ class Engine:
         return admitted
 
     def _round(self, running: list[Seq], waiting: deque[Seq]) -> list[tuple[int, int, list[int]]]:
-        """Each sequence's k by the load, its pages reserved (`running` may shrink), its guesses
-        verified -> per sequence (m, n, emitted)."""
+        """k by the load, pages reserved (`running` may shrink), guesses verified -> (m, n, emitted) each."""
         for s in running:
             base = self.k if s.warp is None else self.k_sample
             s.k = load_k(base, s.warp is None, len(running), self.auto_k, self.proposer.name)
