@@ -1,7 +1,6 @@
 """One pass over a batch of sequences, flattened (nano-vllm's layout): sequence b's n_b >= 1 new
 tokens are rows of one flat list of N = sum(n_b), so every weight matmul reads its matrix once;
-each row attends to its own sequence's positions up to its own, through the pool's page tables.
-"""
+each row attends to its own sequence's positions up to its own, through the pool's page tables."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ class BatchStep:
 
 
 def visible(b: BatchStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The keys each flat row sees, as slots (vis, start [N], count [N]): row i sees vis[start[i] ..
-    start[i] + count[i]) in position order (`native.NativeSteps.batch` reads them)."""
+    """Each flat row's keys as slots (vis, start [N], count [N]), in position order: the native pass reads them."""
     if b.prefix:
         return b.kv_slots.reshape(-1), b.seq * b.kv_slots.shape[1], b.positions + 1
     Tm = b.bias.shape[1]
@@ -61,8 +59,7 @@ def visible(b: BatchStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def in_order(table: list[int], n_pages: int) -> int | None:
-    """The first page of `table` if its first n_pages pages are consecutive, in order (a pool of
-    one sequence hands them out so), else None: the sequence's slots are then one range."""
+    """The first page of `table` if its first n_pages pages are consecutive (its slots one range), else None."""
     first = table[0]
     return first if table[:n_pages] == list(range(first, first + n_pages)) else None
 
@@ -75,8 +72,7 @@ def _slots(tables: list[list[int]], S: int, page_size: int) -> torch.Tensor:
 
 
 def _padded(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The eager pass's padded layout: (valid [B, Tm], q_rows [B, Tm] (padding repeats row 0),
-    out_rows [N]: where each flat row sits in [B * Tm])."""
+    """(valid [B, Tm], q_rows [B, Tm] (padding: row 0), out_rows [N]: each flat row's place in [B * Tm])."""
     Tm = max(counts)
     n = torch.tensor(counts)
     seq = torch.repeat_interleave(torch.arange(len(counts)), n)  # [N]
@@ -91,8 +87,7 @@ def _padded(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def build(
     tables: list[list[int]], starts: list[int], counts: list[int], page_size: int, device: torch.device
 ) -> BatchStep:
-    """The step for sequences with page `tables` (each already covering starts[b] + counts[b]
-    positions: the pool reserves first), `counts[b]` new tokens from position `starts[b]`."""
+    """The step for `counts[b]` new tokens from position `starts[b]` of each sequence, its pages reserved."""
     B = len(tables)
     assert B and len(starts) == len(counts) == B and min(counts) >= 1
     lengths = [s + n for s, n in zip(starts, counts, strict=True)]
@@ -118,8 +113,7 @@ def build(
 
 
 def _one_in_order(base: int, start: int, n: int, device: torch.device) -> BatchStep:
-    """`build` for one sequence whose pages lie in order from slot `base`: every index is a range
-    (a generation of one prompt takes this step every round, so it is built in few ops)."""
+    """`build` for one sequence whose pages lie in order from slot `base`, in few ops: it runs every round."""
     S = start + n
     pos = torch.arange(start, S, device=device)  # [n]
     rows = torch.arange(n, device=device)  # [n]
@@ -144,10 +138,9 @@ def build_tree(
     page_size: int,
     device: torch.device,
 ) -> BatchStep:
-    """A pass over tree nodes: sequence b has starts[b] entries every node sees, then its tree's
-    nodes (parents[b][i] < i, -1 under the prefix alone) at entries starts[b] + i; the pass writes
-    and scores the nodes rows[b] (increasing). Node i sits at position starts[b] + its depth (0
-    under the prefix) and sees the prefix, its ancestors and itself."""
+    """A pass over tree nodes: sequence b's node i (parents[b][i] < i, -1 under the prefix) at entry
+    starts[b] + i and position starts[b] + its depth, seeing the prefix, its ancestors and itself; the
+    pass writes and scores the nodes rows[b] (increasing)."""
     B = len(tables)
     counts = [len(r) for r in rows]
     assert B and len(starts) == len(parents) == B and min(counts) >= 1

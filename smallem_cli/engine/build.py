@@ -1,6 +1,5 @@
 """An engine for a loaded target and a named proposer, its cache grown as the requests need it
-(`grower`) up to max_batch sequences at the full context, max_batch lowered to what the memory holds.
-"""
+(`grower`) up to max_batch sequences at the full context, max_batch lowered to what the memory holds."""
 
 from __future__ import annotations
 
@@ -80,8 +79,7 @@ def _address_space_room() -> int | None:
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free for new tensors on `device`; for the CPU the least of what the machine has available,
-    the cgroup has left and the address space allows."""
+    """Bytes free for new tensors on `device` (the CPU: the least of MemAvailable, the cgroup's and RLIMIT_AS's)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     rooms = (_kib_field("/proc/meminfo", "MemAvailable"), _cgroup_room(), _address_space_room())
@@ -94,14 +92,12 @@ def free_memory(device: torch.device) -> int:
 
 
 def cache_budget(device: torch.device) -> int:
-    """Bytes the batch engine's cache may take now: D.CACHE_MEMORY_SHARE of the free memory."""
     return int(D.CACHE_MEMORY_SHARE * free_memory(device))
 
 
 def sequence_bytes(
     models: list[Transformer | MTPModule], context: int, page_size: int, tree: tuple[int, int] | None = None
 ) -> int:
-    """The cache one sequence at the full context takes in the slabs of `models`."""
     per_slot = torch.empty(0).element_size() * sum(
         (1 if isinstance(m, MTPModule) else m.cfg.n_layers) * 2 * m.cfg.n_kv_heads * m.cfg.head_dim for m in models
     )
@@ -117,8 +113,7 @@ def _size(n: float) -> str:
 
 
 def fit_batch(max_batch: int, per_sequence: int, budget: int, strict: bool = False) -> int:
-    """max_batch, or as many sequences as `budget` holds at `per_sequence` bytes each if fewer;
-    UsageError if not even one fits, or (strict) if max_batch does not."""
+    """max_batch, or as many sequences as `budget` holds if fewer; UsageError if none fits, or (strict) not all."""
     fits = budget // per_sequence
     if fits < 1:
         raise O.UsageError(
@@ -134,16 +129,14 @@ def fit_batch(max_batch: int, per_sequence: int, budget: int, strict: bool = Fal
 
 
 def _widened(slab: torch.Tensor, slots: int) -> torch.Tensor:
-    """`slab` [L, K or V, Hkv, slots, D] with `slots` slots: its own first, zeros after (attention
-    reads a masked slot too: it must hold a finite value)."""
+    """`slab` with `slots` slots, zeros after its own (attention reads a masked slot too: it must be finite)."""
     wide = slab.new_zeros(*slab.shape[:3], slots, slab.shape[4])
     wide[:, :, :, : slab.shape[3]].copy_(slab)
     return wide
 
 
 def grower(target: TargetRunner, bp: BatchProposer) -> Callable[[int], bool]:
-    """The scheduler's `grow`: the pool made n pages large, every slab over it widened to match;
-    False, with nothing changed, where the memory is no longer there (taken since it was measured)."""
+    """The scheduler's `grow`: the pool and its slabs widened to n pages; False, unchanged, where memory is short."""
     other = bp.other if isinstance(bp, FallbackGuess) else bp
     holders = [other] if isinstance(other, DraftGuess | MTPGuess) else []
 
@@ -216,12 +209,10 @@ def build_engine(
     weights: str = D.PROPOSER_WEIGHTS,
     strict: bool = False,
 ) -> Engine:
-    """An engine for many requests (`smallem batch`, `bench --batch`). k None: the proposer's default
-    per mode, capped under load for greedy requests. n_pages: the pool's size, fixed; else max_batch
-    is lowered to what fits the memory (`fit_batch`; strict: UsageError instead)."""
+    """An engine for many requests. k None: the proposer's default per mode, capped under load. n_pages: the
+    pool's size, fixed; else max_batch is lowered to what fits the memory (strict: UsageError instead)."""
     model, page_size = tgt.model, D.PAGE_SIZE
-    # The greedy and the sampled proposer heads differ (`D.PROPOSER_VOCAB`); a batch mixes modes,
-    # so the head is chosen by what the batch serves by default: greedy's.
+    # a batch mixes modes: the proposer's head is the greedy one (`D.PROPOSER_VOCAB`), its default
     vocab = D.proposer_vocab(True, proposer_vocab)
     p = family.load_proposer(proposer, tgt, device, vocab, tree=tree, weights=weights)
     backend = backend or Backend()

@@ -1,7 +1,6 @@
 """Finding and loading a target (a smallem checkpoint, an HF Llama folder, a GGUF file) and its
 proposer (`none`, `ngram`, a shipped name, a path, or `ngram+P`), by name or path. A proposer whose
-tokenizer differs from the target's is refused before anything runs.
-"""
+tokenizer differs from the target's is refused before anything runs."""
 
 from __future__ import annotations
 
@@ -50,7 +49,6 @@ def default_proposer(target: Path, greedy: bool) -> str:
 
 
 def load_target(path: Path, device: torch.device, tokenizer: Path | None = None) -> Target:
-    """A smallem checkpoint, an HF Llama folder or a llama GGUF file, packed for inference on `device`."""
     if gguf_read.is_gguf(path):
         if tokenizer is not None:
             raise CheckpointError(f"--tokenizer: the GGUF file {path} holds its own tokenizer; leave it out")
@@ -118,8 +116,7 @@ def load_proposer(
     tree: tuple[int, int] | None = None,
     weights: str = D.PROPOSER_WEIGHTS,
 ) -> Proposer:
-    """`spec` -> the proposer it names, packed. vocab > 0 cuts its head to the `vocab` most frequent
-    training tokens, where the checkpoint records them. weights: how the native backend stores it."""
+    """`spec` -> the proposer it names, packed; vocab > 0 cuts its head to the most frequent training tokens."""
     if weights not in D.WEIGHTS:
         raise CheckpointError(f"--proposer-weights takes {' or '.join(D.WEIGHTS)}, got {weights!r}")
     if tree is not None and not _is_mtp(spec, target):

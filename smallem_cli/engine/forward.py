@@ -1,6 +1,5 @@
 """Passes over a flattened batch (`batch.BatchStep`): the target, a draft, the MTP module. With the
-model's native steps a pass is one C call; else the eager pass below, the reference.
-"""
+model's native steps a pass is one C call; else the eager pass below, the reference."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ def slab_for(model: Transformer | MTPModule, n_slots: int, device: torch.device)
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, Hkv: int, G: int) -> torch.Tensor:
-    """One sequence's attention: queries q [T, H*D] over its keys and values kv [2, Hkv, S, D] (bias
-    [T, S] additive, None when every key is visible) -> [T, H*D]. By hand, as SDPA's CPU fallback for
-    masks and groups costs several times more: query heads h = j*G + g share kv head j, rows (g, t)."""
+    """One sequence's attention, q [T, H*D] over kv [2, Hkv, S, D] (bias [T, S] or None) -> [T, H*D]. By hand:
+    SDPA's CPU fallback for masks and groups costs several times more. Query heads j*G + g share kv head j."""
     T, D = q.shape[0], kv.shape[-1]
     H = Hkv * G
     q = q.view(T, Hkv, G, D)

@@ -1,6 +1,5 @@
 """One prompt, generated on the engine with a batch of one: a pool of one sequence hands its pages
-out in order, so its passes take the fast paths (`TargetRunner.one_pass`, `_ModelGuess._chain`).
-"""
+out in order, so its passes take the fast paths (`TargetRunner.one_pass`, `_ModelGuess._chain`)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def engine_for_chat(
     end_ids: Collection[int],
     backend: Backend | None = None,
 ) -> tuple[Engine, int]:
-    """An engine for one conversation, its cache grown as the conversation grows, up to the model's
-    context or what the memory holds -> (the engine, the positions a conversation may reach)."""
+    """An engine for one conversation, its cache grown up to the context or the memory -> (it, the context)."""
     context = target.cfg.max_seq_len
     per_sequence = sequence_bytes([target, *proposer.models], context, PAGE_SIZE, proposer.tree)
     context = min(context, context * cache_budget(target.embed_tokens.weight.device) // per_sequence)
@@ -52,8 +50,7 @@ def stream(
     stats: Stats | None = None,
     backend: Backend | None = None,
 ) -> Iterator[list[int]]:
-    """Each round's tokens as soon as verified (an end token ends it, not yielded); `stats` is updated
-    in place, valid even if the caller stops early; `backend` is prepared by the caller (None: eager)."""
+    """Each round's tokens as soon as verified; `stats` updated in place, valid even if the caller stops early."""
     if max_new_tokens < 1:
         return
     pool = PagePool(pages_for(len(prompt) + max_new_tokens + round_ahead(k, proposer.tree), PAGE_SIZE) + 1, PAGE_SIZE)
@@ -82,7 +79,6 @@ def generate(
     end_ids: Collection[int] = (),
     backend: Backend | None = None,
 ) -> tuple[list[int], Stats]:
-    """All new tokens at once, with their statistics."""
     stats = Stats(proposer.name, k)
     chunks = stream(target, proposer, prompt, max_new_tokens, k, sampling, end_ids, stats, backend)
     return [t for chunk in chunks for t in chunk], stats

@@ -1,7 +1,6 @@
 """The page pool every sequence of a batch shares, in plain Python (nano-vllm's block manager): a
 sequence's position j lives at slot table[j // page_size] * page_size + j % page_size of every slab.
-Nothing here touches a tensor: stale K/V past a sequence's length are never read.
-"""
+Nothing here touches a tensor: stale K/V past a sequence's length are never read."""
 
 from __future__ import annotations
 
@@ -48,7 +47,6 @@ class PagePool:
         self.tables[seq].extend(self.free.pop() for _ in range(need))
 
     def trim(self, seq: int, n_tokens: int) -> None:
-        """Shorten `seq`'s table to what n_tokens positions need; emptied pages go back."""
         table = self.tables[seq]
         keep = self.pages_for(n_tokens)
         if keep < len(table):

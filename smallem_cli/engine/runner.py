@@ -1,6 +1,5 @@
 """Prefill, and one round: one target pass over every sequence's last token and guesses (ragged,
-0..k), each sequence verified on its own rows and rolled back to what it kept; one host sync.
-"""
+0..k), each sequence verified on its own rows and rolled back to what it kept; one host sync."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ class TargetRunner:
     def one_pass(
         self, seqs: list[Seq], ids: torch.Tensor, counts: list[int], head: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """`verify_pass` for a sequence alone whose pages lie in order, through the native step (the
-        past one view of the slab; logits empty without `head`); None where there is no such step."""
+        """`verify_pass` through the native step, for a sequence alone whose pages lie in order; else None."""
         if len(seqs) != 1 or self.steps is None:
             return None
         s, T = seqs[0], counts[0]
@@ -65,8 +63,7 @@ class TargetRunner:
 
 
 def prefill(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> list[int | None]:
-    """Fill the target's cache for `seqs` from their cached length -> each one's first new token
-    (None for a recomputed sequence: its `last` was already emitted)."""
+    """Fill the target's cache for `seqs` -> each one's first new token (None if recomputed: already emitted)."""
     dev = t.slab.device
     fresh = [s.n_generated == 0 for s in seqs]
     fed = [
@@ -197,8 +194,7 @@ def commit(
 def tree_round(
     t: TargetRunner, proposer: MTPGuess, seqs: list[Seq], budget: int, width: int
 ) -> list[tuple[int, int, list[int]]]:
-    """`decode_round` with token trees (`tree_guess.grow`), m the tree's depth; the kept path's K/V
-    move to the positions that follow the cache."""
+    """`decode_round` with token trees, m the tree's depth; the kept path's K/V move to follow the cache."""
     width, drawn = min(width, budget), min(D.TREE_DRAWS, budget)
     t0 = time.perf_counter()
     trees = grow(proposer, seqs, budget, width, drawn)

@@ -1,6 +1,5 @@
 """Stop strings: the text ends before the first one. One may begin in a round's tokens and end in a
-later one's, so a tail that could begin one is held back: nothing printed is ever taken back.
-"""
+later one's, so a tail that could begin one is held back: nothing printed is ever taken back."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class StopCutter:
         at = stop_index(text, self.stops, self.safe)
         if at is not None:
             self.found = at
-        # from here on a stop string may still begin, not yet complete
-        open_from = len(text) - (0 if final else partial_tail(text, self.stops))
+        open_from = len(text) - (0 if final else partial_tail(text, self.stops))  # one may still begin here
         if at is not None and at <= open_from:
             self.stopped = at
             return at

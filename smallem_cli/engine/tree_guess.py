@@ -4,8 +4,7 @@ A node scores the sum of the log-probabilities on its path; level by level the `
 are fed to the module in one pass over every tree. Greedy: the tree is the `budget` best nodes (a
 child scores no more than its parent, so every node's parent is in). Sampled: draws from the
 module's q, all kept, verified by SpecInfer's rule: exact as long as which nodes are expanded
-never depends on their own children.
-"""
+never depends on their own children."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ def _children(
 
 
 def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> list[TreeGuess]:
-    """A tree of at most `budget` guesses and seq.k levels for each sequence, one host sync per level:
-    `width` nodes expanded per level, each with its `width` best tokens (greedy) or `drawn` draws."""
+    """A tree of at most `budget` guesses, seq.k levels deep, for each sequence: one host sync per level."""
     st = [p.state[s.uid] for s in seqs]
     for x in st:
         x.proposed = True  # `MTPGuess.accept` then drops the tree's entries
@@ -135,8 +133,7 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
 
 
 def _penalised(logits: torch.Tensor, seqs: list[Seq], paths: list[list[int]], ids: torch.Tensor | None) -> torch.Tensor:
-    """logits [F, N] (row r a node of seqs[r]) with the repetition penalty of each penalised
-    sequence, over its context and the row's path (in place; a few tensor calls per sequence)."""
+    """logits [F, N] (row r a node of seqs[r]) penalised over each row's context and path, in place."""
     rows: dict[int, list[int]] = {}
     for r, s in enumerate(seqs):
         if s.seen is not None:
@@ -154,7 +151,6 @@ def _penalised(logits: torch.Tensor, seqs: list[Seq], paths: list[list[int]], id
 
 
 def _path(cands: list[_Cand], i: int) -> list[int]:
-    """The tokens from the root's child down to candidate i."""
     path = []
     while i >= 0:
         path.append(cands[i].token)

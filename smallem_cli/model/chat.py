@@ -1,6 +1,5 @@
 """A model's conversation format: the tokens that end its turn, and its chat template (Jinja, rendered
-in a sandbox: a folder's template never runs code of its own).
-"""
+in a sandbox: a folder's template never runs code of its own)."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def _token_text(value: object) -> str:
 
 
 def hf_format(folder: Path, tok: Tokenizer, vocab: int) -> ChatFormat:
-    """An HF folder's end ids (`eos_token_id` of its config files, tokenizer_config's eos_token) and
-    chat template (the "default" one of a list)."""
+    """An HF folder's end ids (its config files' eos_token_id, tokenizer_config's eos_token) and chat template."""
     files = {n: _json(folder / n) for n in ("config.json", "generation_config.json", "tokenizer_config.json")}
     tc, ends = files.pop("tokenizer_config.json"), []
     for name, got in files.items():
@@ -86,8 +84,7 @@ def messages(user: str, system: str | None = None) -> list[dict[str, str]]:
 
 
 def render(fmt: ChatFormat, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """The conversation as the model reads it, through its template; ChatError (one line) where it
-    has none, or the template fails (a syntax error, `raise_exception`, a forbidden access)."""
+    """The conversation through its template; ChatError (one line) where it has none, or the template fails."""
     if fmt.template is None:
         raise ChatError("the model has no chat template: give the prompt as plain text (without --chat)")
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -1,6 +1,5 @@
 """Checkpoints: safetensors files, 16-bit on disk, one model of `kind` "model" or "mtp", with its
-config, training facts and tokenizer fingerprint in the metadata.
-"""
+config, training facts and tokenizer fingerprint in the metadata."""
 
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
 
 
 def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
-    """The parameter shapes of a model (or MTP module) of this config, from the config alone (the meta
-    device gives the same, but its first use costs seconds of a command's start-up)."""
+    """The parameter shapes of a model (or MTP module) from its config alone: the meta device costs seconds."""
     d, f, q, kv = cfg.dim, cfg.hidden_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
     def block(prefix: str) -> dict[str, tuple[int, ...]]:
@@ -141,8 +139,7 @@ def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int,
 
 
 def _tensors(path: str | Path, cfg: ModelConfig, mtp: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors of a smallem file, their names, shapes and dtypes checked against its config
-    before any weight is read or model built: a wrong file costs one error line, not a model's memory."""
+    """The file's tensors, names, shapes and dtypes checked first: a wrong file costs an error, not the memory."""
     expected = expected_shapes(cfg, mtp)
     try:
         declared = header(path)
@@ -201,7 +198,6 @@ def config_of(meta: dict[str, str], path: str | Path) -> ModelConfig:
 
 
 def _build(model: M, tensors: dict[str, torch.Tensor], device: torch.device | str) -> M:
-    """The model with these weights in float32, on `device`, in eval mode."""
     model.load_state_dict({k: v.float() for k, v in tensors.items()})
     return model.to(device).eval()
 

@@ -1,6 +1,5 @@
 """A Llama-style decoder and the MTP module. Training runs `Transformer.hidden`; inference runs the
-engine's passes on the weights `pack()` lays out. Parameter names follow Hugging Face's Llama.
-"""
+engine's passes on the weights `pack()` lays out. Parameter names follow Hugging Face's Llama."""
 
 from __future__ import annotations
 
@@ -36,16 +35,14 @@ class RMSNorm(nn.Module):
 
 
 def interleave_halves(head_dim: int) -> torch.Tensor:
-    """Column order [0, D/2, 1, D/2+1, ...] within a head: Llama's rope turns each pair (x_i, x_{i+D/2})
-    by e^{jθ}, so with the pairs adjacent one complex multiply ropes every head. q's and k's dims
-    permuted alike leave q·k unchanged: only the packed weights (and the cached keys) see the order."""
+    """Column order [0, D/2, 1, D/2+1, ...] within a head: with the pairs Llama's rope turns adjacent, one
+    complex multiply ropes every head; q's and k's dims permuted alike leave q·k unchanged."""
     half = head_dim // 2
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
 
 
 def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of Wq or Wk [n_heads*D, in], rotate-half layout -> rows i and i+D/2 of each head as rows 2i
-    and 2i+1 (`interleave_halves`): the layout of llama.cpp's rope and of the native engine's."""
+    """Rows of Wq or Wk [n_heads*D, in], rotate-half -> `interleave_halves`: llama.cpp's and the native layout."""
     d = w.shape[0] // n_heads
     return w.reshape(n_heads, d, *w.shape[1:])[:, interleave_halves(d)].reshape(w.shape)
 
@@ -57,9 +54,8 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    """Pre-norm attention + SwiGLU MLP. `pack` folds all it can into the inference weights, as every op of
-    a small model costs microseconds of dispatch: rope as one complex multiply, norms and attention scale
-    in the matmuls, QKV and gate|up as single [in, out] matmuls (F.linear takes a slow small-M path)."""
+    """Pre-norm attention + SwiGLU MLP. `pack` folds all it can into single [in, out] matmuls (F.linear takes a
+    slow small-M path) and one complex multiply for rope: every op of a small model costs microseconds."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -163,7 +159,6 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack(self) -> Transformer:
-        """Prepare for inference: packed block weights, transposed head, per-column rope tables."""
         for blk in self.layers:
             blk.pack()  # type: ignore[operator]
         # [dim, vocab], the final norm folded in

@@ -14,8 +14,7 @@ class TokenizerError(ValueError):
 
 
 def encode(tok: Tokenizer, text: str, special: bool = True) -> list[int]:
-    """`text`'s ids (`special`: with the special tokens the tokenizer adds); TokenizerError on one
-    line where it refuses the text (a lone surrogate: bytes of a command line that are not UTF-8)."""
+    """`text`'s ids; TokenizerError on one line where it refuses the text (a lone surrogate: bytes not UTF-8)."""
     try:
         return tok.encode(text, add_special_tokens=special).ids
     except Exception as e:  # tokenizers raises a bare Exception (or a TypeError) on such text

@@ -9,9 +9,8 @@ from .verify import Penalty, Warp, proposal, sample
 
 
 class Head:
-    """The model's output head, or only its rows for the `vocab` most frequent tokens (FR-Spec's
-    trick): on a small model the head is the biggest matrix a step reads, and verification keeps the
-    output exact whatever the proposer computes. q is then zero outside the cut."""
+    """The model's output head, or its rows for the `vocab` most frequent tokens alone (FR-Spec): a small model's
+    biggest matrix, and verification keeps the output exact whatever the proposer computes."""
 
     def __init__(self, model: Transformer, vocab: torch.Tensor | None = None) -> None:
         assert model.head_t is not None, "pack() the model first"

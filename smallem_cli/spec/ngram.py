@@ -1,7 +1,6 @@
 """Prompt lookup: guessing by copying what followed the text's last n tokens before, as deep as the
 measured acceptance is worth (`best_depth`). Under sampling a guess is a point mass (q one-hot):
-kept with probability p(x), exactly.
-"""
+kept with probability p(x), exactly."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ DECAY = 0.8  # the acceptance rate's memory, per round: it follows the text from
 
 
 class NgramIndex:
-    """Where each n-gram (min_n <= n <= max_n) of a token list last occurred and was followed
-    by something: gram -> the position of its last token. Updated as tokens arrive, O(max_n) each."""
+    """gram -> the position of its last token, where each n-gram last occurred and was followed by something."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
@@ -83,9 +81,7 @@ class NgramProposer:
         self.looked = self.index.lookup(k)
         m = best_depth(*self.rates, k, self.guess_cost) if self.guess_cost else k
         tokens = torch.tensor(self.looked[:m], dtype=torch.long, device=self.device)  # [m]
-        if warp is None or not tokens.shape[0]:
-            return tokens, None
-        return tokens, F.one_hot(tokens, self.vocab_size).float()  # [m, V]: each guess a point mass
+        return tokens, None if warp is None or not tokens.shape[0] else F.one_hot(tokens, self.vocab_size).float()
 
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         out = emitted.tolist()

@@ -1,6 +1,5 @@
 """What a request samples with, and the first token a prefill draws. Every option changes the
-target's distribution before verification, so the output stays exact for it.
-"""
+target's distribution before verification, so the output stays exact for it."""
 
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ class Sampling:
 
 
 def context_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The repetition penalty's context: bool [V], True for every token in tokens [P]."""
     return torch.zeros(vocab_size, dtype=torch.bool, device=tokens.device).index_fill_(0, tokens, True)
 
 
@@ -53,6 +51,5 @@ class NonFiniteError(RuntimeError):
 
 
 def finite_flag(x: torch.Tensor) -> torch.Tensor:
-    """[1] long: 1 if every value of x is finite, read off its min and max (a NaN makes both NaN):
-    two reductions, where isfinite().all() writes a whole mask first."""
+    """[1] long: 1 if every value of x is finite, read off its min and max: two reductions, not a whole mask."""
     return torch.stack(torch.aminmax(x)).isfinite().all().long().view(1)

@@ -7,8 +7,7 @@ A node's outcome (the child it accepts, else the token it emits) depends only on
 p / q, its children and its own draws, so all are decided at once and the kept path is read off the
 ancestor mask; draws off the path bias nothing. Exactness reduces to one node u whose children are
 i.i.d. from q[u] (SpecInfer's multi-round rule): accept child c with probability min(1, r(c) / q(c)),
-else r <- norm(max(r - q, 0)); none accepted: draw from r. Greedy is the temperature-0 limit.
-"""
+else r <- norm(max(r - q, 0)); none accepted: draw from r. Greedy is the temperature-0 limit."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def tree_depth(parents: Tensor, mask: Tensor | None = None) -> Tensor:
 
 
 def _path(on: Tensor, depth: Tensor, last: Tensor) -> Tensor:
-    """Nodes long [B, N] of a root path given as a node set on [B, N], ending at last [B]: slot j
-    gets its node at depth j (depth long [(B,) N]), later slots repeat last."""
+    """Nodes long [B, N] of the root path `on` [B, N] ending at last [B]: slot j its node at depth j, then last."""
     B, N = on.shape
     slot = torch.where(on, depth, N)  # [B, N] nodes off the path go to a dump slot N
     buf = last.unsqueeze(1).expand(B, N + 1).clone()  # [B, N+1]
@@ -107,9 +105,8 @@ def verify_tree_sample(
     generator: torch.Generator | None,
     width: int | None = None,
 ) -> TreeVerdict:
-    """The module docstring's rule at every node at once: p [B, N, V] the target's (warped) probabilities
-    after each node, not necessarily normalised; q [B, N, V] what its children were drawn from;
-    width: the most children a node has (default N - 1)."""
+    """The module docstring's rule at every node at once: p [B, N, V] the target's (warped) probabilities after
+    each node, q [B, N, V] what its children were drawn from; width: the most children a node has."""
     shape = _shape(parents)
     B, N, _ = p.shape
     r = p.float() / p.float().sum(dim=-1, keepdim=True)  # [B, N, V]

@@ -1,7 +1,6 @@
 """Speculative-decoding verification: pure tensor functions, batched over B rows. Everything stays on
 the device (no `.item()`, no branch on a tensor value) and every draw goes through the caller's
-`torch.Generator`: a CUDA loop queues a whole step without waiting, and a seeded run replays exactly.
-"""
+`torch.Generator`: a CUDA loop queues a whole step without waiting, and a seeded run replays exactly."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ Warp = Callable[[Tensor], Tensor]  # logits [..., V] -> probabilities [..., V]
 def warp(
     logits: Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None, min_p: float | None = None
 ) -> Tensor:
-    """Sampling distribution [..., V] float32 from logits, in Hugging Face's order: temperature, top-k,
-    top-p, min-p. None, top_k >= V, top_p >= 1 or min_p == 0 turn a filter off."""
+    """Sampling distribution [..., V] float32 from logits, in HF's order: temperature, top-k, top-p, min-p."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (use greedy decoding for 0), got {temperature}")
     if top_k is not None and top_k < 1:
@@ -71,9 +69,8 @@ def _repeated(logits: Tensor, hit: Tensor, factor: float) -> Tensor:
 
 
 def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestors: Tensor | None = None) -> Tensor:
-    """The repetition penalty (CTRL's, HF's) over logits [..., T, V] of a pass over fed [..., T]: row i's
-    context is seen [..., V] (before the pass) plus fed[:i+1], as the target alone would see it, or
-    with a tree's `ancestors` (bool [T, T]) seen plus its path."""
+    """The repetition penalty (CTRL's, HF's) over logits [..., T, V] of a pass over fed [..., T]: row i's context
+    is seen [..., V] plus fed[:i+1], as the target alone would see it (a tree's: seen plus its `ancestors`)."""
     if not (math.isfinite(penalty) and penalty > 0):
         raise ValueError(f"repetition penalty must be > 0 and finite, got {penalty}")
     if penalty == 1.0:
@@ -89,8 +86,6 @@ def penalize(logits: Tensor, seen: Tensor, fed: Tensor, penalty: float, ancestor
 
 @dataclass(frozen=True)
 class Warper:
-    """`warp` with its settings bound: logits [..., V] -> probabilities [..., V]."""
-
     temperature: float
     top_k: int | None = None
     top_p: float | None = None
@@ -119,9 +114,8 @@ class Penalty:
 
 
 def proposal(w: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-    """The distribution a proposer draws from under the user's warp: the temperature alone. Exactness
-    needs only p warped in full, a native chain computes a temperature itself, and top-p would cost a
-    sort per guess: top-k, top-p and min-p shape p alone (a guess they drop has p 0: rejected)."""
+    """What a proposer draws from under the user's warp: the temperature alone. Exactness needs only p warped
+    in full, a native chain computes a temperature itself, and top-p would cost a sort per guess."""
     return Warper(w.temperature) if isinstance(w, Warper) else w
 
 
@@ -135,7 +129,6 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     over float64 running sums, one uniform a row (a race would need V); a zero-probability token never."""
     u = uniforms(probs.shape[:-1], generator, probs)  # [...]
     c = probs.double().cumsum(dim=-1)  # [..., V]
-    # the intervals wholly below the point, by binary search
     below = torch.searchsorted(c, (u * c[..., -1]).unsqueeze(-1), right=True).squeeze(-1)  # [...]
     return below.clamp_max_(probs.shape[-1] - 1)  # u * c_V rounded up to c_V: the last
 
@@ -154,15 +147,12 @@ def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generat
     p_x = p[:, :k].gather(-1, idx).squeeze(-1).float()  # [B, k]
     u = torch.rand(B, k, generator=generator, device=p.device)  # [B, k] in [0, 1)
     n = (u * q_x < p_x).long().cumprod(dim=-1).sum(dim=-1)  # [B] the leading run of acceptances
-
-    # The distributions at position n; q gets a zero row for the bonus position k.
-    q_pad = torch.cat([q, q.new_zeros(B, 1, V)], dim=1)  # [B, k+1, V]
+    q_pad = torch.cat([q, q.new_zeros(B, 1, V)], dim=1)  # [B, k+1, V]: a zero row at the bonus position k
     at_n = n.view(B, 1, 1).expand(B, 1, V)  # [B, 1, V]
     p_n = p.gather(1, at_n).squeeze(1).float()  # [B, V]
     q_n = q_pad.gather(1, at_n).squeeze(1).float()  # [B, V]
     residual = (p_n - q_n).clamp_min(0.0)  # [B, V]
     has_mass = residual.sum(dim=-1, keepdim=True) > 0  # [B, 1]
-    # `sample` needs no normalisation: the running sums are scaled by their own total.
     nxt = sample(torch.where(has_mass, residual, p_n), generator)  # [B]
 
     out = torch.cat([drafts, nxt.unsqueeze(1)], dim=1)  # [B, k+1]
