@@ -50,10 +50,6 @@ def write_prompts(
     atomic.replace_with(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
 
 
-def read_prompts(path: Path) -> list[list[int]]:
-    return [json.loads(line)["tokens"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 @dataclass
 class Row:
     proposer: str
@@ -103,7 +99,6 @@ def round_robin(
 
 
 def _add(total: Stats, st: Stats) -> None:
-    """`st`'s counters added to `total`'s."""
     for name in ("new_tokens", "passes", "proposed", "accepted", "elapsed_s", "propose_s", "round_s"):
         setattr(total, name, getattr(total, name) + getattr(st, name))
     total.accepted_at = [a + b for a, b in zip_longest(total.accepted_at, st.accepted_at, fillvalue=0)]
@@ -129,10 +124,6 @@ class Plan:
     engines: tuple[str, ...] = ("eager",)
     sample: Sampling = field(default_factory=lambda: Sampling(D.BENCH_TEMPERATURE))  # the sample mode's draws
     backends: dict[str, Backend] = field(default_factory=dict)  # by engine, made by `prepare_engines`
-
-
-def plan_sampling(plan: Plan, mode: str) -> Sampling:
-    return plan.sample if mode == "sample" else Sampling()
 
 
 def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
@@ -181,7 +172,7 @@ def run_bench(
     backends = {e: plan.backends.get(e) or Backend(e) for e in ("eager", *plan.engines)}
     rows: list[Row] = []
     for mode in plan.modes:
-        draws = plan_sampling(plan, mode)
+        draws = plan.sample if mode == "sample" else Sampling()
         configs = _configs(plan, mode)
         gens = {f"{mode} {e} {name} k={k}": _gen(target, p, k, draws, backends[e]) for e, name, p, k in configs}
         runs = list(round_robin(gens, prompts, plan.max_new, plan.repeats, progress).values())

@@ -302,23 +302,11 @@ def bench_peer(
                 got, ours = res[part], batch if part == "batch" and draft is None else single
                 tps = sum(len(t) for t in got["tokens"]) / got["seconds"]
                 acc, (whole, each, total) = acceptance(got["spec"]), agreement(ref, got["tokens"])
-                out.append(
-                    peer_row(
-                        f"vLLM {label}, {how}",
-                        tps,
-                        ours.tokens_per_s,
-                        f"{whole}/{n}",
-                        tokens_identical=f"{each}/{total}",
-                        tokens_per_step=acc.tokens_per_step if acc else 1.0,
-                        ours_tokens_per_step=ours.tokens_per_step,
-                        ours_engine=ours.engine,
-                        ours_batch=ours.batch,
-                        ours_identical=ours.identical,
-                        acceptance=acc.rate if acc else None,
-                        accepted_at=acc.per_pos if acc else None,
-                        threads=threads,
-                        version=res["version"],
-                        load_s=res["load_s"],
-                    )
-                )
+                out.append(peer_row(
+                    f"vLLM {label}, {how}", tps, ours.tokens_per_s, f"{whole}/{n}", tokens_identical=f"{each}/{total}",
+                    tokens_per_step=acc.tokens_per_step if acc else 1.0, ours_tokens_per_step=ours.tokens_per_step,
+                    ours_engine=ours.engine, ours_batch=ours.batch, ours_identical=ours.identical,
+                    acceptance=acc.rate if acc else None, accepted_at=acc.per_pos if acc else None, threads=threads,
+                    version=res["version"], load_s=res["load_s"],
+                ))  # fmt: skip
     return out
