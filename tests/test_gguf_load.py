@@ -70,7 +70,7 @@ def write(
     if vocab:
         vocab(tokens, merges)
     w = gguf.GGUFWriter(str(path), arch)
-    add_llama_metadata(w, cfg, tokens, kinds, merges, eot, pre)
+    add_llama_metadata(w, cfg, (tokens, kinds, merges, eot), pre)
     if kv:
         kv(w)
     written = {}

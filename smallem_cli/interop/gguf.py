@@ -24,6 +24,7 @@ from .hf import load_for_export
 
 DTYPES = ("f32", "f16")
 INSTALL = "pip install 'smallem[gguf]'"
+Vocab = tuple[list[str], list[int], list[str], int | None]  # tokens by id, their types, merges, EOT's id
 _MATRICES = {  # smallem name in a layer -> llama.cpp's
     "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
     "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
@@ -36,11 +37,11 @@ _TOP = {
 }
 
 
-def _gguf() -> Any:
+def gguf_package(error: type[Exception] = ImportError, what: str = "GGUF export") -> Any:
     try:
         import gguf
     except ImportError:
-        raise ImportError(f"GGUF export needs the gguf package: {INSTALL}") from None
+        raise error(f"{what} needs the gguf package: {INSTALL}") from None
     return gguf
 
 
@@ -70,7 +71,7 @@ def gguf_tensors(model: Transformer, dtype: str = "f32") -> dict[str, np.ndarray
     return out
 
 
-def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> tuple[list[str], list[int], list[str], int | None]:
+def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> Vocab:
     """A byte-level BPE tokenizer.json -> (tokens by id, their GGUF token types, merges "a b", the id of
     <|endoftext|> or None). The list is padded to `vocab_size` with unused `[PADn]` tokens."""
     path = Path(tokenizer_json)
@@ -97,16 +98,9 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> tuple[list[str], 
     return tokens, kinds, pairs, eot
 
 
-def add_llama_metadata(
-    w: Any,
-    cfg: ModelConfig,
-    tokens: list[str],
-    kinds: list[int],
-    merges: list[str],
-    eot: int | None,
-    pre: str = "gpt-2",
-) -> None:
-    """A llama model's hyperparameters and its byte-level BPE tokenizer, on GGUFWriter `w`."""
+def add_llama_metadata(w: Any, cfg: ModelConfig, vocab: Vocab, pre: str = "gpt-2") -> None:
+    """A llama model's hyperparameters and its byte-level BPE tokenizer (`gguf_vocab`'s), on GGUFWriter `w`."""
+    tokens, kinds, merges, eot = vocab
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.dim)
     w.add_block_count(cfg.n_layers)
@@ -130,15 +124,14 @@ def write_gguf(
     model: Transformer, out_file: str | Path, tokenizer_json: str | Path, dtype: str = "f32", name: str = "smallem"
 ) -> None:
     """Write `model` and its tokenizer to `out_file` as it is: no checks of the destination (see export_gguf)."""
-    gguf = _gguf()
-    cfg = model.cfg
+    gguf, cfg = gguf_package(), model.cfg
     tensors = gguf_tensors(model, dtype)
-    tokens, kinds, merges, eot = gguf_vocab(tokenizer_json, cfg.vocab_size)
+    vocab = gguf_vocab(tokenizer_json, cfg.vocab_size)
     w = gguf.GGUFWriter(str(out_file), "llama")
     try:
         w.add_name(name)
         w.add_vocab_size(cfg.vocab_size)
-        add_llama_metadata(w, cfg, tokens, kinds, merges, eot)
+        add_llama_metadata(w, cfg, vocab)
         w.add_add_bos_token(False)
         w.add_add_eos_token(False)
         _finish(w, tensors, dtype)
@@ -147,9 +140,8 @@ def write_gguf(
 
 
 def restore_gguf(src: str | Path, model: Transformer, out_file: str | Path, dtype: str) -> None:
-    """GGUF file `src`'s metadata (hyperparameters, tokenizer, template) with `model`'s weights in
-    `dtype` (f32 or f16): `src`'s model, its dequantized values stored anew (for llama.cpp's peer rows)."""
-    gguf = _gguf()
+    """GGUF file `src`'s metadata with `model`'s weights (its dequantized values) in `dtype`, as `out_file`."""
+    gguf = gguf_package()
     skip = ("general.architecture", "general.file_type", "general.quantization_version")  # the writer's own
     w = gguf.GGUFWriter(str(out_file), "llama")
     try:
@@ -162,8 +154,7 @@ def restore_gguf(src: str | Path, model: Transformer, out_file: str | Path, dtyp
 
 
 def _finish(w: Any, tensors: dict[str, np.ndarray], dtype: str) -> None:
-    """The file type, the tensors, and the whole file written, on GGUFWriter `w` (its metadata added)."""
-    gguf = _gguf()
+    gguf = gguf_package()
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
     for tname, arr in tensors.items():
         w.add_tensor(tname, arr)
@@ -173,19 +164,14 @@ def _finish(w: Any, tensors: dict[str, np.ndarray], dtype: str) -> None:
 
 
 def export_gguf(
-    checkpoint_path: str | Path,
-    out_file: str | Path,
-    tokenizer_json: str | Path,
-    *,
-    dtype: str = "f32",
-    overwrite: bool = False,
+    ckpt: str | Path, out_file: str | Path, tokenizer_json: str | Path, *, dtype: str = "f32", overwrite: bool = False
 ) -> None:
     """Write a smallem model checkpoint as one GGUF file that llama.cpp loads, written aside and renamed into
     place (no half file); an existing regular file replaced only with `overwrite`, an input never."""
-    ckpt, out, tokenizer_json = Path(checkpoint_path), Path(out_file), Path(tokenizer_json)
+    ckpt, out, tokenizer_json = Path(ckpt), Path(out_file), Path(tokenizer_json)
     if dtype not in DTYPES:
         raise ExportError(f"unknown GGUF dtype {dtype!r}: use {' or '.join(DTYPES)}")
-    _gguf()  # the missing extra is reported before the checkpoint is read
+    gguf_package()  # the missing extra is reported before the checkpoint is read
     for src in (ckpt, tokenizer_json):
         if out.resolve() == src.resolve():
             raise ExportError(f"cannot export over the input {src}: choose another file")

@@ -22,13 +22,13 @@ from ..model import checkpoint
 from ..model.chat import ChatFormat
 from ..model.checkpoint import CheckpointError
 from ..model.llama import Transformer, unpermute_rope
-from .gguf import INSTALL, gguf_name
+from .gguf import gguf_name, gguf_package
 
 MAGIC = b"GGUF"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # read to their exact values
 PRE = {"gpt2": "gpt2", "gpt-2": "gpt2", "smollm": "smollm"}  # tokenizer.ggml.pre -> how text is split
 _CONTROL, _USER, _UNUSED = 3, 4, 5  # llama.cpp's token types (1 normal, 2 unknown, 6 byte)
-_FLOAT32 = 6  # GGUFValueType.FLOAT32: a float stored in 32 bits, read back as the shortest decimal that is it
+_FLOAT32 = 6  # GGUFValueType.FLOAT32
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
 _STRING, _ARRAY = 8, 9
 _READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError, OSError)
@@ -62,10 +62,7 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def _reader(path: Path) -> Any:
-    try:
-        import gguf
-    except ImportError:
-        raise GGUFReadError(f"reading a GGUF file needs the gguf package: {INSTALL}") from None
+    gguf = gguf_package(GGUFReadError, "reading a GGUF file")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -82,8 +79,7 @@ def _reader(path: Path) -> Any:
 
 
 def _walk_header(path: Path) -> None:
-    """Walk the header's metadata and tensor infos, each length and count checked against what is left
-    of the file before it is trusted; ValueError where one does not fit (a truncated or damaged file)."""
+    """Every length and count of the header checked against the bytes left; ValueError where one does not fit."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         size, pos = len(m), 0
 
@@ -134,8 +130,7 @@ def _walk_header(path: Path) -> None:
 
 
 class _Meta(dict):
-    """The file's key/value metadata, its values checked where read (a float stored in 32 bits read back
-    as the shortest decimal that is it: 1e-05, not 9.99999974e-06)."""
+    """The file's metadata, checked where read; a float32 as the shortest decimal that is it (1e-05)."""
 
     def __init__(self, reader: Any, path: Path) -> None:
         super().__init__()
@@ -233,21 +228,16 @@ def _weights(reader: Any, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch
 
 def _special_ids(meta: _Meta, n_tokens: int) -> dict[str, int]:
     """The bos, eos, eot and eom ids the file names, each checked to be a token's."""
-    ids: dict[str, int] = {}
-    for name in ("bos", "eos", "eot", "eom"):
-        v = meta.get(f"tokenizer.ggml.{name}_token_id")
+    ids = {name: meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "eot", "eom")}
+    for name, v in ids.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n_tokens):
             raise GGUFReadError(f"{meta.path}: tokenizer.ggml.{name}_token_id={v!r} is not a token id")
-        if v is not None:
-            ids[name] = v
-    return ids
+    return {name: v for name, v in ids.items() if v is not None}
 
 
 def _tokenizer(meta: _Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer:
-    """tokenizer.ggml.* -> a byte-level BPE `tokenizers` object: normal tokens in the vocabulary,
-    control tokens added as special (decoded as nothing), user-defined ones added as plain (kept by
-    decode), unused ones left out (no text encodes to them); BOS / EOS added around an encoded text
-    where the file says llama.cpp adds them."""
+    """tokenizer.ggml.* -> a byte-level BPE `tokenizers` object: control tokens special (decoded as nothing),
+    user-defined ones plain, unused ones left out; BOS / EOS added where the file says llama.cpp adds them."""
     path = meta.path
     kind = meta.text("tokenizer.ggml.model")
     if kind != "gpt2":
