@@ -1,5 +1,4 @@
-"""The backend a run's passes take, chosen once by the command line: "eager" (PyTorch), or the native
-C++ kernels on a CPU ("native", the widest build this CPU runs; "native-avx2", to time beside it)."""
+"""The backend a run's passes take: "eager", "native" (the widest build this CPU runs) or "native-avx2"."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ class Backend:
 def cache_root() -> Path:
     """Where the native kernels are built: $SMALLEM_CACHE, else $XDG_CACHE_HOME/smallem, else
     ~/.cache/smallem; a leading ~ in either is the home folder, as in a shell."""
-    env = os.environ.get("SMALLEM_CACHE")
-    if env:
+    if env := os.environ.get("SMALLEM_CACHE"):
         return Path(os.path.expanduser(env))
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(os.path.expanduser(xdg)) if xdg else Path.home() / ".cache") / "smallem"
@@ -95,8 +93,7 @@ def chosen(engine: str) -> str:
 
 
 def engine_mode(engine: str, device: torch.device) -> str:
-    """--engine -> the backend's name: "eager", "native" (auto on a CPU) or "native-avx2";
-    ValueError for an unknown name, or a native engine off the CPU."""
+    """--engine -> the backend's name (auto: native on a CPU); ValueError for an unknown or impossible one."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
     if engine in NATIVE and device.type != "cpu":

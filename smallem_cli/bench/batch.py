@@ -43,7 +43,6 @@ class BatchRow:
 
 
 def _timed(eng: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[Finished]]:
-    """All the prompts through `eng` -> (wall seconds, each prompt's answer in order)."""
     reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     done = {f.request.index: f for f in eng.run(reqs)}
@@ -53,8 +52,7 @@ def _timed(eng: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[
 def alone_at_batch(
     tgt: family.Target, prompts: list[list[int]], max_new_tokens: int, engine: str, log: Log
 ) -> tuple[float, list[list[int]]]:
-    """The target alone through the batch engine, all the prompts in one batch after a warm-up batch,
-    as a peer's batch runs -> (generated tokens/s over the whole batch, each prompt's tokens)."""
+    """The target alone through the batch engine, the prompts as one batch -> (tokens/s, each prompt's tokens)."""
     from ..engine.build import build_engine
 
     eng = build_engine(

@@ -72,8 +72,7 @@ def _target_round(t: TargetRunner, s: Seq, guesses: torch.Tensor, span: int) -> 
 def pass_costs(
     target: Transformer, ts: list[int], prompt: list[int], backend: Backend, context: int = 132, reps: int = 60
 ) -> tuple[float, dict[int, float]]:
-    """Stopwatch around the target's rounds at a typical context length, greedy: the seconds of a round
-    of one token (the unit), and a round verifying T tokens for each T of `ts`, in that unit."""
+    """The seconds of the target's round of one token (the unit) at `context`, and of one over each T of `ts` in it."""
     span = context + max(ts) + 4
     pool = PagePool(pages_for(span, D.PAGE_SIZE), D.PAGE_SIZE)
     engine = assemble(target, NONE, backend, pool, max(ts), auto_k=False, max_batch=1)

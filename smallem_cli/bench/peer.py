@@ -100,8 +100,7 @@ def _wall(gen: Callable[[list[int], int], list[int]]) -> Gen:
 
 
 def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: int, rows: list[Row]) -> list[dict]:
-    """transformers' generate() and assisted generation (draft-2l), greedy, checked against our tokens
-    and set beside our rows of the same run (`our_row`)."""
+    """transformers' generate() and assisted generation (draft-2l), greedy, beside our rows (`our_row`)."""
     import transformers
 
     from ..interop.hf import export_hf
@@ -183,8 +182,7 @@ class LlamaCpp:
         return out
 
     def pass_seconds(self, prompt: list[int], passes: list[int], reps: int = 60) -> dict[int, float]:
-        """Median seconds of a pass over T tokens (logits of all T, as a verify pass needs), at
-        COST_CONTEXT positions of context, round-robin over the T values after two warm-up rounds."""
+        """Median seconds of a pass over T tokens (all T's logits) at COST_CONTEXT, as `costs._interleaved`."""
         ids = (prompt * (COST_CONTEXT // len(prompt) + 1))[:COST_CONTEXT]
         self.clear()
         self.decode(ids, 0)
@@ -208,10 +206,8 @@ class LlamaCpp:
 def llamacpp_peer(
     target: Target, prompts: list[list[int]], plan: Plan, spec: tuple[str, Proposer, int] | None
 ) -> list[dict]:
-    """llama.cpp on the target's weights, greedy, on torch's thread count: as GGUF in f32 and f16 (and a
-    GGUF target's own file first); timed in turn with our target alone on the plan's fastest
-    engine and our speculative `spec` (name, proposer, k); its tokens checked against our eager target
-    alone's, the pass costs over T tokens read for both."""
+    """llama.cpp on the target as GGUF in f32 and f16 (a GGUF target's own file first), greedy, timed in turn
+    with our target alone and `spec` (name, proposer, k) on the plan's fastest engine; pass costs of both."""
     from ..interop.gguf import restore_gguf, write_gguf
 
     model, max_new = target.model, plan.max_new
@@ -250,19 +246,12 @@ def llamacpp_peer(
     out = []
     for dtype, secs in costs.items():
         row = peer_row(
-            f"llama.cpp {dtype} ({threads} threads)",
-            tps[dtype],
-            tps["ours"],
-            f"{same[dtype][0]}/{n}",
-            tokens_identical=f"{same[dtype][1]}/{n * max_new}",
-            ours_engine=engine,
-            ours_identical=f"{same['ours'][0]}/{n}",
-            one_pass_ms=secs[1] * 1e3,
-            pass_cost={str(T): secs[T] / secs[1] for T in LLAMACPP_PASSES},
-            ours_one_pass_ms=unit * 1e3,
-            ours_pass_cost={str(T): ours[T] for T in LLAMACPP_PASSES},
-            threads=threads,
-        )
+            f"llama.cpp {dtype} ({threads} threads)", tps[dtype], tps["ours"], f"{same[dtype][0]}/{n}",
+            tokens_identical=f"{same[dtype][1]}/{n * max_new}", ours_engine=engine,
+            ours_identical=f"{same['ours'][0]}/{n}", one_pass_ms=secs[1] * 1e3,
+            pass_cost={str(T): secs[T] / secs[1] for T in LLAMACPP_PASSES}, ours_one_pass_ms=unit * 1e3,
+            ours_pass_cost={str(T): ours[T] for T in LLAMACPP_PASSES}, threads=threads,
+        )  # fmt: skip
         if spec is not None:
             row.update(spec=f"{spec[0]} k={spec[2]}", spec_tokens_per_s=tps["spec"],
                        spec_over_peer=tps["spec"] / tps[dtype], spec_identical=f"{same['spec'][0]}/{n}")  # fmt: skip

@@ -11,7 +11,6 @@ from .run import Row
 
 
 def right_table(title: str, cols: Iterable[str], left: str = "") -> Table:
-    """A table of these columns, each right-justified but `left`."""
     t = Table(title=title)
     for col in cols:
         t.add_column(col, justify="left" if col == left else "right")
@@ -19,8 +18,7 @@ def right_table(title: str, cols: Iterable[str], left: str = "") -> Table:
 
 
 def save_plot(lines: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str, log2: bool) -> None:
-    """A PNG of a line per label (needs matplotlib: pip install smallem[plot]); x on a log2 scale, or
-    a grey line at y = 1 (the target alone)."""
+    """A PNG of a line per label (matplotlib: the `plot` extra); x on a log2 scale, or a grey line at y = 1."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -78,9 +78,8 @@ Gen = Callable[[int, list[int], int], tuple[list[int], Stats]]  # (prompt's inde
 def round_robin(
     gens: dict[str, Gen], prompts: list[list[int]], max_new: int, repeats: int, progress: engines.Log | None = None
 ) -> dict[str, list[tuple[Stats, list[list[int]]]]]:
-    """Each gen on a warm-up, then every gen on prompt 1, then on prompt 2, ..., `repeats` times, so
-    that a slow spell of a shared machine (seconds long) falls on all alike -> per gen, per run:
-    (its stats summed over the prompts, its outputs)."""
+    """Every gen on prompt 1, then on prompt 2, ..., `repeats` times, so that a slow spell of a shared
+    machine falls on all alike -> per gen, per run: (its stats summed over the prompts, its outputs)."""
     for gen in gens.values():
         gen(0, prompts[0][:16], 16)
     runs: dict[str, list[tuple[Stats, list[list[int]]]]] = {label: [] for label in gens}
@@ -127,8 +126,7 @@ class Plan:
 
 
 def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
-    """A backend for each engine of the plan (and eager, the reference), its native steps built
-    (or loaded) for the target and every proposer before anything is timed."""
+    """A backend for each engine of the plan and eager, its native steps ready before anything is timed."""
     models = [m for ps in plan.proposers.values() for p in ps.values() for m in p.models]
     int8 = [m for ps in plan.proposers.values() for p in ps.values() if p.int8 for m in p.models]
     dev = target.embed_tokens.weight.device
@@ -167,8 +165,7 @@ def _gen(target: Transformer, p: Proposer, k: int, draws: Sampling, backend: Bac
 def run_bench(
     target: Transformer, prompts: list[list[int]], plan: Plan, progress: engines.Log | None = None
 ) -> list[Row]:
-    """Every configuration of the plan, the target alone first, timed in the same run (`round_robin`).
-    The cost model's c and v are read from the runs themselves (`costs.run_costs`): the path they took."""
+    """Every configuration of the plan, the target alone first, timed in the same run (`round_robin`)."""
     backends = {e: plan.backends.get(e) or Backend(e) for e in ("eager", *plan.engines)}
     rows: list[Row] = []
     for mode in plan.modes:

@@ -41,8 +41,7 @@ def check_destination(outdir: Path, inputs: tuple[Path, ...], overwrite: bool) -
 
 
 def write_export(outdir: Path, tensors: dict[str, torch.Tensor], jsons: dict[str, Any], tokenizer_json: Path) -> None:
-    """The folder built under a temporary name, then swapped in for `outdir` (moved aside first); on any
-    exception, interruption included, the temporary folder is removed and `outdir` left as it was."""
+    """The folder built under a temporary name, then swapped in for `outdir`, which any exception leaves as it was."""
     outdir.parent.mkdir(parents=True, exist_ok=True)
     tmp, old = (outdir.with_name(f".{outdir.name}.{os.getpid()}.{x}") for x in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted run with this process id
@@ -86,8 +85,7 @@ def sigterm_raises() -> Iterator[None]:
 
 
 def orphans(out: Path, folder: bool) -> Iterator[tuple[Path, str]]:
-    """(path, "tmp" or "old") of each `.NAME.PID.tmp` / `.NAME.PID.old` beside `out` (a folder, or
-    a file: not a link) that an export whose process is gone left behind."""
+    """(path, "tmp" or "old") of each `.NAME.PID.tmp` / `.old` beside `out` that a dead export left behind."""
     if not out.parent.is_dir():
         return
     for p in sorted(out.parent.glob(f".{out.name}.*.*")):

@@ -167,9 +167,8 @@ def _declared(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
 
 
 def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, str]:
-    """A LlamaForCausalLM folder -> (float32 eval Transformer, fingerprint of its tokenizer.json). The
-    config, tokenizer and tensors' names, shapes and dtypes are checked before a weight is read; the
-    weights must be finite."""
+    """A LlamaForCausalLM folder -> (float32 eval Transformer, fingerprint of its tokenizer.json), all
+    checked but the weights' values before a weight is read; the weights must be finite."""
     folder = Path(folder)
     if not is_hf_dir(folder):
         raise HFFormatError(f"{folder} is not a Hugging Face model folder (no config.json)")
@@ -212,9 +211,8 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
 
 
 def load_for_export(ckpt: Path, tokenizer_json: Path, mtp_refusal: str) -> tuple[Transformer, int | None, torch.dtype]:
-    """The model, its end-of-text id (None: the tokenizer has none) and the dtype it is stored in, which
-    the export keeps (float32 if another); ExportError for an MTP module (`mtp_refusal` says why
-    after its name) or a checkpoint trained with another tokenizer."""
+    """The model, its end-of-text id (None: none) and `stored_dtype`; ExportError for an MTP module
+    (`mtp_refusal` says why after its name) or a checkpoint trained with another tokenizer."""
     if checkpoint.read_meta(ckpt).get("kind") == "mtp":
         raise ExportError(f"{ckpt} {mtp_refusal}")
     model, meta = checkpoint.load_model(ckpt)
@@ -260,9 +258,7 @@ def export_hf(
     checkpoint_path: str | Path, outdir: str | Path, tokenizer_json: str | Path, *, overwrite: bool = False
 ) -> None:
     """Write a smallem model checkpoint as a LlamaForCausalLM folder that `from_pretrained` loads offline,
-    whole or not at all (`exportdir.write_export`). An existing non-empty `outdir` is replaced only with
-    `overwrite` (else FileExistsError), and never if it is anything but a folder (FileExistsError, before
-    the checkpoint is read) or holds the checkpoint or the tokenizer (HFFormatError)."""
+    whole or not at all, where `exportdir.check_destination` allows."""
     ckpt, outdir, tokenizer_json = Path(checkpoint_path), Path(outdir), Path(tokenizer_json)
     check_destination(outdir, (ckpt, tokenizer_json), overwrite)
     why = "it needs its target and has no plain Llama form (`--format mimo` on the target writes both, for vLLM)"

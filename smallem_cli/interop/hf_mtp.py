@@ -20,16 +20,10 @@ MODULE_NAMES = {"hnorm": "hidden_layernorm", "enorm": "token_layernorm", "eh_pro
 
 
 def export_mimo(
-    target_path: str | Path,
-    mtp_path: str | Path,
-    outdir: str | Path,
-    tokenizer_json: str | Path,
-    *,
-    overwrite: bool = False,
+    target: str | Path, mtp_path: str | Path, outdir: str | Path, tokenizer: str | Path, *, overwrite: bool = False
 ) -> None:
-    """Write the target and its MTP module as one MiMoForCausalLM folder (see the module's doc),
-    as `export_hf` writes a folder: whole or not at all, nothing replaced without `overwrite`."""
-    target, mtp_file, outdir, tok = Path(target_path), Path(mtp_path), Path(outdir), Path(tokenizer_json)
+    """The target and its MTP module as one MiMoForCausalLM folder, written as `export_hf` writes one."""
+    target, mtp_file, outdir, tok = Path(target), Path(mtp_path), Path(outdir), Path(tokenizer)
     check_destination(outdir, (target, mtp_file, tok), overwrite)
     model, eot, dtype = load_for_export(target, tok, "is an MTP module: give the target, and the module with --mtp")
     mtp, meta = checkpoint.load_mtp(mtp_file, model)  # refused if it does not fit the target

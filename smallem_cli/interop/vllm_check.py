@@ -77,9 +77,8 @@ def run_check(
     say: Callable[[str], None],
     ours: Callable[[str, int], tuple[int, int]],
 ) -> tuple[list[CheckRow], str]:
-    """vLLM offline on the target alone, with draft-2l, with its ngram proposer, and on the `mimo`
-    folder with its mtp method at k = 1 and k; then (unless --no-serve) `vllm serve` with draft-2l.
-    Their rows, and vLLM's version. `ours(proposer, k)`: Smallem's acceptance with the same proposer."""
+    """vLLM offline on the target alone, with draft-2l, ngram, and `mimo`'s mtp at k = 1 and k; then `vllm
+    serve` with draft-2l -> rows and vLLM's version. `ours(proposer, k)`: Smallem's acceptance with it."""
     env = V.vllm_env(python, threads=len(os.sched_getaffinity(0)))
     hf, k, n, logs = args.hf, args.k, args.max_new_tokens, args.logs
     draft = {"model": str(hf / "draft-2l"), "num_speculative_tokens": k}

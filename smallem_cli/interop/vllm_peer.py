@@ -39,8 +39,7 @@ class VllmError(RuntimeError):
 
 
 def find_python(chosen: str | Path | None = None) -> Path:
-    """vLLM's python: `chosen`, else $SMALLEM_VLLM_PYTHON, else .venv-vllm/bin/python in the current
-    folder or beside Smallem's package. VllmError naming how to build it when there is none."""
+    """vLLM's python: `chosen`, else $SMALLEM_VLLM_PYTHON, else .venv-vllm/bin/python here or beside the package."""
     given = chosen or os.environ.get(PYTHON_ENV)
     paths = [Path(given)] if given else [root / VENV / "bin" / "python" for root in (Path.cwd(), RUNNER.parents[2])]
     for path in paths:
@@ -101,9 +100,7 @@ def run_offline(python: Path, job: dict[str, Any], env: dict[str, str], log: Pat
 
 
 @dataclass
-class Acceptance:
-    """vLLM's speculative-decoding figures over a run (its counters' growth)."""
-
+class Acceptance:  # vLLM's speculative-decoding figures over a run (its counters' growth)
     drafts: int
     rate: float  # accepted draft tokens / draft tokens
     tokens_per_step: float  # tokens per target step: 1 + accepted / drafts
@@ -163,8 +160,7 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
-    """SIGTERM to the server by its PID; then SIGKILL to what is left of its own process group (its
-    engine process) after `grace_s`."""
+    """SIGTERM to the server; after `grace_s`, SIGKILL to what is left of its process group (its engine)."""
     proc.terminate()  # nothing if it has exited
     try:
         proc.wait(grace_s)
@@ -192,8 +188,8 @@ def serving(
     log: Path,
     started: Callable[[int], None] = lambda pid: None,
 ) -> Iterator[str]:
-    """`vllm serve target` on 127.0.0.1 (`spec`: its --speculative-config) in a process group of its own,
-    `started` told its PID; yields its URL once /health answers, and stops it on leaving, Ctrl-C included."""
+    """`vllm serve target` on 127.0.0.1 in a process group of its own: its URL once /health answers, stopped
+    on leaving (Ctrl-C included)."""
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -246,9 +242,7 @@ def serve_tokens(url: str, model: str, prompts: list[list[int]], max_new: int) -
 
 
 @dataclass
-class Ours:
-    """What a row of `bench --peer vllm` sets beside vLLM's (nan and None: our row was not run)."""
-
+class Ours:  # what a row of `bench --peer vllm` sets beside vLLM's (nan and None: our row was not run)
     tokens_per_s: float = float("nan")
     tokens_per_step: float = float("nan")
     engine: str | None = None
@@ -268,10 +262,8 @@ def bench_peer(
     *,
     at_batch: Callable[[str], tuple[float, list[list[int]]]],
 ) -> list[dict[str, Any]]:
-    """vLLM offline on the same weights exported, greedy, on `threads` cores: the target alone and with
-    draft-2l at our greedy k, one request at a time and the prompts as one batch, beside our `rows` of
-    the same bench run; the target alone's batch beside `at_batch(engine)` -> (tokens/s, answers) of our
-    batch engine. Every answer is checked against our eager target alone's tokens."""
+    """vLLM offline on the same weights exported, greedy: the target alone and with draft-2l at our greedy k,
+    one request at a time beside our `rows`, and as one batch beside `at_batch(engine)`'s (tokens/s, answers)."""
     from ..backends.engines import fastest
     from ..bench.run import our_row
     from ..defaults import default_k

@@ -46,9 +46,8 @@ class NativeUnavailable(RuntimeError):
 
 
 def prefetch_rows(cpuinfo: str | None = None) -> int:
-    """The fewest input rows a product tile prefetches its next panels for (`matmul.h` PREFETCH_ROWS),
-    by the CPU's maker (`cpuinfo`: /proc/cpuinfo's text, read when None): 5 on AMD, 8 elsewhere, as
-    measured (docs/decisions.md)."""
+    """`matmul.h`'s PREFETCH_ROWS by the CPU's maker (`cpuinfo`: /proc/cpuinfo's text): 5 on AMD, 8 elsewhere,
+    as measured (docs/decisions.md)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
@@ -72,7 +71,6 @@ def loaded() -> ctypes.CDLL:
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
-    """A tensor's address for the C code; None (a null pointer) for None."""
     return None if t is None else t.data_ptr()
 
 
@@ -215,7 +213,6 @@ def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
 
 
 def _bind(isa: str, lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` with its functions' C signatures (`SIGNATURES`), kept for `isa`."""
     kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
     for name, (args, returns_int) in SIGNATURES.items():
         fn = getattr(lib, name)
