@@ -32,7 +32,6 @@ class Backend:
         self._refused: set[int] = set()
 
     def steps(self, model: object) -> NativeSteps | None:
-        """The model's native steps in this backend, or None: it runs eager."""
         got = self._steps.get(id(model))
         return got[1] if got is not None and got[0] is model else None
 
@@ -57,8 +56,7 @@ class Backend:
             if id(m) in self._steps or id(m) in self._refused:
                 continue
             try:
-                steps = native.NativeSteps(m, target, quiet, cache_root(), self.name, id(m) in small)
-                self._steps[id(m)] = (m, steps)
+                self._steps[id(m)] = (m, native.NativeSteps(m, target, quiet, cache_root(), self.name, id(m) in small))
             except (native.NativeUnavailable, OSError) as e:
                 self._refused.add(id(m))
                 said.setdefault(str(e), []).append(type(m).__name__)

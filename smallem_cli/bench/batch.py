@@ -1,7 +1,5 @@
-"""`smallem bench --batch 1,4,16,64`: the batch engine's throughput and latency, greedy, at these
-batch sizes: tokens/s over all requests (first admission to last answer), mean time in the engine,
-acceptance, tokens per pass, and identity with the first row (the target alone at the smallest batch).
-"""
+"""`smallem bench --batch 1,4,16,64`: the batch engine's throughput (first admission to last answer), mean
+latency, acceptance, tokens per pass and identity with the first row, greedy, at these batch sizes."""
 
 from __future__ import annotations
 
@@ -102,8 +100,7 @@ def from_cli(
 
     from ..engine.build import build_engine, cache_budget, fit_batch, sequence_bytes
 
-    # UsageError before any row runs for a size whose target cache alone does not fit (the largest
-    # fits: all do); a proposer's cache on top is checked as its engine is built
+    # a size whose target cache alone does not fit is refused before any row runs (a proposer's: as built)
     per_sequence = sequence_bytes([tgt.model], tgt.model.cfg.max_seq_len, D.PAGE_SIZE)
     fit_batch(max(sizes), per_sequence, cache_budget(device), strict=True)
     backends: dict[str, Backend] = {}  # one per engine: the target's native steps built once

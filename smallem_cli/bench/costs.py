@@ -54,8 +54,7 @@ class _Offer(NoGuess):
 
 
 def _target_round(t: TargetRunner, s: Seq, guesses: torch.Tensor, span: int) -> Callable[[], object]:
-    """The target's side of a round offering `guesses`, then `s` put back: its length, its last
-    token, its pages (given back in order, taken again in the same order)."""
+    """The target's side of a round offering `guesses`, then `s` put back as it was (length, last token, pages)."""
     offer = _Offer(guesses)
 
     def run() -> object:

@@ -1,11 +1,7 @@
-"""Peers side by side, timed in the same process as our rows, on the same weights (exported),
-prompts and token counts (their extras are checked before anything is timed, `options.check_bench`):
-- `hf`: transformers' generate() and assisted generation (the `hf` extra: transformers);
-- `llamacpp`: llama.cpp on the target exported as GGUF, f32 and f16 weights, the engine a CPU
-  user would pick instead (the `llamacpp` extra: llama-cpp-python and gguf);
-- `vllm`: vLLM's CPU build, one request at a time and a batch, the target alone and with
-  draft-2l, run by the python of its own venv (`.venv-vllm`; see vllm_peer.py).
-"""
+"""Peers side by side, timed in the same process as our rows, on the same weights (exported), prompts and
+token counts (their extras checked first, `options.check_bench`): `hf`, transformers' generate() and assisted
+generation; `llamacpp`, llama.cpp on the target as GGUF in f32 and f16, what a CPU user would pick instead;
+`vllm`, vLLM's CPU build, run by the python of its own venv (see vllm_peer.py)."""
 
 from __future__ import annotations
 
@@ -48,9 +44,7 @@ def run_peer(
         from ..interop.vllm_peer import bench_peer
         from .batch import alone_at_batch
 
-        def at_batch(engine: str) -> tuple[float, list[list[int]]]:  # vLLM's batch against our batch engine's
-            return alone_at_batch(target, prompts, max_new, engine, log)
-
+        at_batch = partial(alone_at_batch, target, prompts, max_new, log=log)  # vLLM's batch beside our batch engine's
         return bench_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
     return hf_peer(target, ckpt_dir, prompts, max_new, rows)
 
@@ -135,9 +129,8 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
 
 
 class LlamaCpp:
-    """One GGUF file under llama.cpp, driven through its C API (`llama_decode` on a batch): greedy
-    generation by argmax of the logits, and passes over T tokens for their cost. Its K/V cache is
-    float32 (llama.cpp's default is float16), as ours: a greedy run depends on the weights' dtype alone."""
+    """One GGUF file under llama.cpp's C API (`llama_decode` on a batch): greedy generation and passes over T
+    tokens. Its K/V cache is float32, as ours (llama.cpp's default: float16), so that only the weights differ."""
 
     def __init__(self, path: Path, n_ctx: int, threads: int, n_vocab: int) -> None:
         import llama_cpp as lib
@@ -171,7 +164,6 @@ class LlamaCpp:
             raise RuntimeError(f"llama_decode failed with code {rc}")
 
     def generate(self, prompt: list[int], n: int) -> list[int]:
-        """n greedy tokens after the prompt, from an empty cache."""
         self.clear()
         out: list[int] = []
         while len(out) < n:
@@ -210,8 +202,7 @@ def llamacpp_peer(
     with our target alone and `spec` (name, proposer, k) on the plan's fastest engine; pass costs of both."""
     from ..interop.gguf import restore_gguf, write_gguf
 
-    model, max_new = target.model, plan.max_new
-    threads = torch.get_num_threads()
+    model, max_new, threads = target.model, plan.max_new, torch.get_num_threads()
     engine = fastest(plan.engines)
     backend = plan.backends[engine]  # prepared (`prepare_engines`)
 

@@ -1,9 +1,6 @@
-"""Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each).
-
-Every row is timed in the same run as the target alone, so speed-ups are ratios of measurements
-taken side by side on the same (noisy, shared) machine. c and v (`costs`) and the conditional
-acceptance α feed the seed's cost model: measured / predicted tells what the loop loses.
-"""
+"""Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each). Every row is timed in the
+same run as the target alone, so speed-ups are ratios of measurements taken side by side on the same (noisy,
+shared) machine; c, v (`costs`) and α feed the seed's cost model: measured / predicted tells what the loop loses."""
 
 from __future__ import annotations
 
@@ -78,7 +75,7 @@ Gen = Callable[[int, list[int], int], tuple[list[int], Stats]]  # (prompt's inde
 def round_robin(
     gens: dict[str, Gen], prompts: list[list[int]], max_new: int, repeats: int, progress: engines.Log | None = None
 ) -> dict[str, list[tuple[Stats, list[list[int]]]]]:
-    """Every gen on prompt 1, then on prompt 2, ..., `repeats` times, so that a slow spell of a shared
+    """Every gen warmed up, then on prompt 1, on prompt 2, ..., `repeats` times, so that a slow spell of a shared
     machine falls on all alike -> per gen, per run: (its stats summed over the prompts, its outputs)."""
     for gen in gens.values():
         gen(0, prompts[0][:16], 16)
@@ -118,8 +115,7 @@ class Plan:
     modes: list[str]  # "greedy", "sample"
     max_new: int = D.MAX_NEW_TOKENS
     repeats: int = D.BENCH_REPEATS
-    # "eager", "native-avx2" and/or "native" (steps loaded beforehand, `prepare_engines`). Without eager,
-    # the eager target alone still runs, as the reference of identity and of `vs_eager`.
+    # without eager, the eager target alone still runs: the reference of identity and of `vs_eager`
     engines: tuple[str, ...] = ("eager",)
     sample: Sampling = field(default_factory=lambda: Sampling(D.BENCH_TEMPERATURE))  # the sample mode's draws
     backends: dict[str, Backend] = field(default_factory=dict)  # by engine, made by `prepare_engines`
@@ -185,8 +181,7 @@ def run_bench(
                 pred = (1 + st.accepted / max(1, rounds)) / (st.proposed / max(1, rounds) * cc + vv)
             else:
                 pred = predicted_speedup(alpha, k, cc, vv)
-            # Each timed run against the target alone's run of the same round, then the
-            # median: a slow spell of the machine spans both sides of a ratio.
+            # each run over the target alone's run of the same round: a slow spell spans both sides
             speed = statistics.median(a / b for a, b in zip(tps[j], tps[base[engine]], strict=True))
             vs_eager = statistics.median(a / b for a, b in zip(tps[j], tps[0], strict=True))
             outs = runs[j][0][1]

@@ -177,8 +177,7 @@ def export_gguf(
             raise ExportError(f"cannot export over the input {src}: choose another file")
     if out.is_dir():
         raise FileExistsError(f"{out} is a folder: give the path of the .gguf file to write")
-    # Only a regular file or nothing, judged before the checkpoint is read so that the refusal comes
-    # at once (replace_with judges it again just before its rename); --overwrite changes nothing here.
+    # only a regular file or nothing, judged before the checkpoint is read: a refusal comes at once
     if atomic.check_replaceable(out) and not overwrite:
         raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
     model, _, _ = load_for_export(ckpt, tokenizer_json, "holds an MTP module: it needs its target and has no GGUF form")

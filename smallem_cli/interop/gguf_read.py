@@ -1,9 +1,6 @@
-"""GGUF import: a llama.cpp file (architecture `llama`) as a smallem Transformer, tokenizer and chat format.
-
-The reverse of `interop.gguf`, the tokenizer rebuilt from `tokenizer.ggml.*`; weights of the TYPES load
-to their exact values. The `gguf` package's reader memory-maps the file: only the weights are copied out.
-Anything smallem would compute differently is refused with one line naming it.
-"""
+"""GGUF import, the reverse of `interop.gguf`: a llama.cpp file (architecture `llama`) as a smallem Transformer,
+tokenizer and chat format. Weights of the TYPES load to their exact values, copied out of gguf's memory map;
+anything smallem would compute differently is refused with one line naming it."""
 
 from __future__ import annotations
 
@@ -285,8 +282,7 @@ def _tokenizer(meta: _Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer
 
 
 def load_gguf(path: str | Path, device: torch.device | str = "cpu") -> GGUFModel:
-    """A llama GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format;
-    GGUFReadError (one line) for anything smallem would read or compute otherwise than llama.cpp."""
+    """A llama GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format, or GGUFReadError."""
     path = Path(path)
     reader = _reader(path)
     meta = _Meta(reader, path)

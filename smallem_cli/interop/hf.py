@@ -1,9 +1,6 @@
-"""Hugging Face interchange: read LlamaForCausalLM folders, write smallem checkpoints as one.
-
-smallem's Transformer is Llama without the `model.` prefix and the `self_attn.` / `mlp.` levels, so
-both directions are a renaming plus a config translation. What the Transformer would compute otherwise
-(scaled rotary positions, biases, quantization, ...) is refused with an HFFormatError naming the field.
-"""
+"""Hugging Face interchange: read LlamaForCausalLM folders, write smallem checkpoints as one. smallem's
+Transformer is Llama without `model.`, `self_attn.` and `mlp.`: a renaming plus a config translation. What it
+would compute otherwise (scaled rotary positions, biases, quantization, ...) is refused by field."""
 
 from __future__ import annotations
 
@@ -124,7 +121,6 @@ def hf_name(key: str) -> str:
 
 
 def is_hf_dir(path: str | Path) -> bool:
-    """A directory with a config.json: what `from_pretrained` would read."""
     p = Path(path)
     return p.is_dir() and (p / "config.json").is_file()
 
@@ -167,8 +163,7 @@ def _declared(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
 
 
 def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, str]:
-    """A LlamaForCausalLM folder -> (float32 eval Transformer, fingerprint of its tokenizer.json), all
-    checked but the weights' values before a weight is read; the weights must be finite."""
+    """A LlamaForCausalLM folder -> (float32 eval Transformer, its tokenizer.json's fingerprint), checked first."""
     folder = Path(folder)
     if not is_hf_dir(folder):
         raise HFFormatError(f"{folder} is not a Hugging Face model folder (no config.json)")
@@ -230,8 +225,7 @@ def stored_dtype(ckpt: Path) -> torch.dtype:
 def hf_jsons(cfg: ModelConfig, dtype: torch.dtype, eot: int | None) -> dict[str, Any]:
     """config.json (a LlamaForCausalLM's), generation_config.json and tokenizer_config.json of an export."""
     name = str(dtype).removeprefix("torch.")
-    # Both rope layouts (rope_theta for transformers 4, rope_parameters for 5) and both dtype names.
-    config = {
+    config = {  # both rope layouts (transformers 4 and 5) and both dtype names
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -257,8 +251,7 @@ def hf_jsons(cfg: ModelConfig, dtype: torch.dtype, eot: int | None) -> dict[str,
 def export_hf(
     checkpoint_path: str | Path, outdir: str | Path, tokenizer_json: str | Path, *, overwrite: bool = False
 ) -> None:
-    """Write a smallem model checkpoint as a LlamaForCausalLM folder that `from_pretrained` loads offline,
-    whole or not at all, where `exportdir.check_destination` allows."""
+    """A smallem checkpoint as a LlamaForCausalLM folder, written whole where `check_destination` allows."""
     ckpt, outdir, tokenizer_json = Path(checkpoint_path), Path(outdir), Path(tokenizer_json)
     check_destination(outdir, (ckpt, tokenizer_json), overwrite)
     why = "it needs its target and has no plain Llama form (`--format mimo` on the target writes both, for vLLM)"

@@ -2,9 +2,8 @@
 
     python -m smallem_cli.interop.vllm_check --hf runs/vllm-hf [--target CKPT] [--prompts FILE] [-n 200] [-k 3]
 
-`--hf` holds `target/`, `draft-2l/` and `mimo/` as `smallem export` writes them. Every vLLM run must give
-the greedy tokens of Smallem's own --target alone, for every prompt: exit 1 if one does not, 2 if one
-could not run. The table (stdout) also sets vLLM's acceptance beside Smallem's with the same proposer.
+`--hf` holds `target/`, `draft-2l/` and `mimo/` as `smallem export` writes them. Exit 1 if a vLLM run's
+greedy tokens differ from Smallem's --target alone's, 2 if one could not run.
 """
 
 from __future__ import annotations

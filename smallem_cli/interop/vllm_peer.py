@@ -188,8 +188,7 @@ def serving(
     log: Path,
     started: Callable[[int], None] = lambda pid: None,
 ) -> Iterator[str]:
-    """`vllm serve target` on 127.0.0.1 in a process group of its own: its URL once /health answers, stopped
-    on leaving (Ctrl-C included)."""
+    """`vllm serve target` on 127.0.0.1, its own process group: its URL once /health answers; stopped on leaving."""
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -202,8 +201,7 @@ def serving(
                                 start_new_session=True)  # fmt: skip
     try:
         started(proc.pid)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + SERVE_START_S
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + SERVE_START_S
         while True:
             if proc.poll() is not None:
                 why = last_error(log.read_text("utf-8", "replace"))

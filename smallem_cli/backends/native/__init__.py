@@ -167,8 +167,7 @@ class NativeSteps:
         probabilities [k]); sampled (1/T, float64 uniforms u [k]) -> (tokens [k], q [k, V])."""
         assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
-            rows = self.head_src if ids is None else self.head_src[ids]
-            self._heads[id(ids)] = (ids, self._mat(rows))
+            self._heads[id(ids)] = (ids, self._mat(self.head_src if ids is None else self.head_src[ids]))
         ids_t, rows = self._heads[id(ids)]
         c, threads = self.cfg, torch.get_num_threads()
         N = c.vocab_size if ids_t is None else ids_t.numel()
@@ -202,8 +201,7 @@ class NativeSteps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's states h [N, d])
         at `b`'s positions, K/V into `slab` [L, 2, Hkv, slots, D] -> (logits of `head`'s rows, hidden [N, d])."""
-        c, threads = self.cfg, torch.get_num_threads()
-        N = tokens.shape[0]
+        c, threads, N = self.cfg, torch.get_num_threads(), tokens.shape[0]
         vis, first, count = (t.contiguous() for t in visible(b))
         keys = int(count.max())
         cos, sin = self.rope[0][b.positions], self.rope[1][b.positions]  # [N, P]
@@ -227,8 +225,7 @@ class NativeSteps:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The target's pass (`smallem_step`) over tokens [T] after `past` [L, 2, Hkv, S, D], a view of the
         slab -> (logits [T or 0, V], hidden [T, d], the new K/V after the past, argmaxes + finite flag [T+1])."""
-        c = self.cfg
-        T, S, threads = tokens.shape[0], past.shape[3], torch.get_num_threads()
+        c, T, S, threads = self.cfg, tokens.shape[0], past.shape[3], torch.get_num_threads()
         scratch, _ = self._scratch_for(T, threads)
         x = torch.empty(T, c.dim)
         # the new K/V [L, 2, Hkv, T, D]: in the slab, right after the past, which must hold them
