@@ -15,8 +15,8 @@ import torch
 from conftest import Family
 
 from smallem_cli.backends.engines import Backend
-from smallem_cli.bench import costs
 from smallem_cli.bench import run as bench
+from smallem_cli.bench import run as costs
 from smallem_cli.engine import family as fam
 from smallem_cli.engine.family import NONE
 from smallem_cli.engine.generate import generate

@@ -25,12 +25,11 @@ from ..engine.family import NONE, Proposer, Target
 from ..engine.generate import generate
 from ..interop.vllm_peer import agreement, peer_row
 from ..stats import Stats
-from .costs import pass_costs, sync
 from .report import right_table
-from .run import Gen, Plan, Row, best_greedy, our_row, round_robin
+from .run import Gen, Plan, Row, best_greedy, our_row, pass_costs, round_robin, sync
 
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
-COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `costs.pass_costs`'s
+COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `run.pass_costs`'s
 
 
 def run_peer(
@@ -174,7 +173,7 @@ class LlamaCpp:
         return out
 
     def pass_seconds(self, prompt: list[int], passes: list[int], reps: int = 60) -> dict[int, float]:
-        """Median seconds of a pass over T tokens (all T's logits) at COST_CONTEXT, as `costs._interleaved`."""
+        """Median seconds of a pass over T tokens (all T's logits) at COST_CONTEXT, as `run._interleaved`."""
         ids = (prompt * (COST_CONTEXT // len(prompt) + 1))[:COST_CONTEXT]
         self.clear()
         self.decode(ids, 0)
