@@ -47,12 +47,10 @@ def write_prompts(
     if len(docs) < count:
         raise ValueError(f"only {len(docs)} windows of {length} tokens in the validation text")
     step = len(docs) / count
-    lines = []
-    for i in range(count):
-        ids = docs[int(i * step)][:length]
-        if restate:  # on a line of its own
-            ids = ids + tok.encode("\n").ids + ids[:restate]
-        lines.append(json.dumps({"tokens": ids, "text": tok.decode(ids)}))
+    picked = [docs[int(i * step)][:length] for i in range(count)]
+    if restate:  # on a line of its own
+        picked = [ids + tok.encode("\n").ids + ids[:restate] for ids in picked]
+    lines = [json.dumps({"tokens": ids, "text": tok.decode(ids)}) for ids in picked]
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic.replace_with(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
 

@@ -28,8 +28,7 @@ from ..model.chat import ChatFormat
 from ..model.checkpoint import CheckpointError
 from ..model.llama import Transformer, permute_rope, unpermute_rope
 from ..model.tokenizer import EOT
-from .exportdir import ExportError, orphans, sigterm_raises
-from .hf import load_for_export
+from .hf import ExportError, load_for_export, orphans, sigterm_raises
 
 DTYPES = ("f32", "f16")
 INSTALL = "pip install 'smallem[gguf]'"
@@ -430,12 +429,10 @@ def _tokenizer(meta: _Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer
             added.append((i, text, t == _CONTROL))
     try:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))  # type: ignore[arg-type]
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.pre_tokenizer = (
-            byte_level
-            if PRE[pre] == "gpt2"
-            else pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        )
+        split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if PRE[pre] == "smollm":  # digits one by one, then the byte-level split
+            split = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), split])
+        tok.pre_tokenizer = split
         tok.decoder = decoders.ByteLevel()
         for i, text, special in sorted(added):  # in id order: each gets its own id, as the file says
             tok.add_tokens([AddedToken(text, special=special, normalized=False)])

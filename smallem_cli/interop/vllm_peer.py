@@ -232,10 +232,8 @@ def completion_tokens(answer: str) -> list[int]:
 def serve_tokens(url: str, model: str, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], dict]:
     """Each prompt's greedy answer through /v1/completions, and the growth of the speculative counters."""
     before = prometheus_counters(http(url + "/metrics"))
-    out = []
-    for p in prompts:
-        body = {"model": model, "prompt": p, "max_tokens": max_new, "temperature": 0, "ignore_eos": True}
-        out.append(completion_tokens(http(url + "/v1/completions", {**body, "return_token_ids": True})))
+    body = {"model": model, "max_tokens": max_new, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    out = [completion_tokens(http(url + "/v1/completions", {**body, "prompt": p})) for p in prompts]
     return out, grown(prometheus_counters(http(url + "/metrics")), before)
 
 
