@@ -200,6 +200,7 @@ def test_vllm_rows_set_beside_our_fastest_engine_and_our_batch_engine(
     """vLLM (a stand-in: vLLM is not installed here): one request at a time against our fastest
     engine's row (native's, not eager's), its batch of the target alone against our batch engine
     at the same batch size, on that engine."""
+    from smallem_cli.bench.peer import vllm_peer
     from smallem_cli.defaults import default_k
     from smallem_cli.interop import vllm_peer as V
 
@@ -221,7 +222,7 @@ def test_vllm_rows_set_beside_our_fastest_engine_and_our_batch_engine(
         engines.append(engine)
         return 2500.0, ref
 
-    out = V.bench_peer(target, family.dir, prompts, 10, rows, 1, python=Path("python"), at_batch=at_batch)
+    out = vllm_peer(target, family.dir, prompts, 10, rows, 1, python=Path("python"), at_batch=at_batch)
     alone, batch, draft, draft_batch = out
     assert engines == ["native"]
     assert alone["ours_tokens_per_s"] == 1414.5 and alone["ours_engine"] == "native" and alone["ours_batch"] == 1

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from ..model.llama import MTPModule, Transformer
     from .native import NativeSteps
 
+    Models = Iterable[Transformer | MTPModule]
+
 Log = Callable[[str], None]
 NATIVE = tuple(NATIVE_BUILDS)  # the native engine's builds: the widest this CPU runs, and its AVX2 one
 ENGINES = ("auto", "eager", *NATIVE)
@@ -35,13 +37,7 @@ class Backend:
         got = self._steps.get(id(model))
         return got[1] if got is not None and got[0] is model else None
 
-    def prepare(
-        self,
-        target: Transformer,
-        models: Iterable[Transformer | MTPModule],
-        log: Log | None = None,
-        int8: Iterable[Transformer | MTPModule] = (),
-    ) -> str:
+    def prepare(self, target: Transformer, models: Models, log: Log | None = None, int8: Models = ()) -> str:
         """Native steps for the target and the proposer's models (`int8`: those read as int8), before
         anything is timed -> `label`: the name, "eager" where no model could have them, or "partly <name>"."""
         if self.name == "eager":

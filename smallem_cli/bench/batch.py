@@ -120,17 +120,16 @@ def from_cli(
                 weights=suffix if suffix in D.WEIGHTS else weights, strict=True,
             )  # fmt: skip
             wall, done = _timed(eng, prompts, max_new_tokens)
-            outs = [f.tokens for f in done]
+            outs, st = [f.tokens for f in done], [f.stats for f in done]
             reference = outs if reference is None else reference
             same = sum(a == b for a, b in zip(outs, reference, strict=True))
-            st = [f.stats for f in done]
             tokens = sum(len(o) for o in outs)
             passes = sum(s["target_passes"] for s in st)  # type: ignore[misc]
-            acc = statistics.mean(float(s["acceptance_rate"]) for s in st)  # type: ignore[arg-type]
             rows.append(BatchRow(
                 engine, name, "auto" if k is None else str(k), size, len(prompts), tokens, wall, tokens / wall,
                 statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
-                acc, tokens / max(1, passes), eng.rounds, eng.preemptions, f"{same}/{len(prompts)}",
+                statistics.mean(float(s["acceptance_rate"]) for s in st),  # type: ignore[arg-type]
+                tokens / max(1, passes), eng.rounds, eng.preemptions, f"{same}/{len(prompts)}",
             ))  # fmt: skip
     if plot_file:  # throughput against batch size, a line per engine, proposer and k
         lines: dict[str, list[tuple[float, float]]] = {}

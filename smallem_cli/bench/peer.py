@@ -1,7 +1,7 @@
 """Peers side by side, timed in the same process as our rows, on the same weights (exported), prompts and
 token counts (their extras checked first, `options.check_bench`): `hf`, transformers' generate() and assisted
 generation; `llamacpp`, llama.cpp on the target as GGUF in f32 and f16, what a CPU user would pick instead;
-`vllm`, vLLM's CPU build, run by the python of its own venv (see vllm_peer.py)."""
+`vllm`, vLLM's CPU build, run by the python of its own venv (`interop.vllm_peer`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from ..backends.engines import Log, fastest
 from ..defaults import default_k
 from ..engine.family import NONE, Proposer, Target
 from ..engine.generate import generate
-from ..interop.vllm_peer import agreement, peer_row
+from ..interop import vllm_peer as V
+from ..interop.hf import export_hf
 from ..stats import Stats
 from .report import right_table
 from .run import Gen, Plan, Row, best_greedy, our_row, pass_costs, round_robin, sync
@@ -35,16 +37,15 @@ COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `run.pass_
 def run_peer(
     peer: str, target: Target, ckpt_dir: Path, prompts: list[list[int]], rows: list[Row], plan: Plan, log: Log
 ) -> list[dict]:
-    """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`, `vllm_peer.bench_peer`)."""
+    """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`, `vllm_peer`)."""
     max_new = plan.max_new
     if peer == "llamacpp":  # with our fastest greedy speculative row, timed in turn
         return llamacpp_peer(target, prompts, plan, best_greedy(rows, plan))
     if peer == "vllm":
-        from ..interop.vllm_peer import bench_peer
         from .batch import alone_at_batch
 
         at_batch = partial(alone_at_batch, target, prompts, max_new, log=log)  # vLLM's batch beside our batch engine's
-        return bench_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
+        return vllm_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
     return hf_peer(target, ckpt_dir, prompts, max_new, rows)
 
 
@@ -96,8 +97,6 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     """transformers' generate() and assisted generation (draft-2l), greedy, beside our rows (`our_row`)."""
     import transformers
 
-    from ..interop.hf import export_hf
-
     dev = target.model.embed_tokens.weight.device
     ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,8 +121,8 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     out = []
     for (label, [(st, outs)]), (name, kk) in zip(runs.items(), [("none", 0), ("draft-2l", k)], strict=True):
         row = our_row(rows, name, kk)
-        same = agreement(ref, outs)[0]
-        out.append(peer_row(label, st.tokens_per_s, row.tokens_per_s if row else math.nan, f"{same}/{len(prompts)}"))
+        same = V.agreement(ref, outs)[0]
+        out.append(V.peer_row(label, st.tokens_per_s, row.tokens_per_s if row else math.nan, f"{same}/{len(prompts)}"))
     return out
 
 
@@ -231,11 +230,11 @@ def llamacpp_peer(
                 p.close()
     unit, ours = pass_costs(model, list(LLAMACPP_PASSES), prompts[0], backend, COST_CONTEXT)
     tps = {name: statistics.median(st.tokens_per_s for st, _ in r) for name, r in runs.items()}
-    same = {name: agreement(ref, r[0][1]) for name, r in runs.items()}  # in the first run
+    same = {name: V.agreement(ref, r[0][1]) for name, r in runs.items()}  # in the first run
     n = len(prompts)
     out = []
     for dtype, secs in costs.items():
-        row = peer_row(
+        row = V.peer_row(
             f"llama.cpp {dtype} ({threads} threads)", tps[dtype], tps["ours"], f"{same[dtype][0]}/{n}",
             tokens_identical=f"{same[dtype][1]}/{n * max_new}", ours_engine=engine,
             ours_identical=f"{same['ours'][0]}/{n}", one_pass_ms=secs[1] * 1e3,
@@ -246,4 +245,60 @@ def llamacpp_peer(
             row.update(spec=f"{spec[0]} k={spec[2]}", spec_tokens_per_s=tps["spec"],
                        spec_over_peer=tps["spec"] / tps[dtype], spec_identical=f"{same['spec'][0]}/{n}")  # fmt: skip
         out.append(row)
+    return out
+
+
+@dataclass
+class Ours:  # what a row of `bench --peer vllm` sets beside vLLM's (nan and None: our row was not run)
+    tokens_per_s: float = float("nan")
+    tokens_per_step: float = float("nan")
+    engine: str | None = None
+    identical: str | None = None  # greedy identity with our eager target alone
+    batch: int | None = None  # 1: one request at a time
+
+
+def vllm_peer(
+    target: Target,
+    ckpt_dir: Path,
+    prompts: list[list[int]],
+    max_new: int,
+    rows: list[Row],
+    threads: int,
+    log: Log = lambda m: None,
+    python: Path | None = None,
+    *,
+    at_batch: Callable[[str], tuple[float, list[list[int]]]],
+) -> list[dict[str, Any]]:
+    """vLLM offline on the same weights exported, greedy: the target alone and with draft-2l at our greedy k,
+    one request at a time beside our `rows`, and as one batch beside `at_batch(engine)`'s (tokens/s, answers)."""
+    python = python or V.find_python()
+    env = V.vllm_env(python, threads)
+    k, n = default_k("draft-2l", greedy=True), len(prompts)
+    ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
+    engine = fastest(r.engine for r in rows)  # the engine our one-at-a-time rows are read from
+    log(f"ours: the target alone through the batch engine ({engine}), a batch of {n}")
+    batch_tps, batch_out = at_batch(engine)
+    batch = Ours(batch_tps, 1.0, engine, f"{V.agreement(ref, batch_out)[0]}/{n}", n)
+    out: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
+        for name in ("target", "draft-2l"):
+            export_hf(ckpt_dir / f"{name}.safetensors", Path(tmp) / name, target.tokenizer)
+        for label, draft, kk in (("target alone", None, 0), (f"+ draft-2l (k={k})", "draft-2l", k)):
+            log(f"vLLM: {label}, one request at a time and a batch of {n}")
+            spec = {"model": str(Path(tmp) / draft), "num_speculative_tokens": kk} if draft else None
+            job = {"target": str(Path(tmp) / "target"), "spec": spec, "prompts": prompts, "max_new": max_new}
+            res = V.run_offline(python, {**job, "single": True}, env)
+            row = our_row(rows, draft or "none", kk)
+            single = Ours(row.tokens_per_s, row.tokens_per_pass, row.engine, row.identical, 1) if row else Ours()
+            for part, how in (("single", "one request at a time"), ("batch", f"batch of {n}")):
+                got, ours = res[part], batch if part == "batch" and draft is None else single
+                tps = sum(len(t) for t in got["tokens"]) / got["seconds"]
+                acc, (whole, each, total) = V.acceptance(got["spec"]), V.agreement(ref, got["tokens"])
+                out.append(V.peer_row(
+                    f"vLLM {label}, {how}", tps, ours.tokens_per_s, f"{whole}/{n}", tokens_identical=f"{each}/{total}",
+                    tokens_per_step=acc.tokens_per_step if acc else 1.0, ours_tokens_per_step=ours.tokens_per_step,
+                    ours_engine=ours.engine, ours_batch=ours.batch, ours_identical=ours.identical,
+                    acceptance=acc.rate if acc else None, accepted_at=acc.per_pos if acc else None, threads=threads,
+                    version=res["version"], load_s=res["load_s"],
+                ))  # fmt: skip
     return out
