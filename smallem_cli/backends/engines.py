@@ -1,4 +1,5 @@
-"""The backend a run's passes take: "eager", "native" (the widest build this CPU runs) or "native-avx2"."""
+"""How a run's passes are computed, chosen once and handed to the engine: "eager" (PyTorch: the reference, and
+the GPU's), "native" (the C++ kernels, the widest build this CPU runs) or "native-avx2"."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from ..backends.engines import Backend, Log
 from ..engine import family
 from ..engine.request import Finished, Request
 from ..engine.scheduler import Engine
-from .report import right_table, save_plot
+from .run import right_table, save_plot
 
 
 @dataclass

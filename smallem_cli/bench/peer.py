@@ -27,8 +27,7 @@ from ..engine.generate import generate
 from ..interop import vllm_peer as V
 from ..interop.hf import export_hf
 from ..stats import Stats
-from .report import right_table
-from .run import Gen, Plan, Row, best_greedy, our_row, pass_costs, round_robin, sync
+from .run import Gen, Plan, Row, best_greedy, our_row, pass_costs, right_table, round_robin, sync
 
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
 COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `run.pass_costs`'s

@@ -1,12 +1,9 @@
 """GGUF in and out: a smallem model as llama.cpp reads it (architecture `llama`), tokenizer included, and a
-llama.cpp file as a smallem Transformer, tokenizer and chat format (weights of the TYPES to their exact values,
-copied out of gguf's memory map; anything smallem would compute differently refused with one line naming it).
-
-Beyond renaming, one change: llama.cpp ropes adjacent pairs (x_2i, x_2i+1) where smallem pairs x_i with
-x_{i+D/2}, so the rows of Wq and Wk are reordered within each head (q·k, and so the outputs, unchanged).
-The tokenizer is the byte-level BPE as llama.cpp's `gpt2` model, `<|endoftext|>` both BOS and EOS.
-The `gguf` package (the `gguf` extra) is imported only when a file is written or read.
-"""
+llama.cpp file as a smallem Transformer, tokenizer and chat format (weights of the TYPES to their exact values;
+anything smallem would compute differently refused with one line naming it). Beyond renaming, one change:
+llama.cpp ropes adjacent pairs (x_2i, x_2i+1) where smallem pairs x_i with x_{i+D/2}, so the rows of Wq and Wk
+are reordered within each head (outputs unchanged). The tokenizer is byte-level BPE, llama.cpp's `gpt2`, with
+`<|endoftext|>` both BOS and EOS. The `gguf` package (the `gguf` extra) is imported only when it is used."""
 
 from __future__ import annotations
 

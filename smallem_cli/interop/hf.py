@@ -1,7 +1,6 @@
-"""Hugging Face interchange: read LlamaForCausalLM folders, write smallem checkpoints as one (and a target with
-its MTP module as MiMo's, for vLLM). smallem's Transformer is Llama without `model.`, `self_attn.` and `mlp.`: a
-renaming plus a config translation. What it would compute otherwise (scaled rotary positions, biases, ...) is
-refused by field."""
+"""Hugging Face interchange, LlamaForCausalLM folders in and out (and MiMo's, for vLLM): a renaming (smallem's
+Transformer is Llama without `model.`, `self_attn.`, `mlp.`) plus a config translation, refusing by field what
+it would compute otherwise (scaled rotary positions, biases, ...)."""
 
 from __future__ import annotations
 
@@ -248,15 +247,10 @@ def hf_jsons(cfg: ModelConfig, dtype: torch.dtype, eot: int | None) -> dict[str,
     }  # fmt: skip
     special = {"eos_token": EOT, "bos_token": EOT} if eot is not None else {}
     return {
-        "config.json": config,
-        "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot},
-        "tokenizer_config.json": {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": cfg.max_seq_len,
-            "clean_up_tokenization_spaces": False,
-            **special,
-        },
-    }
+        "config.json": config, "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot},
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+                                  "clean_up_tokenization_spaces": False, **special},
+    }  # fmt: skip
 
 
 def export_hf(
@@ -308,14 +302,10 @@ def export_mimo(
     jsons = hf_jsons(cfg, dtype, eot)
     config = {k: v for k, v in jsons["config.json"].items() if k not in ("attention_bias", "mlp_bias", "head_dim")}
     jsons["config.json"] = config | {
-        "architectures": ["MiMoForCausalLM"],
-        "model_type": "qwen2",
-        "num_nextn_predict_layers": 1,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
         "max_window_layers": cfg.n_layers,
-    }
+    }  # fmt: skip
     write_export(outdir, {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}, jsons, tok)
 
 

@@ -57,14 +57,12 @@ def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
         a = r.acceptance
         drafted = a.drafts * len(a.per_pos) if a else 0
         t.add_row(
-            r.name,
-            f"{r.identical}/{r.prompts}" + ("" if r.ok else " FAILED"),
-            f"{r.tokens_equal}/{r.tokens}",
+            r.name, f"{r.identical}/{r.prompts}" + ("" if r.ok else " FAILED"), f"{r.tokens_equal}/{r.tokens}",
             f"{a.rate:.1%} ({round(a.rate * drafted)}/{drafted})" if a else "-",
             f"{r.ours[0] / r.ours[1]:.1%} ({r.ours[0]}/{r.ours[1]})" if r.ours and r.ours[1] else "-",
             "1.00" if a is None else f"{a.tokens_per_step:.2f}",
             "-" if a is None else " / ".join(f"{p:.2f}" for p in a.per_pos),
-        )
+        )  # fmt: skip
     return t
 
 
@@ -76,8 +74,7 @@ def run_check(
     say: Callable[[str], None],
     ours: Callable[[str, int], tuple[int, int]],
 ) -> tuple[list[CheckRow], str]:
-    """vLLM offline on the target alone, with draft-2l, ngram, and `mimo`'s mtp at k = 1 and k; then `vllm
-    serve` with draft-2l -> rows and vLLM's version. `ours(proposer, k)`: Smallem's acceptance with it."""
+    """vLLM offline on the target alone, with draft-2l, ngram and `mimo`'s mtp at k = 1 and k; `vllm serve`."""
     env = V.vllm_env(python, threads=len(os.sched_getaffinity(0)))
     hf, k, n, logs = args.hf, args.k, args.max_new_tokens, args.logs
     draft = {"model": str(hf / "draft-2l"), "num_speculative_tokens": k}

@@ -1,6 +1,5 @@
-"""vLLM on the exported Hugging Face folders, for `make vllm-check` (vllm_check.py) and `smallem bench
---peer vllm`. vLLM pins its own torch build, so it runs as a subprocess of `.venv-vllm`'s python
-(vllm_run.py); nothing here imports vllm."""
+"""vLLM on the exported HF folders, for `make vllm-check` and `bench --peer vllm`. vLLM pins its own torch
+build, so it runs in a subprocess of `.venv-vllm`'s python (vllm_run.py); nothing here imports vllm."""
 
 from __future__ import annotations
 

@@ -15,11 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-SPEC_COUNTERS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted",
-}
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted"}  # fmt: skip
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 

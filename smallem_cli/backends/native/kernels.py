@@ -31,14 +31,10 @@ BUILD_TIMEOUT = 300.0  # seconds a build may run: a hung compiler must not hang 
 # What every build exports (step.cpp, verify.h), a library without one is not ours: each function's
 # arguments (p a pointer, i an int, f a float) and whether it returns an int (else nothing).
 SIGNATURES = {
-    "smallem_step": ("pppippppippipppip", False),
-    "smallem_chain": ("pppiipppppiippppipfppppiipfp", False),
-    "smallem_batch_step": ("pppippppppppippippip", False),
-    "smallem_verify_sample": ("piifppppppiff", False),
-    "smallem_penalize": ("piippfpp", False),
-    "smallem_panel": ("", True),
-    "smallem_score_rows": ("", True),
-}
+    "smallem_step": ("pppippppippipppip", False), "smallem_chain": ("pppiipppppiippppipfppppiipfp", False),
+    "smallem_batch_step": ("pppippppppppippippip", False), "smallem_verify_sample": ("piifppppppiff", False),
+    "smallem_penalize": ("piippfpp", False), "smallem_panel": ("", True), "smallem_score_rows": ("", True),
+}  # fmt: skip
 
 
 class NativeUnavailable(RuntimeError):
@@ -46,8 +42,7 @@ class NativeUnavailable(RuntimeError):
 
 
 def prefetch_rows(cpuinfo: str | None = None) -> int:
-    """`matmul.h`'s PREFETCH_ROWS by the CPU's maker (`cpuinfo`: /proc/cpuinfo's text): 5 on AMD, 8 elsewhere,
-    as measured (docs/decisions.md)."""
+    """`matmul.h`'s PREFETCH_ROWS by the CPU's maker: 5 on AMD, 8 elsewhere, as measured (docs/decisions.md)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
