@@ -4,13 +4,14 @@ the GPU's), "native" (the C++ kernels, the widest build this CPU runs) or "nativ
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from .native.kernels import ENGINES as NATIVE_BUILDS
+from .native.kernels import Log
 
 if TYPE_CHECKING:
     from ..model.llama import MTPModule, Transformer
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
 
     Models = Iterable[Transformer | MTPModule]
 
-Log = Callable[[str], None]
 NATIVE = tuple(NATIVE_BUILDS)  # the native engine's builds: the widest this CPU runs, and its AVX2 one
 ENGINES = ("auto", "eager", *NATIVE)
 BENCH_ENGINES = ("eager", *NATIVE[::-1])  # slowest first: the AVX2 build before the widest
@@ -68,8 +68,7 @@ class Backend:
 
 
 def cache_root() -> Path:
-    """Where the native kernels are built: $SMALLEM_CACHE, else $XDG_CACHE_HOME/smallem, else
-    ~/.cache/smallem; a leading ~ in either is the home folder, as in a shell."""
+    """Where the native kernels are built: $SMALLEM_CACHE, else $XDG_CACHE_HOME/smallem, else ~/.cache/smallem."""
     if env := os.environ.get("SMALLEM_CACHE"):
         return Path(os.path.expanduser(env))
     xdg = os.environ.get("XDG_CACHE_HOME")

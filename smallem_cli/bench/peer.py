@@ -1,7 +1,6 @@
-"""Peers side by side, timed in the same process as our rows, on the same weights (exported), prompts and
-token counts (their extras checked first, `options.check_bench`): `hf`, transformers' generate() and assisted
-generation; `llamacpp`, llama.cpp on the target as GGUF in f32 and f16, what a CPU user would pick instead;
-`vllm`, vLLM's CPU build, run by the python of its own venv (`interop.vllm_peer`)."""
+"""Peers side by side, timed in the same process as our rows, on the same weights (exported), prompts and token
+counts: `hf`, transformers' generate() and assisted generation; `llamacpp`, llama.cpp on the target as GGUF in
+f32 and f16, what a CPU user would pick instead; `vllm`, vLLM's CPU build, in its own venv (`interop.vllm_peer`)."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from ..engine.generate import generate
 from ..interop import vllm_peer as V
 from ..interop.hf import export_hf
 from ..stats import Stats
+from .batch import alone_at_batch
 from .run import Gen, Plan, Row, best_greedy, our_row, pass_costs, right_table, round_robin, sync
 
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
@@ -41,8 +41,6 @@ def run_peer(
     if peer == "llamacpp":  # with our fastest greedy speculative row, timed in turn
         return llamacpp_peer(target, prompts, plan, best_greedy(rows, plan))
     if peer == "vllm":
-        from .batch import alone_at_batch
-
         at_batch = partial(alone_at_batch, target, prompts, max_new, log=log)  # vLLM's batch beside our batch engine's
         return vllm_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
     return hf_peer(target, ckpt_dir, prompts, max_new, rows)
@@ -74,8 +72,7 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
     c = right_table(title, ("engine", "one-token pass ms", *(f"T={T}" for T in passes)))
     for r in costs:
         c.add_row(r["peer"], f"{r['one_pass_ms']:.3f}", *(f"{r['pass_cost'][str(T)]:.2f}" for T in passes))
-    r = costs[-1]  # ours: the same reading in every row
-    if r.get("ours_pass_cost"):
+    if (r := costs[-1]).get("ours_pass_cost"):  # ours: the same reading in every row
         ours = [f"{r['ours_pass_cost'][str(T)]:.2f}" for T in passes]
         c.add_row(f"ours ({r['ours_engine']})", f"{r['ours_one_pass_ms']:.3f}", *ours)
     return Group(t, c)
@@ -156,8 +153,7 @@ class LlamaCpp:
         b.n_tokens = n
         for i, t in enumerate(tokens):
             b.token[i], b.pos[i], b.logits[i] = t, start + i, all_logits or i == n - 1
-        rc = self.lib.llama_decode(self.ctx, b)
-        if rc != 0:
+        if (rc := self.lib.llama_decode(self.ctx, b)) != 0:
             raise RuntimeError(f"llama_decode failed with code {rc}")
 
     def generate(self, prompt: list[int], n: int) -> list[int]:
@@ -264,13 +260,12 @@ def vllm_peer(
     rows: list[Row],
     threads: int,
     log: Log = lambda m: None,
-    python: Path | None = None,
     *,
     at_batch: Callable[[str], tuple[float, list[list[int]]]],
 ) -> list[dict[str, Any]]:
     """vLLM offline on the same weights exported, greedy: the target alone and with draft-2l at our greedy k,
     one request at a time beside our `rows`, and as one batch beside `at_batch(engine)`'s (tokens/s, answers)."""
-    python = python or V.find_python()
+    python = V.find_python()
     env = V.vllm_env(python, threads)
     k, n = default_k("draft-2l", greedy=True), len(prompts)
     ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]

@@ -274,9 +274,8 @@ def pass_costs(
 
 
 def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
-    """The cost model's α: each guess kept with probability α once the ones before it were. Only the
-    guesses reached count (the first of every round, the i-th when the i-1 before it were kept):
-    accepted / proposed would understate it for k > 1, counting guesses never in play."""
+    """The cost model's α: each guess kept with probability α once the ones before it were. Only the guesses
+    reached count (the first of every round, the i-th when the i-1 before it were kept), unlike accepted / proposed."""
     reached = rounds + sum(accepted_at[:-1])
     return sum(accepted_at) / reached if reached else 0.0
 
@@ -358,7 +357,6 @@ def sweep_table(rows: list[Row]) -> Table:
     for mode, engine in dict.fromkeys((r.mode, r.engine) for r in rows):
         for name in dict.fromkeys(r.proposer for r in rows if r.proposer != "none"):
             mine = [r for r in rows if (r.mode, r.engine, r.proposer) == (mode, engine, name)]
-            cells = {r.k: f"×{r.speedup:.2f} ({r.acceptance_rate:.2f})" for r in mine}
-            if cells:
+            if cells := {r.k: f"×{r.speedup:.2f} ({r.acceptance_rate:.2f})" for r in mine}:
                 t.add_row(f"{mode} {engine} {name}", *[cells.get(k, "") for k in ks])
     return t

@@ -35,11 +35,9 @@ _MATRICES = {  # smallem name in a layer -> llama.cpp's
     "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }  # fmt: skip
-_TOP = {
-    "embed_tokens.weight": "token_embd.weight",
-    "norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",  # an untied head only: llama.cpp reuses token_embd when it is absent
-}
+_TOP = {  # lm_head: an untied head only (llama.cpp reuses token_embd when output.weight is absent)
+    "embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+}  # fmt: skip
 MAGIC = b"GGUF"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # read to their exact values
 PRE = {"gpt2": "gpt2", "gpt-2": "gpt2", "smollm": "smollm"}  # tokenizer.ggml.pre -> how text is split
@@ -311,16 +309,14 @@ class _Meta(dict):
             self[key] = float(np.format_float_scientific(np.float32(v), unique=True)) if f.types == [_FLOAT32] else v
 
     def num(self, key: str, kind: type = int, default: Any = None) -> Any:
-        v = self.get(key, default)
-        if v is None:
+        if (v := self.get(key, default)) is None:
             raise GGUFReadError(f"{self.path}: metadata {key} is missing")
         if isinstance(v, bool) or not isinstance(v, (int, kind)) or not np.isfinite(v) or v <= 0:
             raise GGUFReadError(f"{self.path}: metadata {key}={v!r} is not a positive {kind.__name__}")
         return kind(v)
 
     def text(self, key: str) -> str | None:
-        v = self.get(key)
-        if v is not None and not isinstance(v, str):
+        if (v := self.get(key)) is not None and not isinstance(v, str):
             raise GGUFReadError(f"{self.path}: metadata {key} is not a string")
         return v
 
@@ -333,8 +329,7 @@ class _Meta(dict):
 
 def _config(meta: _Meta, n_vocab: int, tied: bool) -> ModelConfig:
     path = meta.path
-    arch = meta.text("general.architecture")
-    if arch != "llama":
+    if (arch := meta.text("general.architecture")) != "llama":
         raise GGUFReadError(f"{path}: architecture {arch!r}: only llama is supported")
     for key in meta:
         if key.startswith("llama.rope.scaling.") and not (key.endswith(".type") and meta.get(key) == "none"):
@@ -407,8 +402,7 @@ def _tokenizer(meta: _Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer
     """tokenizer.ggml.* -> a byte-level BPE `tokenizers` object: control tokens special (decoded as nothing),
     user-defined ones plain, unused ones left out; BOS / EOS added where the file says llama.cpp adds them."""
     path = meta.path
-    kind = meta.text("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if (kind := meta.text("tokenizer.ggml.model")) != "gpt2":
         raise GGUFReadError(f"{path}: tokenizer.ggml.model {kind!r}: only gpt2 (byte-level BPE) is read")
     pre = meta.text("tokenizer.ggml.pre") or "default"
     if pre not in PRE:

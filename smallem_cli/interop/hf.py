@@ -60,8 +60,7 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     or v5's rope_parameters {"rope_type": "default", "rope_theta": ...}. Both may be present."""
     thetas: list[float] = [_num(hf, "rope_theta", kind=float)] if "rope_theta" in hf else []
     for name in ("rope_scaling", "rope_parameters"):
-        rp = hf.get(name)
-        if rp is None:
+        if (rp := hf.get(name)) is None:
             continue
         # "default" with nothing but a base is plain rotary; any other key rescales positions.
         plain = isinstance(rp, dict) and rp.get("rope_type", rp.get("type", "default")) == "default"
@@ -80,8 +79,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise HFFormatError(f"an HF config is a JSON object, not {type(hf).__name__}")
     if _required(hf, "model_type") != "llama":
         raise _refuse("model_type", hf["model_type"], "only Llama-architecture models are supported")
-    archs = hf.get("architectures")
-    if archs is not None and archs != ["LlamaForCausalLM"]:
+    if (archs := hf.get("architectures")) is not None and archs != ["LlamaForCausalLM"]:
         raise _refuse("architectures", archs, "only LlamaForCausalLM is supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", hf["hidden_act"], "smallem's MLP is SwiGLU with silu")
@@ -93,15 +91,13 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     tie = hf.get("tie_word_embeddings", False)  # HF Llama's default: untied
     if not isinstance(tie, bool):
         raise _refuse("tie_word_embeddings", tie, "expected true or false")
-
     dim, heads = _num(hf, "hidden_size"), _num(hf, "num_attention_heads")
     kv = heads if hf.get("num_key_value_heads") is None else _num(hf, "num_key_value_heads")  # None: MHA
     if dim % heads:
         raise _refuse("num_attention_heads", heads, f"hidden_size {dim} is not a multiple of it")
     if heads % kv:
         raise _refuse("num_key_value_heads", kv, f"num_attention_heads {heads} is not a multiple of it")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim != dim // heads:
+    if (head_dim := hf.get("head_dim")) is not None and head_dim != dim // heads:
         raise _refuse("head_dim", head_dim, f"smallem needs hidden_size / num_attention_heads = {dim // heads}")
     try:
         return ModelConfig(
@@ -140,16 +136,14 @@ def _tokenizer(path: Path, vocab_size: int) -> Tokenizer:
     if not path.is_file():
         raise HFFormatError(f"tokenizer.json not found: {path}")
     tok = load_tokenizer(path)  # TokenizerError if unreadable
-    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
-    if top >= vocab_size:
+    if (top := max(tok.get_vocab(with_added_tokens=True).values(), default=-1)) >= vocab_size:
         raise HFFormatError(f"{path}: token id {top} does not fit vocab_size {vocab_size}")
     return tok
 
 
 def _declared(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     """HF name -> (file, dtype, shape) of every tensor of the folder's weights, from the headers alone."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():  # sharded: the index names every shard
+    if (index := folder / "model.safetensors.index.json").is_file():  # sharded: it names every shard
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
@@ -216,8 +210,7 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
 
 
 def load_for_export(ckpt: Path, tokenizer_json: Path, mtp_refusal: str) -> tuple[Transformer, int | None, torch.dtype]:
-    """The model, its end-of-text id (None: none) and `stored_dtype`; ExportError for an MTP module
-    (`mtp_refusal` says why after its name) or a checkpoint trained with another tokenizer."""
+    """The model, its end-of-text id and `stored_dtype`; ExportError for an MTP module or another tokenizer's."""
     if checkpoint.read_meta(ckpt).get("kind") == "mtp":
         raise ExportError(f"{ckpt} {mtp_refusal}")
     model, meta = checkpoint.load_model(ckpt)

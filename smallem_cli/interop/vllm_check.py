@@ -29,9 +29,9 @@ from . import vllm_peer as V
 class CheckRow:
     name: str
     identical: int  # prompts whose tokens equal Smallem's
-    prompts: int
     tokens_equal: int
     tokens: int
+    prompts: int
     acceptance: V.Acceptance | None
     ours: tuple[int, int] | None = None  # Smallem's own proposer on the same prompts: (accepted, proposed)
 
@@ -43,8 +43,7 @@ class CheckRow:
 def check_row(
     name: str, ref: list[list[int]], got: list[list[int]], counters: dict[str, Any], ours: tuple[int, int] | None = None
 ) -> CheckRow:
-    whole, each, total = V.agreement(ref, got)
-    return CheckRow(name, whole, len(ref), each, total, V.acceptance(counters), ours)
+    return CheckRow(name, *V.agreement(ref, got), len(ref), V.acceptance(counters), ours)
 
 
 def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
@@ -153,11 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
-    Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False).print(
-        check_table(rows, n, version)
-    )
-    bad = [r.name for r in rows if not r.ok]
-    if bad:
+    out = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
+    out.print(check_table(rows, n, version))
+    if bad := [r.name for r in rows if not r.ok]:
         err.print("error: vLLM's tokens differ from Smallem's: " + ", ".join(bad))
         return 1
     return 0

@@ -60,15 +60,14 @@ def preloads(python: Path, lib_dirs: tuple[str, ...] = LIB_DIRS) -> list[str]:
 
 
 def vllm_env(python: Path, threads: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """A vLLM subprocess's environment: the CPU backend, 1 GiB of K/V cache, OpenMP threads bound to cores
-    0..threads-1 (its default keeps a core for itself), the preloads; a variable the user set is kept."""
+    """A vLLM subprocess's environment: CPU, 1 GiB of K/V cache, OpenMP bound to cores 0..threads-1 (its default
+    keeps a core for itself), the preloads; a variable the user set is kept."""
     env = dict(os.environ if base is None else base)
     cores = max(1, min(threads, os.cpu_count() or 1))
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if cores == 1 else f"0-{cores - 1}")
-    libs = preloads(python)
-    if libs and "LD_PRELOAD" not in env:
+    if (libs := preloads(python)) and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = ":".join(libs)
     return env
 
@@ -122,8 +121,7 @@ def prometheus_counters(text: str) -> dict[str, Any]:
     """The speculative counters in `vllm serve`'s /metrics page (Prometheus text), summed over its labels."""
     metrics = []
     for line in text.splitlines():
-        m = PROM_LINE.match(line.strip())
-        if m and m.group(3) != "NaN":
+        if (m := PROM_LINE.match(line.strip())) and m.group(3) != "NaN":
             value, pos = float(m.group(3)), re.search(r'position="(\d+)"', m.group(2) or "")
             values = ([0.0] * int(pos.group(1)) + [value]) if pos else []  # the per-position counter's entry
             metrics.append(SimpleNamespace(name=m.group(1), value=value, values=values))

@@ -17,7 +17,6 @@ from typing import Any
 
 SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens": "accepted"}  # fmt: skip
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def vllm_version() -> str:
@@ -49,7 +48,7 @@ def spec_counters(metrics: Iterable[Any]) -> dict[str, Any]:
     for m in metrics:
         if m.name in SPEC_COUNTERS:
             out[SPEC_COUNTERS[m.name]] += int(m.value)
-        elif m.name == PER_POS:
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
             out["per_pos"] += [0] * (len(m.values) - len(out["per_pos"]))
             for i, v in enumerate(m.values):
                 out["per_pos"][i] += int(v)

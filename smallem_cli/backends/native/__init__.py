@@ -35,14 +35,10 @@ class _LayerW(ctypes.Structure):
 class _ModelW(ctypes.Structure):
     _fields_ = [
         *[(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")],
-        ("eps", ctypes.c_float),
-        *[(n, ctypes.c_void_p) for n in ("layers", "embed")],
-        ("head", _Mat),
-        *[(n, ctypes.c_void_p) for n in ("g_final", "table")],
-        ("wh", _Mat),
-        ("g_h", ctypes.c_void_p),
+        ("eps", ctypes.c_float), *[(n, ctypes.c_void_p) for n in ("layers", "embed")], ("head", _Mat),
+        *[(n, ctypes.c_void_p) for n in ("g_final", "table")], ("wh", _Mat), ("g_h", ctypes.c_void_p),
         ("embed_kind", ctypes.c_int),
-    ]
+    ]  # fmt: skip
 
 
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # matmul.h's W_F16, W_BF16, W_F32
@@ -60,8 +56,7 @@ def narrowest(w: torch.Tensor) -> torch.Tensor:
 
 def panels(rows: torch.Tensor, width: int) -> torch.Tensor:
     """W [out, in] -> [ceil(out / width), in, width] (`step.cpp`'s panels), the last padded with zero rows."""
-    pad = -rows.shape[0] % width
-    if pad:
+    if pad := -rows.shape[0] % width:
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
     return rows.view(-1, width, rows.shape[1]).transpose(1, 2).contiguous()
 

@@ -100,11 +100,10 @@ def private_folder(folder: Path) -> Path:
 
 
 def _load(data: bytes, folder: Path) -> ctypes.CDLL | str:
-    """`data` loaded as a library with every one of SIGNATURES -> it, or why not (a line). CDLL takes a
-    path, looked up again as it loads, so the bytes go into a fresh mkdtemp folder (0700, inside the
-    checked `folder`: /tmp may be noexec) and load from there: what was hashed is what runs. The copy
-    goes once loaded: the mapping keeps its inode in use, so no later copy gets that inode and is taken
-    for this library by the loader (which matches loaded objects by device and inode)."""
+    """`data` loaded as a library with every one of SIGNATURES -> it, or why not (a line). CDLL takes a path,
+    looked up again as it loads, so the bytes go into a fresh mkdtemp folder (0700, inside the checked `folder`:
+    /tmp may be noexec) and load from there: what was hashed is what runs. The copy goes once loaded: the mapping
+    keeps its inode in use, so no later copy gets that inode and is taken for this library by the loader."""
     tmp = tempfile.mkdtemp(prefix=".load-", dir=folder)
     try:
         copy = os.path.join(tmp, "step.so")
