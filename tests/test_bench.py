@@ -31,16 +31,21 @@ def test_cost_model_matches_the_seed() -> None:
     assert bench.conditional_alpha([10, 10], 10) == 1.0
 
 
+def read_tokens(path: Path) -> list[list[int]]:
+    """The token ids of a prompts file (one JSON object a line, as `bench.write_prompts` writes it)."""
+    return [json.loads(line)["tokens"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def test_prompts_file_round_trips(family: Family, tmp_path: Path) -> None:
     val = tmp_path / "val.txt"
     val.write_text("<|endoftext|>".join(["In the beginning was the word and the word was good. " * 4] * 10))
     out = tmp_path / "p.jsonl"
     bench.write_prompts(val, family.tokenizer, out, count=3, length=12)
-    prompts = bench.read_prompts(out)
+    prompts = read_tokens(out)
     assert len(prompts) == 3 and all(len(p) == 12 for p in prompts)
     # more prompts than chunks: successive 12-token windows of each chunk, all distinct
     bench.write_prompts(val, family.tokenizer, out, count=30, length=12)
-    many = bench.read_prompts(out)
+    many = read_tokens(out)
     assert len(many) == 30 and all(len(p) == 12 for p in many) and many[0] == prompts[0]
     with pytest.raises(ValueError):  # more than the windows
         bench.write_prompts(val, family.tokenizer, out, count=1000, length=12)

@@ -15,8 +15,8 @@ import torch
 from conftest import Family
 
 from smallem_cli.backends.engines import Backend
-from smallem_cli.bench import costs
 from smallem_cli.bench import run as bench
+from smallem_cli.bench import run as costs
 from smallem_cli.engine import family as fam
 from smallem_cli.engine.family import NONE
 from smallem_cli.engine.generate import generate
@@ -200,6 +200,7 @@ def test_vllm_rows_set_beside_our_fastest_engine_and_our_batch_engine(
     """vLLM (a stand-in: vLLM is not installed here): one request at a time against our fastest
     engine's row (native's, not eager's), its batch of the target alone against our batch engine
     at the same batch size, on that engine."""
+    from smallem_cli.bench.peer import vllm_peer
     from smallem_cli.defaults import default_k
     from smallem_cli.interop import vllm_peer as V
 
@@ -212,6 +213,7 @@ def test_vllm_rows_set_beside_our_fastest_engine_and_our_batch_engine(
         return {"version": "0", "load_s": 1.0, "batch": {**part, "seconds": 0.5}, "single": {**part, "seconds": 2.0}}
 
     monkeypatch.setattr(V, "run_offline", run_offline)
+    monkeypatch.setattr(V, "find_python", lambda: Path("python"))
     k = default_k("draft-2l", greedy=True)
     rows = [_row("eager", "none", 0, 417.0), _row("native", "none", 0, 1414.5)]
     rows += [_row("eager", "draft-2l", k, 300.0), _row("native", "draft-2l", k, 1800.0)]
@@ -221,7 +223,7 @@ def test_vllm_rows_set_beside_our_fastest_engine_and_our_batch_engine(
         engines.append(engine)
         return 2500.0, ref
 
-    out = V.bench_peer(target, family.dir, prompts, 10, rows, 1, python=Path("python"), at_batch=at_batch)
+    out = vllm_peer(target, family.dir, prompts, 10, rows, 1, at_batch=at_batch)
     alone, batch, draft, draft_batch = out
     assert engines == ["native"]
     assert alone["ours_tokens_per_s"] == 1414.5 and alone["ours_engine"] == "native" and alone["ours_batch"] == 1

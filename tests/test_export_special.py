@@ -3,7 +3,7 @@
 `smallem export ... --overwrite` once renamed its GGUF file over /dev/null, a FIFO or a device
 node, leaving a regular file in its place. Every format must refuse such a destination with one
 line and exit 2, before the checkpoint is read, and leave it as it was with nothing beside it.
-The shared writers (`atomic.replace_with`, `exportdir`) are checked directly too, including a
+The shared writers (`atomic.replace_with`, `hf.write_export`) are checked directly too, including a
 destination that changes kind while the file or folder is being written.
 """
 
@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from smallem_cli import atomic
 from smallem_cli.cli.app import app
-from smallem_cli.interop import exportdir
+from smallem_cli.interop import hf
 from smallem_cli.model import checkpoint
 
 FORMATS = ("hf", "gguf", "mimo")
@@ -203,7 +203,7 @@ def test_export_folder_judged_again_before_the_swap(
     def write_safetensors(tensors: object, path: Path, meta: object) -> None:
         out.write_text("kept")
 
-    monkeypatch.setattr(exportdir.checkpoint, "write_safetensors", write_safetensors)
+    monkeypatch.setattr(hf.checkpoint, "write_safetensors", write_safetensors)
     with pytest.raises(FileExistsError, match="regular file, not a folder"):
-        exportdir.write_export(out, {}, {"config.json": {}}, family.tokenizer)
+        hf.write_export(out, {}, {"config.json": {}}, family.tokenizer)
     assert out.read_text() == "kept" and [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -27,8 +27,15 @@ from smallem_cli.cli.app import app
 from smallem_cli.engine import family as F
 from smallem_cli.engine.family import NONE
 from smallem_cli.engine.generate import generate
-from smallem_cli.interop.gguf import add_llama_metadata, export_gguf, gguf_name, gguf_tensors, gguf_vocab
-from smallem_cli.interop.gguf_read import GGUFReadError, load_gguf
+from smallem_cli.interop.gguf import (
+    GGUFReadError,
+    add_llama_metadata,
+    export_gguf,
+    gguf_name,
+    gguf_tensors,
+    gguf_vocab,
+    load_gguf,
+)
 from smallem_cli.model import checkpoint
 from smallem_cli.model.chat import messages, render
 from smallem_cli.model.llama import permute_rope
@@ -70,7 +77,7 @@ def write(
     if vocab:
         vocab(tokens, merges)
     w = gguf.GGUFWriter(str(path), arch)
-    add_llama_metadata(w, cfg, tokens, kinds, merges, eot, pre)
+    add_llama_metadata(w, cfg, (tokens, kinds, merges, eot), pre)
     if kv:
         kv(w)
     written = {}

@@ -33,8 +33,7 @@ from smallem_cli.engine.family import NONE  # noqa: E402
 from smallem_cli.engine.forward import slab_for, transformer_pass  # noqa: E402
 from smallem_cli.engine.generate import generate  # noqa: E402
 from smallem_cli.engine.pool import PagePool, pages_for  # noqa: E402
-from smallem_cli.interop.exportdir import ExportError  # noqa: E402
-from smallem_cli.interop.hf import HFFormatError, config_from_hf, export_hf, is_hf_dir, load_hf  # noqa: E402
+from smallem_cli.interop.hf import ExportError, HFFormatError, config_from_hf, export_hf, is_hf_dir, load_hf  # noqa: E402
 from smallem_cli.model import checkpoint  # noqa: E402
 from smallem_cli.model.llama import MTPModule, Transformer  # noqa: E402
 
@@ -374,7 +373,7 @@ def test_interrupted_export_leaves_the_old_folder(tmp_path: Path, tok_path: Path
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("smallem_cli.interop.exportdir.shutil.copyfile", crash)  # dies after the weights are written
+    monkeypatch.setattr("smallem_cli.interop.hf.shutil.copyfile", crash)  # dies after the weights are written
     with pytest.raises(KeyboardInterrupt):
         export_hf(ckpt, tmp_path / "out", tok_path, overwrite=True)
     with pytest.raises(KeyboardInterrupt):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,6 @@ import torch
 
 from smallem_cli import defaults
 from smallem_cli.backends.engines import Backend
-from smallem_cli.bench import run as bench
 from smallem_cli.engine import family
 from smallem_cli.engine.generate import generate
 from smallem_cli.model import checkpoint
@@ -32,6 +32,11 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return checkpoint._tensors(path, checkpoint.config_of(meta, path), meta.get("kind") == "mtp"), meta
 
 
+def read_tokens(path: Path) -> list[list[int]]:
+    """The token ids of a prompts file (one JSON object a line, as `bench.write_prompts` writes it)."""
+    return [json.loads(line)["tokens"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 @pytest.fixture(scope="module")
 def target() -> family.Target:
     return family.load_target(defaults.TARGET, torch.device("cpu"))
@@ -39,7 +44,7 @@ def target() -> family.Target:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    return bench.read_prompts(defaults.PROMPTS)
+    return read_tokens(defaults.PROMPTS)
 
 
 def test_files_are_16_bit_and_share_the_tokenizer(target: family.Target) -> None:
@@ -122,7 +127,7 @@ def test_batch_engine_on_the_shipped_family(target: family.Target, backend_name:
     from smallem_cli.engine.build import build_engine
     from smallem_cli.engine.request import Request
 
-    batch = bench.read_prompts(defaults.BATCH_PROMPTS)
+    batch = read_tokens(defaults.BATCH_PROMPTS)
     assert len(batch) == 64 and all(len(p) == 32 for p in batch)
     b = Backend(backend_name)
     eng = build_engine(

@@ -286,8 +286,7 @@ def test_vllm_check(tmp_path: Path) -> None:
     """`make vllm-check`'s check on the shipped family, 48 new tokens: vLLM offline (target alone,
     with draft-2l, ngram, the MTP module at k = 1 and 3) and `vllm serve` give Smallem's greedy
     tokens; the MTP module's first guesses are accepted as often as ours; the server is gone after."""
-    from smallem_cli.interop.hf import export_hf
-    from smallem_cli.interop.hf_mtp import export_mimo
+    from smallem_cli.interop.hf import export_hf, export_mimo
 
     ck = ROOT / "checkpoints"
     for name in ("target", "draft-2l"):
@@ -315,8 +314,7 @@ def test_export_mimo_layout(family: Family, tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from smallem_cli.interop.hf import export_hf
-    from smallem_cli.interop.hf_mtp import export_mimo
+    from smallem_cli.interop.hf import export_hf, export_mimo
     from smallem_cli.model import checkpoint
 
     out = tmp_path / "mimo"
@@ -358,8 +356,7 @@ def test_mimo_target_is_the_llama_target(family: Family, tmp_path: Path) -> None
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from smallem_cli.interop.hf import export_hf
-    from smallem_cli.interop.hf_mtp import export_mimo
+    from smallem_cli.interop.hf import export_hf, export_mimo
 
     export_mimo(family.target, family.mtp, tmp_path / "mimo", family.tokenizer)
     export_hf(family.target, tmp_path / "llama", family.tokenizer)

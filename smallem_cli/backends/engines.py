@@ -1,22 +1,24 @@
-"""The backend a run's passes take, chosen once by the command line: "eager" (PyTorch), or the native
-C++ kernels on a CPU ("native", the widest build this CPU runs; "native-avx2", to time beside it)."""
+"""How a run's passes are computed, chosen once and handed to the engine: "eager" (PyTorch: the reference, and
+the GPU's), "native" (the C++ kernels, the widest build this CPU runs) or "native-avx2"."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from .native.kernels import ENGINES as NATIVE_BUILDS
+from .native.kernels import Log
 
 if TYPE_CHECKING:
     from ..model.llama import MTPModule, Transformer
     from .native import NativeSteps
 
-Log = Callable[[str], None]
+    Models = Iterable[Transformer | MTPModule]
+
 NATIVE = tuple(NATIVE_BUILDS)  # the native engine's builds: the widest this CPU runs, and its AVX2 one
 ENGINES = ("auto", "eager", *NATIVE)
 BENCH_ENGINES = ("eager", *NATIVE[::-1])  # slowest first: the AVX2 build before the widest
@@ -33,17 +35,10 @@ class Backend:
         self._refused: set[int] = set()
 
     def steps(self, model: object) -> NativeSteps | None:
-        """The model's native steps in this backend, or None: it runs eager."""
         got = self._steps.get(id(model))
         return got[1] if got is not None and got[0] is model else None
 
-    def prepare(
-        self,
-        target: Transformer,
-        models: Iterable[Transformer | MTPModule],
-        log: Log | None = None,
-        int8: Iterable[Transformer | MTPModule] = (),
-    ) -> str:
+    def prepare(self, target: Transformer, models: Models, log: Log | None = None, int8: Models = ()) -> str:
         """Native steps for the target and the proposer's models (`int8`: those read as int8), before
         anything is timed -> `label`: the name, "eager" where no model could have them, or "partly <name>"."""
         if self.name == "eager":
@@ -58,8 +53,7 @@ class Backend:
             if id(m) in self._steps or id(m) in self._refused:
                 continue
             try:
-                steps = native.NativeSteps(m, target, quiet, cache_root(), self.name, id(m) in small)
-                self._steps[id(m)] = (m, steps)
+                self._steps[id(m)] = (m, native.NativeSteps(m, target, quiet, cache_root(), self.name, id(m) in small))
             except (native.NativeUnavailable, OSError) as e:
                 self._refused.add(id(m))
                 said.setdefault(str(e), []).append(type(m).__name__)
@@ -74,10 +68,8 @@ class Backend:
 
 
 def cache_root() -> Path:
-    """Where the native kernels are built: $SMALLEM_CACHE, else $XDG_CACHE_HOME/smallem, else
-    ~/.cache/smallem; a leading ~ in either is the home folder, as in a shell."""
-    env = os.environ.get("SMALLEM_CACHE")
-    if env:
+    """Where the native kernels are built: $SMALLEM_CACHE, else $XDG_CACHE_HOME/smallem, else ~/.cache/smallem."""
+    if env := os.environ.get("SMALLEM_CACHE"):
         return Path(os.path.expanduser(env))
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(os.path.expanduser(xdg)) if xdg else Path.home() / ".cache") / "smallem"
@@ -95,8 +87,7 @@ def chosen(engine: str) -> str:
 
 
 def engine_mode(engine: str, device: torch.device) -> str:
-    """--engine -> the backend's name: "eager", "native" (auto on a CPU) or "native-avx2";
-    ValueError for an unknown name, or a native engine off the CPU."""
+    """--engine -> the backend's name (auto: native on a CPU); ValueError for an unknown or impossible one."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: use {', '.join(ENGINES)}")
     if engine in NATIVE and device.type != "cpu":

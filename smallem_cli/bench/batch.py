@@ -1,7 +1,5 @@
-"""`smallem bench --batch 1,4,16,64`: the batch engine's throughput and latency, greedy, at these
-batch sizes: tokens/s over all requests (first admission to last answer), mean time in the engine,
-acceptance, tokens per pass, and identity with the first row (the target alone at the smallest batch).
-"""
+"""`smallem bench --batch 1,4,16,64`: the batch engine's throughput (first admission to last answer), mean
+latency, acceptance, tokens per pass and identity with the first row, greedy, at these batch sizes."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from ..backends.engines import Backend, Log
 from ..engine import family
 from ..engine.request import Finished, Request
 from ..engine.scheduler import Engine
-from .report import right_table, save_plot
+from .run import right_table, save_plot
 
 
 @dataclass
@@ -43,7 +41,6 @@ class BatchRow:
 
 
 def _timed(eng: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[Finished]]:
-    """All the prompts through `eng` -> (wall seconds, each prompt's answer in order)."""
     reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     done = {f.request.index: f for f in eng.run(reqs)}
@@ -53,8 +50,7 @@ def _timed(eng: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[
 def alone_at_batch(
     tgt: family.Target, prompts: list[list[int]], max_new_tokens: int, engine: str, log: Log
 ) -> tuple[float, list[list[int]]]:
-    """The target alone through the batch engine, all the prompts in one batch after a warm-up batch,
-    as a peer's batch runs -> (generated tokens/s over the whole batch, each prompt's tokens)."""
+    """The target alone through the batch engine, the prompts as one batch -> (tokens/s, each prompt's tokens)."""
     from ..engine.build import build_engine
 
     eng = build_engine(
@@ -104,8 +100,7 @@ def from_cli(
 
     from ..engine.build import build_engine, cache_budget, fit_batch, sequence_bytes
 
-    # UsageError before any row runs for a size whose target cache alone does not fit (the largest
-    # fits: all do); a proposer's cache on top is checked as its engine is built
+    # a size whose target cache alone does not fit is refused before any row runs (a proposer's: as built)
     per_sequence = sequence_bytes([tgt.model], tgt.model.cfg.max_seq_len, D.PAGE_SIZE)
     fit_batch(max(sizes), per_sequence, cache_budget(device), strict=True)
     backends: dict[str, Backend] = {}  # one per engine: the target's native steps built once
@@ -125,17 +120,16 @@ def from_cli(
                 weights=suffix if suffix in D.WEIGHTS else weights, strict=True,
             )  # fmt: skip
             wall, done = _timed(eng, prompts, max_new_tokens)
-            outs = [f.tokens for f in done]
+            outs, st = [f.tokens for f in done], [f.stats for f in done]
             reference = outs if reference is None else reference
             same = sum(a == b for a, b in zip(outs, reference, strict=True))
-            st = [f.stats for f in done]
             tokens = sum(len(o) for o in outs)
             passes = sum(s["target_passes"] for s in st)  # type: ignore[misc]
-            acc = statistics.mean(float(s["acceptance_rate"]) for s in st)  # type: ignore[arg-type]
             rows.append(BatchRow(
                 engine, name, "auto" if k is None else str(k), size, len(prompts), tokens, wall, tokens / wall,
                 statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
-                acc, tokens / max(1, passes), eng.rounds, eng.preemptions, f"{same}/{len(prompts)}",
+                statistics.mean(float(s["acceptance_rate"]) for s in st),  # type: ignore[arg-type]
+                tokens / max(1, passes), eng.rounds, eng.preemptions, f"{same}/{len(prompts)}",
             ))  # fmt: skip
     if plot_file:  # throughput against batch size, a line per engine, proposer and k
         lines: dict[str, list[tuple[float, float]]] = {}

@@ -1,11 +1,6 @@
-"""Peers side by side, timed in the same process as our rows, on the same weights (exported),
-prompts and token counts (their extras are checked before anything is timed, `options.check_bench`):
-- `hf`: transformers' generate() and assisted generation (the `hf` extra: transformers);
-- `llamacpp`: llama.cpp on the target exported as GGUF, f32 and f16 weights, the engine a CPU
-  user would pick instead (the `llamacpp` extra: llama-cpp-python and gguf);
-- `vllm`: vLLM's CPU build, one request at a time and a batch, the target alone and with
-  draft-2l, run by the python of its own venv (`.venv-vllm`; see vllm_peer.py).
-"""
+"""Peers side by side, timed in the same process as our rows, on the same weights (exported), prompts and token
+counts: `hf`, transformers' generate() and assisted generation; `llamacpp`, llama.cpp on the target as GGUF in
+f32 and f16, what a CPU user would pick instead; `vllm`, vLLM's CPU build, in its own venv (`interop.vllm_peer`)."""
 
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,31 +23,26 @@ from ..backends.engines import Log, fastest
 from ..defaults import default_k
 from ..engine.family import NONE, Proposer, Target
 from ..engine.generate import generate
-from ..interop.vllm_peer import agreement, peer_row
+from ..interop import vllm_peer as V
+from ..interop.hf import export_hf
 from ..stats import Stats
-from .costs import pass_costs, sync
-from .report import right_table
-from .run import Gen, Plan, Row, best_greedy, our_row, round_robin
+from .batch import alone_at_batch
+from .run import Gen, Plan, Row, best_greedy, our_row, pass_costs, right_table, round_robin, sync
 
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
-COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `costs.pass_costs`'s
+COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `run.pass_costs`'s
 
 
 def run_peer(
     peer: str, target: Target, ckpt_dir: Path, prompts: list[list[int]], rows: list[Row], plan: Plan, log: Log
 ) -> list[dict]:
-    """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`, `vllm_peer.bench_peer`)."""
+    """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`, `vllm_peer`)."""
     max_new = plan.max_new
     if peer == "llamacpp":  # with our fastest greedy speculative row, timed in turn
         return llamacpp_peer(target, prompts, plan, best_greedy(rows, plan))
     if peer == "vllm":
-        from ..interop.vllm_peer import bench_peer
-        from .batch import alone_at_batch
-
-        def at_batch(engine: str) -> tuple[float, list[list[int]]]:  # vLLM's batch against our batch engine's
-            return alone_at_batch(target, prompts, max_new, engine, log)
-
-        return bench_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
+        at_batch = partial(alone_at_batch, target, prompts, max_new, log=log)  # vLLM's batch beside our batch engine's
+        return vllm_peer(target, ckpt_dir, prompts, max_new, rows, torch.get_num_threads(), log, at_batch=at_batch)
     return hf_peer(target, ckpt_dir, prompts, max_new, rows)
 
 
@@ -81,8 +72,7 @@ def peer_table(peer_rows: list[dict]) -> Table | Group:
     c = right_table(title, ("engine", "one-token pass ms", *(f"T={T}" for T in passes)))
     for r in costs:
         c.add_row(r["peer"], f"{r['one_pass_ms']:.3f}", *(f"{r['pass_cost'][str(T)]:.2f}" for T in passes))
-    r = costs[-1]  # ours: the same reading in every row
-    if r.get("ours_pass_cost"):
+    if (r := costs[-1]).get("ours_pass_cost"):  # ours: the same reading in every row
         ours = [f"{r['ours_pass_cost'][str(T)]:.2f}" for T in passes]
         c.add_row(f"ours ({r['ours_engine']})", f"{r['ours_one_pass_ms']:.3f}", *ours)
     return Group(t, c)
@@ -100,11 +90,8 @@ def _wall(gen: Callable[[list[int], int], list[int]]) -> Gen:
 
 
 def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: int, rows: list[Row]) -> list[dict]:
-    """transformers' generate() and assisted generation (draft-2l), greedy, checked against our tokens
-    and set beside our rows of the same run (`our_row`)."""
+    """transformers' generate() and assisted generation (draft-2l), greedy, beside our rows (`our_row`)."""
     import transformers
-
-    from ..interop.hf import export_hf
 
     dev = target.model.embed_tokens.weight.device
     ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
@@ -130,15 +117,14 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     out = []
     for (label, [(st, outs)]), (name, kk) in zip(runs.items(), [("none", 0), ("draft-2l", k)], strict=True):
         row = our_row(rows, name, kk)
-        same = agreement(ref, outs)[0]
-        out.append(peer_row(label, st.tokens_per_s, row.tokens_per_s if row else math.nan, f"{same}/{len(prompts)}"))
+        same = V.agreement(ref, outs)[0]
+        out.append(V.peer_row(label, st.tokens_per_s, row.tokens_per_s if row else math.nan, f"{same}/{len(prompts)}"))
     return out
 
 
 class LlamaCpp:
-    """One GGUF file under llama.cpp, driven through its C API (`llama_decode` on a batch): greedy
-    generation by argmax of the logits, and passes over T tokens for their cost. Its K/V cache is
-    float32 (llama.cpp's default is float16), as ours: a greedy run depends on the weights' dtype alone."""
+    """One GGUF file under llama.cpp's C API (`llama_decode` on a batch): greedy generation and passes over T
+    tokens. Its K/V cache is float32, as ours (llama.cpp's default: float16), so that only the weights differ."""
 
     def __init__(self, path: Path, n_ctx: int, threads: int, n_vocab: int) -> None:
         import llama_cpp as lib
@@ -167,12 +153,10 @@ class LlamaCpp:
         b.n_tokens = n
         for i, t in enumerate(tokens):
             b.token[i], b.pos[i], b.logits[i] = t, start + i, all_logits or i == n - 1
-        rc = self.lib.llama_decode(self.ctx, b)
-        if rc != 0:
+        if (rc := self.lib.llama_decode(self.ctx, b)) != 0:
             raise RuntimeError(f"llama_decode failed with code {rc}")
 
     def generate(self, prompt: list[int], n: int) -> list[int]:
-        """n greedy tokens after the prompt, from an empty cache."""
         self.clear()
         out: list[int] = []
         while len(out) < n:
@@ -183,8 +167,7 @@ class LlamaCpp:
         return out
 
     def pass_seconds(self, prompt: list[int], passes: list[int], reps: int = 60) -> dict[int, float]:
-        """Median seconds of a pass over T tokens (logits of all T, as a verify pass needs), at
-        COST_CONTEXT positions of context, round-robin over the T values after two warm-up rounds."""
+        """Median seconds of a pass over T tokens (all T's logits) at COST_CONTEXT, as `run._interleaved`."""
         ids = (prompt * (COST_CONTEXT // len(prompt) + 1))[:COST_CONTEXT]
         self.clear()
         self.decode(ids, 0)
@@ -208,14 +191,11 @@ class LlamaCpp:
 def llamacpp_peer(
     target: Target, prompts: list[list[int]], plan: Plan, spec: tuple[str, Proposer, int] | None
 ) -> list[dict]:
-    """llama.cpp on the target's weights, greedy, on torch's thread count: as GGUF in f32 and f16 (and a
-    GGUF target's own file first); timed in turn with our target alone on the plan's fastest
-    engine and our speculative `spec` (name, proposer, k); its tokens checked against our eager target
-    alone's, the pass costs over T tokens read for both."""
+    """llama.cpp on the target as GGUF in f32 and f16 (a GGUF target's own file first), greedy, timed in turn
+    with our target alone and `spec` (name, proposer, k) on the plan's fastest engine; pass costs of both."""
     from ..interop.gguf import restore_gguf, write_gguf
 
-    model, max_new = target.model, plan.max_new
-    threads = torch.get_num_threads()
+    model, max_new, threads = target.model, plan.max_new, torch.get_num_threads()
     engine = fastest(plan.engines)
     backend = plan.backends[engine]  # prepared (`prepare_engines`)
 
@@ -245,26 +225,74 @@ def llamacpp_peer(
                 p.close()
     unit, ours = pass_costs(model, list(LLAMACPP_PASSES), prompts[0], backend, COST_CONTEXT)
     tps = {name: statistics.median(st.tokens_per_s for st, _ in r) for name, r in runs.items()}
-    same = {name: agreement(ref, r[0][1]) for name, r in runs.items()}  # in the first run
+    same = {name: V.agreement(ref, r[0][1]) for name, r in runs.items()}  # in the first run
     n = len(prompts)
     out = []
     for dtype, secs in costs.items():
-        row = peer_row(
-            f"llama.cpp {dtype} ({threads} threads)",
-            tps[dtype],
-            tps["ours"],
-            f"{same[dtype][0]}/{n}",
-            tokens_identical=f"{same[dtype][1]}/{n * max_new}",
-            ours_engine=engine,
-            ours_identical=f"{same['ours'][0]}/{n}",
-            one_pass_ms=secs[1] * 1e3,
-            pass_cost={str(T): secs[T] / secs[1] for T in LLAMACPP_PASSES},
-            ours_one_pass_ms=unit * 1e3,
-            ours_pass_cost={str(T): ours[T] for T in LLAMACPP_PASSES},
-            threads=threads,
-        )
+        row = V.peer_row(
+            f"llama.cpp {dtype} ({threads} threads)", tps[dtype], tps["ours"], f"{same[dtype][0]}/{n}",
+            tokens_identical=f"{same[dtype][1]}/{n * max_new}", ours_engine=engine,
+            ours_identical=f"{same['ours'][0]}/{n}", one_pass_ms=secs[1] * 1e3,
+            pass_cost={str(T): secs[T] / secs[1] for T in LLAMACPP_PASSES}, ours_one_pass_ms=unit * 1e3,
+            ours_pass_cost={str(T): ours[T] for T in LLAMACPP_PASSES}, threads=threads,
+        )  # fmt: skip
         if spec is not None:
             row.update(spec=f"{spec[0]} k={spec[2]}", spec_tokens_per_s=tps["spec"],
                        spec_over_peer=tps["spec"] / tps[dtype], spec_identical=f"{same['spec'][0]}/{n}")  # fmt: skip
         out.append(row)
+    return out
+
+
+@dataclass
+class Ours:  # what a row of `bench --peer vllm` sets beside vLLM's (nan and None: our row was not run)
+    tokens_per_s: float = float("nan")
+    tokens_per_step: float = float("nan")
+    engine: str | None = None
+    identical: str | None = None  # greedy identity with our eager target alone
+    batch: int | None = None  # 1: one request at a time
+
+
+def vllm_peer(
+    target: Target,
+    ckpt_dir: Path,
+    prompts: list[list[int]],
+    max_new: int,
+    rows: list[Row],
+    threads: int,
+    log: Log = lambda m: None,
+    *,
+    at_batch: Callable[[str], tuple[float, list[list[int]]]],
+) -> list[dict[str, Any]]:
+    """vLLM offline on the same weights exported, greedy: the target alone and with draft-2l at our greedy k,
+    one request at a time beside our `rows`, and as one batch beside `at_batch(engine)`'s (tokens/s, answers)."""
+    python = V.find_python()
+    env = V.vllm_env(python, threads)
+    k, n = default_k("draft-2l", greedy=True), len(prompts)
+    ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
+    engine = fastest(r.engine for r in rows)  # the engine our one-at-a-time rows are read from
+    log(f"ours: the target alone through the batch engine ({engine}), a batch of {n}")
+    batch_tps, batch_out = at_batch(engine)
+    batch = Ours(batch_tps, 1.0, engine, f"{V.agreement(ref, batch_out)[0]}/{n}", n)
+    out: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
+        for name in ("target", "draft-2l"):
+            export_hf(ckpt_dir / f"{name}.safetensors", Path(tmp) / name, target.tokenizer)
+        for label, draft, kk in (("target alone", None, 0), (f"+ draft-2l (k={k})", "draft-2l", k)):
+            log(f"vLLM: {label}, one request at a time and a batch of {n}")
+            spec = {"model": str(Path(tmp) / draft), "num_speculative_tokens": kk} if draft else None
+            job = {"target": str(Path(tmp) / "target"), "spec": spec, "prompts": prompts, "max_new": max_new}
+            res = V.run_offline(python, {**job, "single": True}, env)
+            row = our_row(rows, draft or "none", kk)
+            single = Ours(row.tokens_per_s, row.tokens_per_pass, row.engine, row.identical, 1) if row else Ours()
+            for part, how in (("single", "one request at a time"), ("batch", f"batch of {n}")):
+                got, ours = res[part], batch if part == "batch" and draft is None else single
+                tps = sum(len(t) for t in got["tokens"]) / got["seconds"]
+                acc, (whole, each, total) = V.acceptance(got["spec"]), V.agreement(ref, got["tokens"])
+                out.append(V.peer_row(
+                    f"vLLM {label}, {how}", tps, ours.tokens_per_s, f"{whole}/{n}", tokens_identical=f"{each}/{total}",
+                    tokens_per_step=acc.tokens_per_step if acc else 1.0, ours_tokens_per_step=ours.tokens_per_step,
+                    ours_engine=ours.engine, ours_batch=ours.batch, ours_identical=ours.identical,
+                    acceptance=acc.rate if acc else None, accepted_at=acc.per_pos if acc else None, threads=threads,
+                    version=res["version"], load_s=res["load_s"],
+                ))  # fmt: skip
     return out

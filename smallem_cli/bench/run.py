@@ -1,31 +1,39 @@
-"""Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each).
-
-Every row is timed in the same run as the target alone, so speed-ups are ratios of measurements
-taken side by side on the same (noisy, shared) machine. c and v (`costs`) and the conditional
-acceptance α feed the seed's cost model: measured / predicted tells what the loop loses.
-"""
+"""Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each). Every row is timed in the
+same run as the target alone, so speed-ups are ratios of measurements taken side by side on the same (noisy,
+shared) machine. The seed's cost model takes α, c (a proposer's cost per guess) and v (a round's target side
+over k+1 tokens), in rounds of the target alone, read from a row's own runs (`run_costs`): measured / predicted
+tells what the loop loses. `pass_costs` times the target's side alone, set beside a peer's passes."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 from pathlib import Path
 
+import torch
+from rich.table import Table
+
 from .. import atomic
 from .. import defaults as D
 from ..backends import engines
 from ..backends.engines import Backend
+from ..engine.build import assemble
 from ..engine.family import NONE, Proposer
 from ..engine.generate import generate
+from ..engine.pool import PagePool, pages_for
+from ..engine.proposers import NoGuess
+from ..engine.request import Request
+from ..engine.runner import TargetRunner, decode_round, prefill
+from ..engine.sequence import Seq
 from ..model.llama import Transformer
 from ..model.tokenizer import load_tokenizer
 from ..spec.sampling import Sampling
 from ..stats import Stats
 from ..train.data import read_documents
-from .costs import conditional_alpha, predicted_speedup, run_costs
 
 
 def write_prompts(
@@ -40,18 +48,12 @@ def write_prompts(
     if len(docs) < count:
         raise ValueError(f"only {len(docs)} windows of {length} tokens in the validation text")
     step = len(docs) / count
-    lines = []
-    for i in range(count):
-        ids = docs[int(i * step)][:length]
-        if restate:  # on a line of its own
-            ids = ids + tok.encode("\n").ids + ids[:restate]
-        lines.append(json.dumps({"tokens": ids, "text": tok.decode(ids)}))
+    picked = [docs[int(i * step)][:length] for i in range(count)]
+    if restate:  # on a line of its own
+        picked = [ids + tok.encode("\n").ids + ids[:restate] for ids in picked]
+    lines = [json.dumps({"tokens": ids, "text": tok.decode(ids)}) for ids in picked]
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic.replace_with(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
-
-
-def read_prompts(path: Path) -> list[list[int]]:
-    return [json.loads(line)["tokens"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 @dataclass
@@ -82,9 +84,8 @@ Gen = Callable[[int, list[int], int], tuple[list[int], Stats]]  # (prompt's inde
 def round_robin(
     gens: dict[str, Gen], prompts: list[list[int]], max_new: int, repeats: int, progress: engines.Log | None = None
 ) -> dict[str, list[tuple[Stats, list[list[int]]]]]:
-    """Each gen on a warm-up, then every gen on prompt 1, then on prompt 2, ..., `repeats` times, so
-    that a slow spell of a shared machine (seconds long) falls on all alike -> per gen, per run:
-    (its stats summed over the prompts, its outputs)."""
+    """Every gen warmed up, then on prompt 1, on prompt 2, ..., `repeats` times, so that a slow spell of a shared
+    machine falls on all alike -> per gen, per run: (its stats summed over the prompts, its outputs)."""
     for gen in gens.values():
         gen(0, prompts[0][:16], 16)
     runs: dict[str, list[tuple[Stats, list[list[int]]]]] = {label: [] for label in gens}
@@ -103,7 +104,6 @@ def round_robin(
 
 
 def _add(total: Stats, st: Stats) -> None:
-    """`st`'s counters added to `total`'s."""
     for name in ("new_tokens", "passes", "proposed", "accepted", "elapsed_s", "propose_s", "round_s"):
         setattr(total, name, getattr(total, name) + getattr(st, name))
     total.accepted_at = [a + b for a, b in zip_longest(total.accepted_at, st.accepted_at, fillvalue=0)]
@@ -124,20 +124,14 @@ class Plan:
     modes: list[str]  # "greedy", "sample"
     max_new: int = D.MAX_NEW_TOKENS
     repeats: int = D.BENCH_REPEATS
-    # "eager", "native-avx2" and/or "native" (steps loaded beforehand, `prepare_engines`). Without eager,
-    # the eager target alone still runs, as the reference of identity and of `vs_eager`.
+    # without eager, the eager target alone still runs: the reference of identity and of `vs_eager`
     engines: tuple[str, ...] = ("eager",)
     sample: Sampling = field(default_factory=lambda: Sampling(D.BENCH_TEMPERATURE))  # the sample mode's draws
     backends: dict[str, Backend] = field(default_factory=dict)  # by engine, made by `prepare_engines`
 
 
-def plan_sampling(plan: Plan, mode: str) -> Sampling:
-    return plan.sample if mode == "sample" else Sampling()
-
-
 def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
-    """A backend for each engine of the plan (and eager, the reference), its native steps built
-    (or loaded) for the target and every proposer before anything is timed."""
+    """A backend for each engine of the plan and eager, its native steps ready before anything is timed."""
     models = [m for ps in plan.proposers.values() for p in ps.values() for m in p.models]
     int8 = [m for ps in plan.proposers.values() for p in ps.values() if p.int8 for m in p.models]
     dev = target.embed_tokens.weight.device
@@ -176,12 +170,11 @@ def _gen(target: Transformer, p: Proposer, k: int, draws: Sampling, backend: Bac
 def run_bench(
     target: Transformer, prompts: list[list[int]], plan: Plan, progress: engines.Log | None = None
 ) -> list[Row]:
-    """Every configuration of the plan, the target alone first, timed in the same run (`round_robin`).
-    The cost model's c and v are read from the runs themselves (`costs.run_costs`): the path they took."""
+    """Every configuration of the plan, the target alone first, timed in the same run (`round_robin`)."""
     backends = {e: plan.backends.get(e) or Backend(e) for e in ("eager", *plan.engines)}
     rows: list[Row] = []
     for mode in plan.modes:
-        draws = plan_sampling(plan, mode)
+        draws = plan.sample if mode == "sample" else Sampling()
         configs = _configs(plan, mode)
         gens = {f"{mode} {e} {name} k={k}": _gen(target, p, k, draws, backends[e]) for e, name, p, k in configs}
         runs = list(round_robin(gens, prompts, plan.max_new, plan.repeats, progress).values())
@@ -197,8 +190,7 @@ def run_bench(
                 pred = (1 + st.accepted / max(1, rounds)) / (st.proposed / max(1, rounds) * cc + vv)
             else:
                 pred = predicted_speedup(alpha, k, cc, vv)
-            # Each timed run against the target alone's run of the same round, then the
-            # median: a slow spell of the machine spans both sides of a ratio.
+            # each run over the target alone's run of the same round: a slow spell spans both sides
             speed = statistics.median(a / b for a, b in zip(tps[j], tps[base[engine]], strict=True))
             vs_eager = statistics.median(a / b for a, b in zip(tps[j], tps[0], strict=True))
             outs = runs[j][0][1]
@@ -210,3 +202,161 @@ def run_bench(
                 alpha, cc, vv, pred, speed / pred, identical, plan.repeats, tps[j], engine, vs_eager,
             ))  # fmt: skip
     return rows
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _interleaved(fns: dict[int, Callable[[], object]], reps: int) -> dict[int, float]:
+    """Median seconds of each fn over reps calls, taken round-robin (after two warm-up rounds), so
+    that a shift in the machine's load touches every fn alike and their ratios stay true."""
+    times: dict[int, list[float]] = {name: [] for name in fns}
+    for r in range(reps + 2):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+class _Offer(NoGuess):
+    """Offers the same guesses every round: the target's side of a round, whatever the proposer."""
+
+    def __init__(self, guesses: torch.Tensor) -> None:
+        self.guesses = guesses
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return [(self.guesses, None) for _ in seqs]
+
+
+def _target_round(t: TargetRunner, s: Seq, guesses: torch.Tensor, span: int) -> Callable[[], object]:
+    """The target's side of a round offering `guesses`, then `s` put back as it was (length, last token, pages)."""
+    offer = _Offer(guesses)
+
+    def run() -> object:
+        cached, last = s.cached, s.last
+        got = decode_round(t, offer, [s])
+        s.cached, s.last = cached, last
+        t.pool.reserve(s.uid, span)
+        return got
+
+    return run
+
+
+@torch.inference_mode()
+def pass_costs(
+    target: Transformer, ts: list[int], prompt: list[int], backend: Backend, context: int = 132, reps: int = 60
+) -> tuple[float, dict[int, float]]:
+    """The seconds of the target's round of one token (the unit) at `context`, and of one over each T of `ts` in it."""
+    span = context + max(ts) + 4
+    pool = PagePool(pages_for(span, D.PAGE_SIZE), D.PAGE_SIZE)
+    engine = assemble(target, NONE, backend, pool, max(ts), auto_k=False, max_batch=1)
+    t, dev = engine.t, engine.t.slab.device
+    ids = (prompt * (context // len(prompt) + 1))[:context]
+    s = engine._seq(Request(0, 0, tuple(ids), 1 << 20, Sampling()))
+    pool.add(s.uid)
+    pool.reserve(s.uid, span)
+    prefill(t, NoGuess(), [s])
+    feed = torch.tensor(ids[1 : max(ts)], device=dev)  # guesses that tend to be rejected
+    fns = {T: _target_round(t, s, feed[: T - 1], span) for T in sorted(set(ts) - {1})}
+    # The unit is timed as the target alone runs: its rounds back to back, its weights kept in the
+    # CPU's cache, before and after the rest (a shift of the machine's load in between touches both).
+    alone = {1: _target_round(t, s, feed[:0], span)}
+    before = _interleaved(alone, reps)[1]
+    times = _interleaved(fns, reps)
+    unit = (before + _interleaved(alone, reps)[1]) / 2
+    pool.release(s.uid)
+    return unit, {T: times.get(T, unit) / unit for T in ts}
+
+
+def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
+    """The cost model's α: each guess kept with probability α once the ones before it were. Only the guesses
+    reached count (the first of every round, the i-th when the i-1 before it were kept), unlike accepted / proposed."""
+    reached = rounds + sum(accepted_at[:-1])
+    return sum(accepted_at) / reached if reached else 0.0
+
+
+def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
+    """The seed's cost model: a round yields (1-α^(k+1))/(1-α) tokens for k·c + v passes."""
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + v)
+
+
+def run_costs(st: Stats, rounds: int, alone: Stats, alone_rounds: int) -> tuple[float, float]:
+    """c and v as a run spent them (`Stats.propose_s`, `round_s`), in rounds of the target alone's run
+    beside it: c, the proposer's seconds per guess; v, the rest of a round (its verification)."""
+    unit = alone.round_s / max(1, alone_rounds)
+    c = st.propose_s / st.proposed / unit if st.proposed else 0.0
+    return c, (st.round_s - st.propose_s) / max(1, rounds) / unit
+
+
+def right_table(title: str, cols: Iterable[str], left: str = "") -> Table:
+    t = Table(title=title)
+    for col in cols:
+        t.add_column(col, justify="left" if col == left else "right")
+    return t
+
+
+def save_plot(lines: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str, log2: bool) -> None:
+    """A PNG of a line per label (matplotlib: the `plot` extra); x on a log2 scale, or a grey line at y = 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in lines.items():
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    if log2:
+        ax.set_xscale("log", base=2)
+    else:
+        ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Speed-up against k for each proposer, mode and engine."""
+    lines = {}
+    for mode, engine in sorted({(r.mode, r.engine) for r in rows}):
+        for name in sorted({r.proposer for r in rows if r.proposer != "none"}):
+            pts = sorted((r.k, r.speedup) for r in rows if (r.proposer, r.mode, r.engine) == (name, mode, engine))
+            if pts:
+                lines[f"{name} ({mode}, {engine})"] = pts
+    save_plot(lines, path, "k (proposals per round)", "speed-up over the target alone", False)
+
+
+def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: str, threads: int) -> Table:
+    """A row a configuration: speed, acceptance, the cost model's inputs and prediction, identity."""
+    title = f"{n_prompts} prompts x {max_new} new tokens, median of {repeats} runs, {device}, {threads} threads"
+    cols = ("mode", "engine", "proposer", "k", "tok/s", "speed-up", "vs eager", "α", "α model", "tok/pass")
+    t = right_table(title, (*cols, "per position", "c", "v", "predicted", "meas/pred", "identical"))
+    for r in rows:
+        t.add_row(
+            r.mode, r.engine, r.proposer, str(r.k), f"{r.tokens_per_s:.1f}", f"×{r.speedup:.2f}",
+            "" if r.vs_eager is None else f"×{r.vs_eager:.2f}",
+            f"{r.acceptance_rate:.3f}", f"{r.alpha_model:.3f}", f"{r.tokens_per_pass:.2f}",
+            " ".join(f"{a:.2f}" for a in r.accepted_at),
+            f"{r.cost_c:.3f}", f"{r.cost_v:.2f}", f"×{r.predicted_speedup:.2f}", f"{r.measured_over_predicted:.2f}",
+            r.identical or "",
+        )  # fmt: skip
+    return t
+
+
+def sweep_table(rows: list[Row]) -> Table:
+    ks = sorted({r.k for r in rows if r.k})
+    head = "mode / engine / proposer"
+    t = right_table("k sweep: speed-up (acceptance)", [head, *(f"k={k}" for k in ks)], head)
+    for mode, engine in dict.fromkeys((r.mode, r.engine) for r in rows):
+        for name in dict.fromkeys(r.proposer for r in rows if r.proposer != "none"):
+            mine = [r for r in rows if (r.mode, r.engine, r.proposer) == (mode, engine, name)]
+            if cells := {r.k: f"×{r.speedup:.2f} ({r.acceptance_rate:.2f})" for r in mine}:
+                t.add_row(f"{mode} {engine} {name}", *[cells.get(k, "") for k in ks])
+    return t

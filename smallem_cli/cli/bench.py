@@ -92,7 +92,6 @@ def bench(
     from rich.progress import Progress
 
     from ..backends import engines
-    from ..bench import report as R
     from ..bench import run as B
     from ..bench.batch import from_cli
     from ..bench.peer import peer_table, run_peer
@@ -159,14 +158,14 @@ def bench(
     except VllmError as e:  # vLLM failed in its subprocess: its error line
         raise fail(str(e), 1) from None
     if plot_file:
-        R.plot(rows, plot_file)
+        B.plot(rows, plot_file)
     if json_out:
         run = {"max_new_tokens": max_new_tokens, "repeats": repeats, "rows": [r.__dict__ for r in rows]}
         print(json.dumps(head | {"prompts": len(prompt_ids)} | run | {"peer": peer_rows}))
     else:
-        tables.print(R.table(rows, len(prompt_ids), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
+        tables.print(B.table(rows, len(prompt_ids), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
         if sweep:
-            tables.print(R.sweep_table(rows))
+            tables.print(B.sweep_table(rows))
         if peer_rows:
             tables.print(peer_table(peer_rows))
     bad = [r for r in rows if r.identical is not None and not r.identical.startswith(f"{len(prompt_ids)}/")]

@@ -48,7 +48,7 @@ def export(
 
             export_gguf(checkpoint_path, out, tok, dtype=dtype or "f32", overwrite=overwrite)
         elif fmt == "mimo":
-            from ..interop.hf_mtp import export_mimo
+            from ..interop.hf import export_mimo
 
             module = mtp or checkpoint_path.parent / "mtp.safetensors"
             export_mimo(checkpoint_path, module, out, tok, overwrite=overwrite)

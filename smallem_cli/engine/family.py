@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from .. import defaults as D
-from ..interop import gguf_read, hf
+from ..interop import gguf, hf
 from ..model import checkpoint
 from ..model.chat import ChatFormat, hf_format, own_format
 from ..model.checkpoint import CheckpointError
@@ -40,7 +40,7 @@ class Target:
 
 def foreign(path: Path) -> bool:
     """An HF folder or a GGUF file: a model Smallem did not train, its tokenizer its own."""
-    return hf.is_hf_dir(path) or gguf_read.is_gguf(path)
+    return hf.is_hf_dir(path) or gguf.is_gguf(path)
 
 
 def default_proposer(target: Path, greedy: bool) -> str:
@@ -49,10 +49,10 @@ def default_proposer(target: Path, greedy: bool) -> str:
 
 
 def load_target(path: Path, device: torch.device, tokenizer: Path | None = None) -> Target:
-    if gguf_read.is_gguf(path):
+    if gguf.is_gguf(path):
         if tokenizer is not None:
             raise CheckpointError(f"--tokenizer: the GGUF file {path} holds its own tokenizer; leave it out")
-        got = gguf_read.load_gguf(path, device)
+        got = gguf.load_gguf(path, device)
         return Target(got.model.pack(), None, got.fingerprint, path, got.tokenizer, chat=got.chat, gguf=got.types)
     if hf.is_hf_dir(path):
         model, fp = hf.load_hf(path, device)

@@ -1,46 +1,58 @@
-"""GGUF export: a smallem model as llama.cpp reads it (architecture `llama`), tokenizer included.
-
-Beyond renaming, one change: llama.cpp ropes adjacent pairs (x_2i, x_2i+1) where smallem pairs x_i with
-x_{i+D/2}, so the rows of Wq and Wk are reordered within each head (q·k, and so the outputs, unchanged).
-The tokenizer is the byte-level BPE as llama.cpp's `gpt2` model, `<|endoftext|>` both BOS and EOS.
-The `gguf` package (the `gguf` extra) is imported only when a file is written.
-"""
+"""GGUF in and out: a smallem model as llama.cpp reads it (architecture `llama`), tokenizer included, and a
+llama.cpp file as a smallem Transformer, tokenizer and chat format (weights of the TYPES to their exact values;
+anything smallem would compute differently refused with one line naming it). Beyond renaming, one change:
+llama.cpp ropes adjacent pairs (x_2i, x_2i+1) where smallem pairs x_i with x_{i+D/2}, so the rows of Wq and Wk
+are reordered within each head (outputs unchanged). The tokenizer is byte-level BPE, llama.cpp's `gpt2`, with
+`<|endoftext|>` both BOS and EOS. The `gguf` package (the `gguf` extra) is imported only when it is used."""
 
 from __future__ import annotations
 
 import json
+import mmap
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .. import atomic
 from ..config import ModelConfig
-from ..model.llama import Transformer, permute_rope
+from ..model import checkpoint
+from ..model.chat import ChatFormat
+from ..model.checkpoint import CheckpointError
+from ..model.llama import Transformer, permute_rope, unpermute_rope
 from ..model.tokenizer import EOT
-from .exportdir import ExportError, orphans, sigterm_raises
-from .hf import load_for_export
+from .hf import ExportError, load_for_export, orphans, sigterm_raises
 
 DTYPES = ("f32", "f16")
 INSTALL = "pip install 'smallem[gguf]'"
+Vocab = tuple[list[str], list[int], list[str], int | None]  # tokens by id, their types, merges, EOT's id
 _MATRICES = {  # smallem name in a layer -> llama.cpp's
     "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
     "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }  # fmt: skip
-_TOP = {
-    "embed_tokens.weight": "token_embd.weight",
-    "norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",  # an untied head only: llama.cpp reuses token_embd when it is absent
-}
+_TOP = {  # lm_head: an untied head only (llama.cpp reuses token_embd when output.weight is absent)
+    "embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+}  # fmt: skip
+MAGIC = b"GGUF"
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # read to their exact values
+PRE = {"gpt2": "gpt2", "gpt-2": "gpt2", "smollm": "smollm"}  # tokenizer.ggml.pre -> how text is split
+_CONTROL, _USER, _UNUSED = 3, 4, 5  # llama.cpp's token types (1 normal, 2 unknown, 6 byte)
+_FLOAT32 = 6  # GGUFValueType.FLOAT32
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_STRING, _ARRAY = 8, 9
+_READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError, OSError)
 
 
-def _gguf() -> Any:
+def gguf_package(error: type[Exception] = ImportError, what: str = "GGUF export") -> Any:
     try:
         import gguf
     except ImportError:
-        raise ImportError(f"GGUF export needs the gguf package: {INSTALL}") from None
+        raise error(f"{what} needs the gguf package: {INSTALL}") from None
     return gguf
 
 
@@ -70,7 +82,7 @@ def gguf_tensors(model: Transformer, dtype: str = "f32") -> dict[str, np.ndarray
     return out
 
 
-def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> tuple[list[str], list[int], list[str], int | None]:
+def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> Vocab:
     """A byte-level BPE tokenizer.json -> (tokens by id, their GGUF token types, merges "a b", the id of
     <|endoftext|> or None). The list is padded to `vocab_size` with unused `[PADn]` tokens."""
     path = Path(tokenizer_json)
@@ -84,29 +96,22 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> tuple[list[str], 
         kind = f"{model.get('type')} with a {pre.get('type')} pre-tokenizer"
         raise ExportError(f"{path}: {kind}: only byte-level BPE (GPT-2's) has a llama.cpp `gpt2` form")
     ids: dict[int, str] = {i: text for text, i in vocab.items()}
-    types = dict.fromkeys(ids, 1)  # NORMAL
+    types = dict.fromkeys(ids, 1)  # normal
     for added in tok.get("added_tokens") or []:
         i = added["id"]
-        ids[i], types[i] = added["content"], 3 if added.get("special") else 4  # CONTROL, USER_DEFINED
+        ids[i], types[i] = added["content"], _CONTROL if added.get("special") else _USER
     if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
         raise ExportError(f"{path}: its token ids do not fit the model's vocabulary of {vocab_size}")
     tokens = [ids.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    kinds = [types.get(i, 5) for i in range(vocab_size)]  # 5: UNUSED
+    kinds = [types.get(i, _UNUSED) for i in range(vocab_size)]
     pairs = [m if isinstance(m, str) else " ".join(m) for m in merges]
     eot = next((i for i, t in ids.items() if t == EOT), None)
     return tokens, kinds, pairs, eot
 
 
-def add_llama_metadata(
-    w: Any,
-    cfg: ModelConfig,
-    tokens: list[str],
-    kinds: list[int],
-    merges: list[str],
-    eot: int | None,
-    pre: str = "gpt-2",
-) -> None:
-    """A llama model's hyperparameters and its byte-level BPE tokenizer, on GGUFWriter `w`."""
+def add_llama_metadata(w: Any, cfg: ModelConfig, vocab: Vocab, pre: str = "gpt-2") -> None:
+    """A llama model's hyperparameters and its byte-level BPE tokenizer (`gguf_vocab`'s), on GGUFWriter `w`."""
+    tokens, kinds, merges, eot = vocab
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.dim)
     w.add_block_count(cfg.n_layers)
@@ -130,15 +135,14 @@ def write_gguf(
     model: Transformer, out_file: str | Path, tokenizer_json: str | Path, dtype: str = "f32", name: str = "smallem"
 ) -> None:
     """Write `model` and its tokenizer to `out_file` as it is: no checks of the destination (see export_gguf)."""
-    gguf = _gguf()
-    cfg = model.cfg
+    gguf, cfg = gguf_package(), model.cfg
     tensors = gguf_tensors(model, dtype)
-    tokens, kinds, merges, eot = gguf_vocab(tokenizer_json, cfg.vocab_size)
+    vocab = gguf_vocab(tokenizer_json, cfg.vocab_size)
     w = gguf.GGUFWriter(str(out_file), "llama")
     try:
         w.add_name(name)
         w.add_vocab_size(cfg.vocab_size)
-        add_llama_metadata(w, cfg, tokens, kinds, merges, eot)
+        add_llama_metadata(w, cfg, vocab)
         w.add_add_bos_token(False)
         w.add_add_eos_token(False)
         _finish(w, tensors, dtype)
@@ -147,9 +151,8 @@ def write_gguf(
 
 
 def restore_gguf(src: str | Path, model: Transformer, out_file: str | Path, dtype: str) -> None:
-    """GGUF file `src`'s metadata (hyperparameters, tokenizer, template) with `model`'s weights in
-    `dtype` (f32 or f16): `src`'s model, its dequantized values stored anew (for llama.cpp's peer rows)."""
-    gguf = _gguf()
+    """GGUF file `src`'s metadata with `model`'s weights (its dequantized values) in `dtype`, as `out_file`."""
+    gguf = gguf_package()
     skip = ("general.architecture", "general.file_type", "general.quantization_version")  # the writer's own
     w = gguf.GGUFWriter(str(out_file), "llama")
     try:
@@ -162,8 +165,7 @@ def restore_gguf(src: str | Path, model: Transformer, out_file: str | Path, dtyp
 
 
 def _finish(w: Any, tensors: dict[str, np.ndarray], dtype: str) -> None:
-    """The file type, the tensors, and the whole file written, on GGUFWriter `w` (its metadata added)."""
-    gguf = _gguf()
+    gguf = gguf_package()
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
     for tname, arr in tensors.items():
         w.add_tensor(tname, arr)
@@ -173,26 +175,20 @@ def _finish(w: Any, tensors: dict[str, np.ndarray], dtype: str) -> None:
 
 
 def export_gguf(
-    checkpoint_path: str | Path,
-    out_file: str | Path,
-    tokenizer_json: str | Path,
-    *,
-    dtype: str = "f32",
-    overwrite: bool = False,
+    ckpt: str | Path, out_file: str | Path, tokenizer_json: str | Path, *, dtype: str = "f32", overwrite: bool = False
 ) -> None:
     """Write a smallem model checkpoint as one GGUF file that llama.cpp loads, written aside and renamed into
     place (no half file); an existing regular file replaced only with `overwrite`, an input never."""
-    ckpt, out, tokenizer_json = Path(checkpoint_path), Path(out_file), Path(tokenizer_json)
+    ckpt, out, tokenizer_json = Path(ckpt), Path(out_file), Path(tokenizer_json)
     if dtype not in DTYPES:
         raise ExportError(f"unknown GGUF dtype {dtype!r}: use {' or '.join(DTYPES)}")
-    _gguf()  # the missing extra is reported before the checkpoint is read
+    gguf_package()  # the missing extra is reported before the checkpoint is read
     for src in (ckpt, tokenizer_json):
         if out.resolve() == src.resolve():
             raise ExportError(f"cannot export over the input {src}: choose another file")
     if out.is_dir():
         raise FileExistsError(f"{out} is a folder: give the path of the .gguf file to write")
-    # Only a regular file or nothing, judged before the checkpoint is read so that the refusal comes
-    # at once (replace_with judges it again just before its rename); --overwrite changes nothing here.
+    # only a regular file or nothing, judged before the checkpoint is read: a refusal comes at once
     if atomic.check_replaceable(out) and not overwrite:
         raise FileExistsError(f"{out} exists (pass --overwrite to replace it)")
     model, _, _ = load_for_export(ckpt, tokenizer_json, "holds an MTP module: it needs its target and has no GGUF form")
@@ -202,3 +198,267 @@ def export_gguf(
             p.unlink(missing_ok=True)
     with sigterm_raises():
         atomic.replace_with(out, lambda tmp: write_gguf(model, tmp, tokenizer_json, dtype, ckpt.stem))
+
+
+class GGUFReadError(CheckpointError):
+    """A GGUF file smallem cannot run as it is meant to run: the message is one line."""
+
+
+@dataclass
+class GGUFModel:
+    model: Transformer  # float32, eval, not packed
+    tokenizer: Tokenizer
+    fingerprint: str  # checkpoint.vocab_fingerprint: equal to its tokenizer.json's when exported by smallem
+    chat: ChatFormat
+    types: tuple[str, ...]  # the tensor types the file holds
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file named *.gguf, or any file that starts with GGUF's magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    if p.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def _reader(path: Path) -> Any:
+    gguf = gguf_package(GGUFReadError, "reading a GGUF file")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise GGUFReadError(f"cannot read {path}: {e.strerror or e}") from None
+    if magic != MAGIC:
+        raise GGUFReadError(f"{path} is not a GGUF file: it starts with {magic!r}, not {MAGIC!r}")
+    try:
+        _walk_header(path)  # every count fits the file: gguf's reader trusts them (a huge one never ends)
+        return gguf.GGUFReader(path)  # memory-mapped: the header is parsed, no tensor is copied
+    except _READ_ERRORS as e:
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise GGUFReadError(f"{path}: truncated or corrupt GGUF file ({why})") from None
+
+
+def _walk_header(path: Path) -> None:
+    """Every length and count of the header checked against the bytes left; ValueError where one does not fit."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        size, pos = len(m), 0
+
+        def take(fmt: str) -> int:
+            nonlocal pos
+            if pos + struct.calcsize(fmt) > size:
+                raise ValueError(f"the header ends past the end of the file ({size} bytes)")
+            (v,) = struct.unpack_from("<" + fmt, m, pos)
+            pos += struct.calcsize(fmt)
+            return v
+
+        def skip(n: int) -> None:
+            nonlocal pos
+            if n < 0 or pos + n > size:
+                raise ValueError(f"a length of {n} runs past the end of the file ({size} bytes)")
+            pos += n
+
+        def value(kind: int, depth: int = 0) -> None:
+            if kind in _SCALAR:
+                skip(_SCALAR[kind])
+            elif kind == _STRING:
+                skip(take("Q"))
+            elif kind == _ARRAY and depth < 2:
+                item, count = take("I"), take("Q")
+                if item in _SCALAR:
+                    skip(count * _SCALAR[item])
+                    return
+                if count * 8 > size - pos:  # a string or an array is 8 bytes at least
+                    raise ValueError(f"an array of {count} items cannot fit the {size - pos} bytes left")
+                for _ in range(count):
+                    value(item, depth + 1)
+            else:
+                raise ValueError(f"unknown metadata type {kind}")
+
+        skip(8)  # magic, version (gguf's reader checks both)
+        n_tensors, n_kv = take("Q"), take("Q")
+        if (n_tensors + n_kv) * 12 > size:
+            raise ValueError(f"{n_tensors} tensors and {n_kv} metadata entries cannot fit {size} bytes")
+        for _ in range(n_kv):
+            skip(take("Q"))
+            value(take("I"))
+        for _ in range(n_tensors):
+            skip(take("Q"))
+            dims = take("I")
+            if dims > 4:
+                raise ValueError(f"a tensor of {dims} dimensions")
+            skip(8 * dims + 12)  # its dims, type and offset
+
+
+class _Meta(dict):
+    """The file's metadata, checked where read; a float32 as the shortest decimal that is it (1e-05)."""
+
+    def __init__(self, reader: Any, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        for key, f in reader.fields.items():
+            try:
+                v = f.contents()
+            except _READ_ERRORS as e:
+                raise GGUFReadError(f"{path}: unreadable metadata {key} ({type(e).__name__})") from None
+            self[key] = float(np.format_float_scientific(np.float32(v), unique=True)) if f.types == [_FLOAT32] else v
+
+    def num(self, key: str, kind: type = int, default: Any = None) -> Any:
+        if (v := self.get(key, default)) is None:
+            raise GGUFReadError(f"{self.path}: metadata {key} is missing")
+        if isinstance(v, bool) or not isinstance(v, (int, kind)) or not np.isfinite(v) or v <= 0:
+            raise GGUFReadError(f"{self.path}: metadata {key}={v!r} is not a positive {kind.__name__}")
+        return kind(v)
+
+    def text(self, key: str) -> str | None:
+        if (v := self.get(key)) is not None and not isinstance(v, str):
+            raise GGUFReadError(f"{self.path}: metadata {key} is not a string")
+        return v
+
+    def strings(self, key: str) -> list[str]:
+        v = self.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise GGUFReadError(f"{self.path}: metadata {key} is not a list of strings")
+        return v
+
+
+def _config(meta: _Meta, n_vocab: int, tied: bool) -> ModelConfig:
+    path = meta.path
+    if (arch := meta.text("general.architecture")) != "llama":
+        raise GGUFReadError(f"{path}: architecture {arch!r}: only llama is supported")
+    for key in meta:
+        if key.startswith("llama.rope.scaling.") and not (key.endswith(".type") and meta.get(key) == "none"):
+            raise GGUFReadError(f"{path}: unsupported metadata {key}={meta.get(key)!r}: plain rotary positions only")
+    if meta.get("llama.expert_count", 0):
+        raise GGUFReadError(f"{path}: llama.expert_count={meta.get('llama.expert_count')!r}: mixture of experts")
+    dim, heads = meta.num("llama.embedding_length"), meta.num("llama.attention.head_count")
+    kv = meta.num("llama.attention.head_count_kv", default=heads)
+    head_dim = dim // heads if dim % heads == 0 else 0
+    for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
+        if key in meta and meta.get(key) != head_dim:
+            raise GGUFReadError(f"{path}: metadata {key}={meta.get(key)!r}: smallem needs {head_dim or '?'}")
+    if "llama.vocab_size" in meta and meta.get("llama.vocab_size") != n_vocab:
+        raise GGUFReadError(f"{path}: llama.vocab_size={meta.get('llama.vocab_size')!r}, the token list has {n_vocab}")
+    try:
+        return ModelConfig(
+            vocab_size=n_vocab, dim=dim, n_layers=meta.num("llama.block_count"), n_heads=heads, n_kv_heads=kv,
+            hidden_dim=meta.num("llama.feed_forward_length"), max_seq_len=meta.num("llama.context_length"),
+            norm_eps=meta.num("llama.attention.layer_norm_rms_epsilon", float),
+            rope_theta=meta.num("llama.rope.freq_base", float, 10000.0), tie_embeddings=tied, mtp=False,
+        )  # fmt: skip
+    except ValueError as e:  # ModelConfig's own checks
+        raise GGUFReadError(f"{path}: its hyperparameters do not fit smallem: {e}") from None
+
+
+def _weights(reader: Any, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+    """smallem name -> float32 tensor, names, shapes and types all checked before a weight is copied."""
+    from gguf.quants import dequantize
+
+    expected = checkpoint.expected_shapes(cfg)  # a tied model's has no lm_head
+    ours = {gguf_name(k): k for k in expected}
+    found = {t.name: t for t in reader.tensors}
+    missing, extra = sorted(set(ours) - set(found)), sorted(set(found) - set(ours))
+    if "rope_freqs.weight" in extra:
+        raise GGUFReadError(f"{path}: tensor rope_freqs.weight scales rotary positions: plain rotary positions only")
+    if missing or extra:
+        raise GGUFReadError(f"{path}: tensors do not fit its metadata: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, t in found.items():
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists ggml's dims, innermost first
+        if shape != expected[ours[name]]:
+            raise GGUFReadError(f"{path}: tensor {name} has shape {shape}, its metadata says {expected[ours[name]]}")
+        if t.tensor_type.name not in TYPES:
+            raise GGUFReadError(f"{path}: tensor {name} has type {t.tensor_type.name}: only {', '.join(TYPES)}")
+    out = {}
+    for name, t in found.items():
+        key = ours[name]
+        try:  # a copy out of the memory map; F16 and F32 as they are, exactly
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(expected[key])
+        except _READ_ERRORS as e:
+            raise GGUFReadError(f"{path}: tensor {name} is unreadable ({type(e).__name__}: {e})"[:300]) from None
+        if key.endswith("q_proj.weight"):
+            w = unpermute_rope(w, cfg.n_heads)
+        elif key.endswith("k_proj.weight"):
+            w = unpermute_rope(w, cfg.n_kv_heads)
+        out[key] = w.contiguous()
+    checkpoint.check_finite(out, str(path))
+    return out, tuple(sorted({t.tensor_type.name for t in found.values()}))
+
+
+def _special_ids(meta: _Meta, n_tokens: int) -> dict[str, int]:
+    """The bos, eos, eot and eom ids the file names, each checked to be a token's."""
+    ids = {name: meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "eot", "eom")}
+    for name, v in ids.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n_tokens):
+            raise GGUFReadError(f"{meta.path}: tokenizer.ggml.{name}_token_id={v!r} is not a token id")
+    return {name: v for name, v in ids.items() if v is not None}
+
+
+def _tokenizer(meta: _Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer:
+    """tokenizer.ggml.* -> a byte-level BPE `tokenizers` object: control tokens special (decoded as nothing),
+    user-defined ones plain, unused ones left out; BOS / EOS added where the file says llama.cpp adds them."""
+    path = meta.path
+    if (kind := meta.text("tokenizer.ggml.model")) != "gpt2":
+        raise GGUFReadError(f"{path}: tokenizer.ggml.model {kind!r}: only gpt2 (byte-level BPE) is read")
+    pre = meta.text("tokenizer.ggml.pre") or "default"
+    if pre not in PRE:
+        raise GGUFReadError(f"{path}: tokenizer.ggml.pre {pre!r}: only {', '.join(PRE)} are read")
+    merges = meta.strings("tokenizer.ggml.merges")
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
+        raise GGUFReadError(f"{path}: tokenizer.ggml.token_type does not list one type per token")
+    vocab: dict[str, int] = {}
+    added: list[tuple[int, str, bool]] = []
+    for i, (text, t) in enumerate(zip(tokens, types, strict=True)):
+        if t != _UNUSED:
+            vocab.setdefault(text, i)  # added tokens too: `add_tokens` then keeps their ids
+        if t in (_CONTROL, _USER):
+            added.append((i, text, t == _CONTROL))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))  # type: ignore[arg-type]
+        split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if PRE[pre] == "smollm":  # digits one by one, then the byte-level split
+            split = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), split])
+        tok.pre_tokenizer = split
+        tok.decoder = decoders.ByteLevel()
+        for i, text, special in sorted(added):  # in id order: each gets its own id, as the file says
+            tok.add_tokens([AddedToken(text, special=special, normalized=False)])
+            if tok.token_to_id(text) != i:
+                raise GGUFReadError(f"{path}: token {text!r} is listed twice (ids {tok.token_to_id(text)} and {i})")
+        ends = {w: ids[w] for w in ("bos", "eos") if w in ids and meta.get(f"tokenizer.ggml.add_{w}_token") is True}
+        texts = {w: tok.id_to_token(i) for w, i in ends.items()}
+        if None in texts.values():
+            raise GGUFReadError(f"{path}: tokenizer.ggml.add_*_token names a token that is not in its list")
+        if ends:
+            single = [texts[w] for w in ("bos",) if w in ends] + ["$A"] + [texts[w] for w in ("eos",) if w in ends]
+            specials = [(texts[w], i) for w, i in ends.items()]
+            tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+    except GGUFReadError:
+        raise
+    except Exception as e:  # tokenizers raises bare Exceptions on a bad vocabulary or merge
+        raise GGUFReadError(f"{path}: its tokenizer cannot be built: {str(e).splitlines()[0][:200]}") from None
+    return tok
+
+
+def load_gguf(path: str | Path, device: torch.device | str = "cpu") -> GGUFModel:
+    """A llama GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format, or GGUFReadError."""
+    path = Path(path)
+    reader = _reader(path)
+    meta = _Meta(reader, path)
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    if not tokens:
+        raise GGUFReadError(f"{path}: metadata tokenizer.ggml.tokens is missing or empty")
+    cfg = _config(meta, len(tokens), tied=not any(t.name == "output.weight" for t in reader.tensors))
+    ids = _special_ids(meta, len(tokens))
+    tok = _tokenizer(meta, tokens, ids)  # before the weights: a refusal costs no memory
+    ends = tuple(dict.fromkeys(ids[n] for n in ("eos", "eot", "eom") if n in ids))  # any of them ends a generation
+    bos, eos = (tokens[ids[n]] if n in ids else "" for n in ("bos", "eos"))
+    chat = ChatFormat(ends, meta.text("tokenizer.chat_template"), bos, eos)
+    weights, types = _weights(reader, cfg, path)
+    model = Transformer(cfg)
+    model.load_state_dict(weights)  # names and shapes checked above: strict, and it fits
+    return GGUFModel(model.to(device).eval(), tok, checkpoint.vocab_fingerprint(tok), chat, types)

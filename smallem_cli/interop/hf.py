@@ -1,13 +1,16 @@
-"""Hugging Face interchange: read LlamaForCausalLM folders, write smallem checkpoints as one.
-
-smallem's Transformer is Llama without the `model.` prefix and the `self_attn.` / `mlp.` levels, so
-both directions are a renaming plus a config translation. What the Transformer would compute otherwise
-(scaled rotary positions, biases, quantization, ...) is refused with an HFFormatError naming the field.
-"""
+"""Hugging Face interchange, LlamaForCausalLM folders in and out (and MiMo's, for vLLM): a renaming (smallem's
+Transformer is Llama without `model.`, `self_attn.`, `mlp.`) plus a config translation, refusing by field what
+it would compute otherwise (scaled rotary positions, biases, ...)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +18,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
+from .. import atomic
 from ..config import ModelConfig
 from ..model import checkpoint
 from ..model.llama import Transformer
 from ..model.tokenizer import EOT, load_tokenizer
-from .exportdir import ExportError, check_destination, write_export
+
+
+class ExportError(ValueError):
+    """A model that cannot be exported faithfully, or a destination that may not be written."""
 
 
 class HFFormatError(ExportError):
@@ -53,8 +60,7 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     or v5's rope_parameters {"rope_type": "default", "rope_theta": ...}. Both may be present."""
     thetas: list[float] = [_num(hf, "rope_theta", kind=float)] if "rope_theta" in hf else []
     for name in ("rope_scaling", "rope_parameters"):
-        rp = hf.get(name)
-        if rp is None:
+        if (rp := hf.get(name)) is None:
             continue
         # "default" with nothing but a base is plain rotary; any other key rescales positions.
         plain = isinstance(rp, dict) and rp.get("rope_type", rp.get("type", "default")) == "default"
@@ -73,8 +79,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise HFFormatError(f"an HF config is a JSON object, not {type(hf).__name__}")
     if _required(hf, "model_type") != "llama":
         raise _refuse("model_type", hf["model_type"], "only Llama-architecture models are supported")
-    archs = hf.get("architectures")
-    if archs is not None and archs != ["LlamaForCausalLM"]:
+    if (archs := hf.get("architectures")) is not None and archs != ["LlamaForCausalLM"]:
         raise _refuse("architectures", archs, "only LlamaForCausalLM is supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", hf["hidden_act"], "smallem's MLP is SwiGLU with silu")
@@ -86,15 +91,13 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     tie = hf.get("tie_word_embeddings", False)  # HF Llama's default: untied
     if not isinstance(tie, bool):
         raise _refuse("tie_word_embeddings", tie, "expected true or false")
-
     dim, heads = _num(hf, "hidden_size"), _num(hf, "num_attention_heads")
     kv = heads if hf.get("num_key_value_heads") is None else _num(hf, "num_key_value_heads")  # None: MHA
     if dim % heads:
         raise _refuse("num_attention_heads", heads, f"hidden_size {dim} is not a multiple of it")
     if heads % kv:
         raise _refuse("num_key_value_heads", kv, f"num_attention_heads {heads} is not a multiple of it")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim != dim // heads:
+    if (head_dim := hf.get("head_dim")) is not None and head_dim != dim // heads:
         raise _refuse("head_dim", head_dim, f"smallem needs hidden_size / num_attention_heads = {dim // heads}")
     try:
         return ModelConfig(
@@ -124,7 +127,6 @@ def hf_name(key: str) -> str:
 
 
 def is_hf_dir(path: str | Path) -> bool:
-    """A directory with a config.json: what `from_pretrained` would read."""
     p = Path(path)
     return p.is_dir() and (p / "config.json").is_file()
 
@@ -134,16 +136,14 @@ def _tokenizer(path: Path, vocab_size: int) -> Tokenizer:
     if not path.is_file():
         raise HFFormatError(f"tokenizer.json not found: {path}")
     tok = load_tokenizer(path)  # TokenizerError if unreadable
-    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
-    if top >= vocab_size:
+    if (top := max(tok.get_vocab(with_added_tokens=True).values(), default=-1)) >= vocab_size:
         raise HFFormatError(f"{path}: token id {top} does not fit vocab_size {vocab_size}")
     return tok
 
 
 def _declared(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     """HF name -> (file, dtype, shape) of every tensor of the folder's weights, from the headers alone."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():  # sharded: the index names every shard
+    if (index := folder / "model.safetensors.index.json").is_file():  # sharded: it names every shard
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
@@ -167,9 +167,7 @@ def _declared(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
 
 
 def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, str]:
-    """A LlamaForCausalLM folder -> (float32 eval Transformer, fingerprint of its tokenizer.json). The
-    config, tokenizer and tensors' names, shapes and dtypes are checked before a weight is read; the
-    weights must be finite."""
+    """A LlamaForCausalLM folder -> (float32 eval Transformer, its tokenizer.json's fingerprint), checked first."""
     folder = Path(folder)
     if not is_hf_dir(folder):
         raise HFFormatError(f"{folder} is not a Hugging Face model folder (no config.json)")
@@ -212,9 +210,7 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
 
 
 def load_for_export(ckpt: Path, tokenizer_json: Path, mtp_refusal: str) -> tuple[Transformer, int | None, torch.dtype]:
-    """The model, its end-of-text id (None: the tokenizer has none) and the dtype it is stored in, which
-    the export keeps (float32 if another); ExportError for an MTP module (`mtp_refusal` says why
-    after its name) or a checkpoint trained with another tokenizer."""
+    """The model, its end-of-text id and `stored_dtype`; ExportError for an MTP module or another tokenizer's."""
     if checkpoint.read_meta(ckpt).get("kind") == "mtp":
         raise ExportError(f"{ckpt} {mtp_refusal}")
     model, meta = checkpoint.load_model(ckpt)
@@ -232,8 +228,7 @@ def stored_dtype(ckpt: Path) -> torch.dtype:
 def hf_jsons(cfg: ModelConfig, dtype: torch.dtype, eot: int | None) -> dict[str, Any]:
     """config.json (a LlamaForCausalLM's), generation_config.json and tokenizer_config.json of an export."""
     name = str(dtype).removeprefix("torch.")
-    # Both rope layouts (rope_theta for transformers 4, rope_parameters for 5) and both dtype names.
-    config = {
+    config = {  # both rope layouts (transformers 4 and 5) and both dtype names
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -245,24 +240,16 @@ def hf_jsons(cfg: ModelConfig, dtype: torch.dtype, eot: int | None) -> dict[str,
     }  # fmt: skip
     special = {"eos_token": EOT, "bos_token": EOT} if eot is not None else {}
     return {
-        "config.json": config,
-        "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot},
-        "tokenizer_config.json": {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": cfg.max_seq_len,
-            "clean_up_tokenization_spaces": False,
-            **special,
-        },
-    }
+        "config.json": config, "generation_config.json": {"bos_token_id": eot, "eos_token_id": eot},
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+                                  "clean_up_tokenization_spaces": False, **special},
+    }  # fmt: skip
 
 
 def export_hf(
     checkpoint_path: str | Path, outdir: str | Path, tokenizer_json: str | Path, *, overwrite: bool = False
 ) -> None:
-    """Write a smallem model checkpoint as a LlamaForCausalLM folder that `from_pretrained` loads offline,
-    whole or not at all (`exportdir.write_export`). An existing non-empty `outdir` is replaced only with
-    `overwrite` (else FileExistsError), and never if it is anything but a folder (FileExistsError, before
-    the checkpoint is read) or holds the checkpoint or the tokenizer (HFFormatError)."""
+    """A smallem checkpoint as a LlamaForCausalLM folder, written whole where `check_destination` allows."""
     ckpt, outdir, tokenizer_json = Path(checkpoint_path), Path(outdir), Path(tokenizer_json)
     check_destination(outdir, (ckpt, tokenizer_json), overwrite)
     why = "it needs its target and has no plain Llama form (`--format mimo` on the target writes both, for vLLM)"
@@ -270,3 +257,124 @@ def export_hf(
     # HF names, in the stored dtype (lossless: load_model widened the model from it).
     tensors = {hf_name(k): v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     write_export(outdir, tensors, hf_jsons(model.cfg, dtype, eot), tokenizer_json)
+
+
+MTP_LAYER = "model.mtp_layers.0"
+MODULE_NAMES = {"hnorm": "hidden_layernorm", "enorm": "token_layernorm", "eh_proj": "input_proj"}
+
+
+def export_mimo(
+    target: str | Path, mtp_path: str | Path, outdir: str | Path, tokenizer: str | Path, *, overwrite: bool = False
+) -> None:
+    """The target and its MTP module as one MiMoForCausalLM folder, which vLLM runs with its `mtp` method, written
+    as `export_hf` writes one. MiMo's MTP layer computes our module (DeepSeek-V3's) for a dense target; its layers
+    are Qwen2's, Llama layers with q/k/v biases, so the target goes under Qwen2's names with zero biases and the
+    module as `model.mtp_layers.0`. Why, and what still differs: docs/architecture.md, "The MTP module in vLLM"."""
+    target, mtp_file, outdir, tok = Path(target), Path(mtp_path), Path(outdir), Path(tokenizer)
+    check_destination(outdir, (target, mtp_file, tok), overwrite)
+    model, eot, dtype = load_for_export(target, tok, "is an MTP module: give the target, and the module with --mtp")
+    mtp, meta = checkpoint.load_mtp(mtp_file, model)  # refused if it does not fit the target
+    if meta.get("tokenizer") and meta["tokenizer"] != checkpoint.tokenizer_fingerprint(tok):
+        raise HFFormatError(f"{mtp_file} was trained with another tokenizer than {tok}")
+    cfg = model.cfg
+    if (mtp.cfg.hidden_dim, mtp.cfg.norm_eps) != (cfg.hidden_dim, cfg.norm_eps):
+        raise HFFormatError(f"{mtp_file}: MiMo's MTP block takes the target's shape (hidden_dim, norm_eps)")
+    if stored_dtype(mtp_file) != dtype:  # both lossless in the wider of the two
+        dtype = torch.float32
+
+    tensors = {hf_name(k): v for k, v in model.state_dict().items()}
+    tensors["lm_head.weight"] = model.head_weight.clone()  # MiMo's head is untied: its own tensor
+    tensors[f"{MTP_LAYER}.final_layernorm.weight"] = model.norm.weight.clone()  # the module ends on the target's norm
+    for k, v in mtp.state_dict().items():  # `hnorm.weight`, ..., `block.q_proj.weight`, ...
+        module, rest = k.split(".", 1)
+        name = f"{MODULE_NAMES[module]}.{rest}" if module in MODULE_NAMES else in_group(rest)
+        tensors[f"{MTP_LAYER}.{name}"] = v
+    for prefix in [*(f"model.layers.{i}" for i in range(cfg.n_layers)), MTP_LAYER]:  # Qwen2's q/k/v biases: zero
+        for proj, heads in (("q_proj", cfg.n_heads), ("k_proj", cfg.n_kv_heads), ("v_proj", cfg.n_kv_heads)):
+            tensors[f"{prefix}.self_attn.{proj}.bias"] = torch.zeros(heads * cfg.head_dim)
+    jsons = hf_jsons(cfg, dtype, eot)
+    config = {k: v for k, v in jsons["config.json"].items() if k not in ("attention_bias", "mlp_bias", "head_dim")}
+    jsons["config.json"] = config | {
+        "architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+        "max_window_layers": cfg.n_layers,
+    }  # fmt: skip
+    write_export(outdir, {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}, jsons, tok)
+
+
+def check_destination(outdir: Path, inputs: tuple[Path, ...], overwrite: bool) -> None:
+    """An export may write `outdir`: a folder or nothing (`atomic.check_replaceable`), holding none of its
+    inputs, empty unless `overwrite`. Called before the checkpoint is read: a refusal comes at once."""
+    for p, suffix in orphans(outdir, folder=True):  # `.old`: the previous `outdir`, if the swap never happened
+        if suffix == "old" and not outdir.exists():
+            p.rename(outdir)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    atomic.check_replaceable(outdir, folder=True)
+    for src in inputs:  # replacing the folder would delete the export's own input
+        if src.resolve().is_relative_to(outdir.resolve()):
+            raise ExportError(f"cannot export into {outdir}: it holds the input {src}; choose another folder")
+    if outdir.exists() and any(outdir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{outdir} exists and is not empty (pass --overwrite to replace it)")
+
+
+def write_export(outdir: Path, tensors: dict[str, torch.Tensor], jsons: dict[str, Any], tokenizer_json: Path) -> None:
+    """The folder built under a temporary name beside `outdir`, then swapped in: an error, Ctrl-C or SIGTERM
+    leaves `outdir` as it was; what an export killed outright left behind is cleared by the next one."""
+    outdir.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = (outdir.with_name(f".{outdir.name}.{os.getpid()}.{x}") for x in ("tmp", "old"))
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted run with this process id
+    with sigterm_raises():
+        tmp.mkdir()
+        try:
+            checkpoint.write_safetensors(tensors, tmp / "model.safetensors", {"format": "pt"})  # transformers checks it
+            for name, obj in jsons.items():
+                (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            shutil.copyfile(tokenizer_json, tmp / "tokenizer.json")
+            # Judged again just before the swap: while the folder was built, `outdir` may have become
+            # something else, which the rename would move aside and `rmtree` then fail to remove.
+            if atomic.check_replaceable(outdir, folder=True):
+                outdir.rename(old)
+            tmp.rename(outdir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old.exists() and not outdir.exists():
+                old.rename(outdir)  # put the previous folder back
+            raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM (a `kill`, a stopped job) raises SystemExit(143) in the main thread, so the
+    export's clean-up runs as for Ctrl-C; a second SIGTERM is ignored while it does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def orphans(out: Path, folder: bool) -> Iterator[tuple[Path, str]]:
+    """(path, "tmp" or "old") of each `.NAME.PID.tmp` / `.old` beside `out` that a dead export left behind."""
+    if not out.parent.is_dir():
+        return
+    for p in sorted(out.parent.glob(f".{out.name}.*.*")):
+        pid, _, suffix = p.name.removeprefix(f".{out.name}.").partition(".")
+        kind_ok = p.is_dir() if folder else p.is_file()
+        if suffix not in ("tmp", "old") or not pid.isdigit() or not kind_ok or p.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            yield p, suffix
+        except (OverflowError, OSError):  # no process id (not an export's), or alive (another user's)
+            pass

@@ -2,9 +2,8 @@
 
     python -m smallem_cli.interop.vllm_check --hf runs/vllm-hf [--target CKPT] [--prompts FILE] [-n 200] [-k 3]
 
-`--hf` holds `target/`, `draft-2l/` and `mimo/` as `smallem export` writes them. Every vLLM run must give
-the greedy tokens of Smallem's own --target alone, for every prompt: exit 1 if one does not, 2 if one
-could not run. The table (stdout) also sets vLLM's acceptance beside Smallem's with the same proposer.
+`--hf` holds `target/`, `draft-2l/` and `mimo/` as `smallem export` writes them. Exit 1 if a vLLM run's
+greedy tokens differ from Smallem's --target alone's, 2 if one could not run.
 """
 
 from __future__ import annotations
@@ -30,9 +29,9 @@ from . import vllm_peer as V
 class CheckRow:
     name: str
     identical: int  # prompts whose tokens equal Smallem's
-    prompts: int
     tokens_equal: int
     tokens: int
+    prompts: int
     acceptance: V.Acceptance | None
     ours: tuple[int, int] | None = None  # Smallem's own proposer on the same prompts: (accepted, proposed)
 
@@ -44,8 +43,7 @@ class CheckRow:
 def check_row(
     name: str, ref: list[list[int]], got: list[list[int]], counters: dict[str, Any], ours: tuple[int, int] | None = None
 ) -> CheckRow:
-    whole, each, total = V.agreement(ref, got)
-    return CheckRow(name, whole, len(ref), each, total, V.acceptance(counters), ours)
+    return CheckRow(name, *V.agreement(ref, got), len(ref), V.acceptance(counters), ours)
 
 
 def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
@@ -58,14 +56,12 @@ def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
         a = r.acceptance
         drafted = a.drafts * len(a.per_pos) if a else 0
         t.add_row(
-            r.name,
-            f"{r.identical}/{r.prompts}" + ("" if r.ok else " FAILED"),
-            f"{r.tokens_equal}/{r.tokens}",
+            r.name, f"{r.identical}/{r.prompts}" + ("" if r.ok else " FAILED"), f"{r.tokens_equal}/{r.tokens}",
             f"{a.rate:.1%} ({round(a.rate * drafted)}/{drafted})" if a else "-",
             f"{r.ours[0] / r.ours[1]:.1%} ({r.ours[0]}/{r.ours[1]})" if r.ours and r.ours[1] else "-",
             "1.00" if a is None else f"{a.tokens_per_step:.2f}",
             "-" if a is None else " / ".join(f"{p:.2f}" for p in a.per_pos),
-        )
+        )  # fmt: skip
     return t
 
 
@@ -77,9 +73,7 @@ def run_check(
     say: Callable[[str], None],
     ours: Callable[[str, int], tuple[int, int]],
 ) -> tuple[list[CheckRow], str]:
-    """vLLM offline on the target alone, with draft-2l, with its ngram proposer, and on the `mimo`
-    folder with its mtp method at k = 1 and k; then (unless --no-serve) `vllm serve` with draft-2l.
-    Their rows, and vLLM's version. `ours(proposer, k)`: Smallem's acceptance with the same proposer."""
+    """vLLM offline on the target alone, with draft-2l, ngram and `mimo`'s mtp at k = 1 and k; `vllm serve`."""
     env = V.vllm_env(python, threads=len(os.sched_getaffinity(0)))
     hf, k, n, logs = args.hf, args.k, args.max_new_tokens, args.logs
     draft = {"model": str(hf / "draft-2l"), "num_speculative_tokens": k}
@@ -158,11 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
-    Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False).print(
-        check_table(rows, n, version)
-    )
-    bad = [r.name for r in rows if not r.ok]
-    if bad:
+    out = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
+    out.print(check_table(rows, n, version))
+    if bad := [r.name for r in rows if not r.ok]:
         err.print("error: vLLM's tokens differ from Smallem's: " + ", ".join(bad))
         return 1
     return 0

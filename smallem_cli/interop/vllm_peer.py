@@ -1,6 +1,5 @@
-"""vLLM on the exported Hugging Face folders, for `make vllm-check` (vllm_check.py) and `smallem bench
---peer vllm`. vLLM pins its own torch build, so it runs as a subprocess of `.venv-vllm`'s python
-(vllm_run.py); nothing here imports vllm."""
+"""vLLM on the exported HF folders, for `make vllm-check` and `bench --peer vllm`. vLLM pins its own torch
+build, so it runs in a subprocess of `.venv-vllm`'s python (vllm_run.py); nothing here imports vllm."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class VllmError(RuntimeError):
 
 
 def find_python(chosen: str | Path | None = None) -> Path:
-    """vLLM's python: `chosen`, else $SMALLEM_VLLM_PYTHON, else .venv-vllm/bin/python in the current
-    folder or beside Smallem's package. VllmError naming how to build it when there is none."""
+    """vLLM's python: `chosen`, else $SMALLEM_VLLM_PYTHON, else .venv-vllm/bin/python here or beside the package."""
     given = chosen or os.environ.get(PYTHON_ENV)
     paths = [Path(given)] if given else [root / VENV / "bin" / "python" for root in (Path.cwd(), RUNNER.parents[2])]
     for path in paths:
@@ -62,15 +60,14 @@ def preloads(python: Path, lib_dirs: tuple[str, ...] = LIB_DIRS) -> list[str]:
 
 
 def vllm_env(python: Path, threads: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """A vLLM subprocess's environment: the CPU backend, 1 GiB of K/V cache, OpenMP threads bound to cores
-    0..threads-1 (its default keeps a core for itself), the preloads; a variable the user set is kept."""
+    """A vLLM subprocess's environment: CPU, 1 GiB of K/V cache, OpenMP bound to cores 0..threads-1 (its default
+    keeps a core for itself), the preloads; a variable the user set is kept."""
     env = dict(os.environ if base is None else base)
     cores = max(1, min(threads, os.cpu_count() or 1))
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if cores == 1 else f"0-{cores - 1}")
-    libs = preloads(python)
-    if libs and "LD_PRELOAD" not in env:
+    if (libs := preloads(python)) and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = ":".join(libs)
     return env
 
@@ -101,9 +98,7 @@ def run_offline(python: Path, job: dict[str, Any], env: dict[str, str], log: Pat
 
 
 @dataclass
-class Acceptance:
-    """vLLM's speculative-decoding figures over a run (its counters' growth)."""
-
+class Acceptance:  # vLLM's speculative-decoding figures over a run (its counters' growth)
     drafts: int
     rate: float  # accepted draft tokens / draft tokens
     tokens_per_step: float  # tokens per target step: 1 + accepted / drafts
@@ -126,8 +121,7 @@ def prometheus_counters(text: str) -> dict[str, Any]:
     """The speculative counters in `vllm serve`'s /metrics page (Prometheus text), summed over its labels."""
     metrics = []
     for line in text.splitlines():
-        m = PROM_LINE.match(line.strip())
-        if m and m.group(3) != "NaN":
+        if (m := PROM_LINE.match(line.strip())) and m.group(3) != "NaN":
             value, pos = float(m.group(3)), re.search(r'position="(\d+)"', m.group(2) or "")
             values = ([0.0] * int(pos.group(1)) + [value]) if pos else []  # the per-position counter's entry
             metrics.append(SimpleNamespace(name=m.group(1), value=value, values=values))
@@ -163,8 +157,7 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
-    """SIGTERM to the server by its PID; then SIGKILL to what is left of its own process group (its
-    engine process) after `grace_s`."""
+    """SIGTERM to the server; after `grace_s`, SIGKILL to what is left of its process group (its engine)."""
     proc.terminate()  # nothing if it has exited
     try:
         proc.wait(grace_s)
@@ -192,8 +185,7 @@ def serving(
     log: Path,
     started: Callable[[int], None] = lambda pid: None,
 ) -> Iterator[str]:
-    """`vllm serve target` on 127.0.0.1 (`spec`: its --speculative-config) in a process group of its own,
-    `started` told its PID; yields its URL once /health answers, and stops it on leaving, Ctrl-C included."""
+    """`vllm serve target` on 127.0.0.1, its own process group: its URL once /health answers; stopped on leaving."""
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -206,8 +198,7 @@ def serving(
                                 start_new_session=True)  # fmt: skip
     try:
         started(proc.pid)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + SERVE_START_S
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + SERVE_START_S
         while True:
             if proc.poll() is not None:
                 why = last_error(log.read_text("utf-8", "replace"))
@@ -238,87 +229,6 @@ def completion_tokens(answer: str) -> list[int]:
 def serve_tokens(url: str, model: str, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], dict]:
     """Each prompt's greedy answer through /v1/completions, and the growth of the speculative counters."""
     before = prometheus_counters(http(url + "/metrics"))
-    out = []
-    for p in prompts:
-        body = {"model": model, "prompt": p, "max_tokens": max_new, "temperature": 0, "ignore_eos": True}
-        out.append(completion_tokens(http(url + "/v1/completions", {**body, "return_token_ids": True})))
+    body = {"model": model, "max_tokens": max_new, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    out = [completion_tokens(http(url + "/v1/completions", {**body, "prompt": p})) for p in prompts]
     return out, grown(prometheus_counters(http(url + "/metrics")), before)
-
-
-@dataclass
-class Ours:
-    """What a row of `bench --peer vllm` sets beside vLLM's (nan and None: our row was not run)."""
-
-    tokens_per_s: float = float("nan")
-    tokens_per_step: float = float("nan")
-    engine: str | None = None
-    identical: str | None = None  # greedy identity with our eager target alone
-    batch: int | None = None  # 1: one request at a time
-
-
-def bench_peer(
-    target: Any,
-    ckpt_dir: Path,
-    prompts: list[list[int]],
-    max_new: int,
-    rows: list[Any],
-    threads: int,
-    log: Callable[[str], None] = lambda m: None,
-    python: Path | None = None,
-    *,
-    at_batch: Callable[[str], tuple[float, list[list[int]]]],
-) -> list[dict[str, Any]]:
-    """vLLM offline on the same weights exported, greedy, on `threads` cores: the target alone and with
-    draft-2l at our greedy k, one request at a time and the prompts as one batch, beside our `rows` of
-    the same bench run; the target alone's batch beside `at_batch(engine)` -> (tokens/s, answers) of our
-    batch engine. Every answer is checked against our eager target alone's tokens."""
-    from ..backends.engines import fastest
-    from ..bench.run import our_row
-    from ..defaults import default_k
-    from ..engine.family import NONE
-    from ..engine.generate import generate
-    from .hf import export_hf
-
-    python = python or find_python()
-    env = vllm_env(python, threads)
-    k, n = default_k("draft-2l", greedy=True), len(prompts)
-    ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
-    engine = fastest(r.engine for r in rows)  # the engine our one-at-a-time rows are read from
-    log(f"ours: the target alone through the batch engine ({engine}), a batch of {n}")
-    batch_tps, batch_out = at_batch(engine)
-    batch = Ours(batch_tps, 1.0, engine, f"{agreement(ref, batch_out)[0]}/{n}", n)
-    out: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
-        for name in ("target", "draft-2l"):
-            export_hf(ckpt_dir / f"{name}.safetensors", Path(tmp) / name, target.tokenizer)
-        for label, draft, kk in (("target alone", None, 0), (f"+ draft-2l (k={k})", "draft-2l", k)):
-            log(f"vLLM: {label}, one request at a time and a batch of {n}")
-            spec = {"model": str(Path(tmp) / draft), "num_speculative_tokens": kk} if draft else None
-            job = {"target": str(Path(tmp) / "target"), "spec": spec, "prompts": prompts, "max_new": max_new}
-            res = run_offline(python, {**job, "single": True}, env)
-            row = our_row(rows, draft or "none", kk)
-            single = Ours(row.tokens_per_s, row.tokens_per_pass, row.engine, row.identical, 1) if row else Ours()
-            for part, how in (("single", "one request at a time"), ("batch", f"batch of {n}")):
-                got, ours = res[part], batch if part == "batch" and draft is None else single
-                tps = sum(len(t) for t in got["tokens"]) / got["seconds"]
-                acc, (whole, each, total) = acceptance(got["spec"]), agreement(ref, got["tokens"])
-                out.append(
-                    peer_row(
-                        f"vLLM {label}, {how}",
-                        tps,
-                        ours.tokens_per_s,
-                        f"{whole}/{n}",
-                        tokens_identical=f"{each}/{total}",
-                        tokens_per_step=acc.tokens_per_step if acc else 1.0,
-                        ours_tokens_per_step=ours.tokens_per_step,
-                        ours_engine=ours.engine,
-                        ours_batch=ours.batch,
-                        ours_identical=ours.identical,
-                        acceptance=acc.rate if acc else None,
-                        accepted_at=acc.per_pos if acc else None,
-                        threads=threads,
-                        version=res["version"],
-                        load_s=res["load_s"],
-                    )
-                )
-    return out

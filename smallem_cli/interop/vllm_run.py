@@ -15,12 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-SPEC_COUNTERS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted",
-}
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted"}  # fmt: skip
 
 
 def vllm_version() -> str:
@@ -47,13 +43,12 @@ def answer_version_lookup() -> None:
 
 
 def spec_counters(metrics: Iterable[Any]) -> dict[str, Any]:
-    """vLLM's speculative-decoding counters among `metrics` (LLM.get_metrics()'s), summed: drafts, draft
-    tokens, accepted tokens and accepted tokens at each draft position (all zero without speculation)."""
+    """vLLM's speculative-decoding counters among `metrics` (LLM.get_metrics()'s), summed (zero without)."""
     out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
     for m in metrics:
         if m.name in SPEC_COUNTERS:
             out[SPEC_COUNTERS[m.name]] += int(m.value)
-        elif m.name == PER_POS:
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
             out["per_pos"] += [0] * (len(m.values) - len(out["per_pos"]))
             for i, v in enumerate(m.values):
                 out["per_pos"][i] += int(v)
@@ -61,30 +56,23 @@ def spec_counters(metrics: Iterable[Any]) -> dict[str, Any]:
 
 
 def minus(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """The counters' growth from `before` to `after`."""
     pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
     grown = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
     return grown | {"per_pos": [a - b for a, b in zip(after["per_pos"], pos, strict=False)]}
 
 
 def offline(job: dict[str, Any]) -> dict[str, Any]:
-    """Greedy generation of job["max_new"] tokens after each of job["prompts"] (token ids) with
-    vllm.LLM on job["target"] (and job["spec"], vLLM's speculative_config, if any): all prompts in
-    one batch, then (job["single"]) one request at a time. Seconds and counters of each part."""
+    """vllm.LLM on job["target"] (job["spec"]: its speculative_config), greedy, job["max_new"] tokens after
+    each of job["prompts"]: all in one batch, then (job["single"]) one at a time; seconds and counters."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
     llm = LLM(
-        model=job["target"],
-        tokenizer=job["target"],
-        dtype="float32",
-        max_model_len=job["max_model_len"],
-        enforce_eager=True,
-        seed=0,
+        model=job["target"], tokenizer=job["target"], dtype="float32", max_model_len=job["max_model_len"],
+        enforce_eager=True, seed=0, speculative_config=job.get("spec"),
         disable_log_stats=False,  # the speculative counters
-        speculative_config=job.get("spec"),
-    )
+    )  # fmt: skip
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]

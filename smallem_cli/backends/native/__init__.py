@@ -1,10 +1,9 @@
 """The native engine (`--engine native`): a decode pass in C++ over the model's own weights.
 
-A one-token pass is bound by reading the weights, so `step.cpp` reads each matrix in the narrowest
-of float16, bfloat16 and float32 that holds its values exactly (`narrowest`), in
-panels, accumulating in float32: the model is computed as it is. A proposer's may be int8
-(`--proposer-weights int8`, `panels8`); the target's never are, so the text is the target's.
-Anything that fails leaves the model eager, with one line through `log`.
+A one-token pass is bound by reading the weights, so `step.cpp` reads each matrix in panels, in the
+narrowest of float16, bfloat16 and float32 that holds its values exactly (`narrowest`), accumulating
+in float32: the model is computed as it is. A proposer's may be int8 (`--proposer-weights int8`,
+`panels8`); the target's never are, so the text is the target's. A failure leaves the model eager.
 """
 
 from __future__ import annotations
@@ -36,14 +35,10 @@ class _LayerW(ctypes.Structure):
 class _ModelW(ctypes.Structure):
     _fields_ = [
         *[(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")],
-        ("eps", ctypes.c_float),
-        *[(n, ctypes.c_void_p) for n in ("layers", "embed")],
-        ("head", _Mat),
-        *[(n, ctypes.c_void_p) for n in ("g_final", "table")],
-        ("wh", _Mat),
-        ("g_h", ctypes.c_void_p),
+        ("eps", ctypes.c_float), *[(n, ctypes.c_void_p) for n in ("layers", "embed")], ("head", _Mat),
+        *[(n, ctypes.c_void_p) for n in ("g_final", "table")], ("wh", _Mat), ("g_h", ctypes.c_void_p),
         ("embed_kind", ctypes.c_int),
-    ]
+    ]  # fmt: skip
 
 
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # matmul.h's W_F16, W_BF16, W_F32
@@ -51,8 +46,7 @@ KIND_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"
 
 
 def narrowest(w: torch.Tensor) -> torch.Tensor:
-    """w in the narrowest of float16, bfloat16 and float32 that holds every value exactly: the model
-    computed as it is, from the fewest bytes (a quantized file's dequantized values: float32)."""
+    """w in the narrowest of float16, bfloat16 and float32 that holds every value exactly."""
     w = w.detach().float()
     for dtype in (torch.float16, torch.bfloat16):
         if torch.equal((t := w.to(dtype)).float(), w):
@@ -61,18 +55,15 @@ def narrowest(w: torch.Tensor) -> torch.Tensor:
 
 
 def panels(rows: torch.Tensor, width: int) -> torch.Tensor:
-    """W [out, in] -> panels of `width` output rows (the library's `smallem_panel`), as `step.cpp`
-    reads them front to back: [ceil(out / width), in, width], the last panel padded with zero rows."""
-    pad = -rows.shape[0] % width
-    if pad:
+    """W [out, in] -> [ceil(out / width), in, width] (`step.cpp`'s panels), the last padded with zero rows."""
+    if pad := -rows.shape[0] % width:
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
     return rows.view(-1, width, rows.shape[1]).transpose(1, 2).contiguous()
 
 
 def panels8(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> int8 panels (`panels`' layout) and float32 scales [ceil(out / width) * width]:
-    row n is scale[n] * q[n], q[n] = round(W[n] / scale[n]), scale[n] = max |W[n]| / 127 (symmetric,
-    per output row). For a proposer only."""
+    """W [out, in] -> int8 panels and float32 scales [ceil(out / width) * width]: row n is
+    scale[n] * q[n], scale[n] = max |W[n]| / 127 (symmetric, per output row)."""
     w = w.detach().float()
     top = w.abs().amax(dim=1)
     scale = torch.where(top > 0, top / 127, torch.ones_like(top))
@@ -82,8 +73,7 @@ def panels8(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class NativeSteps:
-    """A model's native decode passes, for every T: a flat batch's (`batch`), one sequence's over one
-    view of the slab (`step`), a proposer's chain in one call (`chain`). int8: its matrices as int8."""
+    """A model's native decode passes: a flat batch's (`batch`), one sequence's (`step`), a proposer's chain."""
 
     def __init__(
         self, model: Transformer | MTPModule, target: Transformer, log: Log, root: Path, engine: str, int8: bool
@@ -91,7 +81,7 @@ class NativeSteps:
         self.lib = library(root, log, ENGINES[engine])
         self.width = self.lib.smallem_panel()  # a panel's output rows, as this library reads them
         self.score_rows = self.lib.smallem_score_rows()  # rows of attention scores a thread's scratch holds
-        self.int8 = int8  # a proposer's matrices as int8 (`panels8`): fewer bytes a guess; the target's never
+        self.int8 = int8
         self.cfg = c = model.cfg
         if c.dim % 8 or c.head_dim % 8 or c.hidden_dim % 8 or c.n_heads % c.n_kv_heads:
             raise NativeUnavailable("the model's widths are not multiples of 8")
@@ -112,8 +102,7 @@ class NativeSteps:
             self.layers_c[i] = _LayerW(*[self._mat(w) for w in mats], *norms)
         self.mw = mw = _ModelW(len(blocks), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
         mw.eps, mw.layers = c.norm_eps, ctypes.cast(self.layers_c, ctypes.c_void_p)
-        # a chain's head rows in panels, by ids (held, so that their id stays theirs); a draft's
-        # whole head is the one its passes read
+        # a chain's head rows in panels, by id(ids) (ids held, so that their id stays theirs)
         self._heads: dict[int, tuple[torch.Tensor | None, _Mat]] = {}
         if self.mtp:
             mw.wh = self._mat(model.eh_proj.weight[:, : c.dim])  # [d, d]: the h half
@@ -127,18 +116,15 @@ class NativeSteps:
             mw.g_final = self._held(_floats(model.norm.weight))
             self._heads[id(None)] = (None, mw.head)
         self._scratch = torch.empty(0)  # the C code's, for the largest pass so far
-        # The head and final norm a chain of guesses reads (`chain`): the target's for the MTP
-        # module, a draft's own; packed at the chain's first call, per cut of the head.
+        # what a chain reads: the target's head and norm for the MTP module, a draft's own
         self.head_src = own.head_weight.detach()
         self.g_final = _floats(own.norm.weight)
 
     def _held(self, t: torch.Tensor) -> int:
-        """t's address, t kept alive as long as the C structs that point at it."""
         self.keep.append(t)
         return t.data_ptr()
 
     def _mat(self, w: torch.Tensor) -> _Mat:
-        """W [out, in] in panels, held: its own values (`narrowest`), or int8 (`int8`)."""
         if self.int8:
             q, scale = panels8(w, self.width)
             return _Mat(self._held(q), self._held(scale), 0)
@@ -147,13 +133,11 @@ class NativeSteps:
         return _Mat(self._held(panels(t, self.width)), None, KINDS[t.dtype])
 
     def serves(self, start: int, end: int) -> bool:
-        """Whether `step` takes a pass over positions start .. end - 1: not the MTP module's, nor longer
-        than MAX_T, nor past the context (the rope tables stop there)."""
+        """Whether `step` takes a pass over positions start .. end - 1 (the rope tables stop at the context)."""
         return not self.mtp and end <= self.positions and end - start <= MAX_T
 
     def _scratch_for(self, T: int, threads: int, more: int = 0) -> tuple[torch.Tensor, int]:
-        """The C code's scratch for a pass over T tokens (plus `more` floats: a chain's), one buffer
-        grown as needed -> (it, the floats smallem_step takes of it)."""
+        """The C code's scratch, grown as needed, for T tokens and `more` floats -> (it, the floats a pass takes)."""
         c = self.cfg
         Q, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_dim
         need = T * (c.dim + Q + c.n_heads * c.head_dim + 3 * F) + threads * self.score_rows * (self.positions + T + 8)
@@ -167,30 +151,23 @@ class NativeSteps:
         k: int,
         view: torch.Tensor,
         L: int,
-        start: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
+        fed: tuple[torch.Tensor, torch.Tensor | None],
         inv_t: float | None = None,
         u: torch.Tensor | None = None,
         penalty: Penalty | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A proposer's chain (`smallem_chain`): k guesses, with the head cut to `ids` (None: whole).
-        `start`: the state [1, d] guess 1 is made from (the MTP module's, or a draft's final state), or
-        the entries a round confirmed, fed first: (tokens [m], the MTP module's target states [m, d] or
-        None), their K/V kept at L .. L+m-1. `view` [layers, 2, Hkv, >= L+m+k-1, D]: the model's cache,
-        positions L.. reserved. Greedy -> (tokens [k], their probabilities [k]); sampled (1/T, float64
-        uniforms u [k]) -> (tokens [k], q [k, V], zero outside a cut head). `penalty`: `verify.Penalty`."""
+        """A proposer's chain (`smallem_chain`): the entries a round confirmed `fed` (tokens [m], the MTP
+        module's target states [m, d] or None; their K/V kept at L .. L+m-1), then k guesses, the head cut
+        to `ids` (None: whole); `view` [layers, 2, Hkv, >= L+m+k-1, D]. Greedy -> (tokens [k], their
+        probabilities [k]); sampled (1/T, float64 uniforms u [k]) -> (tokens [k], q [k, V])."""
         assert k >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
-            rows = self.head_src if ids is None else self.head_src[ids]
-            self._heads[id(ids)] = (ids, self._mat(rows))
+            self._heads[id(ids)] = (ids, self._mat(self.head_src if ids is None else self.head_src[ids]))
         ids_t, rows = self._heads[id(ids)]
         c, threads = self.cfg, torch.get_num_threads()
         N = c.vocab_size if ids_t is None else ids_t.numel()
-        if isinstance(start, tuple):
-            out, (feed, feed_h) = None, start
-            feed, feed_h = feed.contiguous(), None if feed_h is None else feed_h.contiguous()
-            m = feed.shape[0]
-        else:
-            out, feed, feed_h, m = start.contiguous(), None, None, 0
+        feed, feed_h = fed[0].contiguous(), None if fed[1] is None else fed[1].contiguous()
+        m = feed.shape[0]
         scratch, need = self._scratch_for(max(m, 1), threads, 3 * c.dim + N + m * c.dim)  # the widest step: m
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
         q = None  # greedy: no q (the C code reads it only with u)
@@ -206,7 +183,7 @@ class NativeSteps:
         at = L * self.rope[0].stride(0) * self.rope[0].element_size()  # cos, sin from position L on: by address
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
         self.lib.smallem_chain(
-            ctypes.addressof(self.mw), rows.w, rows.scale, rows.kind, N, self.g_final.data_ptr(), ptr(ids_t), ptr(out),
+            ctypes.addressof(self.mw), rows.w, rows.scale, rows.kind, N, self.g_final.data_ptr(), ptr(ids_t), None,
             ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + at, self.rope[1].data_ptr() + at,
             view.data_ptr(), ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else inv_t,
             tokens.data_ptr(), tops.data_ptr(), ptr(q), scratch.data_ptr(), need, threads,
@@ -217,12 +194,9 @@ class NativeSteps:
     def batch(
         self, tokens: torch.Tensor, h: torch.Tensor | None, slab: torch.Tensor, b: BatchStep, head: str = "none"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's target
-        states h [N, d]) at `b`'s positions, K/V written into `slab` [L, 2, Hkv, slots, D] at b.slots,
-        each row attending to what its mask shows (`batch.visible`). head: "all" rows, each sequence's
-        "last", or "none" (`forward.transformer_pass`'s) -> (logits [N, V], [B, V] or [0, V], hidden [N, d])."""
-        c, threads = self.cfg, torch.get_num_threads()
-        N = tokens.shape[0]
+        """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's states h [N, d])
+        at `b`'s positions, K/V into `slab` [L, 2, Hkv, slots, D] -> (logits of `head`'s rows, hidden [N, d])."""
+        c, threads, N = self.cfg, torch.get_num_threads(), tokens.shape[0]
         vis, first, count = (t.contiguous() for t in visible(b))
         keys = int(count.max())
         cos, sin = self.rope[0][b.positions], self.rope[1][b.positions]  # [N, P]
@@ -244,11 +218,9 @@ class NativeSteps:
     def step(
         self, tokens: torch.Tensor, past: torch.Tensor, head: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The target's pass (`smallem_step`, one that it `serves`) over tokens [T] after `past`
-        [L, 2, Hkv, S, D], one view of the slab -> (logits [T, V] ([0, V] without `head`), hidden [T, d],
-        the new K/V written right after the past, each row's argmax and the finite flag [T + 1] or None)."""
-        c = self.cfg
-        T, S, threads = tokens.shape[0], past.shape[3], torch.get_num_threads()
+        """The target's pass (`smallem_step`) over tokens [T] after `past` [L, 2, Hkv, S, D], a view of the
+        slab -> (logits [T or 0, V], hidden [T, d], the new K/V after the past, argmaxes + finite flag [T+1])."""
+        c, T, S, threads = self.cfg, tokens.shape[0], past.shape[3], torch.get_num_threads()
         scratch, _ = self._scratch_for(T, threads)
         x = torch.empty(T, c.dim)
         # the new K/V [L, 2, Hkv, T, D]: in the slab, right after the past, which must hold them
@@ -273,16 +245,14 @@ class NativeSteps:
 
 
 def _floats(w: torch.Tensor) -> torch.Tensor:
-    """A norm's weight as the C code reads it: float32, contiguous, detached."""
     return w.detach().float().contiguous()
 
 
 def verify_sample(
     logits: torch.Tensor, warp: Warper, drafts: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """`verify.verify_sample` for one sequence after `warp`, in one call (`verify.h`): raw logits
-    [k+1, V] of the verify pass, the guesses [k] and their q [k, V] (None: no guess) -> [k + 2]
-    long: n kept, then the k+1 tokens. It draws what `verify_sample` draws, in the same order."""
+    """`verify.verify_sample` for one sequence after `warp` (`verify.h`), drawing what it draws in the same
+    order: logits [k+1, V], guesses [k], their q [k, V] -> [k + 2] long: n kept, then the k+1 tokens."""
     k, V = drafts.shape[0], logits.shape[-1]
     assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
     u = None  # without a guess, nothing to accept: verify_sample draws only the next token
@@ -301,9 +271,8 @@ def verify_sample(
 
 
 def penalize_argmax(rows: torch.Tensor, seen: torch.Tensor, fed: torch.Tensor, penalty: float) -> torch.Tensor:
-    """`verify.penalize` over one sequence's rows [T, V] of a pass over `fed` [T], in place (the
-    same float32 operations), with the context `seen` [V] (bool) -> each penalised row's argmax [T]
-    (torch.argmax's choice: the first largest)."""
+    """`verify.penalize` in place (the same float32 operations) over rows [T, V] of a pass over `fed` [T],
+    context `seen` [V] -> each row's argmax [T] (the first largest, as torch.argmax)."""
     T, V = rows.shape
     assert rows.dtype == torch.float32 and rows.is_contiguous() and seen.dtype == torch.bool and seen.numel() == V
     fed, seen = fed.contiguous(), seen.contiguous()

@@ -31,14 +31,10 @@ BUILD_TIMEOUT = 300.0  # seconds a build may run: a hung compiler must not hang 
 # What every build exports (step.cpp, verify.h), a library without one is not ours: each function's
 # arguments (p a pointer, i an int, f a float) and whether it returns an int (else nothing).
 SIGNATURES = {
-    "smallem_step": ("pppippppippipppip", False),
-    "smallem_chain": ("pppiipppppiippppipfppppiipfp", False),
-    "smallem_batch_step": ("pppippppppppippippip", False),
-    "smallem_verify_sample": ("piifppppppiff", False),
-    "smallem_penalize": ("piippfpp", False),
-    "smallem_panel": ("", True),
-    "smallem_score_rows": ("", True),
-}
+    "smallem_step": ("pppippppippipppip", False), "smallem_chain": ("pppiipppppiippppipfppppiipfp", False),
+    "smallem_batch_step": ("pppippppppppippippip", False), "smallem_verify_sample": ("piifppppppiff", False),
+    "smallem_penalize": ("piippfpp", False), "smallem_panel": ("", True), "smallem_score_rows": ("", True),
+}  # fmt: skip
 
 
 class NativeUnavailable(RuntimeError):
@@ -46,9 +42,7 @@ class NativeUnavailable(RuntimeError):
 
 
 def prefetch_rows(cpuinfo: str | None = None) -> int:
-    """The fewest input rows a product tile prefetches its next panels for (`matmul.h` PREFETCH_ROWS),
-    by the CPU's maker (`cpuinfo`: /proc/cpuinfo's text, read when None): 5 on AMD, 8 elsewhere, as
-    measured (docs/decisions.md)."""
+    """`matmul.h`'s PREFETCH_ROWS by the CPU's maker: 5 on AMD, 8 elsewhere, as measured (docs/decisions.md)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
@@ -72,7 +66,6 @@ def loaded() -> ctypes.CDLL:
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
-    """A tensor's address for the C code; None (a null pointer) for None."""
     return None if t is None else t.data_ptr()
 
 
@@ -107,11 +100,10 @@ def private_folder(folder: Path) -> Path:
 
 
 def _load(data: bytes, folder: Path) -> ctypes.CDLL | str:
-    """`data` loaded as a library with every one of SIGNATURES -> it, or why not (a line). CDLL takes a
-    path, looked up again as it loads, so the bytes go into a fresh mkdtemp folder (0700, inside the
-    checked `folder`: /tmp may be noexec) and load from there: what was hashed is what runs. The copy
-    goes once loaded: the mapping keeps its inode in use, so no later copy gets that inode and is taken
-    for this library by the loader (which matches loaded objects by device and inode)."""
+    """`data` loaded as a library with every one of SIGNATURES -> it, or why not (a line). CDLL takes a path,
+    looked up again as it loads, so the bytes go into a fresh mkdtemp folder (0700, inside the checked `folder`:
+    /tmp may be noexec) and load from there: what was hashed is what runs. The copy goes once loaded: the mapping
+    keeps its inode in use, so no later copy gets that inode and is taken for this library by the loader."""
     tmp = tempfile.mkdtemp(prefix=".load-", dir=folder)
     try:
         copy = os.path.join(tmp, "step.so")
@@ -215,7 +207,6 @@ def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
 
 
 def _bind(isa: str, lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` with its functions' C signatures (`SIGNATURES`), kept for `isa`."""
     kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
     for name, (args, returns_int) in SIGNATURES.items():
         fn = getattr(lib, name)
