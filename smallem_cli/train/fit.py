@@ -8,16 +8,10 @@ sum_x min(p_T(x), q_T(x)) = 1 - TV(p_T, q_T), q zero outside the proposer's cut 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
 from ..model.llama import Transformer
-
-# A training loss: a batch [B, T+2] -> (the loss, what it reads as 0-dim tensors: an `.item()` inside
-# would break a compiled loss's graph, so the training loop reads them on the host)
-LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def student_logits(model: Transformer, h: torch.Tensor) -> torch.Tensor:

@@ -28,9 +28,12 @@ from ..config import ModelConfig
 from ..model import checkpoint
 from ..model.llama import MTPModule, Transformer
 from . import runstate
-from .fit import LossFn, fit_loss, student_logits
+from .fit import fit_loss, student_logits
 
 PRECISIONS = ("fp32", "bf16")  # `TrainSettings.precision`
+# A training loss: a batch [B, T+2] -> (the loss, what it reads as 0-dim tensors: an `.item()` inside
+# would break a compiled loss's graph, so the training loop reads them on the host)
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -243,11 +246,10 @@ def distill(
     """Fit a proposer (trained in place) to a frozen target's next-token distribution (`fit.py`) ->
     the facts. Acceptance (greedy: the target's argmax; sampled: 1 - TV(p, q)) rewards matching the
     target, not the corpus, and its whole distribution is a richer signal than the one observed token.
-    A draft reads the text; an MTP module reads h_i and the true token i+1 and guesses token i+2 (the
-    target's logits at i+1).
-    With `settings.feature_weight` its output state is also pulled towards the target's h_{i+1}
-    (normalised, as the next step reads it): guesses past the first chain on that state (EAGLE's
-    observation), so one that resembles the target's keeps them on track."""
+    An MTP module reads h_i and the true token i+1 and guesses token i+2 (the target's logits at
+    i+1). With `settings.feature_weight` its output state is also pulled towards the target's
+    h_{i+1} (normalised, as the next step reads it): guesses past the first chain on that state
+    (EAGLE's observation), so one that resembles the target's keeps them on track."""
     if student.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"proposer vocabulary {student.cfg.vocab_size} != target's {target.cfg.vocab_size}")
     target.requires_grad_(False).eval()
@@ -330,10 +332,9 @@ def train_member(
     meta = checkpoint.read_meta(init) if init else {}
     assert teacher is not None, "distillation needs its target"
     tgt, teacher_name = teacher
-    # the tokens its cut head keeps: a continued proposer keeps its own ranking, even on other text
+    # a continued proposer keeps its own ranking for its cut head, even on other text
     # (docs/family.md, "Fitting the proposers on the target's own text")
-    V = tgt.cfg.vocab_size
-    rank = (checkpoint.vocab_rank(meta, init, V) if init else None) or vocab_rank(train_ids, V)
+    rank = checkpoint.vocab_rank(meta, init, tgt.cfg.vocab_size) if init else None
     if kind == "mtp":
         student = checkpoint.load_mtp(init, tgt)[0] if init else new_mtp(tgt.cfg, settings.seed)
         trained = "distilled from the frozen target"
