@@ -13,8 +13,6 @@ from ..config import PRESETS
 from .app import Threads, app, err, fail
 from .console import progress_printer
 
-EXP = " (an experiment: docs/family.md)"  # an option whose result was not shipped
-
 
 @app.command()
 def data(
@@ -157,18 +155,6 @@ def train(
     feature_weight: Annotated[
         float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
     ] = 0.0,
-    chain: Annotated[
-        int, typer.Option(help="mtp: fit the chain of this many guesses as it runs, a loss per step (0: off)" + EXP)
-    ] = 0,
-    fit_temperatures: Annotated[
-        str, typer.Option(help="mtp, --distill: fit q to p warped at these temperatures (comma-separated)" + EXP)
-    ] = "1",
-    fit_tv: Annotated[
-        float, typer.Option(help="mtp, --distill: weight of the sampled rejection probability 1 - sum min(p, q)" + EXP)
-    ] = 0.0,
-    fit_vocab: Annotated[
-        int, typer.Option(help="mtp, --distill: fit q over the N most frequent tokens, as a cut head (0: all)" + EXP)
-    ] = 0,
     budget: Annotated[float, typer.Option(help="training seconds")] = D.TRAIN_SECONDS,
     tokens: Annotated[
         int, typer.Option(help="token budget: stop after this many training tokens, not --budget seconds (0: off)")
@@ -195,19 +181,10 @@ def train(
     from ..model.tokenizer import load_tokenizer
     from ..train import data as corpus
     from ..train import loop as tr
-    from ..train.fit import Fit
 
     # the options alone, checked before any work (writing --text's split included)
     if budget <= 0 or tokens < 0:
         raise fail("--budget must be > 0 seconds and --tokens >= 0")
-    if (chain and kind is not Kind.mtp) or not 0 <= chain <= D.MAX_K:
-        raise fail(f"--chain applies to an MTP module, between 1 and {D.MAX_K} guesses")
-    try:
-        fit = Fit(tuple(float(t) for t in fit_temperatures.split(",")), fit_tv, fit_vocab)
-    except ValueError as e:
-        raise fail(f"--fit-temperatures takes numbers > 0 (e.g. 1,0.7); --fit-tv, --fit-vocab >= 0: {e}") from None
-    if not fit.plain and not (kind is Kind.mtp or distill):
-        raise fail("--fit-temperatures, --fit-tv and --fit-vocab apply to an MTP module or a draft with --distill")
     if precision not in tr.PRECISIONS:
         raise fail(f"--precision takes {' or '.join(tr.PRECISIONS)}, not {precision!r}")
     if init and kind is Kind.target:
@@ -291,7 +268,7 @@ def train(
             raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
     settings = tr.TrainSettings(
         budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, mtp_weight=mtp_weight,
-        feature_weight=feature_weight, chain=chain, fit=fit, compile=compile_loss, precision=precision,
+        feature_weight=feature_weight, compile=compile_loss, precision=precision,
     )  # fmt: skip
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     try:

@@ -28,10 +28,12 @@ from ..config import ModelConfig
 from ..model import checkpoint
 from ..model.llama import MTPModule, Transformer
 from . import runstate
-from .chain import chain_loss
-from .fit import Fit, LossFn, fit_loss, student_logits, teacher_log_p
+from .fit import fit_loss, student_logits
 
 PRECISIONS = ("fp32", "bf16")  # `TrainSettings.precision`
+# A training loss: a batch [B, T+2] -> (the loss, what it reads as 0-dim tensors: an `.item()` inside
+# would break a compiled loss's graph, so the training loop reads them on the host)
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -46,8 +48,6 @@ class TrainSettings:
     weight_decay: float = 0.1
     mtp_weight: float = D.TRAIN_MTP_WEIGHT  # a target's joint training: main loss + this x its MTP loss
     feature_weight: float = 0.0  # MTP distillation: weight of the state-matching loss (EAGLE's feature loss)
-    chain: int = 0  # MTP distillation: > 0 fits the whole chain of this many guesses (`chain.py`)
-    fit: Fit = field(default_factory=Fit)  # distillation: what q is fitted to (temperatures, TV, cut head)
     seed: int = D.TRAIN_SEED
     compile: bool = D.TRAIN_COMPILE  # the loss through torch.compile
     precision: str = D.TRAIN_PRECISION  # one of PRECISIONS: "bf16" runs the loss's products under autocast
@@ -242,22 +242,17 @@ def distill(
     settings: TrainSettings,
     run_dir: Path,
     on_progress: ProgressFn | None = None,
-    rank: list[int] | None = None,
 ) -> dict[str, Any]:
     """Fit a proposer (trained in place) to a frozen target's next-token distribution (`fit.py`) ->
     the facts. Acceptance (greedy: the target's argmax; sampled: 1 - TV(p, q)) rewards matching the
     target, not the corpus, and its whole distribution is a richer signal than the one observed token.
-    A draft reads the text; an MTP module reads h_i and the true token i+1 and guesses token i+2 (the
-    target's logits at i+1), or with `settings.chain` the chain of that many guesses (`chain.py`).
-    With `settings.feature_weight` its output state is also pulled towards the target's h_{i+1}
-    (normalised, as the next step reads it): guesses past the first chain on that state (EAGLE's
-    observation), so one that resembles the target's keeps them on track."""
+    An MTP module reads h_i and the true token i+1 and guesses token i+2 (the target's logits at
+    i+1). With `settings.feature_weight` its output state is also pulled towards the target's
+    h_{i+1} (normalised, as the next step reads it): guesses past the first chain on that state
+    (EAGLE's observation), so one that resembles the target's keeps them on track."""
     if student.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"proposer vocabulary {student.cfg.vocab_size} != target's {target.cfg.vocab_size}")
     target.requires_grad_(False).eval()
-    # a cut head's tokens (None: all of them): the first of the member's ranking, else of the stream's
-    cut = settings.fit.vocab
-    ids = torch.tensor((rank or vocab_rank(train_ids, target.cfg.vocab_size))[:cut]) if cut else None
     mtp = student if isinstance(student, MTPModule) else None
     T = settings.seq_len
 
@@ -265,12 +260,12 @@ def distill(
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            # [B, T or T-1, V or N]: the target's view of the token a draft guesses, or an MTP module
-            teacher = teacher_log_p(settings.fit, target.logits(h if mtp is None else h[:, 1:]).float(), ids)
+            # [B, T or T-1, V]: the target's view of the token a draft guesses, or an MTP module
+            teacher = F.log_softmax(target.logits(h if mtp is None else h[:, 1:]).float(), dim=-1)
         if mtp is None:
-            return fit_loss(settings.fit, teacher, student_logits(student, student.hidden(inp), ids))
+            return fit_loss(teacher, student_logits(student, student.hidden(inp)))
         hm = mtp(h[:, :-1], target.embed_tokens(inp[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
-        loss, extra = fit_loss(settings.fit, teacher, student_logits(target, hm, ids))
+        loss, extra = fit_loss(teacher, student_logits(target, hm))
         if not settings.feature_weight:
             return loss, extra
         d = h.shape[-1]
@@ -280,10 +275,8 @@ def distill(
     if mtp is None:
         facts = _train_loop(loss_fn, {"model": student}, train_ids, settings, run_dir, on_progress, (student, val_ids))
         return facts | evaluate(student, val_ids, settings.seq_len)
-    fn = chain_loss(target, mtp, settings.fit, ids, settings.chain) if settings.chain else loss_fn
-    facts = _train_loop(fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress)
-    facts |= evaluate(target, val_ids, settings.seq_len, mtp)
-    return facts | ({"chain_depth": settings.chain} if settings.chain else {})
+    facts = _train_loop(loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress)
+    return facts | evaluate(target, val_ids, settings.seq_len, mtp)
 
 
 def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
@@ -339,20 +332,17 @@ def train_member(
     meta = checkpoint.read_meta(init) if init else {}
     assert teacher is not None, "distillation needs its target"
     tgt, teacher_name = teacher
-    # the tokens its cut head keeps (fitted to with --fit-vocab, and saved): a continued proposer keeps its
-    # own ranking, even on other text (docs/family.md, "Fitting the proposers on the target's own text")
-    V = tgt.cfg.vocab_size
-    rank = (checkpoint.vocab_rank(meta, init, V) if init else None) or vocab_rank(train_ids, V)
+    # a continued proposer keeps its own ranking for its cut head, even on other text
+    # (docs/family.md, "Fitting the proposers on the target's own text")
+    rank = checkpoint.vocab_rank(meta, init, tgt.cfg.vocab_size) if init else None
     if kind == "mtp":
         student = checkpoint.load_mtp(init, tgt)[0] if init else new_mtp(tgt.cfg, settings.seed)
-        trained = "distilled from the frozen target" + (f", chain of {settings.chain}" if settings.chain else "")
+        trained = "distilled from the frozen target"
     else:
         student = checkpoint.load_model(init)[0].train() if init else new_model(cfg, settings.seed)
         trained = f"distilled from {teacher_name}"
-    facts = distill(tgt, student, train_ids, val_ids, settings, run_dir, on_progress, rank)
+    facts = distill(tgt, student, train_ids, val_ids, settings, run_dir, on_progress)
     facts["trained"] = trained + (f", starting from {init.name}" if init else "")
-    if not settings.fit.plain:  # what q was fitted to, beside how long
-        facts["fit"] = dataclasses.asdict(settings.fit)
     before = {"before": checkpoint.facts(meta)} if init else {}
     save_family_member(dest, student, fp, facts | before, train_ids, rank)
     return facts
