@@ -21,8 +21,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import Family
+from engine_help import sequence_pass
+from test_native import close, one_sequence
 from typer.testing import CliRunner
 
+from smallem_cli.backends.engines import Backend
 from smallem_cli.cli.app import app
 from smallem_cli.engine import family as F
 from smallem_cli.engine.family import NONE
@@ -263,8 +266,28 @@ def test_backend_is_named_honestly(family: Family, tmp_path: Path) -> None:
         return json.loads(res.stdout)["stats"]["backend"]
 
     assert backend("--target", str(f16)) == "native"
-    assert backend("--target", str(q8)) == "native (f32)"
-    assert backend("--target", str(q8), "--proposer", str(family.draft)) == "native (f16+f32)"
+    assert backend("--target", str(q8)) == "native (f32+q8_0)"  # the embedding's rows as float32
+    assert backend("--target", str(q8), "--proposer", str(family.draft)) == "native (f16+f32+q8_0)"
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0", "Q4_1"])
+def test_native_reads_the_blocks_as_stored(family: Family, tmp_path: Path, quant: str) -> None:
+    """A quantized file's matrices run native as its blocks (`model.quant`), not as float32: the
+    pass over T tokens, one sequence's step and the flat batch's, is the eager pass over the
+    dequantized values to float32 rounding, with more rows than a tile of blocks holds (16)."""
+    write(tmp_path / "q.gguf", family, quant=quant)
+    model = load_gguf(tmp_path / "q.gguf").model.pack()
+    backend = Backend("native")
+    assert backend.prepare(model, []) == f"native (f32+{quant.lower()})"  # the embedding's rows: float32
+    steps = backend.steps(model)
+    assert steps is not None
+    tokens = torch.randint(0, model.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    for T in (1, 5, 16):
+        past, new = tokens[:20], tokens[20 : 20 + T]
+        a, c = one_sequence(model, past, new), one_sequence(model, past, new, steps)
+        assert all(close(x, y) for x, y in zip(a, c, strict=True)), T
+        flat_a, flat_c = sequence_pass(model, past, new), sequence_pass(model, past, new, steps)
+        assert close(flat_a[0], flat_c[0]) and close(flat_a[1], flat_c[1])
 
 
 # --- refusals -----------------------------------------------------------------------------------

@@ -682,7 +682,7 @@ def test_float32_weights_run_native_as_they_are(trained: Trained, kind: str) -> 
     p = proposer(kind, target, model)
     b = Backend("native")
     assert b.prepare(target, p.models) == "native (f32)"
-    assert all(b.steps(m).kinds == {torch.float32} for m in [target, *p.models])  # type: ignore[union-attr]
+    assert all(b.steps(m).kinds == {"f32"} for m in [target, *p.models])  # type: ignore[union-attr]
     k = 0 if model is None else 3
     got = generate(target, p, trained.period[:10], 40, k, backend=b)[0]
     assert len(got) == 40 and got == generate(target, p, trained.period[:10], 40, k)[0]

@@ -61,7 +61,7 @@ class Backend:
             quiet(f"native decode step unavailable ({', '.join(names)}): {why}")
         ready = [s for m in every if (s := self.steps(m)) is not None]
         self.label = self.name if len(ready) == len(every) else "eager" if not ready else f"partly {self.name}"
-        kinds = sorted({native.KIND_NAMES[k] for s in ready for k in s.kinds})
+        kinds = sorted({k for s in ready for k in s.kinds})
         if kinds not in ([], ["f16"]):  # what the weights are read as, where not the family's float16
             self.label += f" ({'+'.join(kinds)})"
         return self.label

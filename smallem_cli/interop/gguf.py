@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from .. import atomic
 from ..config import ModelConfig
-from ..model import checkpoint
+from ..model import checkpoint, quant
 from ..model.chat import ChatFormat
 from ..model.checkpoint import CheckpointError
 from ..model.llama import Transformer, permute_rope, unpermute_rope
@@ -355,8 +355,11 @@ def _config(meta: _Meta, n_vocab: int, tied: bool) -> ModelConfig:
         raise GGUFReadError(f"{path}: its hyperparameters do not fit smallem: {e}") from None
 
 
-def _weights(reader: Any, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
-    """smallem name -> float32 tensor, names, shapes and types all checked before a weight is copied."""
+def _weights(
+    reader: Any, cfg: ModelConfig, path: Path
+) -> tuple[dict[str, torch.Tensor], dict[str, quant.Blocked], tuple[str, ...]]:
+    """smallem name -> float32 tensor, and -> its blocks where the file quantizes it (`model.quant`);
+    names, shapes and types all checked before a weight is copied."""
     from gguf.quants import dequantize
 
     expected = checkpoint.expected_shapes(cfg)  # a tied model's has no lm_head
@@ -373,20 +376,23 @@ def _weights(reader: Any, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch
             raise GGUFReadError(f"{path}: tensor {name} has shape {shape}, its metadata says {expected[ours[name]]}")
         if t.tensor_type.name not in TYPES:
             raise GGUFReadError(f"{path}: tensor {name} has type {t.tensor_type.name}: only {', '.join(TYPES)}")
-    out = {}
+    out, blocks = {}, {}
     for name, t in found.items():
-        key = ours[name]
+        key, kind = ours[name], t.tensor_type.name
+        heads = cfg.n_heads if key.endswith("q_proj.weight") else cfg.n_kv_heads if key.endswith("k_proj.weight") else 0
         try:  # a copy out of the memory map; F16 and F32 as they are, exactly
-            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(expected[key])
+            if kind in quant.KINDS:
+                b = quant.from_gguf(t.data, kind, expected[key])
+                blocks[key] = b = b.rows(lambda r, h=heads: unpermute_rope(r, h)) if heads else b
+                w = b.values()
+            else:
+                w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+                w = unpermute_rope(w.reshape(expected[key]), heads) if heads else w.reshape(expected[key])
         except _READ_ERRORS as e:
             raise GGUFReadError(f"{path}: tensor {name} is unreadable ({type(e).__name__}: {e})"[:300]) from None
-        if key.endswith("q_proj.weight"):
-            w = unpermute_rope(w, cfg.n_heads)
-        elif key.endswith("k_proj.weight"):
-            w = unpermute_rope(w, cfg.n_kv_heads)
         out[key] = w.contiguous()
     checkpoint.check_finite(out, str(path))
-    return out, tuple(sorted({t.tensor_type.name for t in found.values()}))
+    return out, blocks, tuple(sorted({t.tensor_type.name for t in found.values()}))
 
 
 def _special_ids(meta: _Meta, n_tokens: int) -> dict[str, int]:
@@ -458,7 +464,8 @@ def load_gguf(path: str | Path, device: torch.device | str = "cpu") -> GGUFModel
     ends = tuple(dict.fromkeys(ids[n] for n in ("eos", "eot", "eom") if n in ids))  # any of them ends a generation
     bos, eos = (tokens[ids[n]] if n in ids else "" for n in ("bos", "eos"))
     chat = ChatFormat(ends, meta.text("tokenizer.chat_template"), bos, eos)
-    weights, types = _weights(reader, cfg, path)
+    weights, blocks, types = _weights(reader, cfg, path)
     model = Transformer(cfg)
     model.load_state_dict(weights)  # names and shapes checked above: strict, and it fits
+    model.quantized = blocks
     return GGUFModel(model.to(device).eval(), tok, checkpoint.vocab_fingerprint(tok), chat, types)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .quant import Blocked
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +135,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # parameter name -> its blocks, where a quantized file stored it so (`model.quant`): the
+        # parameter holds their float32 values
+        self.quantized: dict[str, Blocked] = {}
         cos, sin = rope_tables(cfg)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)

@@ -1,8 +1,8 @@
 """The native engine (`--engine native`): a decode pass in C++ over the model's own weights.
 
 A one-token pass is bound by reading the weights, so `step.cpp` reads each matrix in panels, in the
-narrowest of float16, bfloat16 and float32 that holds its values exactly (`narrowest`), accumulating
-in float32: the model is computed as it is. A proposer's may be int8 (`--proposer-weights int8`,
+narrowest of float16, bfloat16 and float32 that holds its values exactly (`narrowest`), or as a
+quantized file's blocks (`model.quant`), accumulating in float32: the model is computed as it is. A proposer's may be int8 (`--proposer-weights int8`,
 `panels8`); the target's never are, so the text is the target's. A failure leaves the model eager.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ...engine.batch import BatchStep, visible
+from ...model import quant
 from ...model.llama import MTPModule, Transformer, permute_rope
 from ...spec.verify import Penalty, Warper, uniforms
 from . import kernels
@@ -23,9 +24,11 @@ MAX_T = 64  # the longest one-sequence step (verify passes, a draft's catch-up);
 
 
 class _Mat(ctypes.Structure):
-    """A matrix in panels (`matmul.h`'s `Mat`): float16, or int8 with its rows' scales."""
+    """A matrix in panels (`matmul.h`'s `Mat`): float16, bfloat16 or float32, int8 with its rows'
+    scales, or a quantized file's blocks (W_Q: int8 with its blocks' scales and offsets)."""
 
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("kind", ctypes.c_int)]
+    _fields_ += [("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
 
 
 class _LayerW(ctypes.Structure):
@@ -43,6 +46,7 @@ class _ModelW(ctypes.Structure):
 
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # matmul.h's W_F16, W_BF16, W_F32
 KIND_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+W_Q = 3  # matmul.h's blocks (`model.quant`)
 
 
 def narrowest(w: torch.Tensor) -> torch.Tensor:
@@ -91,28 +95,35 @@ class NativeSteps:
         self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
         self.keep: list[torch.Tensor] = []  # every tensor the C structs point at, alive as long as they
-        self.kinds: set[torch.dtype] = set()  # the dtypes its matrices are read in (int8 aside)
+        self.kinds: set[str] = set()  # what its matrices are read as (int8 aside): f16, ..., q4_1
+        # a parameter's blocks, where a quantized file stored it so: read as they are
+        self.stored = {id(p): quantized(model)[n] for n, p in model.named_parameters() if n in quantized(model)}
         blocks = [model.block] if self.mtp else list(model.layers)
         self.layers_c = (_LayerW * len(blocks))()
         for i, b in enumerate(blocks):
             H, Hkv = b.n_heads, b.n_kv_heads
-            qkv = torch.cat([permute_rope(b.q_proj.weight, H), permute_rope(b.k_proj.weight, Hkv), b.v_proj.weight])
-            mats = [qkv, b.o_proj.weight, torch.cat([b.gate_proj.weight, b.up_proj.weight]), b.down_proj.weight]
+            qkv = [(b.q_proj.weight, H), (b.k_proj.weight, Hkv), (b.v_proj.weight, 0)]
+            mats = [
+                qkv,
+                [(b.o_proj.weight, 0)],
+                [(b.gate_proj.weight, 0), (b.up_proj.weight, 0)],
+                [(b.down_proj.weight, 0)],
+            ]
             norms = [self._held(_floats(w.weight)) for w in (b.input_layernorm, b.post_attention_layernorm)]
-            self.layers_c[i] = _LayerW(*[self._mat(w) for w in mats], *norms)
+            self.layers_c[i] = _LayerW(*[self._rows(m) for m in mats], *norms)
         self.mw = mw = _ModelW(len(blocks), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
         mw.eps, mw.layers = c.norm_eps, ctypes.cast(self.layers_c, ctypes.c_void_p)
         # a chain's head rows in panels, by id(ids) (ids held, so that their id stays theirs)
         self._heads: dict[int, tuple[torch.Tensor | None, _Mat]] = {}
         if self.mtp:
-            mw.wh = self._mat(model.eh_proj.weight[:, : c.dim])  # [d, d]: the h half
+            mw.wh = self._mat(model.eh_proj.weight[:, : c.dim].contiguous())  # [d, d]: the h half
             mw.table = self._held(model.token_table(target.embed_tokens.weight).detach().contiguous())
             mw.g_h = self._held(_floats(model.hnorm.weight))
         else:
-            mw.head = self._mat(model.head_weight)
+            mw.head = self._rows([(model.head_weight, 0)])
             embed = narrowest(model.embed_tokens.weight)
             mw.embed, mw.embed_kind = self._held(embed), KINDS[embed.dtype]
-            self.kinds.add(embed.dtype)
+            self.kinds.add(KIND_NAMES[embed.dtype])
             mw.g_final = self._held(_floats(model.norm.weight))
             self._heads[id(None)] = (None, mw.head)
         self._scratch = torch.empty(0)  # the C code's, for the largest pass so far
@@ -124,12 +135,28 @@ class NativeSteps:
         self.keep.append(t)
         return t.data_ptr()
 
+    def _rows(self, parts: list[tuple[torch.Tensor, int]]) -> _Mat:
+        """The rows of these matrices one below the other, those of a part with heads > 0 in the
+        rope's pairs (`permute_rope`), in panels, held: as a quantized file stored them where it
+        stored every part so (`model.quant`), else as `_mat`."""
+
+        def pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+            return permute_rope(w, heads) if heads else w
+
+        blocks = [self.stored.get(id(w)) for w, _ in parts]
+        if self.int8 or any(b is None for b in blocks):
+            return self._mat(torch.cat([pairs(w, h) for w, h in parts]))
+        b = quant.cat([x.rows(lambda r, h=h: pairs(r, h)) for x, (_, h) in zip(blocks, parts, strict=True)])  # type: ignore[union-attr]
+        self.kinds.update(k.lower() for k in b.kinds)
+        m = None if b.m is None else self._held(panels(b.m, self.width))
+        return _Mat(self._held(panels(b.q, self.width)), None, W_Q, self._held(panels(b.d, self.width)), m)
+
     def _mat(self, w: torch.Tensor) -> _Mat:
         if self.int8:
             q, scale = panels8(w, self.width)
             return _Mat(self._held(q), self._held(scale), 0)
         t = narrowest(w)
-        self.kinds.add(t.dtype)
+        self.kinds.add(KIND_NAMES[t.dtype])
         return _Mat(self._held(panels(t, self.width)), None, KINDS[t.dtype])
 
     def serves(self, start: int, end: int) -> bool:
@@ -242,6 +269,11 @@ class NativeSteps:
             ctypes.addressof(strides), scratch.data_ptr(), threads, ptr(top),  # new's strides: the slab's too
         )  # fmt: skip
         return logits, x, new, top
+
+
+def quantized(model: Transformer | MTPModule) -> dict[str, quant.Blocked]:
+    """The model's parameters a quantized file stored in blocks (none for the MTP module)."""
+    return model.quantized if isinstance(model, Transformer) else {}
 
 
 def _floats(w: torch.Tensor) -> torch.Tensor:
