@@ -2,8 +2,9 @@
 
 A one-token pass is bound by reading the weights, so `step.cpp` reads each matrix in panels, in the
 narrowest of float16, bfloat16 and float32 that holds its values exactly (`narrowest`), or as a
-quantized file's blocks (`model.quant`), accumulating in float32: the model is computed as it is. A proposer's may be int8 (`--proposer-weights int8`,
-`panels8`); the target's never are, so the text is the target's. A failure leaves the model eager.
+quantized file's blocks (`model.quant`), accumulating in float32: the model is computed as it is. A
+proposer's may be int8 (`--proposer-weights int8`, `panels8`); the target's never are, so the text
+is the target's. A failure leaves the model eager.
 """
 
 from __future__ import annotations
