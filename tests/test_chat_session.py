@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -163,9 +163,9 @@ def test_chat_in_a_terminal(long_hf: Path, tmp_path: Path) -> None:
     def screen() -> str:
         return subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
 
-    def wait_for(what: str, timeout: float = 120.0) -> None:
+    def wait_for(what: str | Callable[[str], bool], timeout: float = 120.0) -> None:
         end = time.monotonic() + timeout
-        while what not in screen():
+        while not (what(screen()) if callable(what) else what in screen()):
             assert time.monotonic() < end, screen()
             time.sleep(0.05)
 
@@ -175,7 +175,8 @@ def test_chat_in_a_terminal(long_hf: Path, tmp_path: Path) -> None:
     try:
         wait_for(">")  # the prompt (the pane drops its trailing space)
         keys("In the beginning", "Enter")
-        time.sleep(0.5)  # the answer streams: 3,000 tokens take seconds
+        # Ctrl-C once the answer streams (3,000 tokens take seconds), not while the line is read
+        wait_for(lambda text: len(text.split("In the beginning", 1)[-1].strip()) > 20)
         keys("C-c")
         wait_for("(interrupted)")
         keys("C-c")  # at the prompt: the line is cleared, the session goes on
