@@ -98,7 +98,7 @@ class NativeSteps:
         self.keep: list[torch.Tensor] = []  # every tensor the C structs point at, alive as long as they
         self.kinds: set[str] = set()  # what its matrices are read as (int8 aside): f16, ..., q4_1
         # a parameter's blocks, where a quantized file stored it so: read as they are
-        self.stored = {id(p): quantized(model)[n] for n, p in model.named_parameters() if n in quantized(model)}
+        self.stored = {id(p): b for n, p in model.named_parameters() if (b := quantized(model).get(n))}
         blocks = [model.block] if self.mtp else list(model.layers)
         self.layers_c = (_LayerW * len(blocks))()
         for i, b in enumerate(blocks):

@@ -100,6 +100,24 @@ struct I8 {
 #endif
 #define ACC24(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) \
                  F(12) F(13) F(14) F(15) F(16) F(17) F(18) F(19) F(20) F(21) F(22) F(23)
+// One accumulator's PANEL outputs at o, column col of N real ones (the last panel is padded):
+// stored, or added to what is there.
+static inline void store_panel(float *o, vec acc, int col, int N, bool add) {
+    if (col + PANEL <= N) {
+        v_store(o, add ? v_add(v_load(o), acc) : acc);
+    } else {  // the last, padded panel: only its real columns
+        float t[PANEL];
+        v_store(t, acc);
+        for (int c = 0; c < N - col; c++) o[c] = add ? o[c] + t[c] : t[c];
+    }
+}
+
+// This thread's equal share [v0, v1) of the panels (whole panels, so no `omp for`).
+static inline void panel_share(int panels, int *v0, int *v1) {
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    *v0 = (int)((long)panels * me / nt), *v1 = (int)((long)panels * (me + 1) / nt);
+}
+
 template <class W, int MR, int NV>
 static inline void tile(const float *x, int ldx, const typename W::T *wp, const float *scale, int K, float *y, int ldy,
                         int n, int N, bool add) {
@@ -148,13 +166,7 @@ static inline void tile(const float *x, int ldx, const typename W::T *wp, const 
         int m = MR >= 4 ? i / NV : i % MR, v = MR >= 4 ? i % NV : i / MR, col = n + PANEL * v;
         float *o = y + (size_t)m * ldy + col;
         if (scale) acc[i] = v_mul(acc[i], v_load(scale + col));  // int8: the rows' scales
-        if (col + PANEL <= N) {
-            v_store(o, add ? v_add(v_load(o), acc[i]) : acc[i]);
-        } else {  // the last, padded panel: only its real columns
-            float t[PANEL];
-            v_store(t, acc[i]);
-            for (int c = 0; c < N - col; c++) o[c] = add ? o[c] + t[c] : t[c];
-        }
+        store_panel(o, acc[i], col, N, add);
     }
 }
 #undef ACC24
@@ -200,8 +212,8 @@ static void rows_against(const float *x, int M, int ldx, const typename W::T *wp
 template <class W>
 static void matmul_of(const float *x, int M, int ldx, const typename W::T *wp, const float *scale, int N, int K, float *y,
                       int ldy, bool add) {
-    const int panels = (N + PANEL - 1) / PANEL, nt = omp_get_num_threads(), me = omp_get_thread_num();
-    const int v0 = (int)((long)panels * me / nt), v1 = (int)((long)panels * (me + 1) / nt);
+    int v0, v1;
+    panel_share((N + PANEL - 1) / PANEL, &v0, &v1);
     for (int c = v0; c < v1; c += 12) {
         const int np = v1 - c < 12 ? v1 - c : 12;
         rows_against<W>(x, M, ldx, wp + (size_t)c * K * PANEL, scale ? scale + PANEL * c : nullptr, K, y + PANEL * c,
@@ -249,15 +261,8 @@ static inline void qtile(const float *x, int ldx, const float *xs, const int8_t 
         }
     }
     for (int i = 0; i < MR * NV; i++) {
-        const int r = i / NV, col = n + PANEL * (i % NV);
-        float *o = y + (size_t)r * ldy + col;
-        if (col + PANEL <= N) {
-            v_store(o, add ? v_add(v_load(o), c[i]) : c[i]);
-        } else {  // the last, padded panel: only its real columns
-            float tmp[PANEL];
-            v_store(tmp, c[i]);
-            for (int j = 0; j < N - col; j++) o[j] = add ? o[j] + tmp[j] : tmp[j];
-        }
+        const int col = n + PANEL * (i % NV);
+        store_panel(y + (size_t)(i / NV) * ldy + col, c[i], col, N, add);
     }
 }
 
@@ -276,7 +281,7 @@ static constexpr int qnv_for(int mr) { return Q_ACC / mr; }
 // `matmul_of` for blocks: each thread its share of the panels, every row group in tiles of at
 // most Q_ACC accumulators, after the rows' block sums (xs, for the offsets) in its own scratch.
 static void matmul_q(const float *x, int M, int ldx, Mat w, int N, int K, float *y, int ldy, bool add) {
-    const int panels = (N + PANEL - 1) / PANEL, nt = omp_get_num_threads(), me = omp_get_thread_num(), nb = K / QB;
+    const int nb = K / QB;
     static thread_local std::vector<float> sums;
     if (w.m) {
         if (sums.size() < (size_t)M * nb) sums.resize((size_t)M * nb);
@@ -288,7 +293,8 @@ static void matmul_q(const float *x, int M, int ldx, Mat w, int N, int K, float 
                 xs[(size_t)r * nb + b] = hsum(s);
             }
     }
-    const int v0 = (int)((long)panels * me / nt), v1 = (int)((long)panels * (me + 1) / nt);
+    int v0, v1;
+    panel_share((N + PANEL - 1) / PANEL, &v0, &v1);
     for (int c = v0; c < v1; c += 12) {
         const int np = v1 - c < 12 ? v1 - c : 12;
         Mat wc = w;
