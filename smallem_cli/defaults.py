@@ -13,8 +13,8 @@ BATCH_PROMPTS = PROMPTS.with_name("kjv-val-32x64.jsonl")  # `bench --batch`: 64 
 # The proposer per mode: greedy text repeats itself, so the n-gram lookup guesses it for free (docs/benchmarks.md).
 PROPOSER = {"greedy": "ngram+mtp", "sample": "mtp"}
 PROPOSER_HELP = (
-    f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P [default: {PROPOSER['greedy']} greedy, "
-    f"{PROPOSER['sample']} sampled; HF: none]"
+    f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P (default: {PROPOSER['greedy']} greedy, "
+    f"{PROPOSER['sample']} sampled; HF: none)"
 )
 # Default k per proposer, (greedy, sampled): the best of `bench --sweep-k` (docs/benchmarks.md, "The default k").
 K = {"draft-2l": (4, 3), "draft-4l": (4, 2), "mtp": (4, 3), "ngram": (4, 4)}
@@ -75,7 +75,7 @@ PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 # or "f16"; the target's are always its own (docs/benchmarks.md).
 PROPOSER_WEIGHTS = "int8"
 WEIGHTS = ("int8", "f16")
-WEIGHTS_HELP = f"int8 | f16: how the native engine stores the proposer's matrices [default: {PROPOSER_WEIGHTS}]"
+WEIGHTS_HELP = f"int8 | f16: how the native engine stores the proposer's matrices (default: {PROPOSER_WEIGHTS})"
 EVAL_TEMPERATURES = (1.0, 0.7)  # `smallem eval`: a sampled first guess kept at these temperatures
 
 
@@ -95,10 +95,7 @@ def load_cap(proposer: str, batch: int) -> int:
     """The most guesses per round a greedy sequence gets among `batch`: none for the n-gram lookup alone."""
     if proposer == NGRAM:
         return MAX_K
-    for size, cap in LOAD_K["mtp" if "mtp" in proposer else "draft"]:
-        if batch <= size:
-            return cap
-    return MAX_K
+    return next((cap for size, cap in LOAD_K["mtp" if "mtp" in proposer else "draft"] if batch <= size), MAX_K)
 
 
 # `smallem data --continuations`: bench-prompt-long contexts continued to a 256-token window; one in 3 sampled.

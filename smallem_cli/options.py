@@ -219,11 +219,6 @@ def _line_ids(obj: object, where: str, vocab_size: int, tok: Tokenizer | None, c
     return ids
 
 
-def bench_ks(names: list[str], modes: list[str], extra: list[int], sweep: list[int]) -> dict[str, list[int]]:
-    """Each proposer's k values: the sweep, else its defaults for the modes and the extra ones."""
-    return {n: sweep or sorted({*(D.default_k(n, m == "greedy") for m in modes), *extra}) for n in names}
-
-
 def check_context(prompt_tokens: int, max_new: int, k: int, ctx: int) -> None:
     if prompt_tokens + max_new + k + 1 > ctx:
         raise UsageError(
@@ -269,22 +264,12 @@ def tree_budgets(text: str) -> list[int]:
     return budgets
 
 
-def tree_names(names: list[str], budgets: list[int]) -> dict[str, tuple[str, int]]:
-    """bench --tree: a row name for each MTP proposer and budget -> (its proposer, the budget)."""
-    return {f"{n}@tree{b}": (n, b) for n in names if "+" not in n and "mtp" in Path(n).stem for b in budgets}
-
-
 def weights_list(text: str) -> list[str]:
     """bench --proposer-weights: "int8", or "int8,f16" (rows for the second as well)."""
     got = [w.strip() for w in text.split(",") if w.strip()]
     if not 1 <= len(got) <= len(D.WEIGHTS) or len(set(got)) < len(got) or not set(got) <= set(D.WEIGHTS):
         raise UsageError(f"--proposer-weights takes {', '.join(D.WEIGHTS)} or both, comma-separated, got {text!r}")
     return got
-
-
-def weights_names(names: list[str], others: list[str]) -> dict[str, tuple[str, str]]:
-    """bench --proposer-weights A,B: a row name for each model proposer stored as B -> (it, B)."""
-    return {f"{n}@{w}": (n, w) for n in names if n not in ("none", D.NGRAM) for w in others}
 
 
 def check_vocab(proposer_vocab: int | None) -> None:

@@ -15,15 +15,12 @@ class Stats:
     proposed: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # rounds whose i-th guess was kept
-    # rounds by how many guesses they checked (index 0..k): a fixed-k proposer fills index k
-    # alone; an n-gram lookup proposes fewer when unsure
-    guessed: list[int] = field(default_factory=list)
+    guessed: list[int] = field(default_factory=list)  # rounds by guesses checked, 0..k (fewer: an unsure lookup)
     reused: int = 0  # prompt positions found in the cache: a conversation's earlier turns
     prefill_s: float = 0.0
-    # a round's split, as the cost model reads it: host seconds in the proposer's guesses (on a GPU its
-    # work also lands in round_s, at the round's one sync), and seconds in decode rounds, guesses included
-    propose_s: float = 0.0
-    round_s: float = 0.0
+    # a round's split, as the cost model reads it (on a GPU the proposer's work also lands in round_s, at the sync)
+    propose_s: float = 0.0  # host seconds in the proposer's guesses
+    round_s: float = 0.0  # seconds in decode rounds, guesses included
     elapsed_s: float = 0.0  # prefill included
     backend: str = "eager"  # what ran the passes (`Backend.label`): "eager" (PyTorch), a native build, "partly …"
 

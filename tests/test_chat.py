@@ -130,3 +130,30 @@ def test_a_message_the_tokenizer_refuses_is_one_line(hf_dir: Path) -> None:
     """A system message of bytes that are not UTF-8 (lone surrogates in Python) renders, then the
     tokenizer refuses it: one line, exit 2."""
     refused(run("hi", "--target", str(hf_dir), "--system", "\udcff"), "tokenizer refused the prompt")
+
+
+def test_continuations_of_chat_instructions(hf_dir: Path, tmp_path: Path) -> None:
+    """`data --continuations N --chat`: composed instructions through the target's template, then its
+    answers, the template's special tokens kept in the text; an eighth more make the validation split."""
+    import torch
+
+    from smallem_cli.engine import family as fam
+    from smallem_cli.engine.family import NONE
+    from smallem_cli.engine.generate import generate
+    from smallem_cli.model.chat import chat_ids
+    from smallem_cli.train import continuations as C
+    from smallem_cli.train import data as corpus
+
+    out = tmp_path / "chat"
+    argv = ["data", "--continuations", "8", "--chat", "--target", str(hf_dir), "--out", str(out)]
+    result = CliRunner().invoke(app, [*argv, "--new-tokens", "6", "--sampled-every", "0"])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    tgt = fam.load_target(hf_dir, torch.device("cpu"))
+    want = []
+    for text in C.instructions(9, 0):
+        ctx = chat_ids(tgt.tok, tgt.chat, messages(text))
+        new, _ = generate(tgt.model, NONE, ctx, 6, 0, end_ids=tgt.chat.end_ids)
+        want.append(tgt.tok.decode([*ctx, *new], skip_special_tokens=False))
+        assert want[-1].startswith(f"<|endoftext|>user: {text}\n")  # the template's own tokens, kept
+    assert (out / "train.txt").read_text(encoding="utf-8") == corpus.EOT.join(want[:8])
+    assert (out / "val.txt").read_text(encoding="utf-8") == want[8]

@@ -175,9 +175,18 @@ def test_a_tokenizer_larger_than_the_model_is_refused(family: Family, tmp_path: 
     refused(res, r"big\.json: token id 399 does not fit .*anonymous\.safetensors's vocabulary of 300")
 
 
-def test_bad_thread_counts_are_refused(family: Family) -> None:
+def test_bad_thread_counts_are_refused(family: Family, tmp_path: Path) -> None:
     bench = ["bench", "--target", str(family.target), "--proposers", "draft-2l", "--threads", "-1"]
     refused(CliRunner().invoke(app, bench), r"--threads must be between 1 and \d+ \(the CPUs .*\), got -1")
+    train = ["train", "draft", "--data", str(tmp_path), "--out", str(tmp_path / "d.safetensors"), "--threads", "0"]
+    refused(CliRunner().invoke(app, train), r"--threads must be between 1 and \d+ \(the CPUs .*\), got 0")
+
+
+def test_help_shows_the_defaults_written_in_it() -> None:
+    """A "(default: ...)" inside a help text reaches the user (rich markup would eat "[default: ...]")."""
+    res = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "(default: per proposer and mode)" in res.stdout
+    assert "(default: ngram+mtp greedy, mtp sampled; HF: none)" in res.stdout
 
 
 @pytest.mark.parametrize(

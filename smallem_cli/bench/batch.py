@@ -78,21 +78,10 @@ def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) 
     return t
 
 
-def from_cli(
-    tgt: family.Target,
-    device: torch.device,
-    names: list[str],
-    sizes: list[int],
-    ks: list[int],
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    err: Console,
-    out: Console,
-    json_out: bool,
-    plot_file: Path | None,
-    engines: tuple[str, ...] = ("eager",),
-    weights: str = D.PROPOSER_WEIGHTS,
-) -> list[BatchRow]:
+def from_cli(tgt: family.Target, device: torch.device, names: list[str], sizes: list[int], ks: list[int],
+             prompts: list[list[int]], max_new_tokens: int, err: Console, out: Console, json_out: bool,
+             plot_file: Path | None, engines: tuple[str, ...] = ("eager",),
+             weights: str = D.PROPOSER_WEIGHTS) -> list[BatchRow]:  # fmt: skip
     """`smallem bench --batch`: the target alone, then each proposer (P@tree12: with token trees; P@f16:
     its weights so, else as `weights`) at each k (none: the load policy's), at every size, per engine."""
     from rich.markup import escape
@@ -112,7 +101,7 @@ def from_cli(
         task = bar.add_task("bench --batch", total=len(runs))
         for engine, name, k, size in runs:
             bar.update(task, advance=1, description=escape(f"{engine} {name} k={k or 'auto'} batch {size}"))
-            base, _, suffix = name.partition("@")  # token trees (`options.tree_names`), or weights
+            base, _, suffix = name.partition("@")  # token trees (`cli.bench` names them), or weights
             tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
             eng = build_engine(
                 tgt, base, device, k=k, max_batch=size, proposer_vocab=None, decode=str, tree=tree,

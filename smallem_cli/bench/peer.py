@@ -27,7 +27,7 @@ from ..interop import vllm_peer as V
 from ..interop.hf import export_hf
 from ..stats import Stats
 from .batch import alone_at_batch
-from .run import Gen, Plan, Row, best_greedy, our_row, pass_costs, right_table, round_robin, sync
+from .run import Gen, Plan, Row, best_greedy, our_row, pass_costs, right_table, round_robin
 
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
 COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `run.pass_costs`'s
@@ -36,7 +36,6 @@ COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `run.pass_
 def run_peer(
     peer: str, target: Target, ckpt_dir: Path, prompts: list[list[int]], rows: list[Row], plan: Plan, log: Log
 ) -> list[dict]:
-    """`bench --peer NAME`: the named peer's rows (see `hf_peer`, `llamacpp_peer`, `vllm_peer`)."""
     max_new = plan.max_new
     if peer == "llamacpp":  # with our fastest greedy speculative row, timed in turn
         return llamacpp_peer(target, prompts, plan, best_greedy(rows, plan))
@@ -100,14 +99,12 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
         for name in ("target", "draft-2l"):
             export_hf(ckpt_dir / f"{name}.safetensors", Path(tmp) / name, target.tokenizer)
             m = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / name, dtype=torch.float32).eval()
-            m.generation_config.eos_token_id = None  # run the full token count, as we do
-            m.generation_config.pad_token_id = 0
+            m.generation_config.update(eos_token_id=None, pad_token_id=0)  # no eos: the full token count, as ours
             models[name] = m.to(dev)
 
         def hf(p: list[int], n: int, **kwargs: Any) -> list[int]:  # greedy; the assistant, if any, in kwargs
             res = models["target"].generate(torch.tensor([p], device=dev), do_sample=False, max_new_tokens=n, **kwargs)
-            sync()
-            return res[0, len(p) :].tolist()
+            return res[0, len(p) :].tolist()  # (waits for the device)
 
         assisted = partial(hf, assistant_model=models["draft-2l"])
         gens = {"transformers generate()": _wall(hf), "transformers assisted (draft-2l)": _wall(assisted)}
@@ -116,8 +113,7 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     k = default_k("draft-2l", greedy=True)  # our draft-2l row beside assisted generation: its default greedy k
     out = []
     for (label, [(st, outs)]), (name, kk) in zip(runs.items(), [("none", 0), ("draft-2l", k)], strict=True):
-        row = our_row(rows, name, kk)
-        same = V.agreement(ref, outs)[0]
+        row, same = our_row(rows, name, kk), V.agreement(ref, outs)[0]
         out.append(V.peer_row(label, st.tokens_per_s, row.tokens_per_s if row else math.nan, f"{same}/{len(prompts)}"))
     return out
 
@@ -252,17 +248,9 @@ class Ours:  # what a row of `bench --peer vllm` sets beside vLLM's (nan and Non
     batch: int | None = None  # 1: one request at a time
 
 
-def vllm_peer(
-    target: Target,
-    ckpt_dir: Path,
-    prompts: list[list[int]],
-    max_new: int,
-    rows: list[Row],
-    threads: int,
-    log: Log = lambda m: None,
-    *,
-    at_batch: Callable[[str], tuple[float, list[list[int]]]],
-) -> list[dict[str, Any]]:
+def vllm_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: int, rows: list[Row], threads: int,
+              log: Log = lambda m: None, *,
+              at_batch: Callable[[str], tuple[float, list[list[int]]]]) -> list[dict[str, Any]]:  # fmt: skip
     """vLLM offline on the same weights exported, greedy: the target alone and with draft-2l at our greedy k,
     one request at a time beside our `rows`, and as one batch beside `at_batch(engine)`'s (tokens/s, answers)."""
     python = V.find_python()

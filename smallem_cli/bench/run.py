@@ -323,7 +323,6 @@ def save_plot(lines: dict[str, list[tuple[float, float]]], path: Path, xlabel: s
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    """Speed-up against k for each proposer, mode and engine."""
     lines = {}
     for mode, engine in sorted({(r.mode, r.engine) for r in rows}):
         for name in sorted({r.proposer for r in rows if r.proposer != "none"}):
@@ -334,18 +333,15 @@ def plot(rows: list[Row], path: Path) -> None:
 
 
 def table(rows: list[Row], n_prompts: int, max_new: int, repeats: int, device: str, threads: int) -> Table:
-    """A row a configuration: speed, acceptance, the cost model's inputs and prediction, identity."""
     title = f"{n_prompts} prompts x {max_new} new tokens, median of {repeats} runs, {device}, {threads} threads"
     cols = ("mode", "engine", "proposer", "k", "tok/s", "speed-up", "vs eager", "α", "α model", "tok/pass")
     t = right_table(title, (*cols, "per position", "c", "v", "predicted", "meas/pred", "identical"))
     for r in rows:
         t.add_row(
             r.mode, r.engine, r.proposer, str(r.k), f"{r.tokens_per_s:.1f}", f"×{r.speedup:.2f}",
-            "" if r.vs_eager is None else f"×{r.vs_eager:.2f}",
-            f"{r.acceptance_rate:.3f}", f"{r.alpha_model:.3f}", f"{r.tokens_per_pass:.2f}",
-            " ".join(f"{a:.2f}" for a in r.accepted_at),
-            f"{r.cost_c:.3f}", f"{r.cost_v:.2f}", f"×{r.predicted_speedup:.2f}", f"{r.measured_over_predicted:.2f}",
-            r.identical or "",
+            "" if r.vs_eager is None else f"×{r.vs_eager:.2f}", f"{r.acceptance_rate:.3f}", f"{r.alpha_model:.3f}",
+            f"{r.tokens_per_pass:.2f}", " ".join(f"{a:.2f}" for a in r.accepted_at), f"{r.cost_c:.3f}",
+            f"{r.cost_v:.2f}", f"×{r.predicted_speedup:.2f}", f"{r.measured_over_predicted:.2f}", r.identical or "",
         )  # fmt: skip
     return t
 

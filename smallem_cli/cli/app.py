@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -46,19 +48,30 @@ def fail(msg: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+@contextmanager
+def bad_input(*more: type[Exception]) -> Iterator[None]:
+    """Bad input raised inside (INPUT_ERRORS, or one of `more`) ends the command: its error line, exit 2."""
+    try:
+        yield
+    except (*O.INPUT_ERRORS, *more) as e:
+        raise fail(str(e)) from None
+
+
 # Options that several commands take, declared once (each command gives its own default)
-Target = Annotated[Path, typer.Option(help="target checkpoint or Hugging Face Llama folder")]
+Target = Annotated[Path, typer.Option(help="target: a smallem checkpoint, a Hugging Face Llama folder or a GGUF file")]
 Proposer = Annotated[str | None, typer.Option(help=D.PROPOSER_HELP)]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")]
 Threads = Annotated[int | None, typer.Option(help="torch CPU threads")]
-Tokenizer = Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the target]")]
+RunThreads = Annotated[int | None, typer.Option(help="CPU threads (default: all, fewer while other processes run)")]
+K = Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 (default: per proposer and mode)")]
+Engine = Annotated[str, typer.Option(help="auto ($SMALLEM_ENGINE, or native on a CPU) | native | native-avx2 | eager")]
+Tokenizer = Annotated[Path | None, typer.Option(help="tokenizer.json (default: beside the target)")]
 ProposerVocab = Annotated[
-    int | None,
-    typer.Option("--proposer-vocab", help="proposer head: top-N frequent tokens (0 = all) [default: per mode]"),
+    int | None, typer.Option(help="proposer head: top-N frequent tokens (0 = all) (default: per mode)")
 ]
 Tree = Annotated[int, typer.Option("--tree", help=D.TREE_HELP)]
 Weights = Annotated[str, typer.Option("--proposer-weights", help=D.WEIGHTS_HELP)]
-DataDir = Annotated[Path, typer.Option("--data", help="folder with val.txt")]
+DataDir = Annotated[Path, typer.Option("--data", help="the corpus folder that `smallem data` writes")]
 
 
 def load_run(

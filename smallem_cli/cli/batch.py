@@ -15,7 +15,7 @@ import typer
 
 from .. import defaults as D
 from .. import options as O
-from .app import Device, Proposer, ProposerVocab, Target, Threads, Tokenizer, Tree, Weights, app, err, fail
+from .app import Device, Engine, Proposer, ProposerVocab, Target, Threads, Tokenizer, Tree, Weights, app, err, fail
 from .console import BROKEN_PIPE_EXIT, stdout_to_devnull
 
 if TYPE_CHECKING:  # torch, through the engine: loaded once the command runs, not to parse it
@@ -129,37 +129,23 @@ class Display:
 @app.command()
 def batch(
     file: Annotated[
-        str | None,
-        typer.Argument(
-            metavar="[FILE|-]",
-            help="requests, one a line: plain text (the prompt) or a JSON object; '-' or a pipe reads stdin",
-        ),
+        str | None, typer.Argument(metavar="[FILE|-]", help="requests, one a line; '-' or a pipe reads stdin")
     ] = None,
     target: Target = D.TARGET,
     proposer: Proposer = None,
-    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: automatic]")] = None,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", help="a request's default budget")
-    ] = D.MAX_NEW_TOKENS,
-    temperature: Annotated[float, typer.Option(help="a request's default; 0 = greedy")] = D.TEMPERATURE,
-    top_k: Annotated[int | None, typer.Option("--top-k", help="a request's default")] = None,
-    top_p: Annotated[float | None, typer.Option("--top-p", help="a request's default")] = None,
-    min_p: Annotated[
-        float | None, typer.Option("--min-p", help="a request's default: drop tokens < MIN_P x the top probability")
-    ] = None,
-    penalty: Annotated[
-        float, typer.Option("--repetition-penalty", help="a request's default: on every token so far (1 = off)")
-    ] = 1.0,
-    seed: Annotated[int, typer.Option(help="a request's default")] = D.SEED,
+    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 (default: automatic)")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = D.TEMPERATURE,
+    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
+    min_p: Annotated[float | None, typer.Option("--min-p", help="drop tokens < MIN_P x the top probability")] = None,
+    penalty: Annotated[float, typer.Option("--repetition-penalty", help="on every token so far (1 = off)")] = 1.0,
+    seed: Annotated[int, typer.Option()] = D.SEED,
     max_batch: Annotated[int, typer.Option("--max-batch", help="requests decoded together, at most")] = D.MAX_BATCH,
-    ordered: Annotated[
-        bool, typer.Option("--ordered", help="answers in input order (held back until their turn)")
-    ] = False,
+    ordered: Annotated[bool, typer.Option("--ordered", help="answers in input order (held until their turn)")] = False,
     device: Device = D.DEVICE,
     threads: Threads = None,
-    engine_name: Annotated[
-        str, typer.Option("--engine", help="auto (native on a CPU) | native | native-avx2 | eager: every pass")
-    ] = D.ENGINE,
+    engine: Engine = D.ENGINE,
     tokenizer: Tokenizer = None,
     proposer_vocab: ProposerVocab = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="nothing on stderr but errors")] = False,
@@ -168,10 +154,8 @@ def batch(
 ) -> None:
     """Answer many requests, one a line of FILE (or stdin), decoded together: a JSON line each on stdout.
 
-    A line is a prompt, or a JSON object: {"prompt": "...", "id": ..., "max_new_tokens": 50, ...}.
-
-    A JSON line's other fields: "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
-    "stop" (a string or a list of them).
+    A line is a prompt, or a JSON object: {"prompt": "...", "id": ..., "max_new_tokens": 50, ...}, whose other
+    fields are "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed" and "stop" (a string or a list).
 
     Fields left out take the options below. A line's id, unless it gives one, is its number in the input.
 
@@ -196,11 +180,11 @@ def batch(
         if O.threads(threads):
             torch.set_num_threads(threads)  # type: ignore[arg-type]
         dev = family.pick_device(device)
-        backend = engines.Backend(engines.engine_mode(engines.chosen(engine_name), dev))
+        backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
         source = open_input(file)  # before the models load: a missing file fails at once
         tgt = family.load_target(target, dev, tokenizer)
         tok = tgt.tok
-        engine = make_engine(
+        eng = make_engine(
             tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=proposer_vocab, end_ids=tgt.chat.end_ids,
             decode=tok.decode, tree=O.tree(tree), backend=backend, log=None if quiet else err.print, weights=weights,
         )  # fmt: skip
@@ -223,11 +207,11 @@ def batch(
             else:
                 yield item
 
-    fits = getattr(engine, "max_batch", max_batch)  # (a test's fake engine may not say)
+    fits = getattr(eng, "max_batch", max_batch)  # (a test's fake engine may not say)
     if fits < max_batch and not quiet:
         err.print(f"--max-batch {max_batch} lowered to {fits}: the memory here holds the cache of {fits} sequences")
     try:
-        for fin in engine.run(requests(), progress=shown.progress):
+        for fin in eng.run(requests(), progress=shown.progress):
             writer.put(fin.request.index, B.answer(fin))
             shown.answer(tokens=len(fin.tokens))
         writer.close()

@@ -135,11 +135,10 @@ def parse_line(
         O.check_sampling(**asdict(sampling), max_new_tokens=opts.max_new_tokens)
         if not prompt.strip():
             raise BadField("empty prompt")
-        if not prompt.isascii():
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # JSON's "\ud800": no text a tokenizer takes
-                raise BadField(f"prompt is not valid Unicode (a lone surrogate at character {e.start})") from None
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800": no text a tokenizer takes
+            raise BadField(f"prompt is not valid Unicode (a lone surrogate at character {e.start})") from None
         ids = tuple(encode(prompt))
         if not ids:
             raise BadField("empty prompt")

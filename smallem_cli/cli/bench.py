@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from .. import defaults as D
 from .. import options as O
-from .app import DataDir, ProposerVocab, Threads, app, err, fail, tables
+from .app import DataDir, Device, ProposerVocab, Threads, app, bad_input, err, fail, tables
 
 
 @app.command()
@@ -20,9 +20,7 @@ def prompts(
     out: Annotated[Path, typer.Option(help="output file")] = D.PROMPTS,
     count: Annotated[int, typer.Option()] = 8,
     length: Annotated[int, typer.Option(help="tokens per prompt")] = 32,
-    restate: Annotated[
-        int, typer.Option(help="then the passage's first N tokens again: a text that restates itself (copying pays)")
-    ] = 0,
+    restate: Annotated[int, typer.Option(help="append its first N tokens: a self-restating text (copying pays)")] = 0,
     overwrite: Annotated[bool, typer.Option(help="replace an existing output file")] = False,
 ) -> None:
     """Write the benchmark prompts: COUNT prompts of LENGTH tokens from the validation text."""
@@ -35,10 +33,8 @@ def prompts(
         raise fail(f"{out} exists: pass --overwrite to replace it")
     if count < 1 or length < 1 or not 0 <= restate <= length:
         raise fail("--count and --length must be >= 1, and --restate between 0 and --length")
-    try:
+    with bad_input():
         bench.write_prompts(val_txt, tokenizer, out, count, length, restate)
-    except O.INPUT_ERRORS as e:
-        raise fail(str(e)) from None
     err.print(f"{count} prompts of {length + restate} tokens -> {out}")
 
 
@@ -50,38 +46,27 @@ def bench(
     sweep_k: Annotated[str | None, typer.Option("--sweep-k", help="e.g. 1..6: every k for every proposer")] = None,
     modes: Annotated[str, typer.Option(help="greedy,sample")] = "greedy,sample",
     prompts_file: Annotated[
-        Path | None, typer.Option("--prompts", help=f"[default: {D.PROMPTS.name}; --batch: {D.BATCH_PROMPTS.name}]")
+        Path | None, typer.Option("--prompts", help=f"(default: {D.PROMPTS.name}; --batch: {D.BATCH_PROMPTS.name})")
     ] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
-    batch: Annotated[
-        str | None, typer.Option(help="e.g. 1,4,16,64: the batch engine's throughput and latency at these sizes")
-    ] = None,
+    batch: Annotated[str | None, typer.Option(help="e.g. 1,4,16,64: batch engine throughput, latency per size")] = None,
     repeats: Annotated[int, typer.Option(help="timed runs per configuration (median)")] = D.BENCH_REPEATS,
     temperature: Annotated[float, typer.Option(help="for the sample mode")] = D.BENCH_TEMPERATURE,
     top_k: Annotated[int | None, typer.Option("--top-k", help="for the sample mode")] = None,
     top_p: Annotated[float | None, typer.Option("--top-p", help="for the sample mode")] = None,
     min_p: Annotated[float | None, typer.Option("--min-p", help="for the sample mode")] = None,
-    device: Annotated[str, typer.Option()] = D.DEVICE,
+    device: Device = D.DEVICE,
     threads: Threads = None,
     proposer_vocab: ProposerVocab = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="PNG of speed-up against k")] = None,
-    peer: Annotated[
-        str | None, typer.Option(help="hf | llamacpp | vllm: time transformers, llama.cpp or vLLM side by side")
-    ] = None,
+    peer: Annotated[str | None, typer.Option(help="hf | llamacpp | vllm: time transformers/llama.cpp/vLLM too")] = None,
     engine_names: Annotated[
         str, typer.Option("--engines", help="eager, native-avx2, native, comma-separated (auto: eager,native on a CPU)")
     ] = D.ENGINE,
-    tree: Annotated[
-        str | None,
-        typer.Option("--tree", help="also rows with token trees of N guesses (N or N,M,..): each MTP proposer"),
-    ] = None,
-    weights: Annotated[
-        str,
-        typer.Option(
-            "--proposer-weights",
-            help=f"int8 | f16 | int8,f16 (also rows P@f16): the proposer's native matrices [{D.PROPOSER_WEIGHTS}]",
-        ),
+    tree: Annotated[str | None, typer.Option(help="also MTP rows with token trees of N guesses (N or N,M,..)")] = None,
+    proposer_weights: Annotated[
+        str, typer.Option(help="int8 | f16 | int8,f16 (also rows P@f16): the proposer's native matrices")
     ] = D.PROPOSER_WEIGHTS,
 ) -> None:
     """The seed's measurement table: tokens/s, speed-up, acceptance, cost model. A prompts file's line
@@ -99,7 +84,7 @@ def bench(
     from ..interop.vllm_peer import VllmError, find_python
     from ..spec.sampling import Sampling
 
-    try:
+    with bad_input():
         if O.threads(threads):
             torch.set_num_threads(threads)
         extra = O.parse_ks(k) if k else []
@@ -116,12 +101,12 @@ def bench(
         if peer in ("hf", "vllm") and (tgt.tokenizer is None or tgt.hf):  # they run exports of the family
             raise O.UsageError(f"--peer {peer} needs a smallem checkpoint as --target (it exports it for the peer)")
         names = [p for p in proposers.split(",") if p]
-        trees = O.tree_names(names, O.tree_budgets(tree)) if tree else {}  # "mtp@tree12" -> ("mtp", 12)
-        first, *others = O.weights_list(weights)
-        stored = O.weights_names(names, others)  # "mtp@f16" -> ("mtp", "f16")
+        budgets = O.tree_budgets(tree) if tree else []
+        first, *others = O.weights_list(proposer_weights)
+        mtp = [n for n in names if "+" not in n and "mtp" in Path(n).stem]  # the proposers that take token trees
         rows_of = {n: (n, None, first) for n in names}  # a row -> its proposer, tree and weights
-        rows_of |= {n: (p, O.tree(b), first) for n, (p, b) in trees.items()}
-        rows_of |= {n: (p, None, w) for n, (p, w) in stored.items()}
+        rows_of |= {f"{n}@tree{b}": (n, O.tree(b), first) for n in mtp for b in budgets}  # "mtp@tree12"
+        rows_of |= {f"{n}@{w}": (n, None, w) for n in names if n not in ("none", D.NGRAM) for w in others}  # "mtp@f16"
         engine_list = engines.bench_engines(engines.chosen(engine_names), dev)
         if batch is not None:  # the batch engine's table instead: greedy, one run per size
             sizes = O.parse_sizes(batch)
@@ -135,7 +120,8 @@ def bench(
             if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
                 raise fail("greedy identity FAILED in the batch engine", 1)
             return
-        ks = O.bench_ks(list(rows_of), mode_list, extra, sweep)
+        # each row's k values: the sweep, else its defaults for the modes and the extra ones
+        ks = {n: sweep or sorted({*(D.default_k(n, m == "greedy") for m in mode_list), *extra}) for n in rows_of}
         prompt_ids = O.read_prompts(prompts_file or D.PROMPTS, tgt.model.cfg, max_new_tokens, ks, tgt.tok, tgt.chat)
         O.check_vocab(proposer_vocab)
         vocab = {m: D.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
@@ -143,8 +129,6 @@ def bench(
             v: {n: family.load_proposer(p, tgt, dev, v, t, w) for n, (p, t, w) in rows_of.items()}
             for v in set(vocab.values())
         }
-    except O.INPUT_ERRORS as e:
-        raise fail(str(e)) from None
     draws = Sampling(temperature, top_k, top_p, min_p=min_p)
     plan = B.Plan({m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, engine_list, draws)
     B.prepare_engines(tgt.model, plan, err.print)  # every pass the bench takes, before the clock

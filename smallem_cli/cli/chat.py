@@ -13,27 +13,28 @@ import typer
 
 from .. import defaults as D
 from .. import options as O
-from .app import Device, Proposer, Target, Threads, Tokenizer, Weights, app, err, fail, load_run, stats_line
+from . import app as A
+from .app import app, bad_input, err, fail, load_run, stats_line
 
 
 @app.command()
 def chat(
-    target: Target = D.TARGET,
-    proposer: Proposer = None,
-    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round [default: per proposer]")] = None,
+    target: A.Target = D.TARGET,
+    proposer: A.Proposer = None,
+    k: A.K = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="per answer")] = D.MAX_NEW_TOKENS,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = D.TEMPERATURE,
     top_k: Annotated[int | None, typer.Option("--top-k")] = None,
     top_p: Annotated[float | None, typer.Option("--top-p")] = None,
-    min_p: Annotated[float | None, typer.Option("--min-p")] = None,
-    penalty: Annotated[float, typer.Option("--repetition-penalty")] = 1.0,
+    min_p: Annotated[float | None, typer.Option("--min-p", help="drop tokens < MIN_P x the top probability")] = None,
+    penalty: Annotated[float, typer.Option("--repetition-penalty", help="on every token so far (1 = off)")] = 1.0,
     seed: Annotated[int, typer.Option(help="the first answer's; each next answer's is one more")] = D.SEED,
     system: Annotated[str | None, typer.Option(help="the system message")] = None,
-    device: Device = D.DEVICE,
-    tokenizer: Tokenizer = None,
-    engine: Annotated[str, typer.Option(help="auto | native | native-avx2 | eager")] = D.ENGINE,
-    weights: Weights = D.PROPOSER_WEIGHTS,
-    threads: Threads = None,
+    device: A.Device = D.DEVICE,
+    tokenizer: A.Tokenizer = None,
+    engine: A.Engine = D.ENGINE,
+    weights: A.Weights = D.PROPOSER_WEIGHTS,
+    threads: A.RunThreads = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
 ) -> None:
     """Talk with a chat model: a line of stdin is a message, the answer streams to stdout."""
@@ -45,18 +46,16 @@ def chat(
     from ..spec.sampling import NonFiniteError, Sampling
     from ..stats import Stats
 
-    try:
+    with bad_input():
         proposer = proposer or family.default_proposer(target, temperature == 0)
         kk = O.pick_k(proposer, k, temperature == 0)
         O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, [], max_new_tokens)
-        vocab = D.proposer_vocab(temperature == 0, None)
+        vocab = D.proposer_vocab(temperature == 0)
         tgt, loaded, backend = load_run(
             target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet
         )
         if tgt.chat.template is None:
             raise O.UsageError(f"{target} has no chat template: `smallem generate` continues plain text")
-    except O.INPUT_ERRORS as e:
-        raise fail(str(e)) from None
     conversation = [] if system is None else [{"role": "system", "content": system}]
     eng, context = engine_for_chat(tgt.model, loaded, kk, tgt.chat.end_ids, backend)
     ctrl_c = _CtrlC()

@@ -26,11 +26,10 @@ def quiet_ctrl_c() -> None:
     import may swallow the interrupt or be left half done by it: torch, loading numpy, does both)."""
 
     def on_ctrl_c(signum: int, frame: FrameType | None) -> None:
-        f = frame
-        while f is not None:
-            if f.f_code.co_filename.startswith("<frozen importlib"):
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
                 os._exit(130)  # nothing is written while loading: nothing is lost
-            f = f.f_back
+            frame = frame.f_back
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():  # where Python handles signals
@@ -121,18 +120,20 @@ def progress_printer(name: str, err: Console) -> ProgressFn:
     """A rich progress bar on a terminal; a plain line every 30 s in a log file."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+    def status(p: P) -> str:
+        val = f" val {p.val_loss:.3f}" if p.val_loss is not None else ""
+        extra = "".join(f" {k} {v:.3f}" for k, v in p.extra.items())
+        return f"step {p.step} loss {p.loss:.3f}{extra}{val} {p.tokens_per_s:,.0f} tok/s"
+
     if err.is_terminal:
         bar = Progress(
-            TextColumn(f"{name}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err
+            TextColumn(name), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err
         )
         bar.start()
         task = bar.add_task(name, total=1.0, info="")
 
         def show(p: P) -> None:
-            info = f"step {p.step} loss {p.loss:.3f} {p.tokens_per_s:,.0f} tok/s"
-            if p.val_loss is not None:
-                info += f" val {p.val_loss:.3f}"
-            bar.update(task, completed=p.done, info=info)
+            bar.update(task, completed=p.done, info=status(p))
             if p.done >= 1.0:
                 bar.stop()
 
@@ -142,14 +143,7 @@ def progress_printer(name: str, err: Console) -> ProgressFn:
     def log(p: P) -> None:
         if time.monotonic() - last[0] >= 30 or p.done >= 1.0:
             last[0] = time.monotonic()
-            val = f" val {p.val_loss:.3f}" if p.val_loss is not None else ""
-            extra = "".join(f" {k} {v:.3f}" for k, v in p.extra.items())
             eta = p.elapsed_s * (1 - p.done) / p.done if p.done > 0 else 0.0
-            print(
-                f"{name} step {p.step} loss {p.loss:.3f}{extra}{val} {p.tokens_per_s:,.0f} tok/s "
-                f"seen {p.tokens_seen:,} eta {eta:.0f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"{name} {status(p)} seen {p.tokens_seen:,} eta {eta:.0f}s", file=sys.stderr, flush=True)
 
     return log

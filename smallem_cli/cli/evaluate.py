@@ -17,7 +17,7 @@ def eval_cmd(
     target: Annotated[Path, typer.Option(help="target checkpoint")] = D.TARGET,
     data_dir: DataDir = D.DATA_DIR,
     drafts: Annotated[list[str] | None, typer.Option("--draft", help="draft names or paths")] = None,
-    mtp: Annotated[Path | None, typer.Option(help="MTP module [default: mtp.safetensors beside the target]")] = None,
+    mtp: Annotated[Path | None, typer.Option(help="MTP module (default: mtp.safetensors beside the target)")] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Validation loss (nats/byte) of each checkpoint, and each proposer's agreement with the target."""

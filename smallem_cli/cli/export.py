@@ -8,35 +8,26 @@ from typing import Annotated
 import typer
 
 from .. import options as O
-from .app import app, err, fail
+from .app import app, bad_input, err
 
 
 @app.command()
 def export(
     checkpoint_path: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="a smallem model checkpoint")],
     out: Annotated[Path, typer.Argument(metavar="OUT", help="output: a folder (hf, mimo) or a .gguf file (gguf)")],
-    fmt: Annotated[
-        str,
-        typer.Option(
-            "--format",
-            help="hf: a LlamaForCausalLM folder | gguf: one file for llama.cpp | "
-            "mimo: the target and its MTP module as one MiMoForCausalLM folder, for vLLM's mtp method",
-        ),
-    ] = "hf",
-    dtype: Annotated[
-        str | None, typer.Option(help="gguf: f32 | f16 weights [default: f32]; hf keeps the stored dtype")
-    ] = None,
-    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json [default: beside the checkpoint]")] = None,
-    mtp: Annotated[Path | None, typer.Option(help="mimo: the MTP module [default: mtp.safetensors beside]")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="hf | gguf | mimo (see above)")] = "hf",
+    dtype: Annotated[str | None, typer.Option(help="gguf: f32 (default) | f16; hf, mimo keep the stored dtype")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizer.json (default: beside the checkpoint)")] = None,
+    mtp: Annotated[Path | None, typer.Option(help="mimo: the MTP module (default: mtp.safetensors beside)")] = None,
     overwrite: Annotated[bool, typer.Option(help="replace an existing OUT (a non-empty folder, a file)")] = False,
 ) -> None:
-    """Write a checkpoint in the Hugging Face Llama format (config.json, model.safetensors, tokenizer),
-    as a GGUF file that llama.cpp runs (--format gguf), or with its MTP module for vLLM (--format mimo)."""
-    from ..interop.hf import HFFormatError, export_hf
-    from ..model.checkpoint import CheckpointError
+    """Write a checkpoint as a Hugging Face LlamaForCausalLM folder (config.json, model.safetensors, tokenizer),
+    as a GGUF file that llama.cpp runs (--format gguf), or with its MTP module as one MiMoForCausalLM folder
+    for vLLM's mtp method (--format mimo)."""
+    from ..interop.hf import export_hf
 
     tok = tokenizer or checkpoint_path.parent / "tokenizer.json"
-    try:
+    with bad_input(ImportError):  # an optional package missing
         if dtype is not None and fmt != "gguf":
             raise O.UsageError(f"--dtype applies to --format gguf: {fmt} keeps the checkpoint's dtype")
         if mtp is not None and fmt != "mimo":
@@ -54,6 +45,4 @@ def export(
             export_mimo(checkpoint_path, module, out, tok, overwrite=overwrite)
         else:
             raise O.UsageError(f"unknown --format {fmt!r}: use hf, gguf or mimo")
-    except (CheckpointError, HFFormatError, OSError, ValueError, ImportError, O.UsageError) as e:
-        raise fail(str(e)) from None
     err.print(f"{checkpoint_path} -> {out}")

@@ -9,17 +9,16 @@ import typer
 
 from .. import defaults as D
 from .. import options as O
-from .app import Device, Proposer, ProposerVocab, Target, Tokenizer, Tree, Weights, app, err, fail, load_run, stats_line
+from . import app as A
+from .app import app, bad_input, err, fail, load_run, stats_line
 
 
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,
-    target: Target = D.TARGET,
-    proposer: Proposer = None,
-    k: Annotated[
-        int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 [default: per proposer and mode]")
-    ] = None,
+    target: A.Target = D.TARGET,
+    proposer: A.Proposer = None,
+    k: A.K = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = D.TEMPERATURE,
     top_k: Annotated[int | None, typer.Option("--top-k")] = None,
@@ -28,22 +27,16 @@ def generate(
     penalty: Annotated[float, typer.Option("--repetition-penalty", help="on every token so far (1 = off)")] = 1.0,
     stops: Annotated[list[str] | None, typer.Option("--stop", help="end the text before it (repeatable)")] = None,
     seed: Annotated[int, typer.Option()] = D.SEED,
-    device: Device = D.DEVICE,
-    tokenizer: Tokenizer = None,
-    proposer_vocab: ProposerVocab = None,
+    device: A.Device = D.DEVICE,
+    tokenizer: A.Tokenizer = None,
+    proposer_vocab: A.ProposerVocab = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
-    engine: Annotated[
-        str, typer.Option(help="auto (native on a CPU; $SMALLEM_ENGINE if set) | native | native-avx2 | eager")
-    ] = D.ENGINE,
-    threads: Annotated[
-        int | None, typer.Option(help="CPU threads (default: all, fewer when other processes are running)")
-    ] = None,
-    tree: Tree = D.TREE,
-    weights: Weights = D.PROPOSER_WEIGHTS,
-    chat: Annotated[
-        bool, typer.Option("--chat", help="the prompt as a user message, in the model's chat template")
-    ] = False,
+    engine: A.Engine = D.ENGINE,
+    threads: A.RunThreads = None,
+    tree: A.Tree = D.TREE,
+    weights: A.Weights = D.PROPOSER_WEIGHTS,
+    chat: Annotated[bool, typer.Option("--chat", help="the prompt as a user message in the chat template")] = False,
     system: Annotated[str | None, typer.Option(help="the system message (implies --chat)")] = None,
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
@@ -57,7 +50,7 @@ def generate(
     from ..spec.sampling import NonFiniteError, Sampling
     from ..stats import Stats
 
-    try:
+    with bad_input():
         proposer = proposer or family.default_proposer(target, temperature == 0)
         kk = O.pick_k(proposer, k, temperature == 0)
         O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, stops, max_new_tokens)
@@ -70,8 +63,6 @@ def generate(
         tok = tgt.tok
         ids = chat_ids(tok, tgt.chat, messages(text, system)) if chat or system is not None else encode(tok, text)
         O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
-    except O.INPUT_ERRORS as e:
-        raise fail(str(e)) from None
 
     sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)
     stats = Stats(proposer, kk, backend=backend.label)
@@ -91,9 +82,6 @@ def generate(
     except NonFiniteError as e:  # what was printed stays; the run stops loudly
         sys.stdout.flush()
         raise fail(str(e), 1) from None
-    if json_out:
-        print(json.dumps({"text": out.text, "tokens": out.ids, "stats": stats.as_dict()}))
-    else:
-        print()
+    print(json.dumps({"text": out.text, "tokens": out.ids, "stats": stats.as_dict()}) if json_out else "")
     if not quiet:
         err.print(stats_line(stats))

@@ -9,8 +9,9 @@ from typing import Annotated
 import typer
 
 from .. import defaults as D
+from .. import options as O
 from ..config import PRESETS
-from .app import Threads, app, err, fail
+from .app import DataDir, Threads, app, bad_input, err, fail
 from .console import progress_printer
 
 
@@ -22,9 +23,7 @@ def data(
     continuations: Annotated[
         int, typer.Option(help="instead: the target's continuations of this many contexts of --source (0: off)")
     ] = 0,
-    source: Annotated[
-        Path, typer.Option(help="continuations: the corpus the contexts and the validation split come from")
-    ] = D.DATA_DIR,
+    source: Annotated[Path, typer.Option(help="continuations: the corpus of the contexts and of val.txt")] = D.DATA_DIR,
     target: Annotated[Path, typer.Option(help="continuations: the target that writes them")] = D.TARGET,
     context_tokens: Annotated[int, typer.Option(help="continuations: tokens of a context")] = D.GEN_CONTEXT,
     new_tokens: Annotated[int, typer.Option(help="continuations: tokens the target adds to each")] = D.GEN_NEW,
@@ -32,6 +31,13 @@ def data(
         int, typer.Option(help="continuations: one in this many sampled at T=1, the rest greedy (0: all greedy)")
     ] = D.GEN_SAMPLED_EVERY,
     seed: Annotated[int, typer.Option(help="continuations: contexts and draws")] = 0,
+    chat: Annotated[
+        bool,
+        typer.Option(
+            help="continuations: the contexts are composed instructions in the target's chat template, not "
+            "windows of --source; an eighth more are continued for the validation split"
+        ),
+    ] = False,
 ) -> None:
     """Build the corpus and its deterministic train/validation split; or, with --continuations,
     a corpus of the target's own text to fit proposers on (`continuations.py`)."""
@@ -41,11 +47,9 @@ def data(
     from ..train import data as corpus
 
     if not continuations:
-        try:
+        with bad_input(subprocess.CalledProcessError):
             chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
             train_path, val_path = _write_corpus(out, chunks, overwrite, "--out")
-        except (OSError, UnicodeDecodeError, subprocess.CalledProcessError) as e:
-            raise fail(str(e)) from None
         err.print(
             f"{len(chunks)} chunks -> {train_path} ({train_path.stat().st_size} bytes), "
             f"{val_path} ({val_path.stat().st_size} bytes)"
@@ -55,6 +59,7 @@ def data(
     from ..backends import engines
     from ..engine import family
     from ..engine.build import build_engine
+    from ..model.chat import chat_ids, messages
     from ..train import continuations as C
 
     n = continuations
@@ -63,40 +68,43 @@ def data(
     if n < 0 or context_tokens < 1 or new_tokens < 1 or sampled_every < 0:
         raise fail("--continuations, --sampled-every >= 0; --context-tokens, --new-tokens >= 1")
     train_txt, val_txt = source / "train.txt", source / "val.txt"
-    if not train_txt.is_file() or not val_txt.is_file():
+    if not chat and not (train_txt.is_file() and val_txt.is_file()):
         raise fail(f"no corpus in {source}: run `smallem data` (or `make data`) first")
-    if out.resolve() == source.resolve():
+    if not chat and out.resolve() == source.resolve():
         raise fail(f"--out {out} is the corpus the contexts come from: choose another folder")
     for path in (out / "train.txt", out / "val.txt"):  # what it will hold is not known yet: any counts
         _new_file(path, "--out", overwrite)
-    try:
+    with bad_input():
         dev = family.pick_device("auto")
         tgt = family.load_target(target, dev)
         if context_tokens + new_tokens > (positions := tgt.model.cfg.max_seq_len):
             raise ValueError(f"a context and its continuation exceed the target's {positions} positions")
         tok = tgt.tok
-        eot = tok.token_to_id(corpus.EOT)
-        # a model of its own tokenizer encodes the corpus afresh: the .bin beside it is the family's
-        ids = corpus.token_file(None if tgt.ships_none else tgt.tokenizer, train_txt, tgt.tok)
-        reqs = C.requests(C.contexts(ids, n, context_tokens, seed, eot), new_tokens, sampled_every, seed)
+        if chat:
+            conversations = [messages(text) for text in C.instructions(n + n // 8, seed)]
+            ctxs = [tuple(chat_ids(tok, tgt.chat, c)) for c in conversations]
+        else:
+            # a model of its own tokenizer encodes the corpus afresh: the .bin beside it is the family's
+            ids = corpus.token_file(None if tgt.ships_none else tgt.tokenizer, train_txt, tgt.tok)
+            ctxs = C.contexts(ids, n, context_tokens, seed, tok.token_to_id(corpus.EOT))
+        reqs = C.requests(ctxs, new_tokens, sampled_every, seed)
         engine = build_engine(
             tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, end_ids=tgt.chat.end_ids,
             decode=tok.decode, backend=engines.Backend(engines.engine_mode(engines.chosen("auto"), dev)), log=err.print,
         )  # fmt: skip
-        val = corpus.read_documents(val_txt)
-    except (family.CheckpointError, ValueError, OSError, UnicodeDecodeError) as e:
-        raise fail(str(e)) from None
+        val = [] if chat else corpus.read_documents(val_txt)
     t0 = time.perf_counter()
 
     def done(k: int) -> None:
-        if k % 256 == 0 or k == n:
-            err.print(f"{k}/{n} continuations, {time.perf_counter() - t0:.0f} s")
+        if k % 256 == 0 or k == len(reqs):
+            err.print(f"{k}/{len(reqs)} continuations, {time.perf_counter() - t0:.0f} s")
 
-    docs = C.documents(engine.run(reqs), tok.decode, done)  # the engine's loop runs under inference_mode
-    try:
+    # the template's special tokens stay in the text: the proposer is fitted on the stream it will meet
+    docs = C.documents(engine.run(reqs), lambda ids: tok.decode(ids, skip_special_tokens=False), done)
+    if chat:
+        docs, val = docs[:n], docs[n:]
+    with bad_input():
         train_path, val_path = corpus.write_parts(out, (docs, val))
-    except OSError as e:
-        raise fail(str(e)) from None
     err.print(f"{len(docs)} continuations -> {train_path} ({train_path.stat().st_size} bytes), {val_path}")
 
 
@@ -130,9 +138,7 @@ class Kind(str, Enum):
 @app.command()
 def train(
     kind: Annotated[Kind, typer.Argument(help="what to train")],
-    data_dir: Annotated[
-        Path, typer.Option("--data", help="folder with train.txt and val.txt (smallem data)")
-    ] = D.DATA_DIR,
+    data_dir: DataDir = D.DATA_DIR,
     preset: Annotated[str | None, typer.Option(help="model preset (target, draft-2l, draft-4l, ...)")] = None,
     out: Annotated[
         Path | None, typer.Option(help="output checkpoint (default: the install's checkpoints/<preset>.safetensors)")
@@ -149,16 +155,12 @@ def train(
     ] = D.TARGET,
     init: Annotated[Path | None, typer.Option(help="start from this checkpoint (an MTP module or a draft)")] = None,
     distill: Annotated[bool, typer.Option(help="draft: fit the target's distribution, not the corpus")] = False,
-    mtp_weight: Annotated[
-        float, typer.Option(help="target: weight of its MTP module's loss in their joint training")
-    ] = D.TRAIN_MTP_WEIGHT,
+    mtp_weight: Annotated[float, typer.Option(help="target: weight of its MTP module's loss")] = D.TRAIN_MTP_WEIGHT,
     feature_weight: Annotated[
         float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
     ] = 0.0,
     budget: Annotated[float, typer.Option(help="training seconds")] = D.TRAIN_SECONDS,
-    tokens: Annotated[
-        int, typer.Option(help="token budget: stop after this many training tokens, not --budget seconds (0: off)")
-    ] = 0,
+    tokens: Annotated[int, typer.Option(help="stop after this many training tokens, not --budget (0: off)")] = 0,
     run_dir: Annotated[Path | None, typer.Option(help="resume state folder (default: runs/<name>)")] = None,
     seed: Annotated[int, typer.Option()] = D.TRAIN_SEED,
     lr: Annotated[float, typer.Option()] = D.TRAIN_LR,
@@ -170,9 +172,7 @@ def train(
     precision: Annotated[
         str, typer.Option(help="fp32, or bf16: the loss's products in bfloat16 (for CPUs with bfloat16 instructions)")
     ] = D.TRAIN_PRECISION,
-    text: Annotated[
-        list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data first)")
-    ] = None,
+    text: Annotated[list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data)")] = None,
 ) -> None:
     """Train the tokenizer, a target (with its MTP module), a draft, or an MTP module."""
     import torch
@@ -222,8 +222,9 @@ def train(
             cpp_builder.get_cpp_compiler()
         except exc.InvalidCxxCompiler:
             raise fail("--compile needs a C++ compiler (g++, or $CXX) for torch.compile: train without it") from None
-    if threads:
-        torch.set_num_threads(threads)
+    with bad_input():
+        if O.threads(threads):
+            torch.set_num_threads(threads)
     if text:  # the user's own corpus: build its split where --data points (not over another corpus)
         try:
             _write_corpus(data_dir, corpus.text_chunks(text), overwrite, "--data")
@@ -242,7 +243,7 @@ def train(
     if not foreign and not tokenizer.is_file():
         raise fail(f"tokenizer not found: {tokenizer} (run `smallem train tokenizer`)")
     teacher = None  # the frozen target of mtp and --distill, and its name
-    try:
+    with bad_input():
         if foreign:  # its tokenizer and vocabulary are its own: they encode the corpus and mark the module
             tgt = family.load_target(target, torch.device("cpu"))
             teacher, fp = (tgt.model, target.name), tgt.fingerprint
@@ -252,8 +253,6 @@ def train(
                 teacher = (checkpoint.load_model(target)[0], target.name)
             fp = checkpoint.tokenizer_fingerprint(tokenizer)
             train_ids, val_ids = (corpus.token_file(tokenizer, t) for t in (train_txt, val_txt))
-    except (checkpoint.CheckpointError, ValueError, OSError) as e:
-        raise fail(str(e)) from None
     if len(val_ids) < 8:  # checked before training, not after the budget is spent
         raise fail(
             f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "

@@ -57,10 +57,8 @@ def _kib_field(path: str, name: str) -> int | None:
 
 def _cgroup_room() -> int | None:
     """What a container's memory limit (cgroup v2, else v1) has left: /proc/meminfo tells the host's."""
-    for files in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
+    v2, v1 = "/sys/fs/cgroup/memory.", "/sys/fs/cgroup/memory/memory."
+    for files in ((v2 + "max", v2 + "current"), (v1 + "limit_in_bytes", v1 + "usage_in_bytes")):
         limit, usage = ((_read(f) or "").strip() for f in files)
         if limit.isdigit() and usage.isdigit():
             return max(0, int(limit) - int(usage))

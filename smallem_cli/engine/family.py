@@ -149,8 +149,7 @@ def load_proposer(
         return Proposer("mtp", mtp.pack(), Head(target.model, ids), tree=tree, int8=int8)
     draft, _ = checkpoint.load_model(path, device)
     _fits(target, draft, path)
-    draft.pack()
-    return Proposer(name, draft, Head(draft, ids), int8=int8)
+    return Proposer(name, draft.pack(), Head(draft, ids), int8=int8)
 
 
 def _is_mtp(spec: str, target: Target) -> bool:

@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from ..backends.native import NativeSteps
 from ..model.llama import Block, MTPModule, Transformer, unit_rms
 from .batch import BatchStep
 
 
-def slab_for(model: Transformer | MTPModule, n_slots: int, device: torch.device) -> torch.Tensor:
+def slab_for(model: Transformer | MTPModule, n_slots: int, device: torch.device) -> Tensor:
     """A model's K/V for the pool: [layer, K or V, kv head, n_slots, head dim] (the MTP module: one layer)."""
     c = model.cfg
     layers = 1 if isinstance(model, MTPModule) else c.n_layers
     return torch.zeros(layers, 2, c.n_kv_heads, n_slots, c.head_dim, device=device)
 
 
-def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, Hkv: int, G: int) -> torch.Tensor:
+def attend(q: Tensor, kv: Tensor, bias: Tensor | None, Hkv: int, G: int) -> Tensor:
     """One sequence's attention, q [T, H*D] over kv [2, Hkv, S, D] (bias [T, S] or None) -> [T, H*D]. By hand:
     SDPA's CPU fallback for masks and groups costs several times more. Query heads j*G + g share kv head j."""
     T, D = q.shape[0], kv.shape[-1]
@@ -32,7 +33,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor | None, Hkv: in
     return o.view(1, H * D) if T == 1 else o.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
 
 
-def block_pass(blk: Block, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, b: BatchStep) -> torch.Tensor:
+def block_pass(blk: Block, x: Tensor, rope: Tensor, kv: Tensor, b: BatchStep) -> Tensor:
     """x [N, d] -> [N, d] through one block; kv: this layer's slab, written at b.slots (a row sees its own key)."""
     p = blk.packed
     assert p is not None, "call pack() before decoding"
@@ -60,13 +61,8 @@ def block_pass(blk: Block, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor
 
 
 def transformer_pass(
-    model: Transformer,
-    slab: torch.Tensor,
-    ids: torch.Tensor,
-    b: BatchStep,
-    head: str = "all",
-    steps: NativeSteps | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    model: Transformer, slab: Tensor, ids: Tensor, b: BatchStep, head: str = "all", steps: NativeSteps | None = None
+) -> tuple[Tensor, Tensor]:
     """ids [N] -> (logits, hidden [N, d]). head: "all" logits [N, V], "last" [B, V], "none" [0, V]."""
     if steps is not None:
         return steps.batch(ids, None, slab, b, head)
@@ -85,12 +81,12 @@ def transformer_pass(
 def mtp_pass(
     mtp: MTPModule,
     target: Transformer,
-    slab: torch.Tensor,
-    h: torch.Tensor,
-    ids: torch.Tensor,
+    slab: Tensor,
+    h: Tensor,
+    ids: Tensor,
     b: BatchStep,
     steps: NativeSteps | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Pairs (h_j [N, d], token j+1 [N]) -> the module's states [N, d], through its one-layer slab."""
     if steps is not None:
         return steps.batch(ids, h, slab, b)[1]

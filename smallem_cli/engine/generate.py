@@ -21,11 +21,7 @@ FIRST_CHAT_POSITIONS = 1024  # a conversation's cache at first: it doubles as th
 
 
 def engine_for_chat(
-    target: Transformer,
-    proposer: Proposer,
-    k: int,
-    end_ids: Collection[int],
-    backend: Backend | None = None,
+    target: Transformer, proposer: Proposer, k: int, end_ids: Collection[int], backend: Backend | None = None
 ) -> tuple[Engine, int]:
     """An engine for one conversation, its cache grown up to the context or the memory -> (it, the context)."""
     context = target.cfg.max_seq_len

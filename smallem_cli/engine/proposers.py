@@ -145,8 +145,7 @@ class _ModelGuess:
         n_pages = self.pool.pages_for(end)
         if not 0 < m <= MAX_T or end > steps.positions or len(table) < n_pages:
             return None
-        first = B.in_order(table, n_pages)
-        if first is None:
+        if (first := B.in_order(table, n_pages)) is None:
             return None
         base = first * self.pool.page_size
         view = self.slab[:, :, :, base : base + end]

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from .. import defaults as D
 from ..backends import native
@@ -27,7 +28,7 @@ class TargetRunner:
     """The target, the slab its K/V live in (over the pool's pages), its native steps (None: eager)."""
 
     model: Transformer
-    slab: torch.Tensor
+    slab: Tensor
     pool: PagePool
     steps: native.NativeSteps | None = None
 
@@ -35,9 +36,7 @@ class TargetRunner:
         tables = [self.pool.tables[s.uid] for s in seqs]
         return B.build(tables, [s.cached for s in seqs], counts, self.pool.page_size, self.slab.device)
 
-    def verify_pass(
-        self, seqs: list[Seq], ids: torch.Tensor, counts: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def verify_pass(self, seqs: list[Seq], ids: Tensor, counts: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
         """ids [N] (counts[b] new tokens of seqs[b], from its cached length) -> logits [N, V], hidden
         [N, d], and from a native step each row's argmax and the finite flag [N + 1] (else None)."""
         got = self.one_pass(seqs, ids, counts, head=True)
@@ -46,8 +45,8 @@ class TargetRunner:
         return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), "all", self.steps), None
 
     def one_pass(
-        self, seqs: list[Seq], ids: torch.Tensor, counts: list[int], head: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        self, seqs: list[Seq], ids: Tensor, counts: list[int], head: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """`verify_pass` through the native step, for a sequence alone whose pages lie in order; else None."""
         if len(seqs) != 1 or self.steps is None:
             return None
@@ -170,7 +169,7 @@ def _clock(seqs: list[Seq], t0: float, guessed_s: float) -> None:
 
 
 def commit(
-    t: TargetRunner, proposer: BatchProposer, s: Seq, m: int, n: int, emitted: list[int], hidden: torch.Tensor
+    t: TargetRunner, proposer: BatchProposer, s: Seq, m: int, n: int, emitted: list[int], hidden: Tensor
 ) -> None:
     """Keep what a round verified for `s`: `hidden` [n+1, d] the target's states of [last, d_1..d_n]."""
     s.cached += n + 1  # rollback: [last, d_1..d_n] stay, the rest is past the length

@@ -1,6 +1,5 @@
-"""Continuous batching: admit, run rounds, preempt when the pool runs dry, finish (docs/architecture.md).
-
-A preempted sequence is recomputed from its tokens later: nothing it emitted is lost or redrawn."""
+"""Continuous batching: admit, run rounds, preempt when the pool runs dry, finish (docs/architecture.md). A preempted
+sequence is recomputed from its tokens later: nothing it emitted is lost or redrawn."""
 
 from __future__ import annotations
 
@@ -253,8 +252,7 @@ class Engine:
     def _pull(self, source: Iterator[Request], running: list[Seq], waiting: deque[Seq]) -> bool:
         """Requests from `source` wait their turn, up to max_batch sequences in all -> whether it ran out."""
         while len(running) + len(waiting) < self.max_batch:
-            req = next(source, None)
-            if req is None:
+            if (req := next(source, None)) is None:
                 return True
             waiting.append(self._seq(req))
         return False

@@ -1,10 +1,9 @@
 """Token trees from the MTP module (EAGLE-2's dynamic trees; docs/architecture.md#token-trees).
 
-A node scores the sum of the log-probabilities on its path; level by level the `width` best nodes
-are fed to the module in one pass over every tree. Greedy: the tree is the `budget` best nodes (a
-child scores no more than its parent, so every node's parent is in). Sampled: draws from the
-module's q, all kept, verified by SpecInfer's rule: exact as long as which nodes are expanded
-never depends on their own children."""
+A node scores the sum of the log-probabilities on its path; level by level the `width` best nodes are fed to the module
+in one pass over every tree. Greedy: the tree is the `budget` best nodes (a child scores no more than its parent, so
+every node's parent is in). Sampled: draws from the module's q, all kept, verified by SpecInfer's rule: exact as long as
+which nodes are expanded never depends on their own children."""
 
 from __future__ import annotations
 
@@ -122,9 +121,8 @@ def grow(p: MTPGuess, seqs: list[Seq], budget: int, width: int, drawn: int) -> l
         tok = torch.tensor(ids, dtype=torch.long, device=out.device)
         states = mtp_pass(p.mtp, p.target, p.slab, torch.stack(h), tok, step, p.steps)  # [F, d]
         row_seqs = [seqs[b] for b in active for _ in picks[b]]
-        vals, toks, qs = _children(
-            head, states, eps, width, drawn, row_seqs, [_path(cands[b], i) for b in active for i in picks[b]]
-        )
+        paths = [_path(cands[b], i) for b in active for i in picks[b]]
+        vals, toks, qs = _children(head, states, eps, width, drawn, row_seqs, paths)
         frontier, r = [[] for _ in seqs], 0
         for b in active:
             frontier[b] = [(r + j, i) for j, i in enumerate(picks[b])]

@@ -1,15 +1,12 @@
-"""GGUF in and out: a smallem model as llama.cpp reads it (architecture `llama`), tokenizer included, and a
-llama.cpp file as a smallem Transformer, tokenizer and chat format (weights of the TYPES to their exact values;
-anything smallem would compute differently refused with one line naming it). Beyond renaming, one change:
-llama.cpp ropes adjacent pairs (x_2i, x_2i+1) where smallem pairs x_i with x_{i+D/2}, so the rows of Wq and Wk
-are reordered within each head (outputs unchanged). The tokenizer is byte-level BPE, llama.cpp's `gpt2`, with
-`<|endoftext|>` both BOS and EOS. The `gguf` package (the `gguf` extra) is imported only when it is used."""
+"""GGUF in and out: a smallem model as llama.cpp reads it (architecture `llama`, tokenizer included), and a llama.cpp
+file as a smallem Transformer, tokenizer and chat format (the TYPES to their exact values; anything smallem would
+compute differently refused with one line naming it). Beyond renaming, one change: llama.cpp ropes adjacent pairs
+(x_2i, x_2i+1) where smallem pairs x_i with x_{i+D/2}, so the rows of Wq and Wk are reordered within each head
+(outputs unchanged). The tokenizer is byte-level BPE, llama.cpp's `gpt2`, with `<|endoftext|>` both BOS and EOS."""
 
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,13 +19,12 @@ from .. import atomic
 from ..config import ModelConfig
 from ..model import checkpoint, quant
 from ..model.chat import ChatFormat
-from ..model.checkpoint import CheckpointError
 from ..model.llama import Transformer, permute_rope, unpermute_rope
 from ..model.tokenizer import EOT
+from .gguf_file import MAGIC, READ_ERRORS, GGUFReadError, Meta, gguf_package, open_gguf
 from .hf import ExportError, load_for_export, orphans, sigterm_raises
 
 DTYPES = ("f32", "f16")
-INSTALL = "pip install 'smallem[gguf]'"
 Vocab = tuple[list[str], list[int], list[str], int | None]  # tokens by id, their types, merges, EOT's id
 _MATRICES = {  # smallem name in a layer -> llama.cpp's
     "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -38,22 +34,9 @@ _MATRICES = {  # smallem name in a layer -> llama.cpp's
 _TOP = {  # lm_head: an untied head only (llama.cpp reuses token_embd when output.weight is absent)
     "embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
 }  # fmt: skip
-MAGIC = b"GGUF"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # read to their exact values
 PRE = {"gpt2": "gpt2", "gpt-2": "gpt2", "smollm": "smollm"}  # tokenizer.ggml.pre -> how text is split
 _CONTROL, _USER, _UNUSED = 3, 4, 5  # llama.cpp's token types (1 normal, 2 unknown, 6 byte)
-_FLOAT32 = 6  # GGUFValueType.FLOAT32
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
-_STRING, _ARRAY = 8, 9
-_READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError, OSError)
-
-
-def gguf_package(error: type[Exception] = ImportError, what: str = "GGUF export") -> Any:
-    try:
-        import gguf
-    except ImportError:
-        raise error(f"{what} needs the gguf package: {INSTALL}") from None
-    return gguf
 
 
 def gguf_name(key: str) -> str:
@@ -72,10 +55,8 @@ def gguf_tensors(model: Transformer, dtype: str = "f32") -> dict[str, np.ndarray
     out = {}
     for key, v in model.state_dict().items():
         w = v.detach().to("cpu", torch.float32)
-        if key.endswith("q_proj.weight"):
-            w = permute_rope(w, model.cfg.n_heads)
-        elif key.endswith("k_proj.weight"):
-            w = permute_rope(w, model.cfg.n_kv_heads)
+        if key.endswith(("q_proj.weight", "k_proj.weight")):
+            w = permute_rope(w, model.cfg.n_heads if key.endswith("q_proj.weight") else model.cfg.n_kv_heads)
         if w.dim() == 2 and dtype == "f16":
             w = w.to(torch.float16)
         out[gguf_name(key)] = w.contiguous().numpy()
@@ -110,7 +91,6 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> Vocab:
 
 
 def add_llama_metadata(w: Any, cfg: ModelConfig, vocab: Vocab, pre: str = "gpt-2") -> None:
-    """A llama model's hyperparameters and its byte-level BPE tokenizer (`gguf_vocab`'s), on GGUFWriter `w`."""
     tokens, kinds, merges, eot = vocab
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.dim)
@@ -200,10 +180,6 @@ def export_gguf(
         atomic.replace_with(out, lambda tmp: write_gguf(model, tmp, tokenizer_json, dtype, ckpt.stem))
 
 
-class GGUFReadError(CheckpointError):
-    """A GGUF file smallem cannot run as it is meant to run: the message is one line."""
-
-
 @dataclass
 class GGUFModel:
     model: Transformer  # float32, eval, not packed
@@ -227,107 +203,7 @@ def is_gguf(path: str | Path) -> bool:
         return False
 
 
-def _reader(path: Path) -> Any:
-    gguf = gguf_package(GGUFReadError, "reading a GGUF file")
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise GGUFReadError(f"cannot read {path}: {e.strerror or e}") from None
-    if magic != MAGIC:
-        raise GGUFReadError(f"{path} is not a GGUF file: it starts with {magic!r}, not {MAGIC!r}")
-    try:
-        _walk_header(path)  # every count fits the file: gguf's reader trusts them (a huge one never ends)
-        return gguf.GGUFReader(path)  # memory-mapped: the header is parsed, no tensor is copied
-    except _READ_ERRORS as e:
-        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise GGUFReadError(f"{path}: truncated or corrupt GGUF file ({why})") from None
-
-
-def _walk_header(path: Path) -> None:
-    """Every length and count of the header checked against the bytes left; ValueError where one does not fit."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        size, pos = len(m), 0
-
-        def take(fmt: str) -> int:
-            nonlocal pos
-            if pos + struct.calcsize(fmt) > size:
-                raise ValueError(f"the header ends past the end of the file ({size} bytes)")
-            (v,) = struct.unpack_from("<" + fmt, m, pos)
-            pos += struct.calcsize(fmt)
-            return v
-
-        def skip(n: int) -> None:
-            nonlocal pos
-            if n < 0 or pos + n > size:
-                raise ValueError(f"a length of {n} runs past the end of the file ({size} bytes)")
-            pos += n
-
-        def value(kind: int, depth: int = 0) -> None:
-            if kind in _SCALAR:
-                skip(_SCALAR[kind])
-            elif kind == _STRING:
-                skip(take("Q"))
-            elif kind == _ARRAY and depth < 2:
-                item, count = take("I"), take("Q")
-                if item in _SCALAR:
-                    skip(count * _SCALAR[item])
-                    return
-                if count * 8 > size - pos:  # a string or an array is 8 bytes at least
-                    raise ValueError(f"an array of {count} items cannot fit the {size - pos} bytes left")
-                for _ in range(count):
-                    value(item, depth + 1)
-            else:
-                raise ValueError(f"unknown metadata type {kind}")
-
-        skip(8)  # magic, version (gguf's reader checks both)
-        n_tensors, n_kv = take("Q"), take("Q")
-        if (n_tensors + n_kv) * 12 > size:
-            raise ValueError(f"{n_tensors} tensors and {n_kv} metadata entries cannot fit {size} bytes")
-        for _ in range(n_kv):
-            skip(take("Q"))
-            value(take("I"))
-        for _ in range(n_tensors):
-            skip(take("Q"))
-            dims = take("I")
-            if dims > 4:
-                raise ValueError(f"a tensor of {dims} dimensions")
-            skip(8 * dims + 12)  # its dims, type and offset
-
-
-class _Meta(dict):
-    """The file's metadata, checked where read; a float32 as the shortest decimal that is it (1e-05)."""
-
-    def __init__(self, reader: Any, path: Path) -> None:
-        super().__init__()
-        self.path = path
-        for key, f in reader.fields.items():
-            try:
-                v = f.contents()
-            except _READ_ERRORS as e:
-                raise GGUFReadError(f"{path}: unreadable metadata {key} ({type(e).__name__})") from None
-            self[key] = float(np.format_float_scientific(np.float32(v), unique=True)) if f.types == [_FLOAT32] else v
-
-    def num(self, key: str, kind: type = int, default: Any = None) -> Any:
-        if (v := self.get(key, default)) is None:
-            raise GGUFReadError(f"{self.path}: metadata {key} is missing")
-        if isinstance(v, bool) or not isinstance(v, (int, kind)) or not np.isfinite(v) or v <= 0:
-            raise GGUFReadError(f"{self.path}: metadata {key}={v!r} is not a positive {kind.__name__}")
-        return kind(v)
-
-    def text(self, key: str) -> str | None:
-        if (v := self.get(key)) is not None and not isinstance(v, str):
-            raise GGUFReadError(f"{self.path}: metadata {key} is not a string")
-        return v
-
-    def strings(self, key: str) -> list[str]:
-        v = self.get(key, [])
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise GGUFReadError(f"{self.path}: metadata {key} is not a list of strings")
-        return v
-
-
-def _config(meta: _Meta, n_vocab: int, tied: bool) -> ModelConfig:
+def _config(meta: Meta, n_vocab: int, tied: bool) -> ModelConfig:
     path = meta.path
     if (arch := meta.text("general.architecture")) != "llama":
         raise GGUFReadError(f"{path}: architecture {arch!r}: only llama is supported")
@@ -388,23 +264,14 @@ def _weights(
             else:
                 w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
                 w = unpermute_rope(w.reshape(expected[key]), heads) if heads else w.reshape(expected[key])
-        except _READ_ERRORS as e:
+        except READ_ERRORS as e:
             raise GGUFReadError(f"{path}: tensor {name} is unreadable ({type(e).__name__}: {e})"[:300]) from None
         out[key] = w.contiguous()
     checkpoint.check_finite(out, str(path))
     return out, blocks, tuple(sorted({t.tensor_type.name for t in found.values()}))
 
 
-def _special_ids(meta: _Meta, n_tokens: int) -> dict[str, int]:
-    """The bos, eos, eot and eom ids the file names, each checked to be a token's."""
-    ids = {name: meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "eot", "eom")}
-    for name, v in ids.items():
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n_tokens):
-            raise GGUFReadError(f"{meta.path}: tokenizer.ggml.{name}_token_id={v!r} is not a token id")
-    return {name: v for name, v in ids.items() if v is not None}
-
-
-def _tokenizer(meta: _Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer:
+def _tokenizer(meta: Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer:
     """tokenizer.ggml.* -> a byte-level BPE `tokenizers` object: control tokens special (decoded as nothing),
     user-defined ones plain, unused ones left out; BOS / EOS added where the file says llama.cpp adds them."""
     path = meta.path
@@ -453,13 +320,16 @@ def _tokenizer(meta: _Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer
 def load_gguf(path: str | Path, device: torch.device | str = "cpu") -> GGUFModel:
     """A llama GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format, or GGUFReadError."""
     path = Path(path)
-    reader = _reader(path)
-    meta = _Meta(reader, path)
+    reader = open_gguf(path)
+    meta = Meta(reader, path)
     tokens = meta.strings("tokenizer.ggml.tokens")
     if not tokens:
         raise GGUFReadError(f"{path}: metadata tokenizer.ggml.tokens is missing or empty")
     cfg = _config(meta, len(tokens), tied=not any(t.name == "output.weight" for t in reader.tensors))
-    ids = _special_ids(meta, len(tokens))
+    ids = {n: v for n in ("bos", "eos", "eot", "eom") if (v := meta.get(f"tokenizer.ggml.{n}_token_id")) is not None}
+    for name, v in ids.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(tokens):
+            raise GGUFReadError(f"{path}: tokenizer.ggml.{name}_token_id={v!r} is not a token id")
     tok = _tokenizer(meta, tokens, ids)  # before the weights: a refusal costs no memory
     ends = tuple(dict.fromkeys(ids[n] for n in ("eos", "eot", "eom") if n in ids))  # any of them ends a generation
     bos, eos = (tokens[ids[n]] if n in ids else "" for n in ("bos", "eos"))

@@ -48,7 +48,6 @@ def _required(hf: dict[str, Any], name: str) -> Any:
 
 
 def _num(hf: dict[str, Any], name: str, default: float | None = None, kind: type = int) -> Any:
-    """A positive int (or float) field; `default` where it is absent, if there is one."""
     v = _required(hf, name) if default is None else hf.get(name, default)
     if isinstance(v, bool) or not isinstance(v, (int, kind)) or v <= 0:
         raise _refuse(name, v, f"expected a positive {kind.__name__}")
@@ -178,7 +177,6 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
     cfg = config_from_hf(raw)
     _tokenizer(folder / "tokenizer.json", cfg.vocab_size)  # before the weights: fail before the slow part
     fingerprint = checkpoint.tokenizer_fingerprint(folder / "tokenizer.json")
-
     expected = checkpoint.expected_shapes(cfg)  # smallem name -> shape; nothing allocated
     declared = _declared(folder)
     tied_head = cfg.tie_embeddings and "lm_head.weight" in declared  # redundant: checked equal to the embedding
@@ -281,7 +279,6 @@ def export_mimo(
         raise HFFormatError(f"{mtp_file}: MiMo's MTP block takes the target's shape (hidden_dim, norm_eps)")
     if stored_dtype(mtp_file) != dtype:  # both lossless in the wider of the two
         dtype = torch.float32
-
     tensors = {hf_name(k): v for k, v in model.state_dict().items()}
     tensors["lm_head.weight"] = model.head_weight.clone()  # MiMo's head is untied: its own tensor
     tensors[f"{MTP_LAYER}.final_layernorm.weight"] = model.norm.weight.clone()  # the module ends on the target's norm

@@ -24,6 +24,8 @@ from rich.table import Table
 from .. import defaults as D
 from . import vllm_peer as V
 
+Proposed = Callable[[str, int], tuple[int, int]]  # Smallem's proposer (name, k) on the prompts: (accepted, proposed)
+
 
 @dataclass
 class CheckRow:
@@ -49,8 +51,7 @@ def check_row(
 def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
     """A row a run: token agreement with Smallem, vLLM's acceptance, and Smallem's with the same proposer."""
     t = Table(title=f"vLLM {version} against Smallem, greedy, {max_new} new tokens a prompt")
-    cols = ("vLLM run", "identical to ours", "tokens equal", "acceptance", "ours", "tokens / step", "by position")
-    for col in cols:
+    for col in ("vLLM run", "identical to ours", "tokens equal", "acceptance", "ours", "tokens / step", "by position"):
         t.add_column(col, justify="right")
     for r in rows:
         a = r.acceptance
@@ -65,14 +66,8 @@ def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
     return t
 
 
-def run_check(
-    python: Path,
-    args: argparse.Namespace,
-    prompts: list[list[int]],
-    ref: list[list[int]],
-    say: Callable[[str], None],
-    ours: Callable[[str, int], tuple[int, int]],
-) -> tuple[list[CheckRow], str]:
+def run_check(python: Path, args: argparse.Namespace, prompts: list[list[int]], ref: list[list[int]],
+              say: Callable[[str], None], ours: Proposed) -> tuple[list[CheckRow], str]:  # fmt: skip
     """vLLM offline on the target alone, with draft-2l, ngram and `mimo`'s mtp at k = 1 and k; `vllm serve`."""
     env = V.vllm_env(python, threads=len(os.sched_getaffinity(0)))
     hf, k, n, logs = args.hf, args.k, args.max_new_tokens, args.logs

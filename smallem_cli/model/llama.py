@@ -135,8 +135,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # parameter name -> its blocks, where a quantized file stored it so (`model.quant`): the
-        # parameter holds their float32 values
+        # a parameter -> its blocks where a quantized file stored it so (`model.quant`); it holds their float32 values
         self.quantized: dict[str, Blocked] = {}
         cos, sin = rope_tables(cfg)
         self.register_buffer("cos", cos, persistent=False)

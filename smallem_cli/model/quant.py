@@ -1,9 +1,8 @@
 """Weights in blocks of 32 along a row, as GGUF's Q8_0, Q4_0 and Q4_1 store them:
 W[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32], d and m float16, q small integers.
 
-The native backend reads a quantized file's matrices this way, a byte a weight, rather than as
-their float32 values (four); the eager path computes with `values`, the same numbers as `gguf`'s
-own dequantization."""
+The native backend reads a quantized file's matrices this way, a byte a weight, rather than as their float32 values
+(four); the eager path computes with `values`, the same numbers as `gguf`'s own dequantization."""
 
 from __future__ import annotations
 

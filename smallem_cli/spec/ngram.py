@@ -1,6 +1,5 @@
-"""Prompt lookup: guessing by copying what followed the text's last n tokens before, as deep as the
-measured acceptance is worth (`best_depth`). Under sampling a guess is a point mass (q one-hot):
-kept with probability p(x), exactly."""
+"""Prompt lookup: guessing by copying what followed the text's last n tokens before, as deep as the measured acceptance
+is worth (`best_depth`). Under sampling a guess is a point mass (q one-hot): kept with probability p(x), exactly."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class NgramIndex:
         """Up to k tokens that followed the longest suffix seen before (its latest occurrence)."""
         toks, size = self.tokens, len(self.tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
-            end = self.last.get(tuple(toks[size - n :]))
-            if end is not None:
+            if (end := self.last.get(tuple(toks[size - n :]))) is not None:
                 # past the end of the text, copy the copy: a repeat shorter than k goes on repeating
                 out: list[int] = []
                 for j in range(end + 1, end + 1 + k):
@@ -72,8 +70,7 @@ class NgramProposer:
     @property
     def rates(self) -> tuple[float, float]:
         """Rates at which a first guess, and a later guess in play, are kept (a prior of one in two)."""
-        first, then = ((k + 1) / (r + 2) for k, r in zip(self.kept, self.reached, strict=True))
-        return first, then
+        return (self.kept[0] + 1) / (self.reached[0] + 2), (self.kept[1] + 1) / (self.reached[1] + 2)
 
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None

@@ -41,8 +41,7 @@ def tree_mask(parents: Tensor) -> Tensor:
 
 def tree_depth(parents: Tensor, mask: Tensor | None = None) -> Tensor:
     """Depth long [..., N] of each node (root 0); its position is start + depth."""
-    mask = tree_mask(parents) if mask is None else mask  # [..., N, N]
-    return mask.sum(dim=-1) - 1
+    return (tree_mask(parents) if mask is None else mask).sum(dim=-1) - 1
 
 
 def _path(on: Tensor, depth: Tensor, last: Tensor) -> Tensor:
@@ -98,12 +97,7 @@ def verify_tree_greedy(tokens: Tensor, parents: Tensor, logits: Tensor) -> TreeV
 
 
 def verify_tree_sample(
-    tokens: Tensor,
-    parents: Tensor,
-    p: Tensor,
-    q: Tensor,
-    generator: torch.Generator | None,
-    width: int | None = None,
+    tokens: Tensor, parents: Tensor, p: Tensor, q: Tensor, generator: torch.Generator | None, width: int | None = None
 ) -> TreeVerdict:
     """The module docstring's rule at every node at once: p [B, N, V] the target's (warped) probabilities after
     each node, q [B, N, V] what its children were drawn from; width: the most children a node has."""

@@ -48,11 +48,8 @@ def _nucleus(probs: Tensor, top_p: float) -> Tensor:
     probable serve when they hold top_p in every row, sparing a full sort (far slower)."""
     heads = TOP_P_HEADS if probs.device.type == "cpu" else ()
     for head in [*(h for h in heads if h < probs.shape[-1]), None]:
-        if head is None:
-            top, order = probs.sort(dim=-1, descending=True)  # [..., V] each
-        else:
-            top, order = probs.topk(head, dim=-1)  # [..., head] each
-        sums = top.cumsum(dim=-1)
+        top, order = probs.sort(dim=-1, descending=True) if head is None else probs.topk(head, dim=-1)
+        sums = top.cumsum(dim=-1)  # [..., V or head]
         if head is None or bool((sums[..., -1] >= top_p).all()):
             break
     # mass of the more probable tokens (an exclusive cumsum, no cancellation)

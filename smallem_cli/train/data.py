@@ -35,10 +35,9 @@ def kjv_chapters() -> list[str]:
             if line.strip() and chapters:  # a wrapped verse continues the previous line
                 chapters[-1][-1] += " " + line.strip()
             continue
-        book_chapter = (m.group(1), m.group(2))
-        if book_chapter != current:
+        if m.group(1, 2) != current:  # a new book or chapter
             chapters.append([])
-            current = book_chapter
+            current = m.group(1, 2)
         chapters[-1].append(m.group(4).strip())
     return ["\n".join(v) + "\n" for v in chapters]
 
@@ -60,15 +59,13 @@ def text_chunks(paths: list[Path]) -> list[str]:
 
 
 def split(chunks: list[str]) -> tuple[list[str], list[str]]:
-    """Deterministic split by whole chunks: (train, validation)."""
     train = [c for i, c in enumerate(chunks) if i % HOLDOUT_EVERY != HOLDOUT_EVERY // 2]
     val = [c for i, c in enumerate(chunks) if i % HOLDOUT_EVERY == HOLDOUT_EVERY // 2]
     return train, val
 
 
 def write_parts(out_dir: Path, parts: tuple[list[str], list[str]]) -> tuple[Path, Path]:
-    """Write train.txt and val.txt, the (train, validation) documents separated by the end-of-text
-    marker, each file whole or as it was (written aside, then renamed)."""
+    """train.txt and val.txt: the documents separated by the end-of-text marker, each written aside, then renamed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = out_dir / "train.txt", out_dir / "val.txt"
     for path, part in zip(paths, parts, strict=True):
@@ -82,16 +79,14 @@ def read_documents(path: Path) -> list[str]:
 
 
 def encode_file(tokenizer_json: Path | Tokenizer, text_path: Path) -> np.ndarray:
-    """Token ids of a corpus file as uint16, each document followed by end-of-text (where the tokenizer,
-    a file or one loaded, has it)."""
+    """Token ids of a corpus file as uint16, each document followed by end-of-text (if the tokenizer has it)."""
     tok = tokenizer_json if isinstance(tokenizer_json, Tokenizer) else load_tokenizer(tokenizer_json)
     eot = tok.token_to_id(EOT)
-    if tok.get_vocab_size(with_added_tokens=True) > 1 << 16:
-        raise ValueError(f"a vocabulary of {tok.get_vocab_size(with_added_tokens=True)} tokens does not fit uint16")
+    if (size := tok.get_vocab_size(with_added_tokens=True)) > 1 << 16:
+        raise ValueError(f"a vocabulary of {size} tokens does not fit uint16")
     ids: list[int] = []
     for enc in tok.encode_batch(read_documents(text_path)):
-        ids.extend(enc.ids)
-        ids.extend([] if eot is None else [eot])
+        ids += enc.ids if eot is None else [*enc.ids, eot]
     return np.asarray(ids, dtype=np.uint16)
 
 
@@ -113,12 +108,10 @@ def train_tokenizer(text_path: Path, out: Path, vocab_size: int = 8192) -> Token
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],  # id 0
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+        vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet, show_progress=False
+    )  # EOT: id 0
     tok.train_from_iterator(read_documents(text_path), trainer=trainer)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic.replace_with(out, lambda tmp: tok.save(str(tmp)))

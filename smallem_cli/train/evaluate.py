@@ -1,10 +1,9 @@
 """Evaluation on the validation split: loss in nats per byte, and proposer agreement.
 
-Agreement is what greedy acceptance measures: how often a proposer's argmax is the target's for
-the same position (the MTP module is fed the true token i+1, its guess for i+2 compared with the
-target's argmax there). `chain_agreement` runs the chain as the loop does, without a stopwatch: the
-target continues a validation context greedily (g_1..g_4), the proposer guesses d_1..d_4 fed back to
-it, and "kept at depth j" is how often d_1..d_j all equal g_1..g_j.
+Agreement is what greedy acceptance measures: how often a proposer's argmax is the target's for the same position (the
+MTP module is fed the true token i+1, its guess for i+2 compared with the target's argmax there). `chain_agreement` runs
+the chain as the loop does, without a stopwatch: the target continues a validation context greedily (g_1..g_4), the
+proposer guesses d_1..d_4 fed back to it, and "kept at depth j" is how often d_1..d_j all equal g_1..g_j.
 """
 
 from __future__ import annotations
@@ -131,11 +130,9 @@ def contexts(val_ids: np.ndarray, count: int, length: int, depth: int) -> torch.
 
 def _greedy_chain(model: Transformer, x: torch.Tensor, depth: int) -> torch.Tensor:
     """Extend each row of x [B, C] by `depth` greedy tokens of `model` -> [B, depth]."""
-    out = []
     for _ in range(depth):
-        out.append(model.logits(model.hidden(x)[:, -1]).argmax(-1, keepdim=True))  # [B, 1]
-        x = torch.cat([x, out[-1]], dim=1)
-    return torch.cat(out, dim=1)
+        x = torch.cat([x, model.logits(model.hidden(x)[:, -1]).argmax(-1, keepdim=True)], dim=1)
+    return x[:, x.shape[1] - depth :]
 
 
 @torch.no_grad()
@@ -162,19 +159,16 @@ def _mtp_chain(target: Transformer, mtp: MTPModule, x: torch.Tensor, depth: int)
     """The MTP module's chain from contexts x [B, C], as the engine's `MTPGuess` runs it: pairs (h_j, x_{j+1})
     over the context, then each guess fed back with the module's own state -> guesses [B, depth]."""
     hs, toks = target.hidden(x)[:, :-1], x[:, 1:]  # pairs (h_j, x_{j+1}), j < C-1: the last guesses x_C's successor
-    out = []
     for _ in range(depth):
         T = hs.shape[1]
         states = mtp(hs, target.embed_tokens(toks), target.cos[:T], target.sin[:T])  # [B, T, d]
         guess = target.logits(states[:, -1]).argmax(-1, keepdim=True)  # [B, 1]
-        out.append(guess)
         hs = torch.cat([hs, states[:, -1:]], dim=1)  # chain on its own state
         toks = torch.cat([toks, guess], dim=1)
-    return torch.cat(out, dim=1)
+    return toks[:, toks.shape[1] - depth :]
 
 
 def report_table(reports: list[Report], facts: dict[str, dict[str, Any]], n_tokens: int, n_bytes: int) -> Table:
-    """The reports as a rich table, with each model's training totals from its facts."""
     from rich.table import Table
 
     table = Table(title=f"validation: {n_tokens:,} tokens, {n_bytes:,} bytes")
@@ -186,16 +180,14 @@ def report_table(reports: list[Report], facts: dict[str, dict[str, Any]], n_toke
     for r in reports:
         f = facts.get(r.name, {})
         table.add_row(
-            r.name,
-            f"{r.nats_per_token:.3f}",
-            f"{r.nats_per_byte:.3f}",
+            r.name, f"{r.nats_per_token:.3f}", f"{r.nats_per_byte:.3f}",
             "" if r.agreement is None else f"{r.agreement:.3f}",
             "" if r.kept_at is None else " / ".join(f"{a:.2f}" for a in r.kept_at),
             "" if r.sampled is None else " / ".join(f"{a:.3f}" for a in r.sampled),
             f"{total(f, 'steps'):,}" if "steps" in f else "",
             f"{total(f, 'tokens_seen'):,}" if "tokens_seen" in f else "",
             f"{total(f, 'train_seconds'):.0f} s" if "train_seconds" in f else "",
-        )
+        )  # fmt: skip
     return table
 
 

@@ -1,12 +1,11 @@
-"""Training: a target (with its MTP module, jointly), a draft, or an MTP module alone, and saving
-each member of the family beside its facts (`train_member`: what `smallem train` runs).
+"""Training: a target (with its MTP module, jointly), a draft, or an MTP module alone, and saving each member of the
+family beside its facts (`train_member`: what `smallem train` runs).
 
-Batches are random windows of the token stream drawn by (seed, step), and the learning rate
-follows the budget (tokens, else seconds: warm-up, then cosine to 10%), so a run resumed from its
-state (`runstate`, every `save_every_s`) draws and schedules as it would have. A target trains
-jointly with its MTP module (DeepSeek-V3's loss, weight `mtp_weight`), so the trunk learns to carry
-the next-next token in h_i, which the module reads; `distill` fits a module, or a draft, to a frozen
-target instead. Progress goes to the `on_progress` callback, never to stdout.
+Batches are random windows of the token stream drawn by (seed, step), and the learning rate follows the budget (tokens,
+else seconds: warm-up, then cosine to 10%), so a run resumed from its state (`runstate`, every `save_every_s`) draws and
+schedules as it would have. A target trains jointly with its MTP module (DeepSeek-V3's loss, weight `mtp_weight`), so
+the trunk learns to carry the next-next token in h_i, which the module reads; `distill` fits a module, or a draft, to a
+frozen target instead. Progress goes to the `on_progress` callback, never to stdout.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ from . import runstate
 from .fit import fit_loss, student_logits
 
 PRECISIONS = ("fp32", "bf16")  # `TrainSettings.precision`
-# A training loss: a batch [B, T+2] -> (the loss, what it reads as 0-dim tensors: an `.item()` inside
-# would break a compiled loss's graph, so the training loop reads them on the host)
+# A training loss: a batch [B, T+2] -> (the loss, what it reads as 0-dim tensors, read on the host: see `_train_loop`)
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -79,9 +77,7 @@ def batch(ids: np.ndarray, settings: TrainSettings, step: int) -> torch.Tensor:
 
 def spent(settings: TrainSettings, tokens: int, elapsed: float) -> float:
     """The fraction of the budget spent: tokens over budget_tokens if set, else seconds."""
-    if settings.budget_tokens > 0:
-        return min(1.0, tokens / settings.budget_tokens)
-    return min(1.0, elapsed / settings.budget_s)
+    return min(1.0, tokens / settings.budget_tokens if settings.budget_tokens > 0 else elapsed / settings.budget_s)
 
 
 def lr_at(settings: TrainSettings, step: int, frac: float) -> float:
@@ -120,15 +116,9 @@ def evaluate(
     return out
 
 
-def _train_loop(
-    loss_fn: LossFn,
-    modules: dict[str, torch.nn.Module],
-    train_ids: np.ndarray,
-    settings: TrainSettings,
-    run_dir: Path,
-    on_progress: ProgressFn | None,
-    val: tuple[Transformer, np.ndarray] | None = None,
-) -> dict[str, Any]:
+def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], train_ids: np.ndarray, settings: TrainSettings,
+                run_dir: Path, on_progress: ProgressFn | None,
+                val: tuple[Transformer, np.ndarray] | None = None) -> dict[str, Any]:  # fmt: skip
     """The optimisation loop, resumable, over every parameter of `modules` -> the training facts.
     val: a model whose validation loss is read every `eval_every_s` (shown in the progress)."""
     torch.manual_seed(settings.seed)
@@ -234,22 +224,13 @@ def train_model(
     return model, mtp, facts
 
 
-def distill(
-    target: Transformer,
-    student: Transformer | MTPModule,
-    train_ids: np.ndarray,
-    val_ids: np.ndarray,
-    settings: TrainSettings,
-    run_dir: Path,
-    on_progress: ProgressFn | None = None,
-) -> dict[str, Any]:
-    """Fit a proposer (trained in place) to a frozen target's next-token distribution (`fit.py`) ->
-    the facts. Acceptance (greedy: the target's argmax; sampled: 1 - TV(p, q)) rewards matching the
-    target, not the corpus, and its whole distribution is a richer signal than the one observed token.
-    An MTP module reads h_i and the true token i+1 and guesses token i+2 (the target's logits at
-    i+1). With `settings.feature_weight` its output state is also pulled towards the target's
-    h_{i+1} (normalised, as the next step reads it): guesses past the first chain on that state
-    (EAGLE's observation), so one that resembles the target's keeps them on track."""
+def distill(target: Transformer, student: Transformer | MTPModule, train_ids: np.ndarray, val_ids: np.ndarray,
+            settings: TrainSettings, run_dir: Path,
+            on_progress: ProgressFn | None = None) -> dict[str, Any]:  # fmt: skip
+    """Fit a proposer (trained in place) to a frozen target's next-token distribution (`fit.py`) -> the facts:
+    acceptance rewards matching the target, not the corpus, and its whole distribution is a richer signal than the
+    one observed token. An MTP module reads h_i and the true token i+1 and guesses token i+2; `feature_weight` also
+    pulls its output state to the target's h_{i+1} (normalised, as read next): later guesses chain on it (EAGLE)."""
     if student.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"proposer vocabulary {student.cfg.vocab_size} != target's {target.cfg.vocab_size}")
     target.requires_grad_(False).eval()
@@ -285,40 +266,23 @@ def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
     return np.argsort(-counts, kind="stable")[:4096].tolist()
 
 
-def save_family_member(
-    path: Path,
-    model: Transformer | MTPModule,
-    fp: str,
-    facts: dict[str, Any],
-    train_ids: np.ndarray,
-    rank: list[int] | None = None,
-) -> None:
-    """Save a trained member with its tokenizer's fingerprint `fp` (`checkpoint.tokenizer_fingerprint`,
-    or a GGUF target's vocabulary's) and the tokens its cut head keeps: `rank`, else the training
-    text's by frequency."""
+def save_family_member(path: Path, model: Transformer | MTPModule, fp: str, facts: dict[str, Any],
+                       train_ids: np.ndarray, rank: list[int] | None = None) -> None:  # fmt: skip
+    """Save a member with its tokenizer's fingerprint `fp` and its cut head's tokens: `rank`, else the most frequent
+    in `train_ids`."""
     checkpoint.save(
         path, model, tokenizer=fp, facts=facts, vocab_rank=rank or vocab_rank(train_ids, model.cfg.vocab_size)
     )
 
 
-def train_member(
-    kind: Literal["target", "draft", "distill", "mtp"],
-    cfg: ModelConfig | None,
-    data: tuple[np.ndarray, np.ndarray],
-    settings: TrainSettings,
-    run_dir: Path,
-    dest: Path,
-    fp: str,
-    on_progress: ProgressFn | None,
-    teacher: tuple[Transformer, str] | None,
-    init: Path | None,
-    mtp_dest: Path | None,
-) -> dict[str, Any]:
-    """Train one member of the family and save it beside its facts (`fp`: its tokenizer's
-    fingerprint) -> the facts. kind: "target" or "draft" from scratch (`cfg`; a target with
-    `cfg.mtp` also writes its MTP module to `mtp_dest`), "distill" (a draft fitted to `teacher`,
-    (the model, its name), from `init` or `cfg`) or "mtp" (a module fitted to `teacher`: a smallem
-    target or any other). One started from `init` keeps its facts as "before"."""
+def train_member(kind: Literal["target", "draft", "distill", "mtp"], cfg: ModelConfig | None,
+                 data: tuple[np.ndarray, np.ndarray], settings: TrainSettings, run_dir: Path, dest: Path, fp: str,
+                 on_progress: ProgressFn | None, teacher: tuple[Transformer, str] | None, init: Path | None,
+                 mtp_dest: Path | None) -> dict[str, Any]:  # fmt: skip
+    """Train one member of the family and save it beside its facts (`fp`: its tokenizer's fingerprint) -> the facts.
+    kind: "target" or "draft" from scratch (`cfg`; a target with `cfg.mtp` also writes its MTP module to `mtp_dest`),
+    "distill" (a draft fitted to `teacher`, (the model, its name), from `init` or `cfg`) or "mtp" (a module fitted to
+    `teacher`: a smallem target or any other). One started from `init` keeps its facts as "before"."""
     train_ids, val_ids = data
     if kind in ("target", "draft"):
         model, mtp, facts = train_model(cfg, train_ids, val_ids, settings, run_dir, on_progress)

@@ -29,9 +29,7 @@ class RunStateError(ValueError):
 
 
 @dataclass
-class Position:
-    """Where a run stands: optimizer steps, training tokens and seconds so far."""
-
+class Position:  # where a run stands: optimizer steps, training tokens and seconds so far
     step: int = 0
     tokens: int = 0
     elapsed: float = 0.0
@@ -48,13 +46,10 @@ def save(
     sd = opt.state_dict()  # AdamW's: every per-parameter entry a tensor
     tensors |= {f"opt.{i}.{k}": v.detach().contiguous() for i, st in sd["state"].items() for k, v in st.items()}
     meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "position": json.dumps(asdict(pos)),
-        "modules": json.dumps(sorted(modules)),
-        "optimizer": json.dumps({"param_groups": sd["param_groups"]}),
+        "format": FORMAT, "version": VERSION, "position": json.dumps(asdict(pos)),
+        "modules": json.dumps(sorted(modules)), "optimizer": json.dumps({"param_groups": sd["param_groups"]}),
         "settings": json.dumps(settings, sort_keys=True),
-    }
+    }  # fmt: skip
     path = run_dir / "state.safetensors"
     atomic.replace_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), sync=True)
 
@@ -94,10 +89,8 @@ def load(run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Op
         if missing or extra:
             raise RunStateError(f"{path}: {name} does not fit this run (missing {missing[:3]}, unexpected {extra[:3]})")
         for k, v in expected.items():
-            if found[k].shape != v.shape or found[k].dtype != v.dtype:
-                raise RunStateError(
-                    f"{path}: {name}.{k} is {found[k].dtype} {tuple(found[k].shape)}, not {tuple(v.shape)}"
-                )
+            if (got := found[k]).shape != v.shape or got.dtype != v.dtype:
+                raise RunStateError(f"{path}: {name}.{k} is {got.dtype} {tuple(got.shape)}, not {tuple(v.shape)}")
     opt_state = _opt_state(path, tensors, opt)
     rng = tensors.get("rng.torch")
     if rng is None or rng.dtype != torch.uint8 or rng.shape != torch.get_rng_state().shape:

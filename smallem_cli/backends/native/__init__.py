@@ -1,11 +1,10 @@
 """The native engine (`--engine native`): a decode pass in C++ over the model's own weights.
 
-A one-token pass is bound by reading the weights, so `step.cpp` reads each matrix in panels, in the
-narrowest of float16, bfloat16 and float32 that holds its values exactly (`narrowest`), or as a
-quantized file's blocks (`model.quant`), accumulating in float32: the model is computed as it is. A
-proposer's may be int8 (`--proposer-weights int8`, `panels8`); the target's never are, so the text
-is the target's. A failure leaves the model eager.
-"""
+A one-token pass is bound by reading the weights, so `step.cpp` reads each matrix in panels, in the narrowest of
+float16, bfloat16 and float32 that holds its values exactly (`narrowest`), or as a quantized file's blocks
+(`model.quant`), accumulating in float32: the model is computed as it is. A proposer's may be int8
+(`--proposer-weights int8`, `panels8`); the target's never are, so the text is the target's. A failure leaves the
+model eager."""
 
 from __future__ import annotations
 
@@ -102,14 +101,9 @@ class NativeSteps:
         blocks = [model.block] if self.mtp else list(model.layers)
         self.layers_c = (_LayerW * len(blocks))()
         for i, b in enumerate(blocks):
-            H, Hkv = b.n_heads, b.n_kv_heads
-            qkv = [(b.q_proj.weight, H), (b.k_proj.weight, Hkv), (b.v_proj.weight, 0)]
-            mats = [
-                qkv,
-                [(b.o_proj.weight, 0)],
-                [(b.gate_proj.weight, 0), (b.up_proj.weight, 0)],
-                [(b.down_proj.weight, 0)],
-            ]
+            qkv = [(b.q_proj.weight, b.n_heads), (b.k_proj.weight, b.n_kv_heads), (b.v_proj.weight, 0)]
+            gate_up = [(b.gate_proj.weight, 0), (b.up_proj.weight, 0)]
+            mats = [qkv, [(b.o_proj.weight, 0)], gate_up, [(b.down_proj.weight, 0)]]
             norms = [self._held(_floats(w.weight)) for w in (b.input_layernorm, b.post_attention_layernorm)]
             self.layers_c[i] = _LayerW(*[self._rows(m) for m in mats], *norms)
         self.mw = mw = _ModelW(len(blocks), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
@@ -137,9 +131,8 @@ class NativeSteps:
         return t.data_ptr()
 
     def _rows(self, parts: list[tuple[torch.Tensor, int]]) -> _Mat:
-        """The rows of these matrices one below the other, those of a part with heads > 0 in the
-        rope's pairs (`permute_rope`), in panels, held: as a quantized file stored them where it
-        stored every part so (`model.quant`), else as `_mat`."""
+        """These matrices' rows one below the other (a part with heads > 0 in the rope's pairs, `permute_rope`), in
+        panels, held: as a quantized file stored them where it stored every part so (`model.quant`), else as `_mat`."""
 
         def pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
             return permute_rope(w, heads) if heads else w
