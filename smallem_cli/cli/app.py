@@ -65,6 +65,14 @@ Threads = Annotated[int | None, typer.Option(help="torch CPU threads")]
 RunThreads = Annotated[int | None, typer.Option(help="CPU threads (default: all, fewer while other processes run)")]
 K = Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 (default: per proposer and mode)")]
 Engine = Annotated[str, typer.Option(help="auto ($SMALLEM_ENGINE, or native on a CPU) | native | native-avx2 | eager")]
+# The sampling options `generate`, `chat` and `batch` share (`batch`: a request's fields left out)
+MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy")]
+TopK = Annotated[int | None, typer.Option("--top-k")]
+TopP = Annotated[float | None, typer.Option("--top-p")]
+MinP = Annotated[float | None, typer.Option("--min-p", help="drop tokens < MIN_P x the top probability")]
+Penalty = Annotated[float, typer.Option("--repetition-penalty", help="on every token so far (1 = off)")]
+Seed = Annotated[int, typer.Option()]
 Tokenizer = Annotated[Path | None, typer.Option(help="tokenizer.json (default: beside the target)")]
 ProposerVocab = Annotated[
     int | None, typer.Option(help="proposer head: top-N frequent tokens (0 = all) (default: per mode)")

@@ -15,6 +15,7 @@ import typer
 
 from .. import defaults as D
 from .. import options as O
+from . import app as A
 from .app import Device, Engine, Proposer, ProposerVocab, Target, Threads, Tokenizer, Tree, Weights, app, err, fail
 from .console import BROKEN_PIPE_EXIT, stdout_to_devnull
 
@@ -134,13 +135,13 @@ def batch(
     target: Target = D.TARGET,
     proposer: Proposer = None,
     k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 (default: automatic)")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = D.MAX_NEW_TOKENS,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = D.TEMPERATURE,
-    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
-    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
-    min_p: Annotated[float | None, typer.Option("--min-p", help="drop tokens < MIN_P x the top probability")] = None,
-    penalty: Annotated[float, typer.Option("--repetition-penalty", help="on every token so far (1 = off)")] = 1.0,
-    seed: Annotated[int, typer.Option()] = D.SEED,
+    max_new_tokens: A.MaxNew = D.MAX_NEW_TOKENS,
+    temperature: A.Temperature = D.TEMPERATURE,
+    top_k: A.TopK = None,
+    top_p: A.TopP = None,
+    min_p: A.MinP = None,
+    penalty: A.Penalty = 1.0,
+    seed: A.Seed = D.SEED,
     max_batch: Annotated[int, typer.Option("--max-batch", help="requests decoded together, at most")] = D.MAX_BATCH,
     ordered: Annotated[bool, typer.Option("--ordered", help="answers in input order (held until their turn)")] = False,
     device: Device = D.DEVICE,
