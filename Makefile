@@ -60,9 +60,9 @@ install: $(BIN)/smallem
 run: install
 	$(BIN)/smallem generate "And God said" --max-new-tokens 100 --repetition-penalty 1.2
 
-# The tests' extras: transformers (Hugging Face parity) and gguf (GGUF files in and out).
+# The tests' extras: transformers (Hugging Face parity), gguf (GGUF files in and out), serve (the HTTP server).
 $(VENV)/.test-extras: $(BIN)/smallem
-	$(BIN)/pip install -q -e ".[dev,hf,gguf]"
+	$(BIN)/pip install -q -e ".[dev,hf,gguf,serve]"
 	touch $@
 
 test: install $(VENV)/.test-extras

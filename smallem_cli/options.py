@@ -33,6 +33,53 @@ def one_line(msg: str) -> str:
     return " ".join(msg.split()) if "\n" in msg or "\r" in msg else msg
 
 
+# A request's fields (`smallem batch`'s lines, `smallem serve`'s JSON bodies), read as the options are checked
+class BadField(ValueError):
+    """One field of a request that is of the wrong type or out of range."""
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """A field's value as JSON, cut short: an error line stays short whatever was sent."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def int_field(name: str, value: object) -> int:
+    if type(value) is not int:  # bool is an int to Python, not to a user
+        raise BadField(f"{name} must be an integer, got {shown(value)}")
+    return value
+
+
+def number_field(name: str, value: object) -> float:
+    if type(value) not in (int, float):
+        raise BadField(f"{name} must be a number, got {shown(value)}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer beyond any float
+        raise BadField(f"{name} is out of range, got {shown(value)}") from None
+
+
+def stop_field(name: str, value: object) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise BadField(f"stop must be a string or a list of strings, got {shown(value)}")
+    if "" in stops:
+        raise BadField("stop strings must not be empty")
+    return tuple(stops)
+
+
+# options' messages name the command line's options: a request names its fields ("--min-p": "min_p")
+_OPTIONS = ("--max-new-tokens", "--seed", "top-k", "top-p", "--min-p", "--repetition-penalty")
+
+
+def field_message(e: UsageError) -> str:
+    """A message of options' (the rules of `smallem generate`), told of a request's fields."""
+    msg = str(e)
+    for option in _OPTIONS:
+        msg = msg.replace(option, option.lstrip("-").replace("-", "_"))
+    return msg
+
+
 def parse_ks(text: str) -> list[int]:
     """'2', '1,3,5' or '1..6' -> sorted k values, each in 1..MAX_K (checked before a range is built)."""
     try:

@@ -48,6 +48,8 @@ class Stats:
             "new_tokens": self.new_tokens,
             "target_passes": self.passes,
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "proposed": self.proposed,
+            "accepted": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_pass": round(self.tokens_per_pass, 3),
             "accepted_at": self.accepted_at,

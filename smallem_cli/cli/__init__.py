@@ -8,7 +8,7 @@ from .console import BROKEN_PIPE_EXIT, StdoutClosed, StdoutError, guard_streams,
 
 quiet_ctrl_c()  # first: Ctrl-C while the libraries below load exits 130, without a traceback
 
-from . import batch, bench, chat, evaluate, export, generate, train  # noqa: E402, F401  (each registers its commands)
+from . import batch, bench, chat, evaluate, export, generate, serve, train  # noqa: E402, F401  (each registers its commands)
 from .app import app as command  # noqa: E402  (`app` stays the module's name here)
 from .app import fail  # noqa: E402
 

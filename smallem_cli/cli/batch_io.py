@@ -42,64 +42,19 @@ class Rejected:
     error: str
 
 
-class BadField(ValueError):
-    """One field of a request that is of the wrong type or out of range."""
-
-
-def _shown(value: object, limit: int = 40) -> str:
-    """A field's value as JSON, cut short: an error line stays short whatever was sent."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _int(name: str, value: object) -> int:
-    if type(value) is not int:  # bool is an int to Python, not to a user
-        raise BadField(f"{name} must be an integer, got {_shown(value)}")
-    return value
-
-
-def _number(name: str, value: object) -> float:
-    if type(value) not in (int, float):
-        raise BadField(f"{name} must be a number, got {_shown(value)}")
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except OverflowError:  # an integer beyond any float
-        raise BadField(f"{name} is out of range, got {_shown(value)}") from None
-
-
-def _stop(name: str, value: object) -> tuple[str, ...]:
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise BadField(f"stop must be a string or a list of strings, got {_shown(value)}")
-    if "" in stops:
-        raise BadField("stop strings must not be empty")
-    return tuple(stops)
-
-
 # How a JSON request's fields other than "id" and "prompt" are read
 _READ: dict[str, Callable[[str, object], object]] = {
-    "max_new_tokens": _int,
-    "temperature": _number,
-    "top_k": _int,
-    "top_p": _number,
-    "min_p": _number,
-    "repetition_penalty": _number,
-    "seed": _int,
-    "stop": _stop,
+    "max_new_tokens": O.int_field,
+    "temperature": O.number_field,
+    "top_k": O.int_field,
+    "top_p": O.number_field,
+    "min_p": O.number_field,
+    "repetition_penalty": O.number_field,
+    "seed": O.int_field,
+    "stop": O.stop_field,
 }
 FIELDS = ("id", "prompt", *_READ)
 _OFF = ("top_k", "top_p", "min_p")  # `null` turns these off
-
-# options' messages name the command line's options: a request names its fields ("--min-p": "min_p")
-_OPTIONS = ("--max-new-tokens", "--seed", "top-k", "top-p", "--min-p", "--repetition-penalty")
-
-
-def _usage(e: O.UsageError) -> str:
-    """A message of options' (the rules of `smallem generate`), told of a request's fields."""
-    msg = str(e)
-    for option in _OPTIONS:
-        msg = msg.replace(option, option.lstrip("-").replace("-", "_"))
-    return msg
 
 
 def parse_line(
@@ -116,16 +71,16 @@ def parse_line(
                 return Rejected(index, rid, "invalid JSON object")
             if "id" in obj:  # a bad id is answered under the line's number
                 if type(obj["id"]) not in (str, int):
-                    raise BadField(f"id must be a string or an integer, got {_shown(obj['id'])}")
+                    raise O.BadField(f"id must be a string or an integer, got {O.shown(obj['id'])}")
                 rid = obj["id"]
             unknown = sorted(set(obj) - set(FIELDS))
             if unknown:
-                raise BadField(f"unknown field {_shown(unknown[0])} (fields: {', '.join(FIELDS)})")
+                raise O.BadField(f"unknown field {O.shown(unknown[0])} (fields: {', '.join(FIELDS)})")
             if "prompt" not in obj:
-                raise BadField('no prompt: a JSON request needs a "prompt" string')
+                raise O.BadField('no prompt: a JSON request needs a "prompt" string')
             prompt = obj["prompt"]
             if not isinstance(prompt, str):
-                raise BadField(f"prompt must be a string, got {_shown(prompt)}")
+                raise O.BadField(f"prompt must be a string, got {O.shown(prompt)}")
             given: dict[str, object] = {}  # the fields given override the options'
             for name, read in _READ.items():
                 if name in obj:
@@ -134,19 +89,19 @@ def parse_line(
         sampling = Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.min_p, opts.repetition_penalty)
         O.check_sampling(**asdict(sampling), max_new_tokens=opts.max_new_tokens)
         if not prompt.strip():
-            raise BadField("empty prompt")
+            raise O.BadField("empty prompt")
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON's "\ud800": no text a tokenizer takes
-            raise BadField(f"prompt is not valid Unicode (a lone surrogate at character {e.start})") from None
+            raise O.BadField(f"prompt is not valid Unicode (a lone surrogate at character {e.start})") from None
         ids = tuple(encode(prompt))
         if not ids:
-            raise BadField("empty prompt")
+            raise O.BadField("empty prompt")
         O.check_context(len(ids), opts.max_new_tokens, k, max_len)
-    except BadField as e:
+    except O.BadField as e:
         return Rejected(index, rid, str(e))
     except O.UsageError as e:
-        return Rejected(index, rid, _usage(e))
+        return Rejected(index, rid, O.field_message(e))
     return Request(index, rid, ids, opts.max_new_tokens, sampling, opts.stop)
 
 
@@ -191,7 +146,7 @@ def parse_lines(
             if first == lineno:  # an earlier line may have answered under its number, which this one gives
                 first = rid if type(rid) is int and 1 <= rid < lineno and rid not in renamed else None
         if first is not None:
-            item = Rejected(item.index, rid, f"duplicate id {_shown(rid)}: line {first} has it too")
+            item = Rejected(item.index, rid, f"duplicate id {O.shown(rid)}: line {first} has it too")
         yield item
 
 

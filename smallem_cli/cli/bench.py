@@ -68,6 +68,11 @@ def bench(
     proposer_weights: Annotated[
         str, typer.Option(help="int8 | f16 | int8,f16 (also rows P@f16): the proposer's native matrices")
     ] = D.PROPOSER_WEIGHTS,
+    serve: Annotated[bool, typer.Option("--serve", help="time `smallem serve` (or --url) under --clients")] = False,
+    clients: Annotated[str, typer.Option(help="--serve: concurrent streaming clients, e.g. 1,8,32")] = "1,8,32",
+    per_client: Annotated[int, typer.Option("--requests-per-client", help="--serve: requests each")] = 4,
+    url: Annotated[str | None, typer.Option(help="--serve: an OpenAI-compatible server already running")] = None,
+    model: Annotated[str | None, typer.Option(help="--serve --url: the model name it serves")] = None,
 ) -> None:
     """The seed's measurement table: tokens/s, speed-up, acceptance, cost model. A prompts file's line
     is {"tokens": ids}, {"text": ...} (the target's tokenizer) or {"messages": [...]} (its chat template)."""
@@ -108,6 +113,32 @@ def bench(
         rows_of |= {f"{n}@tree{b}": (n, O.tree(b), first) for n in mtp for b in budgets}  # "mtp@tree12"
         rows_of |= {f"{n}@{w}": (n, None, w) for n in names if n not in ("none", D.NGRAM) for w in others}  # "mtp@f16"
         engine_list = engines.bench_engines(engines.chosen(engine_names), dev)
+        if serve:  # served: a server process per proposer, its clients here
+            found = O.read_prompts(
+                prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]}, tgt.tok, tgt.chat
+            )
+            if per_client < 1:
+                raise O.UsageError(f"--requests-per-client must be >= 1, got {per_client}")
+            drawn = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": D.SEED}
+            fields = {"greedy": {"temperature": 0.0}, "sample": drawn}
+            args = ["--device", device, "--engine", engine_list[-1], *(["--threads", str(threads)] if threads else [])]
+            from ..bench import serve as S
+
+            try:
+                rows = S.from_cli(
+                    str(target), names, url, model, found, O.parse_sizes(clients), per_client, max_new_tokens,
+                    {m: fields[m] for m in mode_list}, args,
+                )  # fmt: skip
+            except (S.ServerError, OSError) as e:
+                raise fail(str(e), 1) from None
+            if json_out:
+                print(json.dumps({"prompts": len(found), "max_new_tokens": max_new_tokens} | {
+                    "serve_rows": [r.__dict__ for r in rows]}))  # fmt: skip
+            else:
+                tables.print(S.table(rows, max_new_tokens))
+            if any(r.identical != "-" and not r.identical.startswith(f"{r.requests}/") for r in rows):
+                raise fail("greedy identity FAILED across servers or client counts", 1)
+            return
         if batch is not None:  # the batch engine's table instead: greedy, one run per size
             sizes = O.parse_sizes(batch)
             found = O.read_prompts(

@@ -18,6 +18,9 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     session: int | None = None  # a conversation: its cache outlives the answer (`Engine._resume`)
+    ignore_eos: bool = (
+        False  # the model's end tokens are text like any other: answers of max_new_tokens (a load test's)
+    )
 
 
 @dataclass

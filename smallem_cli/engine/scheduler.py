@@ -39,6 +39,9 @@ class Progress:
     running: int  # sequences decoding now
 
 
+_END = object()  # `_pull`: the source ran out
+
+
 def round_ahead(k: int, tree: tuple[int, int] | None) -> int:
     """Positions a round may write past a sequence's cache: [last, k guesses or a tree's entries], and one more."""
     return k + 2 if tree is None else max(k, tree[0], (k - 1) * tree[1]) + 2
@@ -79,6 +82,12 @@ class Engine:
         self.grow, self.max_pages, self.backend = grow, max_pages, backend
         self._uid = self.rounds = self.preemptions = 0
         self.sessions: dict[int, Seq] = {}  # a conversation's sequence between its requests, pages held
+        self.cancelled: set[str | int] = set()  # request ids to end at the next round (`cancel`)
+        self.live: tuple[list[Seq], deque[Seq]] = ([], deque())  # a run's sequences decoding and waiting
+
+    def cancel(self, request_id: str | int) -> None:
+        """End a request between rounds, from any thread: its pages go back, its Finished has what it had."""
+        self.cancelled.add(request_id)
 
     def end_session(self, session: int) -> None:
         if (s := self.sessions.pop(session, None)) is not None:
@@ -116,10 +125,12 @@ class Engine:
         s.cached = s.stats.reused = n
         s.states = [torch.cat(prior.states)[:n]] if prior.states else None
 
-    def _finish(self, s: Seq, text: str | None = None) -> Finished:
+    def _finish(self, s: Seq, text: str | None = None, cancelled: bool = False) -> Finished:
         self._let_go(s)
         st = self._live(s)
         stats = st.as_dict() | {"latency_s": round(st.elapsed_s, 4), "preempted": s.preempted}
+        if cancelled:
+            stats["cancelled"] = True
         if text is None:
             text = self.decode(s.generated) if self.decode is not None else ""
         return Finished(s.req, text, s.generated, stats)
@@ -127,7 +138,8 @@ class Engine:
     def _ended(self, s: Seq, emitted: list[int]) -> Finished | None:
         """Add what a round emitted; the answer if the sequence is done (budget, end of text, stop string)."""
         budget = s.req.max_new_tokens - s.n_generated
-        end = next((i for i, t in enumerate(emitted[:budget]) if t in self.end_ids), None)
+        ends = frozenset() if s.req.ignore_eos else self.end_ids
+        end = next((i for i, t in enumerate(emitted[:budget]) if t in ends), None)
         if end is not None:  # the model's end of turn: not emitted
             emitted, s.stats.end_token = emitted[:end], 1
         kept = emitted[:budget]
@@ -143,7 +155,7 @@ class Engine:
         """Its pages go back, but a conversation's; its proposer state goes (`runner.prefill` restarts it)."""
         if s.req.session is not None:
             self.sessions[s.req.session] = s
-        else:
+        elif s.uid in self.pool.tables:  # (a sequence cancelled while waiting holds none)
             self.pool.release(s.uid)
         self.proposer.drop(s)
 
@@ -184,16 +196,20 @@ class Engine:
         """Answers as their requests end; stopped early, every sequence's pages and proposer state go back."""
         return cast(Iterator[Finished], self._events(requests, progress, chunks=False))  # no `Emitted` then
 
-    def events(self, requests: Iterable[Request]) -> Iterator[Finished | Emitted]:
-        """As `run`, and each sequence's new tokens as soon as verified (`Emitted`, before its `Finished`)."""
-        return self._events(requests, None, chunks=True)
+    def events(
+        self, requests: Iterable[Request | None], progress: Callable[[Progress], None] | None = None
+    ) -> Iterator[Finished | Emitted]:
+        """As `run`, and each sequence's new tokens as soon as verified (`Emitted`, before its `Finished`). A live
+        source (a server's) yields None for "nothing now": it must block instead while nothing is in flight."""
+        return self._events(requests, progress, chunks=True)
 
     def _events(
-        self, requests: Iterable[Request], progress: Callable[[Progress], None] | None, chunks: bool
+        self, requests: Iterable[Request | None], progress: Callable[[Progress], None] | None, chunks: bool
     ) -> Iterator[Finished | Emitted]:
         source = iter(requests)
         waiting: deque[Seq] = deque()
         running: list[Seq] = []
+        self.live = (running, waiting)
         done = tokens = proposed = accepted = 0
         t0 = time.perf_counter()
         exhausted = False
@@ -209,14 +225,22 @@ class Engine:
             if fin is not None:
                 running.remove(s)
                 done += 1
+                self.cancelled.discard(s.req.id)
                 yield fin
 
         try:
             with torch.inference_mode():
                 while True:
                     exhausted = exhausted or self._pull(source, running, waiting)
+                    for s in [s for s in [*running, *waiting] if self.cancelled and s.req.id in self.cancelled]:
+                        (running.remove if s in running else waiting.remove)(s)
+                        self.cancelled.discard(s.req.id)
+                        done += 1
+                        yield self._finish(s, cancelled=True)
                     if not running and not waiting:
-                        break
+                        if exhausted:
+                            break
+                        continue  # a live source had nothing now
                     for group in _groups(self._admit(running, waiting), D.PREFILL_TOKENS):
                         running.extend(group)  # from here on, a stop drops them with the others
                         firsts = prefill(self.t, self.proposer, group)
@@ -249,12 +273,14 @@ class Engine:
         assert self.pool.used() == held, f"{self.pool.used() - held} pages not returned after the run"
         self.pool.check()
 
-    def _pull(self, source: Iterator[Request], running: list[Seq], waiting: deque[Seq]) -> bool:
+    def _pull(self, source: Iterator[Request | None], running: list[Seq], waiting: deque[Seq]) -> bool:
         """Requests from `source` wait their turn, up to max_batch sequences in all -> whether it ran out."""
         while len(running) + len(waiting) < self.max_batch:
-            if (req := next(source, None)) is None:
+            if (req := next(source, _END)) is _END:
                 return True
-            waiting.append(self._seq(req))
+            if req is None:  # a live source: nothing now
+                return False
+            waiting.append(self._seq(cast(Request, req)))
         return False
 
     def _admit(self, running: list[Seq], waiting: deque[Seq]) -> list[Seq]:

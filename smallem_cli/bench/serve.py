@@ -1,0 +1,224 @@
+"""`smallem bench --serve --clients 1,8,32`: a server measured as its users see it. C clients, each a loop of
+streamed requests (answers of exactly max_tokens: `ignore_eos`), keep C requests in flight; per row: requests/s,
+tokens/s, time to first token and the gaps between streamed chunks (p50, p99). Any OpenAI-compatible server
+(`--url`: vLLM's, llama.cpp's); without one, `smallem serve` is started for each proposer, on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from rich.table import Table
+
+from .run import right_table
+
+START_S = 600  # a server's start (its native build the first time) at most
+RUN = "import sys; sys.argv[0] = 'smallem'; from smallem_cli.cli import main; main()"
+
+
+@dataclass
+class ServeRow:
+    server: str  # the proposer, or the URL
+    mode: str
+    clients: int
+    requests: int
+    tokens: int
+    wall_s: float
+    requests_per_s: float
+    tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    itl_p50_s: float  # between streamed chunks (a chunk: a round's verified tokens)
+    itl_p99_s: float
+    acceptance: float | None  # from the server's /metrics, where it has smallem's
+    identical: str  # greedy: answers equal to the first row's of the same prompt
+
+
+@dataclass
+class _Answer:
+    prompt: int
+    text: str
+    tokens: int
+    ttft_s: float
+    gaps: list[float]
+
+
+class ServerError(RuntimeError):
+    """The server did not start, or answered a request with an error: one line."""
+
+
+@contextmanager
+def started(args: list[str]) -> Iterator[str]:
+    """`smallem serve ARGS --port 0` in a process of its own -> its URL; SIGTERM at the end."""
+    argv = [sys.executable, "-c", RUN, "serve", "--port", "0", "-q", *args]
+    p = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    assert p.stderr is not None
+    try:
+        lines, deadline = [], time.monotonic() + START_S
+        while (line := p.stderr.readline()) and time.monotonic() < deadline:
+            lines.append(line)
+            if m := re.search(r"on (http://\S+) ", line):
+                break
+        else:
+            raise ServerError(f"smallem serve did not start: {''.join(lines[-3:]).strip() or 'no output'}")
+        yield m.group(1)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+async def _one(client: object, url: str, body: dict[str, object], prompt: int) -> _Answer:
+    import httpx
+
+    assert isinstance(client, httpx.AsyncClient)
+    t0 = time.perf_counter()
+    first, last, gaps, parts = None, t0, [], []
+    tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise ServerError(f"the server answered {r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+            for choice in event.get("choices", []):
+                if text := choice.get("text"):
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now - t0
+                    else:
+                        gaps.append(now - last)
+                    last = now
+                    parts.append(text)
+    return _Answer(prompt, "".join(parts), tokens, first or 0.0, gaps)
+
+
+async def _load(url: str, model: str | None, prompts: list[list[int]], clients: int, requests: int,
+                body: dict[str, object]) -> tuple[float, list[_Answer]]:  # fmt: skip
+    """`clients` loops share `requests` requests (prompts in turn) -> (wall seconds, answers)."""
+    import httpx
+
+    todo = iter(range(requests))
+    answers: list[_Answer] = []
+    extra = {"model": model} if model else {}
+
+    async def loop(client: httpx.AsyncClient) -> None:
+        for i in todo:
+            p = i % len(prompts)
+            answers.append(await _one(client, url, body | extra | {"prompt": prompts[p]}, p))
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        await _one(client, url, body | extra | {"prompt": prompts[0], "max_tokens": 4}, 0)  # warm
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop(client) for _ in range(clients)))
+        return time.perf_counter() - t0, answers
+
+
+def served_model(url: str) -> str:
+    """The first model a server lists (/v1/models)."""
+    import httpx
+
+    try:
+        return str(httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise ServerError(f"{url}/v1/models: no model listed ({type(e).__name__}: {e})") from None
+
+
+def acceptance(url: str) -> tuple[int, int] | None:
+    """(accepted, proposed) draft tokens from a smallem server's /metrics; None from another server."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    got = dict(re.findall(r"^smallem_(accepted_tokens_total|draft_tokens_total) (\d+)", text, re.M))
+    return (int(got["accepted_tokens_total"]), int(got["draft_tokens_total"])) if len(got) == 2 else None
+
+
+def measure(url: str, server: str, model: str | None, prompts: list[list[int]], clients: list[int],
+            per_client: int, max_tokens: int, modes: dict[str, dict[str, object]],
+            reference: dict[int, str]) -> list[ServeRow]:  # fmt: skip
+    """One server's rows: each mode (its sampling fields) at each client count."""
+    import httpx
+
+    rows = []
+    for mode, sampling in modes.items():
+        for c in clients:
+            body = {"max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}} | sampling  # fmt: skip
+            before = acceptance(url)
+            try:
+                wall, answers = asyncio.run(_load(url, model, prompts, c, c * per_client, body))
+            except httpx.HTTPError as e:
+                raise ServerError(f"{url}: {type(e).__name__}: {e}") from None
+            after = acceptance(url)
+            rate = None
+            if before and after and after[1] > before[1]:
+                rate = (after[0] - before[0]) / (after[1] - before[1])
+            same = "-"
+            if mode == "greedy":
+                for a in answers:
+                    reference.setdefault(a.prompt, a.text)
+                same = f"{sum(reference[a.prompt] == a.text for a in answers)}/{len(answers)}"
+            ttft = [a.ttft_s for a in answers]
+            gaps = [g for a in answers for g in a.gaps]
+            tokens = sum(a.tokens for a in answers)
+            rows.append(ServeRow(
+                server, mode, c, len(answers), tokens, wall, len(answers) / wall, tokens / wall,
+                statistics.median(ttft), percentile(ttft, 0.99), percentile(gaps, 0.5), percentile(gaps, 0.99),
+                rate, same,
+            ))  # fmt: skip
+    return rows
+
+
+def table(rows: list[ServeRow], max_tokens: int) -> Table:
+    title = f"served: streamed requests of {max_tokens} tokens, C clients each keeping one in flight"
+    cols = ("server", "mode", "clients", "requests", "req/s", "tok/s", "TTFT p50 ms", "TTFT p99 ms")
+    t = right_table(title, (*cols, "ITL p50 ms", "ITL p99 ms", "acceptance", "identical"), "server")
+    for r in rows:
+        t.add_row(
+            r.server, r.mode, str(r.clients), str(r.requests), f"{r.requests_per_s:.2f}", f"{r.tokens_per_s:.1f}",
+            f"{1e3 * r.ttft_p50_s:.0f}", f"{1e3 * r.ttft_p99_s:.0f}", f"{1e3 * r.itl_p50_s:.1f}",
+            f"{1e3 * r.itl_p99_s:.1f}", "-" if r.acceptance is None else f"{r.acceptance:.2f}", r.identical,
+        )  # fmt: skip
+    return t
+
+
+def from_cli(target: str, names: list[str], url: str | None, model: str | None, prompts: list[list[int]],
+             clients: list[int], per_client: int, max_tokens: int, modes: dict[str, dict[str, object]],
+             serve_args: list[str]) -> list[ServeRow]:  # fmt: skip
+    """`smallem bench --serve`: the server at `url`, else `smallem serve` with the target alone, then each proposer."""
+    reference: dict[int, str] = {}
+    if url is not None:
+        url = url.rstrip("/")
+        return measure(url, url, model or served_model(url), prompts, clients, per_client, max_tokens, modes, reference)
+    rows = []
+    for name in dict.fromkeys(["none", *names]):
+        args = ["--target", target, "--proposer", name, "--max-batch", str(max(clients)), *serve_args]
+        with started(args) as at:
+            rows += measure(at, name, None, prompts, clients, per_client, max_tokens, modes, reference)
+    return rows

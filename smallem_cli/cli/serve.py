@@ -1,0 +1,103 @@
+"""`smallem serve`: an OpenAI-compatible HTTP server over the batch engine (the `serve` extra: uvicorn, starlette)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import defaults as D
+from .. import options as O
+from . import app as A
+from .app import app, bad_input, err
+
+
+@app.command()
+def serve(
+    target: A.Target = D.TARGET,
+    proposer: A.Proposer = None,
+    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 (default: automatic)")] = None,
+    host: Annotated[str, typer.Option(help="the address to listen on (another than 127.0.0.1 opens it to others)")] = (
+        D.SERVE_HOST
+    ),
+    port: Annotated[int, typer.Option(help="0: a free port, printed on stderr")] = D.SERVE_PORT,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="requests decoded together, at most")] = D.MAX_BATCH,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="requests waiting, at most; more get 429")] = (
+        D.SERVE_QUEUE
+    ),
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", envvar="SMALLEM_API_KEY", help="/v1/ requests need this bearer token")
+    ] = None,
+    model_name: Annotated[str | None, typer.Option("--model-name", help="(default: the target's file name)")] = None,
+    drain: Annotated[int, typer.Option("--drain", help="seconds SIGTERM waits for answers in flight")] = D.SERVE_DRAIN,
+    device: A.Device = D.DEVICE,
+    threads: A.Threads = None,
+    engine: A.Engine = D.ENGINE,
+    tokenizer: A.Tokenizer = None,
+    weights: A.Weights = D.PROPOSER_WEIGHTS,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no access log")] = False,
+) -> None:
+    """Serve the target over HTTP: OpenAI's /v1/completions, /v1/chat/completions (streamed or whole) and
+    /v1/models, with /health and /metrics (Prometheus). SIGTERM finishes the answers in flight, then exits 0."""
+    try:
+        import uvicorn
+
+        from ..serve.app import create_app
+    except ImportError as e:
+        raise A.fail(f"smallem serve needs the serve extra: pip install 'smallem[serve]' (no {e.name})") from None
+    import torch
+
+    from ..backends import engines
+    from ..engine import family
+    from ..serve.openai import Served
+    from ..serve.worker import Worker
+    from .batch import make_engine
+
+    with bad_input():
+        if not 0 <= port <= 65535:
+            raise O.UsageError(f"--port must be between 0 and 65535, got {port}")
+        if max_batch < 1 or max_queue < 1:
+            raise O.UsageError(f"--max-batch and --max-queue must be >= 1, got {max_batch} and {max_queue}")
+        if drain < 1:
+            raise O.UsageError(f"--drain must be >= 1 second, got {drain}")
+        proposer = proposer or family.default_proposer(target, True)
+        slack = max(O.pick_k(proposer, k, True), O.pick_k(proposer, k, False))
+        sock = _bind(host, port)  # before the models load: a port in use fails at once
+        if O.threads(threads):
+            torch.set_num_threads(threads)  # type: ignore[arg-type]
+        dev = family.pick_device(device)
+        backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
+        tgt = family.load_target(target, dev, tokenizer)
+        eng = make_engine(
+            tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=None, end_ids=tgt.chat.end_ids,
+            decode=tgt.tok.decode, backend=backend, log=None if quiet else err.print, weights=weights,
+        )  # fmt: skip
+    name = model_name or Path(target).name
+    cfg = tgt.model.cfg
+    served = Served(name, tgt.tok, tgt.chat, cfg.vocab_size, cfg.max_seq_len, slack)
+    worker = Worker(eng, tgt.tok.decode, max_queue)
+    config = uvicorn.Config(
+        create_app(worker, served, api_key), log_level="warning", access_log=not quiet,
+        timeout_graceful_shutdown=drain, lifespan="on",
+    )  # fmt: skip
+    bound_host, bound_port = sock.getsockname()[:2]
+    err.print(f"serving {name} on http://{bound_host}:{bound_port} ({proposer}, max batch {eng.max_batch})")
+    # uvicorn drains on SIGTERM, then raises it again: ignored then, the command ends with exit 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as e:
+        raise O.UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(256)
+    sock.set_inheritable(True)
+    return sock

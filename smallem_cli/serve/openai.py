@@ -1,0 +1,213 @@
+"""OpenAI's request and response bodies: /v1/completions and /v1/chat/completions, whole or as server-sent events.
+A request's fields are read as `smallem batch` reads a line's (their rules are `smallem generate`'s options), and
+a field left out takes `smallem generate`'s default; a bad one is a 400 with OpenAI's error object."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+
+from tokenizers import Tokenizer
+
+from .. import defaults as D
+from .. import options as O
+from ..model.chat import ChatError, ChatFormat, chat_ids
+from ..model.tokenizer import encode
+from ..spec.sampling import Sampling
+
+Body = dict[str, object]
+
+
+class ApiError(Exception):
+    """A request answered with an error object: `status` 400, 401, 404, 413, 429, 500 or 503."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> Body:
+        kind = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+        error = {"message": str(self), "type": kind.get(self.status, "invalid_request_error")}
+        return {"error": error | {"param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a request is read against: the model's name, tokenizer, chat format and context."""
+
+    model: str
+    tok: Tokenizer
+    chat: ChatFormat
+    vocab_size: int
+    max_len: int
+    slack: int  # guesses a verification pass may hold past the answer (`O.check_context`)
+
+
+@dataclass(frozen=True)
+class Job:
+    chat: bool
+    ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool  # an extension (vLLM's too): answers of max_tokens, whatever the model says
+
+
+# fields OpenAI defines that smallem does not do: refused unless they ask for the default
+_ONLY = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False, 0),
+         "top_logprobs": (None, 0), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+         "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
+         "tool_choice": (None, "none")}  # fmt: skip
+_SAMPLING = {  # OpenAI's name -> (how it is read, smallem's name); `null` takes the default
+    "max_tokens": (O.int_field, "max_new_tokens"),
+    "max_completion_tokens": (O.int_field, "max_new_tokens"),
+    "temperature": (O.number_field, "temperature"),
+    "top_p": (O.number_field, "top_p"),
+    "top_k": (O.int_field, "top_k"),
+    "min_p": (O.number_field, "min_p"),
+    "repetition_penalty": (O.number_field, "repetition_penalty"),
+    "seed": (O.int_field, "seed"),
+}
+
+
+def read_body(raw: bytes) -> Body:
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def parse(body: Body, served: Served, chat: bool) -> Job:
+    """A completion's or chat completion's body -> the checked Job; ApiError(400) naming the bad field."""
+    model = body.get("model")
+    if model is not None and model != served.model:
+        why = f"unknown model {O.shown(model)}: this server has {served.model!r}"
+        raise ApiError(400, why, "model", "model_not_found")
+    for name, allowed in _ONLY.items():
+        if name in body and body[name] not in allowed:
+            raise ApiError(400, f"{name} {O.shown(body[name])} is not supported (only {allowed[-1]!r})", name)
+    given: dict[str, object] = {}
+    try:
+        for name, (read, ours) in _SAMPLING.items():
+            if body.get(name) is not None:
+                given[ours] = read(name, body[name])
+        stop = O.stop_field("stop", body["stop"]) if body.get("stop") is not None else ()
+        stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise O.BadField(f"stream_options must be an object, got {O.shown(options)}")
+        include_usage = _flag(options or {}, "include_usage")
+        max_new = int(given.pop("max_new_tokens", D.MAX_NEW_TOKENS))  # type: ignore[call-overload]
+        sampling = replace(Sampling(), **given)
+        O.check_sampling(**asdict(sampling), max_new_tokens=max_new)
+        ids = _chat_ids(body, served) if chat else _prompt_ids(body, served)
+        O.check_context(len(ids), max_new, served.slack, served.max_len)
+    except O.BadField as e:
+        raise ApiError(400, str(e)) from None
+    except O.UsageError as e:
+        raise ApiError(400, O.field_message(e).replace("max_new_tokens", "max_tokens")) from None
+    return Job(chat, tuple(ids), max_new, sampling, stop, stream, include_usage, ignore_eos)
+
+
+def _flag(body: Body, name: str) -> bool:
+    value = body.get(name, False)
+    if value is not None and type(value) is not bool:
+        raise O.BadField(f"{name} must be true or false, got {O.shown(value)}")
+    return bool(value)
+
+
+def _prompt_ids(body: Body, served: Served) -> list[int]:
+    """A prompt: a string, or token ids (or a list of one of either: one prompt a request)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(i) is int for i in prompt):
+        if not all(0 <= i < served.vocab_size for i in prompt):  # type: ignore[operator]
+            raise O.BadField(f"prompt token ids must be in 0..{served.vocab_size - 1}")
+        return list(prompt)  # type: ignore[arg-type]
+    if not isinstance(prompt, str):
+        raise O.BadField(f"prompt must be a string or token ids (one prompt a request), got {O.shown(prompt)}")
+    if not prompt.strip():
+        raise O.BadField("empty prompt")
+    ids = _encoded(lambda: encode(served.tok, prompt))
+    if not ids:
+        raise O.BadField("empty prompt")
+    return ids
+
+
+def _chat_ids(body: Body, served: Served) -> list[int]:
+    conv = body.get("messages")
+    if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
+        raise O.BadField('messages must be a list of {"role": ..., "content": ...} objects, not empty')
+    messages = []
+    for i, m in enumerate(conv):
+        content = m.get("content")
+        if isinstance(content, list):  # parts: text ones only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and type(p.get("text")) is str for p in content):
+                raise O.BadField(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise O.BadField(f"messages[{i}]: its role and content must be strings")
+        messages.append({"role": m["role"], "content": content})
+    if served.chat.template is None:
+        raise O.BadField(f"the model {served.model!r} has no chat template: use /v1/completions")
+    return _encoded(lambda: chat_ids(served.tok, served.chat, messages))
+
+
+def _encoded(encode: Callable[[], Sequence[int]]) -> list[int]:
+    try:
+        return list(encode())
+    except (ChatError, ValueError) as e:  # the template's refusal, or the tokenizer's
+        raise O.BadField(O.one_line(str(e))) from None
+
+
+# responses
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def _head(rid: str, chat: bool, model: str, chunk: bool) -> Body:
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and chunk else "")
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+
+
+def usage(prompt: int, completion: int) -> Body:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def whole(rid: str, job: Job, model: str, text: str, tokens: int, finish: str, stats: dict[str, object]) -> Body:
+    """A whole answer; `smallem`: the speculation's statistics (an extension field)."""
+    if job.chat:
+        choice: Body = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return _head(rid, job.chat, model, False) | {
+        "choices": [choice], "usage": usage(len(job.ids), tokens), "smallem": stats
+    }  # fmt: skip
+
+
+def chunk(rid: str, job: Job, model: str, text: str | None, finish: str | None = None) -> str:
+    """One server-sent event of a streamed answer (text None: the chat's opening role delta)."""
+    if job.chat:
+        delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
+        choice: Body = {"index": 0, "delta": delta, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    return event(_head(rid, job.chat, model, True) | {"choices": [choice]})
+
+
+def usage_chunk(rid: str, job: Job, model: str, tokens: int, stats: dict[str, object]) -> str:
+    counts = {"choices": [], "usage": usage(len(job.ids), tokens), "smallem": stats}
+    return event(_head(rid, job.chat, model, True) | counts)
+
+
+def event(body: Body | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"

@@ -1,0 +1,211 @@
+"""The engine on a thread of its own, so that the HTTP loop never waits on a pass: requests join the running batch
+as they arrive (`Engine.events` over a live source), each one's text goes back to its asyncio task as it is
+verified, a request whose client went away is cancelled between rounds, and its pages go back at once."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ..engine.request import Finished, Request
+from ..engine.scheduler import Emitted, Engine
+from ..engine.stops import StopPrinter
+
+
+class Refused(Exception):
+    """The server cannot take the request now: `status` is 429 (queue full) or 503 (shutting down)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Chunk:
+    text: str  # new text, never taken back (a tail that could begin a stop string is held)
+    tokens: int  # tokens verified with it
+
+
+@dataclass
+class Done:
+    text: str  # the whole answer, as `smallem generate` prints it
+    tokens: list[int]
+    finish_reason: str  # "stop" (an end token or a stop string) or "length"
+    stats: dict[str, object]
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Event = Chunk | Done | Failed
+
+
+@dataclass
+class Ticket:
+    """One request on its way: what the engine thread posts back to the request's task."""
+
+    request: Request
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    printer: StopPrinter | None = None  # streaming: the text so far, cut as the engine cuts it
+    buffer: io.StringIO = field(default_factory=io.StringIO)
+    sent: int = 0  # characters of `buffer` posted
+    submitted_s: float = field(default_factory=time.perf_counter)
+    gone: bool = False  # its client went away
+
+
+@dataclass
+class Counters:
+    """What /metrics tells, counted on the engine thread."""
+
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    refused: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    passes: int = 0
+
+
+class Worker:
+    def __init__(self, engine: Engine, decode: Callable[[list[int]], str], max_queue: int) -> None:
+        self.engine, self.decode, self.max_queue = engine, decode, max_queue
+        self.inbox: queue.Queue[Ticket | None] = queue.Queue()
+        self.tickets: dict[str | int, Ticket] = {}  # handed to the engine, not yet finished (engine thread only)
+        self.queued = 0  # submitted, not yet handed to the engine
+        self.counters = Counters()
+        self.lock = threading.Lock()
+        self.closing = False
+        self.thread = threading.Thread(target=self._serve, name="smallem-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # the HTTP loop's side
+    def submit(self, ticket: Ticket) -> None:
+        with self.lock:
+            if self.closing:
+                raise Refused(503, "the server is shutting down")
+            if self.queued >= self.max_queue:
+                self.counters.refused += 1
+                raise Refused(429, f"the queue is full ({self.max_queue} requests waiting): retry later")
+            self.queued += 1
+            ticket.printer = StopPrinter(self.decode, ticket.buffer, ticket.request.stop) if ticket.stream else None
+            self.inbox.put(ticket)  # (under the lock: never after `close`'s end mark)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Its client went away: a request still queued is skipped, one decoding ends at the next round."""
+        ticket.gone = True
+        self.engine.cancel(ticket.request.id)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """No new request; those in flight finish (cancelled after `timeout` s) -> whether the engine stopped."""
+        with self.lock:
+            self.closing = True
+        self.inbox.put(None)
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            for t in list(self.tickets.values()):
+                self.engine.cancel(t.request.id)
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def gauges(self) -> dict[str, int]:
+        running, waiting = self.engine.live
+        pool = self.engine.pool
+        return {
+            "running": len(running),
+            "waiting": len(waiting) + self.queued,
+            "pages_free": len(pool.free),
+            "pages_total": pool.n_pages,
+        }
+
+    # the engine thread's side
+    def _feed(self) -> Iterator[Request | None]:
+        """The engine's live source: blocks while nothing is in flight, else hands over what is queued now."""
+        while True:
+            try:
+                t = self.inbox.get(block=not self.tickets)
+            except queue.Empty:
+                yield None
+                continue
+            if t is None:
+                return
+            with self.lock:
+                self.queued -= 1
+            if t.gone:  # cancelled while queued: the engine never sees it
+                self.engine.cancelled.discard(t.request.id)
+                self.counters.cancelled += 1
+                continue
+            self.tickets[t.request.id] = t
+            self.counters.prompt_tokens += len(t.request.prompt)
+            yield t.request
+
+    def _serve(self) -> None:
+        """Runs the engine until the inbox closes. A fault in a pass fails the requests in flight, not the server."""
+        while True:
+            try:
+                for event in self.engine.events(self._feed()):
+                    if isinstance(event, Emitted):
+                        self._emitted(event)
+                    else:
+                        self._finished(event)
+                return
+            except Exception as e:  # the engine gave every page back on its way out (`Engine._events`)
+                why = f"the engine failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                for t in self.tickets.values():
+                    self.counters.failed += 1
+                    self._post(t, Failed(why))
+                self.tickets.clear()
+
+    def _emitted(self, e: Emitted) -> None:
+        t = self.tickets.get(e.request.id)
+        if t is None or not e.tokens:
+            return
+        self.counters.generated_tokens += len(e.tokens)
+        if t.printer is not None:
+            t.printer.push(e.tokens)
+            self._post_text(t, len(e.tokens))
+
+    def _finished(self, fin: Finished) -> None:
+        t = self.tickets.pop(fin.request.id, None)
+        if t is None:
+            return
+        st = fin.stats
+        self.counters.passes += int(st.get("target_passes", 0))  # type: ignore[call-overload]
+        if st.get("cancelled"):
+            self.counters.cancelled += 1
+            return
+        self.counters.finished += 1
+        self.counters.proposed += int(st["proposed"])  # type: ignore[call-overload]
+        self.counters.accepted += int(st["accepted"])  # type: ignore[call-overload]
+        if t.printer is not None:
+            t.printer.push([], final=True)
+            self._post_text(t, 0)
+        cut = len(fin.text) < len(self.decode(fin.tokens))  # a stop string ended it
+        ended = bool(st.get("end_token")) or cut or len(fin.tokens) < fin.request.max_new_tokens
+        self._post(t, Done(fin.text, fin.tokens, "stop" if ended else "length", st))
+
+    def _post_text(self, t: Ticket, tokens: int) -> None:
+        text = t.buffer.getvalue()
+        if len(text) > t.sent or tokens:
+            self._post(t, Chunk(text[t.sent :], tokens))
+            t.sent = len(text)
+
+    def _post(self, t: Ticket, event: Event) -> None:
+        if t.gone:
+            return
+        try:
+            t.loop.call_soon_threadsafe(t.events.put_nowait, event)
+        except RuntimeError:  # its loop closed (the server is going down)
+            t.gone = True
