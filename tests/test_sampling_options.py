@@ -12,6 +12,7 @@ import pytest
 from conftest import Family
 from test_cli import as_json, generate, ok, refused
 
+from smallem_cli.defaults import TOKENIZER as SHIPPED_TOKENIZER
 from smallem_cli.engine.stops import StopCutter, StopPrinter, partial_tail, stop_index
 from smallem_cli.model.tokenizer import load_tokenizer
 
@@ -140,6 +141,36 @@ def test_printer_without_a_stop_prints_everything() -> None:
     quiet = StopPrinter(ByteTokenizer().decode, None)  # --json with no stop
     quiet.push(tokens("é!"))
     assert quiet.text == "é!" and quiet.ids == tokens("é!")
+
+
+def _metaspace_tokenizer() -> object:
+    """A sentencepiece-style BPE (Metaspace: a text's first token decodes without its leading space)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    corpus = ["In the beginning God created the heaven and the earth.", "And the earth was without form, é à"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"]))
+    return tok
+
+
+@pytest.mark.parametrize("which", ["shipped", "metaspace"])
+def test_printed_text_is_the_whole_decode_however_it_is_pushed(which: str) -> None:
+    """The printer decodes only the newest tokens (and a few before them): what it prints, pushed in chunks
+    of any size, is the decode of all the tokens at once, split characters and leading spaces included."""
+    tok = load_tokenizer(SHIPPED_TOKENIZER) if which == "shipped" else _metaspace_tokenizer()
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(tok.get_vocab_size()) for _ in range(rng.randrange(1, 80))]  # type: ignore[attr-defined]
+        out = io.StringIO()
+        p = StopPrinter(tok.decode, out)  # type: ignore[attr-defined]
+        i = 0
+        while i < len(ids):
+            n = rng.randrange(1, 6)
+            p.push(ids[i : i + n])
+            i += n
+        p.push([], final=True)
+        assert out.getvalue() == p.text == tok.decode(ids)  # type: ignore[attr-defined]
 
 
 def test_printer_stop_across_a_split_character() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -83,11 +84,36 @@ def serve(
         create_app(worker, served, api_key), log_level="warning", access_log=not quiet,
         timeout_graceful_shutdown=drain, lifespan="on",
     )  # fmt: skip
+    server = uvicorn.Server(config)
+    signals: list[int] = []
+
+    def serve_http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:  # (after a drain its lifespan closed the engine already; after a failure, this does)
+            worker.close(0)
+
+    def stop(signum: int, frame: object) -> None:
+        """SIGTERM or Ctrl-C: the HTTP side drains (its lifespan then closes the engine); a second one, at once."""
+        signals.append(signum)
+        server.should_exit = True
+        if len(signals) > 1:
+            raise KeyboardInterrupt
+
+    http = threading.Thread(target=serve_http, name="smallem-http", daemon=True)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     bound_host, bound_port = sock.getsockname()[:2]
     err.print(f"serving {name} on http://{bound_host}:{bound_port} ({proposer}, max batch {eng.max_batch})")
-    # uvicorn drains on SIGTERM, then raises it again: ignored then, the command ends with exit 0
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.Server(config).run(sockets=[sock])
+    http.start()
+    try:
+        worker.run()  # the engine, here on the main thread, until the HTTP side closes it
+        http.join()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if signals and signals[0] == signal.SIGINT:
+        raise typer.Exit(130)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -95,6 +121,9 @@ def _bind(host: str, port: int) -> socket.socket:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # no Nagle (accepted sockets inherit it): a streamed chunk, or a body after its headers, goes out at
+        # once instead of waiting for the client's delayed ACK (40 ms a response)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind(info[4])
     except OSError as e:
         raise O.UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

@@ -48,6 +48,9 @@ class StopCutter:
         return open_from
 
 
+DECODE_WINDOW = 4  # tokens decoded again before the new ones (`StopPrinter._decoded`)
+
+
 class StopPrinter:
     """Tokens in, text out (to `out`, or kept when None), ending before the first stop string. `push`
     is True once the text's end is certain; `ids` are the tokens up to the one that completed it."""
@@ -62,6 +65,7 @@ class StopPrinter:
         self.printed = 0
         self.before = 0  # tokens pushed before the last push
         self.found_after = 0  # tokens pushed before the one in which the stop string was found
+        self.stable, self.stable_text = 0, ""  # tokens whose text ends on a whole character, and that text
 
     @property
     def stopped(self) -> bool:
@@ -72,12 +76,23 @@ class StopPrinter:
             self.before = len(self.pushed)
             self.pushed.extend(ids)
             if self.live:
-                text = self.decode(self.pushed)
+                text = self._decoded()
                 self.decoded = text if final else text.rstrip("\ufffd")
                 self._show()
             if final:
                 self._show(final=True)
         return self.stopped
+
+    def _decoded(self) -> str:
+        """decode(pushed), decoding only the tokens since the text last ended on a whole character, with a few
+        before them (a decoder may treat a text's first token apart, as sentencepiece's drops its leading space):
+        a whole decode each push made a long answer's cost grow with the square of its length."""
+        start = max(0, self.stable - DECODE_WINDOW)
+        head, tail = self.decode(self.pushed[start : self.stable]), self.decode(self.pushed[start:])
+        text = self.stable_text + tail[len(head) :] if tail.startswith(head) else self.decode(self.pushed)
+        if not text.endswith("\ufffd"):
+            self.stable, self.stable_text = len(self.pushed), text
+        return text
 
     def _show(self, final: bool = False) -> None:
         found = self.cutter.found

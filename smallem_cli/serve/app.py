@@ -1,6 +1,6 @@
 """The HTTP side of `smallem serve` (Starlette): OpenAI's routes, /health and /metrics. Every handler only parses,
-hands the request to the engine's thread (`Worker`) and awaits its events: the loop never runs a pass. A client
-that goes away cancels its request; nothing a request holds can take the server down."""
+hands the request to the engine (`Worker`, on another thread) and awaits its events: the loop never runs a pass.
+A client that goes away cancels its request; nothing a request holds can take the server down."""
 
 from __future__ import annotations
 
@@ -63,26 +63,28 @@ def create_app(worker: Worker, served: api.Served, api_key: str | None = None) -
         return JSONResponse(api.whole(rid, job, served.model, end.text, len(end.tokens), end.finish_reason, end.stats))
 
     async def _stream(ticket: Ticket, job: api.Job, rid: str) -> AsyncIterator[str]:
-        """Server-sent events; closed early (the client went away), the request is cancelled."""
+        """Server-sent events; closed early (the client went away), the request is cancelled. The chunks that
+        wait when the loop comes round go out as one (under load: fewer, larger writes)."""
         finished = False
         try:
             if job.chat:
                 yield api.chunk(rid, job, served.model, None)
-            while True:
-                event = await ticket.events.get()
-                if isinstance(event, Chunk):
-                    if event.text:
-                        yield api.chunk(rid, job, served.model, event.text)
-                    continue
-                finished = True
-                if isinstance(event, Failed):
-                    yield api.event(api.ApiError(500, event.message).body())
-                    return
-                yield api.chunk(rid, job, served.model, "" if job.chat else None, event.finish_reason)
-                if job.include_usage:
-                    yield api.usage_chunk(rid, job, served.model, len(event.tokens), event.stats)
-                yield api.event("[DONE]")
-                return
+            while not finished:
+                events = [await ticket.events.get()]
+                while not ticket.events.empty():
+                    events.append(ticket.events.get_nowait())
+                out = [api.chunk(rid, job, served.model, text)] if (text := _text(events)) else []
+                if (end := events[-1]) and not isinstance(end, Chunk):
+                    finished = True
+                    if isinstance(end, Failed):
+                        out.append(api.event(api.ApiError(500, end.message).body()))
+                    else:
+                        out.append(api.chunk(rid, job, served.model, "" if job.chat else None, end.finish_reason))
+                        if job.include_usage:
+                            out.append(api.usage_chunk(rid, job, served.model, len(end.tokens), end.stats))
+                        out.append(api.event("[DONE]"))
+                if out:
+                    yield "".join(out)
         finally:
             if not finished:
                 worker.cancel(ticket)
@@ -92,7 +94,7 @@ def create_app(worker: Worker, served: api.Served, api_key: str | None = None) -
         return JSONResponse({"object": "list", "data": [card | {"max_model_len": served.max_len}]})
 
     async def health(http: HttpRequest) -> Response:
-        if worker.closing or not worker.thread.is_alive():
+        if worker.closing or worker.stopped.is_set():
             return JSONResponse({"status": "stopping"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -101,9 +103,8 @@ def create_app(worker: Worker, served: api.Served, api_key: str | None = None) -
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        worker.start()
         yield
-        await asyncio.to_thread(worker.close)  # the server drained: what is left is cancelled
+        await asyncio.to_thread(worker.close)  # the HTTP side drained: the engine ends what is left
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
@@ -129,6 +130,10 @@ async def _body(http: HttpRequest) -> bytes:
             raise api.ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
         chunks.append(part)
     return b"".join(chunks)
+
+
+def _text(events: list[Chunk | Done | Failed]) -> str:
+    return "".join(e.text for e in events if isinstance(e, Chunk))
 
 
 async def _last(ticket: Ticket) -> Done | Failed:

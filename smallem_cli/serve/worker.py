@@ -1,6 +1,8 @@
-"""The engine on a thread of its own, so that the HTTP loop never waits on a pass: requests join the running batch
-as they arrive (`Engine.events` over a live source), each one's text goes back to its asyncio task as it is
-verified, a request whose client went away is cancelled between rounds, and its pages go back at once."""
+"""The engine's loop, on the main thread while the HTTP loop runs on another, so that neither waits on the other:
+requests join the running batch as they arrive (`Engine.events` over a live source), each one's text goes back to
+its asyncio task as it is verified, a request whose client went away is cancelled between rounds, and its pages go
+back at once. (The main thread: OpenMP teams started from a second thread, beside the main thread's, oversubscribe
+two cores, and libgomp then stops spinning between a pass's regions: the same passes ran 1.75x slower.)"""
 
 from __future__ import annotations
 
@@ -86,10 +88,9 @@ class Worker:
         self.counters = Counters()
         self.lock = threading.Lock()
         self.closing = False
-        self.thread = threading.Thread(target=self._serve, name="smallem-engine", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
+        self.stopped = threading.Event()  # `run` has returned
+        self.outbox: list[tuple[Ticket, Event]] = []  # events for the HTTP loop's tasks (`_post`)
+        self.waking = False  # a `_deliver` is scheduled on the HTTP loop
 
     # the HTTP loop's side
     def submit(self, ticket: Ticket) -> None:
@@ -111,14 +112,13 @@ class Worker:
     def close(self, timeout: float | None = None) -> bool:
         """No new request; those in flight finish (cancelled after `timeout` s) -> whether the engine stopped."""
         with self.lock:
-            self.closing = True
-        self.inbox.put(None)
-        self.thread.join(timeout)
-        if self.thread.is_alive():
+            if not self.closing:
+                self.closing = True
+                self.inbox.put(None)
+        if not self.stopped.wait(timeout):
             for t in list(self.tickets.values()):
                 self.engine.cancel(t.request.id)
-            self.thread.join(timeout)
-        return not self.thread.is_alive()
+        return self.stopped.wait(timeout)
 
     def gauges(self) -> dict[str, int]:
         running, waiting = self.engine.live
@@ -151,22 +151,30 @@ class Worker:
             self.counters.prompt_tokens += len(t.request.prompt)
             yield t.request
 
-    def _serve(self) -> None:
-        """Runs the engine until the inbox closes. A fault in a pass fails the requests in flight, not the server."""
-        while True:
-            try:
-                for event in self.engine.events(self._feed()):
-                    if isinstance(event, Emitted):
-                        self._emitted(event)
-                    else:
-                        self._finished(event)
-                return
-            except Exception as e:  # the engine gave every page back on its way out (`Engine._events`)
-                why = f"the engine failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                for t in self.tickets.values():
-                    self.counters.failed += 1
-                    self._post(t, Failed(why))
-                self.tickets.clear()
+    def run(self) -> None:
+        """The engine, until `close`. A fault in a pass fails the requests in flight, not the server."""
+        try:
+            while not self._run_engine():
+                pass
+        finally:
+            self.stopped.set()
+
+    def _run_engine(self) -> bool:
+        """-> True once the inbox closed, False after a fault."""
+        try:
+            for event in self.engine.events(self._feed()):
+                if isinstance(event, Emitted):
+                    self._emitted(event)
+                else:
+                    self._finished(event)
+            return True
+        except Exception as e:  # the engine gave every page back on its way out (`Engine._events`)
+            why = f"the engine failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            for t in self.tickets.values():
+                self.counters.failed += 1
+                self._post(t, Failed(why))
+            self.tickets.clear()
+            return False
 
     def _emitted(self, e: Emitted) -> None:
         t = self.tickets.get(e.request.id)
@@ -203,9 +211,23 @@ class Worker:
             t.sent = len(text)
 
     def _post(self, t: Ticket, event: Event) -> None:
+        """Queue `event` for its task; one wake-up of the HTTP loop takes every event queued by then (a round's
+        for every sequence, under load), not one wake-up an event."""
         if t.gone:
             return
+        with self.lock:
+            self.outbox.append((t, event))
+            if self.waking:
+                return
+            self.waking = True
         try:
-            t.loop.call_soon_threadsafe(t.events.put_nowait, event)
+            t.loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # its loop closed (the server is going down)
             t.gone = True
+
+    def _deliver(self) -> None:
+        """On the HTTP loop: the queued events to their tasks."""
+        with self.lock:
+            events, self.outbox, self.waking = self.outbox, [], False
+        for t, event in events:
+            t.events.put_nowait(event)
