@@ -91,7 +91,9 @@ def proposer_vocab(greedy: bool, chosen: int | None = None) -> int:
 PAGE_SIZE = 16
 PREFILL_TOKENS = 1024
 # A greedy request's k cap under load, per kind of proposer: (batch size up to, k cap) (docs/benchmarks.md).
-LOAD_K = {"draft": ((4, MAX_K), (1 << 30, 2)), "mtp": ((1 << 30, MAX_K),)}
+# Past 8 sequences a pass is bound by its arithmetic: a guess row costs about what it may save, and the MTP
+# module's guesses at any k made 16 sequences slower than the target alone (0 guesses: its rounds).
+LOAD_K = {"draft": ((4, MAX_K), (1 << 30, 2)), "mtp": ((8, MAX_K), (1 << 30, 0))}
 
 
 def load_cap(proposer: str, batch: int) -> int:

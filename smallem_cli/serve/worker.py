@@ -2,7 +2,7 @@
 requests join the running batch as they arrive (`Engine.events` over a live source), each one's text goes back to
 its asyncio task as it is verified, a request whose client went away is cancelled between rounds, and its pages go
 back at once. (The main thread: OpenMP teams started from a second thread, beside the main thread's, oversubscribe
-two cores, and libgomp then stops spinning between a pass's regions: the same passes ran 1.75x slower.)"""
+the cores, and libgomp then stops spinning between a pass's regions: the passes ran far slower.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import asyncio
 import io
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -30,7 +29,6 @@ class Refused(Exception):
 @dataclass
 class Chunk:
     text: str  # new text, never taken back (a tail that could begin a stop string is held)
-    tokens: int  # tokens verified with it
 
 
 @dataclass
@@ -60,7 +58,6 @@ class Ticket:
     printer: StopPrinter | None = None  # streaming: the text so far, cut as the engine cuts it
     buffer: io.StringIO = field(default_factory=io.StringIO)
     sent: int = 0  # characters of `buffer` posted
-    submitted_s: float = field(default_factory=time.perf_counter)
     gone: bool = False  # its client went away
 
 
@@ -183,7 +180,7 @@ class Worker:
         self.counters.generated_tokens += len(e.tokens)
         if t.printer is not None:
             t.printer.push(e.tokens)
-            self._post_text(t, len(e.tokens))
+            self._post_text(t)
 
     def _finished(self, fin: Finished) -> None:
         t = self.tickets.pop(fin.request.id, None)
@@ -199,15 +196,15 @@ class Worker:
         self.counters.accepted += int(st["accepted"])  # type: ignore[call-overload]
         if t.printer is not None:
             t.printer.push([], final=True)
-            self._post_text(t, 0)
+            self._post_text(t)
         cut = len(fin.text) < len(self.decode(fin.tokens))  # a stop string ended it
         ended = bool(st.get("end_token")) or cut or len(fin.tokens) < fin.request.max_new_tokens
         self._post(t, Done(fin.text, fin.tokens, "stop" if ended else "length", st))
 
-    def _post_text(self, t: Ticket, tokens: int) -> None:
+    def _post_text(self, t: Ticket) -> None:
         text = t.buffer.getvalue()
-        if len(text) > t.sent or tokens:
-            self._post(t, Chunk(text[t.sent :], tokens))
+        if len(text) > t.sent:
+            self._post(t, Chunk(text[t.sent :]))
             t.sent = len(text)
 
     def _post(self, t: Ticket, event: Event) -> None:
