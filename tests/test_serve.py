@@ -281,3 +281,33 @@ def test_bench_serve_measures_a_server_it_starts_or_is_given(served: Server) -> 
     assert all(r["requests"] == 2 * r["clients"] and r["tokens"] == 12 * r["requests"] for r in at)
     r = CliRunner().invoke(app, [*argv, "--url", "http://127.0.0.1:9"])  # nothing listens there
     assert r.exit_code == 1 and r.stderr.startswith("error:") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_bench_serve_peer_vllm_rows_on_a_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench --serve --peer vllm`: the target exported as an HF folder and served beside ours at the same client
+    counts; here `vllm serve` is stood in for by `smallem serve` on that folder (the real one: `make vllm-venv`)."""
+    from contextlib import contextmanager
+
+    from smallem_cli.bench import serve as S
+    from smallem_cli.interop import vllm_peer as V
+
+    served: list[Path] = []
+
+    @contextmanager
+    def serving(python: Path, target: Path, spec: object, env: dict, log: Path) -> Iterator[str]:
+        assert spec is None and (target / "config.json").is_file() and env["VLLM_TARGET_DEVICE"] == "cpu"
+        served.append(target)
+        with S.started(["--target", str(target), "--proposer", "none", "--model-name", str(target)]) as url:
+            yield url
+
+    monkeypatch.setenv(V.PYTHON_ENV, sys.executable)
+    monkeypatch.setattr(V, "serving", serving)
+    argv = ["bench", "--serve", "--clients", "1,2", "--requests-per-client", "1", "-n", "8", "--json", "--peer", "vllm"]
+    rows = as_json(CliRunner().invoke(app, [*argv, "--target", str(SHIPPED), "--proposers", "ngram", "--modes",
+                                            "greedy"]))["serve_rows"]  # fmt: skip
+    assert [(r["server"], r["clients"]) for r in rows] == [
+        (s, c) for s in ("none", "ngram", "vllm serve") for c in (1, 2)
+    ]
+    assert len(served) == 1 and all(r["identical"] == f"{r['requests']}/{r['requests']}" for r in rows)
+    r = CliRunner().invoke(app, [*argv[:-2], "--peer", "hf", "--target", str(SHIPPED)])
+    assert r.exit_code == 2 and "--peer vllm" in r.stderr and r.stderr.count("\n") == 1

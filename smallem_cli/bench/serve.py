@@ -13,10 +13,12 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.table import Table
 
@@ -208,10 +210,25 @@ def table(rows: list[ServeRow], max_tokens: int) -> Table:
     return t
 
 
+@contextmanager
+def vllm_served(checkpoint: Path, tokenizer: Path, threads: int) -> Iterator[tuple[str, str]]:
+    """`vllm serve` (its venv: `make vllm-venv`) on the target exported as an HF folder -> (its URL, its model)."""
+    from ..interop import vllm_peer as V
+    from ..interop.hf import export_hf
+
+    python = V.find_python()
+    with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
+        hf = Path(tmp) / "target"
+        export_hf(checkpoint, hf, tokenizer)
+        with V.serving(python, hf, None, V.vllm_env(python, threads), Path(tmp) / "serve.log") as url:
+            yield url, str(hf)
+
+
 def from_cli(target: str, names: list[str], url: str | None, model: str | None, prompts: list[list[int]],
              clients: list[int], per_client: int, max_tokens: int, modes: dict[str, dict[str, object]],
-             serve_args: list[str]) -> list[ServeRow]:  # fmt: skip
-    """`smallem bench --serve`: the server at `url`, else `smallem serve` with the target alone, then each proposer."""
+             serve_args: list[str], vllm: tuple[Path, Path, int] | None = None) -> list[ServeRow]:  # fmt: skip
+    """`smallem bench --serve`: the server at `url`, else `smallem serve` with the target alone, then each proposer,
+    then (`vllm`: the checkpoint, its tokenizer, threads) `vllm serve` on the same weights."""
     reference: dict[int, str] = {}
     if url is not None:
         url = url.rstrip("/")
@@ -221,4 +238,7 @@ def from_cli(target: str, names: list[str], url: str | None, model: str | None, 
         args = ["--target", target, "--proposer", name, "--max-batch", str(max(clients)), *serve_args]
         with started(args) as at:
             rows += measure(at, name, None, prompts, clients, per_client, max_tokens, modes, reference)
+    if vllm is not None:
+        with vllm_served(*vllm) as (at, served):
+            rows += measure(at, "vllm serve", served, prompts, clients, per_client, max_tokens, modes, reference)
     return rows

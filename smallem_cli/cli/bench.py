@@ -68,7 +68,10 @@ def bench(
     proposer_weights: Annotated[
         str, typer.Option(help="int8 | f16 | int8,f16 (also rows P@f16): the proposer's native matrices")
     ] = D.PROPOSER_WEIGHTS,
-    serve: Annotated[bool, typer.Option("--serve", help="time `smallem serve` (or --url) under --clients")] = False,
+    serve: Annotated[
+        bool,
+        typer.Option("--serve", help="time servers under --clients: smallem's, --url's, --peer vllm's"),
+    ] = False,
     clients: Annotated[str, typer.Option(help="--serve: concurrent streaming clients, e.g. 1,8,32")] = "1,8,32",
     per_client: Annotated[int, typer.Option("--requests-per-client", help="--serve: requests each")] = 4,
     url: Annotated[str | None, typer.Option(help="--serve: an OpenAI-compatible server already running")] = None,
@@ -124,12 +127,15 @@ def bench(
             args = ["--device", device, "--engine", engine_list[-1], *(["--threads", str(threads)] if threads else [])]
             from ..bench import serve as S
 
+            if peer not in (None, "vllm"):
+                raise O.UsageError(f"--serve takes --peer vllm (`vllm serve`), not --peer {peer}")
+            vllm = (target, tgt.tokenizer, torch.get_num_threads()) if peer == "vllm" and tgt.tokenizer else None
             try:
                 rows = S.from_cli(
                     str(target), names, url, model, found, O.parse_sizes(clients), per_client, max_new_tokens,
-                    {m: fields[m] for m in mode_list}, args,
+                    {m: fields[m] for m in mode_list}, args, vllm,
                 )  # fmt: skip
-            except (S.ServerError, OSError) as e:
+            except (S.ServerError, VllmError, OSError) as e:
                 raise fail(str(e), 1) from None
             if json_out:
                 print(json.dumps({"prompts": len(found), "max_new_tokens": max_new_tokens} | {
