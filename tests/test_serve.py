@@ -151,6 +151,7 @@ def test_bad_requests_get_4xx_and_the_server_lives(served: Server) -> None:
     error_of(served.post("/v1/completions", {"prompt": "x", "max_tokens": "9"}), 400, "max_tokens")
     error_of(served.post("/v1/completions", {"prompt": "x", "n": 2}), 400, "n 2 is not supported")
     error_of(served.post("/v1/completions", {"prompt": "x", "stop": ""}), 400, "stop")
+    error_of(served.post("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}), 400, "at most 16 strings")
     error_of(served.post("/v1/completions", {"prompt": "x", "stream": "yes"}), 400, "stream")
     error_of(served.post("/v1/completions", {"prompt": ["a", "b"]}), 400, "one prompt a request")
     error_of(served.post("/v1/completions", {"prompt": [1, 10**9]}), 400, "token ids")

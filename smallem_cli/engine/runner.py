@@ -42,7 +42,11 @@ class TargetRunner:
         got = self.one_pass(seqs, ids, counts, head=True)
         if got is not None:
             return got
-        return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), "all", self.steps), None
+        if self.steps is not None:  # the argmaxes and the finite flag computed in the pass
+            top = torch.empty(int(ids.shape[0]) + 1, dtype=torch.long)
+            logits, hidden = self.steps.batch(ids, None, self.slab, self.step(seqs, counts), "all", top)
+            return logits, hidden, top
+        return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), "all"), None
 
     def one_pass(
         self, seqs: list[Seq], ids: Tensor, counts: list[int], head: bool

@@ -180,6 +180,9 @@ class Engine:
         while i < len(kept):
             s = kept[i]
             need = s.cached + round_ahead(s.k, self.tree)
+            if self.pool.need(s.uid, need) == 0:  # most rounds: its pages hold the round already
+                i += 1
+                continue
             self._grow(self.pool.need(s.uid, need) - len(self.pool.free))
             while self.pool.need(s.uid, need) > len(self.pool.free) and kept[-1] is not s:
                 self._preempt(kept.pop(), waiting)

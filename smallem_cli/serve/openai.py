@@ -19,6 +19,8 @@ from ..model.tokenizer import encode
 from ..spec.sampling import Sampling
 
 Body = dict[str, object]
+# Every round looks for each stop string in the answer's tail: bounded, so that no request slows the others' rounds
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000
 
 
 class ApiError(Exception):
@@ -100,6 +102,8 @@ def parse(body: Body, served: Served, chat: bool) -> Job:
             if body.get(name) is not None:
                 given[ours] = read(name, body[name])
         stop = O.stop_field("stop", body["stop"]) if body.get("stop") is not None else ()
+        if len(stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in stop):
+            raise O.BadField(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
         stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):

@@ -213,10 +213,18 @@ class NativeSteps:
         return (tokens, q) if q is not None else (tokens, tops)
 
     def batch(
-        self, tokens: torch.Tensor, h: torch.Tensor | None, slab: torch.Tensor, b: BatchStep, head: str = "none"
+        self,
+        tokens: torch.Tensor,
+        h: torch.Tensor | None,
+        slab: torch.Tensor,
+        b: BatchStep,
+        head: str = "none",
+        top: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's states h [N, d])
-        at `b`'s positions, K/V into `slab` [L, 2, Hkv, slots, D] -> (logits of `head`'s rows, hidden [N, d])."""
+        at `b`'s positions, K/V into `slab` [L, 2, Hkv, slots, D] -> (logits of `head`'s rows, hidden [N, d]);
+        `top` [rows + 1] long, if given, takes each logits row's argmax and the finite flag (no pass over them
+        in torch afterwards)."""
         c, threads, N = self.cfg, torch.get_num_threads(), tokens.shape[0]
         vis, first, count = (t.contiguous() for t in visible(b))
         keys = int(count.max())
@@ -232,7 +240,7 @@ class NativeSteps:
         self.lib.smallem_batch_step(
             ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), N, cos.data_ptr(), sin.data_ptr(), slab.data_ptr(),
             ctypes.addressof(strides), slots.data_ptr(), vis.data_ptr(), first.data_ptr(), count.data_ptr(), keys,
-            x.data_ptr(), logits.data_ptr(), R, ptr(rows), scratch.data_ptr(), threads, None,
+            x.data_ptr(), logits.data_ptr(), R, ptr(rows), scratch.data_ptr(), threads, ptr(top),
         )  # fmt: skip
         return logits, x
 
