@@ -81,7 +81,7 @@ def serve(
     served = Served(name, tgt.tok, tgt.chat, cfg.vocab_size, cfg.max_seq_len, slack)
     worker = Worker(eng, tgt.tok.decode, max_queue)
     config = uvicorn.Config(
-        create_app(worker, served, api_key), log_level="warning", access_log=not quiet,
+        create_app(worker, served, api_key), log_level="warning" if quiet else "info", access_log=not quiet,
         timeout_graceful_shutdown=drain, lifespan="on",
     )  # fmt: skip
     server = uvicorn.Server(config)
