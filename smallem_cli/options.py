@@ -136,6 +136,12 @@ def pick_k(proposer: str, k: int | None, greedy: bool) -> int:
     return D.default_k(proposer, greedy, k)
 
 
+def slack(proposer: str, k: int | None) -> int:
+    """The guesses a verify pass may hold past an answer, in either mode (a request of `batch` or `serve` picks its
+    temperature): what `check_context` leaves room for."""
+    return max(pick_k(proposer, k, True), pick_k(proposer, k, False))
+
+
 def check_sampling(
     temperature: float,
     top_k: int | None,
@@ -254,15 +260,30 @@ def _line_ids(obj: object, where: str, vocab_size: int, tok: Tokenizer | None, c
             raise UsageError(f'{where}: the target has no chat template: give this prompt as "text" or "tokens"')
     if tok is None:
         raise UsageError(f'{where}: a "text" or "messages" prompt needs the tokenizer of the target')
+    try:
+        return prompt_ids(tok, obj.get("text"), chat, obj.get("messages"))
+    except UsageError as e:
+        raise UsageError(f"{where}: {e}") from None
+
+
+def prompt_ids(
+    tok: Tokenizer, text: str | None, chat: ChatFormat | None = None, messages: list[dict[str, str]] | None = None
+) -> list[int]:
+    """A text (the tokenizer's special tokens added as it adds them), or else a conversation through the chat
+    template -> its ids; UsageError (one line) where the template or the tokenizer refuses it, or it has none."""
     from .model.chat import ChatError, chat_ids
     from .model.tokenizer import TokenizerError, encode
 
     try:
-        ids = encode(tok, obj["text"]) if "text" in obj else chat_ids(tok, chat, obj["messages"])
+        if text is not None:
+            ids = encode(tok, text)
+        else:
+            assert chat is not None and messages is not None, "a text, or a conversation and its format"
+            ids = chat_ids(tok, chat, messages)
     except (ChatError, TokenizerError) as e:  # the template's refusal, or the tokenizer's
-        raise UsageError(f"{where}: {e}") from None
+        raise UsageError(one_line(str(e))) from None
     if not ids:
-        raise UsageError(f"{where}: the prompt encodes to no tokens")
+        raise UsageError("the prompt encodes to no tokens")
     return ids
 
 

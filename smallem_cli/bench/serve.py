@@ -1,7 +1,7 @@
 """`smallem bench --serve --clients 1,8,32`: a server measured as its users see it. C clients, each a loop of
 streamed requests (answers of exactly max_tokens: `ignore_eos`), keep C requests in flight; per row: requests/s,
-tokens/s, time to first token and the gaps between streamed chunks (p50, p99). Any OpenAI-compatible server
-(`--url`: vLLM's, llama.cpp's); without one, `smallem serve` is started for each proposer, on a free port."""
+tokens/s, time to first token and the gaps between streamed chunks (p50, p99). A server already running (`--url`),
+or `smallem serve` started for each proposer on a free port, and `vllm serve` beside them (`--peer vllm`)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from .run import right_table
+
+if TYPE_CHECKING:  # the `serve` extra: imported where a bench runs, not to parse the command
+    import httpx
 
 START_S = 600  # a server's start (its native build the first time) at most
 RUN = "import sys; sys.argv[0] = 'smallem'; from smallem_cli.cli import main; main()"
@@ -89,10 +93,7 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-async def _one(client: object, url: str, body: dict[str, object], prompt: int) -> _Answer:
-    import httpx
-
-    assert isinstance(client, httpx.AsyncClient)
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], prompt: int) -> _Answer:
     t0 = time.perf_counter()
     first, last, gaps, parts = None, t0, [], []
     tokens = 0

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
@@ -22,6 +23,7 @@ from .console import BROKEN_PIPE_EXIT, stdout_to_devnull
 if TYPE_CHECKING:  # torch, through the engine: loaded once the command runs, not to parse it
     from rich.progress import Progress
 
+    from ..engine.family import Target as Model
     from ..engine.request import Request
 
 
@@ -30,6 +32,32 @@ def make_engine(*args: Any, **kwargs: Any) -> Any:
     from ..engine.build import build_engine
 
     return build_engine(*args, **kwargs)
+
+
+def load_engine(
+    target: Path, proposer: str, k: int | None, max_batch: int, device: str, threads: int | None, engine: str,
+    tokenizer: Path | None, weights: str, quiet: bool, proposer_vocab: int | None = None,
+    tree: tuple[int, int] | None = None,
+) -> tuple[Model, Any]:  # fmt: skip
+    """What `batch` and `serve` load alike: the threads set, the target, the batched engine over it and `proposer`
+    (`make_engine`), on the chosen device and engine. INPUT_ERRORS on bad input."""
+    import torch
+
+    from ..backends import engines
+    from ..engine import family
+
+    if max_batch < 1:
+        raise O.UsageError(f"--max-batch must be >= 1, got {max_batch}")
+    if O.threads(threads):
+        torch.set_num_threads(threads)  # type: ignore[arg-type]
+    dev = family.pick_device(device)
+    backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
+    tgt = family.load_target(target, dev, tokenizer)
+    eng = make_engine(
+        tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=proposer_vocab, end_ids=tgt.chat.end_ids,
+        decode=tgt.tok.decode, tree=tree, backend=backend, log=None if quiet else err.print, weights=weights,
+    )  # fmt: skip
+    return tgt, eng
 
 
 def open_input(file: str | None) -> BinaryIO:
@@ -162,9 +190,6 @@ def batch(
 
     Each line gets one answer: {"id", "text", "tokens", "stats"}, or {"id", "error"} for a bad line.
     """
-    import torch
-
-    from ..backends import engines
     from ..engine import family
     from ..spec.sampling import NonFiniteError
     from . import batch_io as B
@@ -172,23 +197,15 @@ def batch(
     source: BinaryIO | None = None
     try:
         proposer = proposer or family.default_proposer(target, temperature == 0)
-        # the guesses a verify pass may hold, in either mode (a request may pick its temperature)
-        slack = max(O.pick_k(proposer, k, True), O.pick_k(proposer, k, False))
+        slack = O.slack(proposer, k)
         O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, max_new_tokens=max_new_tokens)
-        if max_batch < 1:
-            raise O.UsageError(f"--max-batch must be >= 1, got {max_batch}")
         O.check_vocab(proposer_vocab)
-        if O.threads(threads):
-            torch.set_num_threads(threads)  # type: ignore[arg-type]
-        dev = family.pick_device(device)
-        backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
         source = open_input(file)  # before the models load: a missing file fails at once
-        tgt = family.load_target(target, dev, tokenizer)
-        tok = tgt.tok
-        eng = make_engine(
-            tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=proposer_vocab, end_ids=tgt.chat.end_ids,
-            decode=tok.decode, tree=O.tree(tree), backend=backend, log=None if quiet else err.print, weights=weights,
+        tgt, eng = load_engine(
+            target, proposer, k, max_batch, device, threads, engine, tokenizer, weights, quiet, proposer_vocab,
+            O.tree(tree),
         )  # fmt: skip
+        tok = tgt.tok
     except O.INPUT_ERRORS as e:
         if source is not None and source is not sys.stdin.buffer:
             source.close()

@@ -49,33 +49,22 @@ def serve(
         from ..serve.app import create_app
     except ImportError as e:
         raise A.fail(f"smallem serve needs the serve extra: pip install 'smallem[serve]' (no {e.name})") from None
-    import torch
-
-    from ..backends import engines
     from ..engine import family
     from ..serve.openai import Served
     from ..serve.worker import Worker
-    from .batch import make_engine
+    from .batch import load_engine
 
     with bad_input():
         if not 0 <= port <= 65535:
             raise O.UsageError(f"--port must be between 0 and 65535, got {port}")
-        if max_batch < 1 or max_queue < 1:
-            raise O.UsageError(f"--max-batch and --max-queue must be >= 1, got {max_batch} and {max_queue}")
+        if max_queue < 1:
+            raise O.UsageError(f"--max-queue must be >= 1, got {max_queue}")
         if drain < 1:
             raise O.UsageError(f"--drain must be >= 1 second, got {drain}")
         proposer = proposer or family.default_proposer(target, True)
-        slack = max(O.pick_k(proposer, k, True), O.pick_k(proposer, k, False))
+        slack = O.slack(proposer, k)
         sock = _bind(host, port)  # before the models load: a port in use fails at once
-        if O.threads(threads):
-            torch.set_num_threads(threads)  # type: ignore[arg-type]
-        dev = family.pick_device(device)
-        backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
-        tgt = family.load_target(target, dev, tokenizer)
-        eng = make_engine(
-            tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=None, end_ids=tgt.chat.end_ids,
-            decode=tgt.tok.decode, backend=backend, log=None if quiet else err.print, weights=weights,
-        )  # fmt: skip
+        tgt, eng = load_engine(target, proposer, k, max_batch, device, threads, engine, tokenizer, weights, quiet)
     name = model_name or Path(target).name
     cfg = tgt.model.cfg
     served = Served(name, tgt.tok, tgt.chat, cfg.vocab_size, cfg.max_seq_len, slack)

@@ -18,9 +18,8 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     session: int | None = None  # a conversation: its cache outlives the answer (`Engine._resume`)
-    ignore_eos: bool = (
-        False  # the model's end tokens are text like any other: answers of max_new_tokens (a load test's)
-    )
+    # the model's end tokens are text like any other: answers of max_new_tokens (a load test's)
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -31,3 +30,4 @@ class Finished:
     text: str
     tokens: list[int]
     stats: dict[str, object] = field(default_factory=dict)
+    reason: str = "length"  # "stop" (an end token or a stop string), "length" (the budget) or "cancelled"

@@ -3,6 +3,7 @@ sequence is recomputed from its tokens later: nothing it emitted is lost or redr
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -82,12 +83,19 @@ class Engine:
         self.grow, self.max_pages, self.backend = grow, max_pages, backend
         self._uid = self.rounds = self.preemptions = 0
         self.sessions: dict[int, Seq] = {}  # a conversation's sequence between its requests, pages held
-        self.cancelled: set[str | int] = set()  # request ids to end at the next round (`cancel`)
+        self.cancels: queue.SimpleQueue[str | int] = queue.SimpleQueue()  # ids to end at the next round (`cancel`)
         self.live: tuple[list[Seq], deque[Seq]] = ([], deque())  # a run's sequences decoding and waiting
 
     def cancel(self, request_id: str | int) -> None:
-        """End a request between rounds, from any thread: its pages go back, its Finished has what it had."""
-        self.cancelled.add(request_id)
+        """End a request between rounds, from any thread: its pages go back, its Finished has what it had. An id
+        not in the run when the round comes (finished, or not yet taken from the source) is let go."""
+        self.cancels.put(request_id)
+
+    def _cancelled(self) -> set[str | int]:
+        ids: set[str | int] = set()
+        while not self.cancels.empty():
+            ids.add(self.cancels.get_nowait())
+        return ids
 
     def end_session(self, session: int) -> None:
         if (s := self.sessions.pop(session, None)) is not None:
@@ -125,20 +133,18 @@ class Engine:
         s.cached = s.stats.reused = n
         s.states = [torch.cat(prior.states)[:n]] if prior.states else None
 
-    def _finish(self, s: Seq, text: str | None = None, cancelled: bool = False) -> Finished:
+    def _finish(self, s: Seq, reason: str, text: str | None = None) -> Finished:
         self._let_go(s)
         st = self._live(s)
         stats = st.as_dict() | {"latency_s": round(st.elapsed_s, 4), "preempted": s.preempted}
-        if cancelled:
-            stats["cancelled"] = True
         if text is None:
             text = self.decode(s.generated) if self.decode is not None else ""
-        return Finished(s.req, text, s.generated, stats)
+        return Finished(s.req, text, s.generated, stats, reason)
 
     def _ended(self, s: Seq, emitted: list[int]) -> Finished | None:
         """Add what a round emitted; the answer if the sequence is done (budget, end of text, stop string)."""
         budget = s.req.max_new_tokens - s.n_generated
-        ends = frozenset() if s.req.ignore_eos else self.end_ids
+        ends = () if s.req.ignore_eos else self.end_ids
         end = next((i for i, t in enumerate(emitted[:budget]) if t in ends), None)
         if end is not None:  # the model's end of turn: not emitted
             emitted, s.stats.end_token = emitted[:end], 1
@@ -148,8 +154,8 @@ class Engine:
         # as `smallem generate` cuts them: the text ends before the stop string, the tokens with it
         if s.stops is not None and (s.stops.push(kept, final=done) or done):
             s.tokens[len(s.req.prompt) :] = s.stops.ids
-            return self._finish(s, s.stops.text)
-        return self._finish(s) if done else None
+            return self._finish(s, "stop" if end is not None or s.stops.stopped else "length", s.stops.text)
+        return self._finish(s, "length" if end is None else "stop") if done else None
 
     def _let_go(self, s: Seq) -> None:
         """Its pages go back, but a conversation's; its proposer state goes (`runner.prefill` restarts it)."""
@@ -180,15 +186,13 @@ class Engine:
         while i < len(kept):
             s = kept[i]
             need = s.cached + round_ahead(s.k, self.tree)
-            if self.pool.need(s.uid, need) == 0:  # most rounds: its pages hold the round already
-                i += 1
-                continue
-            self._grow(self.pool.need(s.uid, need) - len(self.pool.free))
-            while self.pool.need(s.uid, need) > len(self.pool.free) and kept[-1] is not s:
-                self._preempt(kept.pop(), waiting)
-            if self.pool.need(s.uid, need) > len(self.pool.free):  # alone and still short
-                self._preempt(kept.pop(), waiting)
-                continue
+            if self.pool.need(s.uid, need) > len(self.pool.free):  # (most rounds need no new page at all)
+                self._grow(self.pool.need(s.uid, need) - len(self.pool.free))
+                while self.pool.need(s.uid, need) > len(self.pool.free) and kept[-1] is not s:
+                    self._preempt(kept.pop(), waiting)
+                if self.pool.need(s.uid, need) > len(self.pool.free):  # alone and still short
+                    self._preempt(kept.pop(), waiting)
+                    continue
             self.pool.reserve(s.uid, need)
             i += 1
         return kept
@@ -228,18 +232,17 @@ class Engine:
             if fin is not None:
                 running.remove(s)
                 done += 1
-                self.cancelled.discard(s.req.id)
                 yield fin
 
         try:
             with torch.inference_mode():
                 while True:
                     exhausted = exhausted or self._pull(source, running, waiting)
-                    for s in [s for s in [*running, *waiting] if self.cancelled and s.req.id in self.cancelled]:
-                        (running.remove if s in running else waiting.remove)(s)
-                        self.cancelled.discard(s.req.id)
-                        done += 1
-                        yield self._finish(s, cancelled=True)
+                    if ids := self._cancelled():  # (another thread's: `cancel`)
+                        for s in [s for s in [*running, *waiting] if s.req.id in ids]:
+                            (running.remove if s in running else waiting.remove)(s)
+                            done += 1
+                            yield self._finish(s, "cancelled")
                     if not running and not waiting:
                         if exhausted:
                             break

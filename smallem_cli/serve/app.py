@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -22,7 +23,7 @@ MAX_BODY_BYTES = 8 << 20  # a request's body at most: a prompt longer than any c
 
 
 def create_app(worker: Worker, served: api.Served, api_key: str | None = None) -> Starlette:
-    seq = iter(range(1 << 62))  # Request.index: the order of arrival
+    arrival = itertools.count()  # Request.index
 
     async def completions(http: HttpRequest) -> Response:
         return await _complete(http, chat=False)
@@ -34,7 +35,9 @@ def create_app(worker: Worker, served: api.Served, api_key: str | None = None) -
         try:
             job = api.parse(api.read_body(await _body(http)), served, chat)
             rid = api.new_id(chat)
-            request = Request(next(seq), rid, job.ids, job.max_new_tokens, job.sampling, job.stop, None, job.ignore_eos)
+            request = Request(
+                next(arrival), rid, job.ids, job.max_new_tokens, job.sampling, job.stop, ignore_eos=job.ignore_eos
+            )
             ticket = Ticket(request, job.stream, asyncio.get_running_loop())
             worker.submit(ticket)
         except api.ApiError as e:

@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from tokenizers import Tokenizer
 
 from .. import defaults as D
 from .. import options as O
-from ..model.chat import ChatError, ChatFormat, chat_ids
-from ..model.tokenizer import encode
+from ..model.chat import ChatFormat
 from ..spec.sampling import Sampling
 
 Body = dict[str, object]
@@ -141,10 +139,7 @@ def _prompt_ids(body: Body, served: Served) -> list[int]:
         raise O.BadField(f"prompt must be a string or token ids (one prompt a request), got {O.shown(prompt)}")
     if not prompt.strip():
         raise O.BadField("empty prompt")
-    ids = _encoded(lambda: encode(served.tok, prompt))
-    if not ids:
-        raise O.BadField("empty prompt")
-    return ids
+    return O.prompt_ids(served.tok, prompt)
 
 
 def _chat_ids(body: Body, served: Served) -> list[int]:
@@ -163,14 +158,7 @@ def _chat_ids(body: Body, served: Served) -> list[int]:
         messages.append({"role": m["role"], "content": content})
     if served.chat.template is None:
         raise O.BadField(f"the model {served.model!r} has no chat template: use /v1/completions")
-    return _encoded(lambda: chat_ids(served.tok, served.chat, messages))
-
-
-def _encoded(encode: Callable[[], Sequence[int]]) -> list[int]:
-    try:
-        return list(encode())
-    except (ChatError, ValueError) as e:  # the template's refusal, or the tokenizer's
-        raise O.BadField(O.one_line(str(e))) from None
+    return O.prompt_ids(served.tok, None, served.chat, messages)
 
 
 # responses

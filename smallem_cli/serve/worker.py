@@ -141,7 +141,6 @@ class Worker:
             with self.lock:
                 self.queued -= 1
             if t.gone:  # cancelled while queued: the engine never sees it
-                self.engine.cancelled.discard(t.request.id)
                 self.counters.cancelled += 1
                 continue
             self.tickets[t.request.id] = t
@@ -188,7 +187,7 @@ class Worker:
             return
         st = fin.stats
         self.counters.passes += int(st.get("target_passes", 0))  # type: ignore[call-overload]
-        if st.get("cancelled"):
+        if fin.reason == "cancelled":
             self.counters.cancelled += 1
             return
         self.counters.finished += 1
@@ -197,9 +196,7 @@ class Worker:
         if t.printer is not None:
             t.printer.push([], final=True)
             self._post_text(t)
-        cut = len(fin.text) < len(self.decode(fin.tokens))  # a stop string ended it
-        ended = bool(st.get("end_token")) or cut or len(fin.tokens) < fin.request.max_new_tokens
-        self._post(t, Done(fin.text, fin.tokens, "stop" if ended else "length", st))
+        self._post(t, Done(fin.text, fin.tokens, fin.reason, st))
 
     def _post_text(self, t: Ticket) -> None:
         text = t.buffer.getvalue()
