@@ -68,3 +68,24 @@ def test_a_reader_that_goes_away_is_a_quiet_exit(family: Family) -> None:
     res = shell(f"printf '{lines}' | smallem batch --target {family.target} -n 20 -q | head -n 1")
     assert res.stdout.count("\n") == 1
     assert res.returncode == 141 and res.stderr == "", (res.returncode, res.stderr[-2000:])
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_model_text_drives_no_terminal(tty: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal a model's control characters are shown as pictures (an ESC could clear or remap
+    the screen); a pipe or a file gets the text unchanged."""
+    import io
+
+    from smallem_cli.cli.console import text_out
+
+    class Out(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    raw = Out()
+    monkeypatch.setattr(sys, "stdout", raw)
+    text = "a\x1b[2J\x1b(0b\tc\rd\x08\x7f\x9b\ne"
+    out = text_out()
+    assert out.write(text) == len(text)
+    out.flush()
+    assert raw.getvalue() == ("a␛[2J␛(0b\tc␍d␈␡\ufffd\ne" if tty else text)

@@ -15,6 +15,7 @@ from .. import defaults as D
 from .. import options as O
 from . import app as A
 from .app import app, bad_input, err, fail, load_run, stats_line
+from .console import text_out
 
 
 @app.command()
@@ -75,7 +76,7 @@ def chat(
             sampling = Sampling(temperature, top_k, top_p, seed + len(conversation) // 2, min_p, penalty)
             request = Request(0, 0, tuple(ids), max_new_tokens, sampling, session=0)
             stats = Stats(proposer, kk, backend=backend.label)
-            out = StopPrinter(tgt.tok.decode, sys.stdout, [])  # streamed as it comes, until a Ctrl-C
+            out = StopPrinter(tgt.tok.decode, text_out(), [])  # streamed as it comes, until a Ctrl-C
             try:
                 with contextlib.closing(answer(eng, request, stats)) as chunks:
                     for chunk in chunks:

@@ -95,6 +95,35 @@ class _Guarded(io.TextIOBase):
         return self.raw.encoding
 
 
+# A model's text may hold control characters: on a terminal, ESC starts a sequence that can recolour,
+# clear or remap the screen (a random model switches it to line-drawing glyphs), so each one is shown
+# as its Unicode control picture. Newline and tab stay; a pipe or a file gets the bytes unchanged.
+_PICTURES = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F: 0x2421}
+_PICTURES |= {c: 0xFFFD for c in range(0x80, 0xA0)}  # C1 controls (CSI is 0x9B on some terminals)
+
+
+class _Shown(io.TextIOBase):
+    """A terminal's view of model text: control characters made visible, not obeyed."""
+
+    def __init__(self, raw: TextIO) -> None:
+        self.raw = raw
+
+    def write(self, s: str) -> int:
+        self.raw.write(s.translate(_PICTURES))
+        return len(s)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+
+def text_out() -> TextIO:
+    """Where a command prints a model's text: stdout, made safe to show when it is a terminal."""
+    return _Shown(sys.stdout) if sys.stdout.isatty() else sys.stdout  # type: ignore[return-value]
+
+
 def guard_streams() -> None:
     """A closed stdin reads as empty; a failed write to stdout is a StdoutError or StdoutClosed (`main`)."""
     if sys.stdin is None:

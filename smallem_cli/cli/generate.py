@@ -11,6 +11,7 @@ from .. import defaults as D
 from .. import options as O
 from . import app as A
 from .app import app, bad_input, err, fail, load_run, stats_line
+from .console import text_out
 
 
 @app.command()
@@ -66,7 +67,7 @@ def generate(
 
     sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)
     stats = Stats(proposer, kk, backend=backend.label)
-    out = StopPrinter(tok.decode, None if json_out else sys.stdout, stops or [])
+    out = StopPrinter(tok.decode, None if json_out else text_out(), stops or [])
     try:
         for chunk in stream(tgt.model, loaded, ids, max_new_tokens, kk, sampling, tgt.chat.end_ids, stats, backend):
             if out.push(chunk):  # a stop string: the text ends before it, and generation here
