@@ -43,6 +43,17 @@ PROMPT = [3, 17, 42, 5, 9, 1, 33, 60]
 MAX_LEN = 256  # max tokens per sequence given to proposers' caches
 
 
+# The K/V cache holds float16 (`native.KV_DTYPE`, as llama.cpp's by default): a pass that reads a cached
+# past differs from the training path's float32 by that rounding, here up to about 0.3% of the largest
+# logit. A wrong key, position or rollback is off by the logits' own scale.
+KV_TOL = 5e-3
+
+
+def kv_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a (read through the cache) equal to b to the cache's float16 rounding, on b's scale."""
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0, atol=KV_TOL * float(b.abs().max())))
+
+
 def random_model(cfg: ModelConfig, seed: int, scale: float = SCALE) -> Transformer:
     """A Transformer with GPT-2 init scaled up, packed for inference."""
     m = Transformer(cfg)

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import PROMPT, random_model
+from conftest import PROMPT, kv_close, random_model
 from engine_help import backend, halved, proposer, reference_logits, sequence_pass
 
 from smallem_cli.backends.engines import Backend
@@ -319,7 +319,7 @@ class Oracle(Wrapped):
         self.offered += ks[0]
         want, gaps = self.expect(self.seq, ks[0])
         for t, w, gap in zip(tokens.tolist(), want, gaps, strict=True):
-            if gap < 1e-4:  # a near-tie: rounding may pick either, and later guesses follow from it
+            if gap < 2e-3:  # a near-tie: the cache's float16 may pick either; later guesses follow from it
                 self.skipped += 1
                 break
             assert t == w, (len(self.seq), tokens.tolist(), want)
@@ -782,9 +782,9 @@ def test_last_position_alone_matches_the_full_pass(request, models, backend_name
         assert full.shape == (len(PROMPT), 64) and last.shape == (1, 64)
         close(last, full[-1:])
         close(h_last, h_full)
-        close(full, reference_logits(model, ids))
+        assert kv_close(full, reference_logits(model, ids))
         nxt, _ = sequence_pass(model, ids, torch.tensor([7, 8]), steps)  # the prompt's K/V cached first
-        close(nxt, reference_logits(model, torch.tensor([*PROMPT, 7, 8]))[-2:])
+        assert kv_close(nxt, reference_logits(model, torch.tensor([*PROMPT, 7, 8]))[-2:])
 
 
 def mtp_sequence_pass(
@@ -818,7 +818,7 @@ def test_mtp_pass_matches_its_training_forward(request, models, backend_name: st
     steps = None if b is None else b.steps(mtp)
     assert (steps is None) == (b is None)
     for split in (1, 4):
-        close(mtp_sequence_pass(mtp, target, h, tokens, split, steps), ref)
+        assert kv_close(mtp_sequence_pass(mtp, target, h, tokens, split, steps), ref)
 
 
 @pytest.mark.parametrize("at", ["prefill", "round"])

@@ -316,7 +316,7 @@ def test_pass_refuses_a_slab_without_room(pair: tuple[Transformer, MTPModule, Ba
     target, _, b = pair
     c, steps = target.cfg, b.steps(target)
     assert steps is not None
-    slab = torch.zeros(c.n_layers, 2, c.n_kv_heads, 20, c.head_dim)
+    slab = torch.zeros(c.n_layers, 2, c.n_kv_heads, 20, c.head_dim, dtype=native.KV_DTYPE)
     with pytest.raises(ValueError, match="no room in the slab for 1 positions after a past of 20"):
         steps.step(torch.tensor([3]), slab, True)
     new = steps.step(torch.tensor([3]), slab[:, :, :, :19], True)[2]

@@ -20,6 +20,7 @@ from test_native import CPU, EAGER, close, eager_and_native, no_native, one_sequ
 
 from smallem_cli.backends import engines
 from smallem_cli.backends.engines import Backend
+from smallem_cli.backends.native import KV_DTYPE
 from smallem_cli.engine import batch as B
 from smallem_cli.engine.build import assemble, pool_pages
 from smallem_cli.engine.family import NONE, Proposer
@@ -82,7 +83,7 @@ def test_batch_pass_is_the_eager_one(trio: Trio, head: str) -> None:
     starts, counts = [0, 9, 17], [7, 5, 1]
     tables, n_pages = shuffled_tables([s + n for s, n in zip(starts, counts, strict=True)], seed=1)
     g = torch.Generator().manual_seed(3)
-    slab0 = torch.randn(*slab_for(target, n_pages * PS, CPU).shape, generator=g)  # the past
+    slab0 = torch.randn(*slab_for(target, n_pages * PS, CPU).shape, generator=g).to(KV_DTYPE)  # the past
     ids = torch.randint(0, TINY.vocab_size, (sum(counts),), generator=g)
     step = B.build(tables, starts, counts, PS, CPU)
 
@@ -107,8 +108,8 @@ def test_tree_and_mtp_passes_are_the_eager_ones(trio: Trio) -> None:
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, TINY.vocab_size, (10,), generator=g)
     h = torch.randn(10, TINY.dim, generator=g)
-    slab0 = torch.randn(*slab_for(target, n_pages * PS, CPU).shape, generator=g)
-    mslab0 = torch.randn(*slab_for(mtp, n_pages * PS, CPU).shape, generator=g)
+    slab0 = torch.randn(*slab_for(target, n_pages * PS, CPU).shape, generator=g).to(KV_DTYPE)
+    mslab0 = torch.randn(*slab_for(mtp, n_pages * PS, CPU).shape, generator=g).to(KV_DTYPE)
 
     def run(be: Backend) -> tuple[torch.Tensor, ...]:
         slab, mslab = slab0.clone(), mslab0.clone()

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import PROMPT
+from conftest import PROMPT, kv_close
 from engine_help import reference_logits
 
 from smallem_cli.backends.engines import Backend
@@ -343,11 +343,6 @@ def fresh_kv(model, tokens: list[int]) -> torch.Tensor:
     return kv_at(slab, [pool.slot(0, j) for j in range(len(tokens))])
 
 
-def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal to float32 rounding (passes over other batches sum in other orders)."""
-    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max())))
-
-
 def test_kept_kv_survive_a_rollback_and_the_reuse_of_its_pages(target) -> None:
     """A sequence writes a verify pass of 5 guesses, keeps 1, gives its emptied pages back; another
     sequence takes them and writes there. The kept K/V are untouched, bit for bit, and both
@@ -392,10 +387,10 @@ def test_kept_kv_survive_a_rollback_and_the_reuse_of_its_pages(target) -> None:
     true_a = a + guesses[:1]
     more_a = [int(t) for t in torch.randint(1, 64, (6,), generator=gen)]
     got_a = pass_(1, 8, more_a)  # a continues over its kept positions (one of them a kept guess)
-    assert close(got_a, reference_logits(target, torch.tensor(true_a + more_a))[8:])
-    assert close(kv_at(slab, slots(1, 14)), fresh_kv(target, true_a + more_a))
+    assert kv_close(got_a, reference_logits(target, torch.tensor(true_a + more_a))[8:])
+    assert kv_close(kv_at(slab, slots(1, 14)), fresh_kv(target, true_a + more_a))
     got_b = pass_(2, 5 + 3 * PAGE, [7])
-    assert close(got_b, reference_logits(target, torch.tensor([*b, *more_b, 7]))[-1:])
+    assert kv_close(got_b, reference_logits(target, torch.tensor([*b, *more_b, 7]))[-1:])
     pool.check()
 
 
@@ -440,11 +435,11 @@ def test_speculative_rounds_roll_back_to_a_fresh_pass(target, draft) -> None:
             ref, _ = generate(target, NONE, list(s.req.prompt), len(s.tokens) - len(s.req.prompt), 0)
             assert s.tokens[len(s.req.prompt) :] == ref  # greedy: the target's own tokens
             true = s.tokens[:-1]
-            assert close(kv_at(runner.slab, [pool.slot(s.uid, j) for j in range(s.cached)]), fresh_kv(target, true))
+            assert kv_close(kv_at(runner.slab, [pool.slot(s.uid, j) for j in range(s.cached)]), fresh_kv(target, true))
             n_draft = bp.state[s.uid].length  # the draft's cache: what it was fed and is still true
             assert 0 < n_draft <= s.cached
             d_kv = kv_at(bp.slab, [pool.slot(s.uid, j) for j in range(n_draft)])
-            assert close(d_kv, fresh_kv(draft, true[:n_draft]))
+            assert kv_close(d_kv, fresh_kv(draft, true[:n_draft]))
             pool.reserve(s.uid, s.cached + 1)
             logits, _, _ = runner.verify_pass([s], s.last, [1])
-            assert close(logits, reference_logits(target, torch.tensor(s.tokens))[-1:])
+            assert kv_close(logits, reference_logits(target, torch.tensor(s.tokens))[-1:])

@@ -11,6 +11,7 @@ import torch
 
 from .. import defaults as D
 from .. import options as O
+from ..backends import native
 from ..backends.engines import Backend, Log
 from ..model.llama import MTPModule, Transformer
 from . import family
@@ -96,7 +97,7 @@ def cache_budget(device: torch.device) -> int:
 def sequence_bytes(
     models: list[Transformer | MTPModule], context: int, page_size: int, tree: tuple[int, int] | None = None
 ) -> int:
-    per_slot = torch.empty(0).element_size() * sum(
+    per_slot = torch.empty(0, dtype=native.KV_DTYPE).element_size() * sum(
         (1 if isinstance(m, MTPModule) else m.cfg.n_layers) * 2 * m.cfg.n_kv_heads * m.cfg.head_dim for m in models
     )
     return pool_pages(1, context, page_size, tree) * page_size * per_slot

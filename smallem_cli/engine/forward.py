@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..backends.native import NativeSteps
+from ..backends.native import KV_DTYPE, NativeSteps
 from ..model.llama import Block, MTPModule, Transformer, unit_rms
 from .batch import BatchStep
 
@@ -16,7 +16,7 @@ def slab_for(model: Transformer | MTPModule, n_slots: int, device: torch.device)
     """A model's K/V for the pool: [layer, K or V, kv head, n_slots, head dim] (the MTP module: one layer)."""
     c = model.cfg
     layers = 1 if isinstance(model, MTPModule) else c.n_layers
-    return torch.zeros(layers, 2, c.n_kv_heads, n_slots, c.head_dim, device=device)
+    return torch.zeros(layers, 2, c.n_kv_heads, n_slots, c.head_dim, device=device, dtype=KV_DTYPE)
 
 
 def attend(q: Tensor, kv: Tensor, bias: Tensor | None, Hkv: int, G: int) -> Tensor:
@@ -24,6 +24,7 @@ def attend(q: Tensor, kv: Tensor, bias: Tensor | None, Hkv: int, G: int) -> Tens
     SDPA's CPU fallback for masks and groups costs several times more. Query heads j*G + g share kv head j."""
     T, D = q.shape[0], kv.shape[-1]
     H = Hkv * G
+    kv = kv.to(q.dtype)
     q = q.view(T, Hkv, G, D)
     q = q.view(Hkv, G, D) if T == 1 else q.permute(1, 2, 0, 3).reshape(Hkv, G * T, D)
     s = torch.bmm(q, kv[0].transpose(1, 2))  # [Hkv, G*T, S]
@@ -43,12 +44,13 @@ def block_pass(blk: Block, x: Tensor, rope: Tensor, kv: Tensor, b: BatchStep) ->
     B, Tm, S = b.bias.shape
     y = unit_rms(x, blk.eps) @ p["qkv"]  # [N, (H+2Hkv)*D]
     qkv = torch.view_as_real(torch.view_as_complex(y.view(N, -1, 2)) * rope).view(N, -1)
-    kv.index_copy_(2, b.slots, qkv[:, H * D :].view(N, 2, Hkv, D).permute(1, 2, 0, 3))
+    kv.index_copy_(2, b.slots, qkv[:, H * D :].view(N, 2, Hkv, D).permute(1, 2, 0, 3).to(kv.dtype))
     if b.base is not None:  # one sequence, its pages in order: its keys are one view of the slab,
         # attended without a gather (one token sees every key: no mask)
         att = attend(qkv[:, : H * D], kv[:, :, b.base : b.base + S], b.bias[0] if N > 1 else None, Hkv, G)
     else:
-        keys = kv.index_select(2, b.kv_slots.flatten()).view(2, Hkv, B, S, D).transpose(1, 2)  # [2, B, Hkv, S, D]
+        keys = kv.index_select(2, b.kv_slots.flatten()).to(x.dtype)  # [2, Hkv, B * S, D]
+        keys = keys.view(2, Hkv, B, S, D).transpose(1, 2)  # [2, B, Hkv, S, D]
         q = qkv[:, : H * D][b.q_rows]  # [B, Tm, H*D]: rows (g, t) per kv head, grouped per kv head
         q = q.view(B, Tm, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tm, D)
         s = (q @ keys[0].transpose(-1, -2)).view(B, Hkv, G, Tm, S) + b.bias[:, None, None]  # [B, Hkv, G, Tm, S]

@@ -44,6 +44,11 @@ class _ModelW(ctypes.Structure):
     ]  # fmt: skip
 
 
+# The cache's type, as llama.cpp's by default: a batch's attention reads every row's keys once a
+# pass, so its time is their bytes once many sequences run (vec.h). Both paths round a K/V to it when
+# writing and compute in float32 from it: their numbers stay the same.
+KV_DTYPE = torch.float16  # vec.h's kv_t
+
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # matmul.h's W_F16, W_BF16, W_F32
 KIND_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 W_Q = 3  # matmul.h's blocks (`model.quant`)
@@ -202,6 +207,7 @@ class NativeSteps:
             seen, mark = penalty.seen.contiguous(), torch.empty(c.vocab_size, dtype=torch.uint8)
             assert seen.dtype == torch.bool and seen.numel() == c.vocab_size
         at = L * self.rope[0].stride(0) * self.rope[0].element_size()  # cos, sin from position L on: by address
+        assert view.dtype == KV_DTYPE and view.stride(-1) == 1
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
         self.lib.smallem_chain(
             ctypes.addressof(self.mw), rows.w, rows.scale, rows.kind, N, self.g_final.data_ptr(), ptr(ids_t), None,
@@ -234,7 +240,7 @@ class NativeSteps:
         x, logits = torch.empty(N, c.dim), torch.empty(R, c.vocab_size)
         h = None if h is None else h.contiguous()  # held here: the C code reads it
         tokens, slots = tokens.contiguous(), b.slots.contiguous()
-        assert slab.is_contiguous() and keys <= self.positions + N
+        assert slab.is_contiguous() and slab.dtype == KV_DTYPE and keys <= self.positions + N
         scratch, _ = self._scratch_for(N, threads)
         strides = (ctypes.c_int64 * 4)(*slab.stride()[:4])
         self.lib.smallem_batch_step(
@@ -263,7 +269,8 @@ class NativeSteps:
         logits = torch.empty(t_head, c.vocab_size)
         top = torch.empty(t_head + 1, dtype=torch.long) if head else None  # each row's argmax, the finite flag
         cos, sin = self.rope[0][S : S + T], self.rope[1][S : S + T]  # [T, P]
-        assert past.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous() and tokens.is_contiguous()
+        assert past.stride(-1) == 1 and past.dtype == KV_DTYPE and tokens.is_contiguous()
+        assert cos.is_contiguous() and sin.is_contiguous()
         strides = (ctypes.c_int64 * 4)(*past.stride()[:4])
         self.lib.smallem_step(
             ctypes.addressof(self.mw), tokens.data_ptr(), None, T, cos.data_ptr(), sin.data_ptr(), past.data_ptr(),

@@ -10,9 +10,9 @@ static inline void weigh_rows(const float *p, int n, Row row, int col, float inv
     __m256 a[NB];
     for (int b = 0; b < NB; b++) a[b] = _mm256_setzero_ps();
     for (int j = 0; j < n; j++) {
-        const float *v = row(j) + col;
+        const kv_t *v = row(j) + col;
         __m256 w = _mm256_set1_ps(p[j]);
-        for (int b = 0; b < NB; b++) a[b] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * b), a[b]);
+        for (int b = 0; b < NB; b++) a[b] = _mm256_fmadd_ps(w, kv_load8(v + 8 * b), a[b]);
     }
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out + 8 * b, _mm256_mul_ps(a[b], _mm256_set1_ps(inv)));
 }
@@ -38,16 +38,16 @@ static inline float softmax_weights(float *scores, int n) {
 }
 
 // Scores of keys s0 .. s0 + G - 1 (G = 4 or 8: G independent sums) into scores[s0 ..]; past
-// the last key, q itself stands in (a valid row whose score lands in the caller's spare room).
+// the last key, key s0 stands in (a valid row whose score lands in the caller's spare room).
 template <int G, class Key>
 static inline void score_keys(const float *q, Key key, int s0, int n, int D, float *scores) {
-    const float *kg[G];
-    for (int j = 0; j < G; j++) kg[j] = s0 + j >= n ? q : key(s0 + j);
+    const kv_t *kg[G];
+    for (int j = 0; j < G; j++) kg[j] = key(s0 + j < n ? s0 + j : s0);
     __m256 a[G];
     for (int j = 0; j < G; j++) a[j] = _mm256_setzero_ps();
     for (int i = 0; i < D; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < G; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kg[j] + i), a[j]);
+        for (int j = 0; j < G; j++) a[j] = _mm256_fmadd_ps(qv, kv_load8(kg[j] + i), a[j]);
     }
     for (int j = 0; j < G; j += 4) {
         __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[j], a[j + 1]), _mm256_hadd_ps(a[j + 2], a[j + 3]));
@@ -81,8 +81,8 @@ static void attend_keys(const float *q, Key key, Val val, int n, int D, float *s
 // lanes]. Each half does, lane for lane and in the same order, what attend_keys' 256-bit
 // register does for its row, so every row gets attend_keys' numbers bit for bit; a key or
 // value chunk is loaded once for all the rows (over 5 rows, attend_keys reads each key 5 times).
-static inline __m512 both_halves(const float *p) {  // p[0 .. 8) in each half
-    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)p)));
+static inline __m512 both_halves(const kv_t *p) {  // p[0 .. 8) in each half
+    return _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)));
 }
 static inline __m512 halves(const float *a, const float *b) {  // a[0 .. 8) | b[0 .. 8)
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_loadu_pd((const double *)a)),
@@ -99,7 +99,7 @@ static inline __m512 hadd2(__m512 a, __m512 b) {
 template <int NP, class Key>
 static void pair_scores(const float *const *q, Key key, int n, int D, float *const *sc) {
     for (int s0 = 0; s0 < n; s0 += 8) {
-        const float *k8[8];
+        const kv_t *k8[8];
         for (int j = 0; j < 8; j++) k8[j] = key(s0 + j < n ? s0 + j : s0);  // past the last key: a dropped score
         __m512 a[NP][8];
         for (int p = 0; p < NP; p++)
@@ -132,7 +132,7 @@ static void pair_weigh(const float *const *w, const int *n, Val val, int col, co
     for (int p = 0; p < NP; p++)
         for (int c = 0; c < NC; c++) a[p][c] = _mm512_setzero_ps();
     for (int j = 0; j < hi; j++) {
-        const float *v = val(j) + col;
+        const kv_t *v = val(j) + col;
         __m512 wp[NP];
         __mmask16 m[NP];
         for (int p = 0; p < NP; p++) {
@@ -199,8 +199,8 @@ static void attend_rows(const float *q, long ldq, const int *n, int nq, Key key,
 // Query rows t0 .. t0+nq-1 of a pass over one sequence: S past keys (a strided view of the slab,
 // rows ps apart) and the pass's new keys 0 .. t (causal, rows ns apart): a token at position P
 // always sees P + 1 keys.
-static void attend_seq(const float *q, long ldq, const float *pk, const float *pv, long ps, const float *nk,
-                       const float *nv, long ns, int S, int t0, int nq, int D, float *scores, long lds, float *out,
+static void attend_seq(const float *q, long ldq, const kv_t *pk, const kv_t *pv, long ps, const kv_t *nk,
+                       const kv_t *nv, long ns, int S, int t0, int nq, int D, float *scores, long lds, float *out,
                        long ldo) {
     auto key = [=](int s) { return s < S ? pk + (size_t)s * ps : nk + (size_t)(s - S) * ns; };
     auto val = [=](int s) { return s < S ? pv + (size_t)s * ps : nv + (size_t)(s - S) * ns; };

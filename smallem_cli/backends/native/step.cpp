@@ -6,7 +6,7 @@
 // them from DRAM; as float16 they are 18 MB, which stay in L3 from one token to the next. Each
 // matrix is read in the narrowest type that holds its values exactly (float16, bfloat16, else
 // float32: `native.narrowest`), converted to float32 in registers and accumulated in float32:
-// the same model, with no rounding of its own.
+// the same model, with no rounding of its own but the K/V cache's float16 (vec.h), as the eager path's.
 //
 // The past is read as a strided view of the slab;
 // the new K/V go to `out_new` [L, 2, Hkv, T, D]: the slab itself, right after the past (the
@@ -61,30 +61,30 @@ struct ModelW {
 //   st[0..3]); row t's K/V go to slot slots[t]; it sees the count[t] slots from vis + start[t],
 //   in order (its sequence's positions up to its own, or a tree node's prefix and ancestors).
 struct Strided {
-    const float *past;
+    const kv_t *past;
     const int64_t *st;
     int S;
-    float *out_new;
+    kv_t *out_new;
     const int64_t *ns;
     int keys(int T) const { return S + T; }  // the most keys a row sees
-    float *dst(int l, int kv, int g, int t) const { return out_new + l * ns[0] + kv * ns[1] + g * ns[2] + t * ns[3]; }
+    kv_t *dst(int l, int kv, int g, int t) const { return out_new + l * ns[0] + kv * ns[1] + g * ns[2] + t * ns[3]; }
     static constexpr int rows = ROWS_AT_ONCE;  // rows of one head attended in one call
     void attend(int l, int g, int t0, int nq, const float *q, long ldq, int D, float *scores, long lds, float *out,
                 long ldo) const {
-        const float *pk = past + (size_t)l * st[0] + g * st[2], *nk = out_new + l * ns[0] + g * ns[2];
+        const kv_t *pk = past + (size_t)l * st[0] + g * st[2], *nk = out_new + l * ns[0] + g * ns[2];
         attend_seq(q, ldq, pk, pk + st[1], st[3], nk, nk + ns[1], ns[3], S, t0, nq, D, scores, lds, out, ldo);
     }
 };
 
 struct Paged {
-    float *slab;
+    kv_t *slab;
     const int64_t *st, *slots, *vis, *start, *count;
     int max_keys;
     int keys(int) const { return max_keys; }
-    float *dst(int l, int kv, int g, int t) const { return slab + l * st[0] + kv * st[1] + g * st[2] + slots[t] * st[3]; }
+    kv_t *dst(int l, int kv, int g, int t) const { return slab + l * st[0] + kv * st[1] + g * st[2] + slots[t] * st[3]; }
     static constexpr int rows = 1;  // each row its own keys
     void attend(int l, int g, int t, int, const float *q, long, int D, float *scores, long, float *out, long) const {
-        const float *k = slab + (size_t)l * st[0] + g * st[2], *v = k + st[1];
+        const kv_t *k = slab + (size_t)l * st[0] + g * st[2], *v = k + st[1];
         const int64_t *seen = vis + start[t], ps = st[3];
         auto key = [=](int j) { return k + seen[j] * ps; };
         auto val = [=](int j) { return v + seen[j] * ps; };
@@ -152,7 +152,7 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                 for (int i = 0; i < H * D; i++) r[i] *= qscale;
                 for (int c = 0; c < 2; c++)
                     for (int g = 0; g < Hkv; g++)
-                        memcpy(kv.dst(l, c, g, t), r + (H + c * Hkv + g) * D, D * sizeof(float));
+                        kv_store(kv.dst(l, c, g, t), r + (H + c * Hkv + g) * D, D);
             }
             // each head's rows in nb groups of at most KV::rows, of sizes as equal as can be
 #pragma omp for schedule(static)
@@ -208,8 +208,8 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
 // K/V, in a buffer or in place in the slab, right after the past (the caller reserved those
 // positions); logits of the last T_head rows.
 extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
-                  const float *sin_t, const float *past, const int64_t *past_st, int S, float *x, float *logits,
-                  int T_head, float *out_new, const int64_t *new_st, float *scratch, int threads, int64_t *top) {
+                  const float *sin_t, const kv_t *past, const int64_t *past_st, int S, float *x, float *logits,
+                  int T_head, kv_t *out_new, const int64_t *new_st, float *scratch, int threads, int64_t *top) {
     const int64_t packed[4] = {(int64_t)2 * mw->n_kv_heads * T * mw->head_dim, (int64_t)mw->n_kv_heads * T * mw->head_dim,
                                (int64_t)T * mw->head_dim, mw->head_dim};
     const Strided kv{past, past_st, S, out_new, new_st ? new_st : packed};
@@ -220,7 +220,7 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
 // strides slab_st[0..3]; row t's K/V to slots[t], its keys the count[t] slots from vis + start[t]
 // (at most max_keys); logits of the rows head_rows[0 .. T_head) (null: the last T_head).
 extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
-                                   const float *sin_t, float *slab, const int64_t *slab_st, const int64_t *slots,
+                                   const float *sin_t, kv_t *slab, const int64_t *slab_st, const int64_t *slots,
                                    const int64_t *vis, const int64_t *start, const int64_t *count, int max_keys,
                                    float *x, float *logits,
                                    int T_head, const int64_t *head_rows, float *scratch, int threads, int64_t *top) {
@@ -253,7 +253,7 @@ extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, cons
 extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const float *head_scale, int head_kind, int N,
                               const float *g_final,
                               const int64_t *ids, const float *h0, const int64_t *feed, const float *feed_h, int m,
-                              int k, const float *cos_t, const float *sin_t, float *view, const int64_t *st, int L,
+                              int k, const float *cos_t, const float *sin_t, kv_t *view, const int64_t *st, int L,
                               const double *u, float inv_t, int64_t *tokens, float *tops, float *q, float *scratch,
                               int step_scratch, int threads, const uint8_t *seen, float penalty, uint8_t *mark) {
     const int d = mw->dim, P = (mw->n_heads + 2 * mw->n_kv_heads) * mw->head_dim / 2;

@@ -79,3 +79,15 @@ static inline __m256 load_h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_load
 static inline __m256 load_b(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+
+// The K/V cache holds float16 (`engine.forward.KV_DTYPE`): half the bytes a batch's attention
+// streams through, which bounds it once many sequences each read their own keys (every row's
+// keys are read once a pass; nothing is reused between rows). Values are rounded to the nearest
+// float16 when written, read back exactly; the eager path rounds them the same way.
+typedef uint16_t kv_t;
+static inline __m256 kv_load8(const kv_t *p) { return load_h(p); }
+// d[0 .. n) = s[0 .. n) rounded to float16, n a multiple of 8.
+static inline void kv_store(kv_t *d, const float *s, int n) {
+    for (int i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+}
