@@ -4,6 +4,7 @@ each row attends to its own sequence's positions up to its own, through the pool
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -96,10 +97,13 @@ def build(
         return _one_in_order(page * page_size, starts[0], counts[0], device)
     for t, n in zip(tables, lengths, strict=True):
         assert len(t) * page_size >= n, "reserve pages before building a step"
-    d = device
+    d, ps = device, page_size
     kv_slots = _slots(tables, S, page_size)
-    seq = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))  # [N]
-    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])  # [N]
+    # the rows' few numbers in lists, one tensor each: a round builds this for every batch
+    seq = [b for b, n in enumerate(counts) for _ in range(n)]  # [N]
+    pos = [p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)]  # [N]
+    slots = [tables[b][p // ps] * ps + p % ps for b, p in zip(seq, pos, strict=True)]
+    last = [i - 1 for i in itertools.accumulate(counts)]  # [B] the flat row of each sequence's last token
 
     def masks() -> Masks:
         valid, q_rows, out_rows = _padded(counts)
@@ -108,8 +112,10 @@ def build(
         bias = torch.zeros(B, Tm, S).masked_fill_(torch.arange(S)[None, None, :] > q_pos[:, :, None], float("-inf"))
         return q_rows.to(d), bias.to(d), out_rows.to(d)
 
-    last = torch.tensor(counts).cumsum(0) - 1  # [B] flat row of each sequence's last token
-    return BatchStep(pos.to(d), kv_slots[seq, pos].to(d), kv_slots.to(d), seq.to(d), last.to(d), list(counts), masks)
+    def t(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=d)
+
+    return BatchStep(t(pos), t(slots), kv_slots.to(d), t(seq), t(last), list(counts), masks)
 
 
 def _one_in_order(base: int, start: int, n: int, device: torch.device) -> BatchStep:

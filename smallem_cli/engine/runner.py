@@ -108,11 +108,14 @@ def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> l
     guesses = proposer.propose(seqs, [s.k for s in seqs])
     guessed_s = time.perf_counter() - t0
     counts = [g[0].shape[0] + 1 for g in guesses]
-    fed_each = [
-        torch.cat([s.last.view(1), g[0]]) if c > 1 else s.last.view(1)
-        for s, g, c in zip(seqs, guesses, counts, strict=True)
-    ]
-    ids = fed_each[0] if len(seqs) == 1 else torch.cat(fed_each)  # [N]
+    if len(seqs) > 1 and max(counts) == 1:  # no guesses (the target alone, or k capped under load): from the host
+        ids = torch.tensor([s.tokens[-1] for s in seqs], device=t.slab.device)  # (a running `last` is its last token)
+    else:
+        fed_each = [
+            torch.cat([s.last.view(1), g[0]]) if c > 1 else s.last.view(1)
+            for s, g, c in zip(seqs, guesses, counts, strict=True)
+        ]
+        ids = fed_each[0] if len(seqs) == 1 else torch.cat(fed_each)  # [N]
     logits, hidden, top = t.verify_pass(seqs, ids, counts)  # [N, V], [N, d], [N + 1] or None
     if top is None:  # [N]: greedy sequences are verified on the host from these (none to verify: no argmax)
         top = torch.cat([logits.argmax(-1) if any(s.warp is None for s in seqs) else ids, finite_flag(logits)])
@@ -158,8 +161,12 @@ def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> l
         else:
             n, emitted = rest[0], rest[1 : 2 + rest[0]]
             rest = rest[m + 2 :]
-        commit(t, proposer, s, m, n, emitted, hidden[first : first + n + 1])
         verdicts.append((m, n, emitted))
+        first += c
+    outs = torch.tensor([x for v in verdicts for x in v[2]], device=hidden.device).split([v[1] + 1 for v in verdicts])
+    first = 0
+    for s, c, (m, n, _), out in zip(seqs, counts, verdicts, outs, strict=True):
+        commit(t, proposer, s, m, n, out, hidden[first : first + n + 1])
         first += c
     _clock(seqs, t0, guessed_s)
     return verdicts
@@ -172,12 +179,10 @@ def _clock(seqs: list[Seq], t0: float, guessed_s: float) -> None:
         s.stats.round_s += spent
 
 
-def commit(
-    t: TargetRunner, proposer: BatchProposer, s: Seq, m: int, n: int, emitted: list[int], hidden: Tensor
-) -> None:
-    """Keep what a round verified for `s`: `hidden` [n+1, d] the target's states of [last, d_1..d_n]."""
+def commit(t: TargetRunner, proposer: BatchProposer, s: Seq, m: int, n: int, out: Tensor, hidden: Tensor) -> None:
+    """Keep what a round verified for `s`: `out` [n+1] the tokens emitted, `hidden` [n+1, d] the target's
+    states of [last, d_1..d_n]."""
     s.cached += n + 1  # rollback: [last, d_1..d_n] stay, the rest is past the length
-    out = torch.tensor(emitted, dtype=torch.long, device=hidden.device)
     proposer.accept(s, n, out, hidden)
     t.pool.trim(s.uid, s.cached)  # pages past the kept positions go back
     s.last = out[n : n + 1]
@@ -241,7 +246,8 @@ def tree_round(
             moved = t.slab.index_select(3, torch.tensor(src, device=dev))
             t.slab.index_copy_(3, torch.tensor(dst, device=dev), moved)
         path = torch.tensor([first + i for i in nodes], device=dev)
-        commit(t, proposer, s, tr.depth, n, emitted, hidden.index_select(0, path))
+        out = torch.tensor(emitted, dtype=torch.long, device=dev)
+        commit(t, proposer, s, tr.depth, n, out, hidden.index_select(0, path))
         verdicts.append((tr.depth, n, emitted))
         first += c
     _clock(seqs, t0, guessed_s)

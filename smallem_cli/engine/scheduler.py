@@ -186,7 +186,10 @@ class Engine:
         while i < len(kept):
             s = kept[i]
             need = s.cached + round_ahead(s.k, self.tree)
-            if self.pool.need(s.uid, need) > len(self.pool.free):  # (most rounds need no new page at all)
+            if (short := self.pool.need(s.uid, need)) == 0:  # most rounds need no new page at all
+                i += 1
+                continue
+            if short > len(self.pool.free):
                 self._grow(self.pool.need(s.uid, need) - len(self.pool.free))
                 while self.pool.need(s.uid, need) > len(self.pool.free) and kept[-1] is not s:
                     self._preempt(kept.pop(), waiting)
@@ -311,9 +314,9 @@ class Engine:
 
     def _round(self, running: list[Seq], waiting: deque[Seq]) -> list[tuple[int, int, list[int]]]:
         """k by the load, pages reserved (`running` may shrink), guesses verified -> (m, n, emitted) each."""
+        greedy_k = load_k(self.k, True, len(running), self.auto_k, self.proposer.name)
         for s in running:
-            base = self.k if s.warp is None else self.k_sample
-            s.k = load_k(base, s.warp is None, len(running), self.auto_k, self.proposer.name)
+            s.k = greedy_k if s.warp is None else self.k_sample
         running[:] = self._reserve(running, waiting)
         if not running:
             return []
