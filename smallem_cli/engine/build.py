@@ -97,7 +97,7 @@ def cache_budget(device: torch.device) -> int:
 def sequence_bytes(
     models: list[Transformer | MTPModule], context: int, page_size: int, tree: tuple[int, int] | None = None
 ) -> int:
-    per_slot = torch.empty(0, dtype=native.KV_DTYPE).element_size() * sum(
+    per_slot = native.KV_DTYPE.itemsize * sum(
         (1 if isinstance(m, MTPModule) else m.cfg.n_layers) * 2 * m.cfg.n_kv_heads * m.cfg.head_dim for m in models
     )
     return pool_pages(1, context, page_size, tree) * page_size * per_slot

@@ -164,10 +164,8 @@ def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> l
         verdicts.append((m, n, emitted))
         first += c
     outs = torch.tensor([x for v in verdicts for x in v[2]], device=hidden.device).split([v[1] + 1 for v in verdicts])
-    first = 0
-    for s, c, (m, n, _), out in zip(seqs, counts, verdicts, outs, strict=True):
-        commit(t, proposer, s, m, n, out, hidden[first : first + n + 1])
-        first += c
+    for s, (m, n, _), out, h in zip(seqs, verdicts, outs, hidden.split(counts), strict=True):
+        commit(t, proposer, s, m, n, out, h[: n + 1])
     _clock(seqs, t0, guessed_s)
     return verdicts
 

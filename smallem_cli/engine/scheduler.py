@@ -190,7 +190,7 @@ class Engine:
                 i += 1
                 continue
             if short > len(self.pool.free):
-                self._grow(self.pool.need(s.uid, need) - len(self.pool.free))
+                self._grow(short - len(self.pool.free))
                 while self.pool.need(s.uid, need) > len(self.pool.free) and kept[-1] is not s:
                     self._preempt(kept.pop(), waiting)
                 if self.pool.need(s.uid, need) > len(self.pool.free):  # alone and still short
@@ -314,9 +314,10 @@ class Engine:
 
     def _round(self, running: list[Seq], waiting: deque[Seq]) -> list[tuple[int, int, list[int]]]:
         """k by the load, pages reserved (`running` may shrink), guesses verified -> (m, n, emitted) each."""
-        greedy_k = load_k(self.k, True, len(running), self.auto_k, self.proposer.name)
+        n, name = len(running), self.proposer.name
+        greedy, sampled = load_k(self.k, True, n, self.auto_k, name), load_k(self.k_sample, False, n, self.auto_k, name)
         for s in running:
-            s.k = greedy_k if s.warp is None else self.k_sample
+            s.k = greedy if s.warp is None else sampled
         running[:] = self._reserve(running, waiting)
         if not running:
             return []

@@ -44,10 +44,7 @@ class _ModelW(ctypes.Structure):
     ]  # fmt: skip
 
 
-# The cache's type, as llama.cpp's by default: a batch's attention reads every row's keys once a
-# pass, so its time is their bytes once many sequences run (vec.h). Both paths round a K/V to it when
-# writing and compute in float32 from it: their numbers stay the same.
-KV_DTYPE = torch.float16  # vec.h's kv_t
+KV_DTYPE = torch.float16  # the K/V cache's type, vec.h's kv_t (why: there)
 
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # matmul.h's W_F16, W_BF16, W_F32
 KIND_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}

@@ -80,7 +80,7 @@ static inline __m256 load_b(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-// The K/V cache holds float16 (`engine.forward.KV_DTYPE`): half the bytes a batch's attention
+// The K/V cache holds float16 (`native.KV_DTYPE`): half the bytes a batch's attention
 // streams through, which bounds it once many sequences each read their own keys (every row's
 // keys are read once a pass; nothing is reused between rows). Values are rounded to the nearest
 // float16 when written, read back exactly; the eager path rounds them the same way.
