@@ -65,6 +65,7 @@ MAX_BATCH = 16  # `smallem batch`: requests decoded together, at most
 SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000  # `smallem serve`: reached from this machine alone unless told
 SERVE_QUEUE = 256  # requests waiting for a place in the batch, at most: more are answered 429
 SERVE_DRAIN = 30  # seconds SIGTERM waits for the answers in flight before cancelling them
+SERVE_STREAM_RATE = 400.0  # server-sent events a second, shared by the streams (`serve.worker.Worker`)
 # `smallem batch`: a request line's bytes at most, never read whole past it (a 50 MB line took 10 GB to
 # tokenize); a target of a longer context gets LINE_BYTES_PER_TOKEN a position (`\u00e9` is 6 bytes).
 MAX_LINE_BYTES = 1 << 20

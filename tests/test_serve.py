@@ -255,9 +255,29 @@ def test_sigterm_finishes_the_answers_in_flight_then_exits_0(served: Server) -> 
     assert "Traceback" not in "".join(served.log)
 
 
+def test_a_stream_rate_sends_a_streams_tokens_together() -> None:
+    """--stream-rate 1: one event a second, shared by the streams; the first tokens go out at once, the rest
+    together, and they add up to the whole answer."""
+    s = Server(SHIPPED, "--proposer", "none", "--stream-rate", "1")
+    try:
+        body = {"prompt": "And", "max_tokens": 200, "ignore_eos": True}
+        whole = s.post("/v1/completions", body).json()["choices"][0]["text"]
+        t0 = time.monotonic()
+        text, events = s.stream("/v1/completions", body)
+        chunks = [c["text"] for e in events for c in e["choices"] if c["text"]]
+        assert text == whole and 2 <= len(chunks) <= 2 + time.monotonic() - t0, chunks
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
-    [(["--port", "70000"], "--port"), (["--max-queue", "0"], "--max-queue"), (["--drain", "0"], "--drain")],
+    [
+        (["--port", "70000"], "--port"),
+        (["--max-queue", "0"], "--max-queue"),
+        (["--drain", "0"], "--drain"),
+        (["--stream-rate", "-1"], "--stream-rate"),
+    ],
 )
 def test_bad_options_are_one_line(family: Family, args: list[str], words: str) -> None:
     r = CliRunner().invoke(app, ["serve", "--target", str(family.target), *args])

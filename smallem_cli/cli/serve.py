@@ -34,6 +34,10 @@ def serve(
     ] = None,
     model_name: Annotated[str | None, typer.Option("--model-name", help="(default: the target's file name)")] = None,
     drain: Annotated[int, typer.Option("--drain", help="seconds SIGTERM waits for answers in flight")] = D.SERVE_DRAIN,
+    stream_rate: Annotated[
+        float,
+        typer.Option("--stream-rate", help="streamed events a second, at most, shared by the streams (0: no limit)"),
+    ] = D.SERVE_STREAM_RATE,
     device: A.Device = D.DEVICE,
     threads: A.Threads = None,
     engine: A.Engine = D.ENGINE,
@@ -61,6 +65,8 @@ def serve(
             raise O.UsageError(f"--max-queue must be >= 1, got {max_queue}")
         if drain < 1:
             raise O.UsageError(f"--drain must be >= 1 second, got {drain}")
+        if not 0 <= stream_rate < float("inf"):
+            raise O.UsageError(f"--stream-rate must be a number >= 0, got {stream_rate}")
         proposer = proposer or family.default_proposer(target, True)
         slack = O.slack(proposer, k)
         sock = _bind(host, port)  # before the models load: a port in use fails at once
@@ -68,7 +74,7 @@ def serve(
     name = model_name or Path(target).name
     cfg = tgt.model.cfg
     served = Served(name, tgt.tok, tgt.chat, cfg.vocab_size, cfg.max_seq_len, slack)
-    worker = Worker(eng, tgt.tok.decode, max_queue)
+    worker = Worker(eng, tgt.tok.decode, max_queue, stream_rate)
     config = uvicorn.Config(
         create_app(worker, served, api_key), log_level="warning" if quiet else "info", access_log=not quiet,
         timeout_graceful_shutdown=drain, lifespan="on",
