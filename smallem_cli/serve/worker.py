@@ -192,7 +192,8 @@ class Worker:
         if t.printer is not None:
             t.held += e.tokens
             if (now := time.monotonic()) >= t.due:
-                t.due = now + self.streams * self.interval
+                period = self.streams * self.interval  # the streams' events fall due together: one wake-up
+                t.due = (now // period + 1) * period if period else 0.0
                 t.printer.push(t.held)
                 t.held = []
                 self._post_text(t)
