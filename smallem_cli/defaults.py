@@ -91,17 +91,16 @@ def proposer_vocab(greedy: bool, chosen: int | None = None) -> int:
 # The batch engine: positions a page of the pool holds, and tokens a prefill pass takes when requests join.
 PAGE_SIZE = 16
 PREFILL_TOKENS = 1024
-# A greedy request's k cap under load, per kind of proposer: (batch size up to, k cap) (docs/benchmarks.md).
-# Past 8 sequences a pass is bound by its arithmetic: a guess row costs about what it may save, and the MTP
-# module's guesses at any k made 16 sequences slower than the target alone (0 guesses: its rounds).
-LOAD_K = {"draft": ((4, MAX_K), (1 << 30, 2)), "mtp": ((8, MAX_K), (1 << 30, 0))}
+# Greedy requests guess (a model proposer's) only while at most this many sequences run (docs/benchmarks.md):
+# past it the target alone gains more from each row of a pass than a guess row saves, at any k, since the
+# native batch pass's cost grows far slower than its rows (a draft's and the MTP module's guesses made 3 to 64
+# sequences slower than the target alone, 2 faster).
+SPECULATE_UP_TO = 2
 
 
 def load_cap(proposer: str, batch: int) -> int:
-    """The most guesses per round a greedy sequence gets among `batch`: none for the n-gram lookup alone."""
-    if proposer == NGRAM:
-        return MAX_K
-    return next((cap for size, cap in LOAD_K["mtp" if "mtp" in proposer else "draft"] if batch <= size), MAX_K)
+    """The most guesses per round a greedy sequence gets among `batch`: no cap for the n-gram lookup alone."""
+    return MAX_K if proposer == NGRAM or batch <= SPECULATE_UP_TO else 0
 
 
 # `smallem data --continuations`: bench-prompt-long contexts continued to a 256-token window; one in 3 sampled.
