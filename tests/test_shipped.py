@@ -121,9 +121,9 @@ def test_sampling_is_seeded_and_reads_as_text(
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_batch_engine_on_the_shipped_family(target: family.Target, backend_name: str) -> None:
-    """The batch prompts file holds 64 prompts of 32 tokens; 8 of them decoded together by the
-    batch engine (ngram+mtp, the greedy default) equal the target alone, and the MTP module's
-    guesses are kept there as in the loop; on either backend."""
+    """The batch prompts file holds 64 prompts of 32 tokens; 8 of them decoded two at a time by the
+    batch engine (ngram+mtp, the greedy default; the load policy guesses up to 2 sequences) equal the
+    target alone, and the MTP module's guesses are kept there as in the loop; on either backend."""
     from smallem_cli.engine.build import build_engine
     from smallem_cli.engine.request import Request
 
@@ -135,7 +135,7 @@ def test_batch_engine_on_the_shipped_family(target: family.Target, backend_name:
         "ngram+mtp",
         torch.device("cpu"),
         k=None,
-        max_batch=8,
+        max_batch=defaults.SPECULATE_UP_TO,
         proposer_vocab=None,
         decode=str,
         backend=b,
