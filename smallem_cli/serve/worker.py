@@ -1,8 +1,9 @@
 """The engine's loop, on the main thread while the HTTP loop runs on another, so that neither waits on the other:
 requests join the running batch as they arrive (`Engine.events` over a live source), each one's text goes back to
-its asyncio task as it is verified, a request whose client went away is cancelled between rounds, and its pages go
-back at once. (The main thread: OpenMP teams started from a second thread, beside the main thread's, oversubscribe
-the cores, and libgomp then stops spinning between a pass's regions: the passes ran far slower.)"""
+its asyncio task as it is verified (a few rounds' at a time under load: `stream_rate`), a request whose client went
+away is cancelled between rounds, and its pages go back at once. (The main thread: OpenMP teams started from a
+second thread, beside the main thread's, oversubscribe the cores, and libgomp then stops spinning between a pass's
+regions: the passes ran far slower.)"""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class Worker:
     """`stream_rate`: server-sent events a second, at most, shared by the streams (0: every round's). An event
     costs the server and its client about as much CPU as decoding a token does, so under load a stream's tokens go
     out every `streams / stream_rate` s, together: the cost stays a bounded share of the engine's time at any load
-    (an idle server streams every few tokens, 32 streams each 10 times a second), and the first goes at once."""
+    (one stream gets an event every few tokens, each of 32 about 12 a second), and the first goes at once."""
 
     def __init__(self, engine: Engine, decode: Callable[[list[int]], str], max_queue: int, stream_rate: float) -> None:
         self.engine, self.decode, self.max_queue = engine, decode, max_queue
