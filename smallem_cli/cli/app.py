@@ -64,6 +64,16 @@ Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")]
 Threads = Annotated[int | None, typer.Option(help="torch CPU threads")]
 RunThreads = Annotated[int | None, typer.Option(help="CPU threads (default: all, fewer while other processes run)")]
 K = Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 (default: per proposer and mode)")]
+# the batch engine's: k by proposer and mode, and none for greedy requests past D.SPECULATE_UP_TO decoding
+BatchK = Annotated[
+    int | None,
+    typer.Option(
+        "-k",
+        "--k",
+        help=f"proposals per round, 1..16 (default: per proposer and mode; greedy requests none while"
+        f" more than {D.SPECULATE_UP_TO} decode)",
+    ),
+]
 Engine = Annotated[str, typer.Option(help="auto ($SMALLEM_ENGINE, or native on a CPU) | native | native-avx2 | eager")]
 # The sampling options `generate`, `chat` and `batch` share (`batch`: a request's fields left out)
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n")]

@@ -162,7 +162,7 @@ def batch(
     ] = None,
     target: Target = D.TARGET,
     proposer: Proposer = None,
-    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 (default: automatic)")] = None,
+    k: A.BatchK = None,
     max_new_tokens: A.MaxNew = D.MAX_NEW_TOKENS,
     temperature: A.Temperature = D.TEMPERATURE,
     top_k: A.TopK = None,

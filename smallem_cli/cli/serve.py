@@ -20,7 +20,7 @@ from .app import app, bad_input, err
 def serve(
     target: A.Target = D.TARGET,
     proposer: A.Proposer = None,
-    k: Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 (default: automatic)")] = None,
+    k: A.BatchK = None,
     host: Annotated[str, typer.Option(help="the address to listen on (another than 127.0.0.1 opens it to others)")] = (
         D.SERVE_HOST
     ),
