@@ -63,15 +63,13 @@ Proposer = Annotated[str | None, typer.Option(help=D.PROPOSER_HELP)]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")]
 Threads = Annotated[int | None, typer.Option(help="torch CPU threads")]
 RunThreads = Annotated[int | None, typer.Option(help="CPU threads (default: all, fewer while other processes run)")]
-K = Annotated[int | None, typer.Option("-k", "--k", help="proposals per round, 1..16 (default: per proposer and mode)")]
-# the batch engine's: k by proposer and mode, and none for greedy requests past D.SPECULATE_UP_TO decoding
-BatchK = Annotated[
+K = Annotated[
     int | None,
     typer.Option(
         "-k",
         "--k",
         help=f"proposals per round, 1..16 (default: per proposer and mode; greedy requests none while"
-        f" more than {D.SPECULATE_UP_TO} decode)",
+        f" more than {D.SPECULATE_UP_TO} decode together)",
     ),
 ]
 Engine = Annotated[str, typer.Option(help="auto ($SMALLEM_ENGINE, or native on a CPU) | native | native-avx2 | eager")]

@@ -162,7 +162,7 @@ def batch(
     ] = None,
     target: Target = D.TARGET,
     proposer: Proposer = None,
-    k: A.BatchK = None,
+    k: A.K = None,
     max_new_tokens: A.MaxNew = D.MAX_NEW_TOKENS,
     temperature: A.Temperature = D.TEMPERATURE,
     top_k: A.TopK = None,

@@ -20,7 +20,7 @@ from .app import app, bad_input, err
 def serve(
     target: A.Target = D.TARGET,
     proposer: A.Proposer = None,
-    k: A.BatchK = None,
+    k: A.K = None,
     host: Annotated[str, typer.Option(help="the address to listen on (another than 127.0.0.1 opens it to others)")] = (
         D.SERVE_HOST
     ),
@@ -36,7 +36,9 @@ def serve(
     drain: Annotated[int, typer.Option("--drain", help="seconds SIGTERM waits for answers in flight")] = D.SERVE_DRAIN,
     stream_rate: Annotated[
         float,
-        typer.Option("--stream-rate", help="streamed events a second, at most, shared by the streams (0: no limit)"),
+        typer.Option(
+            "--stream-rate", help="streamed events a second, at most, shared by the requests in flight (0: no limit)"
+        ),
     ] = D.SERVE_STREAM_RATE,
     device: A.Device = D.DEVICE,
     threads: A.Threads = None,

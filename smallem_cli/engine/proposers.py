@@ -110,20 +110,24 @@ class _State:
     fed_guesses: int = 0  # draft: guesses fed to its cache this round
     true_len: int = 0  # MTP: entries computed from the target's own states
     proposed: bool = False
-    # rounds without guesses (k 0 under load): their tokens and states, joined to the pending ones when next fed,
-    # not a copy of the whole backlog every round
-    backlog: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # rounds without guesses (k 0 under load): their tokens (and MTP: states), joined to the pending ones when
+    # next fed, not a copy of the whole backlog every round
+    backlog: list[torch.Tensor] = field(default_factory=list)
+    backlog_h: list[torch.Tensor] = field(default_factory=list)
 
-    def wait(self, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.backlog.append((emitted, hidden))
+    def wait(self, emitted: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        self.backlog.append(emitted)
+        if hidden is not None:
+            self.backlog_h.append(hidden)
 
-    def settle(self, states: bool) -> _State:
-        """The backlog joined to `pending` (and, `states`: to `pending_h`) -> self."""
+    def settle(self) -> _State:
+        """The backlog joined to `pending` and `pending_h` -> self."""
         if self.backlog:
-            self.pending = torch.cat([self.pending, *(e for e, _ in self.backlog)])
-            if states:
-                self.pending_h = torch.cat([self.pending_h, *(h for _, h in self.backlog)])
+            self.pending = torch.cat([self.pending, *self.backlog])
             self.backlog.clear()
+        if self.backlog_h:
+            self.pending_h = torch.cat([self.pending_h, *self.backlog_h])
+            self.backlog_h.clear()
         return self
 
 
@@ -151,7 +155,7 @@ class _ModelGuess:
     def _chain(self, s: Seq, k: int) -> Guesses | None:
         """k guesses for `s` alone in one native call, its pending entries fed first; None where it cannot
         serve (no native steps, a backlog longer than a pass, pages out of order, filters beside the temperature)."""
-        st, steps = self.state[s.uid].settle(isinstance(self, MTPGuess)), self.steps
+        st, steps = self.state[s.uid].settle(), self.steps
         if steps is None or not (s.warp is None or isinstance(s.warp, Warper)):
             return None
         L, m = st.length, st.pending.shape[0]
@@ -219,7 +223,7 @@ class DraftGuess(_ModelGuess):
         transformer_pass(self.model, self.slab, torch.cat(fed), b, "none", self.steps)
 
     def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
-        pend = [self.state[s.uid].settle(False).pending for s in seqs]
+        pend = [self.state[s.uid].settle().pending for s in seqs]
         b = self._step(seqs, [p.shape[0] for p in pend])
         _, x = transformer_pass(self.model, self.slab, torch.cat(pend), b, "none", self.steps)
         return x[b.last]
@@ -231,7 +235,7 @@ class DraftGuess(_ModelGuess):
     def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         st = self.state[seq.uid]
         if not st.proposed:  # another proposer guessed, or none did: these tokens wait to be fed
-            st.wait(emitted, hidden)
+            st.wait(emitted)
             return
         st.proposed = False
         kept = min(n, st.fed_guesses)  # the cache holds [.., last, d_1 .. d_fed]: keep what was confirmed
@@ -257,7 +261,7 @@ class MTPGuess(_ModelGuess):
         return mtp_pass(self.mtp, self.target, self.slab, torch.cat(h), torch.cat(x), b, self.steps)[b.last]
 
     def _feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
-        sts = [self.state[s.uid].settle(True) for s in seqs]
+        sts = [self.state[s.uid].settle() for s in seqs]
         out = self._pass(seqs, [st.pending_h for st in sts], [st.pending for st in sts])
         for st in sts:
             st.true_len = st.length

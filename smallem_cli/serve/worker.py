@@ -81,15 +81,14 @@ class Counters:
 
 
 class Worker:
-    """`stream_rate`: server-sent events a second, at most, shared by the streams (0: every round's). An event
-    costs the server and its client about as much CPU as decoding a token does, so under load a stream's tokens go
-    out every `streams / stream_rate` s, together: the cost stays a bounded share of the engine's time at any load
-    (one stream gets an event every few tokens, each of 32 about 12 a second), and the first goes at once."""
+    """`stream_rate`: server-sent events a second, at most, shared by the requests in flight (0: every round's).
+    An event costs the server and its client about as much CPU as decoding a token does, so under load a stream's
+    tokens go out every `requests / stream_rate` s, together: the cost stays a bounded share of the engine's time at
+    any load (one stream gets an event every few tokens, each of 32 about 12 a second), and the first goes at once."""
 
     def __init__(self, engine: Engine, decode: Callable[[list[int]], str], max_queue: int, stream_rate: float) -> None:
         self.engine, self.decode, self.max_queue = engine, decode, max_queue
-        self.interval = 1.0 / stream_rate if stream_rate > 0 else 0.0  # a stream's events apart, times the streams
-        self.streams = 0  # tickets streaming (engine thread only)
+        self.interval = 1.0 / stream_rate if stream_rate > 0 else 0.0  # a stream's events apart, times the requests
         self.inbox: queue.Queue[Ticket | None] = queue.Queue()
         self.tickets: dict[str | int, Ticket] = {}  # handed to the engine, not yet finished (engine thread only)
         self.queued = 0  # submitted, not yet handed to the engine
@@ -155,7 +154,6 @@ class Worker:
                 self.counters.cancelled += 1
                 continue
             self.tickets[t.request.id] = t
-            self.streams += t.stream
             self.counters.prompt_tokens += len(t.request.prompt)
             yield t.request
 
@@ -182,7 +180,6 @@ class Worker:
                 self.counters.failed += 1
                 self._post(t, Failed(why))
             self.tickets.clear()
-            self.streams = 0
             return False
 
     def _emitted(self, e: Emitted) -> None:
@@ -193,7 +190,7 @@ class Worker:
         if t.printer is not None:
             t.held += e.tokens
             if (now := time.monotonic()) >= t.due:
-                period = self.streams * self.interval  # the streams' events fall due together: one wake-up
+                period = len(self.tickets) * self.interval  # every stream's events fall due together: one wake-up
                 t.due = (now // period + 1) * period if period else 0.0
                 t.printer.push(t.held)
                 t.held = []
@@ -203,7 +200,6 @@ class Worker:
         t = self.tickets.pop(fin.request.id, None)
         if t is None:
             return
-        self.streams -= t.stream
         st = fin.stats
         self.counters.passes += int(st.get("target_passes", 0))  # type: ignore[call-overload]
         if fin.reason == "cancelled":
