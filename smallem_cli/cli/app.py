@@ -68,8 +68,8 @@ K = Annotated[
     typer.Option(
         "-k",
         "--k",
-        help=f"proposals per round, 1..16 (default: per proposer and mode; greedy requests none while"
-        f" more than {D.SPECULATE_UP_TO} decode together)",
+        help=f"proposals per round, 1..16 (default: per proposer and mode); greedy requests get none while"
+        f" more than {D.SPECULATE_UP_TO} decode together",
     ),
 ]
 Engine = Annotated[str, typer.Option(help="auto ($SMALLEM_ENGINE, or native on a CPU) | native | native-avx2 | eager")]
