@@ -17,26 +17,6 @@ static inline void weigh_rows(const float *p, int n, Row row, int col, float inv
     for (int b = 0; b < NB; b++) _mm256_storeu_ps(out + 8 * b, _mm256_mul_ps(a[b], _mm256_set1_ps(inv)));
 }
 
-// The softmax weights of a row of n scores, in place: exp(score - max) -> 1 / their sum.
-static inline float softmax_weights(float *scores, int n) {
-    float mx = -INFINITY;
-    for (int s = 0; s < n; s++) mx = scores[s] > mx ? scores[s] : mx;
-    __m256 vm = _mm256_set1_ps(mx), tot = _mm256_setzero_ps();
-    int s = 0;
-    for (; s + 8 <= n; s += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), vm));
-        _mm256_storeu_ps(scores + s, e);
-        tot = _mm256_add_ps(tot, e);
-    }
-    float sum = hsum(tot);
-    for (; s < n; s++) {
-        float e = expf(scores[s] - mx);
-        scores[s] = e;
-        sum += e;
-    }
-    return 1.0f / sum;
-}
-
 // Scores of keys s0 .. s0 + G - 1 (G = 4 or 8: G independent sums) into scores[s0 ..]; past
 // the last key, key s0 stands in (a valid row whose score lands in the caller's spare room).
 template <int G, class Key>
@@ -55,20 +35,110 @@ static inline void score_keys(const float *q, Key key, int s0, int n, int D, flo
     }
 }
 
+#if defined(__AVX512F__)
+// The same sums with 512-bit registers, half the conversions and instructions (a row's
+// attention is bound by them): two keys to a register, key j's eight lanes beside key j+1's,
+// each half doing what score_keys' 256-bit register does; a value row's 16 columns to a
+// register, each lane the same ordered sum over keys as weigh_rows' 8.
+static inline __m512 two_rows(const kv_t *a, const kv_t *b) {  // a[0 .. 8) | b[0 .. 8)
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+// Scores of keys s0 .. s0 + 2G - 1 (G even: G pairs in flight) against qq[c] = q's chunk c in
+// both halves; past the last key, key s0 stands in.
+template <int G, class Key>
+static inline void score_pairs(const __m512 *qq, Key key, int s0, int n, int D, float *scores) {
+    const kv_t *kg[2 * G];
+    for (int j = 0; j < 2 * G; j++) kg[j] = key(s0 + j < n ? s0 + j : s0);
+    __m512 a[G];
+    for (int j = 0; j < G; j++) a[j] = _mm512_setzero_ps();
+    for (int c = 0; c < D / 8; c++)
+        for (int j = 0; j < G; j++) a[j] = _mm512_fmadd_ps(qq[c], two_rows(kg[2 * j] + 8 * c, kg[2 * j + 1] + 8 * c), a[j]);
+    const __m512i order = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9, 1, 8, 0);
+    for (int j = 0; j < G; j += 2) {  // score_keys' reduction, in each half: keys 2j, 2j+2 low, 2j+1, 2j+3 high
+        const __m512 x = a[j], y = a[j + 1];
+        __m512 h = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+        h = _mm512_add_ps(_mm512_shuffle_ps(h, h, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(h, h, _MM_SHUFFLE(3, 1, 3, 1)));
+        h = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(2, 3, 0, 1)));
+        _mm_storeu_ps(scores + s0 + 2 * j, _mm512_castps512_ps128(_mm512_permutexvar_ps(order, h)));
+    }
+}
+template <int NB, class Row>
+static inline void weigh_rows16(const float *p, int n, Row row, int col, float inv, float *out) {
+    __m512 a[NB];
+    for (int b = 0; b < NB; b++) a[b] = _mm512_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const kv_t *v = row(j) + col;
+        if (j + 8 < n)  // the value row eight ahead, as the keys above
+            for (int b = 0; b < NB * 32; b += 64) _mm_prefetch((const char *)(row(j + 8) + col) + b, _MM_HINT_T0);
+        const __m512 w = _mm512_set1_ps(p[j]);
+        for (int b = 0; b < NB; b++)
+            a[b] = _mm512_fmadd_ps(w, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + 16 * b))), a[b]);
+    }
+    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + 16 * b, _mm512_mul_ps(a[b], _mm512_set1_ps(inv)));
+}
+#endif
+
+// The softmax weights of a row of n scores, in place: exp(score - max) -> 1 / their sum.
+static inline float softmax_weights(float *scores, int n) {
+    float mx = -INFINITY;
+    int s = 0;
+#if defined(__AVX512F__)
+    __m512 m16 = _mm512_set1_ps(-INFINITY);
+    for (; s + 16 <= n; s += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(scores + s));
+    mx = _mm512_reduce_max_ps(m16);
+#endif
+    for (; s < n; s++) mx = scores[s] > mx ? scores[s] : mx;
+    __m256 vm = _mm256_set1_ps(mx), tot = _mm256_setzero_ps();
+    s = 0;
+    for (; s + 8 <= n; s += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), vm));
+        _mm256_storeu_ps(scores + s, e);
+        tot = _mm256_add_ps(tot, e);
+    }
+    float sum = hsum(tot);
+    for (; s < n; s++) {
+        float e = expf(scores[s] - mx);
+        scores[s] = e;
+        sum += e;
+    }
+    return 1.0f / sum;
+}
+
 // Attention of one query row over n keys key(0 .. n-1) and their values val(j), softmax in
 // float32. q is pre-scaled; out [D]; scores: room for n + 8 floats. Every score is one 8-lane
 // sum over D (lane i of chunk c adds q[8c + i] k[8c + i], c in order), reduced by the same
 // pairwise adds, so a row that sees the same keys in the same order gets the same numbers,
 // whatever pass holds it and however its keys are addressed (a strided view of one sequence,
-// or slots of a paged batch), and whether it runs here or beside another row (`attend_pairs`).
+// or slots of a paged batch), whether it runs here or beside another row (`attend_pairs`), and
+// in either build (AVX2, or AVX-512's wider registers: the same lanes, the same order).
 template <class Key, class Val>
 static void attend_keys(const float *q, Key key, Val val, int n, int D, float *scores, float *out) {
     int s0 = 0;
+#if defined(__AVX512F__)
+    if (D <= 256) {
+        __m512 qq[32];
+        for (int c = 0; c < D / 8; c++) qq[c] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(q + 8 * c))));
+        for (; s0 + 8 <= n; s0 += 8) {
+            // the next eight keys asked for now: a batch's rows each read their own keys, from
+            // the L3 or memory, and the hardware's prefetcher does not run ahead within a page
+            for (int j = s0 + 8; j < s0 + 16 && j < n; j++)
+                for (int b = 0; b < D * 2; b += 64) _mm_prefetch((const char *)key(j) + b, _MM_HINT_T0);
+            score_pairs<4>(qq, key, s0, n, D, scores);
+        }
+        for (; s0 < n; s0 += 4) score_pairs<2>(qq, key, s0, n, D, scores);
+    }
+#endif
     for (; s0 + 8 <= n; s0 += 8) score_keys<8>(q, key, s0, n, D, scores);  // eight sums in flight
     for (; s0 < n; s0 += 4) score_keys<4>(q, key, s0, n, D, scores);  // the rest: at most 3 wasted
     const float inv = softmax_weights(scores, n);
     for (int i = 0; i < D;) {  // up to 64 columns at a time, each in its own register
         int left = (D - i) / 8;
+#if defined(__AVX512F__)
+        if (left >= 8) { weigh_rows16<4>(scores, n, val, i, inv, out + i), i += 64; continue; }
+        if (left >= 4) { weigh_rows16<2>(scores, n, val, i, inv, out + i), i += 32; continue; }
+        if (left >= 2) { weigh_rows16<1>(scores, n, val, i, inv, out + i), i += 16; continue; }
+#endif
         if (left >= 8) weigh_rows<8>(scores, n, val, i, inv, out + i), i += 64;
         else if (left >= 4) weigh_rows<4>(scores, n, val, i, inv, out + i), i += 32;
         else if (left >= 2) weigh_rows<2>(scores, n, val, i, inv, out + i), i += 16;
