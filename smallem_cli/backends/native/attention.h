@@ -3,18 +3,46 @@
 
 #include "vec.h"
 
-// out[0 .. NB*8) = sum_j p[j] v_j over n rows v_j = row(j) (offset by the caller to the columns
-// wanted): NB accumulators in registers, so the adds of one row do not wait on each other.
-template <int NB, class Row>
+// A register of value columns: 8 (AVX2) or, in the AVX-512 build, 16. Either way each lane is
+// the same ordered sum over keys, so the two give the same numbers. `ahead`: prefetch the value
+// row eight keys on (measured with AVX-512 only; see attend_keys).
+struct Y8 {
+    using R = __m256;
+    static constexpr int lanes = 8;
+    static constexpr bool ahead = false;
+    static R zero() { return _mm256_setzero_ps(); }
+    static R set1(float x) { return _mm256_set1_ps(x); }
+    static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+    static R load(const kv_t *p) { return kv_load8(p); }
+    static void store(float *o, R a, float s) { _mm256_storeu_ps(o, _mm256_mul_ps(a, _mm256_set1_ps(s))); }
+};
+#if defined(__AVX512F__)
+struct Z16 {
+    using R = __m512;
+    static constexpr int lanes = 16;
+    static constexpr bool ahead = true;
+    static R zero() { return _mm512_setzero_ps(); }
+    static R set1(float x) { return _mm512_set1_ps(x); }
+    static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+    static R load(const kv_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+    static void store(float *o, R a, float s) { _mm512_storeu_ps(o, _mm512_mul_ps(a, _mm512_set1_ps(s))); }
+};
+#endif
+
+// out[0 .. NB * V::lanes) = inv * sum_j p[j] v_j over n rows v_j = row(j) (offset by the caller to
+// the columns wanted): NB accumulators in registers, so the adds of one row do not wait on each other.
+template <class V, int NB, class Row>
 static inline void weigh_rows(const float *p, int n, Row row, int col, float inv, float *out) {
-    __m256 a[NB];
-    for (int b = 0; b < NB; b++) a[b] = _mm256_setzero_ps();
+    typename V::R a[NB];
+    for (int b = 0; b < NB; b++) a[b] = V::zero();
     for (int j = 0; j < n; j++) {
         const kv_t *v = row(j) + col;
-        __m256 w = _mm256_set1_ps(p[j]);
-        for (int b = 0; b < NB; b++) a[b] = _mm256_fmadd_ps(w, kv_load8(v + 8 * b), a[b]);
+        if (V::ahead && j + 8 < n)
+            for (int b = 0; b < NB * V::lanes * 2; b += 64) _mm_prefetch((const char *)(row(j + 8) + col) + b, _MM_HINT_T0);
+        const typename V::R w = V::set1(p[j]);
+        for (int b = 0; b < NB; b++) a[b] = V::fma(w, V::load(v + V::lanes * b), a[b]);
     }
-    for (int b = 0; b < NB; b++) _mm256_storeu_ps(out + 8 * b, _mm256_mul_ps(a[b], _mm256_set1_ps(inv)));
+    for (int b = 0; b < NB; b++) V::store(out + V::lanes * b, a[b], inv);
 }
 
 // Scores of keys s0 .. s0 + G - 1 (G = 4 or 8: G independent sums) into scores[s0 ..]; past
@@ -38,8 +66,7 @@ static inline void score_keys(const float *q, Key key, int s0, int n, int D, flo
 #if defined(__AVX512F__)
 // The same sums with 512-bit registers, half the conversions and instructions (a row's
 // attention is bound by them): two keys to a register, key j's eight lanes beside key j+1's,
-// each half doing what score_keys' 256-bit register does; a value row's 16 columns to a
-// register, each lane the same ordered sum over keys as weigh_rows' 8.
+// each half doing what score_keys' 256-bit register does (the values: `Z16`).
 static inline __m512 two_rows(const kv_t *a, const kv_t *b) {  // a[0 .. 8) | b[0 .. 8)
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
                                                    _mm_loadu_si128((const __m128i *)b), 1));
@@ -62,20 +89,6 @@ static inline void score_pairs(const __m512 *qq, Key key, int s0, int n, int D, 
         h = _mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(2, 3, 0, 1)));
         _mm_storeu_ps(scores + s0 + 2 * j, _mm512_castps512_ps128(_mm512_permutexvar_ps(order, h)));
     }
-}
-template <int NB, class Row>
-static inline void weigh_rows16(const float *p, int n, Row row, int col, float inv, float *out) {
-    __m512 a[NB];
-    for (int b = 0; b < NB; b++) a[b] = _mm512_setzero_ps();
-    for (int j = 0; j < n; j++) {
-        const kv_t *v = row(j) + col;
-        if (j + 8 < n)  // the value row eight ahead, as the keys above
-            for (int b = 0; b < NB * 32; b += 64) _mm_prefetch((const char *)(row(j + 8) + col) + b, _MM_HINT_T0);
-        const __m512 w = _mm512_set1_ps(p[j]);
-        for (int b = 0; b < NB; b++)
-            a[b] = _mm512_fmadd_ps(w, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + 16 * b))), a[b]);
-    }
-    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + 16 * b, _mm512_mul_ps(a[b], _mm512_set1_ps(inv)));
 }
 #endif
 
@@ -133,16 +146,17 @@ static void attend_keys(const float *q, Key key, Val val, int n, int D, float *s
     for (; s0 < n; s0 += 4) score_keys<4>(q, key, s0, n, D, scores);  // the rest: at most 3 wasted
     const float inv = softmax_weights(scores, n);
     for (int i = 0; i < D;) {  // up to 64 columns at a time, each in its own register
-        int left = (D - i) / 8;
+        const int left = (D - i) / 8;
 #if defined(__AVX512F__)
-        if (left >= 8) { weigh_rows16<4>(scores, n, val, i, inv, out + i), i += 64; continue; }
-        if (left >= 4) { weigh_rows16<2>(scores, n, val, i, inv, out + i), i += 32; continue; }
-        if (left >= 2) { weigh_rows16<1>(scores, n, val, i, inv, out + i), i += 16; continue; }
+        if (left >= 8) weigh_rows<Z16, 4>(scores, n, val, i, inv, out + i), i += 64;
+        else if (left >= 4) weigh_rows<Z16, 2>(scores, n, val, i, inv, out + i), i += 32;
+        else if (left >= 2) weigh_rows<Z16, 1>(scores, n, val, i, inv, out + i), i += 16;
+#else
+        if (left >= 8) weigh_rows<Y8, 8>(scores, n, val, i, inv, out + i), i += 64;
+        else if (left >= 4) weigh_rows<Y8, 4>(scores, n, val, i, inv, out + i), i += 32;
+        else if (left >= 2) weigh_rows<Y8, 2>(scores, n, val, i, inv, out + i), i += 16;
 #endif
-        if (left >= 8) weigh_rows<8>(scores, n, val, i, inv, out + i), i += 64;
-        else if (left >= 4) weigh_rows<4>(scores, n, val, i, inv, out + i), i += 32;
-        else if (left >= 2) weigh_rows<2>(scores, n, val, i, inv, out + i), i += 16;
-        else weigh_rows<1>(scores, n, val, i, inv, out + i), i += 8;
+        else weigh_rows<Y8, 1>(scores, n, val, i, inv, out + i), i += 8;
     }
 }
 
