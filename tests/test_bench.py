@@ -183,20 +183,21 @@ def test_variants_guess_as_deep_as_their_proposer() -> None:
 
 def test_bench_batch(family: Family, tmp_path: Path) -> None:
     """`bench --batch`: a row per proposer, k and batch size, each with every request identical to
-    the target alone's; bad sizes are one error line."""
+    the target alone's, its figures those of the median of its --repeats runs; bad sizes are one error line."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"tokens": list(range(5 + i, 15 + i)), "text": ""}) + "\n" for i in range(6)))
     args = ["bench", "--target", str(family.target), "--prompts", str(prompts), "-n", "12", "--proposers", "mtp"]
-    res = CliRunner().invoke(app, [*args, "--batch", "1,4", "-k", "1,3", "--json"])
+    res = CliRunner().invoke(app, [*args, "--batch", "1,4", "-k", "1,3", "--repeats", "3", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["batch_rows"]
+    assert all(len(r["runs_tokens_per_s"]) == 3 and r["tokens_per_s"] == r["runs_tokens_per_s"][1] for r in rows)
     assert [(r["proposer"], r["k"], r["batch"]) for r in rows] == [
         ("none", "auto", 1), ("none", "auto", 4), ("mtp", "1", 1), ("mtp", "1", 4), ("mtp", "3", 1), ("mtp", "3", 4)
     ]  # fmt: skip
     assert all(r["identical"] == "6/6" and r["tokens"] == 72 and r["preemptions"] == 0 for r in rows)
     assert all(r["tokens_per_pass"] > 1 for r in rows if r["proposer"] == "mtp")
-    table = CliRunner().invoke(app, [*args, "--batch", "2"])
-    assert table.exit_code == 0 and "batch engine" in table.stdout
+    table = CliRunner().invoke(app, [*args, "--batch", "2", "--repeats", "1"])
+    assert table.exit_code == 0 and "batch engine" in table.stdout and "one run" in table.stdout
     bad = CliRunner().invoke(app, [*args, "--batch", "0,4"])
     assert bad.exit_code == 2 and bad.stderr.count("\n") == 1 and "batch sizes" in bad.stderr
 

@@ -94,7 +94,7 @@ def test_bench_runs_on_text_and_messages(hf_dir: Path, tmp_path: Path, monkeypat
     out = json.loads(res.stdout)
     assert out["prompts"] == 3 and seen == [want]
     assert [r["identical"] for r in out["rows"]] == ["3/3"] * len(out["rows"]) and len(out["rows"]) >= 2
-    res = CliRunner().invoke(app, [*args, "--batch", "1,2", "--json"])
+    res = CliRunner().invoke(app, [*args, "--batch", "1,2", "--repeats", "1", "--json"])
     assert res.exit_code == 0, (res.stdout, res.stderr)
     rows = json.loads(res.stdout)["batch_rows"]
     assert rows and all(r["identical"] == "3/3" for r in rows)

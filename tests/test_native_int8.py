@@ -226,7 +226,7 @@ def test_bench_rows_for_both(family: Family, tmp_path: Path) -> None:
     rows = [r for r in json.loads(res.stdout)["rows"] if r["engine"] == "native"]
     assert {r["proposer"] for r in rows} == {"mtp", "mtp@f16", "none"}
     assert all(r["identical"] == "4/4" for r in rows)
-    res = CliRunner().invoke(app, [*args, "--batch", "2"])
+    res = CliRunner().invoke(app, [*args, "--batch", "2", "--repeats", "1"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["batch_rows"]
     assert [r["proposer"] for r in rows] == ["none", "mtp", "mtp@f16"] and all(r["identical"] == "4/4" for r in rows)

@@ -37,7 +37,8 @@ class BatchRow:
     tokens_per_pass: float  # tokens per sequence per round
     rounds: int
     preemptions: int
-    identical: str  # "64/64": requests whose tokens equal the reference row's
+    identical: str  # "64/64": requests whose tokens equal the reference row's (in its worst run)
+    runs_tokens_per_s: list[float]  # every timed run's, in order of speed (the row's figures: the median run's)
 
 
 def _timed(eng: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[Finished]]:
@@ -62,16 +63,63 @@ def alone_at_batch(
     return sum(len(f.tokens) for f in done) / wall, [f.tokens for f in done]
 
 
+Run = tuple[str, str, int | None, int]  # engine, proposer, k (None: the load policy's), batch size
+
+
+@dataclass
+class Timed:
+    wall_s: float
+    done: list[Finished]
+    rounds: int
+    preemptions: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(f.tokens) for f in self.done)
+
+
+def _row(run: Run, timed: list[Timed], reference: list[list[int]]) -> BatchRow:
+    """A configuration's row: the figures of its median run, its identity in its worst."""
+    engine, name, k, size = run
+    med = sorted(timed, key=lambda t: t.wall_s)[(len(timed) - 1) // 2]
+    st = [f.stats for f in med.done]
+    same = min(sum(f.tokens == r for f, r in zip(t.done, reference, strict=True)) for t in timed)
+    passes = sum(s["target_passes"] for s in st)  # type: ignore[misc]
+    return BatchRow(
+        engine, name, "auto" if k is None else str(k), size, len(reference), med.tokens, med.wall_s,
+        med.tokens / med.wall_s,
+        statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
+        statistics.mean(float(s["acceptance_rate"]) for s in st),  # type: ignore[arg-type]
+        med.tokens / max(1, passes), med.rounds, med.preemptions, f"{same}/{len(reference)}",
+        sorted(t.tokens / t.wall_s for t in timed),
+    )  # fmt: skip
+
+
+def _engine(tgt: family.Target, device: torch.device, name: str, k: int | None, size: int, backend: Backend,
+            weights: str, err: Console) -> Engine:  # fmt: skip
+    """A row's engine: `name` may be P@tree12 (token trees) or P@f16 (the proposer's weights so)."""
+    from ..engine.build import build_engine
+
+    base, _, suffix = name.partition("@")
+    tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
+    return build_engine(
+        tgt, base, device, k=k, max_batch=size, proposer_vocab=None, decode=str, tree=tree, backend=backend,
+        log=err.print, weights=suffix if suffix in D.WEIGHTS else weights, strict=True,
+    )  # fmt: skip
+
+
 def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) -> Table:
-    n = rows[0].requests if rows else 0
-    title = f"batch engine: {n} prompts x {max_new_tokens} new tokens, greedy, {device}, {threads} threads"
-    cols = ("engine", "proposer", "k", "batch", "tok/s", "x alone", "latency s", "acceptance", "tok/pass", "rounds")
-    t = right_table(title, (*cols, "preempted", "identical"), "proposer")
+    n, runs = (rows[0].requests, len(rows[0].runs_tokens_per_s)) if rows else (0, 0)
+    timing = "one run" if runs == 1 else f"median of {runs} runs"
+    title = f"batch engine: {n} prompts x {max_new_tokens} new tokens, greedy, {timing}, {device}, {threads} threads"
+    cols = ("engine", "proposer", "k", "batch", "tok/s", "runs' range", "x alone", "latency s", "acceptance")
+    t = right_table(title, (*cols, "tok/pass", "rounds", "preempted", "identical"), "proposer")
     alone = {(r.engine, r.batch): r.tokens_per_s for r in rows if r.proposer == "none"}
     for r in rows:
         base = alone.get((r.engine, r.batch))
         t.add_row(
             r.engine, r.proposer, r.k, str(r.batch), f"{r.tokens_per_s:.1f}",
+            f"{r.runs_tokens_per_s[0]:.0f}-{r.runs_tokens_per_s[-1]:.0f}",
             f"{r.tokens_per_s / base:.2f}" if base else "-", f"{r.latency_s:.2f}", f"{r.acceptance:.2f}",
             f"{r.tokens_per_pass:.2f}", str(r.rounds), str(r.preemptions), r.identical,
         )  # fmt: skip
@@ -81,13 +129,14 @@ def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) 
 def from_cli(tgt: family.Target, device: torch.device, names: list[str], sizes: list[int], ks: list[int],
              prompts: list[list[int]], max_new_tokens: int, err: Console, out: Console, json_out: bool,
              plot_file: Path | None, engines: tuple[str, ...] = ("eager",),
-             weights: str = D.PROPOSER_WEIGHTS) -> list[BatchRow]:  # fmt: skip
+             weights: str = D.PROPOSER_WEIGHTS, repeats: int = 1) -> list[BatchRow]:  # fmt: skip
     """`smallem bench --batch`: the target alone, then each proposer (P@tree12: with token trees; P@f16:
-    its weights so, else as `weights`) at each k (none: the load policy's), at every size, per engine."""
+    its weights so, else as `weights`) at each k (none: the load policy's), at every size, per engine;
+    each row the median of `repeats` timed runs."""
     from rich.markup import escape
     from rich.progress import Progress
 
-    from ..engine.build import build_engine, cache_budget, fit_batch, sequence_bytes
+    from ..engine.build import cache_budget, fit_batch, sequence_bytes
 
     # a size whose target cache alone does not fit is refused before any row runs (a proposer's: as built)
     per_sequence = sequence_bytes([tgt.model], tgt.model.cfg.max_seq_len, D.PAGE_SIZE)
@@ -95,31 +144,26 @@ def from_cli(tgt: family.Target, device: torch.device, names: list[str], sizes: 
     backends: dict[str, Backend] = {}  # one per engine: the target's native steps built once
     configs = [("none", None)] + [(n, k) for n in names if n != "none" for k in (ks or [None])]
     runs = [(e, name, k, size) for e in engines for name, k in configs for size in sizes]
-    reference: list[list[int]] | None = None
-    rows = []
+    built: dict[Run, Engine] = {}
+    timed: dict[Run, list[Timed]] = {run: [] for run in runs}
     with Progress(console=err, transient=True) as bar:
-        task = bar.add_task("bench --batch", total=len(runs))
-        for engine, name, k, size in runs:
-            bar.update(task, advance=1, description=escape(f"{engine} {name} k={k or 'auto'} batch {size}"))
-            base, _, suffix = name.partition("@")  # token trees (`cli.bench` names them), or weights
-            tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
-            eng = build_engine(
-                tgt, base, device, k=k, max_batch=size, proposer_vocab=None, decode=str, tree=tree,
-                backend=backends.setdefault(engine, Backend(engine)), log=err.print,
-                weights=suffix if suffix in D.WEIGHTS else weights, strict=True,
-            )  # fmt: skip
-            wall, done = _timed(eng, prompts, max_new_tokens)
-            outs, st = [f.tokens for f in done], [f.stats for f in done]
-            reference = outs if reference is None else reference
-            same = sum(a == b for a, b in zip(outs, reference, strict=True))
-            tokens = sum(len(o) for o in outs)
-            passes = sum(s["target_passes"] for s in st)  # type: ignore[misc]
-            rows.append(BatchRow(
-                engine, name, "auto" if k is None else str(k), size, len(prompts), tokens, wall, tokens / wall,
-                statistics.mean(float(s["latency_s"]) for s in st),  # type: ignore[arg-type]
-                statistics.mean(float(s["acceptance_rate"]) for s in st),  # type: ignore[arg-type]
-                tokens / max(1, passes), eng.rounds, eng.preemptions, f"{same}/{len(prompts)}",
-            ))  # fmt: skip
+        task = bar.add_task("bench --batch", total=len(runs) * repeats)
+        # every configuration once a round, `repeats` rounds: a slow spell of a shared host falls on all
+        # of them, not on one, so the ratios of their medians hold where single runs do not
+        for _ in range(repeats):
+            for run in runs:
+                engine, name, k, size = run
+                bar.update(task, advance=1, description=escape(f"{engine} {name} k={k or 'auto'} batch {size}"))
+                if run not in built:  # built, and warmed up on short requests, before its first timed run
+                    backend = backends.setdefault(engine, Backend(engine))
+                    built[run] = _engine(tgt, device, name, k, size, backend, weights, err)
+                    _timed(built[run], [p[:16] for p in prompts], 8)
+                eng = built[run]
+                rounds, preempted = eng.rounds, eng.preemptions
+                wall, done = _timed(eng, prompts, max_new_tokens)
+                timed[run].append(Timed(wall, done, eng.rounds - rounds, eng.preemptions - preempted))
+    reference = [f.tokens for f in timed[runs[0]][0].done]
+    rows = [_row(run, timed[run], reference) for run in runs]
     if plot_file:  # throughput against batch size, a line per engine, proposer and k
         lines: dict[str, list[tuple[float, float]]] = {}
         for r in rows:

@@ -145,14 +145,14 @@ def bench(
             if any(r.identical != "-" and not r.identical.startswith(f"{r.requests}/") for r in rows):
                 raise fail("greedy identity FAILED across servers or client counts", 1)
             return
-        if batch is not None:  # the batch engine's table instead: greedy, one run per size
+        if batch is not None:  # the batch engine's table instead: greedy, the median of --repeats runs per size
             sizes = O.parse_sizes(batch)
             found = O.read_prompts(
                 prompts_file or D.BATCH_PROMPTS, tgt.model.cfg, max_new_tokens, {"k": [D.MAX_K]}, tgt.tok, tgt.chat
             )
             rows = from_cli(
                 tgt, dev, list(rows_of), sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file,
-                engine_list, first,
+                engine_list, first, repeats,
             )  # fmt: skip
             if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
                 raise fail("greedy identity FAILED in the batch engine", 1)

@@ -231,17 +231,19 @@ class NativeSteps:
         c, threads, N = self.cfg, torch.get_num_threads(), tokens.shape[0]
         vis, first, count = (t.contiguous() for t in visible(b))
         keys = int(count.max())
-        cos, sin = self.rope[0][b.positions], self.rope[1][b.positions]  # [N, P]
         rows = b.last.contiguous() if head == "last" else None  # gathered; "all": the last N rows are all
         R = 0 if head == "none" or self.mtp else N if head == "all" else len(b.counts)
         x, logits = torch.empty(N, c.dim), torch.empty(R, c.vocab_size)
         h = None if h is None else h.contiguous()  # held here: the C code reads it
-        tokens, slots = tokens.contiguous(), b.slots.contiguous()
-        assert slab.is_contiguous() and slab.dtype == KV_DTYPE and keys <= self.positions + N
+        tokens, slots, positions = tokens.contiguous(), b.slots.contiguous(), b.positions.contiguous()
+        # a row at position P sees P + 1 keys: within the context, every row's rotation is in the tables the C
+        # code reads by position
+        assert slab.is_contiguous() and slab.dtype == KV_DTYPE and keys <= self.positions
         scratch, _ = self._scratch_for(N, threads)
         strides = (ctypes.c_int64 * 4)(*slab.stride()[:4])
         self.lib.smallem_batch_step(
-            ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), N, cos.data_ptr(), sin.data_ptr(), slab.data_ptr(),
+            ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), N, positions.data_ptr(), self.rope[0].data_ptr(),
+            self.rope[1].data_ptr(), slab.data_ptr(),
             ctypes.addressof(strides), slots.data_ptr(), vis.data_ptr(), first.data_ptr(), count.data_ptr(), keys,
             x.data_ptr(), logits.data_ptr(), R, ptr(rows), scratch.data_ptr(), threads, ptr(top),
         )  # fmt: skip

@@ -3,9 +3,17 @@
 
 #include "vec.h"
 
+// How many keys on a row's scores and weighted sum ask for the rows they will read (AVX-512). A
+// batch's keys lie in pages of 16 slots scattered over the slab, 2 KB a head: too short a run for
+// the hardware's prefetcher. Eight keys on was too close at 64 sequences, whose K/V (about 70 MB
+// a pass) come from the L3 or memory; 16 on was as fast at 16 sequences (docs/benchmarks.md).
+#ifndef KV_AHEAD
+#define KV_AHEAD 16
+#endif
+
 // A register of value columns: 8 (AVX2) or, in the AVX-512 build, 16. Either way each lane is
 // the same ordered sum over keys, so the two give the same numbers. `ahead`: prefetch the value
-// row eight keys on (measured with AVX-512 only; see attend_keys).
+// row KV_AHEAD keys on (measured with AVX-512 only; see attend_keys).
 struct Y8 {
     using R = __m256;
     static constexpr int lanes = 8;
@@ -37,8 +45,9 @@ static inline void weigh_rows(const float *p, int n, Row row, int col, float inv
     for (int b = 0; b < NB; b++) a[b] = V::zero();
     for (int j = 0; j < n; j++) {
         const kv_t *v = row(j) + col;
-        if (V::ahead && j + 8 < n)
-            for (int b = 0; b < NB * V::lanes * 2; b += 64) _mm_prefetch((const char *)(row(j + 8) + col) + b, _MM_HINT_T0);
+        if (V::ahead && j + KV_AHEAD < n)
+            for (int b = 0; b < NB * V::lanes * 2; b += 64)
+                _mm_prefetch((const char *)(row(j + KV_AHEAD) + col) + b, _MM_HINT_T0);
         const typename V::R w = V::set1(p[j]);
         for (int b = 0; b < NB; b++) a[b] = V::fma(w, V::load(v + V::lanes * b), a[b]);
     }
@@ -133,9 +142,9 @@ static void attend_keys(const float *q, Key key, Val val, int n, int D, float *s
         __m512 qq[32];
         for (int c = 0; c < D / 8; c++) qq[c] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(q + 8 * c))));
         for (; s0 + 8 <= n; s0 += 8) {
-            // the next eight keys asked for now: a batch's rows each read their own keys, from
+            // eight keys KV_AHEAD on asked for now: a batch's rows each read their own keys, from
             // the L3 or memory, and the hardware's prefetcher does not run ahead within a page
-            for (int j = s0 + 8; j < s0 + 16 && j < n; j++)
+            for (int j = s0 + KV_AHEAD; j < s0 + KV_AHEAD + 8 && j < n; j++)
                 for (int b = 0; b < D * 2; b += 64) _mm_prefetch((const char *)key(j) + b, _MM_HINT_T0);
             score_pairs<4>(qq, key, s0, n, D, scores);
         }

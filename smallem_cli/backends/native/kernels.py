@@ -32,7 +32,7 @@ BUILD_TIMEOUT = 300.0  # seconds a build may run: a hung compiler must not hang 
 # arguments (p a pointer, i an int, f a float) and whether it returns an int (else nothing).
 SIGNATURES = {
     "smallem_step": ("pppippppippipppip", False), "smallem_chain": ("pppiipppppiippppipfppppiipfp", False),
-    "smallem_batch_step": ("pppippppppppippippip", False), "smallem_verify_sample": ("piifppppppiff", False),
+    "smallem_batch_step": ("pppipppppppppippippip", False), "smallem_verify_sample": ("piifppppppiff", False),
     "smallem_penalize": ("piippfpp", False), "smallem_panel": ("", True), "smallem_score_rows": ("", True),
 }  # fmt: skip
 

@@ -67,6 +67,7 @@ struct Strided {
     kv_t *out_new;
     const int64_t *ns;
     int keys(int T) const { return S + T; }  // the most keys a row sees
+    int64_t turn(int t) const { return t; }    // row t's rotation: row t of cos, sin (they start at position S)
     kv_t *dst(int l, int kv, int g, int t) const { return out_new + l * ns[0] + kv * ns[1] + g * ns[2] + t * ns[3]; }
     static constexpr int rows = ROWS_AT_ONCE;  // rows of one head attended in one call
     void attend(int l, int g, int t0, int nq, const float *q, long ldq, int D, float *scores, long lds, float *out,
@@ -78,9 +79,10 @@ struct Strided {
 
 struct Paged {
     kv_t *slab;
-    const int64_t *st, *slots, *vis, *start, *count;
+    const int64_t *st, *slots, *vis, *start, *count, *positions;
     int max_keys;
     int keys(int) const { return max_keys; }
+    int64_t turn(int t) const { return positions[t]; }  // row t's rotation: cos, sin's row of its position
     kv_t *dst(int l, int kv, int g, int t) const { return slab + l * st[0] + kv * st[1] + g * st[2] + slots[t] * st[3]; }
     static constexpr int rows = 1;  // each row its own keys
     void attend(int l, int g, int t, int, const float *q, long, int D, float *scores, long, float *out, long) const {
@@ -96,7 +98,8 @@ struct Paged {
 // Scratch: sized by the caller (`NativeSteps._need`).
 //   xn [T, d], y [T, (H+2Hkv) D], att [T, H D], gu [T, 2F], hf [T, F], scores [threads, ROWS_AT_ONCE, kv.keys(T) + 8]
 //
-// cos, sin [T, P] with P = (H + 2Hkv) D / 2: each adjacent column pair of the QKV row turns.
+// cos, sin [rows, P] with P = (H + 2Hkv) D / 2: each adjacent column pair of the QKV row turns, row
+// t by row kv.turn(t) (a batch's rows read theirs by position: no gathered copy a pass).
 // tokens [T]; h [T, d] (the MTP module's input, else null); x [T, d] output: the hidden states
 // (every row; the caller keeps the last one for `last`); logits [T_head, V] of the rows
 // head_rows[0 .. T_head) (null: the last T_head rows) when the model has a head and T_head > 0;
@@ -143,7 +146,7 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 float *r = y + (size_t)t * Q;
-                const float *c = cos_t + (size_t)t * P, *sn = sin_t + (size_t)t * P;
+                const float *c = cos_t + (size_t)kv.turn(t) * P, *sn = sin_t + (size_t)kv.turn(t) * P;
                 for (int p = 0; p < P; p++) {
                     float a = r[2 * p], b = r[2 * p + 1];
                     r[2 * p] = a * c[p] - b * sn[p];
@@ -216,15 +219,16 @@ extern "C" void smallem_step(const ModelW *mw, const int64_t *tokens, const floa
     pass(mw, tokens, h, T, cos_t, sin_t, kv, x, logits, T_head, nullptr, scratch, threads, top);
 }
 
-// A pass over a flat batch (see `pass`, `Paged`): the slab [L, 2, Hkv, slots, D] with element
-// strides slab_st[0..3]; row t's K/V to slots[t], its keys the count[t] slots from vis + start[t]
-// (at most max_keys); logits of the rows head_rows[0 .. T_head) (null: the last T_head).
-extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, const float *h, int T, const float *cos_t,
-                                   const float *sin_t, kv_t *slab, const int64_t *slab_st, const int64_t *slots,
-                                   const int64_t *vis, const int64_t *start, const int64_t *count, int max_keys,
-                                   float *x, float *logits,
+// A pass over a flat batch (see `pass`, `Paged`): row t at position positions[t] (cos, sin: the
+// whole tables, [context, P]); the slab [L, 2, Hkv, slots, D] with element strides slab_st[0..3];
+// row t's K/V to slots[t], its keys the count[t] slots from vis + start[t] (at most max_keys);
+// logits of the rows head_rows[0 .. T_head) (null: the last T_head).
+extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, const float *h, int T,
+                                   const int64_t *positions, const float *cos_t, const float *sin_t, kv_t *slab,
+                                   const int64_t *slab_st, const int64_t *slots, const int64_t *vis,
+                                   const int64_t *start, const int64_t *count, int max_keys, float *x, float *logits,
                                    int T_head, const int64_t *head_rows, float *scratch, int threads, int64_t *top) {
-    const Paged kv{slab, slab_st, slots, vis, start, count, max_keys};
+    const Paged kv{slab, slab_st, slots, vis, start, count, positions, max_keys};
     pass(mw, tokens, h, T, cos_t, sin_t, kv, x, logits, T_head, head_rows, scratch, threads, top);
 }
 
