@@ -144,24 +144,23 @@ def from_cli(tgt: family.Target, device: torch.device, names: list[str], sizes: 
     backends: dict[str, Backend] = {}  # one per engine: the target's native steps built once
     configs = [("none", None)] + [(n, k) for n in names if n != "none" for k in (ks or [None])]
     runs = [(e, name, k, size) for e in engines for name, k in configs for size in sizes]
-    built: dict[Run, Engine] = {}
     timed: dict[Run, list[Timed]] = {run: [] for run in runs}
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("bench --batch", total=len(runs) * repeats)
         # every configuration once a round, `repeats` rounds: a slow spell of a shared host falls on all
-        # of them, not on one, so the ratios of their medians hold where single runs do not
-        for _ in range(repeats):
+        # of them, not on one, so the ratios of their medians hold where single runs do not. One engine
+        # at a time (their caches together could outgrow the memory): each run builds its own.
+        for rep in range(repeats):
             for run in runs:
                 engine, name, k, size = run
                 bar.update(task, advance=1, description=escape(f"{engine} {name} k={k or 'auto'} batch {size}"))
-                if run not in built:  # built, and warmed up on short requests, before its first timed run
-                    backend = backends.setdefault(engine, Backend(engine))
-                    built[run] = _engine(tgt, device, name, k, size, backend, weights, err)
-                    _timed(built[run], [p[:16] for p in prompts], 8)
-                eng = built[run]
-                rounds, preempted = eng.rounds, eng.preemptions
+                backend = backends.setdefault(engine, Backend(engine))
+                if rep == 0:  # its code warmed up on short requests, on an engine of its own
+                    _timed(_engine(tgt, device, name, k, size, backend, weights, err), [p[:16] for p in prompts], 8)
+                eng = _engine(tgt, device, name, k, size, backend, weights, err)  # every timed run's fresh
                 wall, done = _timed(eng, prompts, max_new_tokens)
-                timed[run].append(Timed(wall, done, eng.rounds - rounds, eng.preemptions - preempted))
+                timed[run].append(Timed(wall, done, eng.rounds, eng.preemptions))
+                del eng
     reference = [f.tokens for f in timed[runs[0]][0].done]
     rows = [_row(run, timed[run], reference) for run in runs]
     if plot_file:  # throughput against batch size, a line per engine, proposer and k
