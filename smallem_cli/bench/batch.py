@@ -38,7 +38,9 @@ class BatchRow:
     rounds: int
     preemptions: int
     identical: str  # "64/64": requests whose tokens equal the reference row's (in its worst run)
-    runs_tokens_per_s: list[float]  # every timed run's, in order of speed (the row's figures: the median run's)
+    # every timed run's, in order of speed; the row's figures are the median run's (of an even number of runs,
+    # the faster middle one)
+    runs_tokens_per_s: list[float]
 
 
 def _timed(eng: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[Finished]]:
@@ -52,12 +54,8 @@ def alone_at_batch(
     tgt: family.Target, prompts: list[list[int]], max_new_tokens: int, engine: str, log: Log
 ) -> tuple[float, list[list[int]]]:
     """The target alone through the batch engine, the prompts as one batch -> (tokens/s, each prompt's tokens)."""
-    from ..engine.build import build_engine
-
-    eng = build_engine(
-        tgt, "none", tgt.model.embed_tokens.weight.device, k=None, max_batch=len(prompts), proposer_vocab=None,
-        decode=str, backend=Backend(engine), log=log, strict=True,
-    )  # fmt: skip
+    device = tgt.model.embed_tokens.weight.device
+    eng = _engine(tgt, device, "none", None, len(prompts), Backend(engine), D.PROPOSER_WEIGHTS, log)
     _timed(eng, [p[:16] for p in prompts], 8)
     wall, done = _timed(eng, prompts, max_new_tokens)
     return sum(len(f.tokens) for f in done) / wall, [f.tokens for f in done]
@@ -96,7 +94,7 @@ def _row(run: Run, timed: list[Timed], reference: list[list[int]]) -> BatchRow:
 
 
 def _engine(tgt: family.Target, device: torch.device, name: str, k: int | None, size: int, backend: Backend,
-            weights: str, err: Console) -> Engine:  # fmt: skip
+            weights: str, log: Log) -> Engine:  # fmt: skip
     """A row's engine: `name` may be P@tree12 (token trees) or P@f16 (the proposer's weights so)."""
     from ..engine.build import build_engine
 
@@ -104,7 +102,7 @@ def _engine(tgt: family.Target, device: torch.device, name: str, k: int | None, 
     tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
     return build_engine(
         tgt, base, device, k=k, max_batch=size, proposer_vocab=None, decode=str, tree=tree, backend=backend,
-        log=err.print, weights=suffix if suffix in D.WEIGHTS else weights, strict=True,
+        log=log, weights=suffix if suffix in D.WEIGHTS else weights, strict=True,
     )  # fmt: skip
 
 
@@ -154,10 +152,10 @@ def from_cli(tgt: family.Target, device: torch.device, names: list[str], sizes: 
             for run in runs:
                 engine, name, k, size = run
                 bar.update(task, advance=1, description=escape(f"{engine} {name} k={k or 'auto'} batch {size}"))
-                backend = backends.setdefault(engine, Backend(engine))
+                args = (tgt, device, name, k, size, backends.setdefault(engine, Backend(engine)), weights, err.print)
                 if rep == 0:  # its code warmed up on short requests, on an engine of its own
-                    _timed(_engine(tgt, device, name, k, size, backend, weights, err), [p[:16] for p in prompts], 8)
-                eng = _engine(tgt, device, name, k, size, backend, weights, err)  # every timed run's fresh
+                    _timed(_engine(*args), [p[:16] for p in prompts], 8)
+                eng = _engine(*args)  # every timed run's fresh
                 wall, done = _timed(eng, prompts, max_new_tokens)
                 timed[run].append(Timed(wall, done, eng.rounds, eng.preemptions))
                 del eng
