@@ -99,7 +99,7 @@ def build(
         assert len(t) * page_size >= n, "reserve pages before building a step"
     d, ps = device, page_size
     kv_slots = _slots(tables, S, page_size)
-    # the rows' few numbers in lists, one tensor each: a round builds this for every batch
+    # the rows' few numbers in lists, then one tensor for all four: a round builds this for every batch
     seq = [b for b, n in enumerate(counts) for _ in range(n)]  # [N]
     pos = [p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)]  # [N]
     slots = [tables[b][p // ps] * ps + p % ps for b, p in zip(seq, pos, strict=True)]
@@ -112,10 +112,10 @@ def build(
         bias = torch.zeros(B, Tm, S).masked_fill_(torch.arange(S)[None, None, :] > q_pos[:, :, None], float("-inf"))
         return q_rows.to(d), bias.to(d), out_rows.to(d)
 
-    def t(xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=d)
-
-    return BatchStep(t(pos), t(slots), kv_slots.to(d), t(seq), t(last), list(counts), masks)
+    N = len(pos)
+    flat = torch.tensor(pos + slots + seq + last, dtype=torch.long, device=d)
+    pos_t, slots_t, seq_t, last_t = flat[:N], flat[N : 2 * N], flat[2 * N : 3 * N], flat[3 * N :]
+    return BatchStep(pos_t, slots_t, kv_slots.to(d), seq_t, last_t, list(counts), masks)
 
 
 def _one_in_order(base: int, start: int, n: int, device: torch.device) -> BatchStep:

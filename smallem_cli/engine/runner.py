@@ -165,7 +165,7 @@ def decode_round(t: TargetRunner, proposer: BatchProposer, seqs: list[Seq]) -> l
         first += c
     outs = torch.tensor([x for v in verdicts for x in v[2]], device=hidden.device).split([v[1] + 1 for v in verdicts])
     for s, (m, n, _), out, h in zip(seqs, verdicts, outs, hidden.split(counts), strict=True):
-        commit(t, proposer, s, m, n, out, h[: n + 1])
+        commit(t, proposer, s, m, n, out, h if n == m else h[: n + 1])
     _clock(seqs, t0, guessed_s)
     return verdicts
 
@@ -183,7 +183,7 @@ def commit(t: TargetRunner, proposer: BatchProposer, s: Seq, m: int, n: int, out
     s.cached += n + 1  # rollback: [last, d_1..d_n] stay, the rest is past the length
     proposer.accept(s, n, out, hidden)
     t.pool.trim(s.uid, s.cached)  # pages past the kept positions go back
-    s.last = out[n : n + 1]
+    s.last = out if n == 0 else out[n : n + 1]
     if s.seen is not None:
         s.seen.index_fill_(0, out, True)
     if s.states is not None:

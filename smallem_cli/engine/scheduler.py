@@ -150,7 +150,7 @@ class Engine:
             emitted, s.stats.end_token = emitted[:end], 1
         kept = emitted[:budget]
         s.tokens.extend(kept)
-        done = end is not None or s.n_generated >= s.req.max_new_tokens
+        done = end is not None or len(kept) >= budget  # max_new_tokens reached
         # as `smallem generate` cuts them: the text ends before the stop string, the tokens with it
         if s.stops is not None and (s.stops.push(kept, final=done) or done):
             s.tokens[len(s.req.prompt) :] = s.stops.ids
