@@ -5,8 +5,9 @@
 
 // How many keys on a row's scores and weighted sum ask for the rows they will read (AVX-512). A
 // batch's keys lie in pages of 16 slots scattered over the slab, 2 KB a head: too short a run for
-// the hardware's prefetcher. Eight keys on was too close at 64 sequences, whose K/V (about 70 MB
-// a pass) come from the L3 or memory; 16 on was as fast at 16 sequences (docs/benchmarks.md).
+// the hardware's prefetcher. Over 64 sequences' K/V (about 70 MB a pass, from the L3 or memory)
+// eight keys on was too close for a loop over this layout, and 16 on cost nothing over 16
+// sequences; in whole passes the two were within a shared host's noise (docs/benchmarks.md).
 #ifndef KV_AHEAD
 #define KV_AHEAD 16
 #endif
