@@ -7,6 +7,8 @@ identical to the target alone, and sampling exact with a point-mass q (the seed'
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from smallem_cli.engine import build
 from smallem_cli.engine.family import NONE, Proposer
 from smallem_cli.engine.generate import generate
 from smallem_cli.engine.proposers import FallbackGuess, NgramGuess
+from smallem_cli.engine.sequence import Seq
 from smallem_cli.spec.ngram import NgramIndex, NgramProposer, best_depth
 from smallem_cli.spec.sampling import Sampling
 
@@ -273,6 +276,42 @@ def test_ngram_depth_follows_the_acceptance_it_measures() -> None:
         p.accept(0, torch.tensor(looked[:1]), torch.empty(0))
     toks, _ = p.propose(4, None, None)
     assert toks.shape[0] >= 1 and p.rates[0] > 0.5
+
+
+def test_rounds_without_guesses_are_taken_in_as_accept_would() -> None:
+    """Under load (k 0) the batched lookup only queues a round's tokens; when guesses are next asked for, its
+    rates and index are what accepting every round would have made, to the bit, and so is its next guess."""
+    g = torch.Generator().manual_seed(1)
+    rounds = [torch.randint(0, 8, (int(n),), generator=g) for n in torch.randint(1, 4, (9,), generator=g)]
+    each, queued = NgramProposer(64, 2, 3, guess_cost=0.16), NgramProposer(64, 2, 3, guess_cost=0.16)
+    for p in (each, queued):
+        p.start(torch.tensor([1, 2, 3, 1, 2]), torch.tensor([3]), torch.empty(0))
+        p.propose(4, None, None)
+        p.accept(1, torch.tensor([1, 2]), torch.empty(0))  # rates away from the prior: their decay shows
+    for out in rounds:
+        each.accept(0, out, torch.empty(0))
+    queued.idle(len(rounds), torch.cat(rounds).tolist())
+    assert (each.kept, each.reached) == (queued.kept, queued.reached) and each.kept != [0.0, 0.0]
+    assert each.index.tokens == queued.index.tokens and each.index.last == queued.index.last
+    assert torch.equal(each.propose(4, None, None)[0], queued.propose(4, None, None)[0])
+
+
+def test_the_batched_lookup_queues_what_it_was_not_asked_for() -> None:
+    """`NgramGuess`: a sequence at k 0 gets no guess and its tokens wait; asked again, the lookup has them all."""
+
+    class S:
+        uid, warp, gen, seen = 7, None, None, None
+        last = torch.tensor([4])
+
+    ng = NgramGuess(64, 2, 3, 0.0)
+    s = cast(Seq, S())
+    ng.start([s], [torch.tensor([5, 1, 2])], [torch.empty(0)])
+    for out in ([7, 9], [1, 2]):
+        assert ng.propose([s], [0])[0][0].shape[0] == 0
+        ng.accept(s, 0, torch.tensor(out), torch.empty(0))
+    assert ng.each[7].index.tokens == [5, 1, 2, 4] and len(ng.backlog[7]) == 2
+    assert ng.propose([s], [2])[0][0].tolist() == [4, 7]  # "1 2" was followed by 4 7
+    assert ng.each[7].index.tokens == [5, 1, 2, 4, 7, 9, 1, 2] and ng.backlog[7] == []
 
 
 def test_the_default_proposer_depends_on_the_mode(family) -> None:

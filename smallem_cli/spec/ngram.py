@@ -80,6 +80,15 @@ class NgramProposer:
         tokens = torch.tensor(self.looked[:m], dtype=torch.long, device=self.device)  # [m]
         return tokens, None if warp is None or not tokens.shape[0] else F.one_hot(tokens, self.vocab_size).float()
 
+    def idle(self, rounds: int, tokens: list[int]) -> None:
+        """Rounds it guessed nothing in (k 0 under load), taken in at once: `accept`'s work for each, a lookup of
+        nothing (the rates decay), then their tokens into the index."""
+        assert not self.looked, "a lookup waits for its accept"
+        for _ in range(rounds):
+            for j in range(2):
+                self.kept[j], self.reached[j] = DECAY * self.kept[j], DECAY * self.reached[j]
+        self.index.extend(tokens)
+
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
         out = emitted.tolist()
         # what the lookup would have kept, offered or not (a guess past the emitted ones cannot be told)
