@@ -279,8 +279,8 @@ def test_ngram_depth_follows_the_acceptance_it_measures() -> None:
 
 
 def test_rounds_without_guesses_are_taken_in_as_accept_would() -> None:
-    """Under load (k 0) the batched lookup only queues a round's tokens; when guesses are next asked for, its
-    rates and index are what accepting every round would have made, to the bit, and so is its next guess."""
+    """Under load (k 0) the lookup is not asked and only queues a round's tokens; when it is next asked, its rates
+    and index are what a lookup of nothing every round would have made, to the bit, and so is its next guess."""
     g = torch.Generator().manual_seed(1)
     rounds = [torch.randint(0, 8, (int(n),), generator=g) for n in torch.randint(1, 4, (9,), generator=g)]
     each, queued = NgramProposer(64, 2, 3, guess_cost=0.16), NgramProposer(64, 2, 3, guess_cost=0.16)
@@ -289,8 +289,11 @@ def test_rounds_without_guesses_are_taken_in_as_accept_would() -> None:
         p.propose(4, None, None)
         p.accept(1, torch.tensor([1, 2]), torch.empty(0))  # rates away from the prior: their decay shows
     for out in rounds:
+        each.propose(0, None, None)  # asked for nothing: every round's bookkeeping at once
         each.accept(0, out, torch.empty(0))
-    queued.idle(len(rounds), torch.cat(rounds).tolist())
+        queued.accept(0, out, torch.empty(0))
+    assert each.backlog == [] and len(queued.backlog) == len(rounds)
+    queued.propose(0, None, None)
     assert (each.kept, each.reached) == (queued.kept, queued.reached) and each.kept != [0.0, 0.0]
     assert each.index.tokens == queued.index.tokens and each.index.last == queued.index.last
     assert torch.equal(each.propose(4, None, None)[0], queued.propose(4, None, None)[0])
@@ -309,9 +312,9 @@ def test_the_batched_lookup_queues_what_it_was_not_asked_for() -> None:
     for out in ([7, 9], [1, 2]):
         assert ng.propose([s], [0])[0][0].shape[0] == 0
         ng.accept(s, 0, torch.tensor(out), torch.empty(0))
-    assert ng.each[7].index.tokens == [5, 1, 2, 4] and len(ng.backlog[7]) == 2
+    assert ng.each[7].index.tokens == [5, 1, 2, 4] and len(ng.each[7].backlog) == 2
     assert ng.propose([s], [2])[0][0].tolist() == [4, 7]  # "1 2" was followed by 4 7
-    assert ng.each[7].index.tokens == [5, 1, 2, 4, 7, 9, 1, 2] and ng.backlog[7] == []
+    assert ng.each[7].index.tokens == [5, 1, 2, 4, 7, 9, 1, 2] and ng.each[7].backlog == []
 
 
 def test_the_default_proposer_depends_on_the_mode(family) -> None:

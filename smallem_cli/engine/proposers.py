@@ -48,8 +48,12 @@ class NoGuess(BatchProposer):
     name = "none"
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
-        none = seqs[0].last[:0]  # one empty guess for all: a round's host work grows with its sequences
-        return [(none, None)] * len(seqs)
+        return [no_guess(seqs)] * len(seqs)
+
+
+def no_guess(seqs: list[Seq]) -> Guesses:
+    """No guess, one for the whole batch: a round's host work grows with its sequences."""
+    return seqs[0].last[:0], None
 
 
 def penalty_of(s: Seq) -> Penalty | None:
@@ -65,43 +69,24 @@ class NgramGuess:
     def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float) -> None:
         self.args = vocab_size, min_n, max_n, guess_cost
         self.each: dict[int, NgramProposer] = {}
-        self.asked: set[int] = set()  # the sequences asked for guesses this round
-        # rounds without guesses (k 0 under load): their tokens, taken in when guesses are next asked for (as a
-        # model proposer's backlog), not a lookup's bookkeeping every round
-        self.backlog: dict[int, list[torch.Tensor]] = {}
 
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         for s, f, h in zip(seqs, fed, hidden, strict=True):
             self.each[s.uid] = p = NgramProposer(*self.args)
             p.start(f, s.last, h)
-            self.backlog[s.uid] = []
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
-        none = seqs[0].last[:0]
-        out: list[Guesses] = []
-        for s, k in zip(seqs, ks, strict=True):
-            if not k:
-                out.append((none, None))
-                continue
-            p, waited = self.each[s.uid], self.backlog[s.uid]
-            if waited:
-                p.idle(len(waited), torch.cat(waited).tolist())
-                waited.clear()
-            self.asked.add(s.uid)
-            out.append(p.propose(k, s.warp, s.gen, penalty_of(s)))
-        return out
+        none = no_guess(seqs)
+        return [
+            self.each[s.uid].propose(k, s.warp, s.gen, penalty_of(s)) if k else none
+            for s, k in zip(seqs, ks, strict=True)
+        ]
 
     def accept(self, seq: Seq, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
-        if seq.uid in self.asked:
-            self.asked.discard(seq.uid)
-            self.each[seq.uid].accept(n, emitted, hidden)
-        else:
-            self.backlog[seq.uid].append(emitted)
+        self.each[seq.uid].accept(n, emitted, hidden)  # (a round it was not asked in waits for its next lookup)
 
     def drop(self, seq: Seq) -> None:
         self.each.pop(seq.uid, None)
-        self.backlog.pop(seq.uid, None)
-        self.asked.discard(seq.uid)
 
 
 def pick(
@@ -223,9 +208,9 @@ class _ModelGuess:
                     qs[i].append(q[j])
                     if (pen := pens[i]) is not None:
                         pen.take(x[j : j + 1])
-        none = seqs[0].last[:0]
+        none = no_guess(seqs)
         return [
-            (torch.cat(t), None if q[0] is None else torch.cat(q)) if t else (none, None)  # type: ignore[arg-type]
+            (torch.cat(t), None if q[0] is None else torch.cat(q)) if t else none  # type: ignore[arg-type]
             for t, q in zip(tokens, qs, strict=True)
         ]
 

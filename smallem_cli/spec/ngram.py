@@ -62,6 +62,10 @@ class NgramProposer:
         self.looked: list[int] = []  # what this round's lookup found, offered or not
         # decayed counts of guesses kept and in play: [first guesses, later ones]
         self.kept, self.reached = [0.0, 0.0], [0.0, 0.0]
+        self.asked = False  # whether this round's accept follows a lookup
+        # the tokens of rounds it was not asked in (k 0 under load), taken in when it next is: not a lookup's
+        # bookkeeping every round
+        self.backlog: list[torch.Tensor] = []
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
         self.device = prompt.device
@@ -75,21 +79,23 @@ class NgramProposer:
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.backlog:  # `accept`'s work for each round it was not asked in: a lookup of nothing (the rates decay)
+            for _ in range(len(self.backlog)):
+                for j in range(2):
+                    self.kept[j], self.reached[j] = DECAY * self.kept[j], DECAY * self.reached[j]
+            self.index.extend(torch.cat(self.backlog).tolist())
+            self.backlog.clear()
+        self.asked = True
         self.looked = self.index.lookup(k)
         m = best_depth(*self.rates, k, self.guess_cost) if self.guess_cost else k
         tokens = torch.tensor(self.looked[:m], dtype=torch.long, device=self.device)  # [m]
         return tokens, None if warp is None or not tokens.shape[0] else F.one_hot(tokens, self.vocab_size).float()
 
-    def idle(self, rounds: int, tokens: list[int]) -> None:
-        """Rounds it guessed nothing in (k 0 under load), taken in at once: `accept`'s work for each, a lookup of
-        nothing (the rates decay), then their tokens into the index."""
-        assert not self.looked, "a lookup waits for its accept"
-        for _ in range(rounds):
-            for j in range(2):
-                self.kept[j], self.reached[j] = DECAY * self.kept[j], DECAY * self.reached[j]
-        self.index.extend(tokens)
-
     def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+        if not self.asked:  # no lookup this round: taken in at the next one
+            self.backlog.append(emitted)
+            return
+        self.asked = False
         out = emitted.tolist()
         # what the lookup would have kept, offered or not (a guess past the emitted ones cannot be told)
         hits, told = 0, min(len(self.looked), len(out))
