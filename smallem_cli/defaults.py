@@ -10,8 +10,11 @@ MTP = CHECKPOINTS / "mtp.safetensors"
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts" / "kjv-val-32.jsonl"
 BATCH_PROMPTS = PROMPTS.with_name("kjv-val-32x64.jsonl")  # `bench --batch`: 64 held-out prompts of 32 tokens
 
-# The proposer per mode: greedy text repeats itself, so the n-gram lookup guesses it for free (docs/benchmarks.md).
+# The proposer per mode: greedy text repeats itself, so the n-gram lookup drafts it for free (docs/benchmarks.md).
 PROPOSER = {"greedy": "ngram+mtp", "sample": "mtp"}
+# `bench`'s rows beside the target alone when no --proposers are named: the shipped ones beside a smallem
+# checkpoint (an HF folder or a GGUF file ships none: `family.bench_proposers`).
+BENCH_PROPOSERS = ("draft-2l", "draft-4l", "mtp")
 PROPOSER_HELP = (
     f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P (default: {PROPOSER['greedy']} greedy, "
     f"{PROPOSER['sample']} sampled; HF: none)"
@@ -19,17 +22,17 @@ PROPOSER_HELP = (
 # Default k per proposer, (greedy, sampled): the best of `bench --sweep-k` (docs/benchmarks.md, "The default k").
 K = {"draft-2l": (4, 3), "draft-4l": (4, 2), "mtp": (4, 3), "ngram": (4, 4)}
 K_OTHER = 3  # a proposer given by path
-# The n-gram lookup: the last NGRAM_MAX..NGRAM_MIN tokens, longest first (a 1-gram guesses badly).
+# The n-gram lookup: the last NGRAM_MAX..NGRAM_MIN tokens, longest first (a 1-gram drafts badly).
 NGRAM = "ngram"
 NGRAM_MIN = 2
 NGRAM_MAX = 4
-NGRAM_GUESS_COST = 0.16  # one more token's cost in a verify pass, in one-token passes (docs/benchmarks.md)
-# Token trees (`--tree N`, MTP only; 0: the chain): N guesses from each node's and level's TREE_WIDTH best;
+NGRAM_DRAFT_COST = 0.16  # one more token's cost in a verify pass, in one-token passes (docs/benchmarks.md)
+# Token trees (`--tree N`, MTP only; 0: the chain): N draft tokens from each node's and level's TREE_WIDTH best;
 # a sampled request's nodes get TREE_DRAWS children drawn from q (SpecInfer's rule).
 TREE = 0
 TREE_WIDTH = 4
 TREE_DRAWS = 2
-TREE_HELP = "token trees of N guesses per round, k levels deep (MTP only; 0 = a chain)"
+TREE_HELP = "token trees of N draft tokens per round, k levels deep (MTP only; 0 = a chain)"
 MAX_TREE = 64
 
 
@@ -66,6 +69,13 @@ SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000  # `smallem serve`: reached from this
 SERVE_QUEUE = 256  # requests waiting for a place in the batch, at most: more are answered 429
 SERVE_DRAIN = 30  # seconds SIGTERM waits for the answers in flight before cancelling them
 SERVE_STREAM_RATE = 400.0  # server-sent events a second, shared by the requests in flight (`serve.worker.Worker`)
+# `smallem serve`'s guard on its connections (`serve.guard`): open at once, at most (kept under the file limit);
+# seconds a request's line and headers, then its body, may take to arrive; the listen backlog (sockets accepted
+# in one round before any is counted: they too must stay under the file limit).
+SERVE_MAX_CONNECTIONS = 512
+SERVE_HEADER_TIMEOUT = 10.0
+SERVE_BODY_TIMEOUT = 60.0
+SERVE_BACKLOG = 128
 # `smallem batch`: a request line's bytes at most, never read whole past it (a 50 MB line took 10 GB to
 # tokenize); a target of a longer context gets LINE_BYTES_PER_TOKEN a position (`\u00e9` is 6 bytes).
 MAX_LINE_BYTES = 1 << 20
@@ -73,14 +83,14 @@ LINE_BYTES_PER_TOKEN = 64
 CACHE_MEMORY_SHARE = 0.5  # the batch engine's K/V cache: at most this share of the free memory
 # Decode steps: "native" (C++), "native-avx2", "eager" (PyTorch); "auto": $SMALLEM_ENGINE, else native on a CPU.
 ENGINE = "auto"
-# A proposer's head keeps this many most frequent tokens (0: all); a sampled guess needs more of q's mass.
+# A proposer's head keeps this many most frequent tokens (0: all); a sampled draft token needs more of q's mass.
 PROPOSER_VOCAB = {"greedy": 1024, "sample": 2048}
 # How the native engine stores a proposer's matrices: "int8" (half the bytes, about the same acceptance)
 # or "f16"; the target's are always its own (docs/benchmarks.md).
 PROPOSER_WEIGHTS = "int8"
 WEIGHTS = ("int8", "f16")
 WEIGHTS_HELP = f"int8 | f16: how the native engine stores the proposer's matrices (default: {PROPOSER_WEIGHTS})"
-EVAL_TEMPERATURES = (1.0, 0.7)  # `smallem eval`: a sampled first guess kept at these temperatures
+EVAL_TEMPERATURES = (1.0, 0.7)  # `smallem eval`: a sampled first draft token accepted at these temperatures
 
 
 def proposer_vocab(greedy: bool, chosen: int | None = None) -> int:
@@ -91,15 +101,14 @@ def proposer_vocab(greedy: bool, chosen: int | None = None) -> int:
 # The batch engine: positions a page of the pool holds, and tokens a prefill pass takes when requests join.
 PAGE_SIZE = 16
 PREFILL_TOKENS = 1024
-# Greedy requests guess (a model proposer's) only while at most this many sequences run (docs/benchmarks.md):
-# the native batch pass's cost grows far slower than its rows, so a row of another sequence buys more than a
-# guess row. Measured: both proposers faster than the target alone at 2 sequences, the MTP module slower from 3
-# and a draft from 4 on (even at 3), at every k tried up to 64.
+# Greedy requests get draft tokens (a model proposer's) only while at most this many sequences run: the native batch
+# pass's cost grows far slower than its rows, so a row of another sequence buys more than a draft token's row (the
+# measurements: docs/benchmarks.md, "2026-12-05, fifth session").
 SPECULATE_UP_TO = 2
 
 
 def load_cap(proposer: str, batch: int) -> int:
-    """The most guesses per round a greedy sequence gets among `batch`: no cap for the n-gram lookup alone."""
+    """The most draft tokens per round a greedy sequence gets among `batch`: no cap for the n-gram lookup alone."""
     return MAX_K if proposer == NGRAM or batch <= SPECULATE_UP_TO else 0
 
 

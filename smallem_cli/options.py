@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import defaults as D
+from . import defaults
+from .errors import BadField, UsageError, one_line
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -19,25 +20,7 @@ if TYPE_CHECKING:
     from .model.chat import ChatFormat
 
 
-class UsageError(Exception):
-    """Bad input: reported as one line on stderr, exit 2."""
-
-
-# What bad input raises, whichever module notices it: the CLI reports each as one line, exit 2.
-# (CheckpointError, HFFormatError, TokenizerError, ConfigError and UnicodeDecodeError are ValueErrors.)
-INPUT_ERRORS = (UsageError, ValueError, OSError)
-
-
-def one_line(msg: str) -> str:
-    """An error message on one line (a library's message may hold newlines)."""
-    return " ".join(msg.split()) if "\n" in msg or "\r" in msg else msg
-
-
 # A request's fields (`smallem batch`'s lines, `smallem serve`'s JSON bodies), read as the options are checked
-class BadField(ValueError):
-    """One field of a request that is of the wrong type or out of range."""
-
-
 def shown(value: object, limit: int = 40) -> str:
     """A field's value as JSON, cut short: an error line stays short whatever was sent."""
     text = json.dumps(value)
@@ -92,8 +75,8 @@ def parse_ks(text: str) -> list[int]:
             bounds = [int(x) for x in text.split(",")]
     except ValueError:
         raise UsageError(f"bad k list {text!r}: use 2, 1,3,5 or 1..6") from None
-    if not bounds or not all(1 <= k <= D.MAX_K for k in bounds):
-        raise UsageError(f"k values must be between 1 and {D.MAX_K}: {text!r}")
+    if not bounds or not all(1 <= k <= defaults.MAX_K for k in bounds):
+        raise UsageError(f"k values must be between 1 and {defaults.MAX_K}: {text!r}")
     return list(range(bounds[0], bounds[1] + 1)) if ".." in text else sorted(set(bounds))
 
 
@@ -131,13 +114,13 @@ def read_prompt(prompt: str | None) -> str:
 
 def pick_k(proposer: str, k: int | None, greedy: bool) -> int:
     """The proposals per round: the user's k (1..MAX_K), else the proposer's default; `none`'s is 0."""
-    if k is not None and not 1 <= k <= D.MAX_K and not (proposer == "none" and k == 0):
-        raise UsageError(f"k must be between 1 and {D.MAX_K}, got {k}")
-    return D.default_k(proposer, greedy, k)
+    if k is not None and not 1 <= k <= defaults.MAX_K and not (proposer == "none" and k == 0):
+        raise UsageError(f"k must be between 1 and {defaults.MAX_K}, got {k}")
+    return defaults.default_k(proposer, greedy, k)
 
 
 def slack(proposer: str, k: int | None) -> int:
-    """The guesses a verify pass may hold past an answer, in either mode (a request of `batch` or `serve` picks its
+    """The draft tokens a verify pass may hold past an answer, in either mode (a request of `batch` or `serve` picks its
     temperature): what `check_context` leaves room for."""
     return max(pick_k(proposer, k, True), pick_k(proposer, k, False))
 
@@ -159,9 +142,9 @@ def check_sampling(
         raise UsageError(f"temperature must be >= 0, got {temperature}")
     if not math.isfinite(temperature):
         raise UsageError(f"temperature must be >= 0 and finite, got {temperature}")
-    if 0 < temperature < D.MIN_TEMPERATURE:
+    if 0 < temperature < defaults.MIN_TEMPERATURE:
         raise UsageError(
-            f"temperature {temperature} is too small: below {D.MIN_TEMPERATURE} the logits divided by it "
+            f"temperature {temperature} is too small: below {defaults.MIN_TEMPERATURE} the logits divided by it "
             "overflow to infinity; use 0 for greedy decoding"
         )
     if top_k is not None and top_k < 1:
@@ -170,14 +153,14 @@ def check_sampling(
         raise UsageError(f"top-p must be in (0, 1], got {top_p}")
     if min_p is not None and not (math.isfinite(min_p) and 0 <= min_p < 1):
         raise UsageError(f"--min-p must be in [0, 1), got {min_p}")
-    if not D.MIN_PENALTY <= repetition_penalty <= D.MAX_PENALTY:  # NaN too
+    if not defaults.MIN_PENALTY <= repetition_penalty <= defaults.MAX_PENALTY:  # NaN too
         raise UsageError(
-            f"--repetition-penalty must be between {D.MIN_PENALTY:g} and {D.MAX_PENALTY:g} (1 = off), "
+            f"--repetition-penalty must be between {defaults.MIN_PENALTY:g} and {defaults.MAX_PENALTY:g} (1 = off), "
             f"got {repetition_penalty}"
         )
     if stops is not None and "" in stops:
         raise UsageError("--stop needs a string that is not empty")
-    if not 0 <= seed <= D.MAX_SEED:
+    if not 0 <= seed <= defaults.MAX_SEED:
         raise UsageError(f"--seed must be between 0 and 2^63-1, got {seed}")
 
 
@@ -193,9 +176,9 @@ def read_prompts(
     "messages" (by `chat`'s template); each leaves room for max_new tokens and the largest k's pass."""
     try:
         with open(path, "rb") as f:  # bounded: a device such as /dev/zero never ends
-            raw = f.read(D.MAX_PROMPTS_BYTES + 1)
-        if len(raw) > D.MAX_PROMPTS_BYTES:
-            raise UsageError(f"prompts file {path} is larger than {D.MAX_PROMPTS_BYTES >> 20} MiB")
+            raw = f.read(defaults.MAX_PROMPTS_BYTES + 1)
+        if len(raw) > defaults.MAX_PROMPTS_BYTES:
+            raise UsageError(f"prompts file {path} is larger than {defaults.MAX_PROMPTS_BYTES >> 20} MiB")
         lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise UsageError(f"prompts file {path} is not valid UTF-8 (byte {e.start})") from None
@@ -317,10 +300,10 @@ def threads_for_load(cores: int) -> int | None:
 
 
 def tree(value: int) -> tuple[int, int] | None:
-    """--tree: 0 (the chain) or a count of guesses per tree, 1..MAX_TREE -> (budget, width)."""
-    if not 0 <= value <= D.MAX_TREE:
-        raise UsageError(f"--tree must be in 0..{D.MAX_TREE} (0: a chain of guesses), got {value}")
-    return (value, D.TREE_WIDTH) if value else None
+    """--tree: 0 (the chain) or a count of draft tokens per tree, 1..MAX_TREE -> (budget, width)."""
+    if not 0 <= value <= defaults.MAX_TREE:
+        raise UsageError(f"--tree must be in 0..{defaults.MAX_TREE} (0: a chain of draft tokens), got {value}")
+    return (value, defaults.TREE_WIDTH) if value else None
 
 
 def tree_budgets(text: str) -> list[int]:
@@ -328,15 +311,17 @@ def tree_budgets(text: str) -> list[int]:
     budgets = _ints(text, f"--tree takes budgets like 12 or 8,16,24, got {text!r}")
     for b in budgets:
         if tree(b) is None:
-            raise UsageError(f"--tree must be in 1..{D.MAX_TREE} for bench rows, got {b}")
+            raise UsageError(f"--tree must be in 1..{defaults.MAX_TREE} for bench rows, got {b}")
     return budgets
 
 
 def weights_list(text: str) -> list[str]:
     """bench --proposer-weights: "int8", or "int8,f16" (rows for the second as well)."""
     got = [w.strip() for w in text.split(",") if w.strip()]
-    if not 1 <= len(got) <= len(D.WEIGHTS) or len(set(got)) < len(got) or not set(got) <= set(D.WEIGHTS):
-        raise UsageError(f"--proposer-weights takes {', '.join(D.WEIGHTS)} or both, comma-separated, got {text!r}")
+    if not 1 <= len(got) <= len(defaults.WEIGHTS) or len(set(got)) < len(got) or not set(got) <= set(defaults.WEIGHTS):
+        raise UsageError(
+            f"--proposer-weights takes {', '.join(defaults.WEIGHTS)} or both, comma-separated, got {text!r}"
+        )
     return got
 
 

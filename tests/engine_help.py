@@ -11,11 +11,11 @@ import torch
 
 from smallem_cli.backends import native
 from smallem_cli.backends.engines import Backend
-from smallem_cli.engine import batch as B
-from smallem_cli.engine.family import NONE, Proposer
+from smallem_cli.engine.family import NONE, LoadedProposer
 from smallem_cli.engine.forward import slab_for, transformer_pass
-from smallem_cli.engine.pool import PagePool
-from smallem_cli.engine.runner import TargetRunner
+from smallem_cli.engine.target import TargetRunner
+from smallem_cli.kv.pool import PagePool, pages_for
+from smallem_cli.kv.step import build
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
 
@@ -25,7 +25,7 @@ def proposer(
     target: Transformer | None = None,
     model: Transformer | MTPModule | None = None,
     vocab: torch.Tensor | None = None,
-) -> Proposer:
+) -> LoadedProposer:
     """ "none", "ngram", "draft" (a draft `model`), "mtp" (an MTP `model` over `target`), or
     "ngram+draft" / "ngram+mtp": the loaded proposer, as `family.load_proposer` makes it."""
     if kind == "none":
@@ -33,14 +33,14 @@ def proposer(
     ngram = kind.startswith("ngram")
     base = kind.removeprefix("ngram").removeprefix("+")
     if not base:
-        return Proposer("ngram", ngram=True)
+        return LoadedProposer("ngram", ngram=True)
     assert model is not None
     model.pack()
     if base == "mtp":
         assert target is not None and isinstance(model, MTPModule)
-        return Proposer(kind, model, Head(target.pack(), vocab), ngram=ngram)
+        return LoadedProposer(kind, model, Head(target.pack(), vocab), ngram=ngram)
     assert isinstance(model, Transformer)
-    return Proposer(kind, model, Head(model, vocab), ngram=ngram)
+    return LoadedProposer(kind, model, Head(model, vocab), ngram=ngram)
 
 
 def backend(name: str, target: Transformer, *models: Transformer | MTPModule, int8: bool = False) -> Backend:
@@ -63,16 +63,16 @@ def sequence_pass(
     its own (pages in order): with native `steps` (`Backend.steps`) the native passes, else eager
     -> (logits, hidden [len(new), d])."""
     n = past.shape[0] + new.shape[0]
-    pool = PagePool(B.pages_for(n, 16) + 1, 16)
+    pool = PagePool(pages_for(n, 16) + 1, 16)
     pool.add(0)
     pool.reserve(0, n)
     t = TargetRunner(model.pack(), slab_for(model, pool.n_pages * 16, past.device), pool, steps)  # type: ignore[arg-type]
     with torch.inference_mode():
         if past.shape[0]:
             transformer_pass(
-                model, t.slab, past, B.build([pool.tables[0]], [0], [past.shape[0]], 16, past.device), "none", t.steps
+                model, t.slab, past, build([pool.tables[0]], [0], [past.shape[0]], 16, past.device), "none", t.steps
             )
-        b = B.build([pool.tables[0]], [past.shape[0]], [new.shape[0]], 16, past.device)
+        b = build([pool.tables[0]], [past.shape[0]], [new.shape[0]], 16, past.device)
         return transformer_pass(model, t.slab, new, b, head, t.steps)
 
 

@@ -1,7 +1,7 @@
 """`smallem batch`'s front end: request lines in, one JSON answer line out per line.
 
 The engine here is a fake one (it answers out of order, or is interrupted) put in place of
-`cli_batch.make_engine`; the last tests run the real engine.
+`engine.build.build`; the last tests run the real engine.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from smallem_cli import defaults as D
 from smallem_cli.cli import batch as cli_batch
 from smallem_cli.cli import batch_io as B
 from smallem_cli.cli.app import app
+from smallem_cli.engine import build as engine_build
 from smallem_cli.engine.request import Finished, Request
+from smallem_cli.errors import UsageError
 from smallem_cli.spec.sampling import Sampling
 
 REPO = Path(__file__).resolve().parent.parent
@@ -331,16 +333,16 @@ class FakeEngine:
     def __init__(self, window: int = 3, interrupt_after: int | None = None) -> None:
         self.window, self.interrupt_after = window, interrupt_after
         self.requests: list[Request] = []
-        self.args: tuple[Any, ...] = ()
-        self.kwargs: dict[str, Any] = {}
+        self.config: Any = None
 
-    def build(self, *args: Any, **kwargs: Any) -> FakeEngine:
-        self.args, self.kwargs = args, kwargs
+    def build(self, config: Any) -> FakeEngine:
+        """`engine.build.build`: what the command asked for is kept, nothing is allocated."""
+        self.config, self.max_batch, self.context = config, config.max_batch, config.target.cfg.max_seq_len
         return self
 
     def _answer(self, req: Request) -> Finished:
         tokens = list(range(1, min(req.max_new_tokens, 3) + 1))
-        return Finished(req, self.kwargs["decode"](tokens), tokens, {"new_tokens": len(tokens)})
+        return Finished(req, self.config.decode(tokens), tokens, {"new_tokens": len(tokens)})
 
     def run(self, requests: Iterable[Request], progress: Callable[[Any], None] | None = None) -> Iterator[Finished]:
         held: list[Request] = []
@@ -367,7 +369,7 @@ class FakeEngine:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
     engine = FakeEngine()
-    monkeypatch.setattr(cli_batch, "make_engine", engine.build)
+    monkeypatch.setattr(engine_build, "build", engine.build)
     return engine
 
 
@@ -423,12 +425,13 @@ def test_options_are_the_defaults_and_reach_the_engine(family: Family, fake: Fak
     answers(batch(family, *args, "--max-batch", "4", "-k", "2", "--proposer-vocab", "64", input="one\ntwo\n"))
     assert [r.sampling for r in fake.requests] == [Sampling(0.5, 5, 0.9, 3)] * 2
     assert [r.max_new_tokens for r in fake.requests] == [7, 7]
-    assert fake.args[1] == D.PROPOSER["sample"] and str(fake.args[2]) == "cpu"
-    kw = fake.kwargs
-    assert (kw["k"], kw["max_batch"], kw["proposer_vocab"], kw["end_ids"]) == (2, 4, 64, (0,))
+    c = fake.config
+    assert c.proposer.name == D.PROPOSER["sample"] and c.target.embed_tokens.weight.device.type == "cpu"
+    assert (c.k, c.max_batch, c.proposer.head.rows.shape[0], tuple(c.end_ids)) == (2, 4, 64, (0,))
     answers(batch(family, "-q", input="one\n"))
-    assert fake.args[1] == D.PROPOSER["greedy"]
-    assert (fake.kwargs["k"], fake.kwargs["max_batch"], fake.kwargs["proposer_vocab"]) == (None, D.MAX_BATCH, None)
+    c = fake.config
+    assert c.proposer.name == D.PROPOSER["greedy"]
+    assert (c.k, c.max_batch, c.proposer.head.ids) == (None, D.MAX_BATCH, None)  # the whole head: 300 < 1024
     assert fake.requests[-1].max_new_tokens == D.MAX_NEW_TOKENS and fake.requests[-1].sampling == Sampling()
 
 
@@ -540,7 +543,7 @@ def test_a_missing_target_is_refused(tmp_path: Path) -> None:
 
 def test_no_input_on_a_terminal_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stdin", SimpleNamespace(isatty=lambda: True, buffer=io.BytesIO()))
-    with pytest.raises(cli_batch.O.UsageError, match="no requests: give a FILE, or pipe them on stdin"):
+    with pytest.raises(UsageError, match="no requests: give a FILE, or pipe them on stdin"):
         cli_batch.open_input(None)
     assert cli_batch.open_input("-") is sys.stdin.buffer  # `-` reads a terminal too, line by line
 
@@ -557,7 +560,8 @@ def run(requests, progress=None):
         time.sleep(float(os.environ.get("FAKE_SLEEP", "0")))
         yield Finished(r, "x" * 200, [1, 2, 3], {})
 
-cli_batch.make_engine = lambda *a, **kw: SimpleNamespace(run=run)
+from smallem_cli.engine import build
+build.build = lambda c: SimpleNamespace(run=run, max_batch=c.max_batch, context=c.target.cfg.max_seq_len)
 from smallem_cli.cli import main
 sys.argv[0] = "smallem"
 main()

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,14 @@ from smallem_cli.backends.engines import Backend
 from smallem_cli.cli import batch as cli_batch
 from smallem_cli.cli import batch_io as B
 from smallem_cli.cli.app import app
-from smallem_cli.engine import build
-from smallem_cli.engine.family import load_target
+from smallem_cli.engine import build as engine_build
+from smallem_cli.engine import config
+from smallem_cli.engine.build import build
+from smallem_cli.engine.config import EngineConfig, round_ahead
+from smallem_cli.engine.family import load_proposer, load_target
 from smallem_cli.engine.request import Request
-from smallem_cli.options import UsageError
+from smallem_cli.errors import UsageError
+from smallem_cli.kv.pool import pages_for
 
 REPO = Path(__file__).resolve().parent.parent
 CTX = 64
@@ -45,7 +50,7 @@ def encode(text: str) -> list[int]:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
     engine = FakeEngine()
-    monkeypatch.setattr(cli_batch, "make_engine", engine.build)
+    monkeypatch.setattr(engine_build, "build", engine.build)
     return engine
 
 
@@ -96,7 +101,7 @@ def test_the_limit_is_the_bytes_before_the_newline() -> None:
 FAKE_RUN = """
 import os, pathlib, sys, time
 from types import SimpleNamespace
-from smallem_cli.cli import batch as cli_batch
+from smallem_cli.engine import build
 from smallem_cli.engine.request import Finished
 
 HOLD = int(os.environ.get("FAKE_HOLD", "0"))  # >0: answer every line but the first, then wait
@@ -114,7 +119,7 @@ def run(requests, progress=None):
     for r in held:
         yield Finished(r, "x", [1, 2, 3], {})
 
-cli_batch.make_engine = lambda *a, **kw: SimpleNamespace(run=run)
+build.build = lambda c: SimpleNamespace(run=run, max_batch=c.max_batch, context=c.target.cfg.max_seq_len)
 from smallem_cli.cli import main
 sys.argv[0] = "smallem"
 main()
@@ -262,16 +267,42 @@ def test_a_real_ctrl_c_with_ordered(family: Family, tmp_path: Path) -> None:
 # --- --max-batch and the cache ---------------------------------------------------------------------------
 def test_fit_batch() -> None:
     per = 17_300_000  # the shipped target's cache for one sequence at the full context
-    assert build.fit_batch(16, per, 12_000_000_000) == 16
-    assert build.fit_batch(100_000, per, 12_000_000_000) == 693
-    assert build.fit_batch(10**18, per, 12_000_000_000) == 693
+    assert config.fit_batch(16, per, 12_000_000_000) == 16
+    assert config.fit_batch(100_000, per, 12_000_000_000) == 693
+    assert config.fit_batch(10**18, per, 12_000_000_000) == 693
     with pytest.raises(UsageError, match=r"batch size 100000: its cache would take 1\.7 TB, .* at most 693 sequences"):
-        build.fit_batch(100_000, per, 12_000_000_000, strict=True)
+        config.fit_batch(100_000, per, 12_000_000_000, strict=True)
     with pytest.raises(
         UsageError, match=r"not enough memory for the batch engine: one sequence's cache takes 17\.3 MB"
     ):
-        build.fit_batch(1, per, 10_000_000)
-    assert build.cache_budget(torch.device("cpu")) > 0
+        config.fit_batch(1, per, 10_000_000)
+    assert config.cache_budget(torch.device("cpu")) > 0
+
+
+def test_one_rule_sizes_every_pool(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`config.plan_pool`: a small pool at first (a prompt alone), grown up to max_batch full contexts (a batch);
+    where the memory is short, a batch lowered (refused when strict, or when not one sequence fits) and a sequence
+    alone given a shorter context (a conversation)."""
+    monkeypatch.setattr(config, "FIRST_POSITIONS", 64)  # the test model's context is shorter than the real one
+    model = load_target(family.target, torch.device("cpu")).model
+    ctx = model.cfg.max_seq_len
+
+    def pages(n: int, positions: int) -> int:
+        return n * pages_for(positions + D.MAX_K + 2, D.PAGE_SIZE)
+
+    one = pages(1, ctx) * D.PAGE_SIZE * config.slot_bytes([model])  # a sequence's cache at the full context
+    plan = config.plan_pool
+    assert plan(EngineConfig(model), 100 * one) == config.PoolPlan(pages(1, 64), pages(1, ctx), 1, ctx)
+    assert plan(EngineConfig(model, max_batch=64), 100 * one) == config.PoolPlan(
+        pages(D.MAX_BATCH, 64), pages(64, ctx), 64, ctx
+    )
+    assert plan(EngineConfig(model, max_batch=64), 10 * one).max_batch == 10
+    with pytest.raises(UsageError, match=r"batch size 64: .* at most 10 sequences fit"):
+        plan(EngineConfig(model, max_batch=64, strict=True), 10 * one)
+    with pytest.raises(UsageError, match="not enough memory for the batch engine"):
+        plan(EngineConfig(model, max_batch=2), one // 2)
+    assert plan(EngineConfig(model), one // 2).context == ctx // 2
+    assert plan(EngineConfig(model, max_batch=64, pages=7), 0) == config.PoolPlan(7, 7, 64, ctx)
 
 
 LINES = "The quick brown fox\nIn the beginning was\nSpeculative decoding guesses\n"
@@ -292,7 +323,7 @@ def test_a_huge_max_batch_answers(family: Family) -> None:
 
 
 def test_no_room_for_one_sequence_is_one_line(family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(build, "free_memory", lambda device: 100_000)
+    monkeypatch.setattr(config, "free_memory", lambda device: 100_000)
     res = CliRunner().invoke(app, ["batch", "--target", str(family.target)], input=LINES)
     refused(res, r"not enough memory for the batch engine: one sequence's cache takes .*, 50\.0 kB is free for it")
     assert res.exit_code == 2
@@ -320,23 +351,23 @@ def test_the_cache_grows_as_requests_need_it(
         pytest.skip("the native engine needs g++ and an AVX2 CPU")
     tgt = load_target(family.target, torch.device("cpu"))
     reqs = [Request(i, i, tuple(range(5 + i % 7, 12 + i % 7)), 120) for i in range(60)]  # 9 pages each, at the end
+    loaded = load_proposer(proposer, tgt, torch.device("cpu"), D.proposer_vocab(True), tree)
 
-    def make(**kw: object) -> build.Engine:
-        return build.build_engine(
-            tgt, proposer, torch.device("cpu"), k=None, proposer_vocab=None, decode=str,
-            backend=Backend(native) if native else None, tree=tree, **kw,
-        )  # type: ignore[arg-type]  # fmt: skip
+    def make(**kw: object) -> engine_build.Engine:
+        backend = Backend(native) if native else Backend()
+        return build(EngineConfig(tgt.model, loaded, backend, max_batch=64, decode=str, **kw))  # type: ignore[arg-type]
 
-    eng = make(max_batch=64)
+    eng = make()
     assert eng.backend == (native or "eager")  # every model runs the backend asked for
-    full = build.pool_pages(64, tgt.model.cfg.max_seq_len, D.PAGE_SIZE, tree)
-    start = build.pool_pages(D.MAX_BATCH, tgt.model.cfg.max_seq_len, D.PAGE_SIZE, tree)
+    ctx, ahead = tgt.model.cfg.max_seq_len, round_ahead(D.MAX_K, tree)
+    full = 64 * pages_for(ctx + ahead, D.PAGE_SIZE)
+    start = D.MAX_BATCH * pages_for(min(ctx, config.FIRST_POSITIONS) + ahead, D.PAGE_SIZE)
     assert eng.pool.n_pages == start and eng.max_pages == full
     grown = {f.request.index: f.tokens for f in eng.run(reqs)}
     assert start < eng.pool.n_pages <= full and eng.preemptions == 0
-    module = getattr(eng.proposer, "other", eng.proposer)  # the MTP module's guesses, behind the n-gram's or not
+    module = getattr(eng.proposer, "other", eng.proposer)  # the MTP module's draft tokens, behind the n-gram's or not
     assert eng.t.slab.shape[3] == module.slab.shape[3] == eng.pool.n_pages * D.PAGE_SIZE
-    whole = make(max_batch=64, n_pages=full)
+    whole = make(pages=full)
     assert {f.request.index: f.tokens for f in whole.run(reqs)} == grown
     assert sorted(grown) == list(range(60)) and all(len(t) == 120 for t in grown.values())
 
@@ -346,20 +377,16 @@ def test_a_growth_the_memory_refuses_keeps_the_pool(family: Family, monkeypatch:
     are preempted, and every request is still answered with the target's tokens."""
     tgt = load_target(family.target, torch.device("cpu"))
     reqs = [Request(i, i, tuple(range(5 + i % 7, 12 + i % 7)), 120) for i in range(60)]
-    eng = build.build_engine(
-        tgt, "ngram+mtp", torch.device("cpu"), k=None, max_batch=64, proposer_vocab=None, decode=str
-    )
+    cfg = EngineConfig(tgt.model, load_proposer("ngram+mtp", tgt, torch.device("cpu")), max_batch=64, decode=str)
+    eng = build(cfg)
     start, slab = eng.pool.n_pages, eng.t.slab
 
     def refused(slab: torch.Tensor, slots: int) -> torch.Tensor:
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
 
-    monkeypatch.setattr(build, "_widened", refused)
+    monkeypatch.setattr(engine_build, "_widened", refused)
     got = {f.request.index: f.tokens for f in eng.run(reqs)}
     assert eng.pool.n_pages == eng.max_pages == start and eng.t.slab is slab and eng.preemptions > 0
     monkeypatch.undo()
-    whole = build.build_engine(
-        tgt, "ngram+mtp", torch.device("cpu"), k=None, max_batch=64, proposer_vocab=None, decode=str,
-        n_pages=build.pool_pages(64, tgt.model.cfg.max_seq_len, D.PAGE_SIZE),
-    )  # fmt: skip
+    whole = build(replace(cfg, pages=64 * pages_for(tgt.model.cfg.max_seq_len + D.MAX_K + 2, D.PAGE_SIZE)))
     assert {f.request.index: f.tokens for f in whole.run(reqs)} == got and len(got) == 60

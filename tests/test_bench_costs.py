@@ -20,7 +20,7 @@ from smallem_cli.bench import run as costs
 from smallem_cli.engine import family as fam
 from smallem_cli.engine.family import NONE
 from smallem_cli.engine.generate import generate
-from smallem_cli.engine.runner import TargetRunner
+from smallem_cli.engine.target import TargetRunner
 from smallem_cli.stats import Stats
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]

@@ -22,7 +22,9 @@ from test_chat import TEMPLATE, hf_dir, write  # noqa: F401  (hf_dir: the fixtur
 from typer.testing import CliRunner
 
 from smallem_cli.cli.app import app
-from smallem_cli.engine.generate import answer, engine_for_chat
+from smallem_cli.engine.build import build
+from smallem_cli.engine.config import EngineConfig
+from smallem_cli.engine.generate import answer
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.scheduler import Engine
 from smallem_cli.interop.hf import export_hf
@@ -36,7 +38,7 @@ def chat_engine(trained: Trained, kind: str, engine: str) -> Engine:
     target = trained.model
     model = {"draft": noisy_copy(target, 0.05, seed=5), "mtp": trained.mtp, "ngram+mtp": trained.mtp}.get(kind)
     p = proposer(kind, target, model)
-    return engine_for_chat(target, p, 0 if kind == "none" else 3, (), backend(engine, target, *p.models))[0]
+    return build(EngineConfig(target, p, backend(engine, target, *p.models), 0 if kind == "none" else 3))
 
 
 def ask(engine: Engine, prompt: list[int], n: int, session: int | None = 0) -> tuple[list[int], Stats]:
@@ -62,7 +64,7 @@ def test_a_turn_reuses_the_cache_and_answers_as_a_fresh_run(trained: Trained, ki
     fresh = chat_engine(trained, kind, engine)
     assert a2 == ask(fresh, second, 25, session=None)[0]
     assert fresh.pool.used() == 0
-    eng.end_session(0)
+    eng.pool.release(eng.sessions.pop(0).uid)  # what ending the conversation gives back
     assert eng.pool.used() == 0 and not eng.sessions
     eng.pool.check()
 

@@ -13,16 +13,14 @@ from engine_help import proposer, reference_logits
 
 from smallem_cli.backends.engines import Backend
 from smallem_cli.config import ModelConfig
-from smallem_cli.engine.build import assemble, pool_pages
+from smallem_cli.engine.build import build
+from smallem_cli.engine.config import EngineConfig
 from smallem_cli.engine.family import NONE
-from smallem_cli.engine.forward import slab_for
 from smallem_cli.engine.generate import generate
-from smallem_cli.engine.pool import PagePool, PoolExhausted
-from smallem_cli.engine.proposers import BatchProposer, Guesses, penalty_of
+from smallem_cli.engine.proposers import Draft, Proposer, penalty_of
 from smallem_cli.engine.request import Request
-from smallem_cli.engine.runner import TargetRunner
-from smallem_cli.engine.scheduler import Engine
 from smallem_cli.engine.sequence import Seq
+from smallem_cli.kv.pool import PagePool, PoolExhausted
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.sampling import Sampling
 from smallem_cli.spec.verify import Penalty
@@ -47,7 +45,6 @@ def engine(
     """An eager engine for the target and `kind`: none, ngram, a model of `models` by name (near,
     draft, mtp), or ngram+ one of those; `cut`: the proposer's head cut to that many tokens."""
     target = models["target"]
-    pool = PagePool(n_pages or pool_pages(max_batch, target.cfg.max_seq_len, PS), PS)
     V = target.cfg.vocab_size
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:cut] if cut else None  # a cut head
     base = kind.removeprefix("ngram+")
@@ -55,7 +52,7 @@ def engine(
         p = proposer(base)
     else:
         p = proposer(kind.replace(base, "mtp" if base == "mtp" else "draft"), target, models[base], ids)
-    return assemble(target, p, Backend(), pool, k, auto_k=False, max_batch=max_batch, end_ids=end_ids, decode=decode)
+    return build(EngineConfig(target, p, Backend(), k, max_batch, end_ids, decode, pages=n_pages))
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -176,7 +173,7 @@ def mtp_chain(target: Transformer, mtp: MTPModule) -> Chain:
     return chain
 
 
-class ReferenceGuess:
+class ReferenceProposer:
     """A proposer for greedy requests that guesses each sequence alone from its tokens so far (no
     cache, no batch): the reference the batched proposers are held to. `penalty`: whether its
     guesses are scored with the request's repetition penalty."""
@@ -187,8 +184,8 @@ class ReferenceGuess:
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         pass
 
-    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
-        out: list[Guesses] = []
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Draft]:
+        out: list[Draft] = []
         for s, k in zip(seqs, ks, strict=True):
             assert s.warp is None
             pen = penalty_of(s) if self.penalty else None
@@ -207,14 +204,14 @@ class ReferenceGuess:
 class Spy:
     """A proposer's guesses, round by round, for each request."""
 
-    def __init__(self, inner: BatchProposer) -> None:
+    def __init__(self, inner: Proposer) -> None:
         self.inner, self.name = inner, inner.name
         self.guesses: dict[int, list[list[int]]] = defaultdict(list)
 
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         self.inner.start(seqs, fed, hidden)
 
-    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Guesses]:
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Draft]:
         got = self.inner.propose(seqs, ks)
         for s, g in zip(seqs, got, strict=True):
             self.guesses[s.req.index].append(g[0].tolist())
@@ -239,18 +236,14 @@ def test_batched_guesses_score_the_penalty(models, kind: str) -> None:
     target = models["target"]
     chain = mtp_chain(target, models["mtp"]) if kind == "mtp" else draft_chain(models[kind])
 
-    def run(p: BatchProposer | None) -> tuple[dict[int, dict], Spy]:
-        eng = engine(models, kind, 3, max_batch=8)
-        if p is not None:
-            pool = PagePool(pool_pages(8, target.cfg.max_seq_len, PS), PS)
-            slab = slab_for(target, pool.n_pages * PS, torch.device("cpu"))
-            eng = Engine(TargetRunner(target, slab, pool), p, 3, auto_k=False, max_batch=8, decode=decode)
-        eng.proposer = spy = Spy(eng.proposer)
+    def run(p: Proposer | None) -> tuple[dict[int, dict], Spy]:
+        eng = engine(models, kind if p is None else "none", 3, max_batch=8)
+        eng.proposer = spy = Spy(eng.proposer if p is None else p)
         return {f.request.index: f.stats | {"tokens": f.tokens} for f in eng.run(reqs)}, spy
 
     batched, b_spy = run(None)
-    ref, r_spy = run(ReferenceGuess(kind, chain))
-    _, plain_spy = run(ReferenceGuess(kind, chain, penalty=False))
+    ref, r_spy = run(ReferenceProposer(kind, chain))
+    _, plain_spy = run(ReferenceProposer(kind, chain, penalty=False))
     kept = 0
     for r in reqs:
         i = r.index
@@ -406,9 +399,9 @@ def test_sampling_at_the_penalty_range_ends_follows_the_target(penalty: float, s
     """At either end of the repetition penalty's range, with a temperature of 0.5, sampled pairs
     with a draft guessing 2 follow the penalised target's law (cells the law gives under 5
     draws are pooled into one), and not the unpenalised one's: no logit overflows on the way."""
-    from smallem_cli import defaults as D
+    from smallem_cli import defaults
 
-    assert (D.MIN_PENALTY, D.MAX_PENALTY) == (1e-3, 1e3)
+    assert (defaults.MIN_PENALTY, defaults.MAX_PENALTY) == (1e-3, 1e3)
     target, draft = random_model(V5, seed=0, scale=scale), random_model(V5, seed=1, scale=scale)
     prompt, temperature, n = [1, 3], 0.5, 8_000
     law = penalized_pair_law(target, prompt, penalty, temperature).flatten()
@@ -438,14 +431,14 @@ def test_sampling_at_the_penalty_range_ends_follows_the_target(penalty: float, s
 
 
 def test_load_policy_caps_greedy_drafts_only() -> None:
-    from smallem_cli import defaults as D
+    from smallem_cli import defaults
     from smallem_cli.engine.scheduler import load_k
 
     assert load_k(4, True, 2, True, "draft-2l") == 4 and load_k(4, True, 3, True, "draft-2l") == 0
     assert load_k(4, True, 2, True, "mtp") == 4 and load_k(4, True, 3, True, "ngram+mtp") == 0
     assert load_k(4, False, 64, True, "draft-2l") == 4  # sampled: the seed alone decides the text
     assert load_k(4, True, 64, False, "draft-2l") == 4  # a k the user gave is kept
-    assert D.load_cap("ngram", 64) == D.MAX_K
+    assert defaults.load_cap("ngram", 64) == defaults.MAX_K
 
 
 @pytest.mark.parametrize("proposer", ["near", "mtp"])

@@ -11,11 +11,11 @@ import torch
 
 from smallem_cli.backends.engines import Backend
 from smallem_cli.engine.forward import slab_for
-from smallem_cli.engine.pool import PagePool, pages_for
-from smallem_cli.engine.proposers import DraftGuess, MTPGuess
+from smallem_cli.engine.proposers import DraftProposer, MTPProposer
 from smallem_cli.engine.request import Request
-from smallem_cli.engine.runner import TargetRunner
 from smallem_cli.engine.sequence import Seq
+from smallem_cli.engine.target import TargetRunner
+from smallem_cli.kv.pool import PagePool, pages_for
 from smallem_cli.spec.head import Head
 from smallem_cli.stats import Stats
 from smallem_cli.train.evaluate import _greedy_chain, _mtp_chain, chain_agreement, contexts
@@ -44,7 +44,6 @@ def test_kept_rates_fall_with_depth(target, draft, mtp) -> None:
 def seq(uid: int, row: torch.Tensor, k: int) -> Seq:
     """A greedy sequence whose context is `row`: the last token not yet in the cache (`last`)."""
     st = Stats("eval", k)
-    st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
     tokens = row.tolist()
     s = Seq(Request(uid, uid, tuple(tokens), k), uid, torch.Generator(), None, st, k, tokens)
     s.last = row[-1:]
@@ -75,8 +74,8 @@ def test_chains_are_the_decode_loops_guesses(target, draft, mtp, together: bool)
         for s in seqs:
             s.cached = counts[0]
         proposers = (
-            (MTPGuess(target, mtp, pool, Head(target), Backend()), mtp_chain),
-            (DraftGuess(draft, pool, Head(draft), "draft", Backend()), draft_chain),
+            (MTPProposer(target, mtp, pool, Head(target), Backend()), mtp_chain),
+            (DraftProposer(draft, pool, Head(draft), "draft", Backend()), draft_chain),
         )
         for p, want in proposers:
             p.start(seqs, fed, list(hidden.split(counts)))  # the context's last token plays `last`

@@ -17,13 +17,15 @@ from engine_help import backend, halved, proposer, reference_logits, sequence_pa
 
 from smallem_cli.backends.engines import Backend
 from smallem_cli.config import ModelConfig
-from smallem_cli.engine import batch as B
 from smallem_cli.engine import build
-from smallem_cli.engine.family import NONE, Proposer
+from smallem_cli.engine.config import EngineConfig
+from smallem_cli.engine.family import NONE, LoadedProposer
 from smallem_cli.engine.forward import mtp_pass, slab_for
-from smallem_cli.engine.generate import generate, stream
-from smallem_cli.engine.pool import PagePool
-from smallem_cli.engine.proposers import FallbackGuess
+from smallem_cli.engine.generate import answer, generate
+from smallem_cli.engine.proposers import FallbackProposer
+from smallem_cli.engine.request import Request
+from smallem_cli.kv.pool import PagePool, pages_for
+from smallem_cli.kv.step import build as build_step
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.sampling import NonFiniteError, Sampling
 from smallem_cli.stats import Stats
@@ -56,7 +58,7 @@ def alone(
     return out
 
 
-def make(kind: str, models: dict, vocab: torch.Tensor | None = None) -> Proposer:
+def make(kind: str, models: dict, vocab: torch.Tensor | None = None) -> LoadedProposer:
     """The loaded proposer of one kind over these models (`engine_help.proposer`)."""
     if kind in ("none", "ngram"):
         return proposer(kind)
@@ -129,10 +131,10 @@ def check_stats(stats: Stats, out: list[int], k: int, fixed: bool = True) -> Non
     model), not fewer (the n-gram lookup, which offers what it found and thinks worth checking)."""
     assert stats.new_tokens == len(out) > 0
     assert stats.k == k
-    assert len(stats.guessed) == k + 1 and sum(stats.guessed) == rounds(stats)
-    assert stats.proposed == sum(m * r for m, r in enumerate(stats.guessed))
+    assert len(stats.rounds_by_drafted) == k + 1 and sum(stats.rounds_by_drafted) == rounds(stats)
+    assert stats.proposed == sum(m * r for m, r in enumerate(stats.rounds_by_drafted))
     if fixed:
-        assert stats.proposed == k * rounds(stats) and stats.guessed[k] == rounds(stats)
+        assert stats.proposed == k * rounds(stats) and stats.rounds_by_drafted[k] == rounds(stats)
     assert 0 <= stats.accepted <= stats.proposed
     assert len(stats.accepted_at) == k
     # a round that kept its i-th guess kept every guess before it
@@ -190,7 +192,7 @@ def test_greedy_identity(request, models, backend_name: str, kind: str, k: int) 
     if kind in ("draft", "mtp") and k > 1:  # a random model's guesses: rejections at every k
         assert stats.accepted_at[0] < rounds(stats)
     if kind == "ngram":  # the lookup finds nothing in some rounds: they check no guess
-        assert stats.guessed[0] > 0
+        assert stats.rounds_by_drafted[0] > 0
 
 
 @pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
@@ -230,7 +232,7 @@ def test_greedy_identity_other_prompts(request, models, prompt: list[int], kind:
 
 
 # --- a trained target + MTP module: MTP guesses that are mostly right ------------------------
-def trained_mtp(trained, vocab: torch.Tensor | None = None) -> Proposer:
+def trained_mtp(trained, vocab: torch.Tensor | None = None) -> LoadedProposer:
     return proposer("mtp", trained.model, trained.mtp, vocab)
 
 
@@ -258,7 +260,7 @@ def test_trained_mtp_off_distribution_prompt(trained) -> None:
 
 # --- the proposers' guesses, seen from inside the engine ------------------------------------------
 class Wrapped:
-    """A batched proposer (`engine.proposers.BatchProposer`) passed through, for a test to watch."""
+    """A batched proposer (`engine.proposers.Proposer`) passed through, for a test to watch."""
 
     def __init__(self, inner) -> None:
         self.inner, self.name = inner, inner.name
@@ -279,17 +281,17 @@ class Wrapped:
 @pytest.fixture
 def watch(monkeypatch: pytest.MonkeyPatch):
     """watch(wrap) -> the list of wrappers made: every engine built from then on (a generation's
-    too: `build.assemble`) has its batched proposer wrapped in wrap(inner)."""
+    too: `build.build`) has its proposer wrapped in wrap(inner)."""
 
     def install(wrap) -> list:
         made: list = []
-        real = build.batch_proposer
+        real = build.proposer_for
 
         def wrapped(p, target, pool, b):
             made.append(wrap(real(p, target, pool, b)))
             return made[-1]
 
-        monkeypatch.setattr(build, "batch_proposer", wrapped)
+        monkeypatch.setattr(build, "proposer_for", wrapped)
         return made
 
     return install
@@ -396,7 +398,7 @@ def test_guesses_match_a_from_scratch_computation(
     oracles: list[Oracle] = []
 
     def wrap(inner):
-        if isinstance(inner, FallbackGuess):  # the model behind the lookup: told every round, asked for
+        if isinstance(inner, FallbackProposer):  # the model behind the lookup: told every round, asked for
             inner.other = Oracle(inner.other, expect)  # type: ignore[assignment]  # k where it found nothing
             oracles.append(inner.other)  # type: ignore[arg-type]
             return inner
@@ -707,6 +709,11 @@ def test_end_ids_never_produced_change_nothing(models, reference) -> None:
     assert out == reference
 
 
+def stream(target, p, prompt: list[int], n: int, k: int, stats: Stats | None = None, backend: Backend | None = None):
+    """One prompt's tokens round by round, on an engine of its own (`generate`'s, kept open)."""
+    return answer(build.build(EngineConfig(target, p, backend or Backend(), k)), Request(0, 0, tuple(prompt), n), stats)
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_stream_stops_when_the_consumer_stops(request, models, backend_name: str) -> None:
     """Chunks come round by round; a consumer that stops early still sees valid stats."""
@@ -793,14 +800,14 @@ def mtp_sequence_pass(
     """The module's states over pairs (h_j, token j+1), in two passes (the first `split` pairs,
     then the rest over their cached K/V), through a pool of its own."""
     T = tokens.shape[0]
-    pool = PagePool(B.pages_for(T, 16) + 1, 16)
+    pool = PagePool(pages_for(T, 16) + 1, 16)
     pool.add(0)
     pool.reserve(0, T)
     slab = slab_for(mtp, pool.n_pages * 16, h.device)
     outs = []
     with torch.inference_mode():
         for lo, hi in ((0, split), (split, T)):
-            b = B.build([pool.tables[0]], [lo], [hi - lo], 16, h.device)
+            b = build_step([pool.tables[0]], [lo], [hi - lo], 16, h.device)
             outs.append(mtp_pass(mtp, target, slab, h[lo:hi], tokens[lo:hi], b, steps))
     return torch.cat(outs)
 

@@ -28,12 +28,12 @@ from typer.testing import CliRunner  # noqa: E402
 from smallem_cli.cli.app import app  # noqa: E402
 from smallem_cli.config import PRESETS, ModelConfig  # noqa: E402
 from smallem_cli.defaults import default_k  # noqa: E402
-from smallem_cli.engine.batch import build, in_order  # noqa: E402
 from smallem_cli.engine.family import NONE  # noqa: E402
 from smallem_cli.engine.forward import slab_for, transformer_pass  # noqa: E402
 from smallem_cli.engine.generate import generate  # noqa: E402
-from smallem_cli.engine.pool import PagePool, pages_for  # noqa: E402
 from smallem_cli.interop.hf import ExportError, HFFormatError, config_from_hf, export_hf, is_hf_dir, load_hf  # noqa: E402
+from smallem_cli.kv.pool import PagePool, pages_for  # noqa: E402
+from smallem_cli.kv.step import build, in_order  # noqa: E402
 from smallem_cli.model import checkpoint  # noqa: E402
 from smallem_cli.model.llama import MTPModule, Transformer  # noqa: E402
 

@@ -27,14 +27,14 @@ from typer.testing import CliRunner
 from smallem_cli.backends import engines, native
 from smallem_cli.backends.engines import Backend
 from smallem_cli.cli.app import app
-from smallem_cli.engine import batch as B
 from smallem_cli.engine.family import NONE
 from smallem_cli.engine.forward import mtp_pass, slab_for, transformer_pass
 from smallem_cli.engine.generate import generate
-from smallem_cli.engine.pool import PagePool, pages_for
-from smallem_cli.engine.proposers import DraftGuess, MTPGuess
+from smallem_cli.engine.proposers import DraftProposer, MTPProposer
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.sequence import Seq
+from smallem_cli.kv.pool import PagePool, pages_for
+from smallem_cli.kv.step import build
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
 from smallem_cli.spec.sampling import Sampling
@@ -85,9 +85,9 @@ def one_sequence(
     table = list(range(slab.shape[3] // PS))
     with torch.no_grad():
         if P:
-            transformer_pass(model, slab, past, B.build([table], [0], [P], PS, CPU), "none", steps)
+            transformer_pass(model, slab, past, build([table], [0], [P], PS, CPU), "none", steps)
         if steps is None:
-            logits, hidden = transformer_pass(model, slab, new, B.build([table], [P], [T], PS, CPU), "all")
+            logits, hidden = transformer_pass(model, slab, new, build([table], [P], [T], PS, CPU), "all")
             logits = logits if head else logits[:0]
         else:
             assert steps.serves(P, P + T)
@@ -105,8 +105,8 @@ def mtp_sequence(
     slab = slab_for(mtp, (pages_for(n, PS) + 1) * PS, CPU)
     table = list(range(slab.shape[3] // PS))
     with torch.no_grad():
-        mtp_pass(mtp, target, slab, h[:P], ids[:P], B.build([table], [0], [P], PS, CPU), steps)
-        out = mtp_pass(mtp, target, slab, h[P:], ids[P:], B.build([table], [P], [n - P], PS, CPU), steps)
+        mtp_pass(mtp, target, slab, h[:P], ids[:P], build([table], [0], [P], PS, CPU), steps)
+        out = mtp_pass(mtp, target, slab, h[P:], ids[P:], build([table], [P], [n - P], PS, CPU), steps)
     return out, slab[:, :, :, P:n].clone()
 
 
@@ -121,7 +121,7 @@ def first_round(
     sampling: Sampling,
     head: Head | None = None,
     seen: torch.Tensor | None = None,
-) -> tuple[MTPGuess | DraftGuess, Seq, torch.Tensor, torch.Tensor | None]:
+) -> tuple[MTPProposer | DraftProposer, Seq, torch.Tensor, torch.Tensor | None]:
     """A sequence's first round of k guesses from the engine's batched proposer of `model` (the MTP
     module over `target`, or a draft) on backend `b`: the sequence alone in its pool (its pages in
     order: with native steps the round is one chain call, `NativeSteps.chain`), started on the
@@ -143,11 +143,11 @@ def first_round(
     )
     pool.add(s.uid)
     pool.reserve(s.uid, n + k + 1)
-    p: MTPGuess | DraftGuess
+    p: MTPProposer | DraftProposer
     if isinstance(model, MTPModule):
-        p = MTPGuess(target, model, pool, head or Head(target), b)
+        p = MTPProposer(target, model, pool, head or Head(target), b)
     else:
-        p = DraftGuess(model, pool, head or Head(model), "draft", b)
+        p = DraftProposer(model, pool, head or Head(model), "draft", b)
     with torch.no_grad():
         p.start([s], [fed], [hidden])
         ((tokens, q),) = p.propose([s], [k])
@@ -194,7 +194,9 @@ def test_verify_pass_reads_its_argmax_and_finite_flag() -> None:
     """A pass with a head also returns each row's argmax (torch's) and 1 if every logit is finite;
     with a NaN in the final norm the flag is 0, and a generation stops at its first round with
     NonFiniteError (its prefill's logits, from the eager head, were finite: one token came out)."""
-    from smallem_cli.engine.generate import stream
+    from smallem_cli.engine.build import build as build_engine
+    from smallem_cli.engine.config import EngineConfig
+    from smallem_cli.engine.generate import answer
     from smallem_cli.spec.sampling import NonFiniteError
 
     model = halved(random_model(TINY, seed=4))
@@ -204,7 +206,7 @@ def test_verify_pass_reads_its_argmax_and_finite_flag() -> None:
     tokens = torch.randint(0, TINY.vocab_size, (24,), generator=torch.Generator().manual_seed(4))
     slab = slab_for(model, 2 * PS, CPU)
     with torch.no_grad():
-        transformer_pass(model, slab, tokens[:19], B.build([[0, 1]], [0], [19], PS, CPU), "none")  # type: ignore[arg-type]
+        transformer_pass(model, slab, tokens[:19], build([[0, 1]], [0], [19], PS, CPU), "none")  # type: ignore[arg-type]
         past = slab[:, :, :, :19]
         logits, _, _, top = steps.step(tokens[19:], past, True)
         assert top is not None
@@ -215,7 +217,7 @@ def test_verify_pass_reads_its_argmax_and_finite_flag() -> None:
         assert top is not None and top[-1] == 0
     chunks: list[list[int]] = []
     with pytest.raises(NonFiniteError, match="not finite"):
-        for chunk in stream(model, NONE, PROMPT, 20, 0, backend=b):  # type: ignore[arg-type]
+        for chunk in answer(build_engine(EngineConfig(model, NONE, b, 0)), Request(0, 0, tuple(PROMPT), 20)):  # type: ignore[arg-type]
             chunks.append(chunk)
     assert len(chunks) == 1
 
@@ -388,7 +390,7 @@ def test_mtp_chain_guesses_as_the_steps_do(
     penalised: bool,
 ) -> None:
     """The native chain (one call for the catch-up on n pairs and k guesses, one guess too) guesses
-    what the engine's step-by-step loop (`MTPGuess.propose`) guesses on the eager backend, with the
+    what the engine's step-by-step loop (`MTPProposer.propose`) guesses on the eager backend, with the
     whole head or one cut to some tokens (37: the last panel of eight rows padded), greedy or
     sampled (the same draws of the sequence's generator, and the q each guess was drawn from),
     and leaves the module's cache as the loop does: the k-1 chained entries after the n true ones,
@@ -409,7 +411,7 @@ def test_mtp_chain_guesses_as_the_steps_do(
         ) -> tuple[list[int], torch.Tensor | None]:
             p, seq, tokens, q = first_round(bk, target, mtp, fed[:-1], fed[-1:], h, k, s, head, seen)
             st = p.state[seq.uid]
-            assert (st.length, st.true_len) == (n + k - 1, n)  # the n pairs, then guesses 1 .. k-1 chained
+            assert (st.length, st.confirmed) == (n + k - 1, n)  # the n pairs, then guesses 1 .. k-1 chained
             p.accept(seq, 0, fed[:1], h[:1])
             assert st.length == n  # the chain's entries dropped
             return tokens.tolist(), q
@@ -437,7 +439,7 @@ def test_draft_chain_guesses_as_the_steps_do(
 ) -> None:
     """A draft's chain (one call for k guesses, each fed through the draft; one guess too; under
     top-p too, both drawing at the temperature alone: `verify.proposal`) guesses what the engine's
-    step-by-step loop (`DraftGuess.propose`) guesses on the eager backend, whole head or cut, greedy
+    step-by-step loop (`DraftProposer.propose`) guesses on the eager backend, whole head or cut, greedy
     or sampled (same draws, same q), and leaves the draft's cache where the loop leaves it: the k-1
     fed guesses, then the ones the target kept."""
     target, _, b = pair

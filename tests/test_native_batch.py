@@ -21,14 +21,14 @@ from test_native import CPU, EAGER, close, eager_and_native, no_native, one_sequ
 from smallem_cli.backends import engines
 from smallem_cli.backends.engines import Backend
 from smallem_cli.backends.native import KV_DTYPE
-from smallem_cli.engine import batch as B
-from smallem_cli.engine.build import assemble, pool_pages
-from smallem_cli.engine.family import NONE, Proposer
+from smallem_cli.engine import build as engine_build
+from smallem_cli.engine.config import EngineConfig
+from smallem_cli.engine.family import NONE, LoadedProposer
 from smallem_cli.engine.forward import mtp_pass, slab_for, transformer_pass
 from smallem_cli.engine.generate import generate
-from smallem_cli.engine.pool import PagePool
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.scheduler import Engine
+from smallem_cli.kv.step import BatchStep, build, build_tree, visible
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
 from smallem_cli.spec.sampling import Sampling
@@ -61,16 +61,16 @@ def shuffled_tables(lengths: list[int], seed: int) -> tuple[list[list[int]], int
 def test_visible_keys_are_the_masks() -> None:
     """`visible`: each row's slots, in position order, where its mask row is 0; a chain step's
     (kv_slots' rows, no copy) read the same as the masks say."""
-    b = B.build([[3, 0], [1]], [2, 0], [3, 2], 4, torch.device("cpu"))
+    b = build([[3, 0], [1]], [2, 0], [3, 2], 4, torch.device("cpu"))
 
-    def rows(step: B.BatchStep) -> list[list[int]]:
-        vis, start, count = B.visible(step)
+    def rows(step: BatchStep) -> list[list[int]]:
+        vis, start, count = visible(step)
         return [vis[int(s) : int(s) + int(c)].tolist() for s, c in zip(start, count, strict=True)]
 
     want = [[12, 13, 14], [12, 13, 14, 15], [12, 13, 14, 15, 0], [4], [4, 5]]
     assert b.prefix and rows(b) == want
     assert rows(dataclasses.replace(b, prefix=False)) == want  # from the masks
-    one = B.build([[2, 3]], [5], [2], 4, torch.device("cpu"))  # one sequence, pages in order
+    one = build([[2, 3]], [5], [2], 4, torch.device("cpu"))  # one sequence, pages in order
     assert one.base == 8 and rows(one) == [list(range(8, 14)), list(range(8, 15))]
     assert rows(dataclasses.replace(one, prefix=False)) == rows(one)
 
@@ -85,7 +85,7 @@ def test_batch_pass_is_the_eager_one(trio: Trio, head: str) -> None:
     g = torch.Generator().manual_seed(3)
     slab0 = torch.randn(*slab_for(target, n_pages * PS, CPU).shape, generator=g).to(KV_DTYPE)  # the past
     ids = torch.randint(0, TINY.vocab_size, (sum(counts),), generator=g)
-    step = B.build(tables, starts, counts, PS, CPU)
+    step = build(tables, starts, counts, PS, CPU)
 
     def run(bk: Backend) -> tuple[torch.Tensor, ...]:
         slab = slab0.clone()
@@ -104,7 +104,7 @@ def test_tree_and_mtp_passes_are_the_eager_ones(trio: Trio) -> None:
     target, mtp, _, bk = trio
     tables, n_pages = shuffled_tables([12 + 6, 5 + 6], seed=2)
     parents = [[-1, 0, 0, 1, 2, -1], [-1, -1, 1, 2, 0, 4]]
-    b = B.build_tree(tables, [12, 5], parents, [[0, 1, 2, 3, 4, 5], [1, 2, 3, 5]], PS, CPU)
+    b = build_tree(tables, [12, 5], parents, [[0, 1, 2, 3, 4, 5], [1, 2, 3, 5]], PS, CPU)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, TINY.vocab_size, (10,), generator=g)
     h = torch.randn(10, TINY.dim, generator=g)
@@ -135,9 +135,8 @@ def test_a_row_has_the_one_sequence_pass_numbers(trio: Trio) -> None:
 def _engine(trio: Trio, kind: str, k: int, backend: Backend) -> Engine:
     """The batch engine: 8 sequences at a time, the proposer `kind`'s passes on `backend`."""
     target, mtp, draft, _ = trio
-    pool = PagePool(pool_pages(8, target.cfg.max_seq_len, 16), 16)
     p = proposer(kind, target, {"mtp": mtp, "draft": draft}.get(kind.removeprefix("ngram").removeprefix("+")))
-    return assemble(target, p, backend, pool, k, auto_k=False, max_batch=8)
+    return engine_build.build(EngineConfig(target, p, backend, k, max_batch=8))
 
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "mtp", "draft", "ngram+mtp", "ngram+draft"])
@@ -194,6 +193,6 @@ def test_native_token_trees_are_the_target_alone(trio: Trio, monkeypatch: pytest
     target, mtp, _, b = trio
     ref, _ = generate(target, NONE, PROMPT, 40, 0)
     calls = spy_native(monkeypatch)
-    p = Proposer("mtp", mtp.pack(), Head(target), tree=(8, 4))
+    p = LoadedProposer("mtp", mtp.pack(), Head(target), tree=(8, 4))
     got, st = generate(target, p, PROMPT, 40, 3, backend=b)
     assert got == ref and st.tokens_per_pass > 1 and calls

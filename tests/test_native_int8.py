@@ -26,7 +26,7 @@ from smallem_cli.backends import native
 from smallem_cli.backends.engines import Backend
 from smallem_cli.cli.app import app
 from smallem_cli.engine import family as fam
-from smallem_cli.engine.family import NONE, Proposer
+from smallem_cli.engine.family import NONE, LoadedProposer
 from smallem_cli.engine.generate import generate
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
@@ -176,7 +176,7 @@ def test_generation(models: dict[str, torch.nn.Module], b8: Backend, kind: str) 
     def run(which: str, sampling: Sampling, bk: Backend) -> tuple[list[int], tuple[int, int]]:
         tgt, model = models["target" + which], models[kind + which]
         head = Head(tgt if kind == "mtp" else model)  # type: ignore[arg-type]
-        p = Proposer(kind, model, head)  # type: ignore[arg-type]
+        p = LoadedProposer(kind, model, head)  # type: ignore[arg-type]
         out, st = generate(target, p, PROMPT, 80, 3, sampling, backend=bk)  # type: ignore[arg-type]
         return out, (st.proposed, st.accepted)
 

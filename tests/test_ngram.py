@@ -1,5 +1,5 @@
 """The model-free n-gram proposer (prompt lookup, `spec.ngram`), alone and in front of a model
-(`ngram+P`, `engine.proposers.FallbackGuess`), and the depth it chooses from its measured acceptance.
+(`ngram+P`, `engine.proposers.FallbackProposer`), and the depth it chooses from its measured acceptance.
 
 Each changes how many guesses a round checks, never what the user gets: greedy output
 identical to the target alone, and sampling exact with a point-mass q (the seed's χ² test).
@@ -17,13 +17,13 @@ from engine_help import backend, halved, proposer
 from test_generate import NATIVE_DRAFT_CFG, check_stats, no_native, on
 from test_verify import P1, P2, check_exact
 
-from smallem_cli import defaults as D
+from smallem_cli import defaults
 from smallem_cli.engine import build
-from smallem_cli.engine.family import NONE, Proposer
+from smallem_cli.engine.family import NONE, LoadedProposer
 from smallem_cli.engine.generate import generate
-from smallem_cli.engine.proposers import FallbackGuess, NgramGuess
+from smallem_cli.engine.proposers import FallbackProposer, NgramProposer
 from smallem_cli.engine.sequence import Seq
-from smallem_cli.spec.ngram import NgramIndex, NgramProposer, best_depth
+from smallem_cli.spec.ngram import NgramIndex, NgramLookup, best_depth
 from smallem_cli.spec.sampling import Sampling
 
 N = 120
@@ -69,11 +69,11 @@ def test_bad_sizes_are_refused() -> None:
         NgramIndex(0, 2)
 
 
-def make(kind: str, models: dict, monkeypatch: pytest.MonkeyPatch) -> Proposer:
+def make(kind: str, models: dict, monkeypatch: pytest.MonkeyPatch) -> LoadedProposer:
     """ "ngram" (the engine's lookup: its depth chosen from its measured acceptance), "ngram-fixed"
     (the lookup offering all it finds: a guess cost of 0), "ngram+mtp", "ngram+draft", "mtp"."""
     if kind == "ngram-fixed":
-        monkeypatch.setattr(D, "NGRAM_GUESS_COST", 0.0)  # read by `build.batch_proposer`
+        monkeypatch.setattr(defaults, "NGRAM_DRAFT_COST", 0.0)  # read by `build.proposer_for`
         return proposer("ngram")
     if kind.endswith("mtp"):
         return proposer(kind, models["target"], models["mtp"])
@@ -112,9 +112,9 @@ def test_ngram_greedy_identity(
     assert out == ref
     check_stats(stats, out, k, fixed=False)
     if "+" not in kind:
-        assert stats.guessed[0] > 0  # some rounds found nothing and checked no guess
+        assert stats.rounds_by_drafted[0] > 0  # some rounds found nothing and checked no guess
     if kind == "ngram-fixed":  # a match is copied k deep (past the text's end too), and all of it offered
-        assert sum(stats.guessed[1:k]) == 0 and stats.guessed[k] > 0
+        assert sum(stats.rounds_by_drafted[1:k]) == 0 and stats.rounds_by_drafted[k] > 0
     assert stats.proposed > 0
 
 
@@ -148,18 +148,18 @@ def test_fallback_guesses_by_lookup_where_it_matches_and_by_the_model_elsewhere(
     """`ngram+P`: the lookup's guesses where it found some, P's (asked for k) in the other rounds;
     P catches up on the rounds the lookup guessed, and the output stays the target's."""
     ms, b = on(request, backend_name, models)
-    made: list[FallbackGuess] = []
-    real = build.batch_proposer
+    made: list[FallbackProposer] = []
+    real = build.proposer_for
 
     def counted(p, target, pool, bk):
         fb = real(p, target, pool, bk)
-        assert isinstance(fb, FallbackGuess) and isinstance(fb.first, NgramGuess)
+        assert isinstance(fb, FallbackProposer) and isinstance(fb.first, NgramProposer)
         fb.first, fb.other = Counting(fb.first), Counting(fb.other)  # type: ignore[assignment]
         made.append(fb)
         return fb
 
     ref, _ = generate(ms["target"], NONE, REPEAT, N, 0, backend=b)
-    monkeypatch.setattr(build, "batch_proposer", counted)
+    monkeypatch.setattr(build, "proposer_for", counted)
     out, stats = generate(ms["target"], make(kind, ms, monkeypatch), REPEAT, N, 4, backend=b)
     assert out == ref and len(made) == 1
     lookup, model = made[0].first, made[0].other
@@ -184,9 +184,9 @@ def test_a_model_proposer_checks_k_guesses_every_round(models, monkeypatch, kind
     _, st = generate(models["target"], make(kind, models, monkeypatch), PROMPT, N, 3)
     rounds = st.passes - 1
     if kind == "mtp":
-        assert st.guessed == [0, 0, 0, rounds]
+        assert st.rounds_by_drafted == [0, 0, 0, rounds]
     else:  # the random model's text repeats little: P guesses most rounds
-        assert sum(st.guessed) == rounds and 0 < st.guessed[3] < rounds
+        assert sum(st.rounds_by_drafted) == rounds and 0 < st.rounds_by_drafted[3] < rounds
 
 
 @pytest.mark.parametrize("kind", ["ngram", "ngram-fixed", "ngram+mtp", "mtp"])
@@ -210,8 +210,8 @@ def test_point_mass_guesses_sample_exactly() -> None:
 
 
 def test_ngram_sampled_q_is_one_hot(models) -> None:
-    p = NgramProposer(64, 2, 3)
-    p.start(torch.tensor([5, 6, 7, 5, 6]), torch.tensor([7]), torch.empty(0))
+    p = NgramLookup(64, 2, 3)
+    p.start(torch.tensor([5, 6, 7, 5, 6]), torch.tensor([7]))
     toks, q = p.propose(3, lambda x: x, None)
     assert toks.tolist() == [5, 6, 7] and q is not None
     assert torch.equal(q, F.one_hot(toks, 64).float())
@@ -220,14 +220,14 @@ def test_ngram_sampled_q_is_one_hot(models) -> None:
 
 
 def test_ngram_sampled_q_is_one_hot_in_the_engine(models, monkeypatch) -> None:
-    """The batched lookup (`NgramGuess`) in a sampled generation: each guess's q is a point mass
+    """The batched lookup (`NgramProposer`) in a sampled generation: each guess's q is a point mass
     on it; greedy, no q."""
     seen: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    real = build.batch_proposer
+    real = build.proposer_for
 
     def spied(p, target, pool, bk):
         bp = real(p, target, pool, bk)
-        assert isinstance(bp, NgramGuess)
+        assert isinstance(bp, NgramProposer)
         inner = bp.propose
 
         def propose(seqs, ks):
@@ -238,8 +238,8 @@ def test_ngram_sampled_q_is_one_hot_in_the_engine(models, monkeypatch) -> None:
         bp.propose = propose  # type: ignore[method-assign]
         return bp
 
-    monkeypatch.setattr(build, "batch_proposer", spied)
-    monkeypatch.setattr(D, "NGRAM_GUESS_COST", 0.0)  # every lookup offered
+    monkeypatch.setattr(build, "proposer_for", spied)
+    monkeypatch.setattr(defaults, "NGRAM_DRAFT_COST", 0.0)  # every lookup offered
     generate(models["target"], proposer("ngram"), REPEAT, 40, 4, Sampling(temperature=1.0, seed=5))
     offered = [(t, q) for t, q in seen if t.shape[0]]
     assert offered
@@ -262,18 +262,18 @@ def test_best_depth_weighs_acceptance_against_the_pass() -> None:
 def test_ngram_depth_follows_the_acceptance_it_measures() -> None:
     """Its silent checks see every lookup, offered or not: wrong lookups bring its depth to 0,
     right ones back up, without offering a guess in between."""
-    p = NgramProposer(64, 2, 3, guess_cost=0.16)
-    p.start(torch.tensor([1, 2, 3, 1, 2]), torch.tensor([3]), torch.empty(0))
+    p = NgramLookup(64, 2, 3, draft_cost=0.16)
+    p.start(torch.tensor([1, 2, 3, 1, 2]), torch.tensor([3]))
     for i in range(12):  # the lookup says what followed "1 2 3" last time; the target, a new token
         p.propose(4, None, None)
-        p.accept(0, torch.tensor([10 + i]), torch.empty(0))
+        p.accept(torch.tensor([10 + i]))
         p.index.extend([1, 2, 3])  # a lookup every round
     toks, _ = p.propose(4, None, None)
     assert toks.shape[0] == 0 and p.rates[0] < 0.2
     for _ in range(6):  # now the lookup would have been right, offered or not
         looked = p.index.lookup(4)
         p.propose(4, None, None)
-        p.accept(0, torch.tensor(looked[:1]), torch.empty(0))
+        p.accept(torch.tensor(looked[:1]))
     toks, _ = p.propose(4, None, None)
     assert toks.shape[0] >= 1 and p.rates[0] > 0.5
 
@@ -283,30 +283,30 @@ def test_rounds_without_guesses_are_taken_in_as_accept_would() -> None:
     and index are what a lookup of nothing every round would have made, to the bit, and so is its next guess."""
     g = torch.Generator().manual_seed(1)
     rounds = [torch.randint(0, 8, (int(n),), generator=g) for n in torch.randint(1, 4, (9,), generator=g)]
-    each, queued = NgramProposer(64, 2, 3, guess_cost=0.16), NgramProposer(64, 2, 3, guess_cost=0.16)
+    each, queued = NgramLookup(64, 2, 3, draft_cost=0.16), NgramLookup(64, 2, 3, draft_cost=0.16)
     for p in (each, queued):
-        p.start(torch.tensor([1, 2, 3, 1, 2]), torch.tensor([3]), torch.empty(0))
+        p.start(torch.tensor([1, 2, 3, 1, 2]), torch.tensor([3]))
         p.propose(4, None, None)
-        p.accept(1, torch.tensor([1, 2]), torch.empty(0))  # rates away from the prior: their decay shows
+        p.accept(torch.tensor([1, 2]))  # rates away from the prior: their decay shows
     for out in rounds:
         each.propose(0, None, None)  # asked for nothing: every round's bookkeeping at once
-        each.accept(0, out, torch.empty(0))
-        queued.accept(0, out, torch.empty(0))
+        each.accept(out)
+        queued.accept(out)
     assert each.backlog == [] and len(queued.backlog) == len(rounds)
     queued.propose(0, None, None)
-    assert (each.kept, each.reached) == (queued.kept, queued.reached) and each.kept != [0.0, 0.0]
+    assert (each.accepted, each.reached) == (queued.accepted, queued.reached) and each.accepted != [0.0, 0.0]
     assert each.index.tokens == queued.index.tokens and each.index.last == queued.index.last
     assert torch.equal(each.propose(4, None, None)[0], queued.propose(4, None, None)[0])
 
 
 def test_the_batched_lookup_queues_what_it_was_not_asked_for() -> None:
-    """`NgramGuess`: a sequence at k 0 gets no guess and its tokens wait; asked again, the lookup has them all."""
+    """`NgramProposer`: a sequence at k 0 gets no guess and its tokens wait; asked again, the lookup has them all."""
 
     class S:
         uid, warp, gen, seen = 7, None, None, None
         last = torch.tensor([4])
 
-    ng = NgramGuess(64, 2, 3, 0.0)
+    ng = NgramProposer(64, 2, 3, 0.0)
     s = cast(Seq, S())
     ng.start([s], [torch.tensor([5, 1, 2])], [torch.empty(0)])
     for out in ([7, 9], [1, 2]):

@@ -12,16 +12,17 @@ from conftest import PROMPT, kv_close
 from engine_help import reference_logits
 
 from smallem_cli.backends.engines import Backend
-from smallem_cli.engine import batch as B
-from smallem_cli.engine.build import batch_proposer
-from smallem_cli.engine.family import NONE, Proposer
+from smallem_cli.engine.build import proposer_for
+from smallem_cli.engine.family import NONE, LoadedProposer
 from smallem_cli.engine.forward import slab_for, transformer_pass
 from smallem_cli.engine.generate import generate
-from smallem_cli.engine.pool import PagePool, PoolExhausted, pages_for
-from smallem_cli.engine.proposers import DraftGuess
+from smallem_cli.engine.proposers import DraftProposer
 from smallem_cli.engine.request import Request
-from smallem_cli.engine.runner import TargetRunner, decode_round, prefill
+from smallem_cli.engine.round import decode_round
 from smallem_cli.engine.sequence import Seq
+from smallem_cli.engine.target import TargetRunner, prefill
+from smallem_cli.kv.pool import PagePool, PoolExhausted, pages_for
+from smallem_cli.kv.step import BatchStep, build, in_order
 from smallem_cli.spec.head import Head
 from smallem_cli.stats import Stats
 
@@ -67,12 +68,12 @@ class Shadow:
     def length(self, seq: int) -> int:
         return self.data[seq].shape[0]
 
-    def append(self, seq: int, n: int) -> B.BatchStep:
+    def append(self, seq: int, n: int) -> BatchStep:
         """n new positions: pages reserved, the step a pass would take, its rows written at its slots."""
         start = self.length(seq)
         self.pool.reserve(seq, start + n)
         table, ps = self.pool.tables[seq], self.pool.page_size
-        step = B.build([table], [start], [n], ps, torch.device("cpu"))
+        step = build([table], [start], [n], ps, torch.device("cpu"))
         want = [table[p // ps] * ps + p % ps for p in range(start + n)]
         assert want == [self.pool.slot(seq, p) for p in range(start + n)]
         assert step.slots.tolist() == want[start:]  # written where the pool says
@@ -151,7 +152,7 @@ def test_interleaved_sequences_do_not_overwrite_each_other() -> None:
         sh.append(a, n)
         sh.append(b, n + 1)
     assert set(pool.tables[a]).isdisjoint(pool.tables[b])
-    assert B.in_order(pool.tables[a], len(pool.tables[a])) is None  # the gathered path was taken
+    assert in_order(pool.tables[a], len(pool.tables[a])) is None  # the gathered path was taken
     sh.check()
 
 
@@ -277,10 +278,10 @@ def test_causal_bias(start: int, n: int, alone: bool) -> None:
             pool.reserve(2, m * PAGE)  # every other page is the other's
     pool.reserve(1, start + n)
     if alone:
-        step = B.build([pool.tables[1]], [start], [n], PAGE, torch.device("cpu"))
+        step = build([pool.tables[1]], [start], [n], PAGE, torch.device("cpu"))
         assert step.base is not None
     else:
-        step = B.build([pool.tables[1], pool.tables[2]], [start, 0], [n, 1], PAGE, torch.device("cpu"))
+        step = build([pool.tables[1], pool.tables[2]], [start, 0], [n, 1], PAGE, torch.device("cpu"))
         assert step.base is None and step.bias.shape[0] == 2
         assert (step.bias[1, 0, :1] == 0).all() and torch.isneginf(step.bias[1, 0, 1:]).all()  # the other's row
     assert step.bias.shape[1:] == (n, start + n)
@@ -303,7 +304,7 @@ def test_single_token_step_sees_every_key(in_order: bool) -> None:
     if not in_order:
         pool.reserve(2, 1)
     pool.reserve(1, 6)
-    step = B.build([pool.tables[1]], [5], [1], PAGE, torch.device("cpu"))
+    step = build([pool.tables[1]], [5], [1], PAGE, torch.device("cpu"))
     assert (step.base is not None) == in_order
     assert step.bias.shape == (1, 1, 6) and (step.bias == 0).all()
     assert step.positions.tolist() == [5] and step.slots.tolist() == [pool.slot(1, 5)]
@@ -337,7 +338,7 @@ def fresh_kv(model, tokens: list[int]) -> torch.Tensor:
     pool.add(0)
     pool.reserve(0, len(tokens))
     slab = slab_for(model, pool.n_pages * PAGE, torch.device("cpu"))
-    step = B.build([pool.tables[0]], [0], [len(tokens)], PAGE, torch.device("cpu"))
+    step = build([pool.tables[0]], [0], [len(tokens)], PAGE, torch.device("cpu"))
     with torch.inference_mode():
         transformer_pass(model, slab, torch.tensor(tokens), step, "none")
     return kv_at(slab, [pool.slot(0, j) for j in range(len(tokens))])
@@ -354,7 +355,7 @@ def test_kept_kv_survive_a_rollback_and_the_reuse_of_its_pages(target) -> None:
 
     def pass_(seq: int, start: int, tokens: list[int]) -> torch.Tensor:
         pool.reserve(seq, start + len(tokens))
-        step = B.build([pool.tables[seq]], [start], [len(tokens)], PAGE, dev)
+        step = build([pool.tables[seq]], [start], [len(tokens)], PAGE, dev)
         with torch.inference_mode():
             return transformer_pass(target, slab, torch.tensor(tokens), step, "all")[0]
 
@@ -396,7 +397,6 @@ def test_kept_kv_survive_a_rollback_and_the_reuse_of_its_pages(target) -> None:
 
 def new_seq(uid: int, prompt: list[int], k: int) -> Seq:
     st = Stats("draft", k)
-    st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
     return Seq(Request(uid, uid, tuple(prompt), 100), uid, torch.Generator(), None, st, k, list(prompt))
 
 
@@ -408,9 +408,9 @@ def test_speculative_rounds_roll_back_to_a_fresh_pass(target, draft) -> None:
     dev, k = torch.device("cpu"), 4
     pool = PagePool(40, PAGE)
     runner = TargetRunner(target, slab_for(target, pool.n_pages * PAGE, dev), pool)
-    p = Proposer("draft", draft, Head(draft))
-    bp = batch_proposer(p, target, pool, Backend())
-    assert isinstance(bp, DraftGuess)
+    p = LoadedProposer("draft", draft, Head(draft))
+    bp = proposer_for(p, target, pool, Backend())
+    assert isinstance(bp, DraftProposer)
     seqs = [new_seq(1, PROMPT, k), new_seq(2, [*PROMPT[3:], 11, 12], k)]
     returned = rolled = 0
     with torch.inference_mode():

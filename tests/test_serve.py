@@ -31,8 +31,14 @@ WAIT_S = 120  # a server's start (the native build is cached by then) or an answ
 
 
 class Server:
-    def __init__(self, target: Path, *args: str) -> None:
-        argv = [sys.executable, "-c", RUN, "serve", "--target", str(target), "--port", "0", "-q", *args]
+    def __init__(self, target: Path, *args: str, files: int | None = None) -> None:
+        """`files`: the server's open-file limit, soft and hard (else this process's)."""
+        run = (
+            RUN
+            if files is None
+            else f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, {(files, files)}); {RUN}"
+        )
+        argv = [sys.executable, "-c", run, "serve", "--target", str(target), "--port", "0", "-q", *args]
         env = os.environ | {"PYTHONPATH": str(REPO)}
         self.p = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
         assert self.p.stderr is not None
@@ -277,6 +283,10 @@ def test_a_stream_rate_sends_a_streams_tokens_together() -> None:
         (["--max-queue", "0"], "--max-queue"),
         (["--drain", "0"], "--drain"),
         (["--stream-rate", "-1"], "--stream-rate"),
+        (["--max-connections", "0"], "--max-connections"),
+        (["--max-connections", str(10**9)], "open-file limit"),
+        (["--header-timeout", "0"], "--header-timeout"),
+        (["--body-timeout", "inf"], "--body-timeout"),
     ],
 )
 def test_bad_options_are_one_line(family: Family, args: list[str], words: str) -> None:

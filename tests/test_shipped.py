@@ -60,7 +60,7 @@ def test_prompts_follow_the_protocol(prompts: list[list[int]]) -> None:
     assert len(prompts) == 8 and all(len(p) == 32 for p in prompts)
 
 
-def prepared(name: str, target: family.Target, p: family.Proposer) -> Backend | None:
+def prepared(name: str, target: family.Target, p: family.LoadedProposer) -> Backend | None:
     """The backend `smallem generate` runs with (None: eager), prepared for the target and the
     proposer, its matrices int8 where it was loaded so (the default): every model native."""
     if name == "eager":
@@ -124,22 +124,15 @@ def test_batch_engine_on_the_shipped_family(target: family.Target, backend_name:
     """The batch prompts file holds 64 prompts of 32 tokens; 8 of them decoded two at a time by the
     batch engine (ngram+mtp, the greedy default; the load policy guesses up to 2 sequences) equal the
     target alone, and the MTP module's guesses are kept there as in the loop; on either backend."""
-    from smallem_cli.engine.build import build_engine
+    from smallem_cli.engine.build import build
+    from smallem_cli.engine.config import EngineConfig
     from smallem_cli.engine.request import Request
 
     batch = read_tokens(defaults.BATCH_PROMPTS)
     assert len(batch) == 64 and all(len(p) == 32 for p in batch)
     b = Backend(backend_name)
-    eng = build_engine(
-        target,
-        "ngram+mtp",
-        torch.device("cpu"),
-        k=None,
-        max_batch=defaults.SPECULATE_UP_TO,
-        proposer_vocab=None,
-        decode=str,
-        backend=b,
-    )
+    loaded = family.load_proposer("ngram+mtp", target, torch.device("cpu"), defaults.proposer_vocab(True))
+    eng = build(EngineConfig(target.model, loaded, b, max_batch=defaults.SPECULATE_UP_TO, decode=str))
     assert b.label == backend_name
     reqs = [Request(i, i, tuple(p), 40) for i, p in enumerate(batch[::8])]
     got = {f.request.index: f for f in eng.run(reqs)}

@@ -113,7 +113,7 @@ def test_mtp_feature_loss_pulls_its_state_to_the_targets(
     settings = dataclasses.replace(settings, feature_weight=1.0)
     seen: list[dict[str, float]] = []
     monkeypatch.setattr("smallem_cli.train.loop.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
-    distill(trained.model, start, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.extra))
+    distill(trained.model, start, stream, stream[:400], settings, tmp_path, on_steps(lambda p: seen.append(p.extra)))
     assert len(seen) == 80 and {"kl@1", "feature"} <= set(seen[0])
     assert seen[-1]["feature"] < 0.5 * seen[0]["feature"], (seen[0], seen[-1])
 
@@ -232,7 +232,9 @@ def test_a_token_budget_ignores_the_clock(trained: Trained, tmp_path: Path, monk
     monkeypatch.setattr("smallem_cli.train.loop.time", SimpleNamespace(perf_counter=_FakeClock().perf_counter))
     student = Transformer(DRAFT_CFG)
     student.init_weights(3)
-    facts = distill(trained.model, student, stream, stream[:400], settings, tmp_path, lambda p: seen.append(p.done))
+    facts = distill(
+        trained.model, student, stream, stream[:400], settings, tmp_path, on_steps(lambda p: seen.append(p.done))
+    )
     assert facts["steps"] == 25 and facts["tokens_seen"] == 8 * 32 * 25  # the clock alone would stop at 10
     assert seen[-1] == 1.0 and seen == sorted(seen)
     # halfway through the tokens, whatever the clock says, the cosine is halfway down
@@ -241,8 +243,17 @@ def test_a_token_budget_ignores_the_clock(trained: Trained, tmp_path: Path, monk
     assert lr_at(settings, 12, 0.5) == pytest.approx(mid)
 
 
+def on_steps(on_step: Callable[[Progress], None]) -> Callable[[Progress | str], None]:
+    """A progress callback that hears the steps alone (not the lines a run tells)."""
+    return lambda p: None if isinstance(p, str) else on_step(p)
+
+
 def _distil(
-    trained: Trained, steps: int, run: Path, on_progress: Callable[[Progress], None] | None = None, **settings: Any
+    trained: Trained,
+    steps: int,
+    run: Path,
+    on_progress: Callable[[Progress | str], None] | None = None,
+    **settings: Any,
 ) -> tuple[Transformer, dict[str, Any]]:
     """A fresh draft (seed 3) distilled from the trained target for `steps` steps of 8 x 32 tokens."""
     stream = np.tile(trained.period, 50).astype(np.uint16)
@@ -261,7 +272,7 @@ def test_compiled_loss_trains_as_the_eager_one(trained: Trained, tmp_path: Path)
     torch._dynamo.utils.counters.clear()
     for compiled in (False, True):
         seen: list[Progress] = []
-        model, facts = _distil(trained, 5, tmp_path / f"{compiled}", seen.append, compile=compiled)
+        model, facts = _distil(trained, 5, tmp_path / f"{compiled}", on_steps(seen.append), compile=compiled)
         runs[compiled] = (model.state_dict(), facts)
         read = seen[-1].extra  # what the loss read, as numbers on the host
         assert len(seen) == 5 and "kl@1" in read and all(isinstance(v, float) for v in read.values())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_verify import CHI2_CRIT, P1, P2, Q1, Q2, chi_square, verify_greedy
+from test_verify import CHI2_CRIT, P1, P2, Q1, Q2, chi_square, greedy_rows
 from torch import Tensor
 
 from smallem_cli.spec.tree import (
@@ -170,7 +170,7 @@ def test_greedy_tree_equals_verify_greedy_on_chains():
         drafts = torch.where(
             wrong, (best[:, :k] + 1 + (torch.rand(B, k, generator=g) * (V - 1)).long()) % V, best[:, :k]
         )
-        n, out = verify_greedy(drafts, logits)
+        n, out = greedy_rows(drafts, logits)
         tokens = torch.cat([torch.full((B, 1), 3), drafts], dim=1)  # [B, k+1] root first
         v = verify_tree_greedy(tokens, chain_parents(k), logits)
         assert isinstance(v, TreeVerdict) and v.out.shape == v.nodes.shape == (B, k + 1)

@@ -12,13 +12,13 @@ from engine_help import halved, reference_logits, spy_native
 from test_engine import V5, chi2, decode, prompts, requests
 
 from smallem_cli.backends.engines import Backend
-from smallem_cli.engine import batch as B
-from smallem_cli.engine.build import assemble, pool_pages
-from smallem_cli.engine.family import NONE, Proposer
+from smallem_cli.engine.build import build
+from smallem_cli.engine.config import EngineConfig
+from smallem_cli.engine.family import NONE, LoadedProposer
 from smallem_cli.engine.generate import generate
-from smallem_cli.engine.pool import PagePool
 from smallem_cli.engine.request import Request
 from smallem_cli.engine.scheduler import Engine
+from smallem_cli.kv.step import build_tree
 from smallem_cli.model.llama import MTPModule, Transformer
 from smallem_cli.spec.head import Head
 from smallem_cli.spec.sampling import Sampling
@@ -40,11 +40,10 @@ def tree_engine(
 ) -> Engine:
     """The batch engine with the MTP module growing trees of (guesses, width) (None: a chain),
     its head cut to `cut` tokens (0: whole), on `backend` (None: eager)."""
-    pool = PagePool(pool_pages(max_batch, target.cfg.max_seq_len, PS, tree), PS)
     V = target.cfg.vocab_size
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[:cut] if cut else None
-    p = Proposer("mtp", mtp, Head(target, ids), tree=tree)
-    return assemble(target, p, backend or Backend(), pool, k, auto_k=False, max_batch=max_batch, decode=decode)
+    p = LoadedProposer("mtp", mtp, Head(target, ids), tree=tree)
+    return build(EngineConfig(target, p, backend or Backend(), k, max_batch, decode=decode))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ def test_tree_step_sees_ancestors_at_their_depth() -> None:
     starts = [5, 20]
     tables = [[3, 0], [1, 2]]
     rows = [[0, 1, 2, 3, 4, 5], [1, 2]]
-    b = B.build_tree(tables, starts, parents, rows, 16, torch.device("cpu"))
+    b = build_tree(tables, starts, parents, rows, 16, torch.device("cpu"))
     assert b.counts == [6, 2]
     for s, (par, st, r) in enumerate(zip(parents, starts, rows, strict=True)):
         p = torch.tensor(par)
@@ -116,7 +115,7 @@ def test_generate_with_a_tree_is_the_target_alone(
     target, mtp, b = on(engine, request)
     ref, _ = generate(target, NONE, PROMPT, 40, 0)
     calls = spy_native(monkeypatch)
-    got, st = generate(target, Proposer("mtp", mtp, Head(target), tree=(8, 4)), PROMPT, 40, 3, backend=b)
+    got, st = generate(target, LoadedProposer("mtp", mtp, Head(target), tree=(8, 4)), PROMPT, 40, 3, backend=b)
     assert got == ref and st.backend == engine and bool(calls) == (engine == "native")
     assert st.tokens_per_pass > 1
 

@@ -11,23 +11,15 @@ import pytest
 import torch
 
 from smallem_cli.spec import verify
-from smallem_cli.spec.verify import Warper, penalize, proposal, sample, verify_sample, warp
+from smallem_cli.spec.verify import Warper, penalize, proposal, sample, verify_greedy, verify_sample, warp
 
 
-def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification, the reference the greedy and sampled rules are checked against:
-    drafts long [B, k], target_logits [B, k+1, V] -> (n [B], out [B, k+1]).
-
-    n counts the leading drafts equal to the target's argmax; out[:, :n+1] are the tokens
-    this pass yields: the n accepted drafts, then the target's argmax at position n (the
-    correction, or the bonus token when n == k). out[:, n+1:] holds the target's argmax
-    tokens, which the caller must ignore.
-    """
-    k = drafts.shape[1]
+def greedy_rows(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's greedy rule (`verify_greedy`) on each row: drafts long [B, k], target_logits [B, k+1, V]
+    -> (n [B], out [B, k+1]): the target's argmaxes, of which a round emits out[:, :n+1] (the rest to ignore)."""
     best = target_logits.argmax(dim=-1)  # [B, k+1]
-    n = (drafts == best[:, :k]).long().cumprod(dim=-1).sum(dim=-1)  # [B] the leading run of matches
-    # Accepted drafts equal the argmax, so the argmax row already is the output.
-    return n, best
+    n = [verify_greedy(d, b) for d, b in zip(drafts.tolist(), best.tolist(), strict=True)]
+    return torch.tensor(n, dtype=torch.long), best
 
 
 # Pearson chi-square critical values at the 0.1% level, by degrees of freedom.
@@ -127,7 +119,7 @@ def test_verify_greedy_batched_outcomes():
             [2, 2, 0],  # two accepted, then correction 4
         ]
     )
-    n, out = verify_greedy(drafts, logits)
+    n, out = greedy_rows(drafts, logits)
     assert n.tolist() == [3, 0, 2]
     assert out.shape == (3, k + 1)
     assert out[0].tolist() == [1, 2, 3, 4]
@@ -142,7 +134,7 @@ def test_verify_greedy_batched_outcomes():
 def test_verify_greedy_later_match_does_not_count():
     logits = torch.zeros(1, 4, 5)
     logits[0, torch.arange(4), torch.tensor([3, 1, 2, 0])] = 1.0
-    n, out = verify_greedy(torch.tensor([[3, 4, 2]]), logits)  # position 2 matches but 1 does not
+    n, out = greedy_rows(torch.tensor([[3, 4, 2]]), logits)  # position 2 matches but 1 does not
     assert n.tolist() == [1]
     assert out[0, :2].tolist() == [3, 1]
 
@@ -489,8 +481,7 @@ def test_runs_on_meta_device():
     q, p = warp(logits_q, 0.8, top_k=50, top_p=0.9), warp(logits_p, 0.8, top_k=50, top_p=0.9)
     drafts = sample(q, None)
     n, out = verify_sample(drafts, q, p, None)
-    n2, out2 = verify_greedy(drafts, logits_p)
-    assert n.shape == n2.shape == (8,) and out.shape == out2.shape == (8, 4)
+    assert n.shape == (8,) and out.shape == (8, 4)
     assert out.device == meta and out.dtype == torch.long
     fed = torch.cat([out[:, :1], drafts], dim=1)  # [8, 4]
     pen = penalize(logits_p, torch.zeros(8, 100, dtype=torch.bool, device=meta), fed, 1.3)
@@ -514,14 +505,13 @@ def test_cuda_no_host_sync():
         p = warp(logits_p, 0.8, top_k=50, top_p=0.9)
         drafts = sample(q, g)
         n, out = verify_sample(drafts, q, p, g)
-        n2, out2 = verify_greedy(drafts, logits_p)
         seen = torch.zeros(8, 100, dtype=torch.bool, device=dev)
         pen = penalize(logits_p, seen, torch.cat([out[:, :1], drafts], dim=1), 1.3)
         p_m = warp(pen, 0.8, min_p=0.05)
         seen.index_fill_(1, out[0], True)  # the loop's update of the context: no sync either
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert out.shape == out2.shape == (8, 4) and n.device == n2.device == dev
+    assert out.shape == (8, 4) and n.device == dev
     assert p_m.shape == (8, 4, 100) and p_m.device == dev
 
 

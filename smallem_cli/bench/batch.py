@@ -13,10 +13,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .. import defaults as D
-from .. import options as O
+from .. import defaults, options
 from ..backends.engines import Backend, Log
 from ..engine import family
+from ..engine.build import build
+from ..engine.config import EngineConfig, cache_budget, plan_pool
 from ..engine.request import Finished, Request
 from ..engine.scheduler import Engine
 from .run import right_table, save_plot
@@ -55,7 +56,7 @@ def alone_at_batch(
 ) -> tuple[float, list[list[int]]]:
     """The target alone through the batch engine, the prompts as one batch -> (tokens/s, each prompt's tokens)."""
     device = tgt.model.embed_tokens.weight.device
-    eng = _engine(tgt, device, "none", None, len(prompts), Backend(engine), D.PROPOSER_WEIGHTS, log)
+    eng = _engine(tgt, device, "none", None, len(prompts), Backend(engine), defaults.PROPOSER_WEIGHTS, log)
     _timed(eng, [p[:16] for p in prompts], 8)
     wall, done = _timed(eng, prompts, max_new_tokens)
     return sum(len(f.tokens) for f in done) / wall, [f.tokens for f in done]
@@ -96,14 +97,12 @@ def _row(run: Run, timed: list[Timed], reference: list[list[int]]) -> BatchRow:
 def _engine(tgt: family.Target, device: torch.device, name: str, k: int | None, size: int, backend: Backend,
             weights: str, log: Log) -> Engine:  # fmt: skip
     """A row's engine: `name` may be P@tree12 (token trees) or P@f16 (the proposer's weights so)."""
-    from ..engine.build import build_engine
-
     base, _, suffix = name.partition("@")
-    tree = O.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
-    return build_engine(
-        tgt, base, device, k=k, max_batch=size, proposer_vocab=None, decode=str, tree=tree, backend=backend,
-        log=log, weights=suffix if suffix in D.WEIGHTS else weights, strict=True,
-    )  # fmt: skip
+    tree = options.tree(int(suffix.removeprefix("tree"))) if suffix.startswith("tree") else None
+    weights = suffix if suffix in defaults.WEIGHTS else weights
+    p = family.load_proposer(base, tgt, device, defaults.proposer_vocab(True), tree, weights)
+    backend.prepare(tgt.model, p.models, log, p.models if p.int8 else ())
+    return build(EngineConfig(tgt.model, p, backend, k=k, max_batch=size, decode=str, strict=True))
 
 
 def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) -> Table:
@@ -127,18 +126,15 @@ def table(rows: list[BatchRow], max_new_tokens: int, device: str, threads: int) 
 def from_cli(tgt: family.Target, device: torch.device, names: list[str], sizes: list[int], ks: list[int],
              prompts: list[list[int]], max_new_tokens: int, err: Console, out: Console, json_out: bool,
              plot_file: Path | None, engines: tuple[str, ...] = ("eager",),
-             weights: str = D.PROPOSER_WEIGHTS, repeats: int = 1) -> list[BatchRow]:  # fmt: skip
+             weights: str = defaults.PROPOSER_WEIGHTS, repeats: int = 1) -> list[BatchRow]:  # fmt: skip
     """`smallem bench --batch`: the target alone, then each proposer (P@tree12: with token trees; P@f16:
     its weights so, else as `weights`) at each k (none: the load policy's), at every size, per engine;
     each row the median of `repeats` timed runs."""
     from rich.markup import escape
     from rich.progress import Progress
 
-    from ..engine.build import cache_budget, fit_batch, sequence_bytes
-
     # a size whose target cache alone does not fit is refused before any row runs (a proposer's: as built)
-    per_sequence = sequence_bytes([tgt.model], tgt.model.cfg.max_seq_len, D.PAGE_SIZE)
-    fit_batch(max(sizes), per_sequence, cache_budget(device), strict=True)
+    plan_pool(EngineConfig(tgt.model, max_batch=max(sizes), strict=True), cache_budget(device))
     backends: dict[str, Backend] = {}  # one per engine: the target's native steps built once
     configs = [("none", None)] + [(n, k) for n in names if n != "none" for k in (ks or [None])]
     runs = [(e, name, k, size) for e in engines for name, k in configs for size in sizes]

@@ -21,9 +21,9 @@ from rich.table import Table
 
 from ..backends.engines import Log, fastest
 from ..defaults import default_k
-from ..engine.family import NONE, Proposer, Target
+from ..engine.family import NONE, LoadedProposer, Target
 from ..engine.generate import generate
-from ..interop import vllm_peer as V
+from ..interop import vllm_peer as vllm  # (the module: `vllm_peer` below is this one's rows)
 from ..interop.hf import export_hf
 from ..stats import Stats
 from .batch import alone_at_batch
@@ -113,8 +113,10 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     k = default_k("draft-2l", greedy=True)  # our draft-2l row beside assisted generation: its default greedy k
     out = []
     for (label, [(st, outs)]), (name, kk) in zip(runs.items(), [("none", 0), ("draft-2l", k)], strict=True):
-        row, same = our_row(rows, name, kk), V.agreement(ref, outs)[0]
-        out.append(V.peer_row(label, st.tokens_per_s, row.tokens_per_s if row else math.nan, f"{same}/{len(prompts)}"))
+        row, same = our_row(rows, name, kk), vllm.agreement(ref, outs)[0]
+        out.append(
+            vllm.peer_row(label, st.tokens_per_s, row.tokens_per_s if row else math.nan, f"{same}/{len(prompts)}")
+        )
     return out
 
 
@@ -185,7 +187,7 @@ class LlamaCpp:
 
 
 def llamacpp_peer(
-    target: Target, prompts: list[list[int]], plan: Plan, spec: tuple[str, Proposer, int] | None
+    target: Target, prompts: list[list[int]], plan: Plan, spec: tuple[str, LoadedProposer, int] | None
 ) -> list[dict]:
     """llama.cpp on the target as GGUF in f32 and f16 (a GGUF target's own file first), greedy, timed in turn
     with our target alone and `spec` (name, proposer, k) on the plan's fastest engine; pass costs of both."""
@@ -221,11 +223,11 @@ def llamacpp_peer(
                 p.close()
     unit, ours = pass_costs(model, list(LLAMACPP_PASSES), prompts[0], backend, COST_CONTEXT)
     tps = {name: statistics.median(st.tokens_per_s for st, _ in r) for name, r in runs.items()}
-    same = {name: V.agreement(ref, r[0][1]) for name, r in runs.items()}  # in the first run
+    same = {name: vllm.agreement(ref, r[0][1]) for name, r in runs.items()}  # in the first run
     n = len(prompts)
     out = []
     for dtype, secs in costs.items():
-        row = V.peer_row(
+        row = vllm.peer_row(
             f"llama.cpp {dtype} ({threads} threads)", tps[dtype], tps["ours"], f"{same[dtype][0]}/{n}",
             tokens_identical=f"{same[dtype][1]}/{n * max_new}", ours_engine=engine,
             ours_identical=f"{same['ours'][0]}/{n}", one_pass_ms=secs[1] * 1e3,
@@ -253,14 +255,14 @@ def vllm_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new:
               at_batch: Callable[[str], tuple[float, list[list[int]]]]) -> list[dict[str, Any]]:  # fmt: skip
     """vLLM offline on the same weights exported, greedy: the target alone and with draft-2l at our greedy k,
     one request at a time beside our `rows`, and as one batch beside `at_batch(engine)`'s (tokens/s, answers)."""
-    python = V.find_python()
-    env = V.vllm_env(python, threads)
+    python = vllm.find_python()
+    env = vllm.vllm_env(python, threads)
     k, n = default_k("draft-2l", greedy=True), len(prompts)
     ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
     engine = fastest(r.engine for r in rows)  # the engine our one-at-a-time rows are read from
     log(f"ours: the target alone through the batch engine ({engine}), a batch of {n}")
     batch_tps, batch_out = at_batch(engine)
-    batch = Ours(batch_tps, 1.0, engine, f"{V.agreement(ref, batch_out)[0]}/{n}", n)
+    batch = Ours(batch_tps, 1.0, engine, f"{vllm.agreement(ref, batch_out)[0]}/{n}", n)
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
         for name in ("target", "draft-2l"):
@@ -269,14 +271,14 @@ def vllm_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new:
             log(f"vLLM: {label}, one request at a time and a batch of {n}")
             spec = {"model": str(Path(tmp) / draft), "num_speculative_tokens": kk} if draft else None
             job = {"target": str(Path(tmp) / "target"), "spec": spec, "prompts": prompts, "max_new": max_new}
-            res = V.run_offline(python, {**job, "single": True}, env)
+            res = vllm.run_offline(python, {**job, "single": True}, env)
             row = our_row(rows, draft or "none", kk)
             single = Ours(row.tokens_per_s, row.tokens_per_pass, row.engine, row.identical, 1) if row else Ours()
             for part, how in (("single", "one request at a time"), ("batch", f"batch of {n}")):
                 got, ours = res[part], batch if part == "batch" and draft is None else single
                 tps = sum(len(t) for t in got["tokens"]) / got["seconds"]
-                acc, (whole, each, total) = V.acceptance(got["spec"]), V.agreement(ref, got["tokens"])
-                out.append(V.peer_row(
+                acc, (whole, each, total) = vllm.acceptance(got["spec"]), vllm.agreement(ref, got["tokens"])
+                out.append(vllm.peer_row(
                     f"vLLM {label}, {how}", tps, ours.tokens_per_s, f"{whole}/{n}", tokens_identical=f"{each}/{total}",
                     tokens_per_step=acc.tokens_per_step if acc else 1.0, ours_tokens_per_step=ours.tokens_per_step,
                     ours_engine=ours.engine, ours_batch=ours.batch, ours_identical=ours.identical,

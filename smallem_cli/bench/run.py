@@ -1,6 +1,6 @@
 """Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each). Every row is timed in the
 same run as the target alone, so speed-ups are ratios of measurements taken side by side on the same (noisy,
-shared) machine. The seed's cost model takes α, c (a proposer's cost per guess) and v (a round's target side
+shared) machine. The seed's cost model takes α, c (a proposer's cost per draft token) and v (a round's target side
 over k+1 tokens), in rounds of the target alone, read from a row's own runs (`run_costs`): measured / predicted
 tells what the loop loses. `pass_costs` times the target's side alone, set beside a peer's passes."""
 
@@ -17,18 +17,19 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from .. import atomic
-from .. import defaults as D
+from .. import atomic, defaults
 from ..backends import engines
 from ..backends.engines import Backend
-from ..engine.build import assemble
-from ..engine.family import NONE, Proposer
+from ..engine.build import build
+from ..engine.config import EngineConfig
+from ..engine.family import NONE, LoadedProposer
 from ..engine.generate import generate
-from ..engine.pool import PagePool, pages_for
-from ..engine.proposers import NoGuess
+from ..engine.proposers import NoProposer
 from ..engine.request import Request
-from ..engine.runner import TargetRunner, decode_round, prefill
+from ..engine.round import decode_round
 from ..engine.sequence import Seq
+from ..engine.target import TargetRunner, prefill
+from ..kv.pool import pages_for
 from ..model.llama import Transformer
 from ..model.tokenizer import load_tokenizer
 from ..spec.sampling import Sampling
@@ -66,8 +67,8 @@ class Row:
     acceptance_rate: float
     tokens_per_pass: float
     accepted_at: list[float]  # rate at which the i-th proposal was kept
-    alpha_model: float  # α of the cost model: P(a guess is kept | the guesses before it were)
-    cost_c: float  # the proposer's seconds per guess, in rounds of the target alone (same run)
+    alpha_model: float  # α of the cost model: P(a draft token is accepted | the ones before it were)
+    cost_c: float  # the proposer's seconds per draft token, in rounds of the target alone (same run)
     cost_v: float  # a round's other seconds (verification, bookkeeping), in rounds of the target alone
     predicted_speedup: float
     measured_over_predicted: float
@@ -107,7 +108,8 @@ def _add(total: Stats, st: Stats) -> None:
     for name in ("new_tokens", "passes", "proposed", "accepted", "elapsed_s", "propose_s", "round_s"):
         setattr(total, name, getattr(total, name) + getattr(st, name))
     total.accepted_at = [a + b for a, b in zip_longest(total.accepted_at, st.accepted_at, fillvalue=0)]
-    total.guessed = [a + b for a, b in zip_longest(total.guessed, st.guessed, fillvalue=0)]
+    by, st_by = total.rounds_by_drafted, st.rounds_by_drafted
+    total.rounds_by_drafted = [a + b for a, b in zip_longest(by, st_by, fillvalue=0)]
 
 
 def _summed(run: list[tuple[Stats, list[list[int]]]]) -> Stats:
@@ -119,14 +121,14 @@ def _summed(run: list[tuple[Stats, list[list[int]]]]) -> Stats:
 
 @dataclass
 class Plan:
-    proposers: dict[str, dict[str, Proposer]]  # per mode: name -> proposer (heads may differ by mode)
+    proposers: dict[str, dict[str, LoadedProposer]]  # per mode: name -> proposer (heads may differ by mode)
     ks: dict[str, list[int]]  # k values per proposer
     modes: list[str]  # "greedy", "sample"
-    max_new: int = D.MAX_NEW_TOKENS
-    repeats: int = D.BENCH_REPEATS
+    max_new: int = defaults.MAX_NEW_TOKENS
+    repeats: int = defaults.BENCH_REPEATS
     # without eager, the eager target alone still runs: the reference of identity and of `vs_eager`
     engines: tuple[str, ...] = ("eager",)
-    sample: Sampling = field(default_factory=lambda: Sampling(D.BENCH_TEMPERATURE))  # the sample mode's draws
+    sample: Sampling = field(default_factory=lambda: Sampling(defaults.BENCH_TEMPERATURE))  # the sample mode's draws
     backends: dict[str, Backend] = field(default_factory=dict)  # by engine, made by `prepare_engines`
 
 
@@ -145,7 +147,7 @@ def our_row(rows: Iterable[Row], proposer: str, k: int) -> Row | None:
     return found[engines.fastest(found)] if found else None
 
 
-def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, Proposer, int] | None:
+def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, LoadedProposer, int] | None:
     """The fastest greedy speculative row of the fastest engine, for a peer: (name, proposer, k) or None."""
     engine = engines.fastest(plan.engines)
     found = [r for r in rows if r.mode == "greedy" and r.k > 0 and r.engine == engine and "@" not in r.proposer]
@@ -153,7 +155,7 @@ def best_greedy(rows: list[Row], plan: Plan) -> tuple[str, Proposer, int] | None
     return None if best is None else (best.proposer, plan.proposers["greedy"][best.proposer], best.k)
 
 
-def _configs(plan: Plan, mode: str) -> list[tuple[str, str, Proposer, int]]:  # engine, row name, proposer, k
+def _configs(plan: Plan, mode: str) -> list[tuple[str, str, LoadedProposer, int]]:  # engine, row name, proposer, k
     alone = [(e, "none", NONE, 0) for e in ["eager", *(e for e in plan.engines if e != "eager")]]
     return alone + [(e, n, f, k) for e in plan.engines for n, f in plan.proposers[mode].items() for k in plan.ks[n]]
 
@@ -162,7 +164,7 @@ def generations(plan: Plan, n_prompts: int) -> int:
     return sum(len(_configs(plan, m)) for m in plan.modes) * plan.repeats * n_prompts
 
 
-def _gen(target: Transformer, p: Proposer, k: int, draws: Sampling, backend: Backend) -> Gen:
+def _gen(target: Transformer, p: LoadedProposer, k: int, draws: Sampling, backend: Backend) -> Gen:
     """Prompt number i drawn with seed + i: every configuration sees the same draws' seeds."""
     return lambda i, prompt, n: generate(target, p, prompt, n, k, replace(draws, seed=draws.seed + i), backend=backend)
 
@@ -186,7 +188,7 @@ def run_bench(
             rounds = st.passes - prefills
             alpha = conditional_alpha(st.accepted_at, rounds)
             cc, vv = run_costs(st, rounds, alone, alone.passes - prefills) if k else (0.0, 1.0)
-            if sum(st.guessed[:k]):  # rounds of fewer guesses (a lookup): the tokens they measured
+            if sum(st.rounds_by_drafted[:k]):  # rounds of fewer draft tokens (a lookup): the tokens they measured
                 pred = (1 + st.accepted / max(1, rounds)) / (st.proposed / max(1, rounds) * cc + vv)
             else:
                 pred = predicted_speedup(alpha, k, cc, vv)
@@ -223,19 +225,19 @@ def _interleaved(fns: dict[int, Callable[[], object]], reps: int) -> dict[int, f
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-class _Offer(NoGuess):
-    """Offers the same guesses every round: the target's side of a round, whatever the proposer."""
+class _Offer(NoProposer):
+    """Offers the same draft tokens every round: the target's side of a round, whatever the proposer."""
 
-    def __init__(self, guesses: torch.Tensor) -> None:
-        self.guesses = guesses
+    def __init__(self, drafts: torch.Tensor) -> None:
+        self.drafts = drafts
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        return [(self.guesses, None) for _ in seqs]
+        return [(self.drafts, None) for _ in seqs]
 
 
-def _target_round(t: TargetRunner, s: Seq, guesses: torch.Tensor, span: int) -> Callable[[], object]:
-    """The target's side of a round offering `guesses`, then `s` put back as it was (length, last token, pages)."""
-    offer = _Offer(guesses)
+def _target_round(t: TargetRunner, s: Seq, drafts: torch.Tensor, span: int) -> Callable[[], object]:
+    """The target's side of a round offering `drafts`, then `s` put back as it was (length, last token, pages)."""
+    offer = _Offer(drafts)
 
     def run() -> object:
         cached, last = s.cached, s.last
@@ -253,15 +255,14 @@ def pass_costs(
 ) -> tuple[float, dict[int, float]]:
     """The seconds of the target's round of one token (the unit) at `context`, and of one over each T of `ts` in it."""
     span = context + max(ts) + 4
-    pool = PagePool(pages_for(span, D.PAGE_SIZE), D.PAGE_SIZE)
-    engine = assemble(target, NONE, backend, pool, max(ts), auto_k=False, max_batch=1)
-    t, dev = engine.t, engine.t.slab.device
+    engine = build(EngineConfig(target, NONE, backend, k=max(ts), pages=pages_for(span, defaults.PAGE_SIZE)))
+    t, pool, dev = engine.t, engine.pool, engine.t.slab.device
     ids = (prompt * (context // len(prompt) + 1))[:context]
-    s = engine._seq(Request(0, 0, tuple(ids), 1 << 20, Sampling()))
+    s = engine.sequence(Request(0, 0, tuple(ids), 1 << 20, Sampling()))
     pool.add(s.uid)
     pool.reserve(s.uid, span)
-    prefill(t, NoGuess(), [s])
-    feed = torch.tensor(ids[1 : max(ts)], device=dev)  # guesses that tend to be rejected
+    prefill(t, NoProposer(), [s])
+    feed = torch.tensor(ids[1 : max(ts)], device=dev)  # draft tokens that tend to be rejected
     fns = {T: _target_round(t, s, feed[: T - 1], span) for T in sorted(set(ts) - {1})}
     # The unit is timed as the target alone runs: its rounds back to back, its weights kept in the
     # CPU's cache, before and after the rest (a shift of the machine's load in between touches both).
@@ -274,7 +275,7 @@ def pass_costs(
 
 
 def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
-    """The cost model's α: each guess kept with probability α once the ones before it were. Only the guesses
+    """The cost model's α: each draft token accepted with probability α once the ones before it were. Only those
     reached count (the first of every round, the i-th when the i-1 before it were kept), unlike accepted / proposed."""
     reached = rounds + sum(accepted_at[:-1])
     return sum(accepted_at) / reached if reached else 0.0
@@ -288,7 +289,7 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
 
 def run_costs(st: Stats, rounds: int, alone: Stats, alone_rounds: int) -> tuple[float, float]:
     """c and v as a run spent them (`Stats.propose_s`, `round_s`), in rounds of the target alone's run
-    beside it: c, the proposer's seconds per guess; v, the rest of a round (its verification)."""
+    beside it: c, the proposer's seconds per draft token; v, the rest of a round (its verification)."""
     unit = alone.round_s / max(1, alone_rounds)
     c = st.propose_s / st.proposed / unit if st.proposed else 0.0
     return c, (st.round_s - st.propose_s) / max(1, rounds) / unit

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +23,20 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from ..options import shown
 from .run import right_table
 
 if TYPE_CHECKING:  # the `serve` extra: imported where a bench runs, not to parse the command
     import httpx
 
 START_S = 600  # a server's start (its native build the first time) at most
+# What a server may send for one streamed answer, at most: one that streams without end (or garbage) is an error,
+# never an answer. Events: a chunk per token at most (OpenAI's servers), the usage and a few empty ones besides.
+ANSWER_S = 600.0
+ANSWER_BYTES = 8 << 20
+EXTRA_EVENTS = 16
+SMALL_BYTES = 1 << 20  # /v1/models, /metrics and an error's body: read this much at most
+PLAIN = {"Accept-Encoding": "identity"}  # the bytes counted are the bytes sent: no compressed body to expand
 RUN = "import sys; sys.argv[0] = 'smallem'; from smallem_cli.cli import main; main()"
 
 
@@ -93,29 +101,105 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+async def _data(r: httpx.Response, max_events: int) -> AsyncIterator[str]:
+    """The `data:` fields of a server-sent event stream, up to `data: [DONE]`; ServerError for a line that is no
+    event field, a stream past ANSWER_BYTES or `max_events`, or one that ends without [DONE]."""
+    buf, seen, events = bytearray(), 0, 0
+    async for chunk in r.aiter_raw():
+        seen += len(chunk)
+        if seen > ANSWER_BYTES:
+            raise ServerError(f"the server streamed more than {ANSWER_BYTES >> 20} MiB for one answer")
+        buf += chunk
+        if b"\n" not in chunk:
+            continue
+        *lines, rest = buf.split(b"\n")
+        buf = bytearray(rest)
+        for raw in lines:
+            try:
+                line = raw.removesuffix(b"\r").decode("utf-8")
+            except UnicodeDecodeError:
+                text = raw.decode("utf-8", "replace")
+                raise ServerError(f"the server streamed bytes that are not UTF-8: {shown(text)}") from None
+            field, colon, value = line.partition(":")
+            if not line or field == "" or (field in ("event", "id", "retry") and colon):  # a comment is ": ..."
+                continue
+            if field != "data" or not colon:
+                raise ServerError(f"the server streamed a line that is no server-sent event: {shown(line)}")
+            value = value.removeprefix(" ")
+            if value == "[DONE]":
+                return
+            if (events := events + 1) > max_events:
+                raise ServerError(f"the server streamed more than {max_events} events for one answer")
+            yield value
+    raise ServerError("the server's stream ended without `data: [DONE]`")
+
+
+def _event(data: str, max_tokens: int) -> tuple[str, int | None]:
+    """A streamed completion event (its JSON) -> its text, and its usage's completion tokens (None: none told)."""
+    try:
+        event = json.loads(data)
+    except (ValueError, RecursionError):
+        raise ServerError(f"the server streamed an event that is not JSON: {shown(data)}") from None
+    if not isinstance(event, dict):
+        raise ServerError(f"the server streamed an event that is not a JSON object: {shown(event)}")
+    if "error" in event:
+        raise ServerError(f"the server streamed an error: {shown(event['error'], 200)}")
+    choices = event.get("choices", [])
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise ServerError(f'the server streamed "choices" that are not a list of objects: {shown(choices)}')
+    texts = [c.get("text", "") for c in choices]
+    if bad := [t for t in texts if not isinstance(t, str)]:
+        raise ServerError(f'the server streamed a choice whose "text" is not a string: {shown(bad[0])}')
+    if (usage := event.get("usage")) is None:
+        return "".join(texts), None
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if type(n) is not int or not 0 <= n <= max_tokens:
+        raise ServerError(
+            f'the server streamed a "usage" whose completion_tokens is not a count of 0..{max_tokens}: {shown(usage)}'
+        )
+    return "".join(texts), n
+
+
+async def _head(r: httpx.Response) -> str:
+    """The start of an error answer's body, as text (the rest is not awaited)."""
+    got = b""
+    async for chunk in r.aiter_raw():
+        if len(got := got + chunk) >= 200:
+            break
+    return got[:200].decode("utf-8", "replace")
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], prompt: int) -> _Answer:
+    """One streamed request, every event checked (`_data`, `_event`), ANSWER_S at most; ServerError for any fault."""
+    try:
+        return await asyncio.wait_for(_streamed(client, url, body, prompt), ANSWER_S)
+    except asyncio.TimeoutError:
+        raise ServerError(f"one streamed answer took more than {ANSWER_S:.0f} s") from None
+
+
+async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, object], prompt: int) -> _Answer:
+    max_tokens = body["max_tokens"]
+    assert isinstance(max_tokens, int)
     t0 = time.perf_counter()
     first, last, gaps, parts = None, t0, [], []
-    tokens = 0
+    tokens = None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            raise ServerError(f"the server answered {r.status_code}: {(await r.aread()).decode()[:200]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = int(event["usage"]["completion_tokens"])
-            for choice in event.get("choices", []):
-                if text := choice.get("text"):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now - t0
-                    else:
-                        gaps.append(now - last)
-                    last = now
-                    parts.append(text)
-    return _Answer(prompt, "".join(parts), tokens, first or 0.0, gaps)
+            raise ServerError(f"the server answered {r.status_code}: {await _head(r)}")
+        async for data in _data(r, max_tokens + EXTRA_EVENTS):
+            text, told = _event(data, max_tokens)
+            tokens = told if told is not None else tokens
+            if text:
+                now = time.perf_counter()
+                if first is None:
+                    first = now - t0
+                else:
+                    gaps.append(now - last)
+                last = now
+                parts.append(text)
+    if not parts and not tokens:  # nothing to time, nor to compare
+        raise ServerError("the server streamed an answer with no text and no token count")
+    return _Answer(prompt, "".join(parts), tokens or 0, first or 0.0, gaps)
 
 
 async def _load(url: str, model: str | None, prompts: list[list[int]], clients: int, requests: int,
@@ -133,11 +217,24 @@ async def _load(url: str, model: str | None, prompts: list[list[int]], clients: 
             answers.append(await _one(client, url, body | extra | {"prompt": prompts[p]}, p))
 
     limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+    timeout = httpx.Timeout(ANSWER_S, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=PLAIN) as client:
         await _one(client, url, body | extra | {"prompt": prompts[0], "max_tokens": 4}, 0)  # warm
         t0 = time.perf_counter()
         await asyncio.gather(*(loop(client) for _ in range(clients)))
         return time.perf_counter() - t0, answers
+
+
+def _small_get(url: str, timeout: float) -> tuple[int, bytes]:
+    """A GET's status and its body, SMALL_BYTES at most (the rest is not awaited)."""
+    import httpx
+
+    got = b""
+    with httpx.stream("GET", url, timeout=timeout, headers=PLAIN) as r:
+        for chunk in r.iter_raw():
+            if len(got := got + chunk) > SMALL_BYTES:
+                break
+    return r.status_code, got[: SMALL_BYTES + 1]
 
 
 def served_model(url: str) -> str:
@@ -145,9 +242,13 @@ def served_model(url: str) -> str:
     import httpx
 
     try:
-        return str(httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        status, body = _small_get(url + "/v1/models", 30)
+        name = json.loads(body)["data"][0]["id"] if status == 200 and len(body) <= SMALL_BYTES else None
+    except (httpx.HTTPError, ValueError, RecursionError, KeyError, IndexError, TypeError) as e:
         raise ServerError(f"{url}/v1/models: no model listed ({type(e).__name__}: {e})") from None
+    if not isinstance(name, str) or not name:
+        raise ServerError(f"{url}/v1/models: no model listed (answered {status}): give --model")
+    return name
 
 
 def acceptance(url: str) -> tuple[int, int] | None:
@@ -155,9 +256,10 @@ def acceptance(url: str) -> tuple[int, int] | None:
     import httpx
 
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        status, body = _small_get(url + "/metrics", 10)
     except httpx.HTTPError:
         return None
+    text = body.decode("utf-8", "replace") if status == 200 else ""
     got = dict(re.findall(r"^smallem_(accepted_tokens_total|draft_tokens_total) (\d+)", text, re.M))
     return (int(got["accepted_tokens_total"]), int(got["draft_tokens_total"])) if len(got) == 2 else None
 
@@ -214,14 +316,14 @@ def table(rows: list[ServeRow], max_tokens: int) -> Table:
 @contextmanager
 def vllm_served(checkpoint: Path, tokenizer: Path, threads: int) -> Iterator[tuple[str, str]]:
     """`vllm serve` (its venv: `make vllm-venv`) on the target exported as an HF folder -> (its URL, its model)."""
-    from ..interop import vllm_peer as V
+    from ..interop import vllm_peer
     from ..interop.hf import export_hf
 
-    python = V.find_python()
+    python = vllm_peer.find_python()
     with tempfile.TemporaryDirectory(prefix="smallem-vllm-") as tmp:
         hf = Path(tmp) / "target"
         export_hf(checkpoint, hf, tokenizer)
-        with V.serving(python, hf, None, V.vllm_env(python, threads), Path(tmp) / "serve.log") as url:
+        with vllm_peer.serving(python, hf, None, vllm_peer.vllm_env(python, threads), Path(tmp) / "serve.log") as url:
             yield url, str(hf)
 
 

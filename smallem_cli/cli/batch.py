@@ -9,69 +9,34 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 
-from .. import defaults as D
-from .. import options as O
-from . import app as A
-from .app import Device, Engine, Proposer, ProposerVocab, Target, Threads, Tokenizer, Tree, Weights, app, err, fail
+from .. import defaults, options
+from ..errors import INPUT_ERRORS, UsageError
+from . import args
+from .app import app, err, fail, load_run
 from .console import BROKEN_PIPE_EXIT, stdout_to_devnull
 
 if TYPE_CHECKING:  # torch, through the engine: loaded once the command runs, not to parse it
     from rich.progress import Progress
 
-    from ..engine.family import Target as Model
     from ..engine.request import Request
-
-
-def make_engine(*args: Any, **kwargs: Any) -> Any:
-    """The batched engine (engine.build.build_engine); the tests put a fake one here."""
-    from ..engine.build import build_engine
-
-    return build_engine(*args, **kwargs)
-
-
-def load_engine(
-    target: Path, proposer: str, k: int | None, max_batch: int, device: str, threads: int | None, engine: str,
-    tokenizer: Path | None, weights: str, quiet: bool, proposer_vocab: int | None = None,
-    tree: tuple[int, int] | None = None,
-) -> tuple[Model, Any]:  # fmt: skip
-    """What `batch` and `serve` load alike: the threads set, the target, the batched engine over it and `proposer`
-    (`make_engine`), on the chosen device and engine. INPUT_ERRORS on bad input."""
-    import torch
-
-    from ..backends import engines
-    from ..engine import family
-
-    if max_batch < 1:
-        raise O.UsageError(f"--max-batch must be >= 1, got {max_batch}")
-    if O.threads(threads):
-        torch.set_num_threads(threads)  # type: ignore[arg-type]
-    dev = family.pick_device(device)
-    backend = engines.Backend(engines.engine_mode(engines.chosen(engine), dev))
-    tgt = family.load_target(target, dev, tokenizer)
-    eng = make_engine(
-        tgt, proposer, dev, k=k, max_batch=max_batch, proposer_vocab=proposer_vocab, end_ids=tgt.chat.end_ids,
-        decode=tgt.tok.decode, tree=tree, backend=backend, log=None if quiet else err.print, weights=weights,
-    )  # fmt: skip
-    return tgt, eng
 
 
 def open_input(file: str | None) -> BinaryIO:
     """FILE, or stdin for `-` or for no argument on a pipe."""
     if file is None or file == "-":
         if file is None and sys.stdin.isatty():
-            raise O.UsageError("no requests: give a FILE, or pipe them on stdin (one a line)")
+            raise UsageError("no requests: give a FILE, or pipe them on stdin (one a line)")
         return sys.stdin.buffer
     try:
         return open(file, "rb")  # closed by the command, after the run
     except FileNotFoundError:
-        raise O.UsageError(f"input file not found: {file}") from None
+        raise UsageError(f"input file not found: {file}") from None
     except OSError as e:
-        raise O.UsageError(f"cannot read {file}: {e.strerror or e}") from None
+        raise UsageError(f"cannot read {file}: {e.strerror or e}") from None
 
 
 @contextmanager
@@ -160,26 +125,28 @@ def batch(
     file: Annotated[
         str | None, typer.Argument(metavar="[FILE|-]", help="requests, one a line; '-' or a pipe reads stdin")
     ] = None,
-    target: Target = D.TARGET,
-    proposer: Proposer = None,
-    k: A.K = None,
-    max_new_tokens: A.MaxNew = D.MAX_NEW_TOKENS,
-    temperature: A.Temperature = D.TEMPERATURE,
-    top_k: A.TopK = None,
-    top_p: A.TopP = None,
-    min_p: A.MinP = None,
-    penalty: A.Penalty = 1.0,
-    seed: A.Seed = D.SEED,
-    max_batch: Annotated[int, typer.Option("--max-batch", help="requests decoded together, at most")] = D.MAX_BATCH,
+    target: args.Target = defaults.TARGET,
+    proposer: args.Proposer = None,
+    k: args.K = None,
+    max_new_tokens: args.MaxNew = defaults.MAX_NEW_TOKENS,
+    temperature: args.Temperature = defaults.TEMPERATURE,
+    top_k: args.TopK = None,
+    top_p: args.TopP = None,
+    min_p: args.MinP = None,
+    penalty: args.Penalty = 1.0,
+    seed: args.Seed = defaults.SEED,
+    max_batch: Annotated[
+        int, typer.Option("--max-batch", help="requests decoded together, at most")
+    ] = defaults.MAX_BATCH,
     ordered: Annotated[bool, typer.Option("--ordered", help="answers in input order (held until their turn)")] = False,
-    device: Device = D.DEVICE,
-    threads: Threads = None,
-    engine: Engine = D.ENGINE,
-    tokenizer: Tokenizer = None,
-    proposer_vocab: ProposerVocab = None,
+    device: args.Device = defaults.DEVICE,
+    threads: args.Threads = None,
+    engine: args.Engine = defaults.ENGINE,
+    tokenizer: args.Tokenizer = None,
+    proposer_vocab: args.ProposerVocab = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="nothing on stderr but errors")] = False,
-    tree: Tree = D.TREE,
-    weights: Weights = D.PROPOSER_WEIGHTS,
+    tree: args.Tree = defaults.TREE,
+    weights: args.Weights = defaults.PROPOSER_WEIGHTS,
 ) -> None:
     """Answer many requests, one a line of FILE (or stdin), decoded together: a JSON line each on stdout.
 
@@ -190,55 +157,61 @@ def batch(
 
     Each line gets one answer: {"id", "text", "tokens", "stats"}, or {"id", "error"} for a bad line.
     """
+    from dataclasses import replace
+
     from ..engine import family
+    from ..engine.build import build
     from ..spec.sampling import NonFiniteError
-    from . import batch_io as B
+    from . import batch_io
 
     source: BinaryIO | None = None
     try:
         proposer = proposer or family.default_proposer(target, temperature == 0)
-        slack = O.slack(proposer, k)
-        O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, max_new_tokens=max_new_tokens)
-        O.check_vocab(proposer_vocab)
+        slack = options.slack(proposer, k)
+        options.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, max_new_tokens=max_new_tokens)
+        options.check_vocab(proposer_vocab)
+        if max_batch < 1:
+            raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
         source = open_input(file)  # before the models load: a missing file fails at once
-        tgt, eng = load_engine(
-            target, proposer, k, max_batch, device, threads, engine, tokenizer, weights, quiet, proposer_vocab,
-            O.tree(tree),
-        )  # fmt: skip
+        vocab = defaults.proposer_vocab(True, proposer_vocab)  # a batch mixes modes: the greedy head, the default
+        tgt, config = load_run(
+            target, proposer, device, tokenizer, vocab, options.tree(tree), weights, engine, threads, quiet, share=False
+        )
+        eng = build(replace(config, k=k, max_batch=max_batch))
         tok = tgt.tok
-    except O.INPUT_ERRORS as e:
+    except INPUT_ERRORS as e:
         if source is not None and source is not sys.stdin.buffer:
             source.close()
         raise fail(str(e)) from None
     assert source is not None  # opened above, or the command has ended
 
-    defaults = B.Defaults(max_new_tokens, temperature, top_k, top_p, seed, min_p=min_p, repetition_penalty=penalty)
-    writer = B.Writer(sys.stdout, whole_line, ordered)
+    asked = batch_io.Defaults(max_new_tokens, temperature, top_k, top_p, seed, min_p=min_p, repetition_penalty=penalty)
+    writer = batch_io.Writer(sys.stdout, whole_line, ordered)
     shown = Display(show=not quiet and err.is_terminal)
 
     def requests() -> Iterator[Request]:
-        lines = B.parse_lines(source, defaults, lambda text: tok.encode(text).ids, tgt.model.cfg.max_seq_len, slack)
+        lines = batch_io.parse_lines(source, asked, lambda text: tok.encode(text).ids, eng.context, slack)
         for item in lines:
-            if isinstance(item, B.Rejected):
+            if isinstance(item, batch_io.Rejected):
                 writer.put(item.index, {"id": item.id, "error": item.error})
                 shown.answer(rejected=True)
             else:
                 yield item
 
-    fits = getattr(eng, "max_batch", max_batch)  # (a test's fake engine may not say)
-    if fits < max_batch and not quiet:
+    if eng.max_batch < max_batch and not quiet:
+        fits = eng.max_batch
         err.print(f"--max-batch {max_batch} lowered to {fits}: the memory here holds the cache of {fits} sequences")
     try:
         for fin in eng.run(requests(), progress=shown.progress):
-            writer.put(fin.request.index, B.answer(fin))
+            writer.put(fin.request.index, batch_io.answer(fin))
             shown.answer(tokens=len(fin.tokens))
         writer.close()
     except KeyboardInterrupt:
         shown.stop()  # the bar goes before the line
-        write_held(writer, B.OutputClosed)
+        write_held(writer, batch_io.OutputClosed)
         err.print("interrupted")
         raise typer.Exit(130) from None
-    except B.OutputClosed:  # the reader went away: nobody is left to tell
+    except batch_io.OutputClosed:  # the reader went away: nobody is left to tell
         stdout_to_devnull()
         raise typer.Exit(BROKEN_PIPE_EXIT) from None
     except NonFiniteError as e:  # the answers written stay; the run stops loudly

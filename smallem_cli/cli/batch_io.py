@@ -10,9 +10,10 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import BinaryIO, TextIO
 
-from .. import defaults as D
-from .. import options as O
+from .. import options
+from ..defaults import LINE_BYTES_PER_TOKEN, MAX_LINE_BYTES, MAX_NEW_TOKENS, SEED, TEMPERATURE
 from ..engine.request import Finished, Request
+from ..errors import BadField, UsageError
 from ..spec.sampling import Sampling
 
 Encode = Callable[[str], Sequence[int]]  # text -> token ids
@@ -23,11 +24,11 @@ Record = dict[str, object]
 class Defaults:
     """What a request leaves out: the command line's options."""
 
-    max_new_tokens: int = D.MAX_NEW_TOKENS
-    temperature: float = D.TEMPERATURE
+    max_new_tokens: int = MAX_NEW_TOKENS
+    temperature: float = TEMPERATURE
     top_k: int | None = None
     top_p: float | None = None
-    seed: int = D.SEED
+    seed: int = SEED
     stop: tuple[str, ...] = ()
     min_p: float | None = None
     repetition_penalty: float = 1.0
@@ -44,14 +45,14 @@ class Rejected:
 
 # How a JSON request's fields other than "id" and "prompt" are read
 _READ: dict[str, Callable[[str, object], object]] = {
-    "max_new_tokens": O.int_field,
-    "temperature": O.number_field,
-    "top_k": O.int_field,
-    "top_p": O.number_field,
-    "min_p": O.number_field,
-    "repetition_penalty": O.number_field,
-    "seed": O.int_field,
-    "stop": O.stop_field,
+    "max_new_tokens": options.int_field,
+    "temperature": options.number_field,
+    "top_k": options.int_field,
+    "top_p": options.number_field,
+    "min_p": options.number_field,
+    "repetition_penalty": options.number_field,
+    "seed": options.int_field,
+    "stop": options.stop_field,
 }
 FIELDS = ("id", "prompt", *_READ)
 _OFF = ("top_k", "top_p", "min_p")  # `null` turns these off
@@ -61,53 +62,53 @@ def parse_line(
     line: str, lineno: int, defaults: Defaults, encode: Encode, max_len: int, k: int = 0
 ) -> Request | Rejected:
     """One input line (`lineno` 1-based) -> a checked Request whose prompt, max_new_tokens and a pass of k
-    guesses fit in max_len, or why it is none."""
+    draft tokens fit in max_len, or why it is none."""
     index, rid = lineno - 1, lineno
     prompt, opts = line, defaults
     try:
         if line.lstrip().startswith("{"):
-            obj = O.json_value(line)
+            obj = options.json_value(line)
             if not isinstance(obj, dict):  # (a line opening with `{` is an object or no JSON at all)
                 return Rejected(index, rid, "invalid JSON object")
             if "id" in obj:  # a bad id is answered under the line's number
                 if type(obj["id"]) not in (str, int):
-                    raise O.BadField(f"id must be a string or an integer, got {O.shown(obj['id'])}")
+                    raise BadField(f"id must be a string or an integer, got {options.shown(obj['id'])}")
                 rid = obj["id"]
             unknown = sorted(set(obj) - set(FIELDS))
             if unknown:
-                raise O.BadField(f"unknown field {O.shown(unknown[0])} (fields: {', '.join(FIELDS)})")
+                raise BadField(f"unknown field {options.shown(unknown[0])} (fields: {', '.join(FIELDS)})")
             if "prompt" not in obj:
-                raise O.BadField('no prompt: a JSON request needs a "prompt" string')
+                raise BadField('no prompt: a JSON request needs a "prompt" string')
             prompt = obj["prompt"]
             if not isinstance(prompt, str):
-                raise O.BadField(f"prompt must be a string, got {O.shown(prompt)}")
+                raise BadField(f"prompt must be a string, got {options.shown(prompt)}")
             given: dict[str, object] = {}  # the fields given override the options'
             for name, read in _READ.items():
                 if name in obj:
                     given[name] = None if obj[name] is None and name in _OFF else read(name, obj[name])
             opts = replace(defaults, **given)
         sampling = Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.min_p, opts.repetition_penalty)
-        O.check_sampling(**asdict(sampling), max_new_tokens=opts.max_new_tokens)
+        options.check_sampling(**asdict(sampling), max_new_tokens=opts.max_new_tokens)
         if not prompt.strip():
-            raise O.BadField("empty prompt")
+            raise BadField("empty prompt")
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON's "\ud800": no text a tokenizer takes
-            raise O.BadField(f"prompt is not valid Unicode (a lone surrogate at character {e.start})") from None
+            raise BadField(f"prompt is not valid Unicode (a lone surrogate at character {e.start})") from None
         ids = tuple(encode(prompt))
         if not ids:
-            raise O.BadField("empty prompt")
-        O.check_context(len(ids), opts.max_new_tokens, k, max_len)
-    except O.BadField as e:
+            raise BadField("empty prompt")
+        options.check_context(len(ids), opts.max_new_tokens, k, max_len)
+    except BadField as e:
         return Rejected(index, rid, str(e))
-    except O.UsageError as e:
-        return Rejected(index, rid, O.field_message(e))
+    except UsageError as e:
+        return Rejected(index, rid, options.field_message(e))
     return Request(index, rid, ids, opts.max_new_tokens, sampling, opts.stop)
 
 
 def max_line_bytes(max_len: int) -> int:
     """A request line's bytes (before its `\\n`) at most, for a target of context max_len."""
-    return max(D.MAX_LINE_BYTES, max_len * D.LINE_BYTES_PER_TOKEN)
+    return max(MAX_LINE_BYTES, max_len * LINE_BYTES_PER_TOKEN)
 
 
 _DROP_CHUNK = 1 << 16  # bytes read at a time from the rest of a line too long to keep
@@ -146,7 +147,7 @@ def parse_lines(
             if first == lineno:  # an earlier line may have answered under its number, which this one gives
                 first = rid if type(rid) is int and 1 <= rid < lineno and rid not in renamed else None
         if first is not None:
-            item = Rejected(item.index, rid, f"duplicate id {O.shown(rid)}: line {first} has it too")
+            item = Rejected(item.index, rid, f"duplicate id {options.shown(rid)}: line {first} has it too")
         yield item
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 if TYPE_CHECKING:  # train imports torch: seconds the command line does not wait for before it parses
     from rich.console import Console
 
-    from ..train.loop import Progress as P
+    from ..train.loop import Progress as TrainProgress
     from ..train.loop import ProgressFn
 
 
@@ -146,10 +146,11 @@ def stdout_to_devnull() -> None:
 
 
 def progress_printer(name: str, err: Console) -> ProgressFn:
-    """A rich progress bar on a terminal; a plain line every 30 s in a log file."""
+    """A rich progress bar on a terminal (from the first step); a plain line every 30 s in a log file. A line the run
+    tells (a str: resumed, interrupted, evaluating) is printed at once."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    def status(p: P) -> str:
+    def status(p: TrainProgress) -> str:
         val = f" val {p.val_loss:.3f}" if p.val_loss is not None else ""
         extra = "".join(f" {k} {v:.3f}" for k, v in p.extra.items())
         return f"step {p.step} loss {p.loss:.3f}{extra}{val} {p.tokens_per_s:,.0f} tok/s"
@@ -158,10 +159,14 @@ def progress_printer(name: str, err: Console) -> ProgressFn:
         bar = Progress(
             TextColumn(name), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=err
         )
-        bar.start()
         task = bar.add_task(name, total=1.0, info="")
 
-        def show(p: P) -> None:
+        def show(p: TrainProgress | str) -> None:
+            if isinstance(p, str):
+                bar.stop()  # a run that stops, or ends its steps, leaves no bar drawn behind it
+                err.print(f"{name}: {p}")
+                return
+            bar.start()  # (again, after a line: the bar goes on below it)
             bar.update(task, completed=p.done, info=status(p))
             if p.done >= 1.0:
                 bar.stop()
@@ -169,7 +174,10 @@ def progress_printer(name: str, err: Console) -> ProgressFn:
         return show
     last = [0.0]
 
-    def log(p: P) -> None:
+    def log(p: TrainProgress | str) -> None:
+        if isinstance(p, str):
+            print(f"{name}: {p}", file=sys.stderr, flush=True)
+            return
         if time.monotonic() - last[0] >= 30 or p.done >= 1.0:
             last[0] = time.monotonic()
             eta = p.elapsed_s * (1 - p.done) / p.done if p.done > 0 else 0.0

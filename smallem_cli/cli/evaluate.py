@@ -7,15 +7,16 @@ from typing import Annotated
 
 import typer
 
-from .. import defaults as D
-from .. import options as O
-from .app import DataDir, app, fail, tables
+from .. import defaults
+from ..errors import INPUT_ERRORS
+from . import args
+from .app import app, fail, tables
 
 
 @app.command("eval")
 def eval_cmd(
-    target: Annotated[Path, typer.Option(help="target checkpoint")] = D.TARGET,
-    data_dir: DataDir = D.DATA_DIR,
+    target: Annotated[Path, typer.Option(help="target checkpoint")] = defaults.TARGET,
+    data_dir: args.DataDir = defaults.DATA_DIR,
     drafts: Annotated[list[str] | None, typer.Option("--draft", help="draft names or paths")] = None,
     mtp: Annotated[Path | None, typer.Option(help="MTP module (default: mtp.safetensors beside the target)")] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
@@ -37,7 +38,7 @@ def eval_cmd(
         kept = chain_agreement(fam.target.model, ids, fam.drafts, fam.mtp)  # ValueError: a text too short
     except UnicodeDecodeError as e:
         raise fail(f"{val_txt} is not valid UTF-8 (byte {e.start})") from None
-    except O.INPUT_ERRORS as e:
+    except INPUT_ERRORS as e:
         raise fail(str(e)) from None
     for r in reports:
         r.kept_at = kept.get(r.name)

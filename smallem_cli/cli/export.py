@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .. import options as O
+from ..errors import UsageError
 from .app import app, bad_input, err
 
 
@@ -29,9 +29,9 @@ def export(
     tok = tokenizer or checkpoint_path.parent / "tokenizer.json"
     with bad_input(ImportError):  # an optional package missing
         if dtype is not None and fmt != "gguf":
-            raise O.UsageError(f"--dtype applies to --format gguf: {fmt} keeps the checkpoint's dtype")
+            raise UsageError(f"--dtype applies to --format gguf: {fmt} keeps the checkpoint's dtype")
         if mtp is not None and fmt != "mimo":
-            raise O.UsageError("--mtp applies to --format mimo")
+            raise UsageError("--mtp applies to --format mimo")
         if fmt == "hf":
             export_hf(checkpoint_path, out, tok, overwrite=overwrite)
         elif fmt == "gguf":
@@ -44,5 +44,5 @@ def export(
             module = mtp or checkpoint_path.parent / "mtp.safetensors"
             export_mimo(checkpoint_path, module, out, tok, overwrite=overwrite)
         else:
-            raise O.UsageError(f"unknown --format {fmt!r}: use hf, gguf or mimo")
+            raise UsageError(f"unknown --format {fmt!r}: use hf, gguf or mimo")
     err.print(f"{checkpoint_path} -> {out}")

@@ -7,9 +7,8 @@ from typing import Annotated
 
 import typer
 
-from .. import defaults as D
-from .. import options as O
-from . import app as A
+from .. import defaults, options
+from . import args
 from .app import app, bad_input, err, fail, load_run, stats_line
 from .console import text_out
 
@@ -17,34 +16,37 @@ from .console import text_out
 @app.command()
 def generate(
     prompt: Annotated[str | None, typer.Argument(help="prompt text; '-' or a pipe reads stdin")] = None,
-    target: A.Target = D.TARGET,
-    proposer: A.Proposer = None,
-    k: A.K = None,
-    max_new_tokens: A.MaxNew = D.MAX_NEW_TOKENS,
-    temperature: A.Temperature = D.TEMPERATURE,
-    top_k: A.TopK = None,
-    top_p: A.TopP = None,
-    min_p: A.MinP = None,
-    penalty: A.Penalty = 1.0,
+    target: args.Target = defaults.TARGET,
+    proposer: args.Proposer = None,
+    k: args.K = None,
+    max_new_tokens: args.MaxNew = defaults.MAX_NEW_TOKENS,
+    temperature: args.Temperature = defaults.TEMPERATURE,
+    top_k: args.TopK = None,
+    top_p: args.TopP = None,
+    min_p: args.MinP = None,
+    penalty: args.Penalty = 1.0,
     stops: Annotated[list[str] | None, typer.Option("--stop", help="end the text before it (repeatable)")] = None,
-    seed: A.Seed = D.SEED,
-    device: A.Device = D.DEVICE,
-    tokenizer: A.Tokenizer = None,
-    proposer_vocab: A.ProposerVocab = None,
+    seed: args.Seed = defaults.SEED,
+    device: args.Device = defaults.DEVICE,
+    tokenizer: args.Tokenizer = None,
+    proposer_vocab: args.ProposerVocab = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object: text, tokens, stats")] = False,
-    engine: A.Engine = D.ENGINE,
-    threads: A.RunThreads = None,
-    tree: A.Tree = D.TREE,
-    weights: A.Weights = D.PROPOSER_WEIGHTS,
+    engine: args.Engine = defaults.ENGINE,
+    threads: args.RunThreads = None,
+    tree: args.Tree = defaults.TREE,
+    weights: args.Weights = defaults.PROPOSER_WEIGHTS,
     chat: Annotated[bool, typer.Option("--chat", help="the prompt as a user message in the chat template")] = False,
     system: Annotated[str | None, typer.Option(help="the system message (implies --chat)")] = None,
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
     import json
+    from dataclasses import replace
 
     from ..engine import family
-    from ..engine.generate import stream
+    from ..engine.build import build
+    from ..engine.generate import answer
+    from ..engine.request import Request
     from ..engine.stops import StopPrinter
     from ..model.chat import chat_ids, messages
     from ..model.tokenizer import encode
@@ -53,23 +55,25 @@ def generate(
 
     with bad_input():
         proposer = proposer or family.default_proposer(target, temperature == 0)
-        kk = O.pick_k(proposer, k, temperature == 0)
-        O.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, stops, max_new_tokens)
-        text = O.read_prompt(prompt)
-        O.check_vocab(proposer_vocab)
-        vocab = D.proposer_vocab(temperature == 0, proposer_vocab)
-        tgt, loaded, backend = load_run(
-            target, proposer, device, tokenizer, vocab, O.tree(tree), weights, engine, threads, quiet
+        kk = options.pick_k(proposer, k, temperature == 0)
+        options.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, stops, max_new_tokens)
+        text = options.read_prompt(prompt)
+        options.check_vocab(proposer_vocab)
+        vocab = defaults.proposer_vocab(temperature == 0, proposer_vocab)
+        chat = chat or system is not None
+        tgt, config = load_run(
+            target, proposer, device, tokenizer, vocab, options.tree(tree), weights, engine, threads, quiet, chat
         )
         tok = tgt.tok
-        ids = chat_ids(tok, tgt.chat, messages(text, system)) if chat or system is not None else encode(tok, text)
-        O.check_context(len(ids), max_new_tokens, kk, tgt.model.cfg.max_seq_len)
+        ids = chat_ids(tok, tgt.chat, messages(text, system)) if chat else encode(tok, text)
+        eng = build(replace(config, k=kk))
+        options.check_context(len(ids), max_new_tokens, kk, eng.context)  # the model's, or what the memory holds
 
-    sampling = Sampling(temperature, top_k, top_p, seed, min_p, penalty)
-    stats = Stats(proposer, kk, backend=backend.label)
+    request = Request(0, 0, tuple(ids), max_new_tokens, Sampling(temperature, top_k, top_p, seed, min_p, penalty))
+    stats = Stats(proposer, kk, backend=eng.backend)
     out = StopPrinter(tok.decode, None if json_out else text_out(), stops or [])
     try:
-        for chunk in stream(tgt.model, loaded, ids, max_new_tokens, kk, sampling, tgt.chat.end_ids, stats, backend):
+        for chunk in answer(eng, request, stats):
             if out.push(chunk):  # a stop string: the text ends before it, and generation here
                 break
         out.push([], final=True)

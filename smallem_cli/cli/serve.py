@@ -5,46 +5,65 @@ from __future__ import annotations
 import signal
 import socket
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from .. import defaults as D
-from .. import options as O
-from . import app as A
-from .app import app, bad_input, err
+from .. import defaults, options
+from ..errors import UsageError
+from . import args
+from .app import app, bad_input, err, fail, load_run
 
 
 @app.command()
 def serve(
-    target: A.Target = D.TARGET,
-    proposer: A.Proposer = None,
-    k: A.K = None,
+    target: args.Target = defaults.TARGET,
+    proposer: args.Proposer = None,
+    k: args.K = None,
     host: Annotated[str, typer.Option(help="the address to listen on (another than 127.0.0.1 opens it to others)")] = (
-        D.SERVE_HOST
+        defaults.SERVE_HOST
     ),
-    port: Annotated[int, typer.Option(help="0: a free port, printed on stderr")] = D.SERVE_PORT,
-    max_batch: Annotated[int, typer.Option("--max-batch", help="requests decoded together, at most")] = D.MAX_BATCH,
+    port: Annotated[int, typer.Option(help="0: a free port, printed on stderr")] = defaults.SERVE_PORT,
+    max_batch: Annotated[
+        int, typer.Option("--max-batch", help="requests decoded together, at most")
+    ] = defaults.MAX_BATCH,
     max_queue: Annotated[int, typer.Option("--max-queue", help="requests waiting, at most; more get 429")] = (
-        D.SERVE_QUEUE
+        defaults.SERVE_QUEUE
     ),
     api_key: Annotated[
         str | None, typer.Option("--api-key", envvar="SMALLEM_API_KEY", help="/v1/ requests need this bearer token")
     ] = None,
     model_name: Annotated[str | None, typer.Option("--model-name", help="(default: the target's file name)")] = None,
-    drain: Annotated[int, typer.Option("--drain", help="seconds SIGTERM waits for answers in flight")] = D.SERVE_DRAIN,
+    drain: Annotated[
+        int, typer.Option("--drain", help="seconds SIGTERM waits for answers in flight")
+    ] = defaults.SERVE_DRAIN,
     stream_rate: Annotated[
         float,
         typer.Option(
             "--stream-rate", help="streamed events a second, at most, shared by the requests in flight (0: no limit)"
         ),
-    ] = D.SERVE_STREAM_RATE,
-    device: A.Device = D.DEVICE,
-    threads: A.Threads = None,
-    engine: A.Engine = D.ENGINE,
-    tokenizer: A.Tokenizer = None,
-    weights: A.Weights = D.PROPOSER_WEIGHTS,
+    ] = defaults.SERVE_STREAM_RATE,
+    max_connections: Annotated[
+        int | None,
+        typer.Option(
+            "--max-connections",
+            help="connections open at once, at most; more are refused at once "
+            f"(default: {defaults.SERVE_MAX_CONNECTIONS}, or what the file limit allows)",
+        ),
+    ] = None,
+    header_timeout: Annotated[
+        float, typer.Option("--header-timeout", help="seconds a request's line and headers may take to arrive")
+    ] = defaults.SERVE_HEADER_TIMEOUT,
+    body_timeout: Annotated[
+        float, typer.Option("--body-timeout", help="seconds a request's body may take to arrive, after its headers")
+    ] = defaults.SERVE_BODY_TIMEOUT,
+    device: args.Device = defaults.DEVICE,
+    threads: args.Threads = None,
+    engine: args.Engine = defaults.ENGINE,
+    tokenizer: args.Tokenizer = None,
+    weights: args.Weights = defaults.PROPOSER_WEIGHTS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no access log")] = False,
 ) -> None:
     """Serve the target over HTTP: OpenAI's /v1/completions, /v1/chat/completions (streamed or whole) and
@@ -52,34 +71,46 @@ def serve(
     try:
         import uvicorn
 
+        from ..serve import guard
         from ..serve.app import create_app
     except ImportError as e:
-        raise A.fail(f"smallem serve needs the serve extra: pip install 'smallem[serve]' (no {e.name})") from None
+        raise fail(f"smallem serve needs the serve extra: pip install 'smallem[serve]' (no {e.name})") from None
     from ..engine import family
-    from ..serve.openai import Served
+    from ..engine.build import build
+    from ..serve.openai import Served, prompt_chars
     from ..serve.worker import Worker
-    from .batch import load_engine
 
     with bad_input():
         if not 0 <= port <= 65535:
-            raise O.UsageError(f"--port must be between 0 and 65535, got {port}")
+            raise UsageError(f"--port must be between 0 and 65535, got {port}")
         if max_queue < 1:
-            raise O.UsageError(f"--max-queue must be >= 1, got {max_queue}")
+            raise UsageError(f"--max-queue must be >= 1, got {max_queue}")
         if drain < 1:
-            raise O.UsageError(f"--drain must be >= 1 second, got {drain}")
+            raise UsageError(f"--drain must be >= 1 second, got {drain}")
         if not 0 <= stream_rate < float("inf"):
-            raise O.UsageError(f"--stream-rate must be a number >= 0, got {stream_rate}")
+            raise UsageError(f"--stream-rate must be a number >= 0, got {stream_rate}")
+        for name, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout)):
+            if not 0 < seconds < float("inf"):
+                raise UsageError(f"{name} must be a number of seconds > 0, got {seconds}")
+        limits = guard.Limits(_connections(max_connections, guard.connection_room()), header_timeout, body_timeout)
         proposer = proposer or family.default_proposer(target, True)
-        slack = O.slack(proposer, k)
+        slack = options.slack(proposer, k)
         sock = _bind(host, port)  # before the models load: a port in use fails at once
-        tgt, eng = load_engine(target, proposer, k, max_batch, device, threads, engine, tokenizer, weights, quiet)
+        if max_batch < 1:
+            raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
+        vocab = defaults.proposer_vocab(True)  # a batch mixes modes: the greedy head, the default
+        tgt, config = load_run(
+            target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, share=False
+        )
+        eng = build(replace(config, k=k, max_batch=max_batch))
     name = model_name or Path(target).name
-    cfg = tgt.model.cfg
-    served = Served(name, tgt.tok, tgt.chat, cfg.vocab_size, cfg.max_seq_len, slack)
+    context = eng.context  # the model's, or what the memory holds
+    served = Served(name, tgt.tok, tgt.chat, tgt.model.cfg.vocab_size, context, slack, prompt_chars(tgt.tok, context))
+    guard.trim_heap()  # what loading freed goes back to the system: the server holds it for as long as it runs
     worker = Worker(eng, tgt.tok.decode, max_queue, stream_rate)
     config = uvicorn.Config(
         create_app(worker, served, api_key), log_level="warning" if quiet else "info", access_log=not quiet,
-        timeout_graceful_shutdown=drain, lifespan="on",
+        timeout_graceful_shutdown=drain, lifespan="on", http=guard.protocol(limits), backlog=defaults.SERVE_BACKLOG,
     )  # fmt: skip
     server = uvicorn.Server(config)
     signals: list[int] = []
@@ -113,6 +144,19 @@ def serve(
         raise typer.Exit(130)
 
 
+def _connections(asked: int | None, room: int) -> int:
+    """--max-connections, checked against what the file limit leaves (`guard.connection_room`)."""
+    if asked is None:
+        if room < 1:
+            raise UsageError("the open-file limit leaves no room for connections: raise it (ulimit -n)")
+        return min(defaults.SERVE_MAX_CONNECTIONS, room)
+    if not 1 <= asked <= room:
+        raise UsageError(
+            f"--max-connections must be between 1 and {max(room, 1)} (the open-file limit's room), got {asked}"
+        )
+    return asked
+
+
 def _bind(host: str, port: int) -> socket.socket:
     try:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -123,7 +167,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind(info[4])
     except OSError as e:
-        raise O.UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(256)
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(defaults.SERVE_BACKLOG)
     sock.set_inheritable(True)
     return sock

@@ -2,34 +2,47 @@
 
 from __future__ import annotations
 
+import math
+import os
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .. import defaults as D
-from .. import options as O
+from .. import defaults, options
 from ..config import PRESETS
-from .app import DataDir, Threads, app, bad_input, err, fail
+from .app import app, bad_input, err, fail
+from .args import DataDir, Threads
 from .console import progress_printer
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+# `data`'s options that apply to --continuations N alone; of those, the ones --chat has no use for
+CONTINUATION_ONLY = ("chat", "target", "source", "context_tokens", "new_tokens", "sampled_every", "seed")
+NOT_CHAT = ("source", "context_tokens")
 
 
 @app.command()
 def data(
+    ctx: typer.Context,
     files: Annotated[list[Path] | None, typer.Argument(help="UTF-8 text files (default: the KJV Bible)")] = None,
-    out: Annotated[Path, typer.Option(help="output folder")] = D.DATA_DIR,
+    out: Annotated[Path, typer.Option(help="output folder")] = defaults.DATA_DIR,
     overwrite: Annotated[bool, typer.Option(help="replace a different corpus already in --out")] = False,
     continuations: Annotated[
         int, typer.Option(help="instead: the target's continuations of this many contexts of --source (0: off)")
     ] = 0,
-    source: Annotated[Path, typer.Option(help="continuations: the corpus of the contexts and of val.txt")] = D.DATA_DIR,
-    target: Annotated[Path, typer.Option(help="continuations: the target that writes them")] = D.TARGET,
-    context_tokens: Annotated[int, typer.Option(help="continuations: tokens of a context")] = D.GEN_CONTEXT,
-    new_tokens: Annotated[int, typer.Option(help="continuations: tokens the target adds to each")] = D.GEN_NEW,
+    source: Annotated[
+        Path, typer.Option(help="continuations: the corpus of the contexts and of val.txt")
+    ] = defaults.DATA_DIR,
+    target: Annotated[Path, typer.Option(help="continuations: the target that writes them")] = defaults.TARGET,
+    context_tokens: Annotated[int, typer.Option(help="continuations: tokens of a context")] = defaults.GEN_CONTEXT,
+    new_tokens: Annotated[int, typer.Option(help="continuations: tokens the target adds to each")] = defaults.GEN_NEW,
     sampled_every: Annotated[
         int, typer.Option(help="continuations: one in this many sampled at T=1, the rest greedy (0: all greedy)")
-    ] = D.GEN_SAMPLED_EVERY,
+    ] = defaults.GEN_SAMPLED_EVERY,
     seed: Annotated[int, typer.Option(help="continuations: contexts and draws")] = 0,
     chat: Annotated[
         bool,
@@ -46,6 +59,9 @@ def data(
 
     from ..train import data as corpus
 
+    given = [o for o in CONTINUATION_ONLY if _typed(ctx, o)]
+    _check_data(continuations, given, bool(files), context_tokens, new_tokens, sampled_every, seed)
+    _writable(out, "--out", folder=True)
     if not continuations:
         with bad_input(subprocess.CalledProcessError):
             chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
@@ -58,20 +74,22 @@ def data(
     # the target continues contexts of --source's train.txt into --out's; --source's val.txt is copied
     from ..backends import engines
     from ..engine import family
-    from ..engine.build import build_engine
+    from ..engine.build import build
+    from ..engine.config import EngineConfig
     from ..model.chat import chat_ids, messages
-    from ..train import continuations as C
+    from ..train.continuations import MAX_INSTRUCTIONS, contexts, documents, instructions, requests
 
     n = continuations
-    if files:
-        raise fail("--continuations reads the corpus in --source: give no text files")
-    if n < 0 or context_tokens < 1 or new_tokens < 1 or sampled_every < 0:
-        raise fail("--continuations, --sampled-every >= 0; --context-tokens, --new-tokens >= 1")
     train_txt, val_txt = source / "train.txt", source / "val.txt"
     if not chat and not (train_txt.is_file() and val_txt.is_file()):
         raise fail(f"no corpus in {source}: run `smallem data` (or `make data`) first")
     if not chat and out.resolve() == source.resolve():
         raise fail(f"--out {out} is the corpus the contexts come from: choose another folder")
+    if chat and n + n // 8 > MAX_INSTRUCTIONS:
+        raise fail(f"--chat composes at most {MAX_INSTRUCTIONS} instructions; --continuations {n} needs "
+                   f"{n + n // 8} (an eighth more for the validation split)")  # fmt: skip
+    if not target.exists():
+        raise fail(f"--target {target}: no such checkpoint, HF folder or GGUF file")
     for path in (out / "train.txt", out / "val.txt"):  # what it will hold is not known yet: any counts
         _new_file(path, "--out", overwrite)
     with bad_input():
@@ -81,17 +99,17 @@ def data(
             raise ValueError(f"a context and its continuation exceed the target's {positions} positions")
         tok = tgt.tok
         if chat:
-            conversations = [messages(text) for text in C.instructions(n + n // 8, seed)]
+            conversations = [messages(text) for text in instructions(n + n // 8, seed)]
             ctxs = [tuple(chat_ids(tok, tgt.chat, c)) for c in conversations]
         else:
             # a model of its own tokenizer encodes the corpus afresh: the .bin beside it is the family's
             ids = corpus.token_file(None if tgt.ships_none else tgt.tokenizer, train_txt, tgt.tok)
-            ctxs = C.contexts(ids, n, context_tokens, seed, tok.token_to_id(corpus.EOT))
-        reqs = C.requests(ctxs, new_tokens, sampled_every, seed)
-        engine = build_engine(
-            tgt, "none", dev, k=None, max_batch=D.GEN_BATCH, proposer_vocab=None, end_ids=tgt.chat.end_ids,
-            decode=tok.decode, backend=engines.Backend(engines.engine_mode(engines.chosen("auto"), dev)), log=err.print,
-        )  # fmt: skip
+            ctxs = contexts(ids, n, context_tokens, seed, tok.token_to_id(corpus.EOT))
+        reqs = requests(ctxs, new_tokens, sampled_every, seed)
+        backend = engines.Backend(engines.engine_mode(engines.chosen("auto"), dev))
+        backend.prepare(tgt.model, [], err.print)
+        config = EngineConfig(tgt.model, family.NONE, backend, None, defaults.GEN_BATCH, tgt.chat.end_ids, tok.decode)
+        engine = build(config)
         val = [] if chat else corpus.read_documents(val_txt)
     t0 = time.perf_counter()
 
@@ -100,7 +118,7 @@ def data(
             err.print(f"{k}/{len(reqs)} continuations, {time.perf_counter() - t0:.0f} s")
 
     # the template's special tokens stay in the text: the proposer is fitted on the stream it will meet
-    docs = C.documents(engine.run(reqs), lambda ids: tok.decode(ids, skip_special_tokens=False), done)
+    docs = documents(engine.run(reqs), lambda ids: tok.decode(ids, skip_special_tokens=False), done)
     if chat:
         docs, val = docs[:n], docs[n:]
     with bad_input():
@@ -108,12 +126,49 @@ def data(
     err.print(f"{len(docs)} continuations -> {train_path} ({train_path.stat().st_size} bytes), {val_path}")
 
 
+def _typed(ctx: typer.Context, name: str) -> bool:
+    """Whether the user gave option `name` (by name: typer's parameter sources are its own click's enum)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def _check_data(n: int, given: list[str], files: bool, context_tokens: int, new_tokens: int, sampled_every: int,
+                seed: int) -> None:  # fmt: skip
+    """`data`'s options, together: `given` names the options of --continuations the user typed."""
+    flag = {name: "--" + name.replace("_", "-") for name in CONTINUATION_ONLY}
+    if n < 0:
+        raise fail(f"--continuations must be >= 0 (0: the corpus itself), got {n}")
+    if not n and given:
+        raise fail(f"{flag[given[0]]} applies to --continuations N (N >= 1): without it, `smallem data` writes the "
+                   "corpus of the text files given (or the KJV)")  # fmt: skip
+    if not n:
+        return
+    if files:
+        raise fail("--continuations reads the corpus in --source: give no text files")
+    if "chat" in given and (not_chat := [g for g in given if g in NOT_CHAT]):
+        raise fail(f"{flag[not_chat[0]]} applies to continuations of a corpus, not --chat (composed instructions)")
+    if context_tokens < 1 or new_tokens < 1:
+        raise fail(f"--context-tokens and --new-tokens must be >= 1, got {context_tokens} and {new_tokens}")
+    if sampled_every < 0:
+        raise fail(f"--sampled-every must be >= 0 (0: all greedy), got {sampled_every}")
+    if not 0 <= seed <= defaults.MAX_SEED - 2 * n:  # each continuation draws with seed + its index
+        raise fail(f"--seed must be between 0 and 2^63-1 less twice --continuations, got {seed}")
+
+
 def _new_file(path: Path, option: str, overwrite: bool) -> None:
-    """Refuse an output that is a folder, or that exists without --overwrite (nothing is replaced unasked)."""
+    """Refuse an output that is a folder, that exists without --overwrite (nothing is replaced unasked), that is
+    no regular file (a link, a device), or whose folder cannot be made or written in."""
+    from .. import atomic
+
     if path.is_dir():
         raise fail(f"{path} is a folder, not a file: choose another {option}")
     if path.exists() and not overwrite:
         raise fail(f"{path} exists: pass --overwrite to replace it, or {option} to write elsewhere")
+    _writable(path, option)
+    try:
+        atomic.check_replaceable(path)
+    except OSError as e:
+        raise fail(f"{option}: {e}") from None
 
 
 def _write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str) -> tuple[Path, Path]:
@@ -128,6 +183,51 @@ def _write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str
     return corpus.write_parts(out_dir, parts)
 
 
+def _writable(path: Path, option: str, folder: bool = False) -> None:
+    """Refuse a destination that cannot be made, before any work: a file where a folder is needed, or a nearest
+    existing folder above it that is a file or cannot be written in (the folders between are made)."""
+    if folder and path.exists() and not path.is_dir():
+        raise fail(f"{option} {path} is a file, not a folder: give a folder")
+    above = path if folder else path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise fail(f"{option} {path}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise fail(f"{option} {path}: cannot write in {above}")
+
+
+def _check_numbers(budget: float, tokens: int, lr: float, batch_size: int, seed: int, mtp_weight: float,
+                   feature_weight: float) -> None:  # fmt: skip
+    """`train`'s numeric options, each its own line (NaN and infinity included)."""
+    if not (math.isfinite(budget) and budget > 0):
+        raise fail(f"--budget must be a finite number of seconds > 0, got {budget}")
+    if tokens < 0:
+        raise fail(f"--tokens must be >= 0 (0: train for --budget seconds), got {tokens}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise fail(f"--lr must be a finite number > 0, got {lr}")
+    if batch_size < 1:
+        raise fail(f"--batch-size must be >= 1, got {batch_size}")
+    if not 0 <= seed <= defaults.MAX_SEED:
+        raise fail(f"--seed must be between 0 and 2^63-1, got {seed}")
+    for option, value in (("--mtp-weight", mtp_weight), ("--feature-weight", feature_weight)):
+        if not (math.isfinite(value) and value >= 0):
+            raise fail(f"{option} must be a finite number >= 0, got {value}")
+
+
+def _check_split(data_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, seq_len: int) -> None:
+    """Enough tokens in each split, checked before training (not after the budget is spent)."""
+    from ..train import data as corpus
+
+    if len(val_ids) < 8:
+        raise fail(
+            f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
+            f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
+        )
+    if len(train_ids) < seq_len + 3:  # a training window: seq_len inputs and the next two tokens
+        raise fail(f"the training split in {data_dir} holds {len(train_ids)} tokens: a step needs {seq_len + 3}")
+
+
 class Kind(str, Enum):
     tokenizer = "tokenizer"
     target = "target"
@@ -138,7 +238,7 @@ class Kind(str, Enum):
 @app.command()
 def train(
     kind: Annotated[Kind, typer.Argument(help="what to train")],
-    data_dir: DataDir = D.DATA_DIR,
+    data_dir: DataDir = defaults.DATA_DIR,
     preset: Annotated[str | None, typer.Option(help="model preset (target, draft-2l, draft-4l, ...)")] = None,
     out: Annotated[
         Path | None, typer.Option(help="output checkpoint (default: the install's checkpoints/<preset>.safetensors)")
@@ -149,29 +249,31 @@ def train(
     overwrite: Annotated[bool, typer.Option(help="replace existing output files (checked before training)")] = False,
     tokenizer: Annotated[
         Path, typer.Option(help="tokenizer.json (train tokenizer: the output; an HF or GGUF --target: its own)")
-    ] = D.TOKENIZER,
+    ] = defaults.TOKENIZER,
     target: Annotated[
         Path, typer.Option(help="the teacher of mtp (a smallem checkpoint, an HF folder or a GGUF file) and --distill")
-    ] = D.TARGET,
+    ] = defaults.TARGET,
     init: Annotated[Path | None, typer.Option(help="start from this checkpoint (an MTP module or a draft)")] = None,
     distill: Annotated[bool, typer.Option(help="draft: fit the target's distribution, not the corpus")] = False,
-    mtp_weight: Annotated[float, typer.Option(help="target: weight of its MTP module's loss")] = D.TRAIN_MTP_WEIGHT,
+    mtp_weight: Annotated[
+        float, typer.Option(help="target: weight of its MTP module's loss")
+    ] = defaults.TRAIN_MTP_WEIGHT,
     feature_weight: Annotated[
-        float, typer.Option(help="mtp: weight of matching the target's next state (for chained guesses)")
+        float, typer.Option(help="mtp: weight of matching the target's next state (for chained drafts)")
     ] = 0.0,
-    budget: Annotated[float, typer.Option(help="training seconds")] = D.TRAIN_SECONDS,
+    budget: Annotated[float, typer.Option(help="training seconds")] = defaults.TRAIN_SECONDS,
     tokens: Annotated[int, typer.Option(help="stop after this many training tokens, not --budget (0: off)")] = 0,
     run_dir: Annotated[Path | None, typer.Option(help="resume state folder (default: runs/<name>)")] = None,
-    seed: Annotated[int, typer.Option()] = D.TRAIN_SEED,
-    lr: Annotated[float, typer.Option()] = D.TRAIN_LR,
-    batch_size: Annotated[int, typer.Option()] = D.TRAIN_BATCH,
+    seed: Annotated[int, typer.Option()] = defaults.TRAIN_SEED,
+    lr: Annotated[float, typer.Option()] = defaults.TRAIN_LR,
+    batch_size: Annotated[int, typer.Option()] = defaults.TRAIN_BATCH,
     threads: Threads = None,
     compile_loss: Annotated[
         bool, typer.Option("--compile/--no-compile", help="run the loss through torch.compile (once a run)")
-    ] = D.TRAIN_COMPILE,
+    ] = defaults.TRAIN_COMPILE,
     precision: Annotated[
         str, typer.Option(help="fp32, or bf16: the loss's products in bfloat16 (for CPUs with bfloat16 instructions)")
-    ] = D.TRAIN_PRECISION,
+    ] = defaults.TRAIN_PRECISION,
     text: Annotated[list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data)")] = None,
 ) -> None:
     """Train the tokenizer, a target (with its MTP module), a draft, or an MTP module."""
@@ -183,14 +285,22 @@ def train(
     from ..train import loop as tr
 
     # the options alone, checked before any work (writing --text's split included)
-    if budget <= 0 or tokens < 0:
-        raise fail("--budget must be > 0 seconds and --tokens >= 0")
+    _check_numbers(budget, tokens, lr, batch_size, seed, mtp_weight, feature_weight)
     if precision not in tr.PRECISIONS:
         raise fail(f"--precision takes {' or '.join(tr.PRECISIONS)}, not {precision!r}")
-    if init and kind is Kind.target:
-        raise fail("--init applies to a draft (with --distill) or an MTP module, not a target")
+    if init and kind not in (Kind.draft, Kind.mtp):
+        raise fail(f"--init applies to a draft (with --distill) or an MTP module, not a {kind.value}")
     if kind is Kind.draft and init and not distill:
         raise fail("--init for a draft continues it by distillation: add --distill")
+    if distill and kind is not Kind.draft:
+        raise fail(f"--distill applies to train draft (an MTP module is always distilled), not train {kind.value}")
+    if feature_weight and kind is not Kind.mtp:
+        raise fail(f"--feature-weight applies to train mtp, not train {kind.value}")
+    if init is not None and not init.is_file():
+        raise fail(f"--init {init}: no such checkpoint")
+    with bad_input():
+        if options.threads(threads):
+            torch.set_num_threads(threads)
     from ..engine import family
 
     other = family.foreign(target)  # an HF folder or a GGUF file: its tokenizer its own
@@ -200,11 +310,15 @@ def train(
     # where the results go, checked before any work: nothing existing is replaced unasked
     name = preset or ("draft-2l" if kind is Kind.draft else kind.value)
     job = "distill" if kind is Kind.draft and distill else kind.value
-    dest = out or (D.MTP if job == "mtp" else D.CHECKPOINTS / f"{name}.safetensors")
+    dest = out or (defaults.MTP if job == "mtp" else defaults.CHECKPOINTS / f"{name}.safetensors")
     dest, option = (tokenizer, "--tokenizer") if kind is Kind.tokenizer else (dest, "--out")
     joint = kind is Kind.target and name in PRESETS and PRESETS[name].mtp
-    if mtp_weight < 0 or (mtp_weight != D.TRAIN_MTP_WEIGHT and not joint):
-        raise fail("--mtp-weight applies to a target trained with its MTP module, and is >= 0")
+    if mtp_weight != defaults.TRAIN_MTP_WEIGHT and not joint:
+        raise fail("--mtp-weight applies to a target trained with its MTP module")
+    if job != "mtp" and kind is not Kind.tokenizer and not init and name not in PRESETS:
+        raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
+    if job in ("mtp", "distill") and not target.exists():
+        raise fail(f"--target {target}: no such checkpoint, HF folder or GGUF file")
     if mtp_out is not None and not joint:
         raise fail("--mtp-out names the MTP module trained jointly with a target (a preset with MTP)")
     mtp_dest = (mtp_out or dest.with_name("mtp.safetensors")) if joint else None
@@ -215,6 +329,11 @@ def train(
     _new_file(dest, option, overwrite)
     if mtp_dest is not None:
         _new_file(mtp_dest, "--mtp-out", overwrite)
+    run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
+    if kind is not Kind.tokenizer:
+        _writable(run, "--run-dir", folder=True)
+    if text:
+        _writable(data_dir, "--data", folder=True)
     if compile_loss:  # the compiler torch.compile will call, found as it finds it
         from torch._inductor import cpp_builder, exc
 
@@ -222,9 +341,6 @@ def train(
             cpp_builder.get_cpp_compiler()
         except exc.InvalidCxxCompiler:
             raise fail("--compile needs a C++ compiler (g++, or $CXX) for torch.compile: train without it") from None
-    with bad_input():
-        if O.threads(threads):
-            torch.set_num_threads(threads)
     if text:  # the user's own corpus: build its split where --data points (not over another corpus)
         try:
             _write_corpus(data_dir, corpus.text_chunks(text), overwrite, "--data")
@@ -242,6 +358,10 @@ def train(
         return
     if not foreign and not tokenizer.is_file():
         raise fail(f"tokenizer not found: {tokenizer} (run `smallem train tokenizer`)")
+    settings = tr.TrainSettings(
+        budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, mtp_weight=mtp_weight,
+        feature_weight=feature_weight, compile=compile_loss, precision=precision,
+    )  # fmt: skip
     teacher = None  # the frozen target of mtp and --distill, and its name
     with bad_input():
         if foreign:  # its tokenizer and vocabulary are its own: they encode the corpus and mark the module
@@ -249,27 +369,16 @@ def train(
             teacher, fp = (tgt.model, target.name), tgt.fingerprint
             train_ids, val_ids = (corpus.token_file(None, t, tgt.tok) for t in (train_txt, val_txt))
         else:
-            if job in ("mtp", "distill"):
-                teacher = (checkpoint.load_model(target)[0], target.name)
             fp = checkpoint.tokenizer_fingerprint(tokenizer)
             train_ids, val_ids = (corpus.token_file(tokenizer, t) for t in (train_txt, val_txt))
-    if len(val_ids) < 8:  # checked before training, not after the budget is spent
-        raise fail(
-            f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
-            f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
-        )
-    cfg = None
-    if job != "mtp" and not init:  # a new model: the named preset, checked against the tokenizer
-        if name not in PRESETS:
-            raise fail(f"unknown preset {name!r}: choose from {', '.join(PRESETS)}")
-        cfg = PRESETS[name]
-        if cfg.vocab_size != (vs := len(load_tokenizer(tokenizer).get_vocab(with_added_tokens=True))):
-            raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
-    settings = tr.TrainSettings(
-        budget_s=budget, budget_tokens=tokens, seed=seed, lr=lr, batch_size=batch_size, mtp_weight=mtp_weight,
-        feature_weight=feature_weight, compile=compile_loss, precision=precision,
-    )  # fmt: skip
-    run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
+        _check_split(data_dir, train_ids, val_ids, settings.seq_len)  # before a smallem teacher loads
+        cfg = None
+        if job != "mtp" and not init:  # a new model: the named preset, checked against the tokenizer
+            cfg = PRESETS[name]
+            if cfg.vocab_size != (vs := len(load_tokenizer(tokenizer).get_vocab(with_added_tokens=True))):
+                raise fail(f"preset {name} has vocabulary {cfg.vocab_size}, the tokenizer {vs}")
+        if job in ("mtp", "distill") and not foreign:
+            teacher = (checkpoint.load_model(target)[0], target.name)
     try:
         facts = tr.train_member(
             job, cfg, (train_ids, val_ids), settings, run, dest, fp, progress_printer(name, err), teacher, init,

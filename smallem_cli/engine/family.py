@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from .. import defaults as D
+from .. import defaults
 from ..interop import gguf, hf
 from ..model import checkpoint
-from ..model.chat import ChatFormat, hf_format, own_format
+from ..model.chat import ChatFormat, check_template, hf_format, hf_template, own_format
 from ..model.checkpoint import CheckpointError
 from ..model.llama import MTPModule, Transformer
 from ..model.tokenizer import load_tokenizer
@@ -45,16 +45,42 @@ def foreign(path: Path) -> bool:
 
 def default_proposer(target: Path, greedy: bool) -> str:
     """The proposer used when none is named: none for an HF folder or a GGUF file (they ship none)."""
-    return "none" if foreign(target) else D.PROPOSER["greedy" if greedy else "sample"]
+    return "none" if foreign(target) else defaults.PROPOSER["greedy" if greedy else "sample"]
 
 
-def load_target(path: Path, device: torch.device, tokenizer: Path | None = None) -> Target:
+def bench_proposers(target: Target) -> list[str]:
+    """`bench`'s proposers when none are named: the shipped ones found beside a smallem checkpoint (else the n-gram
+    lookup); for an HF folder or a GGUF file, which ship none, the n-gram lookup and each MTP module found for it
+    (`*mtp*.safetensors` in its folder whose header says it reads this target's states and vocabulary)."""
+    if not target.ships_none:
+        found = [n for n in defaults.BENCH_PROPOSERS if proposer_path(n, target.path.parent).is_file()]
+        return found or [defaults.NGRAM]
+    folder = target.path if target.hf else target.path.parent
+    return [defaults.NGRAM, *(str(p) for p in sorted(folder.glob("*mtp*.safetensors")) if _module_for(p, target))]
+
+
+def _module_for(path: Path, target: Target) -> bool:
+    try:
+        meta = checkpoint.read_meta(path)
+        cfg = checkpoint.config_of(meta, path)
+    except (CheckpointError, OSError, ValueError):
+        return False
+    mine = target.model.cfg
+    same = (cfg.dim, cfg.vocab_size, cfg.n_heads) == (mine.dim, mine.vocab_size, mine.n_heads)
+    return meta.get("kind") == "mtp" and meta.get("tokenizer") == target.fingerprint and same
+
+
+def load_target(path: Path, device: torch.device, tokenizer: Path | None = None, chat: bool = False) -> Target:
+    """The target at `path`; `chat` (a command that renders its chat template): the template is checked first,
+    before the weights load, so that a broken one fails in a second (ChatError)."""
     if gguf.is_gguf(path):
         if tokenizer is not None:
             raise CheckpointError(f"--tokenizer: the GGUF file {path} holds its own tokenizer; leave it out")
-        got = gguf.load_gguf(path, device)
+        got = gguf.load_gguf(path, device, check_chat=chat)
         return Target(got.model.pack(), None, got.fingerprint, path, got.tokenizer, chat=got.chat, gguf=got.types)
     if hf.is_hf_dir(path):
+        if chat:
+            check_template(hf_template(path), str(path))
         model, fp = hf.load_hf(path, device)
         tok_path = tokenizer or path / "tokenizer.json"
     else:
@@ -75,22 +101,26 @@ def load_target(path: Path, device: torch.device, tokenizer: Path | None = None)
 
 
 @dataclass
-class Proposer:
-    """A loaded proposer (`build.batch_proposer` makes it batched): the n-gram lookup, a model, both, or neither."""
+class LoadedProposer:
+    """A proposer as loaded (`build.proposer_for` makes it the engine's): the n-gram lookup, a model, both, or none."""
 
     name: str
     model: Transformer | MTPModule | None = None
     head: Head | None = None
     ngram: bool = False
-    tree: tuple[int, int] | None = None  # (guesses, width): the MTP module grows token trees
+    tree: tuple[int, int] | None = None  # (draft tokens, width): the MTP module grows token trees
     int8: bool = False  # the native backend reads the model's matrices as int8
+    spec: str = ""  # what it was loaded as, which picks its default k (`defaults.default_k`); "": its name
 
     @property
     def models(self) -> list[Transformer | MTPModule]:
         return [] if self.model is None else [self.model]
 
+    def default_k(self, greedy: bool) -> int:
+        return defaults.default_k(self.spec or self.name, greedy)
 
-NONE = Proposer("none")
+
+NONE = LoadedProposer("none")
 
 
 def proposer_path(spec: str, target_dir: Path) -> Path:
@@ -114,23 +144,27 @@ def load_proposer(
     device: torch.device,
     vocab: int = 0,
     tree: tuple[int, int] | None = None,
-    weights: str = D.PROPOSER_WEIGHTS,
-) -> Proposer:
+    weights: str = defaults.PROPOSER_WEIGHTS,
+) -> LoadedProposer:
     """`spec` -> the proposer it names, packed; vocab > 0 cuts its head to the most frequent training tokens."""
-    if weights not in D.WEIGHTS:
-        raise CheckpointError(f"--proposer-weights takes {' or '.join(D.WEIGHTS)}, got {weights!r}")
+    if weights not in defaults.WEIGHTS:
+        raise CheckpointError(f"--proposer-weights takes {' or '.join(defaults.WEIGHTS)}, got {weights!r}")
     if tree is not None and not _is_mtp(spec, target):
         raise CheckpointError(f"--tree needs the MTP module as proposer, not {spec!r}")
     if spec == "none":
         return NONE
-    if spec == D.NGRAM:
-        return Proposer(D.NGRAM, ngram=True)
-    if spec.startswith(D.NGRAM + "+"):
-        rest = spec[len(D.NGRAM) + 1 :]
-        if rest in ("none", D.NGRAM) or rest.startswith(D.NGRAM + "+"):
-            raise CheckpointError(f"proposer {spec!r}: {D.NGRAM}+ takes a model proposer (a draft or an MTP module)")
+    if spec == defaults.NGRAM:
+        return LoadedProposer(defaults.NGRAM, ngram=True)
+    if spec.startswith(defaults.NGRAM + "+"):
+        rest = spec[len(defaults.NGRAM) + 1 :]
+        if rest in ("none", defaults.NGRAM) or rest.startswith(defaults.NGRAM + "+"):
+            raise CheckpointError(
+                f"proposer {spec!r}: {defaults.NGRAM}+ takes a model proposer (a draft or an MTP module)"
+            )
         other = load_proposer(rest, target, device, vocab, weights=weights)
-        return Proposer(f"{D.NGRAM}+{other.name}", other.model, other.head, ngram=True, int8=other.int8)
+        return LoadedProposer(
+            f"{defaults.NGRAM}+{other.name}", other.model, other.head, ngram=True, int8=other.int8, spec=spec
+        )
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
     int8 = weights == "int8"
@@ -138,7 +172,7 @@ def load_proposer(
         draft, fp = hf.load_hf(path, device)
         _same_vocab(target, fp, draft.cfg.vocab_size, path)
         _fits(target, draft, path)
-        return Proposer(name, draft.pack(), Head(draft), int8=int8)
+        return LoadedProposer(name, draft.pack(), Head(draft), int8=int8, spec=spec)
     meta = checkpoint.read_meta(path)  # the tensors load once, below
     vocab_size = checkpoint.config_of(meta, path).vocab_size
     _same_vocab(target, meta.get("tokenizer", ""), vocab_size, path)
@@ -146,15 +180,15 @@ def load_proposer(
     ids = torch.tensor(rank[:vocab], device=device) if vocab and rank else None
     if meta.get("kind") == "mtp":
         mtp, _ = checkpoint.load_mtp(path, target.model, device)
-        return Proposer("mtp", mtp.pack(), Head(target.model, ids), tree=tree, int8=int8)
+        return LoadedProposer("mtp", mtp.pack(), Head(target.model, ids), tree=tree, int8=int8, spec=spec)
     draft, _ = checkpoint.load_model(path, device)
     _fits(target, draft, path)
-    return Proposer(name, draft.pack(), Head(draft, ids), int8=int8)
+    return LoadedProposer(name, draft.pack(), Head(draft, ids), int8=int8, spec=spec)
 
 
 def _is_mtp(spec: str, target: Target) -> bool:
     """Whether `spec` names an MTP module's checkpoint (read from its header alone)."""
-    if spec in ("none", D.NGRAM) or spec.startswith(D.NGRAM + "+"):
+    if spec in ("none", defaults.NGRAM) or spec.startswith(defaults.NGRAM + "+"):
         return False
     path = _proposer_path(spec, target)
     return not hf.is_hf_dir(path) and checkpoint.read_meta(path).get("kind") == "mtp"

@@ -6,20 +6,23 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 
-from .. import defaults as D
+from .. import defaults
+from ..kv.pool import PagePool
 from ..stats import Stats
-from .pool import PagePool
-from .proposers import BatchProposer, MTPGuess
+from .config import EngineConfig, PoolPlan, round_ahead
+from .proposers import Proposer
 from .request import Finished, Request
-from .runner import TargetRunner, decode_round, prefill, tree_round
+from .round import RoundResult, decode_round, tree_round
 from .sequence import Seq
 from .stops import StopPrinter
+from .target import TargetRunner, prefill
+from .tree_proposer import TreeProposer
 
 
 @dataclass
@@ -36,51 +39,52 @@ class Progress:
     done: int  # requests answered
     tokens: int  # tokens generated, over all requests
     elapsed_s: float
-    acceptance: float  # guesses kept / guesses offered, over all requests so far
+    acceptance: float  # draft tokens accepted / drafted, over all requests so far
     running: int  # sequences decoding now
+
+
+@dataclass
+class _Run:
+    """One `events` call: its sequences, decoding and waiting, and its counters."""
+
+    chunks: bool  # whether each sequence's new tokens are yielded as they come (`Emitted`)
+    progress: Callable[[Progress], None] | None
+    running: list[Seq] = field(default_factory=list)
+    waiting: deque[Seq] = field(default_factory=deque)
+    done: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    t0: float = field(default_factory=time.perf_counter)
 
 
 _END = object()  # `_pull`: the source ran out
 
 
-def round_ahead(k: int, tree: tuple[int, int] | None) -> int:
-    """Positions a round may write past a sequence's cache: [last, k guesses or a tree's entries], and one more."""
-    return k + 2 if tree is None else max(k, tree[0], (k - 1) * tree[1]) + 2
-
-
 def load_k(k: int, greedy: bool, batch: int, auto: bool, proposer: str) -> int:
-    """k, capped under load for greedy requests when k was not given (`D.load_cap`). Sampled requests
+    """k, capped under load for greedy requests when k was not given (`defaults.load_cap`). Sampled requests
     keep theirs: their text must depend on their seed alone, not on what else is running."""
-    return min(k, D.load_cap(proposer, batch)) if auto and greedy else k
+    return min(k, defaults.load_cap(proposer, batch)) if auto and greedy else k
 
 
 class Engine:
     def __init__(
         self,
+        config: EngineConfig,
+        plan: PoolPlan,
         target: TargetRunner,
-        proposer: BatchProposer,
-        k: int,
-        *,
-        auto_k: bool,
-        max_batch: int,
-        end_ids: Collection[int] = (),
-        decode: Callable[[list[int]], str] | None = None,
-        k_sample: int | None = None,
-        tree: tuple[int, int] | None = None,
+        proposer: Proposer,
+        trees: TreeProposer | None = None,
         grow: Callable[[int], bool] | None = None,
-        max_pages: int = 0,
-        backend: str = "eager",
     ) -> None:
-        """grow(n): the pool and its slabs made n pages large, False where the memory was not there."""
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.t, self.proposer, self.max_batch = target, proposer, max_batch
-        self.k, self.k_sample, self.auto_k = k, k if k_sample is None else k_sample, auto_k
-        self.end_ids, self.decode = frozenset(end_ids), decode
-        self.tree = tree  # (guesses per tree, candidates per node); k is their depth
-        if tree is not None and not isinstance(proposer, MTPGuess):
-            raise ValueError(f"token trees need the MTP module as proposer, not {proposer.name!r}")
-        self.grow, self.max_pages, self.backend = grow, max_pages, backend
+        """Made by `build.build`. grow(n): the pool and its slabs made n pages large, False where the memory was not
+        there. trees: token trees drafted in place of `proposer`'s chains."""
+        self.t, self.proposer, self.trees, self.grow = target, proposer, trees, grow
+        self.max_batch, self.max_pages, self.context = plan.max_batch, plan.max_pages, plan.context
+        self.k, self.k_sample, self.auto_k = config.k_for(True), config.k_for(False), config.k is None
+        self.end_ids, self.decode, self.backend = frozenset(config.end_ids), config.decode, config.backend.label
+        tree = config.proposer.tree
+        self.ahead: Callable[[int], int] = lambda k: round_ahead(k, tree)  # positions a round of k may write
         self._uid = self.rounds = self.preemptions = 0
         self.sessions: dict[int, Seq] = {}  # a conversation's sequence between its requests, pages held
         self.cancels: queue.SimpleQueue[str | int] = queue.SimpleQueue()  # ids to end at the next round (`cancel`)
@@ -97,19 +101,15 @@ class Engine:
             ids.add(self.cancels.get_nowait())
         return ids
 
-    def end_session(self, session: int) -> None:
-        if (s := self.sessions.pop(session, None)) is not None:
-            self.pool.release(s.uid)
-
     @property
     def pool(self) -> PagePool:
         return self.t.pool
 
-    def _seq(self, req: Request) -> Seq:
+    def sequence(self, req: Request) -> Seq:
+        """The sequence that decodes `req` (a conversation's takes its session's cache over)."""
         k = self.k if req.sampling.greedy else self.k_sample
         gen = torch.Generator(device=self.t.slab.device).manual_seed(req.sampling.seed)
         st = Stats(self.proposer.name, k, backend=self.backend)
-        st.accepted_at, st.guessed = [0] * k, [0] * (k + 1)
         if req.stop and self.decode is None:
             raise ValueError("stop strings need the engine to decode text (decode=...)")
         stops = StopPrinter(self.decode, None, req.stop) if req.stop and self.decode else None
@@ -148,11 +148,11 @@ class Engine:
         end = next((i for i, t in enumerate(emitted[:budget]) if t in ends), None)
         if end is not None:  # the model's end of turn: not emitted
             emitted, s.stats.end_token = emitted[:end], 1
-        kept = emitted[:budget]
-        s.tokens.extend(kept)
-        done = end is not None or len(kept) >= budget  # max_new_tokens reached
+        within = emitted[:budget]
+        s.tokens.extend(within)
+        done = end is not None or len(within) >= budget  # max_new_tokens reached
         # as `smallem generate` cuts them: the text ends before the stop string, the tokens with it
-        if s.stops is not None and (s.stops.push(kept, final=done) or done):
+        if s.stops is not None and (s.stops.push(within, final=done) or done):
             s.tokens[len(s.req.prompt) :] = s.stops.ids
             return self._finish(s, "stop" if end is not None or s.stops.stopped else "length", s.stops.text)
         return self._finish(s, "length" if end is None else "stop") if done else None
@@ -181,24 +181,24 @@ class Engine:
 
     def _reserve(self, running: list[Seq], waiting: deque[Seq]) -> list[Seq]:
         """Pages for this round, preempting the newest sequences while the pool is short."""
-        kept = list(running)
+        left = list(running)
         i = 0
-        while i < len(kept):
-            s = kept[i]
-            need = s.cached + round_ahead(s.k, self.tree)
+        while i < len(left):
+            s = left[i]
+            need = s.cached + self.ahead(s.k)
             if (short := self.pool.need(s.uid, need)) == 0:  # most rounds need no new page at all
                 i += 1
                 continue
             if short > len(self.pool.free):
                 self._grow(short - len(self.pool.free))
-                while self.pool.need(s.uid, need) > len(self.pool.free) and kept[-1] is not s:
-                    self._preempt(kept.pop(), waiting)
+                while self.pool.need(s.uid, need) > len(self.pool.free) and left[-1] is not s:
+                    self._preempt(left.pop(), waiting)
                 if self.pool.need(s.uid, need) > len(self.pool.free):  # alone and still short
-                    self._preempt(kept.pop(), waiting)
+                    self._preempt(left.pop(), waiting)
                     continue
             self.pool.reserve(s.uid, need)
             i += 1
-        return kept
+        return left
 
     def run(
         self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
@@ -216,71 +216,77 @@ class Engine:
     def _events(
         self, requests: Iterable[Request | None], progress: Callable[[Progress], None] | None, chunks: bool
     ) -> Iterator[Finished | Emitted]:
-        source = iter(requests)
-        waiting: deque[Seq] = deque()
-        running: list[Seq] = []
-        self.live = (running, waiting)
-        done = tokens = proposed = accepted = 0
-        t0 = time.perf_counter()
-        exhausted = False
-
-        def ended(s: Seq, emitted: list[int]) -> Iterator[Finished | Emitted]:
-            """Add what a pass emitted for `s`; its new tokens (with `chunks`), then its answer if done."""
-            nonlocal done, tokens
-            before = s.n_generated
-            fin = self._ended(s, emitted)
-            tokens += (len(fin.tokens) if fin is not None else s.n_generated) - before
-            if chunks:
-                yield Emitted(s.req, (fin.tokens if fin is not None else s.generated)[before:], self._live(s))
-            if fin is not None:
-                running.remove(s)
-                done += 1
-                yield fin
-
+        source, run, exhausted = iter(requests), _Run(chunks, progress), False
+        self.live = (run.running, run.waiting)
         try:
             with torch.inference_mode():
                 while True:
-                    exhausted = exhausted or self._pull(source, running, waiting)
-                    if ids := self._cancelled():  # (another thread's: `cancel`)
-                        for s in [s for s in [*running, *waiting] if s.req.id in ids]:
-                            (running.remove if s in running else waiting.remove)(s)
-                            done += 1
-                            yield self._finish(s, "cancelled")
-                    if not running and not waiting:
+                    exhausted = exhausted or self._pull(source, run.running, run.waiting)
+                    yield from self._cancel(run)
+                    if not run.running and not run.waiting:
                         if exhausted:
                             break
                         continue  # a live source had nothing now
-                    for group in _groups(self._admit(running, waiting), D.PREFILL_TOKENS):
-                        running.extend(group)  # from here on, a stop drops them with the others
-                        firsts = prefill(self.t, self.proposer, group)
-                        for s, first in zip(group, firsts, strict=True):
-                            if first is None:  # recomputed after a preemption
-                                continue
-                            s.stats.passes += 1
-                            s.stats.prefill_s = time.perf_counter() - s.submitted_s
-                            yield from ended(s, [first])
-                    verdicts = self._round(running, waiting) if running else []
-                    if not running:
-                        continue
-                    for s, (m, n, e) in zip(list(running), verdicts, strict=True):
-                        proposed, accepted = proposed + m, accepted + n
-                        yield from ended(s, e)
-                    if progress is not None:
-                        rate = accepted / proposed if proposed else 0.0
-                        progress(Progress(done, tokens, time.perf_counter() - t0, rate, len(running)))
+                    yield from self._prefill(run)
+                    yield from self._decode(run)
         except GeneratorExit:  # the consumer stopped at a yield, between rounds: conversations keep their cache
-            for s in [s for s in [*running, *waiting] if s.req.session is not None and s.uid in self.pool.tables]:
-                (running.remove if s in running else waiting.remove)(s)
-                self._let_go(s)
+            for s in [*run.running, *run.waiting]:
+                if s.req.session is not None and s.uid in self.pool.tables:
+                    (run.running.remove if s in run.running else run.waiting.remove)(s)
+                    self._let_go(s)
             raise
         finally:
-            for s in [*running, *waiting]:
+            for s in [*run.running, *run.waiting]:
                 if s.uid in self.pool.tables:
                     self.pool.release(s.uid)
                 self.proposer.drop(s)
         held = sum(len(self.pool.tables[s.uid]) for s in self.sessions.values())
         assert self.pool.used() == held, f"{self.pool.used() - held} pages not returned after the run"
         self.pool.check()
+
+    def _cancel(self, run: _Run) -> Iterator[Finished]:
+        """The requests cancelled since the last round (another thread's: `cancel`) end now."""
+        if ids := self._cancelled():
+            for s in [s for s in [*run.running, *run.waiting] if s.req.id in ids]:
+                (run.running.remove if s in run.running else run.waiting.remove)(s)
+                run.done += 1
+                yield self._finish(s, "cancelled")
+
+    def _prefill(self, run: _Run) -> Iterator[Finished | Emitted]:
+        """The waiting sequences the pool has room for join the running ones, prefilled: their first tokens."""
+        for group in _groups(self._admit(run.running, run.waiting), defaults.PREFILL_TOKENS):
+            run.running.extend(group)  # from here on, a stop drops them with the others
+            firsts = prefill(self.t, self.proposer, group)
+            for s, first in zip(group, firsts, strict=True):
+                if first is None:  # recomputed after a preemption
+                    continue
+                s.stats.passes += 1
+                s.stats.prefill_s = time.perf_counter() - s.submitted_s
+                yield from self._emit(run, s, [first])
+
+    def _decode(self, run: _Run) -> Iterator[Finished | Emitted]:
+        """One round over the running sequences, and what it emitted."""
+        results = self._round(run.running, run.waiting) if run.running else []
+        if not run.running:
+            return
+        for s, r in zip(list(run.running), results, strict=True):
+            run.drafted, run.accepted = run.drafted + r.drafted, run.accepted + r.accepted
+            yield from self._emit(run, s, r.tokens)
+        if run.progress is not None:
+            rate = run.accepted / run.drafted if run.drafted else 0.0
+            run.progress(Progress(run.done, run.tokens, time.perf_counter() - run.t0, rate, len(run.running)))
+
+    def _emit(self, run: _Run, s: Seq, emitted: list[int]) -> Iterator[Finished | Emitted]:
+        """Add what a pass emitted for `s`; its new tokens (with `chunks`), then its answer if done."""
+        before = s.n_generated
+        fin = self._ended(s, emitted)
+        run.tokens += (len(fin.tokens) if fin is not None else s.n_generated) - before
+        if run.chunks:
+            yield Emitted(s.req, (fin.tokens if fin is not None else s.generated)[before:], self._live(s))
+        if fin is not None:
+            run.running.remove(s)
+            run.done += 1
+            yield fin
 
     def _pull(self, source: Iterator[Request | None], running: list[Seq], waiting: deque[Seq]) -> bool:
         """Requests from `source` wait their turn, up to max_batch sequences in all -> whether it ran out."""
@@ -289,7 +295,7 @@ class Engine:
                 return True
             if req is None:  # a live source: nothing now
                 return False
-            waiting.append(self._seq(cast(Request, req)))
+            waiting.append(self.sequence(cast(Request, req)))
         return False
 
     def _admit(self, running: list[Seq], waiting: deque[Seq]) -> list[Seq]:
@@ -297,7 +303,7 @@ class Engine:
         admitted: list[Seq] = []
         while waiting and len(running) + len(admitted) < self.max_batch:
             s = waiting[0]
-            need = len(s.tokens) + round_ahead(s.k, self.tree)
+            need = len(s.tokens) + self.ahead(s.k)
             held = s.uid in self.pool.tables  # a conversation's cache
             short = self.pool.need(s.uid, need) if held else self.pool.pages_for(need)
             self._grow(short - len(self.pool.free))
@@ -312,8 +318,8 @@ class Engine:
             admitted.append(s)
         return admitted
 
-    def _round(self, running: list[Seq], waiting: deque[Seq]) -> list[tuple[int, int, list[int]]]:
-        """k by the load, pages reserved (`running` may shrink), guesses verified -> (m, n, emitted) each."""
+    def _round(self, running: list[Seq], waiting: deque[Seq]) -> list[RoundResult]:
+        """k by the load, pages reserved (`running` may shrink), a round -> each sequence's result."""
         n, name = len(running), self.proposer.name
         greedy, sampled = load_k(self.k, True, n, self.auto_k, name), load_k(self.k_sample, False, n, self.auto_k, name)
         for s in running:
@@ -321,12 +327,12 @@ class Engine:
         running[:] = self._reserve(running, waiting)
         if not running:
             return []
-        if self.tree is not None and isinstance(self.proposer, MTPGuess):
-            verdicts = tree_round(self.t, self.proposer, running, *self.tree)
+        if self.trees is not None:
+            results = tree_round(self.t, self.trees, running)
         else:
-            verdicts = decode_round(self.t, self.proposer, running)
+            results = decode_round(self.t, self.proposer, running)
         self.rounds += 1
-        return verdicts
+        return results
 
     def _live(self, s: Seq) -> Stats:
         s.stats.new_tokens = s.n_generated

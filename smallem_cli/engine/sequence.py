@@ -19,7 +19,7 @@ class Seq:
     gen: torch.Generator  # seeded by the request alone: its output does not depend on the batch
     warp: Warp | None  # None: greedy
     stats: Stats
-    k: int  # guesses per round (greedy requests may get fewer under load: `scheduler.load_k`)
+    k: int  # draft tokens per round (greedy requests may get fewer under load: `scheduler.load_k`)
     tokens: list[int] = field(default_factory=list)  # prompt, then every token emitted
     last: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [1]: not yet cached
     cached: int = 0  # positions of the target's cache in use: every token but `last`

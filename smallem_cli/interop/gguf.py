@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from .. import atomic
 from ..config import ModelConfig
 from ..model import checkpoint, quant
-from ..model.chat import ChatFormat
+from ..model.chat import ChatFormat, check_template
 from ..model.llama import Transformer, permute_rope, unpermute_rope
 from ..model.tokenizer import EOT
 from .gguf_file import MAGIC, READ_ERRORS, GGUFReadError, Meta, gguf_package, open_gguf
@@ -214,10 +214,18 @@ def _config(meta: Meta, n_vocab: int, tied: bool) -> ModelConfig:
         raise GGUFReadError(f"{path}: llama.expert_count={meta.get('llama.expert_count')!r}: mixture of experts")
     dim, heads = meta.num("llama.embedding_length"), meta.num("llama.attention.head_count")
     kv = meta.num("llama.attention.head_count_kv", default=heads)
-    head_dim = dim // heads if dim % heads == 0 else 0
+    if dim % heads:  # before the head width is derived from them: every head is dim / heads wide
+        raise GGUFReadError(
+            f"{path}: llama.embedding_length {dim} is not divisible by llama.attention.head_count {heads}: "
+            "smallem needs heads of equal width"
+        )
+    head_dim = dim // heads
     for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
         if key in meta and meta.get(key) != head_dim:
-            raise GGUFReadError(f"{path}: metadata {key}={meta.get(key)!r}: smallem needs {head_dim or '?'}")
+            raise GGUFReadError(
+                f"{path}: metadata {key}={meta.get(key)!r}: smallem needs the head width {head_dim} "
+                f"(embedding_length {dim} / head_count {heads})"
+            )
     if "llama.vocab_size" in meta and meta.get("llama.vocab_size") != n_vocab:
         raise GGUFReadError(f"{path}: llama.vocab_size={meta.get('llama.vocab_size')!r}, the token list has {n_vocab}")
     try:
@@ -317,8 +325,9 @@ def _tokenizer(meta: Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer:
     return tok
 
 
-def load_gguf(path: str | Path, device: torch.device | str = "cpu") -> GGUFModel:
-    """A llama GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format, or GGUFReadError."""
+def load_gguf(path: str | Path, device: torch.device | str = "cpu", check_chat: bool = False) -> GGUFModel:
+    """A llama GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format, or GGUFReadError;
+    `check_chat`: its chat template is checked (`check_template`) before the weights, ChatError where it is broken."""
     path = Path(path)
     reader = open_gguf(path)
     meta = Meta(reader, path)
@@ -334,6 +343,8 @@ def load_gguf(path: str | Path, device: torch.device | str = "cpu") -> GGUFModel
     ends = tuple(dict.fromkeys(ids[n] for n in ("eos", "eot", "eom") if n in ids))  # any of them ends a generation
     bos, eos = (tokens[ids[n]] if n in ids else "" for n in ("bos", "eos"))
     chat = ChatFormat(ends, meta.text("tokenizer.chat_template"), bos, eos)
+    if check_chat:
+        check_template(chat, str(path))
     weights, blocks, types = _weights(reader, cfg, path)
     model = Transformer(cfg)
     model.load_state_dict(weights)  # names and shapes checked above: strict, and it fits

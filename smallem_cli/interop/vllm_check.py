@@ -21,8 +21,8 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from .. import defaults as D
-from . import vllm_peer as V
+from .. import defaults
+from . import vllm_peer
 
 Proposed = Callable[[str, int], tuple[int, int]]  # Smallem's proposer (name, k) on the prompts: (accepted, proposed)
 
@@ -34,7 +34,7 @@ class CheckRow:
     tokens_equal: int
     tokens: int
     prompts: int
-    acceptance: V.Acceptance | None
+    acceptance: vllm_peer.Acceptance | None
     ours: tuple[int, int] | None = None  # Smallem's own proposer on the same prompts: (accepted, proposed)
 
     @property
@@ -45,7 +45,7 @@ class CheckRow:
 def check_row(
     name: str, ref: list[list[int]], got: list[list[int]], counters: dict[str, Any], ours: tuple[int, int] | None = None
 ) -> CheckRow:
-    return CheckRow(name, *V.agreement(ref, got), len(ref), V.acceptance(counters), ours)
+    return CheckRow(name, *vllm_peer.agreement(ref, got), len(ref), vllm_peer.acceptance(counters), ours)
 
 
 def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
@@ -69,7 +69,7 @@ def check_table(rows: list[CheckRow], max_new: int, version: str) -> Table:
 def run_check(python: Path, args: argparse.Namespace, prompts: list[list[int]], ref: list[list[int]],
               say: Callable[[str], None], ours: Proposed) -> tuple[list[CheckRow], str]:  # fmt: skip
     """vLLM offline on the target alone, with draft-2l, ngram and `mimo`'s mtp at k = 1 and k; `vllm serve`."""
-    env = V.vllm_env(python, threads=len(os.sched_getaffinity(0)))
+    env = vllm_peer.vllm_env(python, threads=len(os.sched_getaffinity(0)))
     hf, k, n, logs = args.hf, args.k, args.max_new_tokens, args.logs
     draft = {"model": str(hf / "draft-2l"), "num_speculative_tokens": k}
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -81,14 +81,16 @@ def run_check(python: Path, args: argparse.Namespace, prompts: list[list[int]], 
     for i, (name, folder, spec, proposer) in enumerate(runs):
         say(f"vLLM offline: {name} (log: {logs / f'offline-{i}.log'})")
         job = {"target": str(hf / folder), "spec": spec, "prompts": prompts, "max_new": n}
-        res = V.run_offline(python, job, env, logs / f"offline-{i}.log")
+        res = vllm_peer.run_offline(python, job, env, logs / f"offline-{i}.log")
         version = res["version"]
         mine = ours(proposer, spec["num_speculative_tokens"]) if proposer and spec else None
         rows.append(check_row(f"LLM: {name}", ref, res["batch"]["tokens"], res["batch"]["spec"], mine))
     if not args.no_serve:
         log, target = logs / "serve.log", hf / "target"
-        with V.serving(python, target, draft, env, log, lambda pid: say(f"vllm serve: PID {pid} (log: {log})")) as url:
-            got, counters = V.serve_tokens(url, str(target), prompts, n)
+        with vllm_peer.serving(
+            python, target, draft, env, log, lambda pid: say(f"vllm serve: PID {pid} (log: {log})")
+        ) as url:
+            got, counters = vllm_peer.serve_tokens(url, str(target), prompts, n)
         rows.append(check_row(f"vllm serve: target + draft-2l (k={k})", ref, got, counters, ours("draft-2l", k)))
     return rows, version
 
@@ -100,36 +102,39 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .. import options as O
+    from .. import options
+    from ..errors import INPUT_ERRORS, UsageError, one_line
 
     ap = OneLineParser(prog="python -m smallem_cli.interop.vllm_check", description=__doc__.split("\n")[0])
     ap.add_argument("--hf", type=Path, required=True, help="folder holding the exported target/ and draft-2l/")
-    ap.add_argument("--target", type=Path, default=D.TARGET, help="Smallem's checkpoint of the exported target")
-    ap.add_argument("--prompts", type=Path, default=D.PROMPTS)
-    ap.add_argument("-n", "--max-new-tokens", type=int, default=D.MAX_NEW_TOKENS)
+    ap.add_argument("--target", type=Path, default=defaults.TARGET, help="Smallem's checkpoint of the exported target")
+    ap.add_argument("--prompts", type=Path, default=defaults.PROMPTS)
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=defaults.MAX_NEW_TOKENS)
     ap.add_argument("-k", type=int, default=3, help="vLLM's num_speculative_tokens")
     ap.add_argument("--logs", type=Path, default=Path("runs/vllm-check"), help="vLLM's logs")
     ap.add_argument("--no-serve", action="store_true", help="offline runs only")
-    ap.add_argument("--vllm-python", help=f"vLLM's python [default: ${V.PYTHON_ENV} or {V.VENV}/bin/python]")
+    ap.add_argument(
+        "--vllm-python", help=f"vLLM's python [default: ${vllm_peer.PYTHON_ENV} or {vllm_peer.VENV}/bin/python]"
+    )
     args = ap.parse_args(argv)
     n = args.max_new_tokens
     err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
     # SIGTERM unwinds like Ctrl-C, so that a running `vllm serve` is stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        python = V.find_python(args.vllm_python)
+        python = vllm_peer.find_python(args.vllm_python)
         for name, how in (("target", ""), ("draft-2l", ""), ("mimo", " --format mimo")):
             if not (args.hf / name / "config.json").is_file():
                 ckpt = "draft-2l" if name == "draft-2l" else "target"
-                raise O.UsageError(f"no exported {name} in {args.hf}: `smallem export checkpoints/{ckpt}.safetensors "
+                raise UsageError(f"no exported {name} in {args.hf}: `smallem export checkpoints/{ckpt}.safetensors "
                                    f"{args.hf / name}{how}` writes it")  # fmt: skip
-        if not 1 <= args.k <= D.MAX_K or n < 1:
-            raise O.UsageError(f"-k must be in 1..{D.MAX_K} and -n at least 1")
+        if not 1 <= args.k <= defaults.MAX_K or n < 1:
+            raise UsageError(f"-k must be in 1..{defaults.MAX_K} and -n at least 1")
         from ..engine import family
         from ..engine.generate import generate
 
         target = family.load_target(args.target, family.pick_device("cpu"))  # errors: ValueErrors, one line
-        prompts = O.read_prompts(args.prompts, target.model.cfg, n, {"none": [0]})
+        prompts = options.read_prompts(args.prompts, target.model.cfg, n, {"none": [0]})
         args.logs.mkdir(parents=True, exist_ok=True)
         err.print(f"Smallem: greedy tokens of {len(prompts)} prompts ({args.target})")
         ref = [generate(target.model, family.NONE, p, n, 0)[0] for p in prompts]  # eager: every run must equal it
@@ -141,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             return sum(c.accepted for c in counts), sum(c.proposed for c in counts)
 
         rows, version = run_check(python, args, prompts, ref, err.print, ours)
-    except (V.VllmError, *O.INPUT_ERRORS) as e:
-        err.print(f"error: {O.one_line(str(e))}")
+    except (vllm_peer.VllmError, *INPUT_ERRORS) as e:
+        err.print(f"error: {one_line(str(e))}")
         return 2
     except KeyboardInterrupt:
         err.print("interrupted")

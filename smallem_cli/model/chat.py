@@ -1,22 +1,36 @@
-"""A model's conversation format: the tokens that end its turn, and its chat template (Jinja, rendered
-in a sandbox: a folder's template never runs code of its own)."""
+"""A model's conversation format: the tokens that end its turn, and its chat template (Jinja, rendered in a
+sandbox with a budget, `sandbox`: a model file's template is untrusted code). A conversation's text is text:
+a special token typed in a message is encoded as the characters it is, only the template's own markup yields
+special tokens."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+import secrets
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from .tokenizer import EOT, encode
+from .sandbox import SANDBOX
+from .tokenizer import EOT, encode, encode_parts, special_pattern
 
 MAX_JSON_BYTES = 16 << 20  # a config file is kilobytes: a larger one is refused, not read into memory
+RENDER_CHARS = 1 << 20  # a render's output beyond twice its messages' characters: the budget checked before tokenizing
 
 
 class ChatError(ValueError):
     """A conversation format that cannot be read or rendered: the message is one line."""
+
+
+class TemplateRefused(ChatError):
+    """The template's own `raise_exception`: a conversation it does not take, not a broken template."""
+
+
+class TemplateFailed(ChatError):
+    """The template raised an error of its own (a syntax error, an undefined name, the sandbox's refusal)."""
 
 
 @dataclass(frozen=True)
@@ -33,17 +47,27 @@ def own_format(tok: Tokenizer) -> ChatFormat:
     return ChatFormat(() if eot is None else (eot,), eos=EOT if eot is not None else "")
 
 
-def _json(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`, {} where the file is absent; ChatError where it is not an object."""
-    if not path.is_file():
-        return {}
+def _text(path: Path) -> str:
+    """The file's text, bounded: ChatError where it is larger than MAX_JSON_BYTES, unreadable or not UTF-8."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_JSON_BYTES + 1)
         if len(raw) > MAX_JSON_BYTES:
             raise ChatError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB")
-        got = json.loads(raw.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        return raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ChatError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, {} where the file is absent; ChatError where it is not an object."""
+    if not path.is_file():
+        return {}
+    try:
+        got = json.loads(_text(path))
+    except ChatError:
+        raise
+    except (ValueError, RecursionError) as e:
         raise ChatError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if not isinstance(got, dict):
         raise ChatError(f"{path} is not a JSON object")
@@ -57,26 +81,33 @@ def _token_text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def hf_format(folder: Path, tok: Tokenizer, vocab: int) -> ChatFormat:
-    """An HF folder's end ids (its config files' eos_token_id, tokenizer_config's eos_token) and chat template."""
-    files = {n: _json(folder / n) for n in ("config.json", "generation_config.json", "tokenizer_config.json")}
-    tc, ends = files.pop("tokenizer_config.json"), []
-    for name, got in files.items():
-        value = got.get("eos_token_id")
-        ids = value if isinstance(value, list) else [] if value is None else [value]
-        if not all(type(i) is int and 0 <= i < vocab for i in ids):
-            raise ChatError(f"{name} eos_token_id must be token ids below {vocab}, got {value!r}")
-        ends += ids
-    eos, bos = _token_text(tc.get("eos_token")), _token_text(tc.get("bos_token"))
-    if eos and (i := tok.token_to_id(eos)) is not None:
-        ends.append(i)
+def hf_template(folder: Path) -> ChatFormat:
+    """An HF folder's chat template, BOS and EOS (no end ids): chat_template.jinja where the folder has one
+    (transformers' layout now, and its choice where both are), else tokenizer_config.json's chat_template."""
+    tc = _json(folder / "tokenizer_config.json")
     template = tc.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if template is not None and not isinstance(template, str):
         raise ChatError(f"{folder / 'tokenizer_config.json'}: chat_template is not a string")
-    return ChatFormat(tuple(dict.fromkeys(ends)), template, bos, eos)
+    if (jinja := folder / "chat_template.jinja").is_file():
+        template = _text(jinja)
+    return ChatFormat((), template, _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token")))
+
+
+def hf_format(folder: Path, tok: Tokenizer, vocab: int) -> ChatFormat:
+    """An HF folder's end ids (its config files' eos_token_id, tokenizer_config's eos_token) and `hf_template`."""
+    fmt, ends = hf_template(folder), []
+    for name in ("config.json", "generation_config.json"):
+        value = _json(folder / name).get("eos_token_id")
+        ids = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(type(i) is int and 0 <= i < vocab for i in ids):
+            raise ChatError(f"{name} eos_token_id must be token ids below {vocab}, got {value!r}")
+        ends += ids
+    if fmt.eos and (i := tok.token_to_id(fmt.eos)) is not None:
+        ends.append(i)
+    return replace(fmt, end_ids=tuple(dict.fromkeys(ends)))
 
 
 def messages(user: str, system: str | None = None) -> list[dict[str, str]]:
@@ -84,27 +115,65 @@ def messages(user: str, system: str | None = None) -> list[dict[str, str]]:
 
 
 def render(fmt: ChatFormat, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """The conversation through its template; ChatError (one line) where it has none, or the template fails."""
+    """The conversation through its template, in the sandbox; ChatError (one line) where it has none, the template
+    refuses or fails, passes its budget (time, memory, or an output over RENDER_CHARS beyond twice the messages'
+    characters), or renders nothing."""
     if fmt.template is None:
         raise ChatError("the model has no chat template: give the prompt as plain text (without --chat)")
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    context = {"messages": conversation, "add_generation_prompt": add_generation_prompt}
+    chars = sum(len(v) for m in conversation for v in m.values() if isinstance(v, str))
+    got = SANDBOX.render(fmt.template, context | {"bos_token": fmt.bos, "eos_token": fmt.eos}, RENDER_CHARS + 2 * chars)
+    if "refused" in got:
+        raise TemplateRefused(f"the chat template refused the conversation: {got['refused']}")
+    if "failed" in got:
+        raise TemplateFailed(f"the chat template failed: {got['failed']}")
+    if "budget" in got:
+        raise ChatError(f"the chat template ran past its budget: {got['budget']}")
+    if not got["text"].strip():
+        raise ChatError("the chat template rendered nothing for this conversation")
+    return got["text"]
 
-    def raise_exception(message: str) -> None:
-        raise ChatError(f"the chat template refused the conversation: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(fmt.template).render(
-            messages=conversation, add_generation_prompt=add_generation_prompt, bos_token=fmt.bos, eos_token=fmt.eos
-        )
-    except ChatError:
-        raise
-    except Exception as e:  # a template is a program: whatever it raises is its failure, on one line
-        why = str(e).splitlines()[0] if str(e) else ""
-        raise ChatError(f"the chat template failed: {type(e).__name__}: {why}") from None
+def check_template(fmt: ChatFormat, where: str) -> None:
+    """A template that passes its budget, renders nothing or fails on a tiny conversation (a system message and a
+    user's, else the user's alone) is refused, ChatError, before the weights load. One that refuses them both with
+    its raise_exception is not: it takes some conversations (alternate roles, say), and is judged on each.
+    `where` (the model's path) begins the error's line."""
+    if fmt.template is None:
+        return
+    failed: list[str] = []
+    for conversation in (messages("Hello.", "You are a helpful assistant."), messages("Hello.")):
+        try:
+            render(fmt, conversation)
+            return
+        except TemplateRefused:
+            pass
+        except TemplateFailed as e:
+            failed.append(str(e))
+        except ChatError as e:  # over budget, or empty: no conversation would do better
+            raise ChatError(f"{where}: {e}") from None
+    if failed:
+        raise ChatError(f"{where}: {failed[0]}")
 
 
 def chat_ids(tok: Tokenizer, fmt: ChatFormat, conversation: list[dict[str, str]]) -> list[int]:
-    """The conversation's ids: every special token written by the template, none added by the tokenizer."""
-    return encode(tok, render(fmt, conversation), special=False)
+    """The conversation's ids: the special tokens the template writes, none added by the tokenizer, and the
+    messages' text as text. A special token typed in a message (`<|im_end|>` to close one's own turn) goes to
+    the template as a marker no text holds, and comes back encoded as the characters it is."""
+    pattern, values = special_pattern(tok), [v for m in conversation for v in m.values() if isinstance(v, str)]
+    if pattern is None or not any(pattern.search(v) for v in values):
+        return encode(tok, render(fmt, conversation), special=False)
+    nonce = ""
+    while not nonce or any(nonce in v for v in values):  # a marker's start that no message holds, nor guesses
+        nonce = f"\ue000{secrets.randbits(48)}:"
+    typed: list[str] = []
+
+    def mark(m: re.Match[str]) -> str:
+        typed.append(m.group())
+        return f"{nonce}{len(typed) - 1}\ue001"
+
+    marked = [{k: pattern.sub(mark, v) if isinstance(v, str) else v for k, v in m.items()} for m in conversation]
+    parts = re.split(f"{re.escape(nonce)}(\\d+)\ue001", render(fmt, marked))
+    # a marker the template made up (it saw some) stays the text it is
+    parts[1::2] = [typed[int(i)] if int(i) < len(typed) else f"{nonce}{i}\ue001" for i in parts[1::2]]
+    return encode_parts(tok, parts)

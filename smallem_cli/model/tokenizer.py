@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -16,10 +18,57 @@ class TokenizerError(ValueError):
 def encode(tok: Tokenizer, text: str, special: bool = True) -> list[int]:
     """`text`'s ids; TokenizerError on one line where it refuses the text (a lone surrogate: bytes not UTF-8)."""
     try:
-        return tok.encode(text, add_special_tokens=special).ids
+        # encode_batch lets go of the GIL while it works (encode holds it): a server's loop goes on meanwhile
+        return tok.encode_batch([text], add_special_tokens=special)[0].ids
     except Exception as e:  # tokenizers raises a bare Exception (or a TypeError) on such text
-        why = " ".join(str(e).split()) or type(e).__name__
-        raise TokenizerError(f"the tokenizer refused the prompt: {why}") from None
+        raise _refused(e) from None
+
+
+def _refused(e: Exception) -> TokenizerError:
+    return TokenizerError(f"the tokenizer refused the prompt: {' '.join(str(e).split()) or type(e).__name__}")
+
+
+@functools.lru_cache(maxsize=4)  # by the tokenizer object (hashed by identity, and kept alive while cached)
+def special_pattern(tok: Tokenizer) -> re.Pattern[str] | None:
+    """What finds the tokenizer's special tokens in a text, longest first as the tokenizer matches them; None
+    where it has none."""
+    added = sorted({t.content for t in tok.get_added_tokens_decoder().values() if t.special and t.content}, key=len)
+    return re.compile("|".join(map(re.escape, reversed(added)))) if added else None
+
+
+@functools.lru_cache(maxsize=4)
+def _as_text(tok: Tokenizer) -> Tokenizer:
+    """A copy of the tokenizer that encodes special tokens' text as text (the shared one is not changed)."""
+    copy = Tokenizer.from_str(tok.to_str())
+    copy.encode_special_tokens = True
+    return copy
+
+
+def encode_parts(tok: Tokenizer, parts: list[str]) -> list[int]:
+    """Markup and plain text alternating (parts[0::2] markup, parts[1::2] plain) -> ids, none added: the special
+    tokens written in markup are the tokenizer's, those in plain text are encoded as text. The text is split at
+    the markup's special tokens and each piece between encoded alone, as the tokenizer itself splits it: one part
+    of markup alone gets exactly `encode(tok, part, special=False)`."""
+    pattern, ids, run = special_pattern(tok), [], []
+
+    def flush() -> None:
+        if text := "".join(run):
+            try:
+                ids.extend(_as_text(tok).encode_batch([text], add_special_tokens=False)[0].ids)  # (as in `encode`)
+            except Exception as e:  # as in `encode`
+                raise _refused(e) from None
+        run.clear()
+
+    for i, part in enumerate(parts):
+        start = 0
+        for m in pattern.finditer(part) if pattern is not None and i % 2 == 0 else ():
+            run.append(part[start : m.start()])
+            flush()
+            ids.append(tok.token_to_id(m.group()))
+            start = m.end()
+        run.append(part[start:])
+    flush()
+    return ids
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, replace
 
 from tokenizers import Tokenizer
 
-from .. import defaults as D
-from .. import options as O
+from .. import defaults, options
+from ..errors import BadField, UsageError
 from ..model.chat import ChatFormat
 from ..spec.sampling import Sampling
 
@@ -22,7 +22,7 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 1000
 
 
 class ApiError(Exception):
-    """A request answered with an error object: `status` 400, 401, 404, 413, 429, 500 or 503."""
+    """A request answered with an error object: `status` 400, 401, 404, 405, 408, 413, 429, 431, 500 or 503."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -43,7 +43,20 @@ class Served:
     chat: ChatFormat
     vocab_size: int
     max_len: int
-    slack: int  # guesses a verification pass may hold past the answer (`O.check_context`)
+    slack: int  # draft tokens a verify pass may hold past the answer (`options.check_context`)
+    max_chars: int  # a prompt's characters at most, checked before it is tokenized (`prompt_chars`)
+
+
+def prompt_chars(tok: Tokenizer, max_len: int) -> int:
+    """The most characters a prompt of `max_len` tokens can have: a token stands for at most its vocabulary entry's
+    characters (a byte-level entry has one a byte, at least the characters it decodes to; a byte-fallback entry,
+    `<0xE2>`, more), so a longer text holds more tokens than the context. (A normalizer may shorten a text:
+    `_check_chars` then counts its output. A pre-tokenizer that drops whitespace, BERT's, is no causal model's.)"""
+    return max_len * max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
+
+
+def model_card(served: Served) -> Body:
+    return {"id": served.model, "object": "model", "created": 0, "owned_by": "smallem", "max_model_len": served.max_len}
 
 
 @dataclass(frozen=True)
@@ -64,15 +77,21 @@ _ONLY = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs"
          "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
          "tool_choice": (None, "none")}  # fmt: skip
 _SAMPLING = {  # OpenAI's name -> (how it is read, smallem's name); `null` takes the default
-    "max_tokens": (O.int_field, "max_new_tokens"),
-    "max_completion_tokens": (O.int_field, "max_new_tokens"),
-    "temperature": (O.number_field, "temperature"),
-    "top_p": (O.number_field, "top_p"),
-    "top_k": (O.int_field, "top_k"),
-    "min_p": (O.number_field, "min_p"),
-    "repetition_penalty": (O.number_field, "repetition_penalty"),
-    "seed": (O.int_field, "seed"),
+    "max_tokens": (options.int_field, "max_new_tokens"),
+    "max_completion_tokens": (options.int_field, "max_new_tokens"),
+    "temperature": (options.number_field, "temperature"),
+    "top_p": (options.number_field, "top_p"),
+    "top_k": (options.int_field, "top_k"),
+    "min_p": (options.number_field, "min_p"),
+    "repetition_penalty": (options.number_field, "repetition_penalty"),
+    "seed": (options.int_field, "seed"),
 }
+
+
+def read_job(raw: bytes, served: Served, chat: bool) -> Job:
+    """A request's body -> its Job, or ApiError: the work of a request before the engine (JSON, the template, the
+    tokenizer), which the server runs off its event loop."""
+    return parse(read_body(raw), served, chat)
 
 
 def read_body(raw: bytes) -> Body:
@@ -89,40 +108,40 @@ def parse(body: Body, served: Served, chat: bool) -> Job:
     """A completion's or chat completion's body -> the checked Job; ApiError(400) naming the bad field."""
     model = body.get("model")
     if model is not None and model != served.model:
-        why = f"unknown model {O.shown(model)}: this server has {served.model!r}"
+        why = f"unknown model {options.shown(model)}: this server has {served.model!r}"
         raise ApiError(400, why, "model", "model_not_found")
     for name, allowed in _ONLY.items():
         if name in body and body[name] not in allowed:
-            raise ApiError(400, f"{name} {O.shown(body[name])} is not supported (only {allowed[-1]!r})", name)
+            raise ApiError(400, f"{name} {options.shown(body[name])} is not supported (only {allowed[-1]!r})", name)
     given: dict[str, object] = {}
     try:
         for name, (read, ours) in _SAMPLING.items():
             if body.get(name) is not None:
                 given[ours] = read(name, body[name])
-        stop = O.stop_field("stop", body["stop"]) if body.get("stop") is not None else ()
+        stop = options.stop_field("stop", body["stop"]) if body.get("stop") is not None else ()
         if len(stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in stop):
-            raise O.BadField(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
+            raise BadField(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
         stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
-        options = body.get("stream_options")
-        if options is not None and not isinstance(options, dict):
-            raise O.BadField(f"stream_options must be an object, got {O.shown(options)}")
-        include_usage = _flag(options or {}, "include_usage")
-        max_new = int(given.pop("max_new_tokens", D.MAX_NEW_TOKENS))  # type: ignore[call-overload]
+        stream_options = body.get("stream_options")
+        if stream_options is not None and not isinstance(stream_options, dict):
+            raise BadField(f"stream_options must be an object, got {options.shown(stream_options)}")
+        include_usage = _flag(stream_options or {}, "include_usage")
+        max_new = int(given.pop("max_new_tokens", defaults.MAX_NEW_TOKENS))  # type: ignore[call-overload]
         sampling = replace(Sampling(), **given)
-        O.check_sampling(**asdict(sampling), max_new_tokens=max_new)
+        options.check_sampling(**asdict(sampling), max_new_tokens=max_new)
         ids = _chat_ids(body, served) if chat else _prompt_ids(body, served)
-        O.check_context(len(ids), max_new, served.slack, served.max_len)
-    except O.BadField as e:
+        options.check_context(len(ids), max_new, served.slack, served.max_len)
+    except BadField as e:
         raise ApiError(400, str(e)) from None
-    except O.UsageError as e:
-        raise ApiError(400, O.field_message(e).replace("max_new_tokens", "max_tokens")) from None
+    except UsageError as e:
+        raise ApiError(400, options.field_message(e).replace("max_new_tokens", "max_tokens")) from None
     return Job(chat, tuple(ids), max_new, sampling, stop, stream, include_usage, ignore_eos)
 
 
 def _flag(body: Body, name: str) -> bool:
     value = body.get(name, False)
     if value is not None and type(value) is not bool:
-        raise O.BadField(f"{name} must be true or false, got {O.shown(value)}")
+        raise BadField(f"{name} must be true or false, got {options.shown(value)}")
     return bool(value)
 
 
@@ -132,33 +151,48 @@ def _prompt_ids(body: Body, served: Served) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt and all(type(i) is int for i in prompt):
+        if len(prompt) > served.max_len:
+            raise BadField(f"the prompt ({len(prompt)} tokens) is longer than the model's context ({served.max_len})")
         if not all(0 <= i < served.vocab_size for i in prompt):  # type: ignore[operator]
-            raise O.BadField(f"prompt token ids must be in 0..{served.vocab_size - 1}")
+            raise BadField(f"prompt token ids must be in 0..{served.vocab_size - 1}")
         return list(prompt)  # type: ignore[arg-type]
     if not isinstance(prompt, str):
-        raise O.BadField(f"prompt must be a string or token ids (one prompt a request), got {O.shown(prompt)}")
+        raise BadField(f"prompt must be a string or token ids (one prompt a request), got {options.shown(prompt)}")
     if not prompt.strip():
-        raise O.BadField("empty prompt")
-    return O.prompt_ids(served.tok, prompt)
+        raise BadField("empty prompt")
+    _check_chars([prompt], served)
+    return options.prompt_ids(served.tok, prompt)
 
 
 def _chat_ids(body: Body, served: Served) -> list[int]:
     conv = body.get("messages")
     if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
-        raise O.BadField('messages must be a list of {"role": ..., "content": ...} objects, not empty')
+        raise BadField('messages must be a list of {"role": ..., "content": ...} objects, not empty')
     messages = []
     for i, m in enumerate(conv):
         content = m.get("content")
         if isinstance(content, list):  # parts: text ones only
             if not all(isinstance(p, dict) and p.get("type") == "text" and type(p.get("text")) is str for p in content):
-                raise O.BadField(f"messages[{i}].content: only text parts are supported")
+                raise BadField(f"messages[{i}].content: only text parts are supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(m.get("role"), str) or not isinstance(content, str):
-            raise O.BadField(f"messages[{i}]: its role and content must be strings")
+            raise BadField(f"messages[{i}]: its role and content must be strings")
         messages.append({"role": m["role"], "content": content})
     if served.chat.template is None:
-        raise O.BadField(f"the model {served.model!r} has no chat template: use /v1/completions")
-    return O.prompt_ids(served.tok, None, served.chat, messages)
+        raise BadField(f"the model {served.model!r} has no chat template: use /v1/completions")
+    _check_chars([m["content"] for m in messages], served)  # its tokens are at least its messages' (as text)
+    return options.prompt_ids(served.tok, None, served.chat, messages)
+
+
+def _check_chars(texts: list[str], served: Served) -> None:
+    """BadField where `texts` cannot fit the context whatever their tokens (`prompt_chars`): a prompt of megabytes
+    is refused in microseconds, never tokenized (which takes the GIL, and memory, in proportion)."""
+    if (n := sum(map(len, texts))) <= served.max_chars:
+        return
+    norm = served.tok.normalizer
+    if norm is not None and len(norm.normalize_str("".join(texts))) <= served.max_chars:
+        return
+    raise BadField(f"the prompt ({n} characters) is longer than the model's context of {served.max_len} tokens")
 
 
 # responses

@@ -1,4 +1,4 @@
-"""The output head a proposer guesses with, and one guess from a final state."""
+"""The output head a proposer drafts with, and one draft token from a final state."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Prompt lookup: guessing by copying what followed the text's last n tokens before, as deep as the measured acceptance
-is worth (`best_depth`). Under sampling a guess is a point mass (q one-hot): kept with probability p(x), exactly."""
+"""Prompt lookup: drafting by copying what followed the text's last n tokens before, as deep as the measured acceptance
+is worth (`best_depth`). Under sampling a draft token is a point mass (q one-hot): accepted with probability p(x),
+exactly."""
 
 from __future__ import annotations
 
@@ -42,39 +43,40 @@ class NgramIndex:
         return []
 
 
-def best_depth(first: float, then: float, k: int, guess_cost: float) -> int:
+def best_depth(first: float, then: float, k: int, draft_cost: float) -> int:
     """The m in 0..k with the most tokens, 1 + first·(1 + then + ... + then^(m−1)), per pass cost
-    1 + guess_cost·m (a lookup is a copy or wrong from its first token: its first rate differs)."""
+    1 + draft_cost·m (a lookup is a copy or wrong from its first token: its first rate differs)."""
 
     def gain(m: int) -> float:
-        return (1 + first * sum(then**i for i in range(m))) / (1 + guess_cost * m)
+        return (1 + first * sum(then**i for i in range(m))) / (1 + draft_cost * m)
 
     return max(range(k + 1), key=gain)
 
 
-class NgramProposer:
-    """One sequence's prompt lookup (`engine.proposers.NgramGuess` holds one per sequence)."""
+class NgramLookup:
+    """One sequence's prompt lookup: its index, its acceptance rates, its depth (`engine.proposers.NgramProposer`
+    holds one per sequence)."""
 
-    def __init__(self, vocab_size: int, min_n: int, max_n: int, guess_cost: float = 0.0) -> None:
-        self.vocab_size, self.guess_cost = vocab_size, guess_cost
+    def __init__(self, vocab_size: int, min_n: int, max_n: int, draft_cost: float = 0.0) -> None:
+        self.vocab_size, self.draft_cost = vocab_size, draft_cost
         self.index = NgramIndex(min_n, max_n)
         self.device = torch.device("cpu")
         self.looked: list[int] = []  # what this round's lookup found, offered or not
-        # decayed counts of guesses kept and in play: [first guesses, later ones]
-        self.kept, self.reached = [0.0, 0.0], [0.0, 0.0]
+        # decayed counts of draft tokens accepted and in play: [first ones, later ones]
+        self.accepted, self.reached = [0.0, 0.0], [0.0, 0.0]
         self.asked = False  # whether this round's accept follows a lookup
         # the tokens of rounds it was not asked in (k 0 under load), taken in when it next is: not a lookup's
         # bookkeeping every round
         self.backlog: list[torch.Tensor] = []
 
-    def start(self, prompt: torch.Tensor, first: torch.Tensor, hidden: torch.Tensor) -> None:
+    def start(self, prompt: torch.Tensor, first: torch.Tensor) -> None:
         self.device = prompt.device
         self.index.extend(prompt.tolist() + first.view(-1).tolist())
 
     @property
     def rates(self) -> tuple[float, float]:
-        """Rates at which a first guess, and a later guess in play, are kept (a prior of one in two)."""
-        return (self.kept[0] + 1) / (self.reached[0] + 2), (self.kept[1] + 1) / (self.reached[1] + 2)
+        """Rates at which a first draft token, and a later one in play, are accepted (a prior of one in two)."""
+        return (self.accepted[0] + 1) / (self.reached[0] + 2), (self.accepted[1] + 1) / (self.reached[1] + 2)
 
     def propose(
         self, k: int, warp: Warp | None, generator: torch.Generator | None, penalty: Penalty | None = None
@@ -82,29 +84,30 @@ class NgramProposer:
         if self.backlog:  # `accept`'s work for each round it was not asked in: a lookup of nothing (the rates decay)
             for _ in range(len(self.backlog)):
                 for j in range(2):
-                    self.kept[j], self.reached[j] = DECAY * self.kept[j], DECAY * self.reached[j]
+                    self.accepted[j], self.reached[j] = DECAY * self.accepted[j], DECAY * self.reached[j]
             self.index.extend(torch.cat(self.backlog).tolist())
             self.backlog.clear()
         self.asked = True
         self.looked = self.index.lookup(k)
-        m = best_depth(*self.rates, k, self.guess_cost) if self.guess_cost else k
+        m = best_depth(*self.rates, k, self.draft_cost) if self.draft_cost else k
         tokens = torch.tensor(self.looked[:m], dtype=torch.long, device=self.device)  # [m]
         return tokens, None if warp is None or not tokens.shape[0] else F.one_hot(tokens, self.vocab_size).float()
 
-    def accept(self, n: int, emitted: torch.Tensor, hidden: torch.Tensor) -> None:
+    def accept(self, emitted: torch.Tensor) -> None:
+        """A round's tokens taken in, and what the lookup would have had accepted counted."""
         if not self.asked:  # no lookup this round: taken in at the next one
             self.backlog.append(emitted)
             return
         self.asked = False
         out = emitted.tolist()
-        # what the lookup would have kept, offered or not (a guess past the emitted ones cannot be told)
+        # what the lookup would have had accepted, offered or not (a draft token past the emitted ones cannot be told)
         hits, told = 0, min(len(self.looked), len(out))
         while hits < told and self.looked[hits] == out[hits]:
             hits += 1
         in_play = hits + (hits < told)
-        first = (min(hits, 1), min(in_play, 1))  # the first guess; then the later ones in play
-        for j, (kept, played) in enumerate((first, (hits - first[0], in_play - first[1]))):
-            self.kept[j] = DECAY * self.kept[j] + kept
+        first = (min(hits, 1), min(in_play, 1))  # the first draft token; then the later ones in play
+        for j, (accepted, played) in enumerate((first, (hits - first[0], in_play - first[1]))):
+            self.accepted[j] = DECAY * self.accepted[j] + accepted
             self.reached[j] = DECAY * self.reached[j] + played
         self.looked = []
         self.index.extend(out)

@@ -1,10 +1,10 @@
 """Token-tree verification (SpecInfer, EAGLE-2): pure tensor functions, batched over B rows, no host sync.
 
-tokens long [B, N], node 0 the root (the last verified token, not a guess); parents long [B, N] or
+tokens long [B, N], node 0 the root (the last verified token, not a draft token); parents long [B, N] or
 [N], parents[..., 0] == -1 and 0 <= parents[..., i] < i (siblings tried in index order).
 
 A node's outcome (the child it accepts, else the token it emits) depends only on its own row of
-p / q, its children and its own draws, so all are decided at once and the kept path is read off the
+p / q, its children and its own draws, so all are decided at once and the accepted path is read off the
 ancestor mask; draws off the path bias nothing. Exactness reduces to one node u whose children are
 i.i.d. from q[u] (SpecInfer's multi-round rule): accept child c with probability min(1, r(c) / q(c)),
 else r <- norm(max(r - q, 0)); none accepted: draw from r. Greedy is the temperature-0 limit."""
@@ -20,9 +20,9 @@ from .verify import sample
 
 
 class TreeVerdict(NamedTuple):
-    n: Tensor  # long [B]: accepted guesses (nodes below the root on the kept path)
-    out: Tensor  # long [B, N]: the n accepted guesses, then the target's token; filler after
-    nodes: Tensor  # long [B, N]: the kept path, nodes[:, j] at depth j, then nodes[:, n] repeated
+    n: Tensor  # long [B]: accepted draft tokens (nodes below the root on the accepted path)
+    out: Tensor  # long [B, N]: the n accepted draft tokens, then the target's token; filler after
+    nodes: Tensor  # long [B, N]: the accepted path, nodes[:, j] at depth j, then nodes[:, n] repeated
 
 
 def tree_mask(parents: Tensor) -> Tensor:
@@ -81,10 +81,10 @@ def _walk(tokens: Tensor, parents: Tensor, shape: _Shape, nxt: Tensor, stop: Ten
     taken = taken | (arange == 0)  # [B, N] the root always
     on = ~(shape.mask & ~taken.unsqueeze(1)).any(dim=-1)  # [B, N] every node from the root to it was taken
     n = on.sum(dim=-1) - 1  # [B]
-    # On a path, later nodes are deeper (topological order): the last kept node has the largest index.
+    # On a path, later nodes are deeper (topological order): the last accepted node has the largest index.
     last = (on * arange).argmax(dim=-1)  # [B]
     nodes = _path(on, shape.depth, last)  # [B, N]
-    out = torch.cat([tokens.gather(1, nodes[:, 1:]), nodes[:, :1]], dim=1)  # [B, N] guesses after the root
+    out = torch.cat([tokens.gather(1, nodes[:, 1:]), nodes[:, :1]], dim=1)  # [B, N] draft tokens after the root
     out.scatter_(1, n.unsqueeze(1), stop.gather(1, last.unsqueeze(1)))  # out[:, n] = the target's token
     return TreeVerdict(n, out, nodes)
 

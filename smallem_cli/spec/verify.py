@@ -1,11 +1,14 @@
-"""Speculative-decoding verification: pure tensor functions, batched over B rows. Everything stays on
-the device (no `.item()`, no branch on a tensor value) and every draw goes through the caller's
-`torch.Generator`: a CUDA loop queues a whole step without waiting, and a seeded run replays exactly."""
+"""Speculative-decoding verification: the rules that decide how many draft tokens the target accepts.
+
+The greedy rule (`verify_greedy`) reads host lists, after the round's one sync. The sampled rule
+(`verify_sample`) and what it needs are pure tensor functions, batched over B rows: everything stays on the
+device (no `.item()`, no branch on a tensor value) and every draw goes through the caller's `torch.Generator`,
+so a CUDA loop queues a whole step without waiting, and a seeded run replays exactly."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +97,7 @@ class Warper:
 
 @dataclass(frozen=True)
 class Penalty:
-    """The penalty a round's guesses are scored with, as the target's rows; a proposer `take`s each guess."""
+    """The penalty a round's draft tokens are scored with, as the target's rows; a proposer `take`s each one."""
 
     seen: Tensor
     factor: float
@@ -112,7 +115,7 @@ class Penalty:
 
 def proposal(w: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """What a proposer draws from under the user's warp: the temperature alone. Exactness needs only p warped
-    in full, a native chain computes a temperature itself, and top-p would cost a sort per guess."""
+    in full, a native chain computes a temperature itself, and top-p would cost a sort per draft token."""
     return Warper(w.temperature) if isinstance(w, Warper) else w
 
 
@@ -130,12 +133,25 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     return below.clamp_max_(probs.shape[-1] - 1)  # u * c_V rounded up to c_V: the last
 
 
+def verify_greedy(drafts: Sequence[int], best: Sequence[int]) -> int:
+    """Greedy verification: draft tokens d_1..d_m, and the target's argmax after each of [last, d_1..d_m] -> n,
+    the draft tokens accepted: the leading ones equal to the target's token at their position. The round emits
+    best[:n+1]: the n accepted, then the target's own (the correction, or the bonus token when n == m)."""
+    n = 0
+    for d, b in zip(drafts, best, strict=False):  # (best has one more)
+        if d != b:
+            break
+        n += 1
+    return n
+
+
 def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Exact speculative sampling (Leviathan et al.) -> (n [B], out [B, k+1], filler past n): draft i,
-    drawn from q, kept with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection n the next
-    token is drawn from max(0, p_n - q_n) renormalised (p_n if that is all zero), after k kept from p_k."""
+    """Exact speculative sampling (Leviathan et al.) -> (n [B] accepted, out [B, k+1], filler past n): draft
+    token i, drawn from q, accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection n the
+    next token is drawn from max(0, p_n - q_n) renormalised (p_n if that is all zero), after k accepted the
+    bonus token from p_k."""
     B, k = drafts.shape
-    if k == 0:  # no guess: a draw from p_0, what the rule below comes to, without its tensors
+    if k == 0:  # no draft: a draw from p_0, what the rule below comes to, without its tensors
         nxt = sample(p[:, 0].float(), generator)  # [B]
         return nxt.new_zeros(B), nxt.unsqueeze(1)
     V = p.shape[-1]

@@ -1,6 +1,6 @@
 """The target's own text: its continuations of training contexts, a corpus to fit proposers on.
 
-In a generation a proposer guesses from the prompt and the target's own text (the bench's prompts too are held-out text
+In a generation a proposer drafts from the prompt and the target's own text (the bench's prompts too are held-out text
 continued by the target), not the corpus's. So contexts drawn from the training split are continued by the target
 (greedy, or at T = 1 for one in `sampled_every`) on the batch engine; distillation on them still matches the target's
 whole distribution at every position (sequence-level distillation). A document is a context and its continuation; the
@@ -60,6 +60,9 @@ TOPICS = (
     "rainbows", "snowflakes", "stars", "Mars", "the solar system", "dinosaurs", "fossils", "the Olympic Games",
     "music theory", "painting", "photography", "movies", "poetry",
 )  # fmt: skip
+
+
+MAX_INSTRUCTIONS = len(TASKS) * len(TOPICS)
 
 
 def instructions(n: int, seed: int) -> list[str]:

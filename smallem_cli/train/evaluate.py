@@ -1,9 +1,9 @@
 """Evaluation on the validation split: loss in nats per byte, and proposer agreement.
 
 Agreement is what greedy acceptance measures: how often a proposer's argmax is the target's for the same position (the
-MTP module is fed the true token i+1, its guess for i+2 compared with the target's argmax there). `chain_agreement` runs
+MTP module is fed the true token i+1, its draft of i+2 compared with the target's argmax there). `chain_agreement` runs
 the chain as the loop does, without a stopwatch: the target continues a validation context greedily (g_1..g_4), the
-proposer guesses d_1..d_4 fed back to it, and "kept at depth j" is how often d_1..d_j all equal g_1..g_j.
+proposer's draft tokens d_1..d_4 fed back to it, and "kept at depth j" is how often d_1..d_j all equal g_1..g_j.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import defaults as D
+from .. import defaults
 from ..engine import family
 from ..model import checkpoint
 from ..model.llama import MTPModule, Transformer
@@ -32,8 +32,8 @@ class Report:
     nats_per_token: float
     nats_per_byte: float
     agreement: float | None = None  # with the target's argmax, for proposers
-    kept_at: list[float] | None = None  # the chain's guesses 1..j all equal to the target's greedy ones
-    # a sampled first guess kept, sum min(p_T, q_T), at each of D.EVAL_TEMPERATURES (q over the cut head)
+    kept_at: list[float] | None = None  # the chain's draft tokens 1..j all equal to the target's greedy ones
+    # a sampled first draft token accepted, sum min(p_T, q_T), at each EVAL_TEMPERATURES (q over the cut head)
     sampled: list[float] | None = None
 
 
@@ -54,7 +54,7 @@ def load_members(target: Path, drafts: list[str] | None, mtp_file: Path | None =
     own = {} if tgt.gguf else checkpoint.facts(checkpoint.read_meta(target))  # a GGUF file has no training facts
     models, facts = {}, {"target": own}
     cuts: dict[str, torch.Tensor | None] = {}
-    V, cut = tgt.model.cfg.vocab_size, D.proposer_vocab(greedy=False)
+    V, cut = tgt.model.cfg.vocab_size, defaults.proposer_vocab(greedy=False)
 
     def noted(name: str, path: Path, meta: dict[str, str]) -> None:
         facts[name] = checkpoint.facts(meta)
@@ -84,33 +84,33 @@ def evaluate_family(
     n_bytes: int,
     drafts: dict[str, Transformer],
     mtp: MTPModule | None,
-    seq_len: int = D.TRAIN_SEQ_LEN,
+    seq_len: int = defaults.TRAIN_SEQ_LEN,
     cuts: dict[str, torch.Tensor | None] | None = None,
 ) -> list[Report]:
     """Loss of each model over the whole stream, each proposer's agreement with the target, and how
-    often its sampled first guess is kept at each of D.EVAL_TEMPERATURES, its q over its cut head
+    often its sampled first draft token is accepted at each of defaults.EVAL_TEMPERATURES, its q over its cut head
     (`cuts`: the tokens by proposer name; absent: the whole vocabulary)."""
     names = ["target", *drafts] + (["mtp"] if mtp is not None else [])
     nats, n, agree = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), dict.fromkeys(names, 0)
-    kept = {name: [0.0] * len(D.EVAL_TEMPERATURES) for name in names}
+    kept = {name: [0.0] * len(defaults.EVAL_TEMPERATURES) for name in names}
     for w in windows(val_ids, seq_len):
         x, y = w[:, :-1], w[:, 1:]
         T = x.shape[1]
         h = target.hidden(x)
         t_logits = target.logits(h)[0]  # [T, V]
         # each proposer's logits from position `skip` on: the MTP module at i reads h_i and token i+1 and
-        # guesses token i+2, the target's argmax at i+1
-        guesses = {name: (d.logits(d.hidden(x))[0], 0) for name, d in drafts.items()}
+        # drafts token i+2, the target's argmax at i+1
+        proposed = {name: (d.logits(d.hidden(x))[0], 0) for name, d in drafts.items()}
         if mtp is not None and T >= 2:
             hm = mtp(h[:, :-1], target.embed_tokens(x[:, 1:]), target.cos[: T - 1], target.sin[: T - 1])
-            guesses["mtp"] = (target.logits(hm)[0], 1)  # [T-1, V]
-        for name, (lg, skip) in {"target": (t_logits, 0), **guesses}.items():
+            proposed["mtp"] = (target.logits(hm)[0], 1)  # [T-1, V]
+        for name, (lg, skip) in {"target": (t_logits, 0), **proposed}.items():
             nats[name] += F.cross_entropy(lg, y[0, skip:], reduction="sum").item()
             n[name] += T - skip
-        for name, (lg, skip) in guesses.items():
+        for name, (lg, skip) in proposed.items():
             agree[name] += (lg.argmax(-1) == t_logits[skip:].argmax(-1)).sum().item()
             ids = (cuts or {}).get(name)
-            for i, t in enumerate(D.EVAL_TEMPERATURES):
+            for i, t in enumerate(defaults.EVAL_TEMPERATURES):
                 kept[name][i] += acceptance(t_logits[skip:], lg if ids is None else lg[:, ids], ids, t).sum().item()
     per_byte = n["target"] / n_bytes  # tokens per byte of the stream
     reports = [Report(name, nats[name] / n[name], nats[name] / n[name] * per_byte) for name in names]
@@ -146,25 +146,25 @@ def chain_agreement(
     depth: int = 4,
 ) -> dict[str, list[float]]:
     """Each proposer's chain against the target's greedy continuation, from `count` contexts
-    of `length` validation tokens -> name -> rate at which guesses 1..j were all kept, j = 1..depth."""
+    of `length` validation tokens -> name -> rate at which draft tokens 1..j were all accepted, j = 1..depth."""
     x = contexts(val_ids, count, length, depth)  # [B, C]
     g = _greedy_chain(target, x, depth)  # [B, depth]
-    guesses = {name: _greedy_chain(d, x, depth) for name, d in drafts.items()}
+    chains = {name: _greedy_chain(d, x, depth) for name, d in drafts.items()}
     if mtp is not None:
-        guesses["mtp"] = _mtp_chain(target, mtp, x, depth)
-    return {name: (d == g).long().cumprod(dim=1).float().mean(dim=0).tolist() for name, d in guesses.items()}
+        chains["mtp"] = _mtp_chain(target, mtp, x, depth)
+    return {name: (d == g).long().cumprod(dim=1).float().mean(dim=0).tolist() for name, d in chains.items()}
 
 
 def _mtp_chain(target: Transformer, mtp: MTPModule, x: torch.Tensor, depth: int) -> torch.Tensor:
-    """The MTP module's chain from contexts x [B, C], as the engine's `MTPGuess` runs it: pairs (h_j, x_{j+1})
-    over the context, then each guess fed back with the module's own state -> guesses [B, depth]."""
-    hs, toks = target.hidden(x)[:, :-1], x[:, 1:]  # pairs (h_j, x_{j+1}), j < C-1: the last guesses x_C's successor
+    """The MTP module's chain from contexts x [B, C], as the engine's `MTPProposer` runs it: pairs (h_j, x_{j+1})
+    over the context, then each draft token fed back with the module's own state -> [B, depth]."""
+    hs, toks = target.hidden(x)[:, :-1], x[:, 1:]  # pairs (h_j, x_{j+1}), j < C-1: the last drafts x_C's successor
     for _ in range(depth):
         T = hs.shape[1]
         states = mtp(hs, target.embed_tokens(toks), target.cos[:T], target.sin[:T])  # [B, T, d]
-        guess = target.logits(states[:, -1]).argmax(-1, keepdim=True)  # [B, 1]
+        token = target.logits(states[:, -1]).argmax(-1, keepdim=True)  # [B, 1]
         hs = torch.cat([hs, states[:, -1:]], dim=1)  # chain on its own state
-        toks = torch.cat([toks, guess], dim=1)
+        toks = torch.cat([toks, token], dim=1)
     return toks[:, toks.shape[1] - depth :]
 
 
@@ -172,7 +172,7 @@ def report_table(reports: list[Report], facts: dict[str, dict[str, Any]], n_toke
     from rich.table import Table
 
     table = Table(title=f"validation: {n_tokens:,} tokens, {n_bytes:,} bytes")
-    temps = " / ".join(f"{t:g}" for t in D.EVAL_TEMPERATURES)
+    temps = " / ".join(f"{t:g}" for t in defaults.EVAL_TEMPERATURES)
     cols = ("model", "nats/token", "nats/byte", "agreement with target", "chain kept at 1 / 2 / 3 / 4",
             f"sampled kept at T = {temps}")  # fmt: skip
     for col in (*cols, "steps", "tokens seen", "trained for"):

@@ -1,7 +1,7 @@
-"""What a proposer is fitted to, and how a sampled guess is judged.
+"""What a proposer is fitted to, and how a sampled draft token is judged.
 
 Distillation fits q to the target's p, KL(p || q) at T = 1 over the whole vocabulary. A sampled
-guess x ~ q_T is kept with probability min(1, p_T(x)/q_T(x)), so with probability
+draft token x ~ q_T is accepted with probability min(1, p_T(x)/q_T(x)), so with probability
 sum_x min(p_T(x), q_T(x)) = 1 - TV(p_T, q_T), q zero outside the proposer's cut head if it has one
 (`proposers.Head`): `smallem eval` reads it at its temperatures, training at T = 1 beside the KL.
 """
@@ -21,7 +21,7 @@ def student_logits(model: Transformer, h: torch.Tensor) -> torch.Tensor:
 
 
 def acceptance(teacher: torch.Tensor, student: torch.Tensor, ids: torch.Tensor | None, T: float) -> torch.Tensor:
-    """The probability that a guess drawn from q_T is kept, sum_x min(p_T(x), q_T(x)), per position:
+    """The probability that a draft token drawn from q_T is accepted, sum_x min(p_T(x), q_T(x)), per position:
     teacher logits [..., V], student logits [..., V] or [..., N] over the cut `ids` -> [...]."""
     lp = F.log_softmax(teacher / T, dim=-1)  # over the vocabulary: p's mass outside the cut cannot be proposed
     return _kept(lp if ids is None else lp[..., ids], F.log_softmax(student / T, dim=-1))

@@ -3,9 +3,10 @@ family beside its facts (`train_member`: what `smallem train` runs).
 
 Batches are random windows of the token stream drawn by (seed, step), and the learning rate follows the budget (tokens,
 else seconds: warm-up, then cosine to 10%), so a run resumed from its state (`runstate`, every `save_every_s`) draws and
-schedules as it would have. A target trains jointly with its MTP module (DeepSeek-V3's loss, weight `mtp_weight`), so
-the trunk learns to carry the next-next token in h_i, which the module reads; `distill` fits a module, or a draft, to a
-frozen target instead. Progress goes to the `on_progress` callback, never to stdout.
+schedules as it would have (a Ctrl-C saves it first, at the last whole step). A target trains jointly with its MTP
+module (DeepSeek-V3's loss, weight `mtp_weight`), so the trunk learns to carry the next-next token in h_i, which the
+module reads; `distill` fits a module, or a draft, to a frozen target instead. Progress goes to the `on_progress`
+callback, never to stdout: each step, and a line (a str) where the run resumes, is interrupted or evaluates.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import defaults as D
+from .. import defaults
 from ..config import ModelConfig
 from ..model import checkpoint
 from ..model.llama import MTPModule, Transformer
@@ -36,19 +37,19 @@ LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 @dataclass
 class TrainSettings:
-    budget_s: float = D.TRAIN_SECONDS
+    budget_s: float = defaults.TRAIN_SECONDS
     budget_tokens: int = 0  # > 0: this many training tokens instead of budget_s (the same run however loaded)
-    batch_size: int = D.TRAIN_BATCH
-    seq_len: int = D.TRAIN_SEQ_LEN
-    lr: float = D.TRAIN_LR
+    batch_size: int = defaults.TRAIN_BATCH
+    seq_len: int = defaults.TRAIN_SEQ_LEN
+    lr: float = defaults.TRAIN_LR
     min_lr_frac: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    mtp_weight: float = D.TRAIN_MTP_WEIGHT  # a target's joint training: main loss + this x its MTP loss
+    mtp_weight: float = defaults.TRAIN_MTP_WEIGHT  # a target's joint training: main loss + this x its MTP loss
     feature_weight: float = 0.0  # MTP distillation: weight of the state-matching loss (EAGLE's feature loss)
-    seed: int = D.TRAIN_SEED
-    compile: bool = D.TRAIN_COMPILE  # the loss through torch.compile
-    precision: str = D.TRAIN_PRECISION  # one of PRECISIONS: "bf16" runs the loss's products under autocast
+    seed: int = defaults.TRAIN_SEED
+    compile: bool = defaults.TRAIN_COMPILE  # the loss through torch.compile
+    precision: str = defaults.TRAIN_PRECISION  # one of PRECISIONS: "bf16" runs the loss's products under autocast
     save_every_s: float = 120.0
     eval_every_s: float = 300.0
 
@@ -65,7 +66,12 @@ class Progress:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-ProgressFn = Callable[[Progress], None]
+ProgressFn = Callable[[Progress | str], None]  # a str: a line to show at once
+
+
+def _say(on_progress: ProgressFn | None, line: str) -> None:
+    if on_progress is not None:
+        on_progress(line)
 
 
 def batch(ids: np.ndarray, settings: TrainSettings, step: int) -> torch.Tensor:
@@ -90,7 +96,7 @@ def lr_at(settings: TrainSettings, step: int, frac: float) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model: Transformer, ids: np.ndarray, seq_len: int = D.TRAIN_SEQ_LEN, mtp: MTPModule | None = None
+    model: Transformer, ids: np.ndarray, seq_len: int = defaults.TRAIN_SEQ_LEN, mtp: MTPModule | None = None
 ) -> dict[str, float]:
     """Mean next-token loss (nats/token) over the validation stream, in windows (one shorter window for
     a shorter stream); with an MTP module, also its loss and agreement with the target's argmax."""
@@ -108,7 +114,7 @@ def evaluate(
         if mtp is not None:
             lm = model.logits(mtp(h, model.embed_tokens(x[:, 1:-1]), model.cos[:seq_len], model.sin[:seq_len]))
             mtp_total += F.cross_entropy(lm[0, :-1], x[0, 2:-1], reduction="sum").item()
-            # MTP at i guesses token i+2; the target's own guess for it is its argmax at i+1.
+            # MTP at i drafts token i+2; the target's own token for it is its argmax at i+1.
             agree += (lm[0, :-1].argmax(-1) == logits[0, 1:].argmax(-1)).sum().item()
     out = {"val_loss": total / n}
     if mtp is not None:
@@ -128,8 +134,12 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], train_ids:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95), fused=False)
-    pos = runstate.load(run_dir, modules, opt) or runstate.Position()
-    step, elapsed, tokens = pos.step, pos.elapsed, pos.tokens
+    pos = runstate.load(run_dir, modules, opt)
+    step, elapsed, tokens = (pos.step, pos.elapsed, pos.tokens) if pos else (0, 0.0, 0)
+    if pos is not None:  # a rerun says where it stands at once, however long its first step or its evaluation
+        done = spent(settings, tokens, elapsed)
+        left = "its budget is spent" if done >= 1.0 else f"{done:.0%} of its budget spent"
+        _say(on_progress, f"resuming {run_dir}: step {step}, {tokens:,} tokens, {elapsed:.0f} s trained; {left}")
 
     def save_state() -> None:
         runstate.save(run_dir, modules, opt, runstate.Position(step, tokens, elapsed), dataclasses.asdict(settings))
@@ -141,37 +151,48 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], train_ids:
     last_save = last_eval = elapsed
     val_loss = None
     t_prev = time.perf_counter()
-    while (done := spent(settings, tokens, elapsed)) < 1.0:
-        for m in modules.values():
-            m.train()
-        x = batch(train_ids, settings, step)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(settings, step, done)
-        # bf16: the loss's products in bfloat16; weights, gradients, optimiser and every loss's logits stay float32
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bf16"):
-            loss, extra = fn(x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        tokens += x.shape[0] * (x.shape[1] - 2)
-        now = time.perf_counter()
-        dt, t_prev = now - t_prev, now
-        elapsed += dt
-        if val is not None and elapsed - last_eval >= settings.eval_every_s:
-            val_loss = evaluate(*val, settings.seq_len)["val_loss"]
-            last_eval = elapsed
-            t_prev = time.perf_counter()  # evaluation time is not training time
-        if elapsed - last_save >= settings.save_every_s:
+    updating = False  # the weights between two steps: a state saved then would be neither
+    try:
+        while (done := spent(settings, tokens, elapsed)) < 1.0:
+            for m in modules.values():
+                m.train()
+            x = batch(train_ids, settings, step)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(settings, step, done)
+            # bf16: the loss's products in bfloat16; weights, gradients, optimiser and every loss's logits float32
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bf16"):
+                loss, extra = fn(x)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            updating = True
+            opt.step()
+            step += 1
+            tokens += x.shape[0] * (x.shape[1] - 2)
+            updating = False
+            now = time.perf_counter()
+            dt, t_prev = now - t_prev, now
+            elapsed += dt
+            if val is not None and elapsed - last_eval >= settings.eval_every_s:
+                val_loss = evaluate(*val, settings.seq_len)["val_loss"]
+                last_eval = elapsed
+                t_prev = time.perf_counter()  # evaluation time is not training time
+            if elapsed - last_save >= settings.save_every_s:
+                save_state()
+                last_save = elapsed
+                t_prev = time.perf_counter()
+            if on_progress is not None:
+                read, rate = {k: v.item() for k, v in extra.items()}, x.numel() / max(dt, 1e-9)
+                on_progress(
+                    Progress(step, elapsed, spent(settings, tokens, elapsed), loss.item(), rate, tokens, val_loss, read)
+                )
+    except KeyboardInterrupt:  # the steps so far are kept (a second Ctrl-C stops the save: the last one stands)
+        if updating:
+            _say(on_progress, f"interrupted in step {step + 1}'s update: a rerun resumes from the state saved last")
+        else:
             save_state()
-            last_save = elapsed
-            t_prev = time.perf_counter()
-        if on_progress is not None:
-            read, rate = {k: v.item() for k, v in extra.items()}, x.numel() / max(dt, 1e-9)
-            on_progress(
-                Progress(step, elapsed, spent(settings, tokens, elapsed), loss.item(), rate, tokens, val_loss, read)
-            )
+            _say(on_progress, f"interrupted at step {step}: the same command resumes the run from {run_dir}")
+        raise
     save_state()
     facts = {"steps": step, "tokens_seen": tokens, "train_seconds": round(elapsed, 1)}
     return facts | {k: getattr(settings, k) for k in ("batch_size", "seq_len", "lr", "seed", "precision")}
@@ -218,6 +239,7 @@ def train_model(
         return loss + settings.mtp_weight * aux, {"mtp_loss": aux.detach()}
 
     facts = _train_loop(loss_fn, modules, train_ids, settings, run_dir, on_progress, (model, val_ids))
+    _evaluating(on_progress, val_ids)
     facts |= evaluate(model, val_ids, settings.seq_len, mtp)
     if mtp is not None:
         facts["joint_weight"] = settings.mtp_weight  # both files: the trunk learnt under it too
@@ -229,8 +251,8 @@ def distill(target: Transformer, student: Transformer | MTPModule, train_ids: np
             on_progress: ProgressFn | None = None) -> dict[str, Any]:  # fmt: skip
     """Fit a proposer (trained in place) to a frozen target's next-token distribution (`fit.py`) -> the facts:
     acceptance rewards matching the target, not the corpus, and its whole distribution is a richer signal than the
-    one observed token. An MTP module reads h_i and the true token i+1 and guesses token i+2; `feature_weight` also
-    pulls its output state to the target's h_{i+1} (normalised, as read next): later guesses chain on it (EAGLE)."""
+    one observed token. An MTP module reads h_i and the true token i+1 and drafts token i+2; `feature_weight` also
+    pulls its output state to the target's h_{i+1} (normalised, as read next): later drafts chain on it (EAGLE)."""
     if student.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"proposer vocabulary {student.cfg.vocab_size} != target's {target.cfg.vocab_size}")
     target.requires_grad_(False).eval()
@@ -241,7 +263,7 @@ def distill(target: Transformer, student: Transformer | MTPModule, train_ids: np
         inp = x[:, :-2]
         with torch.no_grad():
             h = target.hidden(inp)
-            # [B, T or T-1, V]: the target's view of the token a draft guesses, or an MTP module
+            # [B, T or T-1, V]: the target's view of the token a draft proposes, or an MTP module
             teacher = F.log_softmax(target.logits(h if mtp is None else h[:, 1:]).float(), dim=-1)
         if mtp is None:
             return fit_loss(teacher, student_logits(student, student.hidden(inp)))
@@ -255,9 +277,16 @@ def distill(target: Transformer, student: Transformer | MTPModule, train_ids: np
 
     if mtp is None:
         facts = _train_loop(loss_fn, {"model": student}, train_ids, settings, run_dir, on_progress, (student, val_ids))
+        _evaluating(on_progress, val_ids)
         return facts | evaluate(student, val_ids, settings.seq_len)
     facts = _train_loop(loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress)
+    _evaluating(on_progress, val_ids)
     return facts | evaluate(target, val_ids, settings.seq_len, mtp)
+
+
+def _evaluating(on_progress: ProgressFn | None, val_ids: np.ndarray) -> None:
+    """Said before the final evaluation: a large model takes minutes over a large validation split."""
+    _say(on_progress, f"trained; evaluating on the validation split ({len(val_ids):,} tokens)")
 
 
 def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .. import atomic
-from .. import options as O
+from ..errors import one_line
 
 FORMAT, VERSION = "smallem-run-state", "1"
 
@@ -77,7 +77,7 @@ def load(run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Op
     except RunStateError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise RunStateError(f"cannot read the run state {path}: {O.one_line(str(e))}") from None
+        raise RunStateError(f"cannot read the run state {path}: {one_line(str(e))}") from None
     if names != sorted(modules):
         raise RunStateError(f"{path} is the state of a run of {names}, not {sorted(modules)}: pass another --run-dir")
     if any(not torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
@@ -103,7 +103,7 @@ def load(run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Op
         opt.load_state_dict({"state": opt_state, "param_groups": groups})
         torch.set_rng_state(rng)
     except (ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise RunStateError(f"{path} does not fit this run: {O.one_line(str(e))}") from None
+        raise RunStateError(f"{path} does not fit this run: {one_line(str(e))}") from None
     return pos
 
 

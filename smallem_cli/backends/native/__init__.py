@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ...engine.batch import BatchStep, visible
+from ...kv.step import BatchStep, visible
 from ...model import quant
 from ...model.llama import MTPModule, Transformer, permute_rope
 from ...spec.verify import Penalty, Warper, uniforms
@@ -41,6 +41,20 @@ class _ModelW(ctypes.Structure):
         ("eps", ctypes.c_float), *[(n, ctypes.c_void_p) for n in ("layers", "embed")], ("head", _Mat),
         *[(n, ctypes.c_void_p) for n in ("g_final", "table")], ("wh", _Mat), ("g_h", ctypes.c_void_p),
         ("embed_kind", ctypes.c_int),
+    ]  # fmt: skip
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class _Chain(ctypes.Structure):
+    """`smallem_chain`'s arguments (step.cpp's `Chain`, where each is described)."""
+
+    _fields_ = [
+        ("head", _Mat), ("N", _I), ("g_final", _P), ("ids", _P), ("feed", _P), ("feed_h", _P), ("m", _I), ("k", _I),
+        ("cos_t", _P), ("sin_t", _P), ("view", _P), ("st", _P), ("L", _I), ("u", _P), ("inv_t", _F), ("tokens", _P),
+        ("tops", _P), ("q", _P), ("scratch", _P), ("step_scratch", _I), ("threads", _I), ("seen", _P),
+        ("penalty", _F), ("mark", _P),
     ]  # fmt: skip
 
 
@@ -92,7 +106,7 @@ class NativeSteps:
         if c.dim % 8 or c.head_dim % 8 or c.hidden_dim % 8 or c.n_heads % c.n_kv_heads:
             raise NativeUnavailable("the model's widths are not multiples of 8")
         self.mtp = isinstance(model, MTPModule)
-        own = target if self.mtp else model  # the MTP module turns (and guesses) as its target
+        own = target if self.mtp else model  # the MTP module turns (and drafts) as its target
         assert own.rope_cos is not None and own.rope_sin is not None, "pack() the model first"
         self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
@@ -179,11 +193,11 @@ class NativeSteps:
         u: torch.Tensor | None = None,
         penalty: Penalty | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A proposer's chain (`smallem_chain`): the entries a round confirmed `fed` (tokens [m], the MTP
-        module's target states [m, d] or None; their K/V kept at L .. L+m-1), then k guesses, the head cut
+        """A proposer's chain (`smallem_chain`): the entries a round confirmed `fed` (tokens [m >= 1], the MTP
+        module's target states [m, d] or None; their K/V written at L .. L+m-1), then k draft tokens, the head cut
         to `ids` (None: whole); `view` [layers, 2, Hkv, >= L+m+k-1, D]. Greedy -> (tokens [k], their
         probabilities [k]); sampled (1/T, float64 uniforms u [k]) -> (tokens [k], q [k, V])."""
-        assert k >= 1
+        assert k >= 1 and fed[0].shape[0] >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
             self._heads[id(ids)] = (ids, self._mat(self.head_src if ids is None else self.head_src[ids]))
         ids_t, rows = self._heads[id(ids)]
@@ -191,7 +205,7 @@ class NativeSteps:
         N = c.vocab_size if ids_t is None else ids_t.numel()
         feed, feed_h = fed[0].contiguous(), None if fed[1] is None else fed[1].contiguous()
         m = feed.shape[0]
-        scratch, need = self._scratch_for(max(m, 1), threads, 3 * c.dim + N + m * c.dim)  # the widest step: m
+        scratch, need = self._scratch_for(m, threads, 3 * c.dim + N + m * c.dim)  # the widest step: m
         tokens, tops = torch.empty(k, dtype=torch.long), torch.empty(k)
         q = None  # greedy: no q (the C code reads it only with u)
         if u is not None:
@@ -206,13 +220,13 @@ class NativeSteps:
         at = L * self.rope[0].stride(0) * self.rope[0].element_size()  # cos, sin from position L on: by address
         assert view.dtype == KV_DTYPE and view.stride(-1) == 1
         strides = (ctypes.c_int64 * 4)(*view.stride()[:4])
-        self.lib.smallem_chain(
-            ctypes.addressof(self.mw), rows.w, rows.scale, rows.kind, N, self.g_final.data_ptr(), ptr(ids_t), None,
-            ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + at, self.rope[1].data_ptr() + at,
-            view.data_ptr(), ctypes.addressof(strides), L, ptr(u), 0.0 if inv_t is None else inv_t,
-            tokens.data_ptr(), tops.data_ptr(), ptr(q), scratch.data_ptr(), need, threads,
-            ptr(seen), 1.0 if penalty is None else penalty.factor, ptr(mark),
+        args = _Chain(
+            rows, N, self.g_final.data_ptr(), ptr(ids_t), ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + at,
+            self.rope[1].data_ptr() + at, view.data_ptr(), ctypes.addressof(strides), L, ptr(u),
+            0.0 if inv_t is None else inv_t, tokens.data_ptr(), tops.data_ptr(), ptr(q), scratch.data_ptr(), need,
+            threads, ptr(seen), 1.0 if penalty is None else penalty.factor, ptr(mark),
         )  # fmt: skip
+        self.lib.smallem_chain(ctypes.addressof(self.mw), ctypes.addressof(args))
         return (tokens, q) if q is not None else (tokens, tops)
 
     def batch(
@@ -292,10 +306,10 @@ def verify_sample(
     logits: torch.Tensor, warp: Warper, drafts: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None
 ) -> torch.Tensor:
     """`verify.verify_sample` for one sequence after `warp` (`verify.h`), drawing what it draws in the same
-    order: logits [k+1, V], guesses [k], their q [k, V] -> [k + 2] long: n kept, then the k+1 tokens."""
+    order: logits [k+1, V], draft tokens [k], their q [k, V] -> [k + 2] long: n accepted, then the k+1 tokens."""
     k, V = drafts.shape[0], logits.shape[-1]
     assert logits.shape[0] == k + 1 and logits.dtype == torch.float32 and logits.is_contiguous()
-    u = None  # without a guess, nothing to accept: verify_sample draws only the next token
+    u = None  # without a draft token, nothing to accept: verify_sample draws only the next token
     if k:
         assert q is not None and tuple(q.shape) == (k, V)
         q, drafts = q.float().contiguous(), drafts.contiguous()

@@ -5,9 +5,8 @@
 
 // How many keys on a row's scores and weighted sum ask for the rows they will read (AVX-512). A
 // batch's keys lie in pages of 16 slots scattered over the slab, 2 KB a head: too short a run for
-// the hardware's prefetcher. Over 64 sequences' K/V (about 70 MB a pass, from the L3 or memory)
-// eight keys on was too close for a loop over this layout, and 16 on cost nothing over 16
-// sequences; in whole passes the two were within a shared host's noise (docs/benchmarks.md).
+// the hardware's prefetcher, and 8 keys on is too close to hide a read from memory (the
+// measurements: docs/benchmarks.md#rotary-rows-by-position-and-a-longer-prefetch).
 #ifndef KV_AHEAD
 #define KV_AHEAD 16
 #endif

@@ -31,7 +31,7 @@ BUILD_TIMEOUT = 300.0  # seconds a build may run: a hung compiler must not hang 
 # What every build exports (step.cpp, verify.h), a library without one is not ours: each function's
 # arguments (p a pointer, i an int, f a float) and whether it returns an int (else nothing).
 SIGNATURES = {
-    "smallem_step": ("pppippppippipppip", False), "smallem_chain": ("pppiipppppiippppipfppppiipfp", False),
+    "smallem_step": ("pppippppippipppip", False), "smallem_chain": ("pp", False),
     "smallem_batch_step": ("pppipppppppppippippip", False), "smallem_verify_sample": ("piifppppppiff", False),
     "smallem_penalize": ("piippfpp", False), "smallem_panel": ("", True), "smallem_score_rows": ("", True),
 }  # fmt: skip

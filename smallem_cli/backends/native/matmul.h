@@ -47,9 +47,9 @@ static inline vec load8(const int8_t *p) {
 // A weight matrix in panels (below): the model's own values in the narrowest of float16,
 // bfloat16 and float32 that holds them exactly (the target, always), or int8 with a float32 scale
 // per output row, row n being scale[n] * q[n] (a proposer's, where the caller asks for it:
-// `native.panels8`). A proposer's numbers change only how often its guesses are kept; a greedy
-// output is the target's whatever they are, and a sampled guess is verified against the q it was
-// drawn from.
+// `native.panels8`). A proposer's numbers change only how often its draft tokens are accepted; a
+// greedy output is the target's whatever they are, and a sampled draft token is verified against
+// the q it was drawn from.
 // Or a GGUF file's blocks as it stores them (W_Q: Q8_0, Q4_0, Q4_1): int8 q in panels, and per
 // 32 weights along k a float16 scale d and offset m, W[n, k] = d[n, k/32] q[n, k] + m[n, k/32]
 // (`model.quant.Blocked`), read at a byte a weight, not dequantized to float32's four.
@@ -131,14 +131,9 @@ static inline void tile(const float *x, int ldx, const typename W::T *wp, const 
     for (int k = 0; k < K; k++, p += PANEL, x++) {
         // Many rows read the panels at the pace of their arithmetic, too slowly for the hardware's
         // prefetcher on some CPUs: the next tile's panels (the NV after these) are asked for at
-        // the same k, a tile ahead. On a Skylake server it made a 16-row product 2.2-2.5 ms
-        // against 3.0-3.1 without any (a prefetch 4 KB ahead in each panel was the slower
-        // alternative; two tiles ahead, or into L2 only, no better). Fewer rows go without: on an
-        // Emerald Rapids host, whole target passes (three libraries alternated pass by pass)
-        // over 2, 3, 4, 5 and 6 rows took 24, 17, 12, 7 and 5% less without it, over 8 and 16
-        // the same within 3%; one row was 31% slower with it (Skylake). An AMD Zen 4 host
-        // differs from 5 rows on: over 5, 6 and 7 rows 2-10, 3-10 and 6-12% less with it (five
-        // runs), over 1, 2 and 4 the same within 1.5% (`kernels.prefetch_rows` builds so there).
+        // the same k, a tile ahead. Fewer rows than PREFETCH_ROWS go without: there it cost more
+        // than it saved (the threshold by CPU maker, `kernels.prefetch_rows`; the measurements:
+        // docs/decisions.md#the-prefetchs-threshold).
         if constexpr (MR >= PREFETCH_ROWS)
             if (k % line == 0)
                 for (int v = 0; v < NV; v++) _mm_prefetch((const char *)(p + (size_t)(v + NV) * K * PANEL), _MM_HINT_T0);

@@ -57,7 +57,7 @@ struct ModelW {
 //   Strided: one sequence. The past [L, 2, Hkv, S, D] is a strided view of the slab (element
 //   strides st[0..3], D's is 1); the new K/V go to out_new [L, 2, Hkv, T, D] (strides ns[0..3]),
 //   right after that past; row t sees the past and the new rows 0 .. t.
-//   Paged: a flat batch (`engine.batch.BatchStep`). The slab [L, 2, Hkv, slots, D] (strides
+//   Paged: a flat batch (`kv.step.BatchStep`). The slab [L, 2, Hkv, slots, D] (strides
 //   st[0..3]); row t's K/V go to slot slots[t]; it sees the count[t] slots from vis + start[t],
 //   in order (its sequence's positions up to its own, or a tree node's prefix and ancestors).
 struct Strided {
@@ -232,68 +232,84 @@ extern "C" void smallem_batch_step(const ModelW *mw, const int64_t *tokens, cons
     pass(mw, tokens, h, T, cos_t, sin_t, kv, x, logits, T_head, head_rows, scratch, threads, top);
 }
 
-// A proposer's chain of k guesses in one call (for the MTP module as `chain.MTPChain` and
-// `MTPSampledChain`): the head picks guess 1 from h0 (the model's state after its catch-up), or
-// with m > 0 from the state after this call's own catch-up on the m entries the round confirmed
-// (`feed` [m], the MTP module's target states `feed_h` [m, d] or null for a draft; their K/V go
-// to the cache at L, L+1, .. and the chain starts m positions later); then each further
-// guess feeds the last one back through the model at the next position:
-// the MTP module reads its own last state with it, a draft its token alone. The chained
-// entries' K/V are written into `view` at positions L, L+1, .. (the caller reserved them; the
-// MTP module drops them after the round, a draft keeps those the target confirms), so that
-// each step reads them as past.
-//   head_rows: N rows of d, in panels, float16 or int8 with head_scale (the proposer's head: maybe cut to N rows; `ids` [N] maps a
-//   row to its token, null: row = token), g_final [d] the final norm; cos, sin [m+k-1, P];
-//   view: the model's cache [layers, 2, Hkv, >= L+m+k-1, D] with strides st[0..3].
-//   Greedy (u null): tokens [k] the head's argmax, tops [k] its probability (for p-min).
-//   Sampled: q_j = softmax(logits_j * inv_t) into q [k, N], or with `ids` into q [k, V] (zeroed by
-//   the caller: a cut head's q is zero outside its tokens), and guess j by the inverse CDF on
-//   the uniform draw u [j] made by the caller from the run's generator (`verify.sample`: the
-//   first token whose running sum of q_j, in float64 and in order, exceeds u_j times the total).
-// scratch: smallem_step's for T = max(m, 1) (step_scratch floats), then 3 d + N + m d floats.
-// seen (V bytes, null: no penalty): the repetition penalty's context before the round; each
-// guess is scored as the target's row will be (`smallem_penalize`: seen and the guesses before
-// it), in `mark` (V bytes of scratch).
-extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const float *head_scale, int head_kind, int N,
-                              const float *g_final,
-                              const int64_t *ids, const float *h0, const int64_t *feed, const float *feed_h, int m,
-                              int k, const float *cos_t, const float *sin_t, kv_t *view, const int64_t *st, int L,
-                              const double *u, float inv_t, int64_t *tokens, float *tops, float *q, float *scratch,
-                              int step_scratch, int threads, const uint8_t *seen, float penalty, uint8_t *mark) {
-    const int d = mw->dim, P = (mw->n_heads + 2 * mw->n_kv_heads) * mw->head_dim / 2;
-    float *state = scratch + step_scratch, *next = state + d, *xn = next + d, *logits = xn + d, *xs = logits + N;
-    if (m > 0) {  // the catch-up (its K/V into the cache at L ..): its last state is where the guesses start
-        smallem_step(mw, feed, feed_h, m, cos_t, sin_t, view, st, L, xs, nullptr, 0, view + L * st[3], st, scratch,
-                     threads, nullptr);
-        memcpy(state, xs + (size_t)(m - 1) * d, d * sizeof(float));
-        cos_t += (size_t)m * P, sin_t += (size_t)m * P, L += m;
-    } else {
-        memcpy(state, h0, d * sizeof(float));
-    }
-    if (seen) memcpy(mark, seen, mw->vocab);  // the penalty's context: seen, then each guess
+// A proposer's chain of k draft tokens in one call (`NativeSteps.chain`). First the catch-up on the
+// m >= 1 entries the round confirmed (`feed` [m], the MTP module's target states `feed_h` [m, d] or
+// null for a draft; their K/V go to the cache at L, L+1, ..): the head picks draft token 1 from its
+// last state; then each further draft token feeds the one before it back through the model at the
+// next position: the MTP module reads its own last state with it, a draft its token alone. The
+// chained entries' K/V are written into `view` after the catch-up's (the caller reserved them; the
+// MTP module drops them after the round, a draft keeps those the target accepts), so that each step
+// reads them as past.
+struct Chain {
+    Mat head;               // N rows of d in panels (the proposer's head, maybe cut to N rows)
+    int N;
+    const float *g_final;   // [d] the final norm
+    const int64_t *ids;     // [N] a cut head's row -> token, or null: row = token
+    const int64_t *feed;    // [m]
+    const float *feed_h;    // [m, d] or null
+    int m, k;
+    const float *cos_t, *sin_t;  // [m+k-1, P] from position L on
+    kv_t *view;             // the model's cache [layers, 2, Hkv, >= L+m+k-1, D]
+    const int64_t *st;      // its strides [4]
+    int L;
+    // Sampled (u non-null): q_j = softmax(logits_j * inv_t) into q [k, N], or with `ids` into q [k, V]
+    // (zeroed by the caller: a cut head's q is zero outside its tokens), and draft token j by the
+    // inverse CDF on the caller's uniform u [j] (`verify.sample`: the first token whose running sum of
+    // q_j, in float64 and in order, exceeds u_j times the total). Greedy: the head's argmax, tops [k]
+    // its probability.
+    const double *u;
+    float inv_t;
+    int64_t *tokens;        // [k] out
+    float *tops, *q;        // [k] out; [k, N or V] out (sampled)
+    float *scratch;         // smallem_step's for T = m (step_scratch floats), then 3 d + N + m d floats
+    int step_scratch, threads;
+    // The repetition penalty's context before the round (V bytes; null: none): each draft token is
+    // scored as the target's row will be (`smallem_penalize`: seen and the draft tokens before it),
+    // in `mark` (V bytes of scratch).
+    const uint8_t *seen;
+    float penalty;
+    uint8_t *mark;
+};
+
+extern "C" void smallem_chain(const ModelW *mw, const Chain *c) {
+    const int d = mw->dim, P = (mw->n_heads + 2 * mw->n_kv_heads) * mw->head_dim / 2, N = c->N, k = c->k;
+    const int64_t *ids = c->ids, *st = c->st;
+    const uint8_t *seen = c->seen;
+    uint8_t *mark = c->mark;
+    kv_t *view = c->view;
+    float *scratch = c->scratch, *state = scratch + c->step_scratch, *next = state + d, *xn = next + d;
+    float *logits = xn + d, *xs = logits + N;
+    int L = c->L;
+    // the catch-up (its K/V into the cache at L ..): its last state is where the draft starts
+    smallem_step(mw, c->feed, c->feed_h, c->m, c->cos_t, c->sin_t, view, st, L, xs, nullptr, 0, view + L * st[3], st,
+                 scratch, c->threads, nullptr);
+    memcpy(state, xs + (size_t)(c->m - 1) * d, d * sizeof(float));
+    const float *cos_t = c->cos_t + (size_t)c->m * P, *sin_t = c->sin_t + (size_t)c->m * P;
+    L += c->m;
+    if (seen) memcpy(mark, seen, mw->vocab);  // the penalty's context: seen, then each draft token
     for (int j = 0; j < k; j++) {
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(c->threads)
         {
-            rms_rows(state, 1, d, mw->eps, g_final, xn);
-            matmul(xn, 1, d, Mat{head_rows, head_scale, head_kind}, N, d, logits, N, false);
+            rms_rows(state, 1, d, mw->eps, c->g_final, xn);
+            matmul(xn, 1, d, c->head, N, d, logits, N, false);
         }
         if (seen)  // the repetition penalty, as the target's rows get it (`smallem_penalize`)
             for (int i = 0; i < N; i++)
-                if (mark[ids ? ids[i] : i]) logits[i] = repeated(logits[i], penalty);
+                if (mark[ids ? ids[i] : i]) logits[i] = repeated(logits[i], c->penalty);
         int best = 0;
         for (int i = 1; i < N; i++)
             if (logits[i] > logits[best]) best = i;
-        if (u) {  // q = softmax(logits / T), then the inverse CDF at u_j
+        if (c->u) {  // q = softmax(logits / T), then the inverse CDF at u_j
             // q_j over the vocabulary: row i of a cut head is token ids[i]'s column
-            float *qj = q + (size_t)j * (ids ? mw->vocab : N);
+            float *qj = c->q + (size_t)j * (ids ? mw->vocab : N);
             auto col = [&](int i) { return ids ? ids[i] : (int64_t)i; };
-            const float inv = 1.0f / exp_sum(logits, logits, N, inv_t, logits[best] * inv_t);  // logits -> weights
+            const float inv = 1.0f / exp_sum(logits, logits, N, c->inv_t, logits[best] * c->inv_t);  // logits -> weights
             double total = 0.0;
             for (int i = 0; i < N; i++) {
                 qj[col(i)] = logits[i] * inv;
                 total += qj[col(i)];
             }
-            const double v = u[j] * total;
+            const double v = c->u[j] * total;
             double run = 0.0;
             best = N - 1;  // v rounded up to the total: the last
             for (int i = 0; i < N; i++) {
@@ -303,16 +319,16 @@ extern "C" void smallem_chain(const ModelW *mw, const void *head_rows, const flo
                     break;
                 }
             }
-            tops[j] = qj[col(best)];
+            c->tops[j] = qj[col(best)];
         } else {
-            tops[j] = 1.0f / exp_sum(logits, logits, N, 1.0f, logits[best]);
+            c->tops[j] = 1.0f / exp_sum(logits, logits, N, 1.0f, logits[best]);
         }
-        tokens[j] = ids ? ids[best] : best;
-        if (seen) mark[tokens[j]] = 1;
+        c->tokens[j] = ids ? ids[best] : best;
+        if (seen) mark[c->tokens[j]] = 1;
         if (j == k - 1) break;
-        int64_t tok = tokens[j];
+        int64_t tok = c->tokens[j];
         smallem_step(mw, &tok, mw->table ? state : nullptr, 1, cos_t + (size_t)j * P, sin_t + (size_t)j * P, view, st,
-                     L + j, next, nullptr, 0, view + (L + j) * st[3], st, scratch, threads, nullptr);  // K/V in place
+                     L + j, next, nullptr, 0, view + (L + j) * st[3], st, scratch, c->threads, nullptr);  // K/V in place
         memcpy(state, next, d * sizeof(float));
     }
 }

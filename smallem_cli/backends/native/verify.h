@@ -44,7 +44,7 @@ static float filter_row(const float *l, float *r, int V, float sum, int top_k, f
             head = h;
             if (run >= top_p || h == m) break;
         }
-        float before = 0.0f;  // the probability of the more probable tokens kept so far
+        float before = 0.0f;  // the probability of the more probable tokens left in so far
         int keep = 0;
         while (keep < head && (keep == 0 || before < top_p)) before += r[idx[keep++]] * inv;
         for (int i = keep; i < m; i++) r[idx[i]] = 0.0f;
@@ -55,24 +55,24 @@ static float filter_row(const float *l, float *r, int V, float sum, int top_k, f
         float top = 0.0f;
         for (int i = 0; i < V; i++) top = r[i] > top ? r[i] : top;
         const float cut = min_p * (top / sum);
-        float kept = 0.0f;
+        float left = 0.0f;
         for (int i = 0; i < V; i++) {
             if (r[i] / sum < cut) r[i] = 0.0f;
-            kept += r[i];
+            left += r[i];
         }
-        sum = kept;
+        sum = left;
     }
     return sum;
 }
 
 // Speculative sampling's verification of one sequence, as `verify.verify_sample` after
-// `verify.warp` (the same draws from the same uniforms): guess j is kept when
+// `verify.warp` (the same draws from the same uniforms): draft token j is accepted when
 // u[j] q[j, x_j] < p_j(x_j), p_j = softmax(logits_j inv_t) filtered (`filter_row`); at the
-// first guess kept not, n, the next token is drawn from max(0, p_n - q_n) (from p_n if that
-// is all zero), and after k kept from p_k, by the inverse CDF on u_next (`verify.sample`:
+// first one rejected, n, the next token is drawn from max(0, p_n - q_n) (from p_n if that
+// is all zero), and after k accepted from p_k, by the inverse CDF on u_next (`verify.sample`:
 // float64 running sums in token order). logits [k+1, V], drafts [k], q [k, V] (null when
 // k = 0), u [k] float32, u_next [1] float64; r: 3 V floats of scratch. out [k + 2]: n, then
-// the k+1 tokens (the guesses with the drawn token at n; the ones after it to be ignored).
+// the k+1 tokens (the draft tokens with the drawn token at n; the ones after it to be ignored).
 extern "C" void smallem_verify_sample(const float *logits, int k, int V, float inv_t, const int64_t *drafts,
                                       const float *q, const float *u, const double *u_next, float *r, int64_t *out,
                                       int top_k, float top_p, float min_p) {
