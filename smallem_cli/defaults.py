@@ -15,6 +15,10 @@ PROPOSER = {"greedy": "ngram+mtp", "sample": "mtp"}
 # `bench`'s rows beside the target alone when no --proposers are named: the shipped ones beside a smallem
 # checkpoint (an HF folder or a GGUF file ships none: `family.bench_proposers`).
 BENCH_PROPOSERS = ("draft-2l", "draft-4l", "mtp")
+BENCH_PROPOSERS_HELP = (
+    f"comma-separated proposers (default: those of {','.join(BENCH_PROPOSERS)} beside a smallem checkpoint; for an HF "
+    "folder or a GGUF file: ngram and any MTP module for it found beside it)"
+)
 PROPOSER_HELP = (
     f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P (default: {PROPOSER['greedy']} greedy, "
     f"{PROPOSER['sample']} sampled; HF: none)"
@@ -73,6 +77,10 @@ SERVE_STREAM_RATE = 400.0  # server-sent events a second, shared by the requests
 # seconds a request's line and headers, then its body, may take to arrive; the listen backlog (sockets accepted
 # in one round before any is counted: they too must stay under the file limit).
 SERVE_MAX_CONNECTIONS = 512
+CONNECTIONS_HELP = (
+    f"connections open at once, at most; more are refused at once (default: {SERVE_MAX_CONNECTIONS}, or what the file "
+    "limit allows)"
+)
 SERVE_HEADER_TIMEOUT = 10.0
 SERVE_BODY_TIMEOUT = 60.0
 SERVE_BACKLOG = 128

@@ -17,3 +17,10 @@ INPUT_ERRORS = (UsageError, ValueError, OSError)
 def one_line(msg: str) -> str:
     """An error message on one line (a library's message may hold newlines)."""
     return " ".join(msg.split()) if "\n" in msg or "\r" in msg else msg
+
+
+def first_fault(*rules: tuple[object, str]) -> None:
+    """Checks written as a table of (fault, message): UsageError with the message of the first fault that holds."""
+    for fault, message in rules:
+        if fault:
+            raise UsageError(message)

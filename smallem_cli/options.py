@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import defaults
-from .errors import BadField, UsageError, one_line
+from .errors import BadField, UsageError, first_fault, one_line
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -125,53 +125,37 @@ def slack(proposer: str, k: int | None) -> int:
     return max(pick_k(proposer, k, True), pick_k(proposer, k, False))
 
 
-def check_sampling(
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    seed: int = 0,
-    min_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    stops: list[str] | None = None,
-    max_new_tokens: int = 1,
-) -> None:
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int = 0,
+                   min_p: float | None = None, repetition_penalty: float = 1.0, stops: list[str] | None = None,
+                   max_new_tokens: int = 1) -> None:  # fmt: skip
     """The generation options, checked before anything loads (or stdin is awaited)."""
-    if max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise UsageError(f"temperature must be >= 0, got {temperature}")
-    if not math.isfinite(temperature):
-        raise UsageError(f"temperature must be >= 0 and finite, got {temperature}")
-    if 0 < temperature < defaults.MIN_TEMPERATURE:
-        raise UsageError(
+    low, high = defaults.MIN_PENALTY, defaults.MAX_PENALTY
+    first_fault(
+        (max_new_tokens < 1, f"--max-new-tokens must be >= 1, got {max_new_tokens}"),
+        (not temperature >= 0, f"temperature must be >= 0, got {temperature}"),
+        (not math.isfinite(temperature), f"temperature must be >= 0 and finite, got {temperature}"),
+        (
+            0 < temperature < defaults.MIN_TEMPERATURE,
             f"temperature {temperature} is too small: below {defaults.MIN_TEMPERATURE} the logits divided by it "
-            "overflow to infinity; use 0 for greedy decoding"
-        )
-    if top_k is not None and top_k < 1:
-        raise UsageError(f"top-k must be >= 1, got {top_k}")
-    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise UsageError(f"top-p must be in (0, 1], got {top_p}")
-    if min_p is not None and not (math.isfinite(min_p) and 0 <= min_p < 1):
-        raise UsageError(f"--min-p must be in [0, 1), got {min_p}")
-    if not defaults.MIN_PENALTY <= repetition_penalty <= defaults.MAX_PENALTY:  # NaN too
-        raise UsageError(
-            f"--repetition-penalty must be between {defaults.MIN_PENALTY:g} and {defaults.MAX_PENALTY:g} (1 = off), "
-            f"got {repetition_penalty}"
-        )
-    if stops is not None and "" in stops:
-        raise UsageError("--stop needs a string that is not empty")
-    if not 0 <= seed <= defaults.MAX_SEED:
-        raise UsageError(f"--seed must be between 0 and 2^63-1, got {seed}")
+            "overflow to infinity; use 0 for greedy decoding",
+        ),
+        (top_k is not None and top_k < 1, f"top-k must be >= 1, got {top_k}"),
+        (top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1), f"top-p must be in (0, 1], got {top_p}"),
+        (
+            min_p is not None and not (math.isfinite(min_p) and 0 <= min_p < 1),
+            f"--min-p must be in [0, 1), got {min_p}",
+        ),
+        (  # NaN too
+            not low <= repetition_penalty <= high,
+            f"--repetition-penalty must be between {low:g} and {high:g} (1 = off), got {repetition_penalty}",
+        ),
+        (stops is not None and "" in stops, "--stop needs a string that is not empty"),
+        (not 0 <= seed <= defaults.MAX_SEED, f"--seed must be between 0 and 2^63-1, got {seed}"),
+    )
 
 
-def read_prompts(
-    path: Path,
-    cfg: ModelConfig,
-    max_new: int,
-    ks: dict[str, list[int]],
-    tokenizer: Tokenizer | None = None,
-    chat: ChatFormat | None = None,
-) -> list[list[int]]:
+def read_prompts(path: Path, cfg: ModelConfig, max_new: int, ks: dict[str, list[int]],
+                 tokenizer: Tokenizer | None = None, chat: ChatFormat | None = None) -> list[list[int]]:  # fmt: skip
     """`bench`'s prompts file, a JSON object a line: its "tokens", else its "text" (by `tokenizer`), else its
     "messages" (by `chat`'s template); each leaves room for max_new tokens and the largest k's pass."""
     try:
@@ -325,9 +309,11 @@ def weights_list(text: str) -> list[str]:
     return got
 
 
-def check_vocab(proposer_vocab: int | None) -> None:
-    if proposer_vocab is not None and proposer_vocab < 0:
-        raise UsageError(f"--proposer-vocab must be >= 0, got {proposer_vocab}")
+def proposer_vocab(greedy: bool, chosen: int | None) -> int:
+    """--proposer-vocab, checked; else the mode's default."""
+    if chosen is not None and chosen < 0:
+        raise UsageError(f"--proposer-vocab must be >= 0, got {chosen}")
+    return defaults.proposer_vocab(greedy, chosen)
 
 
 def check_bench(modes: str, repeats: int, max_new: int, peer: str | None, plot: bool) -> list[str]:

@@ -63,7 +63,7 @@ def test_v_is_read_on_the_target_round(family: Family, monkeypatch: pytest.Monke
         return out
 
     monkeypatch.setattr(TargetRunner, "verify_pass", spy_verify)
-    monkeypatch.setattr(costs, "_interleaved", interleaved)
+    monkeypatch.setattr(costs, "interleaved", interleaved)
     unit, v = costs.pass_costs(target.model, [1, 2, 3, 5], PROMPT, b)
     assert unit == pytest.approx(0.011)
     assert v == pytest.approx({T: (0.010 + 0.001 * T) / 0.011 for T in (1, 2, 3, 5)})
@@ -93,7 +93,7 @@ def test_a_timed_target_round_leaves_its_sequence_as_it_was(
         outs.update({name: [fn(), fn(), fn()] for name, fn in fns.items()})
         return dict.fromkeys(fns, 1.0)
 
-    monkeypatch.setattr(costs, "_interleaved", interleaved)
+    monkeypatch.setattr(costs, "interleaved", interleaved)
     costs.pass_costs(target.model, [2, 4], PROMPT, b, context=40)
     assert set(outs) == {1, 2, 4} and set(before) == {0, 1, 3}
     for k, states in before.items():

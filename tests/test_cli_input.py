@@ -77,7 +77,7 @@ def test_json_on_ctrl_c_keeps_what_was_generated(family: Family, monkeypatch: py
         yield [42]
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("smallem_cli.engine.generate.stream", interrupted)
+    monkeypatch.setattr("smallem_cli.engine.generate.answer", interrupted)
     res = CliRunner().invoke(app, ["generate", PROMPT, "--target", str(family.target), "--json"])
     assert res.exit_code == 130
     data = json.loads(res.stdout)

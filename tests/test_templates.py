@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
 from smallem_cli.cli.app import app
+from smallem_cli.engine.request import Request
 from smallem_cli.interop.gguf import add_llama_metadata, gguf_tensors, gguf_vocab
 from smallem_cli.model import checkpoint
 from smallem_cli.model.chat import ChatError, ChatFormat, chat_ids, hf_format, messages, render
@@ -219,14 +220,14 @@ def test_typed_control_tokens_reach_the_model_as_text(family: Family, tmp_path: 
     seen: list[list[int]] = []
     import smallem_cli.engine.generate as G
 
-    original = G.stream
+    original = G.answer
 
-    def spy(model: object, loaded: object, ids: list[int], *rest: object) -> Iterator[list[int]]:
-        seen.append(list(ids))
-        return original(model, loaded, ids, *rest)  # type: ignore[arg-type]
+    def spy(engine: object, request: Request, *rest: object) -> Iterator[list[int]]:
+        seen.append(list(request.prompt))
+        return original(engine, request, *rest)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(G, "stream", spy)
+        m.setattr(G, "answer", spy)
         ok(gen(TYPED, "--target", str(target), "--chat"))
     assert seen == [want] and tok.token_to_id("<|im_start|>") in want
     line = TYPED.replace("\n", " ")  # a message a line

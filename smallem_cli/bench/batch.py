@@ -44,22 +44,14 @@ class BatchRow:
     runs_tokens_per_s: list[float]
 
 
-def _timed(eng: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[Finished]]:
-    reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
-    done = {f.request.index: f for f in eng.run(reqs)}
-    return time.perf_counter() - t0, [done[i] for i in range(len(prompts))]
-
-
-def alone_at_batch(
-    tgt: family.Target, prompts: list[list[int]], max_new_tokens: int, engine: str, log: Log
-) -> tuple[float, list[list[int]]]:
+def alone_at_batch(tgt: family.Target, prompts: list[list[int]], max_new_tokens: int, engine: str,
+                   log: Log) -> tuple[float, list[list[int]]]:  # fmt: skip
     """The target alone through the batch engine, the prompts as one batch -> (tokens/s, each prompt's tokens)."""
     device = tgt.model.embed_tokens.weight.device
     eng = _engine(tgt, device, "none", None, len(prompts), Backend(engine), defaults.PROPOSER_WEIGHTS, log)
     _timed(eng, [p[:16] for p in prompts], 8)
-    wall, done = _timed(eng, prompts, max_new_tokens)
-    return sum(len(f.tokens) for f in done) / wall, [f.tokens for f in done]
+    t = _timed(eng, prompts, max_new_tokens)
+    return t.tokens / t.wall_s, [f.tokens for f in t.done]
 
 
 Run = tuple[str, str, int | None, int]  # engine, proposer, k (None: the load policy's), batch size
@@ -75,6 +67,13 @@ class Timed:
     @property
     def tokens(self) -> int:
         return sum(len(f.tokens) for f in self.done)
+
+
+def _timed(eng: Engine, prompts: list[list[int]], max_new_tokens: int) -> Timed:
+    reqs = [Request(i, i, tuple(p), max_new_tokens) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    done = {f.request.index: f for f in eng.run(reqs)}
+    return Timed(time.perf_counter() - t0, [done[i] for i in range(len(prompts))], eng.rounds, eng.preemptions)
 
 
 def _row(run: Run, timed: list[Timed], reference: list[list[int]]) -> BatchRow:
@@ -141,9 +140,8 @@ def from_cli(tgt: family.Target, device: torch.device, names: list[str], sizes: 
     timed: dict[Run, list[Timed]] = {run: [] for run in runs}
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("bench --batch", total=len(runs) * repeats)
-        # every configuration once a round, `repeats` rounds: a slow spell of a shared host falls on all
-        # of them, not on one, so the ratios of their medians hold where single runs do not. One engine
-        # at a time (their caches together could outgrow the memory): each run builds its own.
+        # every configuration once a round, `repeats` rounds: a slow spell of a shared host falls on all of them, so
+        # the ratios of their medians hold. Each run builds its own engine (all caches together could outgrow memory).
         for rep in range(repeats):
             for run in runs:
                 engine, name, k, size = run
@@ -151,10 +149,7 @@ def from_cli(tgt: family.Target, device: torch.device, names: list[str], sizes: 
                 args = (tgt, device, name, k, size, backends.setdefault(engine, Backend(engine)), weights, err.print)
                 if rep == 0:  # its code warmed up on short requests, on an engine of its own
                     _timed(_engine(*args), [p[:16] for p in prompts], 8)
-                eng = _engine(*args)  # every timed run's fresh
-                wall, done = _timed(eng, prompts, max_new_tokens)
-                timed[run].append(Timed(wall, done, eng.rounds, eng.preemptions))
-                del eng
+                timed[run].append(_timed(_engine(*args), prompts, max_new_tokens))  # a fresh engine every run
     reference = [f.tokens for f in timed[runs[0]][0].done]
     rows = [_row(run, timed[run], reference) for run in runs]
     if plot_file:  # throughput against batch size, a line per engine, proposer and k

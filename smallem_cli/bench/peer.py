@@ -27,15 +27,14 @@ from ..interop import vllm_peer as vllm  # (the module: `vllm_peer` below is thi
 from ..interop.hf import export_hf
 from ..stats import Stats
 from .batch import alone_at_batch
-from .run import Gen, Plan, Row, best_greedy, our_row, pass_costs, right_table, round_robin
+from .run import Gen, Plan, Row, best_greedy, interleaved, our_row, pass_costs, right_table, round_robin
 
 LLAMACPP_PASSES = (2, 3, 5, 9)  # T of the passes timed against a one-token pass (k+1 of k = 1, 2, 4, 8)
 COST_CONTEXT = 132  # positions in the cache when a pass is timed, as `run.pass_costs`'s
 
 
-def run_peer(
-    peer: str, target: Target, ckpt_dir: Path, prompts: list[list[int]], rows: list[Row], plan: Plan, log: Log
-) -> list[dict]:
+def run_peer(peer: str, target: Target, ckpt_dir: Path, prompts: list[list[int]], rows: list[Row], plan: Plan,
+             log: Log) -> list[dict]:  # fmt: skip
     max_new = plan.max_new
     if peer == "llamacpp":  # with our fastest greedy speculative row, timed in turn
         return llamacpp_peer(target, prompts, plan, best_greedy(rows, plan))
@@ -114,9 +113,8 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     out = []
     for (label, [(st, outs)]), (name, kk) in zip(runs.items(), [("none", 0), ("draft-2l", k)], strict=True):
         row, same = our_row(rows, name, kk), vllm.agreement(ref, outs)[0]
-        out.append(
-            vllm.peer_row(label, st.tokens_per_s, row.tokens_per_s if row else math.nan, f"{same}/{len(prompts)}")
-        )
+        ours = row.tokens_per_s if row else math.nan
+        out.append(vllm.peer_row(label, st.tokens_per_s, ours, f"{same}/{len(prompts)}"))
     return out
 
 
@@ -165,30 +163,24 @@ class LlamaCpp:
         return out
 
     def pass_seconds(self, prompt: list[int], passes: list[int], reps: int = 60) -> dict[int, float]:
-        """Median seconds of a pass over T tokens (all T's logits) at COST_CONTEXT, as `run._interleaved`."""
+        """Median seconds of a pass over T tokens (all T's logits) at COST_CONTEXT, timed as ours (`interleaved`)."""
         ids = (prompt * (COST_CONTEXT // len(prompt) + 1))[:COST_CONTEXT]
         self.clear()
         self.decode(ids, 0)
-        times: dict[int, list[float]] = {T: [] for T in passes}
-        for r in range(reps + 2):
-            for T in passes:
-                t0 = time.perf_counter()
-                self.decode(ids[:T], COST_CONTEXT, all_logits=True)
-                self.lib.llama_get_logits_ith(self.ctx, -1)
-                dt = time.perf_counter() - t0
-                self.drop(COST_CONTEXT)
-                if r >= 2:
-                    times[T].append(dt)
-        return {T: statistics.median(ts) for T, ts in times.items()}
+        return interleaved({T: partial(self._pass, ids[:T]) for T in passes}, reps)
+
+    def _pass(self, tokens: list[int]) -> None:
+        self.decode(tokens, COST_CONTEXT, all_logits=True)
+        self.lib.llama_get_logits_ith(self.ctx, -1)
+        self.drop(COST_CONTEXT)  # the cache as it was (timed with the pass: a trim of T cells, next to nothing)
 
     def close(self) -> None:
         self.lib.llama_batch_free(self.batch)
         self.llm.close()
 
 
-def llamacpp_peer(
-    target: Target, prompts: list[list[int]], plan: Plan, spec: tuple[str, LoadedProposer, int] | None
-) -> list[dict]:
+def llamacpp_peer(target: Target, prompts: list[list[int]], plan: Plan,
+                  spec: tuple[str, LoadedProposer, int] | None) -> list[dict]:  # fmt: skip
     """llama.cpp on the target as GGUF in f32 and f16 (a GGUF target's own file first), greedy, timed in turn
     with our target alone and `spec` (name, proposer, k) on the plan's fastest engine; pass costs of both."""
     from ..interop.gguf import restore_gguf, write_gguf

@@ -1,8 +1,6 @@
-"""Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each). Every row is timed in the
-same run as the target alone, so speed-ups are ratios of measurements taken side by side on the same (noisy,
-shared) machine. The seed's cost model takes α, c (a proposer's cost per draft token) and v (a round's target side
-over k+1 tokens), in rounds of the target alone, read from a row's own runs (`run_costs`): measured / predicted
-tells what the loop loses. `pass_costs` times the target's side alone, set beside a peer's passes."""
+"""Benchmark: the seed's protocol (8 prompts of 32 tokens, 200 new tokens each). Every row is timed in the same run as
+the target alone, so speed-ups are ratios of measurements taken side by side on the same (noisy, shared) machine; the
+seed's cost model (`predicted_speedup`, from the row's own runs: `run_costs`) says what the loop loses."""
 
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ from ..stats import Stats
 from ..train.data import read_documents
 
 
-def write_prompts(
-    val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32, restate: int = 0
-) -> None:
+def write_prompts(val_txt: Path, tokenizer_json: Path, out: Path, count: int = 8, length: int = 32,
+                  restate: int = 0) -> None:  # fmt: skip
     """COUNT prompts of LENGTH tokens: the openings of COUNT evenly spaced validation chunks (or of their
     LENGTH-token windows, if fewer), each then restating its first `restate` tokens on a new line."""
     tok = load_tokenizer(tokenizer_json)
@@ -82,9 +79,8 @@ class Row:
 Gen = Callable[[int, list[int], int], tuple[list[int], Stats]]  # (prompt's index, prompt, n) -> (tokens, stats)
 
 
-def round_robin(
-    gens: dict[str, Gen], prompts: list[list[int]], max_new: int, repeats: int, progress: engines.Log | None = None
-) -> dict[str, list[tuple[Stats, list[list[int]]]]]:
+def round_robin(gens: dict[str, Gen], prompts: list[list[int]], max_new: int, repeats: int,
+                progress: engines.Log | None = None) -> dict[str, list[tuple[Stats, list[list[int]]]]]:  # fmt: skip
     """Every gen warmed up, then on prompt 1, on prompt 2, ..., `repeats` times, so that a slow spell of a shared
     machine falls on all alike -> per gen, per run: (its stats summed over the prompts, its outputs)."""
     for gen in gens.values():
@@ -107,9 +103,8 @@ def round_robin(
 def _add(total: Stats, st: Stats) -> None:
     for name in ("new_tokens", "passes", "proposed", "accepted", "elapsed_s", "propose_s", "round_s"):
         setattr(total, name, getattr(total, name) + getattr(st, name))
-    total.accepted_at = [a + b for a, b in zip_longest(total.accepted_at, st.accepted_at, fillvalue=0)]
-    by, st_by = total.rounds_by_drafted, st.rounds_by_drafted
-    total.rounds_by_drafted = [a + b for a, b in zip_longest(by, st_by, fillvalue=0)]
+    for name in ("accepted_at", "rounds_by_drafted"):  # by depth (a fresh total has no depths yet)
+        setattr(total, name, [a + b for a, b in zip_longest(getattr(total, name), getattr(st, name), fillvalue=0)])
 
 
 def _summed(run: list[tuple[Stats, list[list[int]]]]) -> Stats:
@@ -169,9 +164,8 @@ def _gen(target: Transformer, p: LoadedProposer, k: int, draws: Sampling, backen
     return lambda i, prompt, n: generate(target, p, prompt, n, k, replace(draws, seed=draws.seed + i), backend=backend)
 
 
-def run_bench(
-    target: Transformer, prompts: list[list[int]], plan: Plan, progress: engines.Log | None = None
-) -> list[Row]:
+def run_bench(target: Transformer, prompts: list[list[int]], plan: Plan,
+              progress: engines.Log | None = None) -> list[Row]:  # fmt: skip
     """Every configuration of the plan, the target alone first, timed in the same run (`round_robin`)."""
     backends = {e: plan.backends.get(e) or Backend(e) for e in ("eager", *plan.engines)}
     rows: list[Row] = []
@@ -206,12 +200,7 @@ def run_bench(
     return rows
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _interleaved(fns: dict[int, Callable[[], object]], reps: int) -> dict[int, float]:
+def interleaved(fns: dict[int, Callable[[], object]], reps: int) -> dict[int, float]:
     """Median seconds of each fn over reps calls, taken round-robin (after two warm-up rounds), so
     that a shift in the machine's load touches every fn alike and their ratios stay true."""
     times: dict[int, list[float]] = {name: [] for name in fns}
@@ -219,7 +208,8 @@ def _interleaved(fns: dict[int, Callable[[], object]], reps: int) -> dict[int, f
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            sync()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             if r >= 2:
                 times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
@@ -250,9 +240,8 @@ def _target_round(t: TargetRunner, s: Seq, drafts: torch.Tensor, span: int) -> C
 
 
 @torch.inference_mode()
-def pass_costs(
-    target: Transformer, ts: list[int], prompt: list[int], backend: Backend, context: int = 132, reps: int = 60
-) -> tuple[float, dict[int, float]]:
+def pass_costs(target: Transformer, ts: list[int], prompt: list[int], backend: Backend, context: int = 132,
+               reps: int = 60) -> tuple[float, dict[int, float]]:  # fmt: skip
     """The seconds of the target's round of one token (the unit) at `context`, and of one over each T of `ts` in it."""
     span = context + max(ts) + 4
     engine = build(EngineConfig(target, NONE, backend, k=max(ts), pages=pages_for(span, defaults.PAGE_SIZE)))
@@ -267,9 +256,9 @@ def pass_costs(
     # The unit is timed as the target alone runs: its rounds back to back, its weights kept in the
     # CPU's cache, before and after the rest (a shift of the machine's load in between touches both).
     alone = {1: _target_round(t, s, feed[:0], span)}
-    before = _interleaved(alone, reps)[1]
-    times = _interleaved(fns, reps)
-    unit = (before + _interleaved(alone, reps)[1]) / 2
+    before = interleaved(alone, reps)[1]
+    times = interleaved(fns, reps)
+    unit = (before + interleaved(alone, reps)[1]) / 2
     pool.release(s.uid)
     return unit, {T: times.get(T, unit) / unit for T in ts}
 
@@ -324,12 +313,10 @@ def save_plot(lines: dict[str, list[tuple[float, float]]], path: Path, xlabel: s
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    lines = {}
-    for mode, engine in sorted({(r.mode, r.engine) for r in rows}):
-        for name in sorted({r.proposer for r in rows if r.proposer != "none"}):
-            pts = sorted((r.k, r.speedup) for r in rows if (r.proposer, r.mode, r.engine) == (name, mode, engine))
-            if pts:
-                lines[f"{name} ({mode}, {engine})"] = pts
+    lines: dict[str, list[tuple[float, float]]] = {}  # a line per proposer, mode and engine
+    for r in sorted(rows, key=lambda r: (r.mode, r.engine, r.proposer, r.k)):
+        if r.proposer != "none":
+            lines.setdefault(f"{r.proposer} ({r.mode}, {r.engine})", []).append((r.k, r.speedup))
     save_plot(lines, path, "k (proposals per round)", "speed-up over the target alone", False)
 
 

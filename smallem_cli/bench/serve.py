@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -18,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,7 +74,7 @@ class ServerError(RuntimeError):
 def started(args: list[str]) -> Iterator[str]:
     """`smallem serve ARGS --port 0` in a process of its own -> its URL; SIGTERM at the end."""
     argv = [sys.executable, "-c", RUN, "serve", "--port", "0", "-q", *args]
-    p = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    p = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     assert p.stderr is not None
     try:
         lines, deadline = [], time.monotonic() + START_S
@@ -87,7 +86,7 @@ def started(args: list[str]) -> Iterator[str]:
             raise ServerError(f"smallem serve did not start: {''.join(lines[-3:]).strip() or 'no output'}")
         yield m.group(1)
     finally:
-        p.send_signal(signal.SIGTERM)
+        p.terminate()
         try:
             p.wait(60)
         except subprocess.TimeoutExpired:
@@ -95,10 +94,8 @@ def started(args: list[str]) -> Iterator[str]:
 
 
 def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
     s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+    return s[round(q * (len(s) - 1))] if s else 0.0
 
 
 async def _data(r: httpx.Response, max_events: int) -> AsyncIterator[str]:
@@ -181,8 +178,7 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, object]
     max_tokens = body["max_tokens"]
     assert isinstance(max_tokens, int)
     t0 = time.perf_counter()
-    first, last, gaps, parts = None, t0, [], []
-    tokens = None
+    stamps, parts, tokens = [], [], None  # when each chunk of text came, and what it said
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise ServerError(f"the server answered {r.status_code}: {await _head(r)}")
@@ -190,16 +186,12 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, object]
             text, told = _event(data, max_tokens)
             tokens = told if told is not None else tokens
             if text:
-                now = time.perf_counter()
-                if first is None:
-                    first = now - t0
-                else:
-                    gaps.append(now - last)
-                last = now
+                stamps.append(time.perf_counter())
                 parts.append(text)
     if not parts and not tokens:  # nothing to time, nor to compare
         raise ServerError("the server streamed an answer with no text and no token count")
-    return _Answer(prompt, "".join(parts), tokens or 0, first or 0.0, gaps)
+    gaps = [b - a for a, b in pairwise(stamps)]
+    return _Answer(prompt, "".join(parts), tokens or 0, stamps[0] - t0 if stamps else 0.0, gaps)
 
 
 async def _load(url: str, model: str | None, prompts: list[list[int]], clients: int, requests: int,

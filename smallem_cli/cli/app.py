@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.text import Text
 
 from .. import options
-from ..errors import INPUT_ERRORS, one_line
+from ..errors import INPUT_ERRORS, UsageError, one_line
 
 if TYPE_CHECKING:
-    from ..engine.config import EngineConfig
     from ..engine.family import Target as Model
+    from ..engine.scheduler import Engine
     from ..stats import Stats
 
 app = typer.Typer(
@@ -56,30 +56,21 @@ def bad_input(*more: type[Exception]) -> Iterator[None]:
         raise fail(str(e)) from None
 
 
-def load_run(
-    target: Path,
-    proposer: str,
-    device: str,
-    tokenizer: Path | None,
-    vocab: int,
-    tree: tuple[int, int] | None,
-    weights: str,
-    engine: str,
-    threads: int | None,
-    quiet: bool,
-    chat: bool = False,
-    share: bool = True,
-) -> tuple[Model, EngineConfig]:
-    """What every command that runs the engine loads: the target (`chat`: its chat template checked first), the
-    proposer (`vocab`: its head's cut), the backend with every model's native steps built, the thread count set
-    (`share`: by default fewer threads while other processes run) -> the target and the engine's config (its end
-    tokens and decoder the target's). INPUT_ERRORS on bad input."""
+def load_run(target: Path, proposer: str, device: str, tokenizer: Path | None, vocab: int, tree: tuple[int, int] | None,
+             weights: str, engine: str, threads: int | None, quiet: bool, k: int | None, chat: bool = False,
+             max_batch: int = 1, share: bool = True) -> tuple[Model, Engine]:  # fmt: skip
+    """What a command that runs the engine loads: the target (`chat`: its chat template checked first), the proposer
+    (`vocab`: its head's cut), the backend with every model's native steps built, the threads (`share`: fewer while
+    other processes run) -> the target and its engine. INPUT_ERRORS on bad input."""
     import torch
 
     from ..backends.engines import Backend, chosen, engine_mode
     from ..engine import family
+    from ..engine.build import build
     from ..engine.config import EngineConfig
 
+    if max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
     dev = family.pick_device(device)
     backend = Backend(engine_mode(chosen(engine), dev))
     tgt = family.load_target(target, dev, tokenizer, chat)
@@ -88,7 +79,8 @@ def load_run(
         torch.set_num_threads(n)
     # every model the run may use, given its native steps (built once) before the clock starts
     backend.prepare(tgt.model, loaded.models, None if quiet else err.print, loaded.models if loaded.int8 else ())
-    return tgt, EngineConfig(tgt.model, loaded, backend, end_ids=tgt.chat.end_ids, decode=tgt.tok.decode)
+    config = EngineConfig(tgt.model, loaded, backend, k, max_batch, end_ids=tgt.chat.end_ids, decode=tgt.tok.decode)
+    return tgt, build(config)
 
 
 def stats_line(stats: Stats) -> str:

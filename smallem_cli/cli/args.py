@@ -14,15 +14,12 @@ Proposer = Annotated[str | None, typer.Option(help=defaults.PROPOSER_HELP)]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")]
 Threads = Annotated[int | None, typer.Option(help="torch CPU threads")]
 RunThreads = Annotated[int | None, typer.Option(help="CPU threads (default: all, fewer while other processes run)")]
-K = Annotated[
-    int | None,
-    typer.Option(
-        "-k",
-        "--k",
-        help=f"proposals per round, 1..16 (default: per proposer and mode); greedy requests get none while"
-        f" more than {defaults.SPECULATE_UP_TO} decode together",
-    ),
-]
+_K_HELP = (
+    "proposals per round, 1..16 (default: per proposer and mode); greedy requests get none while more than "
+    f"{defaults.SPECULATE_UP_TO} decode together"
+)
+K = Annotated[int | None, typer.Option("-k", "--k", help=_K_HELP)]
+MaxBatch = Annotated[int, typer.Option(help="requests decoded together, at most")]
 Engine = Annotated[str, typer.Option(help="auto ($SMALLEM_ENGINE, or native on a CPU) | native | native-avx2 | eager")]
 # The sampling options `generate`, `chat` and `batch` share (`batch`: a request's fields left out)
 MaxNew = Annotated[int, typer.Option("--max-new-tokens", "-n")]

@@ -8,21 +8,22 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 
 from .. import defaults, options
-from ..errors import INPUT_ERRORS, UsageError
+from ..errors import UsageError
 from . import args
-from .app import app, err, fail, load_run
+from .app import app, bad_input, err, fail, load_run
 from .console import BROKEN_PIPE_EXIT, stdout_to_devnull
 
 if TYPE_CHECKING:  # torch, through the engine: loaded once the command runs, not to parse it
-    from rich.progress import Progress
+    from rich.progress import Progress as Bar
 
     from ..engine.request import Request
+    from ..engine.scheduler import Progress
 
 
 def open_input(file: str | None) -> BinaryIO:
@@ -79,7 +80,7 @@ class Display:
         self.start = time.monotonic()
         self.answered = self.rejected = self.tokens = 0
         self.acceptance: float | None = None
-        self.bar: Progress | None = None
+        self.bar: Bar | None = None
         if show:
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -91,9 +92,8 @@ class Display:
             self.task = self.bar.add_task("batch", total=None, info="")
             self.bar.start()
 
-    def progress(self, p: Any) -> None:
-        """The engine's report: p.done, p.tokens, p.elapsed_s, p.acceptance."""
-        self.acceptance = float(p.acceptance)
+    def progress(self, p: Progress) -> None:
+        self.acceptance = p.acceptance
         if self.bar is not None:
             rate = p.tokens / p.elapsed_s if p.elapsed_s else 0.0
             self.bar.update(self.task, info=f"{rate:,.1f} tok/s, acceptance {p.acceptance:.2f}")
@@ -135,9 +135,7 @@ def batch(
     min_p: args.MinP = None,
     penalty: args.Penalty = 1.0,
     seed: args.Seed = defaults.SEED,
-    max_batch: Annotated[
-        int, typer.Option("--max-batch", help="requests decoded together, at most")
-    ] = defaults.MAX_BATCH,
+    max_batch: args.MaxBatch = defaults.MAX_BATCH,
     ordered: Annotated[bool, typer.Option("--ordered", help="answers in input order (held until their turn)")] = False,
     device: args.Device = defaults.DEVICE,
     threads: args.Threads = None,
@@ -157,69 +155,59 @@ def batch(
 
     Each line gets one answer: {"id", "text", "tokens", "stats"}, or {"id", "error"} for a bad line.
     """
-    from dataclasses import replace
-
     from ..engine import family
-    from ..engine.build import build
     from ..spec.sampling import NonFiniteError
     from . import batch_io
 
-    source: BinaryIO | None = None
-    try:
-        proposer = proposer or family.default_proposer(target, temperature == 0)
-        slack = options.slack(proposer, k)
-        options.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, max_new_tokens=max_new_tokens)
-        options.check_vocab(proposer_vocab)
-        if max_batch < 1:
-            raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
-        source = open_input(file)  # before the models load: a missing file fails at once
-        vocab = defaults.proposer_vocab(True, proposer_vocab)  # a batch mixes modes: the greedy head, the default
-        tgt, config = load_run(
-            target, proposer, device, tokenizer, vocab, options.tree(tree), weights, engine, threads, quiet, share=False
+    with ExitStack() as opened:
+        with bad_input():
+            proposer = proposer or family.default_proposer(target, temperature == 0)
+            slack = options.slack(proposer, k)
+            options.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, max_new_tokens=max_new_tokens)
+            vocab = options.proposer_vocab(True, proposer_vocab)  # a batch mixes modes: the greedy head, the default
+            source = open_input(file)  # before the models load: a missing file fails at once
+            if source is not sys.stdin.buffer:
+                opened.enter_context(source)  # closed after the run, or a failed load
+            tgt, eng = load_run(
+                target, proposer, device, tokenizer, vocab, options.tree(tree), weights, engine, threads, quiet, k,
+                max_batch=max_batch, share=False,
+            )  # fmt: skip
+
+        asked = batch_io.Defaults(
+            max_new_tokens, temperature, top_k, top_p, seed, min_p=min_p, repetition_penalty=penalty
         )
-        eng = build(replace(config, k=k, max_batch=max_batch))
-        tok = tgt.tok
-    except INPUT_ERRORS as e:
-        if source is not None and source is not sys.stdin.buffer:
-            source.close()
-        raise fail(str(e)) from None
-    assert source is not None  # opened above, or the command has ended
+        writer = batch_io.Writer(sys.stdout, whole_line, ordered)
+        shown = Display(show=not quiet and err.is_terminal)
 
-    asked = batch_io.Defaults(max_new_tokens, temperature, top_k, top_p, seed, min_p=min_p, repetition_penalty=penalty)
-    writer = batch_io.Writer(sys.stdout, whole_line, ordered)
-    shown = Display(show=not quiet and err.is_terminal)
+        def requests() -> Iterator[Request]:
+            lines = batch_io.parse_lines(source, asked, lambda text: tgt.tok.encode(text).ids, eng.context, slack)
+            for item in lines:
+                if isinstance(item, batch_io.Rejected):
+                    writer.put(item.index, {"id": item.id, "error": item.error})
+                    shown.answer(rejected=True)
+                else:
+                    yield item
 
-    def requests() -> Iterator[Request]:
-        lines = batch_io.parse_lines(source, asked, lambda text: tok.encode(text).ids, eng.context, slack)
-        for item in lines:
-            if isinstance(item, batch_io.Rejected):
-                writer.put(item.index, {"id": item.id, "error": item.error})
-                shown.answer(rejected=True)
-            else:
-                yield item
-
-    if eng.max_batch < max_batch and not quiet:
-        fits = eng.max_batch
-        err.print(f"--max-batch {max_batch} lowered to {fits}: the memory here holds the cache of {fits} sequences")
-    try:
-        for fin in eng.run(requests(), progress=shown.progress):
-            writer.put(fin.request.index, batch_io.answer(fin))
-            shown.answer(tokens=len(fin.tokens))
-        writer.close()
-    except KeyboardInterrupt:
-        shown.stop()  # the bar goes before the line
-        write_held(writer, batch_io.OutputClosed)
-        err.print("interrupted")
-        raise typer.Exit(130) from None
-    except batch_io.OutputClosed:  # the reader went away: nobody is left to tell
-        stdout_to_devnull()
-        raise typer.Exit(BROKEN_PIPE_EXIT) from None
-    except NonFiniteError as e:  # the answers written stay; the run stops loudly
-        shown.stop()
-        raise fail(str(e), 1) from None
-    finally:
-        shown.stop()
-        if source is not sys.stdin.buffer:
-            source.close()
+        if eng.max_batch < max_batch and not quiet:
+            fits = eng.max_batch
+            err.print(f"--max-batch {max_batch} lowered to {fits}: the memory here holds the cache of {fits} sequences")
+        try:
+            for fin in eng.run(requests(), progress=shown.progress):
+                writer.put(fin.request.index, batch_io.answer(fin))
+                shown.answer(tokens=len(fin.tokens))
+            writer.close()
+        except KeyboardInterrupt:
+            shown.stop()  # the bar goes before the line
+            write_held(writer, batch_io.OutputClosed)
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+        except batch_io.OutputClosed:  # the reader went away: nobody is left to tell
+            stdout_to_devnull()
+            raise typer.Exit(BROKEN_PIPE_EXIT) from None
+        except NonFiniteError as e:  # the answers written stay; the run stops loudly
+            shown.stop()
+            raise fail(str(e), 1) from None
+        finally:
+            shown.stop()
     if not quiet:
         err.print(shown.summary())

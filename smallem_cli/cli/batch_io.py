@@ -74,19 +74,17 @@ def parse_line(
                 if type(obj["id"]) not in (str, int):
                     raise BadField(f"id must be a string or an integer, got {options.shown(obj['id'])}")
                 rid = obj["id"]
-            unknown = sorted(set(obj) - set(FIELDS))
-            if unknown:
+            if unknown := sorted(set(obj) - set(FIELDS)):
                 raise BadField(f"unknown field {options.shown(unknown[0])} (fields: {', '.join(FIELDS)})")
             if "prompt" not in obj:
                 raise BadField('no prompt: a JSON request needs a "prompt" string')
             prompt = obj["prompt"]
             if not isinstance(prompt, str):
                 raise BadField(f"prompt must be a string, got {options.shown(prompt)}")
-            given: dict[str, object] = {}  # the fields given override the options'
-            for name, read in _READ.items():
-                if name in obj:
-                    given[name] = None if obj[name] is None and name in _OFF else read(name, obj[name])
-            opts = replace(defaults, **given)
+            given = {
+                n: None if obj[n] is None and n in _OFF else read(n, obj[n]) for n, read in _READ.items() if n in obj
+            }
+            opts = replace(defaults, **given)  # the fields given override the options'
         sampling = Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.min_p, opts.repetition_penalty)
         options.check_sampling(**asdict(sampling), max_new_tokens=opts.max_new_tokens)
         if not prompt.strip():

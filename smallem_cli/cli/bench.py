@@ -42,13 +42,7 @@ def prompts(
 @app.command()
 def bench(
     target: Annotated[Path, typer.Option(help="target checkpoint")] = defaults.TARGET,
-    proposers: Annotated[
-        str | None,
-        typer.Option(
-            help=f"comma-separated proposers (default: those of {','.join(defaults.BENCH_PROPOSERS)} beside a smallem "
-            "checkpoint; for an HF folder or a GGUF file: ngram and any MTP module for it found beside it)"
-        ),
-    ] = None,
+    proposers: Annotated[str | None, typer.Option(help=defaults.BENCH_PROPOSERS_HELP)] = None,
     k: Annotated[str | None, typer.Option("-k", "--k", help="extra k values, e.g. 1,4")] = None,
     sweep_k: Annotated[str | None, typer.Option("--sweep-k", help="e.g. 1..6: every k for every proposer")] = None,
     modes: Annotated[str, typer.Option(help="greedy,sample")] = "greedy,sample",
@@ -79,8 +73,7 @@ def bench(
         str, typer.Option(help="int8 | f16 | int8,f16 (also rows P@f16): the proposer's native matrices")
     ] = defaults.PROPOSER_WEIGHTS,
     serve: Annotated[
-        bool,
-        typer.Option("--serve", help="time servers under --clients: smallem's, --url's, --peer vllm's"),
+        bool, typer.Option("--serve", help="time servers under --clients: smallem's, --url's, --peer vllm's")
     ] = False,
     clients: Annotated[str, typer.Option(help="--serve: concurrent streaming clients, e.g. 1,8,32")] = "1,8,32",
     per_client: Annotated[int, typer.Option("--requests-per-client", help="--serve: requests each")] = 4,
@@ -128,15 +121,16 @@ def bench(
             f"{n}@{w}": (n, None, w) for n in names if n not in ("none", defaults.NGRAM) for w in others
         }  # "mtp@f16"
         engine_list = engines.bench_engines(engines.chosen(engine_names), dev)
-        if serve:  # served: a server process per proposer, its clients here
-            found = options.read_prompts(
-                prompts_file or defaults.BATCH_PROMPTS,
-                tgt.model.cfg,
-                max_new_tokens,
-                {"k": [defaults.MAX_K]},
-                tgt.tok,
-                tgt.chat,
-            )
+        # each row's k values: the sweep, else its defaults for the modes and the extra ones
+        ks = {n: sweep or sorted({*(defaults.default_k(n, m == "greedy") for m in mode_list), *extra}) for n in rows_of}
+        sizes = [] if serve or batch is None else options.parse_sizes(batch)  # before the prompts are read
+        many = serve or batch is not None  # a server's clients or the batch engine: a prompt a request, any k
+        room = {"k": [defaults.MAX_K]} if many else ks
+        default_file = defaults.BATCH_PROMPTS if many else defaults.PROMPTS
+        found = options.read_prompts(
+            prompts_file or default_file, tgt.model.cfg, max_new_tokens, room, tgt.tok, tgt.chat
+        )
+        if serve:  # a server process per proposer, its clients here
             if per_client < 1:
                 raise UsageError(f"--requests-per-client must be >= 1, got {per_client}")
             drawn = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": defaults.SEED}
@@ -163,15 +157,6 @@ def bench(
                 raise fail("greedy identity FAILED across servers or client counts", 1)
             return
         if batch is not None:  # the batch engine's table instead: greedy, the median of --repeats runs per size
-            sizes = options.parse_sizes(batch)
-            found = options.read_prompts(
-                prompts_file or defaults.BATCH_PROMPTS,
-                tgt.model.cfg,
-                max_new_tokens,
-                {"k": [defaults.MAX_K]},
-                tgt.tok,
-                tgt.chat,
-            )
             rows = from_cli(
                 tgt, dev, list(rows_of), sizes, extra, found, max_new_tokens, err, tables, json_out, plot_file,
                 engine_list, first, repeats,
@@ -179,13 +164,7 @@ def bench(
             if any(not r.identical.startswith(f"{len(found)}/") for r in rows):
                 raise fail("greedy identity FAILED in the batch engine", 1)
             return
-        # each row's k values: the sweep, else its defaults for the modes and the extra ones
-        ks = {n: sweep or sorted({*(defaults.default_k(n, m == "greedy") for m in mode_list), *extra}) for n in rows_of}
-        prompt_ids = options.read_prompts(
-            prompts_file or defaults.PROMPTS, tgt.model.cfg, max_new_tokens, ks, tgt.tok, tgt.chat
-        )
-        options.check_vocab(proposer_vocab)
-        vocab = {m: defaults.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
+        vocab = {m: options.proposer_vocab(m == "greedy", proposer_vocab) for m in mode_list}
         loaded = {
             v: {n: family.load_proposer(p, tgt, dev, v, t, w) for n, (p, t, w) in rows_of.items()}
             for v in set(vocab.values())
@@ -197,26 +176,23 @@ def bench(
     bench_run.prepare_engines(tgt.model, plan, err.print)  # every pass the bench takes, before the clock
     head = {"device": str(dev), "threads": torch.get_num_threads()}
     with Progress(console=err, transient=True) as bar:
-        task = bar.add_task("bench", total=bench_run.generations(plan, len(prompt_ids)))
+        task = bar.add_task("bench", total=bench_run.generations(plan, len(found)))
         # the bar's text is markup
-        rows = bench_run.run_bench(
-            tgt.model, prompt_ids, plan, lambda s: bar.update(task, advance=1, description=escape(s))
-        )
+        rows = bench_run.run_bench(tgt.model, found, plan, lambda s: bar.update(task, advance=1, description=escape(s)))
     try:
-        peer_rows = run_peer(peer, tgt, target.parent, prompt_ids, rows, plan, err.print) if peer else []
+        peer_rows = run_peer(peer, tgt, target.parent, found, rows, plan, err.print) if peer else []
     except VllmError as e:  # vLLM failed in its subprocess: its error line
         raise fail(str(e), 1) from None
     if plot_file:
         bench_run.plot(rows, plot_file)
     if json_out:
         run = {"max_new_tokens": max_new_tokens, "repeats": repeats, "rows": [r.__dict__ for r in rows]}
-        print(json.dumps(head | {"prompts": len(prompt_ids)} | run | {"peer": peer_rows}))
+        print(json.dumps(head | {"prompts": len(found)} | run | {"peer": peer_rows}))
     else:
-        tables.print(bench_run.table(rows, len(prompt_ids), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
+        tables.print(bench_run.table(rows, len(found), max_new_tokens, repeats, str(dev), torch.get_num_threads()))
         if sweep:
             tables.print(bench_run.sweep_table(rows))
         if peer_rows:
             tables.print(peer_table(peer_rows))
-    bad = [r for r in rows if r.identical is not None and not r.identical.startswith(f"{len(prompt_ids)}/")]
-    if bad:
+    if bad := [r for r in rows if r.identical is not None and not r.identical.startswith(f"{len(found)}/")]:
         raise fail("greedy identity FAILED: " + ", ".join(f"{r.proposer} k={r.k}: {r.identical}" for r in bad), 1)

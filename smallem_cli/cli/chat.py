@@ -39,10 +39,7 @@ def chat(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no statistics on stderr")] = False,
 ) -> None:
     """Talk with a chat model: a line of stdin is a message, the answer streams to stdout."""
-    from dataclasses import replace
-
     from ..engine import family
-    from ..engine.build import build
     from ..engine.generate import answer
     from ..engine.request import Request
     from ..engine.stops import StopPrinter
@@ -56,12 +53,12 @@ def chat(
         kk = options.pick_k(proposer, k, temperature == 0)
         options.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, [], max_new_tokens)
         vocab = defaults.proposer_vocab(temperature == 0)
-        tgt, config = load_run(
-            target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, chat=True
+        # one conversation's cache, grown up to the context or the memory
+        tgt, eng = load_run(
+            target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, kk, chat=True
         )
         if tgt.chat.template is None:
             raise UsageError(f"{target} has no chat template: `smallem generate` continues plain text")
-        eng = build(replace(config, k=kk))  # one conversation's cache, grown up to the context or the memory
     conversation = [] if system is None else [{"role": "system", "content": system}]
     ctrl_c = _CtrlC()
     previous = signal.signal(signal.SIGINT, ctrl_c)

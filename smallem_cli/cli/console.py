@@ -102,21 +102,11 @@ _PICTURES = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F
 _PICTURES |= {c: 0xFFFD for c in range(0x80, 0xA0)}  # C1 controls (CSI is 0x9B on some terminals)
 
 
-class _Shown(io.TextIOBase):
+class _Shown(_Guarded):
     """A terminal's view of model text: control characters made visible, not obeyed."""
 
-    def __init__(self, raw: TextIO) -> None:
-        self.raw = raw
-
     def write(self, s: str) -> int:
-        self.raw.write(s.translate(_PICTURES))
-        return len(s)
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def writable(self) -> bool:
-        return True
+        return super().write(s.translate(_PICTURES))  # one character for one: its length is the text's
 
 
 def text_out() -> TextIO:

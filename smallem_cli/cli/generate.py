@@ -41,10 +41,8 @@ def generate(
 ) -> None:
     """Generate a continuation of PROMPT. The text goes to stdout, statistics to stderr."""
     import json
-    from dataclasses import replace
 
     from ..engine import family
-    from ..engine.build import build
     from ..engine.generate import answer
     from ..engine.request import Request
     from ..engine.stops import StopPrinter
@@ -58,15 +56,13 @@ def generate(
         kk = options.pick_k(proposer, k, temperature == 0)
         options.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, stops, max_new_tokens)
         text = options.read_prompt(prompt)
-        options.check_vocab(proposer_vocab)
-        vocab = defaults.proposer_vocab(temperature == 0, proposer_vocab)
+        vocab = options.proposer_vocab(temperature == 0, proposer_vocab)
         chat = chat or system is not None
-        tgt, config = load_run(
-            target, proposer, device, tokenizer, vocab, options.tree(tree), weights, engine, threads, quiet, chat
+        tgt, eng = load_run(
+            target, proposer, device, tokenizer, vocab, options.tree(tree), weights, engine, threads, quiet, kk, chat
         )
         tok = tgt.tok
         ids = chat_ids(tok, tgt.chat, messages(text, system)) if chat else encode(tok, text)
-        eng = build(replace(config, k=kk))
         options.check_context(len(ids), max_new_tokens, kk, eng.context)  # the model's, or what the memory holds
 
     request = Request(0, 0, tuple(ids), max_new_tokens, Sampling(temperature, top_k, top_p, seed, min_p, penalty))

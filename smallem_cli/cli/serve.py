@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import socket
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from .. import defaults, options
-from ..errors import UsageError
+from ..errors import UsageError, first_fault
 from . import args
 from .app import app, bad_input, err, fail, load_run
 
@@ -26,38 +26,22 @@ def serve(
         defaults.SERVE_HOST
     ),
     port: Annotated[int, typer.Option(help="0: a free port, printed on stderr")] = defaults.SERVE_PORT,
-    max_batch: Annotated[
-        int, typer.Option("--max-batch", help="requests decoded together, at most")
-    ] = defaults.MAX_BATCH,
-    max_queue: Annotated[int, typer.Option("--max-queue", help="requests waiting, at most; more get 429")] = (
-        defaults.SERVE_QUEUE
-    ),
+    max_batch: args.MaxBatch = defaults.MAX_BATCH,
+    max_queue: Annotated[int, typer.Option(help="requests waiting, at most; more get 429")] = defaults.SERVE_QUEUE,
     api_key: Annotated[
         str | None, typer.Option("--api-key", envvar="SMALLEM_API_KEY", help="/v1/ requests need this bearer token")
     ] = None,
-    model_name: Annotated[str | None, typer.Option("--model-name", help="(default: the target's file name)")] = None,
-    drain: Annotated[
-        int, typer.Option("--drain", help="seconds SIGTERM waits for answers in flight")
-    ] = defaults.SERVE_DRAIN,
+    model_name: Annotated[str | None, typer.Option(help="(default: the target's file name)")] = None,
+    drain: Annotated[int, typer.Option(help="seconds SIGTERM waits for answers in flight")] = defaults.SERVE_DRAIN,
     stream_rate: Annotated[
-        float,
-        typer.Option(
-            "--stream-rate", help="streamed events a second, at most, shared by the requests in flight (0: no limit)"
-        ),
+        float, typer.Option(help="streamed events a second, at most, shared by the requests in flight (0: no limit)")
     ] = defaults.SERVE_STREAM_RATE,
-    max_connections: Annotated[
-        int | None,
-        typer.Option(
-            "--max-connections",
-            help="connections open at once, at most; more are refused at once "
-            f"(default: {defaults.SERVE_MAX_CONNECTIONS}, or what the file limit allows)",
-        ),
-    ] = None,
+    max_connections: Annotated[int | None, typer.Option(help=defaults.CONNECTIONS_HELP)] = None,
     header_timeout: Annotated[
-        float, typer.Option("--header-timeout", help="seconds a request's line and headers may take to arrive")
+        float, typer.Option(help="seconds a request's line and headers may take to arrive")
     ] = defaults.SERVE_HEADER_TIMEOUT,
     body_timeout: Annotated[
-        float, typer.Option("--body-timeout", help="seconds a request's body may take to arrive, after its headers")
+        float, typer.Option(help="seconds a request's body may take to arrive, after its headers")
     ] = defaults.SERVE_BODY_TIMEOUT,
     device: args.Device = defaults.DEVICE,
     threads: args.Threads = None,
@@ -76,33 +60,30 @@ def serve(
     except ImportError as e:
         raise fail(f"smallem serve needs the serve extra: pip install 'smallem[serve]' (no {e.name})") from None
     from ..engine import family
-    from ..engine.build import build
     from ..serve.openai import Served, prompt_chars
     from ..serve.worker import Worker
 
     with bad_input():
-        if not 0 <= port <= 65535:
-            raise UsageError(f"--port must be between 0 and 65535, got {port}")
-        if max_queue < 1:
-            raise UsageError(f"--max-queue must be >= 1, got {max_queue}")
-        if drain < 1:
-            raise UsageError(f"--drain must be >= 1 second, got {drain}")
-        if not 0 <= stream_rate < float("inf"):
-            raise UsageError(f"--stream-rate must be a number >= 0, got {stream_rate}")
-        for name, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout)):
-            if not 0 < seconds < float("inf"):
-                raise UsageError(f"{name} must be a number of seconds > 0, got {seconds}")
+        first_fault(
+            (not 0 <= port <= 65535, f"--port must be between 0 and 65535, got {port}"),
+            (max_queue < 1, f"--max-queue must be >= 1, got {max_queue}"),
+            (drain < 1, f"--drain must be >= 1 second, got {drain}"),
+            (not 0 <= stream_rate < math.inf, f"--stream-rate must be a number >= 0, got {stream_rate}"),
+            (
+                not 0 < header_timeout < math.inf,
+                f"--header-timeout must be a number of seconds > 0, got {header_timeout}",
+            ),
+            (not 0 < body_timeout < math.inf, f"--body-timeout must be a number of seconds > 0, got {body_timeout}"),
+        )
         limits = guard.Limits(_connections(max_connections, guard.connection_room()), header_timeout, body_timeout)
         proposer = proposer or family.default_proposer(target, True)
         slack = options.slack(proposer, k)
         sock = _bind(host, port)  # before the models load: a port in use fails at once
-        if max_batch < 1:
-            raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
         vocab = defaults.proposer_vocab(True)  # a batch mixes modes: the greedy head, the default
-        tgt, config = load_run(
-            target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, share=False
-        )
-        eng = build(replace(config, k=k, max_batch=max_batch))
+        tgt, eng = load_run(
+            target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, k,
+            max_batch=max_batch, share=False,
+        )  # fmt: skip
     name = model_name or Path(target).name
     context = eng.context  # the model's, or what the memory holds
     served = Served(name, tgt.tok, tgt.chat, tgt.model.cfg.vocab_size, context, slack, prompt_chars(tgt.tok, context))

@@ -12,6 +12,7 @@ import typer
 
 from .. import defaults, options
 from ..config import PRESETS
+from ..errors import first_fault
 from .app import app, bad_input, err, fail
 from .args import DataDir, Threads
 from .console import progress_printer
@@ -197,24 +198,6 @@ def _writable(path: Path, option: str, folder: bool = False) -> None:
         raise fail(f"{option} {path}: cannot write in {above}")
 
 
-def _check_numbers(budget: float, tokens: int, lr: float, batch_size: int, seed: int, mtp_weight: float,
-                   feature_weight: float) -> None:  # fmt: skip
-    """`train`'s numeric options, each its own line (NaN and infinity included)."""
-    if not (math.isfinite(budget) and budget > 0):
-        raise fail(f"--budget must be a finite number of seconds > 0, got {budget}")
-    if tokens < 0:
-        raise fail(f"--tokens must be >= 0 (0: train for --budget seconds), got {tokens}")
-    if not (math.isfinite(lr) and lr > 0):
-        raise fail(f"--lr must be a finite number > 0, got {lr}")
-    if batch_size < 1:
-        raise fail(f"--batch-size must be >= 1, got {batch_size}")
-    if not 0 <= seed <= defaults.MAX_SEED:
-        raise fail(f"--seed must be between 0 and 2^63-1, got {seed}")
-    for option, value in (("--mtp-weight", mtp_weight), ("--feature-weight", feature_weight)):
-        if not (math.isfinite(value) and value >= 0):
-            raise fail(f"{option} must be a finite number >= 0, got {value}")
-
-
 def _check_split(data_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, seq_len: int) -> None:
     """Enough tokens in each split, checked before training (not after the budget is spent)."""
     from ..train import data as corpus
@@ -285,9 +268,20 @@ def train(
     from ..train import loop as tr
 
     # the options alone, checked before any work (writing --text's split included)
-    _check_numbers(budget, tokens, lr, batch_size, seed, mtp_weight, feature_weight)
-    if precision not in tr.PRECISIONS:
-        raise fail(f"--precision takes {' or '.join(tr.PRECISIONS)}, not {precision!r}")
+    with bad_input():
+        first_fault(  # NaN and infinity fail every comparison
+            (not 0 < budget < math.inf, f"--budget must be a finite number of seconds > 0, got {budget}"),
+            (tokens < 0, f"--tokens must be >= 0 (0: train for --budget seconds), got {tokens}"),
+            (not 0 < lr < math.inf, f"--lr must be a finite number > 0, got {lr}"),
+            (batch_size < 1, f"--batch-size must be >= 1, got {batch_size}"),
+            (not 0 <= seed <= defaults.MAX_SEED, f"--seed must be between 0 and 2^63-1, got {seed}"),
+            (not 0 <= mtp_weight < math.inf, f"--mtp-weight must be a finite number >= 0, got {mtp_weight}"),
+            (
+                not 0 <= feature_weight < math.inf,
+                f"--feature-weight must be a finite number >= 0, got {feature_weight}",
+            ),
+            (precision not in tr.PRECISIONS, f"--precision takes {' or '.join(tr.PRECISIONS)}, not {precision!r}"),
+        )
     if init and kind not in (Kind.draft, Kind.mtp):
         raise fail(f"--init applies to a draft (with --distill) or an MTP module, not a {kind.value}")
     if kind is Kind.draft and init and not distill:

@@ -21,8 +21,7 @@ from .tree_proposer import TreeProposer
 
 
 def build(config: EngineConfig) -> Engine:
-    """An engine for `config`: its backend prepared (the native steps of every model, built once), its pool sized
-    and allocated. UsageError where the memory holds no sequence (or, strict, not max_batch)."""
+    """An engine for `config`, backend prepared, pool allocated; UsageError where no sequence fits (strict: not all)."""
     target, p, backend = config.target, config.proposer, config.backend
     backend.prepare(target, p.models, None, p.models if p.int8 else ())
     device = target.embed_tokens.weight.device

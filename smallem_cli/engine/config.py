@@ -54,8 +54,7 @@ class PoolPlan:
 
 
 def round_ahead(k: int, tree: tuple[int, int] | None) -> int:
-    """Positions a round may write past a sequence's cache: [last, k draft tokens or a tree's entries], and one
-    more."""
+    """Positions a round may write past a sequence's cache: [last, k draft tokens or a tree's entries], and one more."""
     return k + 2 if tree is None else max(k, tree[0], (k - 1) * tree[1]) + 2
 
 

@@ -1,6 +1,5 @@
-"""Finding and loading a target (a smallem checkpoint, an HF Llama folder, a GGUF file) and its
-proposer (`none`, `ngram`, a shipped name, a path, or `ngram+P`), by name or path. A proposer whose
-tokenizer differs from the target's is refused before anything runs."""
+"""Finding and loading a target (a smallem checkpoint, an HF Llama folder, a GGUF file) and its proposer (`none`,
+`ngram`, a shipped name, a path, or `ngram+P`). A proposer whose tokenizer differs is refused before anything runs."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from .. import defaults
+from ..defaults import NGRAM
 from ..interop import gguf, hf
 from ..model import checkpoint
 from ..model.chat import ChatFormat, check_template, hf_format, hf_template, own_format
@@ -49,14 +49,13 @@ def default_proposer(target: Path, greedy: bool) -> str:
 
 
 def bench_proposers(target: Target) -> list[str]:
-    """`bench`'s proposers when none are named: the shipped ones found beside a smallem checkpoint (else the n-gram
-    lookup); for an HF folder or a GGUF file, which ship none, the n-gram lookup and each MTP module found for it
-    (`*mtp*.safetensors` in its folder whose header says it reads this target's states and vocabulary)."""
+    """`bench`'s proposers when none are named: the shipped ones beside a smallem checkpoint (else the n-gram lookup);
+    for an HF folder or a GGUF file, the n-gram lookup and each `*mtp*.safetensors` beside it made for this target."""
     if not target.ships_none:
         found = [n for n in defaults.BENCH_PROPOSERS if proposer_path(n, target.path.parent).is_file()]
-        return found or [defaults.NGRAM]
+        return found or [NGRAM]
     folder = target.path if target.hf else target.path.parent
-    return [defaults.NGRAM, *(str(p) for p in sorted(folder.glob("*mtp*.safetensors")) if _module_for(p, target))]
+    return [NGRAM, *(str(p) for p in sorted(folder.glob("*mtp*.safetensors")) if _module_for(p, target))]
 
 
 def _module_for(path: Path, target: Target) -> bool:
@@ -71,14 +70,14 @@ def _module_for(path: Path, target: Target) -> bool:
 
 
 def load_target(path: Path, device: torch.device, tokenizer: Path | None = None, chat: bool = False) -> Target:
-    """The target at `path`; `chat` (a command that renders its chat template): the template is checked first,
-    before the weights load, so that a broken one fails in a second (ChatError)."""
+    """The target at `path`; with `chat`, a broken chat template fails (ChatError) before the weights load."""
     if gguf.is_gguf(path):
         if tokenizer is not None:
             raise CheckpointError(f"--tokenizer: the GGUF file {path} holds its own tokenizer; leave it out")
         got = gguf.load_gguf(path, device, check_chat=chat)
         return Target(got.model.pack(), None, got.fingerprint, path, got.tokenizer, chat=got.chat, gguf=got.types)
-    if hf.is_hf_dir(path):
+    is_hf = hf.is_hf_dir(path)
+    if is_hf:
         if chat:
             check_template(hf_template(path), str(path))
         model, fp = hf.load_hf(path, device)
@@ -95,9 +94,8 @@ def load_target(path: Path, device: torch.device, tokenizer: Path | None = None,
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= model.cfg.vocab_size:  # an id past the embedding would fail in the middle of a run
         raise CheckpointError(f"{tok_path}: token id {top} does not fit {path}'s vocabulary of {model.cfg.vocab_size}")
-    is_hf = hf.is_hf_dir(path)
-    chat = hf_format(path, tok, model.cfg.vocab_size) if is_hf else own_format(tok)
-    return Target(model.pack(), tok_path, fp, path, tok, is_hf, chat)
+    turns = hf_format(path, tok, model.cfg.vocab_size) if is_hf else own_format(tok)
+    return Target(model.pack(), tok_path, fp, path, tok, is_hf, turns)
 
 
 @dataclass
@@ -139,13 +137,9 @@ def _proposer_path(spec: str, target: Target) -> Path:
 
 
 def load_proposer(
-    spec: str,
-    target: Target,
-    device: torch.device,
-    vocab: int = 0,
-    tree: tuple[int, int] | None = None,
+    spec: str, target: Target, device: torch.device, vocab: int = 0, tree: tuple[int, int] | None = None,
     weights: str = defaults.PROPOSER_WEIGHTS,
-) -> LoadedProposer:
+) -> LoadedProposer:  # fmt: skip
     """`spec` -> the proposer it names, packed; vocab > 0 cuts its head to the most frequent training tokens."""
     if weights not in defaults.WEIGHTS:
         raise CheckpointError(f"--proposer-weights takes {' or '.join(defaults.WEIGHTS)}, got {weights!r}")
@@ -153,18 +147,14 @@ def load_proposer(
         raise CheckpointError(f"--tree needs the MTP module as proposer, not {spec!r}")
     if spec == "none":
         return NONE
-    if spec == defaults.NGRAM:
-        return LoadedProposer(defaults.NGRAM, ngram=True)
-    if spec.startswith(defaults.NGRAM + "+"):
-        rest = spec[len(defaults.NGRAM) + 1 :]
-        if rest in ("none", defaults.NGRAM) or rest.startswith(defaults.NGRAM + "+"):
-            raise CheckpointError(
-                f"proposer {spec!r}: {defaults.NGRAM}+ takes a model proposer (a draft or an MTP module)"
-            )
+    if spec == NGRAM:
+        return LoadedProposer(NGRAM, ngram=True)
+    if spec.startswith(NGRAM + "+"):
+        rest = spec.removeprefix(NGRAM + "+")
+        if rest in ("none", NGRAM) or rest.startswith(NGRAM + "+"):
+            raise CheckpointError(f"proposer {spec!r}: {NGRAM}+ takes a model proposer (a draft or an MTP module)")
         other = load_proposer(rest, target, device, vocab, weights=weights)
-        return LoadedProposer(
-            f"{defaults.NGRAM}+{other.name}", other.model, other.head, ngram=True, int8=other.int8, spec=spec
-        )
+        return LoadedProposer(f"{NGRAM}+{other.name}", other.model, other.head, ngram=True, int8=other.int8, spec=spec)
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
     int8 = weights == "int8"
@@ -188,7 +178,7 @@ def load_proposer(
 
 def _is_mtp(spec: str, target: Target) -> bool:
     """Whether `spec` names an MTP module's checkpoint (read from its header alone)."""
-    if spec in ("none", defaults.NGRAM) or spec.startswith(defaults.NGRAM + "+"):
+    if spec in ("none", NGRAM) or spec.startswith(NGRAM + "+"):
         return False
     path = _proposer_path(spec, target)
     return not hf.is_hf_dir(path) and checkpoint.read_meta(path).get("kind") == "mtp"

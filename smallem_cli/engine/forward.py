@@ -87,13 +87,7 @@ def transformer_pass(
 
 
 def mtp_pass(
-    mtp: MTPModule,
-    target: Transformer,
-    slab: Tensor,
-    h: Tensor,
-    ids: Tensor,
-    b: BatchStep,
-    steps: NativeSteps | None = None,
+    mtp: MTPModule, target: Transformer, slab: Tensor, h: Tensor, ids: Tensor, b: BatchStep, steps: NativeSteps | None
 ) -> Tensor:
     """Pairs (h_j [N, d], token j+1 [N]) -> the module's states [N, d], through its one-layer slab."""
     if steps is not None:

@@ -30,15 +30,9 @@ def answer(engine: Engine, request: Request, stats: Stats | None = None) -> Iter
 
 
 def generate(
-    target: Transformer,
-    proposer: LoadedProposer,
-    prompt: list[int],
-    max_new_tokens: int,
-    k: int,
-    sampling: Sampling = Sampling(),
-    end_ids: Collection[int] = (),
-    backend: Backend | None = None,
-) -> tuple[list[int], Stats]:
+    target: Transformer, proposer: LoadedProposer, prompt: list[int], max_new_tokens: int, k: int,
+    sampling: Sampling = Sampling(), end_ids: Collection[int] = (), backend: Backend | None = None,
+) -> tuple[list[int], Stats]:  # fmt: skip
     """One prompt on an engine of its own, a batch of one -> its tokens and statistics."""
     stats = Stats(proposer.name, k)
     if max_new_tokens < 1:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from ..backends.engines import Backend
 from ..backends.native import MAX_T
@@ -28,18 +29,15 @@ from ..spec.verify import Penalty, Warper, uniforms
 from .forward import mtp_pass, slab_for, transformer_pass
 from .sequence import Seq
 
-Draft = tuple[torch.Tensor, torch.Tensor | None]  # a sequence's draft tokens [m], and q [m, V] (None: greedy)
+Draft = tuple[Tensor, Tensor | None]  # a sequence's draft tokens [m], and q [m, V] (None: greedy)
 
 
 class Proposer(Protocol):
     name: str
 
-    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None: ...
-
+    def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None: ...
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Draft]: ...
-
-    def accept(self, seq: Seq, n: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None: ...
-
+    def accept(self, seq: Seq, n: int, tokens: Tensor, hidden: Tensor) -> None: ...
     def drop(self, seq: Seq) -> None: ...
 
 
@@ -71,7 +69,7 @@ class NgramProposer:
         self.args = vocab_size, min_n, max_n, draft_cost
         self.each: dict[int, NgramLookup] = {}
 
-    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+    def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None:
         for s, f in zip(seqs, fed, strict=True):
             self.each[s.uid] = lookup = NgramLookup(*self.args)
             lookup.start(f, s.last)
@@ -83,16 +81,14 @@ class NgramProposer:
             for s, k in zip(seqs, ks, strict=True)
         ]
 
-    def accept(self, seq: Seq, n: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+    def accept(self, seq: Seq, n: int, tokens: Tensor, hidden: Tensor) -> None:
         self.each[seq.uid].accept(tokens)  # (a round it was not asked in waits for its next lookup)
 
     def drop(self, seq: Seq) -> None:
         self.each.pop(seq.uid, None)
 
 
-def pick(
-    head: Head, h: torch.Tensor, seqs: list[Seq], penalties: list[Penalty | None]
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def pick(head: Head, h: Tensor, seqs: list[Seq], penalties: list[Penalty | None]) -> tuple[Tensor, list[Tensor | None]]:
     """Final states h [B, d] -> a draft token per sequence [B] and its q [1, V] or None, penalised as its target row."""
     logits = head_matmul(h, head.w, head.rows)  # [B, N]: the final norm scales a row, the argmax needs none
     for i, (s, pen) in enumerate(zip(seqs, penalties, strict=True)):
@@ -100,7 +96,7 @@ def pick(
             logits[i : i + 1] = pen.apply(logits[i : i + 1], head.ids)
     best = logits.argmax(-1)  # [B]
     tokens = best if head.ids is None else head.ids[best]
-    qs: list[torch.Tensor | None] = [None] * len(seqs)
+    qs: list[Tensor | None] = [None] * len(seqs)
     for i, s in enumerate(seqs):
         if s.warp is not None:
             x, q = head.pick(h[i : i + 1], s.warp, s.gen, penalties[i])
@@ -114,17 +110,15 @@ class _State:
     """A sequence in a model proposer's cache: its length, what waits to be fed, and what a round's rollback needs."""
 
     length: int = 0  # positions in the proposer's cache
-    pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # tokens not yet fed
-    pending_h: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # MTP: target states not yet fed
-    # this round's draft: whether it drafted, its cache's length once the pending entries are fed (the confirmed
-    # ones), and the draft tokens fed after them (k - 1: the last one is verified, never fed)
-    drafting: bool = False
-    confirmed: int = 0
-    fed: int = 0
+    pending: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # tokens not yet fed
+    pending_h: Tensor = field(default_factory=lambda: torch.empty(0))  # MTP: target states not yet fed
+    drafting: bool = False  # whether this round drafts
+    confirmed: int = 0  # its cache's length once the pending entries are fed
+    fed: int = 0  # the draft tokens fed after them (k - 1: the last one is verified, never fed)
     # rounds without a draft (k 0 under load): their tokens (and MTP: states), joined to the pending ones when
     # next fed, not a copy of the whole backlog every round
-    backlog: list[torch.Tensor] = field(default_factory=list)
-    backlog_h: list[torch.Tensor] = field(default_factory=list)
+    backlog: list[Tensor] = field(default_factory=list)
+    backlog_h: list[Tensor] = field(default_factory=list)
 
     def begin(self, k: int) -> None:
         """A round asks for k draft tokens: what its rollback needs, recorded once."""
@@ -138,10 +132,9 @@ class _State:
                 self.backlog_h.clear()
             self.confirmed, self.fed = self.length + self.pending.shape[0], k - 1
 
-    def rollback(self, n: int, tokens: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """The round's verdict (n accepted, `tokens` emitted): the cache keeps its confirmed entries, and a draft's
-        the fed draft tokens the target accepted (their K/V are the draft's own for those tokens); the MTP module's
-        (`hidden` given) chained on its own states: none stay. What the cache lacks waits to be fed."""
+    def rollback(self, n: int, tokens: Tensor, hidden: Tensor | None) -> None:
+        """The verdict: the cache keeps its confirmed entries, and a draft's the fed draft tokens accepted (their K/V
+        are its own); the MTP module's (`hidden` given) none of its chained ones. The rest waits to be fed."""
         if not self.drafting:  # another proposer's draft, or none: these wait whole
             self.backlog.append(tokens)
             if hidden is not None:
@@ -174,10 +167,8 @@ class ModelProposer:
             self.state[s.uid].length += n
         return build([self.pool.tables[s.uid] for s in seqs], starts, counts, self.pool.page_size, self.slab.device)
 
-    # each subclass's: the pending entries fed -> the states after each sequence's last [G, d]; then one draft
-    # token each fed on the states `out`
-    feed_pending: Callable[[list[Seq]], torch.Tensor]
-    _feed_draft: Callable[[list[Seq], torch.Tensor, torch.Tensor], torch.Tensor]
+    feed_pending: Callable[[list[Seq]], Tensor]  # each subclass's: pending entries in -> states after each last [G, d]
+    _feed_draft: Callable[[list[Seq], Tensor, Tensor], Tensor]  # then a draft token each, fed on the states `out`
 
     def begin(self, seqs: list[Seq], ks: list[int]) -> None:
         for s, k in zip(seqs, ks, strict=True):
@@ -192,8 +183,8 @@ class ModelProposer:
     def _draft(self, seqs: list[Seq], ks: list[int]) -> list[Draft]:
         """The batch's draft tokens depth by depth: one pass over every sequence still drafting, each depth."""
         live = [i for i, k in enumerate(ks) if k > 0]
-        tokens: list[list[torch.Tensor]] = [[] for _ in seqs]
-        qs: list[list[torch.Tensor | None]] = [[] for _ in seqs]
+        tokens: list[list[Tensor]] = [[] for _ in seqs]
+        qs: list[list[Tensor | None]] = [[] for _ in seqs]
         if live:
             group = [seqs[i] for i in live]
             # each sequence's penalty, on a copy that takes in its draft tokens as the next one's context
@@ -241,7 +232,7 @@ class ModelProposer:
         st.length = end
         return tokens, None if s.warp is None else self.head.expand(q)
 
-    def accept(self, seq: Seq, n: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+    def accept(self, seq: Seq, n: int, tokens: Tensor, hidden: Tensor) -> None:
         self.state[seq.uid].rollback(n, tokens, hidden if self.reads_states else None)
 
     def drop(self, seq: Seq) -> None:
@@ -253,19 +244,19 @@ class DraftProposer(ModelProposer):
         super().__init__(model, pool, head, backend)
         self.model, self.name = model, name
 
-    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+    def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None:
         for s in seqs:
             self.state[s.uid] = _State(pending=s.last.view(1))
         b = self._step(seqs, [f.shape[0] for f in fed])
         transformer_pass(self.model, self.slab, torch.cat(fed), b, "none", self.steps)
 
-    def feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
+    def feed_pending(self, seqs: list[Seq]) -> Tensor:
         pend = [self.state[s.uid].pending for s in seqs]
         b = self._step(seqs, [p.shape[0] for p in pend])
         _, x = transformer_pass(self.model, self.slab, torch.cat(pend), b, "none", self.steps)
         return x[b.last]
 
-    def _feed_draft(self, seqs: list[Seq], out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _feed_draft(self, seqs: list[Seq], out: Tensor, x: Tensor) -> Tensor:
         b = self._step(seqs, [1] * len(seqs))
         return transformer_pass(self.model, self.slab, x, b, "none", self.steps)[1]
 
@@ -280,20 +271,20 @@ class MTPProposer(ModelProposer):
         super().__init__(mtp, pool, head, backend)
         self.target, self.mtp = target, mtp
 
-    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+    def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None:
         for s, f, h in zip(seqs, fed, hidden, strict=True):
             self.state[s.uid] = _State(pending=torch.cat([f[1:], s.last.view(1)]), pending_h=h)
 
-    def feed(self, b: BatchStep, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def feed(self, b: BatchStep, h: Tensor, x: Tensor) -> Tensor:
         """Pairs (h [N, d], x [N]) through the module at `b` -> its states [N, d]."""
         return mtp_pass(self.mtp, self.target, self.slab, h, x, b, self.steps)
 
-    def feed_pending(self, seqs: list[Seq]) -> torch.Tensor:
+    def feed_pending(self, seqs: list[Seq]) -> Tensor:
         sts = [self.state[s.uid] for s in seqs]
         b = self._step(seqs, [st.pending.shape[0] for st in sts])
         return self.feed(b, torch.cat([st.pending_h for st in sts]), torch.cat([st.pending for st in sts]))[b.last]
 
-    def _feed_draft(self, seqs: list[Seq], out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _feed_draft(self, seqs: list[Seq], out: Tensor, x: Tensor) -> Tensor:
         return self.feed(self._step(seqs, [1] * len(seqs)), out, x)  # chained on the module's own state
 
 
@@ -304,7 +295,7 @@ class FallbackProposer:
         self.first, self.other = first, other
         self.name = f"ngram+{other.name}"
 
-    def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
+    def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None:
         self.first.start(seqs, fed, hidden)
         self.other.start(seqs, fed, hidden)
 
@@ -314,7 +305,7 @@ class FallbackProposer:
         theirs = self.other.propose(seqs, rest)
         return [t if r else d for d, t, r in zip(mine, theirs, rest, strict=True)]
 
-    def accept(self, seq: Seq, n: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+    def accept(self, seq: Seq, n: int, tokens: Tensor, hidden: Tensor) -> None:
         self.first.accept(seq, n, tokens, hidden)
         self.other.accept(seq, n, tokens, hidden)
 

@@ -46,9 +46,8 @@ def decode_round(t: TargetRunner, proposer: Proposer, seqs: list[Seq]) -> list[R
 
 
 def verify(t: TargetRunner, seqs: list[Seq], drafts: list[Draft]) -> tuple[list[RoundResult], list[Tensor]]:
-    """The target's pass over each sequence's [last, d_1..d_m], and its verdict by the greedy rule over the rows'
-    argmaxes (penalised first where the request asks) or by the sampled one -> the results, and the target's states
-    [n+1, d] at [last, d_1..d_n] of each; one host sync for all."""
+    """Step 2 for every sequence (its rows penalised first where its request asks) -> the results, and the target's
+    states [n+1, d] at [last, d_1..d_n] of each."""
     counts = [d[0].shape[0] + 1 for d in drafts]
     if len(seqs) > 1 and max(counts) == 1:  # no draft (the target alone, or k capped under load): from the host
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=t.slab.device)  # (`last` is its last token)

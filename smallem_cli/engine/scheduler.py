@@ -18,7 +18,7 @@ from ..stats import Stats
 from .config import EngineConfig, PoolPlan, round_ahead
 from .proposers import Proposer
 from .request import Finished, Request
-from .round import RoundResult, decode_round, tree_round
+from .round import decode_round, tree_round
 from .sequence import Seq
 from .stops import StopPrinter
 from .target import TargetRunner, prefill
@@ -43,12 +43,13 @@ class Progress:
     running: int  # sequences decoding now
 
 
-@dataclass
-class _Run:
-    """One `events` call: its sequences, decoding and waiting, and its counters."""
+OnProgress = Callable[[Progress], None]
 
+
+@dataclass
+class _Run:  # one `events` call: its sequences, decoding and waiting, and its counters
     chunks: bool  # whether each sequence's new tokens are yielded as they come (`Emitted`)
-    progress: Callable[[Progress], None] | None
+    progress: OnProgress | None
     running: list[Seq] = field(default_factory=list)
     waiting: deque[Seq] = field(default_factory=deque)
     done: int = 0
@@ -62,29 +63,21 @@ _END = object()  # `_pull`: the source ran out
 
 
 def load_k(k: int, greedy: bool, batch: int, auto: bool, proposer: str) -> int:
-    """k, capped under load for greedy requests when k was not given (`defaults.load_cap`). Sampled requests
-    keep theirs: their text must depend on their seed alone, not on what else is running."""
+    """k, capped under load for greedy requests when not given: a sampled text must depend on its seed alone."""
     return min(k, defaults.load_cap(proposer, batch)) if auto and greedy else k
 
 
 class Engine:
     def __init__(
-        self,
-        config: EngineConfig,
-        plan: PoolPlan,
-        target: TargetRunner,
-        proposer: Proposer,
-        trees: TreeProposer | None = None,
-        grow: Callable[[int], bool] | None = None,
-    ) -> None:
-        """Made by `build.build`. grow(n): the pool and its slabs made n pages large, False where the memory was not
-        there. trees: token trees drafted in place of `proposer`'s chains."""
+        self, config: EngineConfig, plan: PoolPlan, target: TargetRunner, proposer: Proposer,
+        trees: TreeProposer | None, grow: Callable[[int], bool] | None,
+    ) -> None:  # fmt: skip
+        """Made by `build.build`; grow(n) makes the pool and its slabs n pages large (False: the memory is short)."""
         self.t, self.proposer, self.trees, self.grow = target, proposer, trees, grow
         self.max_batch, self.max_pages, self.context = plan.max_batch, plan.max_pages, plan.context
         self.k, self.k_sample, self.auto_k = config.k_for(True), config.k_for(False), config.k is None
         self.end_ids, self.decode, self.backend = frozenset(config.end_ids), config.decode, config.backend.label
-        tree = config.proposer.tree
-        self.ahead: Callable[[int], int] = lambda k: round_ahead(k, tree)  # positions a round of k may write
+        self.tree = config.proposer.tree  # with k, the positions a round may write (`round_ahead`)
         self._uid = self.rounds = self.preemptions = 0
         self.sessions: dict[int, Seq] = {}  # a conversation's sequence between its requests, pages held
         self.cancels: queue.SimpleQueue[str | int] = queue.SimpleQueue()  # ids to end at the next round (`cancel`)
@@ -94,12 +87,6 @@ class Engine:
         """End a request between rounds, from any thread: its pages go back, its Finished has what it had. An id
         not in the run when the round comes (finished, or not yet taken from the source) is let go."""
         self.cancels.put(request_id)
-
-    def _cancelled(self) -> set[str | int]:
-        ids: set[str | int] = set()
-        while not self.cancels.empty():
-            ids.add(self.cancels.get_nowait())
-        return ids
 
     @property
     def pool(self) -> PagePool:
@@ -117,9 +104,7 @@ class Engine:
         if prior is None:
             self._uid += 1
         uid = self._uid if prior is None else prior.uid
-        s = Seq(
-            req, uid, gen, req.sampling.warp(), st, k, list(req.prompt), stops=stops, submitted_s=time.perf_counter()
-        )
+        s = Seq(req, uid, gen, req.sampling.warp(), st, k, list(req.prompt), stops=stops)
         if prior is not None:
             self._resume(s, prior)
         return s
@@ -185,7 +170,7 @@ class Engine:
         i = 0
         while i < len(left):
             s = left[i]
-            need = s.cached + self.ahead(s.k)
+            need = s.cached + round_ahead(s.k, self.tree)
             if (short := self.pool.need(s.uid, need)) == 0:  # most rounds need no new page at all
                 i += 1
                 continue
@@ -200,22 +185,15 @@ class Engine:
             i += 1
         return left
 
-    def run(
-        self, requests: Iterable[Request], progress: Callable[[Progress], None] | None = None
-    ) -> Iterator[Finished]:
+    def run(self, requests: Iterable[Request], progress: OnProgress | None = None) -> Iterator[Finished]:
         """Answers as their requests end; stopped early, every sequence's pages and proposer state go back."""
-        return cast(Iterator[Finished], self._events(requests, progress, chunks=False))  # no `Emitted` then
+        return cast(Iterator[Finished], self.events(requests, progress, chunks=False))  # no `Emitted` then
 
     def events(
-        self, requests: Iterable[Request | None], progress: Callable[[Progress], None] | None = None
+        self, requests: Iterable[Request | None], progress: OnProgress | None = None, chunks: bool = True
     ) -> Iterator[Finished | Emitted]:
-        """As `run`, and each sequence's new tokens as soon as verified (`Emitted`, before its `Finished`). A live
-        source (a server's) yields None for "nothing now": it must block instead while nothing is in flight."""
-        return self._events(requests, progress, chunks=True)
-
-    def _events(
-        self, requests: Iterable[Request | None], progress: Callable[[Progress], None] | None, chunks: bool
-    ) -> Iterator[Finished | Emitted]:
+        """As `run`, and (`chunks`) each sequence's new tokens as soon as verified (`Emitted`, before its `Finished`).
+        A live source (a server's) yields None for "nothing now": it must block instead while nothing is in flight."""
         source, run, exhausted = iter(requests), _Run(chunks, progress), False
         self.live = (run.running, run.waiting)
         try:
@@ -246,11 +224,13 @@ class Engine:
 
     def _cancel(self, run: _Run) -> Iterator[Finished]:
         """The requests cancelled since the last round (another thread's: `cancel`) end now."""
-        if ids := self._cancelled():
-            for s in [s for s in [*run.running, *run.waiting] if s.req.id in ids]:
-                (run.running.remove if s in run.running else run.waiting.remove)(s)
-                run.done += 1
-                yield self._finish(s, "cancelled")
+        ids: set[str | int] = set()
+        while not self.cancels.empty():
+            ids.add(self.cancels.get_nowait())
+        for s in [s for s in [*run.running, *run.waiting] if s.req.id in ids]:
+            (run.running.remove if s in run.running else run.waiting.remove)(s)
+            run.done += 1
+            yield self._finish(s, "cancelled")
 
     def _prefill(self, run: _Run) -> Iterator[Finished | Emitted]:
         """The waiting sequences the pool has room for join the running ones, prefilled: their first tokens."""
@@ -265,10 +245,19 @@ class Engine:
                 yield from self._emit(run, s, [first])
 
     def _decode(self, run: _Run) -> Iterator[Finished | Emitted]:
-        """One round over the running sequences, and what it emitted."""
-        results = self._round(run.running, run.waiting) if run.running else []
+        """One round over the running sequences, k by the load and their pages reserved (the newest may be
+        preempted), and what it emitted."""
+        greedy = load_k(self.k, True, len(run.running), self.auto_k, self.proposer.name)
+        for s in run.running:
+            s.k = greedy if s.warp is None else self.k_sample
+        run.running[:] = self._reserve(run.running, run.waiting)
         if not run.running:
             return
+        if self.trees is not None:
+            results = tree_round(self.t, self.trees, run.running)
+        else:
+            results = decode_round(self.t, self.proposer, run.running)
+        self.rounds += 1
         for s, r in zip(list(run.running), results, strict=True):
             run.drafted, run.accepted = run.drafted + r.drafted, run.accepted + r.accepted
             yield from self._emit(run, s, r.tokens)
@@ -303,7 +292,7 @@ class Engine:
         admitted: list[Seq] = []
         while waiting and len(running) + len(admitted) < self.max_batch:
             s = waiting[0]
-            need = len(s.tokens) + self.ahead(s.k)
+            need = len(s.tokens) + round_ahead(s.k, self.tree)
             held = s.uid in self.pool.tables  # a conversation's cache
             short = self.pool.need(s.uid, need) if held else self.pool.pages_for(need)
             self._grow(short - len(self.pool.free))
@@ -317,22 +306,6 @@ class Engine:
             self.pool.reserve(s.uid, need)
             admitted.append(s)
         return admitted
-
-    def _round(self, running: list[Seq], waiting: deque[Seq]) -> list[RoundResult]:
-        """k by the load, pages reserved (`running` may shrink), a round -> each sequence's result."""
-        n, name = len(running), self.proposer.name
-        greedy, sampled = load_k(self.k, True, n, self.auto_k, name), load_k(self.k_sample, False, n, self.auto_k, name)
-        for s in running:
-            s.k = greedy if s.warp is None else sampled
-        running[:] = self._reserve(running, waiting)
-        if not running:
-            return []
-        if self.trees is not None:
-            results = tree_round(self.t, self.trees, running)
-        else:
-            results = decode_round(self.t, self.proposer, running)
-        self.rounds += 1
-        return results
 
     def _live(self, s: Seq) -> Stats:
         s.stats.new_tokens = s.n_generated

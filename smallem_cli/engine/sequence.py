@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ class Seq:
     cached: int = 0  # positions of the target's cache in use: every token but `last`
     seen: torch.Tensor | None = None  # the penalty's context: bool [V], every token so far (None: no penalty)
     stops: StopPrinter | None = None  # the request's stop strings, watching the text as it grows
-    submitted_s: float = 0.0
+    submitted_s: float = field(default_factory=time.perf_counter)
     preempted: int = 0  # times its pages were taken back (recomputed at its next admission)
     # a conversation's: the target's states at its cached positions, to start its next request's proposer
     states: list[torch.Tensor] | None = None

@@ -84,9 +84,8 @@ class StopPrinter:
         return self.stopped
 
     def _decoded(self) -> str:
-        """decode(pushed), decoding only the tokens since the text last ended on a whole character, with a few
-        before them (a decoder may treat a text's first token apart, as sentencepiece's drops its leading space):
-        a whole decode each push made a long answer's cost grow with the square of its length."""
+        """decode(pushed) from the tokens since the text last ended on a whole character and a few before (a first
+        token may decode apart: sentencepiece drops its space): a whole decode each push is quadratic in the answer."""
         start = max(0, self.stable - DECODE_WINDOW)
         head, tail = self.decode(self.pushed[start : self.stable]), self.decode(self.pushed[start:])
         text = self.stable_text + tail[len(head) :] if tail.startswith(head) else self.decode(self.pushed)

@@ -30,12 +30,10 @@ def read_back(parts: list[Tensor], flag: int) -> list:
 
 @dataclass
 class TargetRunner:
-    """The target, the slab its K/V live in (over the pool's pages), its native steps (None: eager)."""
-
     model: Transformer
-    slab: Tensor
+    slab: Tensor  # its K/V, over the pool's pages
     pool: PagePool
-    steps: native.NativeSteps | None = None
+    steps: native.NativeSteps | None = None  # None: eager
 
     def step(self, seqs: list[Seq], counts: list[int]) -> BatchStep:
         tables = [self.pool.tables[s.uid] for s in seqs]
@@ -44,8 +42,7 @@ class TargetRunner:
     def verify_pass(self, seqs: list[Seq], ids: Tensor, counts: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
         """ids [N] (counts[b] new tokens of seqs[b], from its cached length) -> logits [N, V], hidden
         [N, d], and from a native step each row's argmax and the finite flag [N + 1] (else None)."""
-        got = self.one_pass(seqs, ids, counts, head=True)
-        if got is not None:
+        if (got := self.one_pass(seqs, ids, counts, head=True)) is not None:
             return got
         if self.steps is not None:  # the argmaxes and the finite flag computed in the pass
             top = torch.empty(int(ids.shape[0]) + 1, dtype=torch.long)

@@ -42,9 +42,7 @@ class _Cand:
 
 
 @dataclass
-class _Growing:
-    """One sequence's tree while it grows."""
-
+class _Growing:  # one sequence's tree while it grows
     cands: list[_Cand] = field(default_factory=list)
     root_q: torch.Tensor | None = None  # sampled: what the root's children were drawn from
     entries: list[int] = field(default_factory=list)  # per module entry, its parent's (-1: the confirmed entries)
@@ -102,8 +100,7 @@ class TreeProposer:
         return [_tree(tree.cands, self.budget, tree.root_q, out.device) for tree in trees]
 
     def _picks(self, s: Seq, tree: _Growing, level: int) -> list[int]:
-        """This level's best candidates, to be fed to the module; a sampled tree expands a node only while every
-        child it will draw fits the budget."""
+        """This level's best candidates to feed; a sampled tree expands a node only while all it draws fit."""
         cands = tree.cands
         if level >= s.k:
             return []
@@ -114,8 +111,7 @@ class TreeProposer:
     def _feed(
         self, seqs: list[Seq], trees: list[_Growing], active: list[int], picks: list[list[int]], states: torch.Tensor
     ) -> torch.Tensor:
-        """The picked candidates fed to the module in one pass over every tree, each on its parent's state
-        (`states`, by the frontier's rows) -> their states [F, d]."""
+        """The picked candidates fed in one pass over every tree, each on its parent's state -> theirs [F, d]."""
         p = self.mtp
         h, ids, rows = [], [], []
         for b in active:

@@ -19,7 +19,7 @@ from .. import atomic
 from ..config import ModelConfig
 from ..model import checkpoint, quant
 from ..model.chat import ChatFormat, check_template
-from ..model.llama import Transformer, permute_rope, unpermute_rope
+from ..model.llama import Transformer, permute_rope
 from ..model.tokenizer import EOT
 from .gguf_file import MAGIC, READ_ERRORS, GGUFReadError, Meta, gguf_package, open_gguf
 from .hf import ExportError, load_for_export, orphans, sigterm_raises
@@ -267,11 +267,11 @@ def _weights(
         try:  # a copy out of the memory map; F16 and F32 as they are, exactly
             if kind in quant.KINDS:
                 b = quant.from_gguf(t.data, kind, expected[key])
-                blocks[key] = b = b.rows(lambda r, h=heads: unpermute_rope(r, h)) if heads else b
+                blocks[key] = b = b.rows(lambda r, h=heads: permute_rope(r, h, inverse=True)) if heads else b
                 w = b.values()
             else:
                 w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-                w = unpermute_rope(w.reshape(expected[key]), heads) if heads else w.reshape(expected[key])
+                w = permute_rope(w.reshape(expected[key]), heads, inverse=True) if heads else w.reshape(expected[key])
         except READ_ERRORS as e:
             raise GGUFReadError(f"{path}: tensor {name} is unreadable ({type(e).__name__}: {e})"[:300]) from None
         out[key] = w.contiguous()
@@ -346,7 +346,6 @@ def load_gguf(path: str | Path, device: torch.device | str = "cpu", check_chat: 
     if check_chat:
         check_template(chat, str(path))
     weights, blocks, types = _weights(reader, cfg, path)
-    model = Transformer(cfg)
-    model.load_state_dict(weights)  # names and shapes checked above: strict, and it fits
+    model = checkpoint.build(Transformer(cfg), weights, device)
     model.quantized = blocks
-    return GGUFModel(model.to(device).eval(), tok, checkpoint.vocab_fingerprint(tok), chat, types)
+    return GGUFModel(model, tok, checkpoint.vocab_fingerprint(tok), chat, types)

@@ -175,8 +175,7 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
     except (OSError, ValueError, RecursionError) as e:
         raise HFFormatError(f"{folder}/config.json: unreadable: {e}") from None
     cfg = config_from_hf(raw)
-    _tokenizer(folder / "tokenizer.json", cfg.vocab_size)  # before the weights: fail before the slow part
-    fingerprint = checkpoint.tokenizer_fingerprint(folder / "tokenizer.json")
+    tok = _tokenizer(folder / "tokenizer.json", cfg.vocab_size)  # before the weights: fail before the slow part
     expected = checkpoint.expected_shapes(cfg)  # smallem name -> shape; nothing allocated
     declared = _declared(folder)
     tied_head = cfg.tie_embeddings and "lm_head.weight" in declared  # redundant: checked equal to the embedding
@@ -202,9 +201,7 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
     checkpoint.check_finite(found, str(folder))
     if tied_head and not torch.equal(found.pop("lm_head.weight"), found["embed_tokens.weight"]):
         raise HFFormatError(f"{folder}: tie_word_embeddings is true but lm_head.weight differs from embed_tokens")
-    model = Transformer(cfg)
-    model.load_state_dict({k: v.float() for k, v in found.items()})  # bf16/fp16 on disk -> float32
-    return model.to(device).eval(), fingerprint
+    return checkpoint.build(Transformer(cfg), found, device), checkpoint.vocab_fingerprint(tok)
 
 
 def load_for_export(ckpt: Path, tokenizer_json: Path, mtp_refusal: str) -> tuple[Transformer, int | None, torch.dtype]:

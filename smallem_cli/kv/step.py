@@ -112,9 +112,8 @@ def build(
         bias = torch.zeros(B, Tm, S).masked_fill_(torch.arange(S)[None, None, :] > q_pos[:, :, None], float("-inf"))
         return q_rows.to(d), bias.to(d), out_rows.to(d)
 
-    N = len(pos)
     flat = torch.tensor(pos + slots + seq + last, dtype=torch.long, device=d)
-    pos_t, slots_t, seq_t, last_t = flat[:N], flat[N : 2 * N], flat[2 * N : 3 * N], flat[3 * N :]
+    pos_t, slots_t, seq_t, last_t = flat.split([len(pos)] * 3 + [B])
     return BatchStep(pos_t, slots_t, kv_slots.to(d), seq_t, last_t, list(counts), masks)
 
 
@@ -137,13 +136,9 @@ def _one_in_order(base: int, start: int, n: int, device: torch.device) -> BatchS
 
 
 def build_tree(
-    tables: list[list[int]],
-    starts: list[int],
-    parents: list[list[int]],
-    rows: list[list[int]],
-    page_size: int,
+    tables: list[list[int]], starts: list[int], parents: list[list[int]], rows: list[list[int]], page_size: int,
     device: torch.device,
-) -> BatchStep:
+) -> BatchStep:  # fmt: skip
     """A pass over tree nodes: sequence b's node i (parents[b][i] < i, -1 under the prefix) at entry
     starts[b] + i and position starts[b] + its depth, seeing the prefix, its ancestors and itself; the
     pass writes and scores the nodes rows[b] (increasing)."""

@@ -1,7 +1,6 @@
-"""A model's conversation format: the tokens that end its turn, and its chat template (Jinja, rendered in a
-sandbox with a budget, `sandbox`: a model file's template is untrusted code). A conversation's text is text:
-a special token typed in a message is encoded as the characters it is, only the template's own markup yields
-special tokens."""
+"""A model's conversation format: the tokens that end its turn, and its chat template (Jinja, rendered by `sandbox`
+with a budget: a model file's template is untrusted code). A conversation's text is text: a special token typed in
+a message is encoded as the characters it is, only the template's own markup yields special tokens."""
 
 from __future__ import annotations
 
@@ -63,10 +62,9 @@ def _json(path: Path) -> dict[str, Any]:
     """A JSON object from `path`, {} where the file is absent; ChatError where it is not an object."""
     if not path.is_file():
         return {}
+    text = _text(path)
     try:
-        got = json.loads(_text(path))
-    except ChatError:
-        raise
+        got = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise ChatError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if not isinstance(got, dict):
@@ -116,8 +114,7 @@ def messages(user: str, system: str | None = None) -> list[dict[str, str]]:
 
 def render(fmt: ChatFormat, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """The conversation through its template, in the sandbox; ChatError (one line) where it has none, the template
-    refuses or fails, passes its budget (time, memory, or an output over RENDER_CHARS beyond twice the messages'
-    characters), or renders nothing."""
+    refuses or fails, passes its budget (time, memory, output: RENDER_CHARS) or renders nothing."""
     if fmt.template is None:
         raise ChatError("the model has no chat template: give the prompt as plain text (without --chat)")
     context = {"messages": conversation, "add_generation_prompt": add_generation_prompt}
@@ -135,10 +132,9 @@ def render(fmt: ChatFormat, conversation: list[dict[str, str]], add_generation_p
 
 
 def check_template(fmt: ChatFormat, where: str) -> None:
-    """A template that passes its budget, renders nothing or fails on a tiny conversation (a system message and a
-    user's, else the user's alone) is refused, ChatError, before the weights load. One that refuses them both with
-    its raise_exception is not: it takes some conversations (alternate roles, say), and is judged on each.
-    `where` (the model's path) begins the error's line."""
+    """ChatError, `where` (the model's path) first, for a template that passes its budget, renders nothing or fails
+    on a tiny conversation (a system message and a user's, else the user's alone): before the weights load. One whose
+    raise_exception refuses both is not: it takes some conversations (alternate roles, say), judged on each."""
     if fmt.template is None:
         return
     failed: list[str] = []

@@ -21,6 +21,7 @@ from .llama import MTPModule, Transformer
 from .tokenizer import load_tokenizer
 
 M = TypeVar("M", Transformer, MTPModule)
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes weights may have (float32 on load)
 
 
 class CheckpointError(ValueError):
@@ -97,10 +98,6 @@ def read_meta(path: str | Path) -> dict[str, str]:
     if meta.get("format") != "smallem":
         raise CheckpointError(f"{path} is not a smallem checkpoint (no smallem metadata)")
     return meta
-
-
-# safetensors' names of the dtypes a checkpoint's weights may have (widened to float32 on load)
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -195,7 +192,8 @@ def config_of(meta: dict[str, str], path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path}: bad config in metadata: {e}") from None
 
 
-def _build(model: M, tensors: dict[str, torch.Tensor], device: torch.device | str) -> M:
+def build(model: M, tensors: dict[str, torch.Tensor], device: torch.device | str) -> M:
+    """`model` (new) with `tensors` (checked: names and shapes fit it) widened to float32, on `device`, in eval."""
     model.load_state_dict({k: v.float() for k, v in tensors.items()})
     return model.to(device).eval()
 
@@ -206,7 +204,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu") -> tuple[Tr
         raise CheckpointError(f"{path} holds a {meta.get('kind')} module, not a model")
     cfg = config_of(meta, path)
     tensors = _tensors(path, cfg)  # checked before the model is built
-    return _build(Transformer(cfg), tensors, device), meta
+    return build(Transformer(cfg), tensors, device), meta
 
 
 def load_mtp(
@@ -221,4 +219,4 @@ def load_mtp(
     if differ:  # the module reads the target's states, embedding, head and rotary tables
         raise CheckpointError(f"{path}: MTP module does not fit the target ({', '.join(differ)})")
     tensors = _tensors(path, cfg, mtp=True)
-    return _build(MTPModule(cfg), tensors, device), meta
+    return build(MTPModule(cfg), tensors, device), meta

@@ -42,16 +42,11 @@ def interleave_halves(head_dim: int) -> torch.Tensor:
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
 
 
-def permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of Wq or Wk [n_heads*D, in], rotate-half -> `interleave_halves`: llama.cpp's and the native layout."""
+def permute_rope(w: torch.Tensor, n_heads: int, inverse: bool = False) -> torch.Tensor:
+    """Rows of Wq or Wk [n_heads*D, in], rotate-half -> `interleave_halves` (llama.cpp's, native's); `inverse`: back."""
     d = w.shape[0] // n_heads
-    return w.reshape(n_heads, d, *w.shape[1:])[:, interleave_halves(d)].reshape(w.shape)
-
-
-def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of `permute_rope`: llama.cpp's adjacent pairs -> rotate-half rows (an exact reordering)."""
-    d = w.shape[0] // n_heads
-    return w.reshape(n_heads, d, *w.shape[1:])[:, torch.argsort(interleave_halves(d))].reshape(w.shape)
+    order = torch.argsort(interleave_halves(d)) if inverse else interleave_halves(d)
+    return w.reshape(n_heads, d, *w.shape[1:])[:, order].reshape(w.shape)
 
 
 class Block(nn.Module):

@@ -21,17 +21,13 @@ def encode(tok: Tokenizer, text: str, special: bool = True) -> list[int]:
         # encode_batch lets go of the GIL while it works (encode holds it): a server's loop goes on meanwhile
         return tok.encode_batch([text], add_special_tokens=special)[0].ids
     except Exception as e:  # tokenizers raises a bare Exception (or a TypeError) on such text
-        raise _refused(e) from None
-
-
-def _refused(e: Exception) -> TokenizerError:
-    return TokenizerError(f"the tokenizer refused the prompt: {' '.join(str(e).split()) or type(e).__name__}")
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise TokenizerError(f"the tokenizer refused the prompt: {why}") from None
 
 
 @functools.lru_cache(maxsize=4)  # by the tokenizer object (hashed by identity, and kept alive while cached)
 def special_pattern(tok: Tokenizer) -> re.Pattern[str] | None:
-    """What finds the tokenizer's special tokens in a text, longest first as the tokenizer matches them; None
-    where it has none."""
+    """What finds the tokenizer's special tokens in a text, longest first as the tokenizer matches them, or None."""
     added = sorted({t.content for t in tok.get_added_tokens_decoder().values() if t.special and t.content}, key=len)
     return re.compile("|".join(map(re.escape, reversed(added)))) if added else None
 
@@ -53,10 +49,7 @@ def encode_parts(tok: Tokenizer, parts: list[str]) -> list[int]:
 
     def flush() -> None:
         if text := "".join(run):
-            try:
-                ids.extend(_as_text(tok).encode_batch([text], add_special_tokens=False)[0].ids)  # (as in `encode`)
-            except Exception as e:  # as in `encode`
-                raise _refused(e) from None
+            ids.extend(encode(_as_text(tok), text, special=False))
         run.clear()
 
     for i, part in enumerate(parts):

@@ -1,15 +1,15 @@
 """What keeps a client from starving `smallem serve` of connections: uvicorn's HTTP/1.1 protocol (httptools), guarded.
 A request's line and headers must arrive within `header_timeout` s and MAX_HEAD_BYTES, its body within `body_timeout`
 s of its headers, else the client gets a 408 (a 431) and its connection closes. Past `max_connections` open
-connections a new one gets a 503 and is closed at once, and nothing is logged. uvicorn's own limits cover neither:
-`timeout_keep_alive` times a connection idle between requests, `limit_concurrency` counts those whose headers came.
-The connections, with the sockets that one accept round takes before any is counted (the listen backlog), stay below
-the process's file limit (`connection_room`): an accept never fails for want of a descriptor, which asyncio would
-log again and again. (And `trim_heap`: what a model's load freed goes back to the system before the server runs.)"""
+connections a new one gets a 503 and is closed at once, unlogged. uvicorn's limits cover neither: `timeout_keep_alive`
+times a connection idle between requests, `limit_concurrency` counts those whose headers came. The connections, with
+an accept round's sockets (the listen backlog), stay below the file limit (`connection_room`): an accept never fails
+for want of a descriptor, which asyncio would log again and again. (`trim_heap`: a model's load freed, given back.)"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -40,29 +40,23 @@ def connection_room(backlog: int = defaults.SERVE_BACKLOG) -> int:
     open now, `backlog` and FD_RESERVE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else max(soft, 10240)  # (macOS: no more than OPEN_MAX)
-    try:
+    with contextlib.suppress(ValueError, OSError):  # not allowed: the soft limit stays
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         soft = want
-    except (ValueError, OSError):  # not allowed: the soft limit stays
-        pass
     return soft - _open_files() - backlog - FD_RESERVE
 
 
 def trim_heap() -> None:
     """glibc keeps the memory freed by small allocations for reuse: after a model's load (its tensors converted,
     the copies dropped) over a gigabyte of it, which a server would hold while idle. malloc_trim hands it back."""
-    try:
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to do
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to do
-        pass
 
 
 def _open_files() -> int:
     for listing in ("/proc/self/fd", "/dev/fd"):  # Linux, macOS
-        try:
+        with contextlib.suppress(OSError):
             return len(os.listdir(listing))
-        except OSError:
-            pass
     return FD_RESERVE
 
 
@@ -83,11 +77,10 @@ class GuardedHttp(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.timer: asyncio.TimerHandle | None = None
         self.head_bytes = 0
-        self.refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.limits.max_connections:
-            self.refused = True  # never counted among the connections: nothing else happens on it
+            self.transport = transport  # closed, never counted among the connections: nothing else happens on it
             transport.write(self.refusal)
             transport.close()
             return
@@ -96,11 +89,10 @@ class GuardedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if not self.refused:
-            super().connection_lost(exc)
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self.refused and not self.transport.is_closing():
+        if not self.transport.is_closing():
             super().data_received(data)
 
     def send_400_response(self, msg: str) -> None:
@@ -148,16 +140,12 @@ class GuardedHttp(HttpToolsProtocol):
 
     def _arm(self, seconds: float, what: str, body: bool = False) -> None:
         self._disarm()
-        self.timer = self.loop.call_later(seconds, self._timed_out, what, seconds, body)
+        self.timer = self.loop.call_later(seconds, self._fail, 408, f"{what} did not arrive within {seconds:g} s", body)
 
     def _disarm(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-
-    def _timed_out(self, what: str, seconds: float, body: bool) -> None:
-        self.timer = None
-        self._fail(408, f"{what} did not arrive within {seconds:g} s", body)
 
     def _fail(self, status: int, message: str, body: bool = False) -> None:
         """Answer `status` where nothing was answered to this request, nor is being answered on the connection,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from tokenizers import Tokenizer
 
 from .. import defaults, options
+from ..engine.request import Finished, Request
 from ..errors import BadField, UsageError
 from ..model.chat import ChatFormat
 from ..spec.sampling import Sampling
@@ -49,9 +50,8 @@ class Served:
 
 def prompt_chars(tok: Tokenizer, max_len: int) -> int:
     """The most characters a prompt of `max_len` tokens can have: a token stands for at most its vocabulary entry's
-    characters (a byte-level entry has one a byte, at least the characters it decodes to; a byte-fallback entry,
-    `<0xE2>`, more), so a longer text holds more tokens than the context. (A normalizer may shorten a text:
-    `_check_chars` then counts its output. A pre-tokenizer that drops whitespace, BERT's, is no causal model's.)"""
+    characters (a byte-level or byte-fallback entry, `<0xE2>`, for at least what it decodes to), so a longer text holds
+    more tokens than the context. (`_check_chars` counts a normalizer's output; no causal model drops whitespace.)"""
     return max_len * max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
 
 
@@ -61,14 +61,10 @@ def model_card(served: Served) -> Body:
 
 @dataclass(frozen=True)
 class Job:
+    request: Request  # the engine's; its id is the answer's
     chat: bool
-    ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: Sampling
-    stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    ignore_eos: bool  # an extension (vLLM's too): answers of max_tokens, whatever the model says
 
 
 # fields OpenAI defines that smallem does not do: refused unless they ask for the default
@@ -88,26 +84,17 @@ _SAMPLING = {  # OpenAI's name -> (how it is read, smallem's name); `null` takes
 }
 
 
-def read_job(raw: bytes, served: Served, chat: bool) -> Job:
-    """A request's body -> its Job, or ApiError: the work of a request before the engine (JSON, the template, the
-    tokenizer), which the server runs off its event loop."""
-    return parse(read_body(raw), served, chat)
-
-
-def read_body(raw: bytes) -> Body:
+def read_job(raw: bytes, served: Served, chat: bool, index: int) -> Job:
+    """A completion's or chat completion's body -> its checked Job (its Request numbered `index`), or ApiError(400)
+    naming the bad field: the work of a request before the engine (JSON, the template, the tokenizer), which the
+    server runs off its event loop."""
     try:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ApiError(400, "the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    return body
-
-
-def parse(body: Body, served: Served, chat: bool) -> Job:
-    """A completion's or chat completion's body -> the checked Job; ApiError(400) naming the bad field."""
-    model = body.get("model")
-    if model is not None and model != served.model:
+    if (model := body.get("model")) is not None and model != served.model:
         why = f"unknown model {options.shown(model)}: this server has {served.model!r}"
         raise ApiError(400, why, "model", "model_not_found")
     for name, allowed in _ONLY.items():
@@ -121,6 +108,7 @@ def parse(body: Body, served: Served, chat: bool) -> Job:
         stop = options.stop_field("stop", body["stop"]) if body.get("stop") is not None else ()
         if len(stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in stop):
             raise BadField(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
+        # ignore_eos, an extension (vLLM's too): answers of max_tokens, whatever the model says
         stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
         stream_options = body.get("stream_options")
         if stream_options is not None and not isinstance(stream_options, dict):
@@ -135,7 +123,9 @@ def parse(body: Body, served: Served, chat: bool) -> Job:
         raise ApiError(400, str(e)) from None
     except UsageError as e:
         raise ApiError(400, options.field_message(e).replace("max_new_tokens", "max_tokens")) from None
-    return Job(chat, tuple(ids), max_new, sampling, stop, stream, include_usage, ignore_eos)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    request = Request(index, rid, tuple(ids), max_new, sampling, stop, ignore_eos=ignore_eos)
+    return Job(request, chat, stream, include_usage)
 
 
 def _flag(body: Body, name: str) -> bool:
@@ -196,43 +186,38 @@ def _check_chars(texts: list[str], served: Served) -> None:
 
 
 # responses
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+def _head(job: Job, model: str, chunk: bool) -> Body:
+    kind = ("chat.completion" if job.chat else "text_completion") + (".chunk" if job.chat and chunk else "")
+    return {"id": job.request.id, "object": kind, "created": int(time.time()), "model": model}
 
 
-def _head(rid: str, chat: bool, model: str, chunk: bool) -> Body:
-    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and chunk else "")
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+def _counts(job: Job, fin: Finished) -> Body:
+    """`usage`, and `smallem`: the speculation's statistics (an extension field)."""
+    prompt, tokens = len(job.request.prompt), len(fin.tokens)
+    usage = {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
+    return {"usage": usage, "smallem": fin.stats}
 
 
-def usage(prompt: int, completion: int) -> Body:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def whole(rid: str, job: Job, model: str, text: str, tokens: int, finish: str, stats: dict[str, object]) -> Body:
-    """A whole answer; `smallem`: the speculation's statistics (an extension field)."""
+def whole(job: Job, model: str, fin: Finished) -> Body:
     if job.chat:
-        choice: Body = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        choice: Body = {"index": 0, "message": {"role": "assistant", "content": fin.text}, "finish_reason": fin.reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return _head(rid, job.chat, model, False) | {
-        "choices": [choice], "usage": usage(len(job.ids), tokens), "smallem": stats
-    }  # fmt: skip
+        choice = {"index": 0, "text": fin.text, "logprobs": None, "finish_reason": fin.reason}
+    return _head(job, model, False) | {"choices": [choice]} | _counts(job, fin)
 
 
-def chunk(rid: str, job: Job, model: str, text: str | None, finish: str | None = None) -> str:
+def chunk(job: Job, model: str, text: str | None, finish: str | None = None) -> str:
     """One server-sent event of a streamed answer (text None: the chat's opening role delta)."""
     if job.chat:
         delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
         choice: Body = {"index": 0, "delta": delta, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    return event(_head(rid, job.chat, model, True) | {"choices": [choice]})
+    return event(_head(job, model, True) | {"choices": [choice]})
 
 
-def usage_chunk(rid: str, job: Job, model: str, tokens: int, stats: dict[str, object]) -> str:
-    counts = {"choices": [], "usage": usage(len(job.ids), tokens), "smallem": stats}
-    return event(_head(rid, job.chat, model, True) | counts)
+def usage_chunk(job: Job, model: str, fin: Finished) -> str:
+    return event(_head(job, model, True) | {"choices": []} | _counts(job, fin))
 
 
 def event(body: Body | str) -> str:

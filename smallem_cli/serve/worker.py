@@ -1,9 +1,8 @@
 """The engine's loop, on the main thread while the HTTP loop runs on another, so that neither waits on the other:
 requests join the running batch as they arrive (`Engine.events` over a live source), each one's text goes back to
 its asyncio task as it is verified (a few rounds' at a time under load: `stream_rate`), a request whose client went
-away is cancelled between rounds, and its pages go back at once. (The main thread: OpenMP teams started from a
-second thread, beside the main thread's, oversubscribe the cores, and libgomp then stops spinning between a pass's
-regions: the passes ran far slower.)"""
+away is cancelled between rounds, and its pages go back at once. (The main thread: OpenMP teams started from a second
+thread oversubscribe the cores, and libgomp then stops spinning between a pass's regions: the passes ran far slower.)"""
 
 from __future__ import annotations
 
@@ -18,35 +17,10 @@ from dataclasses import dataclass, field
 from ..engine.request import Finished, Request
 from ..engine.scheduler import Emitted, Engine
 from ..engine.stops import StopPrinter
+from .openai import ApiError
 
-
-class Refused(Exception):
-    """The server cannot take the request now: `status` is 429 (queue full) or 503 (shutting down)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class Chunk:
-    text: str  # new text, never taken back (a tail that could begin a stop string is held)
-
-
-@dataclass
-class Done:
-    text: str  # the whole answer, as `smallem generate` prints it
-    tokens: list[int]
-    finish_reason: str  # "stop" (an end token or a stop string) or "length"
-    stats: dict[str, object]
-
-
-@dataclass
-class Failed:
-    message: str
-
-
-Event = Chunk | Done | Failed
+# new text, never taken back (a tail that could begin a stop string is held); the answer; or the engine's failure (500)
+Event = str | Finished | ApiError
 
 
 @dataclass
@@ -58,8 +32,7 @@ class Ticket:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     printer: StopPrinter | None = None  # streaming: the text so far, cut as the engine cuts it
-    buffer: io.StringIO = field(default_factory=io.StringIO)
-    sent: int = 0  # characters of `buffer` posted
+    buffer: io.StringIO = field(default_factory=io.StringIO)  # streaming: the printer's text not yet posted
     gone: bool = False  # its client went away
     held: list[int] = field(default_factory=list)  # streaming: tokens verified, not yet pushed to `printer`
     due: float = 0.0  # streaming: when its next event may go out (time.monotonic)
@@ -81,10 +54,9 @@ class Counters:
 
 
 class Worker:
-    """`stream_rate`: server-sent events a second, at most, shared by the requests in flight (0: every round's).
-    An event costs the server and its client about as much CPU as decoding a token does, so under load a stream's
-    tokens go out every `requests / stream_rate` s, together: the cost stays a bounded share of the engine's time at
-    any load (one stream gets an event every few tokens, each of 32 about 12 a second), and the first goes at once."""
+    """`stream_rate`: server-sent events a second, at most, shared by the requests in flight (0: every round's). An
+    event costs the server and its client about as much CPU as decoding a token, so under load a stream's tokens go
+    out together every `requests / stream_rate` s (the first at once): a bounded share of engine time at any load."""
 
     def __init__(self, engine: Engine, decode: Callable[[list[int]], str], max_queue: int, stream_rate: float) -> None:
         self.engine, self.decode, self.max_queue = engine, decode, max_queue
@@ -103,10 +75,10 @@ class Worker:
     def submit(self, ticket: Ticket) -> None:
         with self.lock:
             if self.closing:
-                raise Refused(503, "the server is shutting down")
+                raise ApiError(503, "the server is shutting down")
             if self.queued >= self.max_queue:
                 self.counters.refused += 1
-                raise Refused(429, f"the queue is full ({self.max_queue} requests waiting): retry later")
+                raise ApiError(429, f"the queue is full ({self.max_queue} requests waiting): retry later")
             self.queued += 1
             ticket.printer = StopPrinter(self.decode, ticket.buffer, ticket.request.stop) if ticket.stream else None
             self.inbox.put(ticket)  # (under the lock: never after `close`'s end mark)
@@ -116,8 +88,8 @@ class Worker:
         ticket.gone = True
         self.engine.cancel(ticket.request.id)
 
-    def close(self, timeout: float | None = None) -> bool:
-        """No new request; those in flight finish (cancelled after `timeout` s) -> whether the engine stopped."""
+    def close(self, timeout: float | None = None) -> None:
+        """No new request; those in flight finish, or are cancelled after `timeout` s."""
         with self.lock:
             if not self.closing:
                 self.closing = True
@@ -125,17 +97,6 @@ class Worker:
         if not self.stopped.wait(timeout):
             for t in list(self.tickets.values()):
                 self.engine.cancel(t.request.id)
-        return self.stopped.wait(timeout)
-
-    def gauges(self) -> dict[str, int]:
-        running, waiting = self.engine.live
-        pool = self.engine.pool
-        return {
-            "running": len(running),
-            "waiting": len(waiting) + self.queued,
-            "pages_free": len(pool.free),
-            "pages_total": pool.n_pages,
-        }
 
     # the engine thread's side
     def _feed(self) -> Iterator[Request | None]:
@@ -173,14 +134,14 @@ class Worker:
                     self._emitted(event)
                 else:
                     self._finished(event)
-            return True
         except Exception as e:  # the engine gave every page back on its way out (`Engine._events`)
             why = f"the engine failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             for t in self.tickets.values():
                 self.counters.failed += 1
-                self._post(t, Failed(why))
+                self._post(t, ApiError(500, why))
             self.tickets.clear()
             return False
+        return True
 
     def _emitted(self, e: Emitted) -> None:
         t = self.tickets.get(e.request.id)
@@ -211,13 +172,13 @@ class Worker:
         if t.printer is not None:
             t.printer.push(t.held, final=True)
             self._post_text(t)
-        self._post(t, Done(fin.text, fin.tokens, fin.reason, st))
+        self._post(t, fin)
 
     def _post_text(self, t: Ticket) -> None:
-        text = t.buffer.getvalue()
-        if len(text) > t.sent:
-            self._post(t, Chunk(text[t.sent :]))
-            t.sent = len(text)
+        if text := t.buffer.getvalue():
+            t.buffer.seek(0)
+            t.buffer.truncate()
+            self._post(t, text)
 
     def _post(self, t: Ticket, event: Event) -> None:
         """Queue `event` for its task; one wake-up of the HTTP loop takes every event queued by then (a round's

@@ -46,16 +46,11 @@ class NgramIndex:
 def best_depth(first: float, then: float, k: int, draft_cost: float) -> int:
     """The m in 0..k with the most tokens, 1 + first·(1 + then + ... + then^(m−1)), per pass cost
     1 + draft_cost·m (a lookup is a copy or wrong from its first token: its first rate differs)."""
-
-    def gain(m: int) -> float:
-        return (1 + first * sum(then**i for i in range(m))) / (1 + draft_cost * m)
-
-    return max(range(k + 1), key=gain)
+    return max(range(k + 1), key=lambda m: (1 + first * sum(then**i for i in range(m))) / (1 + draft_cost * m))
 
 
 class NgramLookup:
-    """One sequence's prompt lookup: its index, its acceptance rates, its depth (`engine.proposers.NgramProposer`
-    holds one per sequence)."""
+    """One sequence's prompt lookup: its index, its acceptance rates, its depth."""
 
     def __init__(self, vocab_size: int, min_n: int, max_n: int, draft_cost: float = 0.0) -> None:
         self.vocab_size, self.draft_cost = vocab_size, draft_cost
@@ -65,8 +60,7 @@ class NgramLookup:
         # decayed counts of draft tokens accepted and in play: [first ones, later ones]
         self.accepted, self.reached = [0.0, 0.0], [0.0, 0.0]
         self.asked = False  # whether this round's accept follows a lookup
-        # the tokens of rounds it was not asked in (k 0 under load), taken in when it next is: not a lookup's
-        # bookkeeping every round
+        # rounds it was not asked in (k 0 under load): their tokens, taken in at once when it next is
         self.backlog: list[torch.Tensor] = []
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor) -> None:

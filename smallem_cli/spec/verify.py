@@ -134,9 +134,8 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
 
 
 def verify_greedy(drafts: Sequence[int], best: Sequence[int]) -> int:
-    """Greedy verification: draft tokens d_1..d_m, and the target's argmax after each of [last, d_1..d_m] -> n,
-    the draft tokens accepted: the leading ones equal to the target's token at their position. The round emits
-    best[:n+1]: the n accepted, then the target's own (the correction, or the bonus token when n == m)."""
+    """Greedy verification -> n, the leading draft tokens d_1..d_m equal to the target's argmax `best` after each of
+    [last, d_1..d_m]. The round emits best[:n+1]: the n accepted, then the correction (or bonus token when n == m)."""
     n = 0
     for d, b in zip(drafts, best, strict=False):  # (best has one more)
         if d != b:
@@ -146,10 +145,9 @@ def verify_greedy(drafts: Sequence[int], best: Sequence[int]) -> int:
 
 
 def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Exact speculative sampling (Leviathan et al.) -> (n [B] accepted, out [B, k+1], filler past n): draft
-    token i, drawn from q, accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection n the
-    next token is drawn from max(0, p_n - q_n) renormalised (p_n if that is all zero), after k accepted the
-    bonus token from p_k."""
+    """Exact speculative sampling (Leviathan et al.) -> (n [B] accepted, out [B, k+1], filler past n): draft token i,
+    drawn from q, accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection n the next token is
+    drawn from max(0, p_n - q_n) renormalised (p_n if that is all zero), after k accepted the bonus token from p_k."""
     B, k = drafts.shape
     if k == 0:  # no draft: a draw from p_0, what the rule below comes to, without its tensors
         nxt = sample(p[:, 0].float(), generator)  # [B]
@@ -167,7 +165,6 @@ def verify_sample(drafts: Tensor, q: Tensor, p: Tensor, generator: torch.Generat
     residual = (p_n - q_n).clamp_min(0.0)  # [B, V]
     has_mass = residual.sum(dim=-1, keepdim=True) > 0  # [B, 1]
     nxt = sample(torch.where(has_mass, residual, p_n), generator)  # [B]
-
     out = torch.cat([drafts, nxt.unsqueeze(1)], dim=1)  # [B, k+1]
     out.scatter_(1, n.unsqueeze(1), nxt.unsqueeze(1))  # out[:, n] = next token
     return n, out

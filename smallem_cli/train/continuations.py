@@ -4,8 +4,7 @@ In a generation a proposer drafts from the prompt and the target's own text (the
 continued by the target), not the corpus's. So contexts drawn from the training split are continued by the target
 (greedy, or at T = 1 for one in `sampled_every`) on the batch engine; distillation on them still matches the target's
 whole distribution at every position (sequence-level distillation). A document is a context and its continuation; the
-validation split is the source corpus's own, copied.
-"""
+validation split is the source corpus's own, copied."""
 
 from __future__ import annotations
 
@@ -82,9 +81,8 @@ def requests(ctxs: list[tuple[int, ...]], new_tokens: int, sampled_every: int, s
     return out
 
 
-def documents(
-    answers: Iterator[Finished], decode: Callable[[list[int]], str], done: Callable[[int], None]
-) -> list[str]:
+def documents(answers: Iterator[Finished], decode: Callable[[list[int]], str],
+              done: Callable[[int], None]) -> list[str]:  # fmt: skip
     """Each request's context and continuation as text, in request order (`done` hears the count so far)."""
     got: dict[int, str] = {}
     for a in answers:

@@ -1,9 +1,8 @@
 """Corpus, split and token files.
 
-The default corpus is the King James Bible (Debian's `bible-kjv`), verse references stripped, a
-chapter per document; any UTF-8 text files are split into paragraph chunks instead. The split is
-deterministic and by whole chunks (every 20th, about 5%, held out), so no verse is in both halves.
-"""
+The default corpus is the King James Bible (Debian's `bible-kjv`), verse references stripped, a chapter per document;
+any UTF-8 text files are split into paragraph chunks instead. The split is deterministic and by whole chunks (every
+20th, about 5%, held out), so no verse is in both halves."""
 
 from __future__ import annotations
 
@@ -27,19 +26,15 @@ def kjv_chapters() -> list[str]:
     if shutil.which("bible") is None:
         raise FileNotFoundError("the `bible` command is missing: install Debian's bible-kjv package")
     out = subprocess.run(["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True).stdout
-    chapters: list[list[str]] = []
-    current = None
+    chapters: dict[tuple[str, str], list[str]] = {}  # by book and chapter, in order
+    verses: list[str] = []
     for line in out.splitlines():
-        m = _REF.match(line)
-        if m is None:
-            if line.strip() and chapters:  # a wrapped verse continues the previous line
-                chapters[-1][-1] += " " + line.strip()
-            continue
-        if m.group(1, 2) != current:  # a new book or chapter
-            chapters.append([])
-            current = m.group(1, 2)
-        chapters[-1].append(m.group(4).strip())
-    return ["\n".join(v) + "\n" for v in chapters]
+        if m := _REF.match(line):
+            verses = chapters.setdefault(m.group(1, 2), [])
+            verses.append(m.group(4).strip())
+        elif line.strip() and verses:  # a wrapped verse continues the previous line
+            verses[-1] += " " + line.strip()
+    return ["\n".join(v) + "\n" for v in chapters.values()]
 
 
 def text_chunks(paths: list[Path]) -> list[str]:

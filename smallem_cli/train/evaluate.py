@@ -1,10 +1,8 @@
-"""Evaluation on the validation split: loss in nats per byte, and proposer agreement.
-
-Agreement is what greedy acceptance measures: how often a proposer's argmax is the target's for the same position (the
-MTP module is fed the true token i+1, its draft of i+2 compared with the target's argmax there). `chain_agreement` runs
-the chain as the loop does, without a stopwatch: the target continues a validation context greedily (g_1..g_4), the
-proposer's draft tokens d_1..d_4 fed back to it, and "kept at depth j" is how often d_1..d_j all equal g_1..g_j.
-"""
+"""Evaluation on the validation split: loss in nats per byte, and proposer agreement (what greedy acceptance measures:
+how often a proposer's argmax is the target's at the same position; the MTP module is fed the true token i+1, its draft
+of i+2 compared with the target's argmax there). `chain_agreement` runs the chain as the loop does, without a
+stopwatch: the target continues a validation context greedily (g_1..g_4), the proposer's draft tokens d_1..d_4 fed
+back to it, and "kept at depth j" is how often d_1..d_j all equal g_1..g_j."""
 
 from __future__ import annotations
 
@@ -78,18 +76,11 @@ def windows(ids: np.ndarray, seq_len: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate_family(
-    target: Transformer,
-    val_ids: np.ndarray,
-    n_bytes: int,
-    drafts: dict[str, Transformer],
-    mtp: MTPModule | None,
-    seq_len: int = defaults.TRAIN_SEQ_LEN,
-    cuts: dict[str, torch.Tensor | None] | None = None,
-) -> list[Report]:
-    """Loss of each model over the whole stream, each proposer's agreement with the target, and how
-    often its sampled first draft token is accepted at each of defaults.EVAL_TEMPERATURES, its q over its cut head
-    (`cuts`: the tokens by proposer name; absent: the whole vocabulary)."""
+def evaluate_family(target: Transformer, val_ids: np.ndarray, n_bytes: int, drafts: dict[str, Transformer],
+                    mtp: MTPModule | None, seq_len: int = defaults.TRAIN_SEQ_LEN,
+                    cuts: dict[str, torch.Tensor | None] | None = None) -> list[Report]:  # fmt: skip
+    """Each model's loss over the whole stream; each proposer's agreement with the target, and how often its sampled
+    first draft token is accepted at each EVAL_TEMPERATURES, q over its cut head (`cuts`, by name; absent: all)."""
     names = ["target", *drafts] + (["mtp"] if mtp is not None else [])
     nats, n, agree = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), dict.fromkeys(names, 0)
     kept = {name: [0.0] * len(defaults.EVAL_TEMPERATURES) for name in names}
@@ -136,15 +127,8 @@ def _greedy_chain(model: Transformer, x: torch.Tensor, depth: int) -> torch.Tens
 
 
 @torch.no_grad()
-def chain_agreement(
-    target: Transformer,
-    val_ids: np.ndarray,
-    drafts: dict[str, Transformer],
-    mtp: MTPModule | None,
-    count: int = 256,
-    length: int = 96,
-    depth: int = 4,
-) -> dict[str, list[float]]:
+def chain_agreement(target: Transformer, val_ids: np.ndarray, drafts: dict[str, Transformer], mtp: MTPModule | None,
+                    count: int = 256, length: int = 96, depth: int = 4) -> dict[str, list[float]]:  # fmt: skip
     """Each proposer's chain against the target's greedy continuation, from `count` contexts
     of `length` validation tokens -> name -> rate at which draft tokens 1..j were all accepted, j = 1..depth."""
     x = contexts(val_ids, count, length, depth)  # [B, C]

@@ -1,10 +1,9 @@
 """What a proposer is fitted to, and how a sampled draft token is judged.
 
-Distillation fits q to the target's p, KL(p || q) at T = 1 over the whole vocabulary. A sampled
-draft token x ~ q_T is accepted with probability min(1, p_T(x)/q_T(x)), so with probability
-sum_x min(p_T(x), q_T(x)) = 1 - TV(p_T, q_T), q zero outside the proposer's cut head if it has one
-(`proposers.Head`): `smallem eval` reads it at its temperatures, training at T = 1 beside the KL.
-"""
+Distillation fits q to the target's p, KL(p || q) at T = 1 over the whole vocabulary. A sampled draft token x ~ q_T is
+accepted with probability min(1, p_T(x)/q_T(x)), so with probability sum_x min(p_T(x), q_T(x)) = 1 - TV(p_T, q_T), q
+zero outside the proposer's cut head if it has one (`proposers.Head`): `smallem eval` reads it at its temperatures,
+training at T = 1 beside the KL."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""Training: a target (with its MTP module, jointly), a draft, or an MTP module alone, and saving each member of the
-family beside its facts (`train_member`: what `smallem train` runs).
+"""Training a member of the family and saving it beside its facts (`train_member`: what `smallem train` runs).
 
 Batches are random windows of the token stream drawn by (seed, step), and the learning rate follows the budget (tokens,
-else seconds: warm-up, then cosine to 10%), so a run resumed from its state (`runstate`, every `save_every_s`) draws and
-schedules as it would have (a Ctrl-C saves it first, at the last whole step). A target trains jointly with its MTP
-module (DeepSeek-V3's loss, weight `mtp_weight`), so the trunk learns to carry the next-next token in h_i, which the
-module reads; `distill` fits a module, or a draft, to a frozen target instead. Progress goes to the `on_progress`
-callback, never to stdout: each step, and a line (a str) where the run resumes, is interrupted or evaluates.
-"""
+else seconds: warm-up, then cosine to 10%), so a run resumed from its state (`runstate`, every `save_every_s`, and on
+Ctrl-C at the last whole step) draws and schedules as it would have. A target trains jointly with its MTP module
+(DeepSeek-V3's loss, weight `mtp_weight`), so the trunk learns to carry the next-next token in h_i, which the module
+reads; `distill` fits a module, or a draft, to a frozen target instead. Progress goes to `on_progress`, never stdout."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ from ..config import ModelConfig
 from ..model import checkpoint
 from ..model.llama import MTPModule, Transformer
 from . import runstate
+from .evaluate import evaluate_family
 from .fit import fit_loss, student_logits
 
 PRECISIONS = ("fp32", "bf16")  # `TrainSettings.precision`
@@ -82,7 +80,6 @@ def batch(ids: np.ndarray, settings: TrainSettings, step: int) -> torch.Tensor:
 
 
 def spent(settings: TrainSettings, tokens: int, elapsed: float) -> float:
-    """The fraction of the budget spent: tokens over budget_tokens if set, else seconds."""
     return min(1.0, tokens / settings.budget_tokens if settings.budget_tokens > 0 else elapsed / settings.budget_s)
 
 
@@ -94,39 +91,24 @@ def lr_at(settings: TrainSettings, step: int, frac: float) -> float:
     return settings.lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-@torch.no_grad()
-def evaluate(
-    model: Transformer, ids: np.ndarray, seq_len: int = defaults.TRAIN_SEQ_LEN, mtp: MTPModule | None = None
-) -> dict[str, float]:
-    """Mean next-token loss (nats/token) over the validation stream, in windows (one shorter window for
-    a shorter stream); with an MTP module, also its loss and agreement with the target's argmax."""
-    seq_len = min(seq_len, len(ids) - 3)
-    if seq_len < 2:
+def evaluate(model: Transformer, ids: np.ndarray, seq_len: int, mtp: MTPModule | None = None) -> dict[str, float]:
+    """The validation facts: next-token loss (nats/token); with an MTP module, also its loss and agreement."""
+    if len(ids) < 3:
         raise ValueError(f"the validation text is too short: {len(ids)} tokens")
-    model.eval()
-    total, n, mtp_total, agree = 0.0, 0, 0.0, 0
-    for s in range(0, len(ids) - seq_len - 2, seq_len):
-        x = torch.from_numpy(ids[s : s + seq_len + 2].astype(np.int64))[None]
-        h = model.hidden(x[:, :-2])
-        logits = model.logits(h)
-        total += F.cross_entropy(logits[0], x[0, 1:-1], reduction="sum").item()
-        n += seq_len
-        if mtp is not None:
-            lm = model.logits(mtp(h, model.embed_tokens(x[:, 1:-1]), model.cos[:seq_len], model.sin[:seq_len]))
-            mtp_total += F.cross_entropy(lm[0, :-1], x[0, 2:-1], reduction="sum").item()
-            # MTP at i drafts token i+2; the target's own token for it is its argmax at i+1.
-            agree += (lm[0, :-1].argmax(-1) == logits[0, 1:].argmax(-1)).sum().item()
-    out = {"val_loss": total / n}
-    if mtp is not None:
-        out |= {"mtp_val_loss": mtp_total / (n - n // seq_len), "mtp_agreement": agree / (n - n // seq_len)}
+    target, *module = evaluate_family(model, ids, 1, {}, mtp, seq_len)  # (its bytes: not read)
+    out = {"val_loss": target.nats_per_token}
+    if module:
+        out |= {"mtp_val_loss": module[0].nats_per_token, "mtp_agreement": module[0].agreement or 0.0}
     return out
 
 
-def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], train_ids: np.ndarray, settings: TrainSettings,
-                run_dir: Path, on_progress: ProgressFn | None,
-                val: tuple[Transformer, np.ndarray] | None = None) -> dict[str, Any]:  # fmt: skip
-    """The optimisation loop, resumable, over every parameter of `modules` -> the training facts.
-    val: a model whose validation loss is read every `eval_every_s` (shown in the progress)."""
+def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], data: tuple[np.ndarray, np.ndarray],
+                settings: TrainSettings, run_dir: Path, on_progress: ProgressFn | None,
+                judged: tuple[Transformer, MTPModule | None]) -> dict[str, Any]:  # fmt: skip
+    """The optimisation loop, resumable, over every parameter of `modules` -> the training facts and the final
+    `evaluate` of `judged`. A model trained ("model") is also evaluated every `eval_every_s` (shown in the progress):
+    a frozen target's loss would not move."""
+    train_ids, val_ids = data
     torch.manual_seed(settings.seed)
     params = [p for m in modules.values() for p in m.parameters()]
     groups = [
@@ -173,8 +155,8 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], train_ids:
             now = time.perf_counter()
             dt, t_prev = now - t_prev, now
             elapsed += dt
-            if val is not None and elapsed - last_eval >= settings.eval_every_s:
-                val_loss = evaluate(*val, settings.seq_len)["val_loss"]
+            if "model" in modules and elapsed - last_eval >= settings.eval_every_s:
+                val_loss = evaluate(judged[0], val_ids, settings.seq_len)["val_loss"]
                 last_eval = elapsed
                 t_prev = time.perf_counter()  # evaluation time is not training time
             if elapsed - last_save >= settings.save_every_s:
@@ -182,10 +164,9 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], train_ids:
                 last_save = elapsed
                 t_prev = time.perf_counter()
             if on_progress is not None:
-                read, rate = {k: v.item() for k, v in extra.items()}, x.numel() / max(dt, 1e-9)
-                on_progress(
-                    Progress(step, elapsed, spent(settings, tokens, elapsed), loss.item(), rate, tokens, val_loss, read)
-                )
+                done, rate = spent(settings, tokens, elapsed), x.numel() / max(dt, 1e-9)
+                read = {k: v.item() for k, v in extra.items()}
+                on_progress(Progress(step, elapsed, done, loss.item(), rate, tokens, val_loss, read))
     except KeyboardInterrupt:  # the steps so far are kept (a second Ctrl-C stops the save: the last one stands)
         if updating:
             _say(on_progress, f"interrupted in step {step + 1}'s update: a rerun resumes from the state saved last")
@@ -194,8 +175,11 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], train_ids:
             _say(on_progress, f"interrupted at step {step}: the same command resumes the run from {run_dir}")
         raise
     save_state()
+    # said before the final evaluation: a large model takes minutes over a large validation split
+    _say(on_progress, f"trained; evaluating on the validation split ({len(val_ids):,} tokens)")
     facts = {"steps": step, "tokens_seen": tokens, "train_seconds": round(elapsed, 1)}
-    return facts | {k: getattr(settings, k) for k in ("batch_size", "seq_len", "lr", "seed", "precision")}
+    facts |= {k: getattr(settings, k) for k in ("batch_size", "seq_len", "lr", "seed", "precision")}
+    return facts | evaluate(judged[0], val_ids, settings.seq_len, judged[1])
 
 
 def new_model(cfg: ModelConfig, seed: int) -> Transformer:
@@ -213,13 +197,9 @@ def new_mtp(cfg: ModelConfig, seed: int) -> MTPModule:
 
 
 def train_model(
-    cfg: ModelConfig,
-    train_ids: np.ndarray,
-    val_ids: np.ndarray,
-    settings: TrainSettings,
-    run_dir: Path,
-    on_progress: ProgressFn | None = None,
-) -> tuple[Transformer, MTPModule | None, dict[str, Any]]:
+    cfg: ModelConfig, train_ids: np.ndarray, val_ids: np.ndarray, settings: TrainSettings, run_dir: Path,
+    on_progress: ProgressFn | None = None
+) -> tuple[Transformer, MTPModule | None, dict[str, Any]]:  # fmt: skip
     """Train a model from scratch (a target with `cfg.mtp` gets its MTP module jointly)."""
     model = new_model(cfg, settings.seed)
     mtp = new_mtp(cfg, settings.seed) if cfg.mtp else None
@@ -238,9 +218,7 @@ def train_model(
         aux = F.cross_entropy(model.logits(hm).float().flatten(0, 1), x[:, 2:].flatten())
         return loss + settings.mtp_weight * aux, {"mtp_loss": aux.detach()}
 
-    facts = _train_loop(loss_fn, modules, train_ids, settings, run_dir, on_progress, (model, val_ids))
-    _evaluating(on_progress, val_ids)
-    facts |= evaluate(model, val_ids, settings.seq_len, mtp)
+    facts = _train_loop(loss_fn, modules, (train_ids, val_ids), settings, run_dir, on_progress, (model, mtp))
     if mtp is not None:
         facts["joint_weight"] = settings.mtp_weight  # both files: the trunk learnt under it too
     return model, mtp, facts
@@ -275,18 +253,8 @@ def distill(target: Transformer, student: Transformer | MTPModule, train_ids: np
         feat = F.smooth_l1_loss(F.rms_norm(hm.float(), (d,)), F.rms_norm(h[:, 1:].float(), (d,)))  # [B, T-1, d] both
         return loss + settings.feature_weight * feat, extra | {"feature": feat.detach()}
 
-    if mtp is None:
-        facts = _train_loop(loss_fn, {"model": student}, train_ids, settings, run_dir, on_progress, (student, val_ids))
-        _evaluating(on_progress, val_ids)
-        return facts | evaluate(student, val_ids, settings.seq_len)
-    facts = _train_loop(loss_fn, {"mtp": mtp}, train_ids, settings, run_dir, on_progress)
-    _evaluating(on_progress, val_ids)
-    return facts | evaluate(target, val_ids, settings.seq_len, mtp)
-
-
-def _evaluating(on_progress: ProgressFn | None, val_ids: np.ndarray) -> None:
-    """Said before the final evaluation: a large model takes minutes over a large validation split."""
-    _say(on_progress, f"trained; evaluating on the validation split ({len(val_ids):,} tokens)")
+    modules, judged = ({"model": student}, (student, None)) if mtp is None else ({"mtp": mtp}, (target, mtp))
+    return _train_loop(loss_fn, modules, (train_ids, val_ids), settings, run_dir, on_progress, judged)
 
 
 def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
@@ -297,11 +265,9 @@ def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
 
 def save_family_member(path: Path, model: Transformer | MTPModule, fp: str, facts: dict[str, Any],
                        train_ids: np.ndarray, rank: list[int] | None = None) -> None:  # fmt: skip
-    """Save a member with its tokenizer's fingerprint `fp` and its cut head's tokens: `rank`, else the most frequent
-    in `train_ids`."""
-    checkpoint.save(
-        path, model, tokenizer=fp, facts=facts, vocab_rank=rank or vocab_rank(train_ids, model.cfg.vocab_size)
-    )
+    """Save a member with its tokenizer's fingerprint `fp` and its cut head's tokens (`rank`, else by `train_ids`)."""
+    rank = rank or vocab_rank(train_ids, model.cfg.vocab_size)
+    checkpoint.save(path, model, tokenizer=fp, facts=facts, vocab_rank=rank)
 
 
 def train_member(kind: Literal["target", "draft", "distill", "mtp"], cfg: ModelConfig | None,

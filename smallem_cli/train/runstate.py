@@ -1,10 +1,9 @@
 """A training run's resume state, `run_dir/state.safetensors`: loading it runs no code.
 
-Tensors (weights, optimizer moments, torch's RNG state) are safetensors; the rest (position,
-optimizer groups, settings) is JSON in the same file's metadata, so the two never disagree. A state
-truncated, foreign or altered is a RunStateError naming the file, never a half-loaded run; a save
-is atomic. The pickled `state.pt` of older versions is refused: unpickling runs code.
-"""
+Tensors (weights, optimizer moments, torch's RNG state) are safetensors; the rest (position, optimizer groups, settings)
+is JSON in the same file's metadata, so the two never disagree. A state truncated, foreign or altered is a RunStateError
+naming the file, never a half-loaded run; a save is atomic. The pickled `state.pt` of older versions is refused:
+unpickling runs code."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ class Position:  # where a run stands: optimizer steps, training tokens and seco
     elapsed: float = 0.0
 
 
-def save(
-    run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer, pos: Position, settings: dict
-) -> None:
+def save(run_dir: Path, modules: dict[str, torch.nn.Module], opt: torch.optim.Optimizer, pos: Position,
+         settings: dict) -> None:  # fmt: skip
     """Write the state atomically (flushed to disk before the rename: a crash cannot leave an empty state)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}

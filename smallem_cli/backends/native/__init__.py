@@ -1,10 +1,8 @@
-"""The native engine (`--engine native`): a decode pass in C++ over the model's own weights.
-
-A one-token pass is bound by reading the weights, so `step.cpp` reads each matrix in panels, in the narrowest of
-float16, bfloat16 and float32 that holds its values exactly (`narrowest`), or as a quantized file's blocks
-(`model.quant`), accumulating in float32: the model is computed as it is. A proposer's may be int8
-(`--proposer-weights int8`, `panels8`); the target's never are, so the text is the target's. A failure leaves the
-model eager."""
+"""The native engine (`--engine native`): a decode pass in C++ over the model's own weights. A one-token pass is
+bound by reading the weights, so `step.cpp` reads each matrix in panels, in the narrowest of float16, bfloat16 and
+float32 that holds its values exactly (`narrowest`), or as a quantized file's blocks (`model.quant`), accumulating in
+float32: the model is computed as it is. A proposer's may be int8 (`--proposer-weights int8`, `panels8`); the
+target's never are, so the text is the target's. A failure leaves the model eager."""
 
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ import ctypes
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from ...kv.step import BatchStep, visible
 from ...model import quant
@@ -21,30 +20,26 @@ from . import kernels
 from .kernels import ENGINES, Log, NativeUnavailable, library, ptr
 
 MAX_T = 64  # the longest one-sequence step (verify passes, a draft's catch-up); longer ones take the batch pass
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Mat(ctypes.Structure):
     """A matrix in panels (`matmul.h`'s `Mat`): float16, bfloat16 or float32, int8 with its rows'
     scales, or a quantized file's blocks (W_Q: int8 with its blocks' scales and offsets)."""
 
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("kind", ctypes.c_int)]
-    _fields_ += [("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
+    _fields_ = [("w", _P), ("scale", _P), ("kind", _I), ("d", _P), ("m", _P)]
 
 
 class _LayerW(ctypes.Structure):
-    _fields_ = [*[(n, _Mat) for n in ("qkv", "o", "gu", "down")], *[(n, ctypes.c_void_p) for n in ("g1", "g2")]]
+    _fields_ = [*[(n, _Mat) for n in ("qkv", "o", "gu", "down")], ("g1", _P), ("g2", _P)]
 
 
 class _ModelW(ctypes.Structure):
     _fields_ = [
-        *[(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")],
-        ("eps", ctypes.c_float), *[(n, ctypes.c_void_p) for n in ("layers", "embed")], ("head", _Mat),
-        *[(n, ctypes.c_void_p) for n in ("g_final", "table")], ("wh", _Mat), ("g_h", ctypes.c_void_p),
-        ("embed_kind", ctypes.c_int),
+        *[(n, _I) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")], ("eps", _F),
+        ("layers", _P), ("embed", _P), ("head", _Mat), ("g_final", _P), ("table", _P), ("wh", _Mat), ("g_h", _P),
+        ("embed_kind", _I),
     ]  # fmt: skip
-
-
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 class _Chain(ctypes.Structure):
@@ -59,13 +54,12 @@ class _Chain(ctypes.Structure):
 
 
 KV_DTYPE = torch.float16  # the K/V cache's type, vec.h's kv_t (why: there)
-
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}  # matmul.h's W_F16, W_BF16, W_F32
 KIND_NAMES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 W_Q = 3  # matmul.h's blocks (`model.quant`)
 
 
-def narrowest(w: torch.Tensor) -> torch.Tensor:
+def narrowest(w: Tensor) -> Tensor:
     """w in the narrowest of float16, bfloat16 and float32 that holds every value exactly."""
     w = w.detach().float()
     for dtype in (torch.float16, torch.bfloat16):
@@ -74,14 +68,14 @@ def narrowest(w: torch.Tensor) -> torch.Tensor:
     return w.contiguous()
 
 
-def panels(rows: torch.Tensor, width: int) -> torch.Tensor:
+def panels(rows: Tensor, width: int) -> Tensor:
     """W [out, in] -> [ceil(out / width), in, width] (`step.cpp`'s panels), the last padded with zero rows."""
     if pad := -rows.shape[0] % width:
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
     return rows.view(-1, width, rows.shape[1]).transpose(1, 2).contiguous()
 
 
-def panels8(w: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def panels8(w: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """W [out, in] -> int8 panels and float32 scales [ceil(out / width) * width]: row n is
     scale[n] * q[n], scale[n] = max |W[n]| / 127 (symmetric, per output row)."""
     w = w.detach().float()
@@ -110,10 +104,11 @@ class NativeSteps:
         assert own.rope_cos is not None and own.rope_sin is not None, "pack() the model first"
         self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
-        self.keep: list[torch.Tensor] = []  # every tensor the C structs point at, alive as long as they
+        self.keep: list[Tensor] = []  # every tensor the C structs point at, alive as long as they
         self.kinds: set[str] = set()  # what its matrices are read as (int8 aside): f16, ..., q4_1
-        # a parameter's blocks, where a quantized file stored it so: read as they are
-        self.stored = {id(p): b for n, p in model.named_parameters() if (b := quantized(model).get(n))}
+        # a parameter's blocks, where a quantized file stored it so (never the MTP module's): read as they are
+        blocked = model.quantized if isinstance(model, Transformer) else {}
+        self.stored = {id(p): b for n, p in model.named_parameters() if (b := blocked.get(n))}
         blocks = [model.block] if self.mtp else list(model.layers)
         self.layers_c = (_LayerW * len(blocks))()
         for i, b in enumerate(blocks):
@@ -125,7 +120,7 @@ class NativeSteps:
         self.mw = mw = _ModelW(len(blocks), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
         mw.eps, mw.layers = c.norm_eps, ctypes.cast(self.layers_c, ctypes.c_void_p)
         # a chain's head rows in panels, by id(ids) (ids held, so that their id stays theirs)
-        self._heads: dict[int, tuple[torch.Tensor | None, _Mat]] = {}
+        self._heads: dict[int, tuple[Tensor | None, _Mat]] = {}
         if self.mtp:
             mw.wh = self._mat(model.eh_proj.weight[:, : c.dim].contiguous())  # [d, d]: the h half
             mw.table = self._held(model.token_table(target.embed_tokens.weight).detach().contiguous())
@@ -142,15 +137,15 @@ class NativeSteps:
         self.head_src = own.head_weight.detach()
         self.g_final = _floats(own.norm.weight)
 
-    def _held(self, t: torch.Tensor) -> int:
+    def _held(self, t: Tensor) -> int:
         self.keep.append(t)
         return t.data_ptr()
 
-    def _rows(self, parts: list[tuple[torch.Tensor, int]]) -> _Mat:
+    def _rows(self, parts: list[tuple[Tensor, int]]) -> _Mat:
         """These matrices' rows one below the other (a part with heads > 0 in the rope's pairs, `permute_rope`), in
         panels, held: as a quantized file stored them where it stored every part so (`model.quant`), else as `_mat`."""
 
-        def pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+        def pairs(w: Tensor, heads: int) -> Tensor:
             return permute_rope(w, heads) if heads else w
 
         blocks = [self.stored.get(id(w)) for w, _ in parts]
@@ -161,7 +156,7 @@ class NativeSteps:
         m = None if b.m is None else self._held(panels(b.m, self.width))
         return _Mat(self._held(panels(b.q, self.width)), None, W_Q, self._held(panels(b.d, self.width)), m)
 
-    def _mat(self, w: torch.Tensor) -> _Mat:
+    def _mat(self, w: Tensor) -> _Mat:
         if self.int8:
             q, scale = panels8(w, self.width)
             return _Mat(self._held(q), self._held(scale), 0)
@@ -173,7 +168,7 @@ class NativeSteps:
         """Whether `step` takes a pass over positions start .. end - 1 (the rope tables stop at the context)."""
         return not self.mtp and end <= self.positions and end - start <= MAX_T
 
-    def _scratch_for(self, T: int, threads: int, more: int = 0) -> tuple[torch.Tensor, int]:
+    def _scratch_for(self, T: int, threads: int, more: int = 0) -> tuple[Tensor, int]:
         """The C code's scratch, grown as needed, for T tokens and `more` floats -> (it, the floats a pass takes)."""
         c = self.cfg
         Q, F = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.hidden_dim
@@ -183,16 +178,9 @@ class NativeSteps:
         return self._scratch, need
 
     def chain(
-        self,
-        ids: torch.Tensor | None,
-        k: int,
-        view: torch.Tensor,
-        L: int,
-        fed: tuple[torch.Tensor, torch.Tensor | None],
-        inv_t: float | None = None,
-        u: torch.Tensor | None = None,
-        penalty: Penalty | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, ids: Tensor | None, k: int, view: Tensor, L: int, fed: tuple[Tensor, Tensor | None],
+        inv_t: float | None = None, u: Tensor | None = None, penalty: Penalty | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """A proposer's chain (`smallem_chain`): the entries a round confirmed `fed` (tokens [m >= 1], the MTP
         module's target states [m, d] or None; their K/V written at L .. L+m-1), then k draft tokens, the head cut
         to `ids` (None: whole); `view` [layers, 2, Hkv, >= L+m+k-1, D]. Greedy -> (tokens [k], their
@@ -231,17 +219,16 @@ class NativeSteps:
 
     def batch(
         self,
-        tokens: torch.Tensor,
-        h: torch.Tensor | None,
-        slab: torch.Tensor,
+        tokens: Tensor,
+        h: Tensor | None,
+        slab: Tensor,
         b: BatchStep,
         head: str = "none",
-        top: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's states h [N, d])
-        at `b`'s positions, K/V into `slab` [L, 2, Hkv, slots, D] -> (logits of `head`'s rows, hidden [N, d]);
-        `top` [rows + 1] long, if given, takes each logits row's argmax and the finite flag (no pass over them
-        in torch afterwards)."""
+        top: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's states h [N, d]) at `b`'s
+        positions, K/V into `slab` [L, 2, Hkv, slots, D] -> (logits of `head`'s rows, hidden [N, d]); `top` [rows + 1]
+        long, if given, takes each logits row's argmax and the finite flag (no pass over them in torch afterwards)."""
         c, threads, N = self.cfg, torch.get_num_threads(), tokens.shape[0]
         vis, first, count = (t.contiguous() for t in visible(b))
         keys = int(count.max())
@@ -250,8 +237,7 @@ class NativeSteps:
         x, logits = torch.empty(N, c.dim), torch.empty(R, c.vocab_size)
         h = None if h is None else h.contiguous()  # held here: the C code reads it
         tokens, slots, positions = tokens.contiguous(), b.slots.contiguous(), b.positions.contiguous()
-        # a row at position P sees P + 1 keys: within the context, every row's rotation is in the tables the C
-        # code reads by position
+        # a row at position P sees P + 1 keys: within the context, its rotation is in the C code's tables
         assert slab.is_contiguous() and slab.dtype == KV_DTYPE and keys <= self.positions
         scratch, _ = self._scratch_for(N, threads)
         strides = (ctypes.c_int64 * 4)(*slab.stride()[:4])
@@ -263,9 +249,7 @@ class NativeSteps:
         )  # fmt: skip
         return logits, x
 
-    def step(
-        self, tokens: torch.Tensor, past: torch.Tensor, head: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def step(self, tokens: Tensor, past: Tensor, head: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """The target's pass (`smallem_step`) over tokens [T] after `past` [L, 2, Hkv, S, D], a view of the
         slab -> (logits [T or 0, V], hidden [T, d], the new K/V after the past, argmaxes + finite flag [T+1])."""
         c, T, S, threads = self.cfg, tokens.shape[0], past.shape[3], torch.get_num_threads()
@@ -293,18 +277,13 @@ class NativeSteps:
         return logits, x, new, top
 
 
-def quantized(model: Transformer | MTPModule) -> dict[str, quant.Blocked]:
-    """The model's parameters a quantized file stored in blocks (none for the MTP module)."""
-    return model.quantized if isinstance(model, Transformer) else {}
-
-
-def _floats(w: torch.Tensor) -> torch.Tensor:
+def _floats(w: Tensor) -> Tensor:
     return w.detach().float().contiguous()
 
 
 def verify_sample(
-    logits: torch.Tensor, warp: Warper, drafts: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator | None
-) -> torch.Tensor:
+    logits: Tensor, warp: Warper, drafts: Tensor, q: Tensor | None, generator: torch.Generator | None
+) -> Tensor:
     """`verify.verify_sample` for one sequence after `warp` (`verify.h`), drawing what it draws in the same
     order: logits [k+1, V], draft tokens [k], their q [k, V] -> [k + 2] long: n accepted, then the k+1 tokens."""
     k, V = drafts.shape[0], logits.shape[-1]
@@ -324,7 +303,7 @@ def verify_sample(
     return out
 
 
-def penalize_argmax(rows: torch.Tensor, seen: torch.Tensor, fed: torch.Tensor, penalty: float) -> torch.Tensor:
+def penalize_argmax(rows: Tensor, seen: Tensor, fed: Tensor, penalty: float) -> Tensor:
     """`verify.penalize` in place (the same float32 operations) over rows [T, V] of a pass over `fed` [T],
     context `seen` [V] -> each row's argmax [T] (the first largest, as torch.argmax)."""
     T, V = rows.shape
