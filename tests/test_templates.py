@@ -271,3 +271,21 @@ def test_chat_refuses_bytes_that_are_not_utf8_and_goes_on(hf_dir: Path) -> None:
     lines = res.stderr.splitlines()  # type: ignore[attr-defined]
     assert res.exit_code == 0 and len(lines) == 2, (res.stderr, res.exception)
     assert lines[0] == "error: the message is not valid UTF-8 (at character 4); it was not sent" and "tok/s" in lines[1]
+
+
+def test_serve_with_a_broken_template_answers_completions(family: Family, tmp_path: Path) -> None:
+    """`serve` tries the template at load: a broken one is a warning line, /v1/completions still answers, and each
+    chat request gets a 400 error object."""
+    pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from test_serve import Server
+
+    target = write_gguf(tmp_path / "empty.gguf", family, family.tokenizer, "{% if false %}x{% endif %}")
+    s = Server(target, "--proposer", "none", "--engine", "eager")
+    try:
+        assert any("warning:" in line and "rendered nothing" in line for line in s.log), s.log
+        assert s.post("/v1/completions", {"prompt": "And God said", "max_tokens": 2}).status_code == 200
+        r = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 400 and "rendered nothing" in r.json()["error"]["message"]
+    finally:
+        s.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import socket
@@ -12,7 +13,7 @@ from typing import Annotated
 import typer
 
 from .. import defaults, options
-from ..errors import UsageError, first_fault
+from ..errors import UsageError, first_fault, one_line
 from . import args
 from .app import app, bad_input, err, fail, load_run
 
@@ -60,6 +61,7 @@ def serve(
     except ImportError as e:
         raise fail(f"smallem serve needs the serve extra: pip install 'smallem[serve]' (no {e.name})") from None
     from ..engine import family
+    from ..model.chat import ChatError
     from ..serve.openai import Served, prompt_chars
     from ..serve.worker import Worker
 
@@ -80,10 +82,15 @@ def serve(
         slack = options.slack(proposer, k)
         sock = _bind(host, port)  # before the models load: a port in use fails at once
         vocab = defaults.proposer_vocab(True)  # a batch mixes modes: the greedy head, the default
-        tgt, eng = load_run(
-            target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, k,
+        load = functools.partial(
+            load_run, target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, k,
             max_batch=max_batch, share=False,
         )  # fmt: skip
+        try:  # the chat template is tried before the weights load
+            tgt, eng = load(chat=True)
+        except ChatError as e:  # /v1/completions needs none: serve it, and say what the chat route will answer
+            err.print(f"warning: {one_line(str(e))}; /v1/chat/completions will answer 400")
+            tgt, eng = load(chat=False)
     name = model_name or Path(target).name
     context = eng.context  # the model's, or what the memory holds
     served = Served(name, tgt.tok, tgt.chat, tgt.model.cfg.vocab_size, context, slack, prompt_chars(tgt.tok, context))

@@ -3,9 +3,6 @@ model's native steps a pass is one C call; else the eager pass below, the refere
 
 from __future__ import annotations
 
-import math
-import mmap
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -19,10 +16,9 @@ def slab_for(model: Transformer | MTPModule, n_slots: int, device: torch.device)
     """A model's K/V for the pool: [layer, K or V, kv head, n_slots, head dim] (the MTP module: one layer)."""
     c = model.cfg
     layers = 1 if isinstance(model, MTPModule) else c.n_layers
-    shape = (layers, 2, c.n_kv_heads, n_slots, c.head_dim)
-    if device.type == "cpu":  # zeros the OS maps as they are first written: an idle pool takes no memory
-        return torch.frombuffer(mmap.mmap(-1, KV_DTYPE.itemsize * math.prod(shape)), dtype=KV_DTYPE).view(shape)
-    return torch.zeros(shape, device=device, dtype=KV_DTYPE)
+    # zeros, written at once: a lazily mapped slab (pages resident when first written) was slower, by its page
+    # faults inside every run (docs/benchmarks.md, "2026-12-06, third session"); the pool starts small instead
+    return torch.zeros(layers, 2, c.n_kv_heads, n_slots, c.head_dim, device=device, dtype=KV_DTYPE)
 
 
 def attend(q: Tensor, kv: Tensor, bias: Tensor | None, Hkv: int, G: int) -> Tensor:
