@@ -29,6 +29,8 @@ class ModelConfig:
     hidden_dim: int = 768  # SwiGLU inner width
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
+    # Per-pair divisors of the rotary frequencies (llama.cpp's rope_freqs): llama3 and linear scaling, () for none.
+    rope_freqs: tuple[float, ...] = ()
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     mtp: bool = False  # a multi-token-prediction module (DeepSeek-V3 style) is trained with this model
@@ -40,12 +42,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f.name, f.type, getattr(self, f.name))
+        object.__setattr__(self, "rope_freqs", tuple(map(float, self.rope_freqs)))  # JSON gives a list
         if self.dim % self.n_heads:
             raise ConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim {self.head_dim} must be even for rotary positions")
+        if (n := len(self.rope_freqs)) and n != self.head_dim // 2:
+            raise ConfigError(f"rope_freqs holds {n} factors, not {self.head_dim // 2}, one per pair")
         if self.max_seq_len * self.head_dim > MAX_ROPE:
             raise ConfigError(
                 f"max_seq_len {self.max_seq_len} x head_dim {self.head_dim} exceeds smallem's limit of "
@@ -84,6 +89,11 @@ def _check_field(name: str, kind: object, value: object) -> None:
     if kind in (bool, "bool"):
         if not isinstance(value, bool):
             raise ConfigError(f"config field {name} must be true or false, got {_show(value)}")
+    elif kind == "tuple[float, ...]":
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config field {name} must be a list of numbers, got {_show(value)}")
+        for v in value:
+            _check_field(name, float, v)
     elif kind in (int, "int"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"config field {name} must be an integer, got {_show(value)}")

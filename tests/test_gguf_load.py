@@ -334,11 +334,11 @@ def test_refusals_one_line_each(family: Family, tmp_path: Path, monkeypatch: pyt
     refused(gen(tmp_path / "qwen.gguf"), "architecture 'qwen2'")
 
     def scaled(w: Any) -> None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(4.0)
 
     write(tmp_path / "rope.gguf", family, kv=scaled)
-    refused(gen(tmp_path / "rope.gguf"), "llama.rope.scaling.")
+    refused(gen(tmp_path / "rope.gguf"), "llama.rope.scaling.type='yarn'")
     lie = np.zeros((32, 32), dtype=np.float32)  # Wk is [n_kv_heads * head_dim = 16, 32]
     write(tmp_path / "lie.gguf", family, edit=lambda t: t.__setitem__("blk.1.attn_k.weight", lie))
     refused(gen(tmp_path / "lie.gguf"), "blk.1.attn_k.weight has shape (32, 32)", "(16, 32)")

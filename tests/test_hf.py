@@ -252,8 +252,8 @@ def _edit(cfg: dict, change: dict) -> dict:
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters"),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "low_freq_factor"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 1e4}, "rope_parameters"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"attention_bias": True}, "attention_bias=True"),
@@ -281,8 +281,8 @@ def test_refused_config_in_a_folder(tmp_path: Path, tok_path: Path) -> None:
     hf_llama(2, False, 5000.0).save_pretrained(tmp_path)
     (tmp_path / "tokenizer.json").write_bytes(tok_path.read_bytes())
     raw = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(raw | {"rope_scaling": {"type": "linear", "factor": 2.0}}))
-    with pytest.raises(HFFormatError, match=r"rope_scaling=\{'type': 'linear'"):
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"rope_scaling": {"type": "dynamic", "factor": 2.0}}))
+    with pytest.raises(HFFormatError, match=r"rope_scaling=\{'type': 'dynamic'"):
         load_hf(tmp_path)
 
 

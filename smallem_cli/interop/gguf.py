@@ -60,6 +60,8 @@ def gguf_tensors(model: Transformer, dtype: str = "f32") -> dict[str, np.ndarray
         if w.dim() == 2 and dtype == "f16":
             w = w.to(torch.float16)
         out[gguf_name(key)] = w.contiguous().numpy()
+    if model.cfg.rope_freqs:  # llama.cpp divides each pair's rotary frequency by its factor, as rope_tables does
+        out["rope_freqs.weight"] = np.array(model.cfg.rope_freqs, dtype=np.float32)
     return out
 
 
@@ -137,7 +139,8 @@ def restore_gguf(src: str | Path, model: Transformer, out_file: str | Path, dtyp
     w = gguf.GGUFWriter(str(out_file), "llama")
     try:
         for name, f in gguf.GGUFReader(str(src)).fields.items():
-            if not name.startswith("GGUF.") and name not in skip:
+            # any linear scaling is in the model's rope_freqs, which the file gets as a tensor
+            if not name.startswith(("GGUF.", "llama.rope.scaling.")) and name not in skip:
                 w.add_key_value(name, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
         _finish(w, gguf_tensors(model, dtype), dtype)
     finally:
@@ -203,13 +206,27 @@ def is_gguf(path: str | Path) -> bool:
         return False
 
 
-def _config(meta: Meta, n_vocab: int, tied: bool) -> ModelConfig:
+def _rope_freqs(meta: Meta, reader: Any, pairs: int) -> tuple[float, ...]:
+    """`ModelConfig.rope_freqs`: the tensor rope_freqs.weight (llama.cpp's form of llama3 scaling), times the factor
+    of linear scaling (llama.cpp scales positions by its inverse); () for plain rotary positions."""
+    if (kind := meta.text("llama.rope.scaling.type") or "none") not in ("none", "linear"):
+        raise GGUFReadError(f"{meta.path}: llama.rope.scaling.type={kind!r}: smallem computes linear and llama3 only")
+    scaling = ("llama.rope.scaling.type", "llama.rope.scaling.factor")
+    if extra := [k for k in meta if k.startswith("llama.rope.scaling.") and k not in scaling]:
+        raise GGUFReadError(f"{meta.path}: unsupported metadata {extra[0]}={meta.get(extra[0])!r}")
+    linear = meta.num("llama.rope.scaling.factor", float, 1.0)
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if t is not None and (len(t.shape) != 1 or t.tensor_type.name != "F32"):
+        raise GGUFReadError(f"{meta.path}: tensor rope_freqs.weight must be one F32 row, not {t.tensor_type.name} "
+                            f"{tuple(t.shape.tolist())}")  # fmt: skip
+    freqs = [1.0] * pairs * (linear != 1) if t is None else np.asarray(t.data, dtype=np.float64).tolist()
+    return tuple(f * linear for f in freqs)
+
+
+def _config(meta: Meta, reader: Any, n_vocab: int, tied: bool) -> ModelConfig:
     path = meta.path
     if (arch := meta.text("general.architecture")) != "llama":
         raise GGUFReadError(f"{path}: architecture {arch!r}: only llama is supported")
-    for key in meta:
-        if key.startswith("llama.rope.scaling.") and not (key.endswith(".type") and meta.get(key) == "none"):
-            raise GGUFReadError(f"{path}: unsupported metadata {key}={meta.get(key)!r}: plain rotary positions only")
     if meta.get("llama.expert_count", 0):
         raise GGUFReadError(f"{path}: llama.expert_count={meta.get('llama.expert_count')!r}: mixture of experts")
     dim, heads = meta.num("llama.embedding_length"), meta.num("llama.attention.head_count")
@@ -228,12 +245,14 @@ def _config(meta: Meta, n_vocab: int, tied: bool) -> ModelConfig:
             )
     if "llama.vocab_size" in meta and meta.get("llama.vocab_size") != n_vocab:
         raise GGUFReadError(f"{path}: llama.vocab_size={meta.get('llama.vocab_size')!r}, the token list has {n_vocab}")
+    rope_freqs = _rope_freqs(meta, reader, head_dim // 2)
     try:
         return ModelConfig(
             vocab_size=n_vocab, dim=dim, n_layers=meta.num("llama.block_count"), n_heads=heads, n_kv_heads=kv,
             hidden_dim=meta.num("llama.feed_forward_length"), max_seq_len=meta.num("llama.context_length"),
             norm_eps=meta.num("llama.attention.layer_norm_rms_epsilon", float),
             rope_theta=meta.num("llama.rope.freq_base", float, 10000.0), tie_embeddings=tied, mtp=False,
+            rope_freqs=rope_freqs,
         )  # fmt: skip
     except ValueError as e:  # ModelConfig's own checks
         raise GGUFReadError(f"{path}: its hyperparameters do not fit smallem: {e}") from None
@@ -248,10 +267,8 @@ def _weights(
 
     expected = checkpoint.expected_shapes(cfg)  # a tied model's has no lm_head
     ours = {gguf_name(k): k for k in expected}
-    found = {t.name: t for t in reader.tensors}
+    found = {t.name: t for t in reader.tensors if t.name != "rope_freqs.weight"}  # read with the config
     missing, extra = sorted(set(ours) - set(found)), sorted(set(found) - set(ours))
-    if "rope_freqs.weight" in extra:
-        raise GGUFReadError(f"{path}: tensor rope_freqs.weight scales rotary positions: plain rotary positions only")
     if missing or extra:
         raise GGUFReadError(f"{path}: tensors do not fit its metadata: missing {missing[:3]}, unexpected {extra[:3]}")
     for name, t in found.items():
@@ -334,7 +351,7 @@ def load_gguf(path: str | Path, device: torch.device | str = "cpu", check_chat: 
     tokens = meta.strings("tokenizer.ggml.tokens")
     if not tokens:
         raise GGUFReadError(f"{path}: metadata tokenizer.ggml.tokens is missing or empty")
-    cfg = _config(meta, len(tokens), tied=not any(t.name == "output.weight" for t in reader.tensors))
+    cfg = _config(meta, reader, len(tokens), tied=not any(t.name == "output.weight" for t in reader.tensors))
     ids = {n: v for n in ("bos", "eos", "eot", "eom") if (v := meta.get(f"tokenizer.ggml.{n}_token_id")) is not None}
     for name, v in ids.items():
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(tokens):

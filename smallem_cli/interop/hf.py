@@ -1,6 +1,6 @@
 """Hugging Face interchange, LlamaForCausalLM folders in and out (and MiMo's, for vLLM): a renaming (smallem's
 Transformer is Llama without `model.`, `self_attn.`, `mlp.`) plus a config translation, refusing by field what
-it would compute otherwise (scaled rotary positions, biases, ...)."""
+it would compute otherwise (yarn or dynamic rotary positions, biases, ...)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from .. import atomic
 from ..config import ModelConfig
 from ..model import checkpoint
-from ..model.llama import Transformer
+from ..model.llama import Transformer, llama3_freqs, llama3_params
 from ..model.tokenizer import EOT, load_tokenizer
 
 
@@ -54,22 +54,50 @@ def _num(hf: dict[str, Any], name: str, default: float | None = None, kind: type
     return kind(v)
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """Plain rotary base from either layout: v4's top-level rope_theta (+ rope_scaling null)
-    or v5's rope_parameters {"rope_type": "default", "rope_theta": ...}. Both may be present."""
+_ROPE = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_ROPE_ALSO = {"rope_type", "type", "rope_theta", "original_max_position_embeddings"}  # the last: llama3's only
+
+
+def _rope(hf: dict[str, Any], head_dim: int) -> tuple[float, tuple[float, ...]]:
+    """Rotary base and `ModelConfig.rope_freqs` from either layout: v4's top-level rope_theta and rope_scaling,
+    v5's rope_parameters {"rope_type", "rope_theta", ...}. Both may be present, and must agree."""
     thetas: list[float] = [_num(hf, "rope_theta", kind=float)] if "rope_theta" in hf else []
+    given: dict[str, dict[str, Any]] = {}  # field -> its scaling, "rope_type" spelled one way
     for name in ("rope_scaling", "rope_parameters"):
         if (rp := hf.get(name)) is None:
             continue
-        # "default" with nothing but a base is plain rotary; any other key rescales positions.
-        plain = isinstance(rp, dict) and rp.get("rope_type", rp.get("type", "default")) == "default"
-        if not plain or set(rp) - {"rope_type", "type", "rope_theta"}:
-            raise _refuse(name, rp, "smallem supports plain rotary positions only")
+        kind = rp.get("rope_type", rp.get("type", "default")) if isinstance(rp, dict) else None
+        if not isinstance(kind, str) or kind not in _ROPE:
+            raise _refuse(name, rp, f"rope type {kind!r}: smallem computes default, linear and llama3 rope only")
+        if extra := sorted(set(rp) - _ROPE_ALSO - set(_ROPE[kind])):
+            raise _refuse(name, rp, f"smallem does not compute {', '.join(extra)} for {kind} rope")
         if "rope_theta" in rp:
             thetas.append(_num(rp, "rope_theta", kind=float))
+        given[name] = {k: v for k, v in rp.items() if k not in ("type", "rope_theta")} | {"rope_type": kind}
     if len(set(thetas)) > 1:
         raise _refuse("rope_parameters", hf.get("rope_parameters"), f"its rope_theta disagrees with {thetas}")
-    return thetas[0] if thetas else 10000.0
+    if len(given) == 2 and given["rope_scaling"] != given["rope_parameters"]:
+        raise _refuse("rope_parameters", hf["rope_parameters"], f"it disagrees with rope_scaling {hf['rope_scaling']}")
+    theta, (field, rp) = thetas[0] if thetas else 10000.0, next(iter(given.items()), ("", {"rope_type": "default"}))
+    nums = [_num(rp, k, kind=float) for k in _ROPE[rp["rope_type"]]]
+    if rp["rope_type"] != "llama3":  # default: no factors; linear: its factor for every pair
+        return theta, tuple(nums) * (head_dim // 2)
+    if nums[1] >= nums[2]:
+        raise _refuse(field, hf[field], "its low_freq_factor must be below its high_freq_factor")
+    original = _num(rp, "original_max_position_embeddings", _num(hf, "max_position_embeddings", 2048))
+    return theta, llama3_freqs(theta, head_dim, *nums, original)
+
+
+def _rope_export(cfg: ModelConfig) -> dict[str, Any]:
+    """`rope_parameters` of `cfg` less its rope_theta: default, linear or llama3; ExportError for factors no HF
+    rope type gives."""
+    f = cfg.rope_freqs
+    if len(set(f)) <= 1:
+        return {"rope_type": "linear", "factor": f[0]} if f else {"rope_type": "default"}
+    if (found := llama3_params(cfg)) is None:
+        raise ExportError("its rope_freqs follow neither linear nor llama3 scaling: no HF config holds them")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return {"rope_type": "llama3", **dict(zip(keys, found, strict=True))}
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -98,12 +126,14 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise _refuse("num_key_value_heads", kv, f"num_attention_heads {heads} is not a multiple of it")
     if (head_dim := hf.get("head_dim")) is not None and head_dim != dim // heads:
         raise _refuse("head_dim", head_dim, f"smallem needs hidden_size / num_attention_heads = {dim // heads}")
+    theta, freqs = _rope(hf, dim // heads)
     try:
         return ModelConfig(
             vocab_size=_num(hf, "vocab_size"), dim=dim, n_layers=_num(hf, "num_hidden_layers"), n_heads=heads,
             n_kv_heads=kv, hidden_dim=_num(hf, "intermediate_size"),
             max_seq_len=_num(hf, "max_position_embeddings", 2048),  # LlamaConfig's defaults
-            norm_eps=_num(hf, "rms_norm_eps", 1e-6, float), rope_theta=_rope_theta(hf), tie_embeddings=tie, mtp=False,
+            norm_eps=_num(hf, "rms_norm_eps", 1e-6, float), rope_theta=theta, rope_freqs=freqs, tie_embeddings=tie,
+            mtp=False,
         )  # fmt: skip
     except ValueError as e:  # ModelConfig's own checks (e.g. an odd head_dim)
         raise HFFormatError(f"HF config does not fit smallem: {e}") from None
@@ -222,14 +252,15 @@ def stored_dtype(ckpt: Path) -> torch.dtype:
 
 def hf_jsons(cfg: ModelConfig, dtype: torch.dtype, eot: int | None) -> dict[str, Any]:
     """config.json (a LlamaForCausalLM's), generation_config.json and tokenizer_config.json of an export."""
-    name = str(dtype).removeprefix("torch.")
+    name, rope = str(dtype).removeprefix("torch."), _rope_export(cfg)
     config = {  # both rope layouts (transformers 4 and 5) and both dtype names
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta, "rope_parameters": rope | {"rope_theta": cfg.rope_theta},
+        **({"rope_scaling": rope} if cfg.rope_freqs else {}),
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": name, "dtype": name,
     }  # fmt: skip

@@ -214,7 +214,7 @@ def load_mtp(
     if meta.get("kind") != "mtp":
         raise CheckpointError(f"{path} holds a {meta.get('kind')}, not an MTP module")
     cfg = config_of(meta, path)
-    shared, tgt = ("dim", "vocab_size", "n_heads", "n_kv_heads", "rope_theta", "max_seq_len"), target.cfg
+    shared, tgt = ("dim", "vocab_size", "n_heads", "n_kv_heads", "rope_theta", "rope_freqs", "max_seq_len"), target.cfg
     differ = [f"{f} {getattr(cfg, f)} vs {getattr(tgt, f)}" for f in shared if getattr(cfg, f) != getattr(tgt, f)]
     if differ:  # the module reads the target's states, embedding, head and rotary tables
         raise CheckpointError(f"{path}: MTP module does not fit the target ({', '.join(differ)})")

@@ -3,6 +3,8 @@ engine's passes on the weights `pack()` lays out. Parameter names follow Hugging
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,8 +16,39 @@ from .quant import Blocked
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [max_seq_len, head_dim], Llama's non-interleaved (rotate-half) layout."""
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    if cfg.rope_freqs:  # scaled: each pair's frequency divided by its factor (linear: all alike; llama3: by band)
+        inv = inv / torch.tensor(cfg.rope_freqs, dtype=torch.float64)
     ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv).repeat(1, 2)
     return ang.cos().float(), ang.sin().float()
+
+
+def llama3_freqs(
+    theta: float, head_dim: int, factor: float, low: float, high: float, original: float
+) -> tuple[float, ...]:
+    """`ModelConfig.rope_freqs` of Llama 3's rule (transformers' and llama.cpp's): wavelengths past original / low
+    slowed by `factor`, those under original / high kept, a linear blend of the two speeds between."""
+    wavelens = [2 * math.pi * theta ** (i / head_dim) for i in range(0, head_dim, 2)]
+    blends = [min(max((original / w - low) / (high - low), 0.0), 1.0) for w in wavelens]
+    return tuple(1 / ((1 - s) / factor + s) for s in blends)
+
+
+def llama3_params(cfg: ModelConfig) -> tuple[float, float, float, int] | None:
+    """(factor, low, high, original) whose `llama3_freqs` are `cfg.rope_freqs`, or None. The rule depends on
+    original / low and high / low only, so low is 1; between the bands the blend (1/f - 1/factor) / (1 - 1/factor)
+    is a * inv_freq - b, with b = 1 / (high - 1) and a / b = original / 2pi."""
+    f = cfg.rope_freqs
+    top, inv = max(f, default=1.0), [cfg.rope_theta ** (-i / cfg.head_dim) for i in range(0, cfg.head_dim, 2)]
+    mid = [(x, (1 / r - 1 / top) / (1 - 1 / top)) for x, r in zip(inv, f, strict=True) if 1 < r < top]
+    if len(mid) < 2 or mid[0][0] == mid[-1][0]:
+        return None
+    (x0, s0), (x1, s1) = mid[0], mid[-1]
+    a = (s1 - s0) / (x1 - x0)
+    b = a * x0 - s0
+    if not (a > 0 and b > 0 and math.isfinite(a / b)):
+        return None
+    found = top, 1.0, round(1 + 1 / b, 6), round(2 * math.pi * a / b)
+    again = llama3_freqs(cfg.rope_theta, cfg.head_dim, *found)
+    return found if all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(again, f, strict=True)) else None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
