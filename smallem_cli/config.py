@@ -33,6 +33,8 @@ class ModelConfig:
     rope_freqs: tuple[float, ...] = ()
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    attn_bias: bool = False  # biases on the q, k and v projections (Qwen2's; o_proj has none)
+    qk_norm: bool = False  # an RMSNorm of head_dim weights on each head of q and of k, before rope (Qwen3's)
     mtp: bool = False  # a multi-token-prediction module (DeepSeek-V3 style) is trained with this model
 
     @property
@@ -64,6 +66,7 @@ class ModelConfig:
         """Parameters of the model (an MTP module adds about one layer), from the config alone."""
         kv = self.n_kv_heads * self.head_dim
         layer = self.dim * (2 * self.dim + 2 * kv) + 3 * self.dim * self.hidden_dim + 2 * self.dim
+        layer += (self.dim + 2 * kv) * self.attn_bias + 2 * self.head_dim * self.qk_norm
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + head + (self.n_layers + 2) * layer
 

@@ -187,7 +187,7 @@ def test_tokenizer_round_trips(family: Family, tmp_path: Path) -> None:
 
 
 def test_pre_tokenizers(family: Family, tmp_path: Path) -> None:
-    """smollm splits digits one by one before the byte-level split; gpt2 does not; another is refused."""
+    """smollm and qwen2 split digits one by one before the byte-level split; gpt2 does not; another is refused."""
 
     def twelve(tokens: list[str], merges: list[str]) -> None:  # a merge of two digits, as real vocabularies have
         used = {part for m in merges for part in m.split(" ")}
@@ -199,6 +199,8 @@ def test_pre_tokenizers(family: Family, tmp_path: Path) -> None:
     smol, plain = load_gguf(tmp_path / "s.gguf").tokenizer, load_gguf(tmp_path / "g.gguf").tokenizer
     assert smol.encode("year 1234").tokens[-4:] == ["1", "2", "3", "4"]
     assert plain.encode("year 1234").tokens[-3:] == ["12", "3", "4"]
+    write(tmp_path / "q.gguf", family, pre="qwen2", vocab=twelve)  # Qwen's split: digits one by one too
+    assert load_gguf(tmp_path / "q.gguf").tokenizer.encode("year 1234").tokens[-4:] == ["1", "2", "3", "4"]
     write(tmp_path / "l.gguf", family, pre="llama-bpe", vocab=twelve)
     with pytest.raises(GGUFReadError, match=r"tokenizer\.ggml\.pre 'llama-bpe'"):
         load_gguf(tmp_path / "l.gguf")
@@ -330,8 +332,8 @@ def test_refusals_one_line_each(family: Family, tmp_path: Path, monkeypatch: pyt
     magic = tmp_path / "magic.gguf"
     magic.write_bytes(b"GGUX" + good.read_bytes()[4:])
     refused(gen(magic), "not a GGUF file")
-    write(tmp_path / "qwen.gguf", family, arch="qwen2")
-    refused(gen(tmp_path / "qwen.gguf"), "architecture 'qwen2'")
+    write(tmp_path / "gemma.gguf", family, arch="gemma3")
+    refused(gen(tmp_path / "gemma.gguf"), "architecture 'gemma3'")
 
     def scaled(w: Any) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)

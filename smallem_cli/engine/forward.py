@@ -44,7 +44,7 @@ def block_pass(blk: Block, x: Tensor, rope: Tensor, kv: Tensor, b: BatchStep) ->
     H, Hkv, D = blk.n_heads, blk.n_kv_heads, blk.head_dim
     G = H // Hkv
     B, Tm, S = b.bias.shape
-    y = unit_rms(x, blk.eps) @ p["qkv"]  # [N, (H+2Hkv)*D]
+    y = blk.project(x)  # [N, (H+2Hkv)*D]
     qkv = torch.view_as_real(torch.view_as_complex(y.view(N, -1, 2)) * rope).view(N, -1)
     kv.index_copy_(2, b.slots, qkv[:, H * D :].view(N, 2, Hkv, D).permute(1, 2, 0, 3).to(kv.dtype))
     if b.base is not None:  # one sequence, its pages in order: its keys are one view of the slab,

@@ -1,8 +1,9 @@
-"""GGUF in and out: a smallem model as llama.cpp reads it (architecture `llama`, tokenizer included), and a llama.cpp
-file as a smallem Transformer, tokenizer and chat format (the TYPES to their exact values; anything smallem would
-compute differently refused with one line naming it). Beyond renaming, one change: llama.cpp ropes adjacent pairs
-(x_2i, x_2i+1) where smallem pairs x_i with x_{i+D/2}, so the rows of Wq and Wk are reordered within each head
-(outputs unchanged). The tokenizer is byte-level BPE, llama.cpp's `gpt2`, with `<|endoftext|>` both BOS and EOS."""
+"""GGUF in and out: a smallem model as llama.cpp reads it (architecture `llama`, `qwen2` or `qwen3`, tokenizer
+included), and a llama.cpp file as a smallem Transformer, tokenizer and chat format (the TYPES to their exact values;
+anything smallem would compute differently refused with one line naming it). Beyond renaming, one change: for `llama`
+llama.cpp ropes adjacent pairs (x_2i, x_2i+1) where smallem pairs x_i with x_{i+D/2}, so the rows of Wq and Wk are
+reordered within each head (outputs unchanged); its Qwen files keep Hugging Face's order, as smallem. The tokenizer
+is byte-level BPE, llama.cpp's `gpt2`, with `<|endoftext|>` both BOS and EOS."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .. import atomic
 from ..config import ModelConfig
@@ -29,13 +30,18 @@ Vocab = tuple[list[str], list[int], list[str], int | None]  # tokens by id, thei
 _MATRICES = {  # smallem name in a layer -> llama.cpp's
     "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
     "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "q_norm": "attn_q_norm",
+    "k_norm": "attn_k_norm",
 }  # fmt: skip
+ARCHS = ("llama", "qwen2", "qwen3")  # Qwen2: Llama with q/k/v biases; Qwen3: with q/k norms
 _TOP = {  # lm_head: an untied head only (llama.cpp reuses token_embd when output.weight is absent)
     "embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
 }  # fmt: skip
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # read to their exact values
-PRE = {"gpt2": "gpt2", "gpt-2": "gpt2", "smollm": "smollm"}  # tokenizer.ggml.pre -> how text is split
+PRE = {"gpt2": "gpt2", "gpt-2": "gpt2", "smollm": "smollm", "qwen2": "qwen2"}  # tokenizer.ggml.pre -> how text is split
+# llama.cpp's (and Qwen's tokenizer.json's) split for `qwen2`: digits one by one, letters with one sign before them
+QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
 _CONTROL, _USER, _UNUSED = 3, 4, 5  # llama.cpp's token types (1 normal, 2 unknown, 6 byte)
 
 
@@ -44,18 +50,26 @@ def gguf_name(key: str) -> str:
     if key in _TOP:
         return _TOP[key]
     parts = key.split(".")
-    if len(parts) == 4 and parts[0] == "layers" and parts[2] in _MATRICES and parts[3] == "weight":
-        return f"blk.{parts[1]}.{_MATRICES[parts[2]]}.weight"
+    if len(parts) == 4 and parts[0] == "layers" and parts[2] in _MATRICES and parts[3] in ("weight", "bias"):
+        return f"blk.{parts[1]}.{_MATRICES[parts[2]]}.{parts[3]}"
     raise ExportError(f"no GGUF name for the parameter {key}")
+
+
+def arch_of(cfg: ModelConfig) -> str:
+    """llama.cpp's architecture for `cfg`: qwen2 with q/k/v biases, qwen3 with q/k norms, else llama."""
+    if cfg.attn_bias and cfg.qk_norm:
+        raise ExportError("q/k/v biases and q/k norms together: no llama.cpp architecture holds both")
+    return "qwen2" if cfg.attn_bias else "qwen3" if cfg.qk_norm else "llama"
 
 
 def gguf_tensors(model: Transformer, dtype: str = "f32") -> dict[str, np.ndarray]:
     """llama.cpp name -> array, in smallem's [out, in] order (GGUF lists the dims reversed): matrices
-    in `dtype` (f32 or f16), norm weights in float32 as llama.cpp wants them, Wq and Wk `permute_rope`d."""
-    out = {}
+    in `dtype` (f32 or f16), norm weights and biases in float32 as llama.cpp wants them, Wq and Wk `permute_rope`d
+    for llama."""
+    out, llama = {}, arch_of(model.cfg) == "llama"
     for key, v in model.state_dict().items():
         w = v.detach().to("cpu", torch.float32)
-        if key.endswith(("q_proj.weight", "k_proj.weight")):
+        if llama and key.endswith(("q_proj.weight", "k_proj.weight")):
             w = permute_rope(w, model.cfg.n_heads if key.endswith("q_proj.weight") else model.cfg.n_kv_heads)
         if w.dim() == 2 and dtype == "f16":
             w = w.to(torch.float16)
@@ -120,7 +134,7 @@ def write_gguf(
     gguf, cfg = gguf_package(), model.cfg
     tensors = gguf_tensors(model, dtype)
     vocab = gguf_vocab(tokenizer_json, cfg.vocab_size)
-    w = gguf.GGUFWriter(str(out_file), "llama")
+    w = gguf.GGUFWriter(str(out_file), arch_of(cfg))
     try:
         w.add_name(name)
         w.add_vocab_size(cfg.vocab_size)
@@ -136,11 +150,11 @@ def restore_gguf(src: str | Path, model: Transformer, out_file: str | Path, dtyp
     """GGUF file `src`'s metadata with `model`'s weights (its dequantized values) in `dtype`, as `out_file`."""
     gguf = gguf_package()
     skip = ("general.architecture", "general.file_type", "general.quantization_version")  # the writer's own
-    w = gguf.GGUFWriter(str(out_file), "llama")
+    w = gguf.GGUFWriter(str(out_file), arch := arch_of(model.cfg))
     try:
         for name, f in gguf.GGUFReader(str(src)).fields.items():
             # any linear scaling is in the model's rope_freqs, which the file gets as a tensor
-            if not name.startswith(("GGUF.", "llama.rope.scaling.")) and name not in skip:
+            if not name.startswith(("GGUF.", f"{arch}.rope.scaling.")) and name not in skip:
                 w.add_key_value(name, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
         _finish(w, gguf_tensors(model, dtype), dtype)
     finally:
@@ -206,15 +220,15 @@ def is_gguf(path: str | Path) -> bool:
         return False
 
 
-def _rope_freqs(meta: Meta, reader: Any, pairs: int) -> tuple[float, ...]:
+def _rope_freqs(meta: Meta, reader: Any, pairs: int, a: str) -> tuple[float, ...]:
     """`ModelConfig.rope_freqs`: the tensor rope_freqs.weight (llama.cpp's form of llama3 scaling), times the factor
     of linear scaling (llama.cpp scales positions by its inverse); () for plain rotary positions."""
-    if (kind := meta.text("llama.rope.scaling.type") or "none") not in ("none", "linear"):
-        raise GGUFReadError(f"{meta.path}: llama.rope.scaling.type={kind!r}: smallem computes linear and llama3 only")
-    scaling = ("llama.rope.scaling.type", "llama.rope.scaling.factor")
-    if extra := [k for k in meta if k.startswith("llama.rope.scaling.") and k not in scaling]:
+    if (kind := meta.text(f"{a}rope.scaling.type") or "none") not in ("none", "linear"):
+        raise GGUFReadError(f"{meta.path}: {a}rope.scaling.type={kind!r}: smallem computes linear and llama3 only")
+    scaling = (f"{a}rope.scaling.type", f"{a}rope.scaling.factor")
+    if extra := [k for k in meta if k.startswith(f"{a}rope.scaling.") and k not in scaling]:
         raise GGUFReadError(f"{meta.path}: unsupported metadata {extra[0]}={meta.get(extra[0])!r}")
-    linear = meta.num("llama.rope.scaling.factor", float, 1.0)
+    linear = meta.num(f"{a}rope.scaling.factor", float, 1.0)
     t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if t is not None and (len(t.shape) != 1 or t.tensor_type.name != "F32"):
         raise GGUFReadError(f"{meta.path}: tensor rope_freqs.weight must be one F32 row, not {t.tensor_type.name} "
@@ -225,34 +239,37 @@ def _rope_freqs(meta: Meta, reader: Any, pairs: int) -> tuple[float, ...]:
 
 def _config(meta: Meta, reader: Any, n_vocab: int, tied: bool) -> ModelConfig:
     path = meta.path
-    if (arch := meta.text("general.architecture")) != "llama":
-        raise GGUFReadError(f"{path}: architecture {arch!r}: only llama is supported")
-    if meta.get("llama.expert_count", 0):
-        raise GGUFReadError(f"{path}: llama.expert_count={meta.get('llama.expert_count')!r}: mixture of experts")
-    dim, heads = meta.num("llama.embedding_length"), meta.num("llama.attention.head_count")
-    kv = meta.num("llama.attention.head_count_kv", default=heads)
+    if (arch := meta.text("general.architecture")) not in ARCHS:
+        raise GGUFReadError(f"{path}: architecture {arch!r}: smallem reads {', '.join(ARCHS)} only")
+    a = f"{arch}."  # the prefix of its hyperparameters
+    if meta.get(f"{a}expert_count", 0):
+        raise GGUFReadError(f"{path}: {a}expert_count={meta.get(f'{a}expert_count')!r}: mixture of experts")
+    dim, heads = meta.num(f"{a}embedding_length"), meta.num(f"{a}attention.head_count")
+    kv = meta.num(f"{a}attention.head_count_kv", default=heads)
     if dim % heads:  # before the head width is derived from them: every head is dim / heads wide
         raise GGUFReadError(
-            f"{path}: llama.embedding_length {dim} is not divisible by llama.attention.head_count {heads}: "
+            f"{path}: {a}embedding_length {dim} is not divisible by {a}attention.head_count {heads}: "
             "smallem needs heads of equal width"
         )
     head_dim = dim // heads
-    for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
+    for key in (f"{a}rope.dimension_count", f"{a}attention.key_length", f"{a}attention.value_length"):
         if key in meta and meta.get(key) != head_dim:
             raise GGUFReadError(
                 f"{path}: metadata {key}={meta.get(key)!r}: smallem needs the head width {head_dim} "
                 f"(embedding_length {dim} / head_count {heads})"
             )
-    if "llama.vocab_size" in meta and meta.get("llama.vocab_size") != n_vocab:
-        raise GGUFReadError(f"{path}: llama.vocab_size={meta.get('llama.vocab_size')!r}, the token list has {n_vocab}")
-    rope_freqs = _rope_freqs(meta, reader, head_dim // 2)
+    if f"{a}vocab_size" in meta and meta.get(f"{a}vocab_size") != n_vocab:
+        raise GGUFReadError(f"{path}: {a}vocab_size={meta.get(f'{a}vocab_size')!r}, the token list has {n_vocab}")
+    if meta.get(f"{a}attention.sliding_window"):
+        raise GGUFReadError(f"{path}: {a}attention.sliding_window: smallem attends to the whole context")
+    rope_freqs = _rope_freqs(meta, reader, head_dim // 2, a)
     try:
         return ModelConfig(
-            vocab_size=n_vocab, dim=dim, n_layers=meta.num("llama.block_count"), n_heads=heads, n_kv_heads=kv,
-            hidden_dim=meta.num("llama.feed_forward_length"), max_seq_len=meta.num("llama.context_length"),
-            norm_eps=meta.num("llama.attention.layer_norm_rms_epsilon", float),
-            rope_theta=meta.num("llama.rope.freq_base", float, 10000.0), tie_embeddings=tied, mtp=False,
-            rope_freqs=rope_freqs,
+            vocab_size=n_vocab, dim=dim, n_layers=meta.num(f"{a}block_count"), n_heads=heads, n_kv_heads=kv,
+            hidden_dim=meta.num(f"{a}feed_forward_length"), max_seq_len=meta.num(f"{a}context_length"),
+            norm_eps=meta.num(f"{a}attention.layer_norm_rms_epsilon", float),
+            rope_theta=meta.num(f"{a}rope.freq_base", float, 10000.0), tie_embeddings=tied, mtp=False,
+            rope_freqs=rope_freqs, attn_bias=arch == "qwen2", qk_norm=arch == "qwen3",
         )  # fmt: skip
     except ValueError as e:  # ModelConfig's own checks
         raise GGUFReadError(f"{path}: its hyperparameters do not fit smallem: {e}") from None
@@ -281,6 +298,7 @@ def _weights(
     for name, t in found.items():
         key, kind = ours[name], t.tensor_type.name
         heads = cfg.n_heads if key.endswith("q_proj.weight") else cfg.n_kv_heads if key.endswith("k_proj.weight") else 0
+        heads *= arch_of(cfg) == "llama"  # llama.cpp's converter permutes Wq, Wk for llama alone
         try:  # a copy out of the memory map; F16 and F32 as they are, exactly
             if kind in quant.KINDS:
                 b = quant.from_gguf(t.data, kind, expected[key])
@@ -318,9 +336,11 @@ def _tokenizer(meta: Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer:
             added.append((i, text, t == _CONTROL))
     try:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))  # type: ignore[arg-type]
-        split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=PRE[pre] != "qwen2")
         if PRE[pre] == "smollm":  # digits one by one, then the byte-level split
             split = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), split])
+        elif PRE[pre] == "qwen2":  # its own split, then bytes as they are
+            split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated"), split])
         tok.pre_tokenizer = split
         tok.decoder = decoders.ByteLevel()
         for i, text, special in sorted(added):  # in id order: each gets its own id, as the file says
@@ -343,8 +363,9 @@ def _tokenizer(meta: Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer:
 
 
 def load_gguf(path: str | Path, device: torch.device | str = "cpu", check_chat: bool = False) -> GGUFModel:
-    """A llama GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format, or GGUFReadError;
-    `check_chat`: its chat template is checked (`check_template`) before the weights, ChatError where it is broken."""
+    """A llama, qwen2 or qwen3 GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format, or
+    GGUFReadError; `check_chat`: its chat template is checked (`check_template`) before the weights, ChatError where
+    it is broken."""
     path = Path(path)
     reader = open_gguf(path)
     meta = Meta(reader, path)

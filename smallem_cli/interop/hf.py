@@ -1,6 +1,6 @@
-"""Hugging Face interchange, LlamaForCausalLM folders in and out (and MiMo's, for vLLM): a renaming (smallem's
+"""Hugging Face interchange, Llama, Qwen2 and Qwen3 folders in and out (and MiMo's, for vLLM): a renaming (smallem's
 Transformer is Llama without `model.`, `self_attn.`, `mlp.`) plus a config translation, refusing by field what
-it would compute otherwise (yarn or dynamic rotary positions, biases, ...)."""
+it would compute otherwise (yarn or dynamic rotary positions, an o_proj bias, sliding windows, ...)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ class HFFormatError(ExportError):
 
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
+# model_type -> its architecture; Qwen2 is Llama with q/k/v biases, Qwen3 Llama with q/k norms
+_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MISSING = {"mixtral": "mixture-of-experts layers", "qwen2_moe": "mixture-of-experts layers",
+            "qwen3_moe": "mixture-of-experts layers", "mamba": "state-space (Mamba) layers"}  # fmt: skip
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # an export keeps these
 
 
@@ -104,15 +108,19 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Translate a LlamaForCausalLM config.json dict; HFFormatError for anything smallem does not compute."""
     if not isinstance(hf, dict):
         raise HFFormatError(f"an HF config is a JSON object, not {type(hf).__name__}")
-    if _required(hf, "model_type") != "llama":
-        raise _refuse("model_type", hf["model_type"], "only Llama-architecture models are supported")
-    if (archs := hf.get("architectures")) is not None and archs != ["LlamaForCausalLM"]:
-        raise _refuse("architectures", archs, "only LlamaForCausalLM is supported")
+    if (kind := _required(hf, "model_type")) not in _FAMILIES:
+        missing = f"smallem does not compute {_MISSING[kind]}; " if kind in _MISSING else ""
+        raise _refuse("model_type", kind, f"{missing}smallem reads {', '.join(_FAMILIES)} models")
+    if (archs := hf.get("architectures")) is not None and archs != [_FAMILIES[kind]]:
+        raise _refuse("architectures", archs, f"a {kind} model is a {_FAMILIES[kind]}")
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", hf["hidden_act"], "smallem's MLP is SwiGLU with silu")
-    for name in ("attention_bias", "mlp_bias"):
+    for name in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases go without saying
         if hf.get(name, False) is not False:
-            raise _refuse(name, hf[name], "smallem's projections have no bias")
+            raise _refuse(name, hf[name], "smallem computes no o_proj or MLP bias (q/k/v biases: Qwen2's)")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
+        field = "use_sliding_window" if hf.get("use_sliding_window") else "layer_types"
+        raise _refuse(field, hf[field], "smallem attends to the whole context in every layer (no sliding window)")
     if hf.get("quantization_config") is not None:
         raise _refuse("quantization_config", hf["quantization_config"], "quantized weights are not supported")
     tie = hf.get("tie_word_embeddings", False)  # HF Llama's default: untied
@@ -124,7 +132,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise _refuse("num_attention_heads", heads, f"hidden_size {dim} is not a multiple of it")
     if heads % kv:
         raise _refuse("num_key_value_heads", kv, f"num_attention_heads {heads} is not a multiple of it")
-    if (head_dim := hf.get("head_dim")) is not None and head_dim != dim // heads:
+    if (head_dim := hf.get("head_dim", 128 if kind == "qwen3" else None)) is not None and head_dim != dim // heads:
         raise _refuse("head_dim", head_dim, f"smallem needs hidden_size / num_attention_heads = {dim // heads}")
     theta, freqs = _rope(hf, dim // heads)
     try:
@@ -133,7 +141,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             n_kv_heads=kv, hidden_dim=_num(hf, "intermediate_size"),
             max_seq_len=_num(hf, "max_position_embeddings", 2048),  # LlamaConfig's defaults
             norm_eps=_num(hf, "rms_norm_eps", 1e-6, float), rope_theta=theta, rope_freqs=freqs, tie_embeddings=tie,
-            mtp=False,
+            attn_bias=kind == "qwen2", qk_norm=kind == "qwen3", mtp=False,
         )  # fmt: skip
     except ValueError as e:  # ModelConfig's own checks (e.g. an odd head_dim)
         raise HFFormatError(f"HF config does not fit smallem: {e}") from None
@@ -142,7 +150,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 def in_group(rest: str) -> str:
     """A layer's parameter under its HF sub-module: `q_proj.weight` -> `self_attn.q_proj.weight`."""
     sub = rest.split(".", 1)[0]
-    return ("mlp." if sub in _MLP else "self_attn." if sub.endswith("_proj") else "") + rest  # norms sit in the layer
+    attn = sub.endswith(("_proj", "q_norm", "k_norm"))
+    return ("mlp." if sub in _MLP else "self_attn." if attn else "") + rest  # the other norms sit in the layer
 
 
 def hf_name(key: str) -> str:
@@ -251,17 +260,21 @@ def stored_dtype(ckpt: Path) -> torch.dtype:
 
 
 def hf_jsons(cfg: ModelConfig, dtype: torch.dtype, eot: int | None) -> dict[str, Any]:
-    """config.json (a LlamaForCausalLM's), generation_config.json and tokenizer_config.json of an export."""
+    """config.json (a Llama's, Qwen2's or Qwen3's), generation_config.json and tokenizer_config.json of an export."""
     name, rope = str(dtype).removeprefix("torch."), _rope_export(cfg)
+    if cfg.attn_bias and cfg.qk_norm:
+        raise ExportError("q/k/v biases and q/k norms together: no HF model type holds both")
+    kind = "qwen2" if cfg.attn_bias else "qwen3" if cfg.qk_norm else "llama"
     config = {  # both rope layouts (transformers 4 and 5) and both dtype names
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "architectures": [_FAMILIES[kind]], "model_type": kind, "hidden_act": "silu",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_parameters": rope | {"rope_theta": cfg.rope_theta},
         **({"rope_scaling": rope} if cfg.rope_freqs else {}),
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
+        **({} if cfg.attn_bias else {"attention_bias": False, "mlp_bias": False}),
+        **({"use_sliding_window": False} if kind != "llama" else {}), "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": name, "dtype": name,
     }  # fmt: skip
     special = {"eos_token": EOT, "bos_token": EOT} if eot is not None else {}
@@ -303,6 +316,8 @@ def export_mimo(
     if meta.get("tokenizer") and meta["tokenizer"] != checkpoint.tokenizer_fingerprint(tok):
         raise HFFormatError(f"{mtp_file} was trained with another tokenizer than {tok}")
     cfg = model.cfg
+    if cfg.qk_norm:
+        raise HFFormatError(f"{target}: its q/k norms have no place in MiMo's Qwen2 layers")
     if (mtp.cfg.hidden_dim, mtp.cfg.norm_eps) != (cfg.hidden_dim, cfg.norm_eps):
         raise HFFormatError(f"{mtp_file}: MiMo's MTP block takes the target's shape (hidden_dim, norm_eps)")
     if stored_dtype(mtp_file) != dtype:  # both lossless in the wider of the two
@@ -316,7 +331,7 @@ def export_mimo(
         tensors[f"{MTP_LAYER}.{name}"] = v
     for prefix in [*(f"model.layers.{i}" for i in range(cfg.n_layers)), MTP_LAYER]:  # Qwen2's q/k/v biases: zero
         for proj, heads in (("q_proj", cfg.n_heads), ("k_proj", cfg.n_kv_heads), ("v_proj", cfg.n_kv_heads)):
-            tensors[f"{prefix}.self_attn.{proj}.bias"] = torch.zeros(heads * cfg.head_dim)
+            tensors.setdefault(f"{prefix}.self_attn.{proj}.bias", torch.zeros(heads * cfg.head_dim))
     jsons = hf_jsons(cfg, dtype, eot)
     config = {k: v for k, v in jsons["config.json"].items() if k not in ("attention_bias", "mlp_bias", "head_dim")}
     jsons["config.json"] = config | {

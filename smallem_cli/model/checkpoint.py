@@ -121,6 +121,10 @@ def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int,
         mats = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q)}
         mats |= {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
         out = {f"{prefix}.{n}.weight": (d,) for n in ("input_layernorm", "post_attention_layernorm")}
+        if cfg.attn_bias:
+            out |= {f"{prefix}.{n}.bias": (mats[n][0],) for n in ("q_proj", "k_proj", "v_proj")}
+        if cfg.qk_norm:
+            out |= {f"{prefix}.{n}.weight": (cfg.head_dim,) for n in ("q_norm", "k_norm")}
         return out | {f"{prefix}.{n}.weight": shape for n, shape in mats.items()}
 
     if mtp:

@@ -93,9 +93,12 @@ class Block(nn.Module):
         self.eps = cfg.norm_eps
         self.input_layernorm = RMSNorm(d, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
-        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=cfg.attn_bias)
+        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.attn_bias)
+        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=cfg.attn_bias)
+        # Qwen3's: each head of q and of k normed (over head_dim) before rope
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.o_proj = nn.Linear(cfg.n_heads * hd, d, bias=False)
         self.gate_proj = nn.Linear(d, cfg.hidden_dim, bias=False)
         self.up_proj = nn.Linear(d, cfg.hidden_dim, bias=False)
@@ -108,23 +111,46 @@ class Block(nn.Module):
         with torch.no_grad():
             ln1 = self.input_layernorm.weight[:, None]  # norm weights fold into the next matmul
             ln2 = self.post_attention_layernorm.weight[:, None]
-            wq = (self.q_proj.weight.t() * ln1 / D**0.5).unflatten(1, (-1, D))[..., order]  # attention scale in
+            # the attention scale goes into Wq, or into q's norm weights (a norm undoes any scale before it)
+            qs = 1.0 if self.q_norm is not None else D**-0.5
+            wq = (self.q_proj.weight.t() * ln1 * qs).unflatten(1, (-1, D))[..., order]
             wk = (self.k_proj.weight.t() * ln1).unflatten(1, (-1, D))[..., order]
             wv = self.v_proj.weight.t() * ln1  # [d, Hkv*D]
-            self.packed = {
+            extra: dict[str, torch.Tensor] = {}
+            if self.q_proj.bias is not None:  # in the packed row's order, as the weights' columns
+                bq, bk = (p.bias.view(-1, D)[:, order].flatten() for p in (self.q_proj, self.k_proj))
+                extra["bias"] = torch.cat([bq * qs, bk, self.v_proj.bias]).contiguous()
+            if self.q_norm is not None and self.k_norm is not None:
+                extra["qn"], extra["kn"] = self.q_norm.weight[order] * D**-0.5, self.k_norm.weight[order]
+            self.packed = extra | {
                 "qkv": torch.cat([wq.flatten(1), wk.flatten(1), wv], dim=1).contiguous(),  # [d, (H+2Hkv)*D]
                 "o": self.o_proj.weight.t().contiguous(),  # [H*D, d]
                 "gu": (torch.cat([self.gate_proj.weight, self.up_proj.weight]).t() * ln2).contiguous(),  # [d, 2F]
                 "down": self.down_proj.weight.t().contiguous(),  # [F, d]
             }
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference: x [N, d] -> the packed QKV rows [N, (H+2Hkv)*D] before rope (biases and q/k norms applied)."""
+        p = self.packed
+        assert p is not None, "call pack() before decoding"
+        h = unit_rms(x, self.eps)
+        y = h @ p["qkv"] if "bias" not in p else torch.addmm(p["bias"], h, p["qkv"])
+        if "qn" not in p:
+            return y
+        N, (H, Hkv, D) = x.shape[0], (self.n_heads, self.n_kv_heads, self.head_dim)
+        q = unit_rms(y[:, : H * D].view(N, H, D), self.eps) * p["qn"]
+        k = unit_rms(y[:, H * D : (H + Hkv) * D].view(N, Hkv, D), self.eps) * p["kn"]
+        return torch.cat([q.view(N, -1), k.view(N, -1), y[:, (H + Hkv) * D :]], dim=1)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: x [B, T, dim] -> [B, T, dim], causal attention over the whole sequence."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         h = self.input_layernorm(x)
-        q = apply_rope(self.q_proj(h).view(B, T, H, D), cos, sin)
-        k = apply_rope(self.k_proj(h).view(B, T, Hkv, D), cos, sin)
+        q, k = self.q_proj(h).view(B, T, H, D), self.k_proj(h).view(B, T, Hkv, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(h).view(B, T, Hkv, D)
         att = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=H != Hkv

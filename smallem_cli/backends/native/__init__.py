@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ...kv.step import BatchStep, visible
 from ...model import quant
-from ...model.llama import MTPModule, Transformer, permute_rope
+from ...model.llama import MTPModule, Transformer, interleave_halves, permute_rope
 from ...spec.verify import Penalty, Warper, uniforms
 from . import kernels
 from .kernels import ENGINES, Log, NativeUnavailable, library, ptr
@@ -31,7 +31,7 @@ class _Mat(ctypes.Structure):
 
 
 class _LayerW(ctypes.Structure):
-    _fields_ = [*[(n, _Mat) for n in ("qkv", "o", "gu", "down")], ("g1", _P), ("g2", _P)]
+    _fields_ = [*[(n, _Mat) for n in ("qkv", "o", "gu", "down")], *[(n, _P) for n in ("g1", "g2", "bias", "gq", "gk")]]
 
 
 class _ModelW(ctypes.Structure):
@@ -116,7 +116,14 @@ class NativeSteps:
             gate_up = [(b.gate_proj.weight, 0), (b.up_proj.weight, 0)]
             mats = [qkv, [(b.o_proj.weight, 0)], gate_up, [(b.down_proj.weight, 0)]]
             norms = [self._held(_floats(w.weight)) for w in (b.input_layernorm, b.post_attention_layernorm)]
-            self.layers_c[i] = _LayerW(*[self._rows(m) for m in mats], *norms)
+            bias = gq = gk = None  # Qwen2's q/k/v biases, Qwen3's q/k norms: in the packed row's order, or none
+            if b.q_proj.bias is not None and b.k_proj.bias is not None and b.v_proj.bias is not None:
+                bq, bk = permute_rope(b.q_proj.bias, b.n_heads), permute_rope(b.k_proj.bias, b.n_kv_heads)
+                bias = self._held(_floats(torch.cat([bq, bk, b.v_proj.bias])))
+            if b.q_norm is not None and b.k_norm is not None:
+                order = interleave_halves(c.head_dim)
+                gq, gk = (self._held(_floats(n.weight[order])) for n in (b.q_norm, b.k_norm))
+            self.layers_c[i] = _LayerW(*[self._rows(m) for m in mats], *norms, bias, gq, gk)
         self.mw = mw = _ModelW(len(blocks), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
         mw.eps, mw.layers = c.norm_eps, ctypes.cast(self.layers_c, ctypes.c_void_p)
         # a chain's head rows in panels, by id(ids) (ids held, so that their id stays theirs)

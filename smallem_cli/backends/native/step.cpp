@@ -37,7 +37,20 @@ struct LayerW {
     Mat gu;   // [2F, d]: gate rows, then up rows
     Mat down; // [d, F]
     const float *g1, *g2; // RMSNorm weights before attention and before the MLP [d]
+    const float *bias;    // [(H + 2Hkv) D] q, k, v biases in the row's order (Qwen2's), or null
+    const float *gq, *gk; // [D] RMSNorm weights of each q head and each k head before rope (Qwen3's), or null
 };
+
+// A head's RMSNorm in place (`Block.project`'s q and k norms): r [D] times g [D].
+static inline void head_norm(float *r, int D, float eps, const float *g) {
+    __m256 s = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        __m256 v = _mm256_loadu_ps(r + i);
+        s = _mm256_fmadd_ps(v, v, s);
+    }
+    const float inv = 1.0f / sqrtf(hsum(s) / D + eps);
+    for (int i = 0; i < D; i++) r[i] = r[i] * inv * g[i];
+}
 
 struct ModelW {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
@@ -141,12 +154,17 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
             const LayerW &L = mw->layers[l];
             rms_rows(x, T, d, mw->eps, L.g1, xn);
             matmul(xn, T, d, L.qkv, Q, d, y, Q, false);
-            // rotary turn of each adjacent pair (v's pairs turn by 0), the attention scale on q,
+            // biases and q/k norms where the model has them, rotary turn of each adjacent pair (v's pairs turn by 0),
+            // the attention scale on q,
             // and the new K/V out: [2, Hkv, T, D] of this layer
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 float *r = y + (size_t)t * Q;
                 const float *c = cos_t + (size_t)kv.turn(t) * P, *sn = sin_t + (size_t)kv.turn(t) * P;
+                if (L.bias)
+                    for (int i = 0; i < Q; i++) r[i] += L.bias[i];
+                if (L.gq)
+                    for (int hh = 0; hh < H + Hkv; hh++) head_norm(r + hh * D, D, mw->eps, hh < H ? L.gq : L.gk);
                 for (int p = 0; p < P; p++) {
                     float a = r[2 * p], b = r[2 * p + 1];
                     r[2 * p] = a * c[p] - b * sn[p];
