@@ -178,9 +178,10 @@ def run_cases(base: Path, work: Path, n: int, seed: int) -> dict[str, Any]:
     from smallem_cli.cli.app import app
     from smallem_cli.engine import family as fam
     from smallem_cli.model import checkpoint
+    from smallem_cli.model.chat import ChatError
     from smallem_cli.model.tokenizer import TokenizerError
 
-    ours = (checkpoint.CheckpointError, hf.HFFormatError, TokenizerError)
+    ours = (checkpoint.CheckpointError, hf.HFFormatError, TokenizerError, ChatError)  # ChatError: the end ids
     cpu = torch.device("cpu")
     target = fam.load_target(base / "target.safetensors", cpu)
 
