@@ -23,7 +23,8 @@ from ..model.chat import ChatFormat, check_template
 from ..model.llama import Transformer, permute_rope
 from ..model.tokenizer import EOT
 from .gguf_file import MAGIC, READ_ERRORS, GGUFReadError, Meta, gguf_package, open_gguf
-from .hf import ExportError, load_for_export, orphans, sigterm_raises
+from .hf import load_for_export, orphans, sigterm_raises
+from .hf_config import ExportError
 
 DTYPES = ("f32", "f16")
 Vocab = tuple[list[str], list[int], list[str], int | None]  # tokens by id, their types, merges, EOT's id
