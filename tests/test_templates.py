@@ -4,7 +4,9 @@ weights; a conversation's text is text: control tokens typed in a message are en
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -289,3 +291,19 @@ def test_serve_with_a_broken_template_answers_completions(family: Family, tmp_pa
         assert r.status_code == 400 and "rendered nothing" in r.json()["error"]["message"]
     finally:
         s.close()
+
+
+def test_a_fork_renders_with_a_sandbox_of_its_own() -> None:
+    """A fork (a lock held by another thread at that moment included) starts its own child; the parent's goes on."""
+    template = "{{ messages[0]['content'] }}!"
+    assert render(ChatFormat((), template), messages("a")) == "a!"
+    parent_child = SANDBOX.pid
+    with SANDBOX._lock:  # held at the fork, as another thread could hold it
+        pid = os.fork()
+        if pid == 0:  # the fork: its own render, then out without running the parent's exit handlers
+            signal.alarm(10)  # a lock still held would hang it: killed, the test fails
+            ok = render(ChatFormat((), template), messages("b")) == "b!" and SANDBOX.pid != parent_child
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert render(ChatFormat((), template), messages("c")) == "c!" and SANDBOX.pid == parent_child

@@ -22,7 +22,7 @@ from ..engine.build import build
 from ..engine.config import EngineConfig
 from ..engine.family import NONE, LoadedProposer
 from ..engine.generate import generate
-from ..engine.proposers import NoProposer
+from ..engine.proposers import Draft, NoProposer
 from ..engine.request import Request
 from ..engine.round import decode_round
 from ..engine.sequence import Seq
@@ -63,7 +63,7 @@ class Row:
     speedup: float  # over the target alone, same engine: median of run-by-run ratios, same mode, same run
     acceptance_rate: float
     tokens_per_pass: float
-    accepted_at: list[float]  # rate at which the i-th proposal was kept
+    accepted_at: list[float]  # rate at which the i-th draft token was accepted
     alpha_model: float  # α of the cost model: P(a draft token is accepted | the ones before it were)
     cost_c: float  # the proposer's seconds per draft token, in rounds of the target alone (same run)
     cost_v: float  # a round's other seconds (verification, bookkeeping), in rounds of the target alone
@@ -221,7 +221,7 @@ class _Offer(NoProposer):
     def __init__(self, drafts: torch.Tensor) -> None:
         self.drafts = drafts
 
-    def propose(self, seqs: list[Seq], ks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[Draft]:
         return [(self.drafts, None) for _ in seqs]
 
 
@@ -265,7 +265,8 @@ def pass_costs(target: Transformer, ts: list[int], prompt: list[int], backend: B
 
 def conditional_alpha(accepted_at: list[int], rounds: int) -> float:
     """The cost model's α: each draft token accepted with probability α once the ones before it were. Only those
-    reached count (the first of every round, the i-th when the i-1 before it were kept), unlike accepted / proposed."""
+    reached count (the first of every round, the i-th when the i-1 before it were accepted), unlike accepted /
+    proposed."""
     reached = rounds + sum(accepted_at[:-1])
     return sum(accepted_at) / reached if reached else 0.0
 

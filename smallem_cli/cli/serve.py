@@ -86,11 +86,15 @@ def serve(
             load_run, target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, k,
             max_batch=max_batch, share=False,
         )  # fmt: skip
-        try:  # the chat template is tried before the weights load
-            tgt, eng = load(chat=True)
-        except ChatError as e:  # /v1/completions needs none: serve it, and say what the chat route will answer
-            err.print(f"warning: {one_line(str(e))}; /v1/chat/completions will answer 400")
-            tgt, eng = load(chat=False)
+        try:
+            try:  # the chat template is tried before the weights load
+                tgt, eng = load(chat=True)
+            except ChatError as e:  # /v1/completions needs none: serve it, and say what the chat route will answer
+                err.print(f"warning: {one_line(str(e))}; /v1/chat/completions will answer 400")
+                tgt, eng = load(chat=False)
+        except BaseException:
+            sock.close()
+            raise
     name = model_name or Path(target).name
     context = eng.context  # the model's, or what the memory holds
     served = Served(name, tgt.tok, tgt.chat, tgt.model.cfg.vocab_size, context, slack, prompt_chars(tgt.tok, context))

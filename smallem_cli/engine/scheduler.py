@@ -143,7 +143,7 @@ class Engine:
         return self._finish(s, "length" if end is None else "stop") if done else None
 
     def _let_go(self, s: Seq) -> None:
-        """Its pages go back, but a conversation's; its proposer state goes (`runner.prefill` restarts it)."""
+        """Its pages go back, but a conversation's; its proposer state goes (`target.prefill` restarts it)."""
         if s.req.session is not None:
             self.sessions[s.req.session] = s
         elif s.uid in self.pool.tables:  # (a sequence cancelled while waiting holds none)

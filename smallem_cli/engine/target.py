@@ -19,7 +19,7 @@ from .proposers import Proposer
 from .sequence import Seq
 
 
-def read_back(parts: list[Tensor], flag: int) -> list:
+def read_back(parts: list[Tensor], flag: int) -> list[int]:
     """The round's one host sync: `parts` concatenated and read -> their values; NonFiniteError where the
     target's finite flag (`spec.sampling.finite_flag`, at index `flag`) says its logits were not."""
     values = torch.cat(parts).tolist()

@@ -9,6 +9,7 @@ and stdout; one render at a time (a lock), so any thread may call `render`."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import resource
@@ -162,6 +163,16 @@ class Sandbox:
                 except OSError:  # a pipe whose reader is gone
                     pass
 
+    def forked(self) -> None:
+        """In a fork's child: the parent's sandbox stays the parent's; this copy drops its pipes and any lock another
+        thread held at the fork, and starts its own sandbox at its first render."""
+        self._lock = threading.Lock()
+        proc, self._proc = self._proc, None
+        for pipe in (proc.stdin, proc.stdout) if proc is not None else ():
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
     def close(self) -> None:
         with self._lock:
             if self._pid == os.getpid():
@@ -170,6 +181,7 @@ class Sandbox:
 
 SANDBOX = Sandbox()
 atexit.register(SANDBOX.close)
+os.register_at_fork(after_in_child=SANDBOX.forked)
 
 if __name__ == "__main__":
     _child()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..engine.request import Finished, Request
 from ..engine.scheduler import Emitted, Engine
 from ..engine.stops import StopPrinter
+from ..errors import one_line
 from .openai import ApiError
 
 # new text, never taken back (a tail that could begin a stop string is held); the answer; or the engine's failure (500)
@@ -134,8 +135,8 @@ class Worker:
                     self._emitted(event)
                 else:
                     self._finished(event)
-        except Exception as e:  # the engine gave every page back on its way out (`Engine._events`)
-            why = f"the engine failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        except Exception as e:  # the engine gave every page back on its way out (`Engine.events`)
+            why = f"the engine failed: {type(e).__name__}: {one_line(str(e))}".rstrip(": ")
             for t in self.tickets.values():
                 self.counters.failed += 1
                 self._post(t, ApiError(500, why))
@@ -192,8 +193,11 @@ class Worker:
             self.waking = True
         try:
             t.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # its loop closed (the server is going down)
+        except RuntimeError:  # its loop closed (the server is going down): nothing more to deliver there
             t.gone = True
+            with self.lock:
+                self.outbox.clear()
+                self.waking = False
 
     def _deliver(self) -> None:
         """On the HTTP loop: the queued events to their tasks."""
