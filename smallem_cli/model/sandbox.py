@@ -85,7 +85,6 @@ class Sandbox:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
-        self._pid = 0  # the process that started the child: a fork's copy of this handle starts its own
 
     def render(self, template: str, context: dict[str, Any], max_chars: int) -> dict[str, str]:
         """{"text": ...}, or why not: {"refused": ...}, {"failed": ...} or {"budget": ...} (one line each)."""
@@ -114,12 +113,9 @@ class Sandbox:
         return None if self._proc is None else self._proc.pid
 
     def _started(self) -> subprocess.Popen[bytes] | None:
-        if self._proc is not None and self._pid == os.getpid() and self._proc.poll() is None:
+        if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        if self._pid == os.getpid():
-            self._stop()
-        else:
-            self._proc = None
+        self._stop()  # a child that died: reaped (a fork's copy of this handle holds none: `forked`)
         # -I: isolated, so neither the working directory nor PYTHON* variables change what the child imports;
         # its own session, so a Ctrl-C at the terminal is the parent's alone
         cmd = [sys.executable, "-I", os.path.abspath(__file__)]
@@ -129,7 +125,7 @@ class Sandbox:
             )
         except OSError:
             return None
-        self._proc, self._pid = proc, os.getpid()
+        self._proc = proc
         if not self._read(proc, time.monotonic() + START_SECONDS):
             self._stop()
             return None
@@ -175,8 +171,7 @@ class Sandbox:
 
     def close(self) -> None:
         with self._lock:
-            if self._pid == os.getpid():
-                self._stop()
+            self._stop()
 
 
 SANDBOX = Sandbox()
