@@ -14,6 +14,8 @@ from . import defaults
 from .errors import BadField, UsageError, first_fault, one_line
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tokenizers import Tokenizer
 
     from .config import ModelConfig
@@ -50,6 +52,12 @@ def stop_field(name: str, value: object) -> tuple[str, ...]:
         raise BadField("stop strings must not be empty")
     return tuple(stops)
 
+
+# How a request's fields (smallem's names, in the order they are read) are read: as the options of the same names
+READERS: dict[str, Callable[[str, object], object]] = {
+    "max_new_tokens": int_field, "temperature": number_field, "top_k": int_field, "top_p": number_field,
+    "min_p": number_field, "repetition_penalty": number_field, "seed": int_field, "stop": stop_field,
+}  # fmt: skip
 
 # options' messages name the command line's options: a request names its fields ("--min-p": "min_p")
 _OPTIONS = ("--max-new-tokens", "--seed", "top-k", "top-p", "--min-p", "--repetition-penalty")
@@ -188,7 +196,6 @@ def read_prompts(path: Path, cfg: ModelConfig, max_new: int, ks: dict[str, list[
 
 
 def json_value(text: str) -> object:
-    """The JSON value of `text`, or None where it is none."""
     try:
         return json.loads(text)
     except (ValueError, RecursionError):
@@ -310,7 +317,6 @@ def weights_list(text: str) -> list[str]:
 
 
 def proposer_vocab(greedy: bool, chosen: int | None) -> int:
-    """--proposer-vocab, checked; else the mode's default."""
     if chosen is not None and chosen < 0:
         raise UsageError(f"--proposer-vocab must be >= 0, got {chosen}")
     return defaults.proposer_vocab(greedy, chosen)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from ..interop.vllm_peer import stop
 from ..options import shown
 from .run import right_table
 
@@ -72,7 +73,7 @@ class ServerError(RuntimeError):
 
 @contextmanager
 def started(args: list[str]) -> Iterator[str]:
-    """`smallem serve ARGS --port 0` in a process of its own -> its URL; SIGTERM at the end."""
+    """`smallem serve ARGS --port 0` in a process of its own -> its URL; SIGTERM at the end (`stop`)."""
     argv = [sys.executable, "-c", RUN, "serve", "--port", "0", "-q", *args]
     p = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     assert p.stderr is not None
@@ -86,11 +87,7 @@ def started(args: list[str]) -> Iterator[str]:
             raise ServerError(f"smallem serve did not start: {''.join(lines[-3:]).strip() or 'no output'}")
         yield m.group(1)
     finally:
-        p.terminate()
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        stop(p)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -157,15 +154,6 @@ def _event(data: str, max_tokens: int) -> tuple[str, int | None]:
     return "".join(texts), n
 
 
-async def _head(r: httpx.Response) -> str:
-    """The start of an error answer's body, as text (the rest is not awaited)."""
-    got = b""
-    async for chunk in r.aiter_raw():
-        if len(got := got + chunk) >= 200:
-            break
-    return got[:200].decode("utf-8", "replace")
-
-
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], prompt: int) -> _Answer:
     """One streamed request, every event checked (`_data`, `_event`), ANSWER_S at most; ServerError for any fault."""
     try:
@@ -181,7 +169,11 @@ async def _streamed(client: httpx.AsyncClient, url: str, body: dict[str, object]
     stamps, parts, tokens = [], [], None  # when each chunk of text came, and what it said
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            raise ServerError(f"the server answered {r.status_code}: {await _head(r)}")
+            head = b""
+            async for chunk in r.aiter_raw():  # the start of the error's body: the rest is not awaited
+                if len(head := head + chunk) >= 200:
+                    break
+            raise ServerError(f"the server answered {r.status_code}: {head[:200].decode('utf-8', 'replace')}")
         async for data in _data(r, max_tokens + EXTRA_EVENTS):
             text, told = _event(data, max_tokens)
             tokens = told if told is not None else tokens

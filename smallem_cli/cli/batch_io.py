@@ -14,6 +14,7 @@ from .. import options
 from ..defaults import LINE_BYTES_PER_TOKEN, MAX_LINE_BYTES, MAX_NEW_TOKENS, SEED, TEMPERATURE
 from ..engine.request import Finished, Request
 from ..errors import BadField, UsageError
+from ..options import READERS
 from ..spec.sampling import Sampling
 
 Encode = Callable[[str], Sequence[int]]  # text -> token ids
@@ -43,18 +44,7 @@ class Rejected:
     error: str
 
 
-# How a JSON request's fields other than "id" and "prompt" are read
-_READ: dict[str, Callable[[str, object], object]] = {
-    "max_new_tokens": options.int_field,
-    "temperature": options.number_field,
-    "top_k": options.int_field,
-    "top_p": options.number_field,
-    "min_p": options.number_field,
-    "repetition_penalty": options.number_field,
-    "seed": options.int_field,
-    "stop": options.stop_field,
-}
-FIELDS = ("id", "prompt", *_READ)
+FIELDS = ("id", "prompt", *READERS)
 _OFF = ("top_k", "top_p", "min_p")  # `null` turns these off
 
 
@@ -82,7 +72,7 @@ def parse_line(
             if not isinstance(prompt, str):
                 raise BadField(f"prompt must be a string, got {options.shown(prompt)}")
             given = {
-                n: None if obj[n] is None and n in _OFF else read(n, obj[n]) for n, read in _READ.items() if n in obj
+                n: None if obj[n] is None and n in _OFF else read(n, obj[n]) for n, read in READERS.items() if n in obj
             }
             opts = replace(defaults, **given)  # the fields given override the options'
         sampling = Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.min_p, opts.repetition_penalty)

@@ -51,9 +51,6 @@ class StdoutError(Exception):
 class _Closed(io.TextIOBase):
     """A stdout the process was started without (`>&-`): only a command that prints fails."""
 
-    def writable(self) -> bool:
-        return True
-
     def write(self, s: str) -> int:
         raise OSError(errno.EBADF, "stdout is closed")
 

@@ -6,7 +6,7 @@ import math
 import os
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -16,10 +16,6 @@ from ..errors import first_fault
 from .app import app, bad_input, err, fail
 from .args import DataDir, Threads
 from .console import progress_printer
-
-if TYPE_CHECKING:
-    import numpy as np
-
 
 # `data`'s options that apply to --continuations N alone; of those, the ones --chat has no use for
 CONTINUATION_ONLY = ("chat", "target", "source", "context_tokens", "new_tokens", "sampled_every", "seed")
@@ -198,19 +194,6 @@ def _writable(path: Path, option: str, folder: bool = False) -> None:
         raise fail(f"{option} {path}: cannot write in {above}")
 
 
-def _check_split(data_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, seq_len: int) -> None:
-    """Enough tokens in each split, checked before training (not after the budget is spent)."""
-    from ..train import data as corpus
-
-    if len(val_ids) < 8:
-        raise fail(
-            f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
-            f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
-        )
-    if len(train_ids) < seq_len + 3:  # a training window: seq_len inputs and the next two tokens
-        raise fail(f"the training split in {data_dir} holds {len(train_ids)} tokens: a step needs {seq_len + 3}")
-
-
 class Kind(str, Enum):
     tokenizer = "tokenizer"
     target = "target"
@@ -365,7 +348,14 @@ def train(
         else:
             fp = checkpoint.tokenizer_fingerprint(tokenizer)
             train_ids, val_ids = (corpus.token_file(tokenizer, t) for t in (train_txt, val_txt))
-        _check_split(data_dir, train_ids, val_ids, settings.seq_len)  # before a smallem teacher loads
+        # enough tokens in each split, checked before a smallem teacher loads (not after the budget is spent)
+        if len(val_ids) < 8:
+            raise fail(
+                f"the validation split in {data_dir} holds {len(val_ids)} tokens: give more text "
+                f"(every {corpus.HOLDOUT_EVERY}th chunk of about 4 KB is held out)"
+            )
+        if len(train_ids) < (window := settings.seq_len + 3):  # seq_len inputs and the next two tokens
+            raise fail(f"the training split in {data_dir} holds {len(train_ids)} tokens: a step needs {window}")
         cfg = None
         if job != "mtp" and not init:  # a new model: the named preset, checked against the tokenizer
             cfg = PRESETS[name]

@@ -154,8 +154,8 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -
         raise VllmError(f"vllm serve did not answer {url}: {e}") from None
 
 
-def stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
-    """SIGTERM to the server; after `grace_s`, SIGKILL to what is left of its process group (its engine)."""
+def stop(proc: subprocess.Popen[Any], grace_s: float = 60.0) -> None:
+    """SIGTERM to a server; after `grace_s`, SIGKILL to it and to what is left of the group it leads (an engine)."""
     proc.terminate()  # nothing if it has exited
     try:
         proc.wait(grace_s)

@@ -225,7 +225,6 @@ class _Edge:
 
 
 def prometheus(worker: Worker) -> str:
-    """The server's state in Prometheus' text format."""
     c, pool = worker.counters, worker.engine.pool
     running, waiting = worker.engine.live
     rate = c.accepted / c.proposed if c.proposed else 0.0

@@ -43,7 +43,12 @@ def connection_room(backlog: int = defaults.SERVE_BACKLOG) -> int:
     with contextlib.suppress(ValueError, OSError):  # not allowed: the soft limit stays
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         soft = want
-    return soft - _open_files() - backlog - FD_RESERVE
+    open_now = FD_RESERVE  # where no listing tells
+    for listing in ("/proc/self/fd", "/dev/fd"):  # Linux, macOS
+        with contextlib.suppress(OSError):
+            open_now = len(os.listdir(listing))
+            break
+    return soft - open_now - backlog - FD_RESERVE
 
 
 def trim_heap() -> None:
@@ -51,13 +56,6 @@ def trim_heap() -> None:
     the copies dropped) over a gigabyte of it, which a server would hold while idle. malloc_trim hands it back."""
     with contextlib.suppress(OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to do
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-
-
-def _open_files() -> int:
-    for listing in ("/proc/self/fd", "/dev/fd"):  # Linux, macOS
-        with contextlib.suppress(OSError):
-            return len(os.listdir(listing))
-    return FD_RESERVE
 
 
 def response(status: int, message: str) -> bytes:

@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -72,15 +73,9 @@ _ONLY = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs"
          "top_logprobs": (None, 0), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
          "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
          "tool_choice": (None, "none")}  # fmt: skip
-_SAMPLING = {  # OpenAI's name -> (how it is read, smallem's name); `null` takes the default
-    "max_tokens": (options.int_field, "max_new_tokens"),
-    "max_completion_tokens": (options.int_field, "max_new_tokens"),
-    "temperature": (options.number_field, "temperature"),
-    "top_p": (options.number_field, "top_p"),
-    "top_k": (options.int_field, "top_k"),
-    "min_p": (options.number_field, "min_p"),
-    "repetition_penalty": (options.number_field, "repetition_penalty"),
-    "seed": (options.int_field, "seed"),
+# OpenAI's name -> smallem's (read by `options.READERS`), in the order they are read; `null` takes the default
+_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"} | {
+    n: n for n in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
 }
 
 
@@ -100,12 +95,12 @@ def read_job(raw: bytes, served: Served, chat: bool, index: int) -> Job:
     for name, allowed in _ONLY.items():
         if name in body and body[name] not in allowed:
             raise ApiError(400, f"{name} {options.shown(body[name])} is not supported (only {allowed[-1]!r})", name)
-    given: dict[str, object] = {}
+    given: dict[str, Any] = {}
     try:
-        for name, (read, ours) in _SAMPLING.items():
+        for name, ours in _FIELDS.items():
             if body.get(name) is not None:
-                given[ours] = read(name, body[name])
-        stop = options.stop_field("stop", body["stop"]) if body.get("stop") is not None else ()
+                given[ours] = options.READERS[ours](name, body[name])
+        stop = given.pop("stop", ())
         if len(stop) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in stop):
             raise BadField(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
         # ignore_eos, an extension (vLLM's too): answers of max_tokens, whatever the model says
@@ -114,7 +109,7 @@ def read_job(raw: bytes, served: Served, chat: bool, index: int) -> Job:
         if stream_options is not None and not isinstance(stream_options, dict):
             raise BadField(f"stream_options must be an object, got {options.shown(stream_options)}")
         include_usage = _flag(stream_options or {}, "include_usage")
-        max_new = int(given.pop("max_new_tokens", defaults.MAX_NEW_TOKENS))  # type: ignore[call-overload]
+        max_new = given.pop("max_new_tokens", defaults.MAX_NEW_TOKENS)
         sampling = replace(Sampling(), **given)
         options.check_sampling(**asdict(sampling), max_new_tokens=max_new)
         ids = _chat_ids(body, served) if chat else _prompt_ids(body, served)

@@ -41,9 +41,8 @@ def text_chunks(paths: list[Path]) -> list[str]:
     """User corpora: split each UTF-8 file on blank lines into chunks of about 4 KB."""
     chunks: list[str] = []
     for path in paths:
-        text = path.read_text(encoding="utf-8")
         buf = ""
-        for para in re.split(r"\n\s*\n", text):
+        for para in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")):
             buf += para.strip() + "\n\n"
             if len(buf) >= 4096:
                 chunks.append(buf)

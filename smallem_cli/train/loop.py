@@ -67,11 +67,6 @@ class Progress:
 ProgressFn = Callable[[Progress | str], None]  # a str: a line to show at once
 
 
-def _say(on_progress: ProgressFn | None, line: str) -> None:
-    if on_progress is not None:
-        on_progress(line)
-
-
 def batch(ids: np.ndarray, settings: TrainSettings, step: int) -> torch.Tensor:
     """[B, T+2] windows: inputs and the next two tokens of each position (for MTP)."""
     rng = np.random.default_rng((settings.seed, step))
@@ -109,6 +104,7 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], data: tupl
     `evaluate` of `judged`. A model trained ("model") is also evaluated every `eval_every_s` (shown in the progress):
     a frozen target's loss would not move."""
     train_ids, val_ids = data
+    say = on_progress or (lambda line: None)
     torch.manual_seed(settings.seed)
     params = [p for m in modules.values() for p in m.parameters()]
     groups = [
@@ -121,7 +117,7 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], data: tupl
     if pos is not None:  # a rerun says where it stands at once, however long its first step or its evaluation
         done = spent(settings, tokens, elapsed)
         left = "its budget is spent" if done >= 1.0 else f"{done:.0%} of its budget spent"
-        _say(on_progress, f"resuming {run_dir}: step {step}, {tokens:,} tokens, {elapsed:.0f} s trained; {left}")
+        say(f"resuming {run_dir}: step {step}, {tokens:,} tokens, {elapsed:.0f} s trained; {left}")
 
     def save_state() -> None:
         runstate.save(run_dir, modules, opt, runstate.Position(step, tokens, elapsed), dataclasses.asdict(settings))
@@ -169,14 +165,14 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], data: tupl
                 on_progress(Progress(step, elapsed, done, loss.item(), rate, tokens, val_loss, read))
     except KeyboardInterrupt:  # the steps so far are kept (a second Ctrl-C stops the save: the last one stands)
         if updating:
-            _say(on_progress, f"interrupted in step {step + 1}'s update: a rerun resumes from the state saved last")
+            say(f"interrupted in step {step + 1}'s update: a rerun resumes from the state saved last")
         else:
             save_state()
-            _say(on_progress, f"interrupted at step {step}: the same command resumes the run from {run_dir}")
+            say(f"interrupted at step {step}: the same command resumes the run from {run_dir}")
         raise
     save_state()
     # said before the final evaluation: a large model takes minutes over a large validation split
-    _say(on_progress, f"trained; evaluating on the validation split ({len(val_ids):,} tokens)")
+    say(f"trained; evaluating on the validation split ({len(val_ids):,} tokens)")
     facts = {"steps": step, "tokens_seen": tokens, "train_seconds": round(elapsed, 1)}
     facts |= {k: getattr(settings, k) for k in ("batch_size", "seq_len", "lr", "seed", "precision")}
     return facts | evaluate(judged[0], val_ids, settings.seq_len, judged[1])
@@ -259,8 +255,7 @@ def distill(target: Transformer, student: Transformer | MTPModule, train_ids: np
 
 def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:
     """The 4,096 token ids most frequent in the training stream (the list a checkpoint keeps), most first."""
-    counts = np.bincount(train_ids, minlength=vocab_size)
-    return np.argsort(-counts, kind="stable")[:4096].tolist()
+    return np.argsort(-np.bincount(train_ids, minlength=vocab_size), kind="stable")[:4096].tolist()
 
 
 def save_family_member(path: Path, model: Transformer | MTPModule, fp: str, facts: dict[str, Any],
