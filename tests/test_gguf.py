@@ -23,7 +23,8 @@ from smallem_cli.bench import run as bench
 from smallem_cli.cli.app import app
 from smallem_cli.interop.gguf import gguf_name
 from smallem_cli.model import checkpoint
-from smallem_cli.model.llama import apply_rope, interleave_halves, permute_rope, rope_tables
+from smallem_cli.model.llama import apply_rope, rope_tables
+from smallem_cli.model.weights import interleave_halves, permute_rope
 
 EXTRA = "pip install 'smallem[gguf]'"
 

@@ -25,7 +25,8 @@ from smallem_cli.config import ConfigError, ModelConfig
 from smallem_cli.interop.gguf import add_llama_metadata, gguf_name, gguf_vocab, load_gguf, write_gguf
 from smallem_cli.interop.hf import HFFormatError, config_from_hf, export_hf, load_hf
 from smallem_cli.model import checkpoint
-from smallem_cli.model.llama import Transformer, permute_rope
+from smallem_cli.model.llama import Transformer
+from smallem_cli.model.weights import permute_rope
 
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}  # fmt: skip
@@ -100,6 +101,7 @@ def test_scaled_folder_matches_transformers(
 ) -> None:
     hf = llama3 if rope == "llama3" else hf_model(LINEAR, seed=1)
     m, _ = load_hf(save(hf, tmp_path / "hf", family.tokenizer, spelling))
+    m.materialize()
     assert m.cfg.rope_freqs == config_from_hf(hf.config.to_dict()).rope_freqs != ()
     x = tokens(PROMPT + NEW)
     with torch.no_grad():
@@ -126,6 +128,7 @@ def test_native_engine_gives_the_eager_tokens(llama3: Any, family: Family, tmp_p
 def test_plain_rope_theta_500000_still_works(family: Family, tmp_path: Path) -> None:
     hf = hf_model({"rope_type": "default"}, theta=500000.0, seed=2)
     m, _ = load_hf(save(hf, tmp_path / "hf", family.tokenizer))
+    m.materialize()
     assert m.cfg.rope_theta == 500000.0 and m.cfg.rope_freqs == ()
     x = tokens(PROMPT)
     with torch.no_grad():
@@ -156,6 +159,7 @@ def write_converted(hf: Any, path: Path, tok: Path, kv: dict[str, Any], freqs: n
     import gguf
 
     m, _ = load_hf(save(hf, path.with_suffix(".src"), tok))
+    m.materialize()
     cfg = m.cfg
     w = gguf.GGUFWriter(str(path), "llama")
     add_llama_metadata(w, cfg, gguf_vocab(tok, cfg.vocab_size))
@@ -176,7 +180,7 @@ def test_gguf_rope_freqs_match_transformers(llama3: Any, family: Family, tmp_pat
     pytest.importorskip("gguf")
     freqs = np.array(converter_factors(10000.0, 64, LLAMA3), dtype=np.float32)
     write_converted(llama3, tmp_path / "m.gguf", family.tokenizer, {}, freqs)
-    m = load_gguf(tmp_path / "m.gguf").model
+    m = load_gguf(tmp_path / "m.gguf").model.materialize()
     x = tokens(PROMPT + NEW)
     with torch.no_grad():
         same_logits(m.logits(m.hidden(x[None]))[0], hf_logits(llama3, x))
@@ -191,7 +195,7 @@ def test_gguf_linear_metadata_matches_transformers(family: Family, tmp_path: Pat
     kv = {"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING),
           "llama.rope.scaling.factor": (3.0, gguf.GGUFValueType.FLOAT32)}  # fmt: skip
     write_converted(hf, tmp_path / "m.gguf", family.tokenizer, kv, None)
-    m = load_gguf(tmp_path / "m.gguf").model
+    m = load_gguf(tmp_path / "m.gguf").model.materialize()
     assert m.cfg.rope_freqs == (3.0,) * 32
     x = tokens(PROMPT + NEW)
     with torch.no_grad():
@@ -204,6 +208,7 @@ def test_exports_write_the_scaling_back(llama3: Any, family: Family, tmp_path: P
     pytest.importorskip("gguf")
     tok = family.tokenizer
     m, _ = load_hf(save(llama3, tmp_path / "src", tok))
+    m.materialize()
     ckpt = tmp_path / "m.safetensors"
     checkpoint.save(ckpt, m, tokenizer=checkpoint.tokenizer_fingerprint(tok), dtype=torch.float32)
     export_hf(ckpt, tmp_path / "hf", tok)
@@ -213,7 +218,7 @@ def test_exports_write_the_scaling_back(llama3: Any, family: Family, tmp_path: P
     x = tokens(PROMPT + NEW)
     torch.testing.assert_close(hf_logits(back, x), hf_logits(llama3, x), atol=1e-5, rtol=0)
     write_gguf(m, tmp_path / "m.gguf", tok)
-    g = load_gguf(tmp_path / "m.gguf").model
+    g = load_gguf(tmp_path / "m.gguf").model.materialize()
     torch.testing.assert_close(torch.tensor(g.cfg.rope_freqs), torch.tensor(m.cfg.rope_freqs), rtol=1e-6, atol=0)
     with torch.no_grad():
         same_logits(g.logits(g.hidden(x[None]))[0], hf_logits(llama3, x))

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..model.llama import Transformer
+from ..model.weights import laid_out
 from .native.kernels import ENGINES as NATIVE_BUILDS
 from .native.kernels import Log
 
 if TYPE_CHECKING:
-    from ..model.llama import MTPModule, Transformer
+    from ..model.llama import MTPModule
     from .native import NativeSteps
 
     Models = Iterable[Transformer | MTPModule]
@@ -42,6 +44,9 @@ class Backend:
         """Native steps for the target and the proposer's models (`int8`: those read as int8), before
         anything is timed -> `label`: the name, "eager" where no model could have them, or "partly <name>"."""
         if self.name == "eager":
+            for m in [target, *models]:
+                if isinstance(m, Transformer):
+                    m.materialize()
             return self.label
         from . import native  # its kernels are built by the system's compiler, once
 
@@ -49,14 +54,19 @@ class Backend:
         small = {id(m) for m in int8 if m is not target}  # the target's matrices are never int8
         said: dict[str, list[str]] = {}  # a reason that holds for several models is said once
         every = list({id(m): m for m in [target, *models]}.values())
-        for m in every:
-            if id(m) in self._steps or id(m) in self._refused:
-                continue
-            try:
-                self._steps[id(m)] = (m, native.NativeSteps(m, target, quiet, cache_root(), self.name, id(m) in small))
-            except (native.NativeUnavailable, OSError) as e:
-                self._refused.add(id(m))
-                said.setdefault(str(e), []).append(type(m).__name__)
+        with laid_out():
+            for m in every:
+                if id(m) in self._steps or id(m) in self._refused:
+                    continue
+                try:
+                    steps = native.NativeSteps(m, target, quiet, cache_root(), self.name, id(m) in small)
+                    self._steps[id(m)] = (m, steps)
+                except (native.NativeUnavailable, OSError) as e:
+                    self._refused.add(id(m))
+                    said.setdefault(str(e), []).append(type(m).__name__)
+            for m in every:  # what runs eager reads its weights in float32
+                if self.steps(m) is None and isinstance(m, Transformer):
+                    m.materialize()
         for why, names in said.items():
             quiet(f"native decode step unavailable ({', '.join(names)}): {why}")
         ready = [s for m in every if (s := self.steps(m)) is not None]

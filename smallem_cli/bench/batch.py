@@ -47,7 +47,7 @@ class BatchRow:
 def alone_at_batch(tgt: family.Target, prompts: list[list[int]], max_new_tokens: int, engine: str,
                    log: Log) -> tuple[float, list[list[int]]]:  # fmt: skip
     """The target alone through the batch engine, the prompts as one batch -> (tokens/s, each prompt's tokens)."""
-    device = tgt.model.embed_tokens.weight.device
+    device = tgt.model.device
     eng = _engine(tgt, device, "none", None, len(prompts), Backend(engine), defaults.PROPOSER_WEIGHTS, log)
     _timed(eng, [p[:16] for p in prompts], 8)
     t = _timed(eng, prompts, max_new_tokens)

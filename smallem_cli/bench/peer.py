@@ -91,7 +91,7 @@ def hf_peer(target: Target, ckpt_dir: Path, prompts: list[list[int]], max_new: i
     """transformers' generate() and assisted generation (draft-2l), greedy, beside our rows (`our_row`)."""
     import transformers
 
-    dev = target.model.embed_tokens.weight.device
+    dev = target.model.device
     ref = [generate(target.model, NONE, p, max_new, 0)[0] for p in prompts]
     with tempfile.TemporaryDirectory() as tmp:
         models = {}

@@ -131,7 +131,7 @@ def prepare_engines(target: Transformer, plan: Plan, log: engines.Log) -> None:
     """A backend for each engine of the plan and eager, its native steps ready before anything is timed."""
     models = [m for ps in plan.proposers.values() for p in ps.values() for m in p.models]
     int8 = [m for ps in plan.proposers.values() for p in ps.values() if p.int8 for m in p.models]
-    dev = target.embed_tokens.weight.device
+    dev = target.device
     for engine in dict.fromkeys(("eager", *plan.engines)):
         plan.backends.setdefault(engine, Backend(engines.engine_mode(engine, dev))).prepare(target, models, log, int8)
 

@@ -24,7 +24,7 @@ def build(config: EngineConfig) -> Engine:
     """An engine for `config`, backend prepared, pool allocated; UsageError where no sequence fits (strict: not all)."""
     target, p, backend = config.target, config.proposer, config.backend
     backend.prepare(target, p.models, None, p.models if p.int8 else ())
-    device = target.embed_tokens.weight.device
+    device = target.device
     plan = plan_pool(config, 0 if config.pages else cache_budget(device))  # measured with the models loaded
     pool = PagePool(plan.pages, defaults.PAGE_SIZE)
     runner = TargetRunner(target, slab_for(target, pool.n_pages * pool.page_size, device), pool, backend.steps(target))

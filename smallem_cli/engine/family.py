@@ -158,8 +158,8 @@ def load_proposer(
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
     int8 = weights == "int8"
-    if hf.is_hf_dir(path):
-        draft, fp = hf.load_hf(path, device)
+    if foreign(path):  # a draft model of the target's family, as llama.cpp's -md: an HF folder or a GGUF file
+        draft, fp = hf.load_hf(path, device) if hf.is_hf_dir(path) else _gguf_model(path, device)
         _same_vocab(target, fp, draft.cfg.vocab_size, path)
         _fits(target, draft, path)
         return LoadedProposer(name, draft.pack(), Head(draft), int8=int8, spec=spec)
@@ -181,7 +181,12 @@ def _is_mtp(spec: str, target: Target) -> bool:
     if spec in ("none", NGRAM) or spec.startswith(NGRAM + "+"):
         return False
     path = _proposer_path(spec, target)
-    return not hf.is_hf_dir(path) and checkpoint.read_meta(path).get("kind") == "mtp"
+    return not foreign(path) and checkpoint.read_meta(path).get("kind") == "mtp"
+
+
+def _gguf_model(path: Path, device: torch.device) -> tuple[Transformer, str]:
+    got = gguf.load_gguf(path, device)
+    return got.model, got.fingerprint
 
 
 def _fits(target: Target, draft: Transformer, path: Path) -> None:

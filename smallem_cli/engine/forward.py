@@ -70,9 +70,7 @@ def transformer_pass(
     """ids [N] -> (logits, hidden [N, d]). head: "all" logits [N, V], "last" [B, V], "none" [0, V]."""
     if steps is not None:
         return steps.batch(ids, None, slab, b, head)
-    if model.rope_packed is None:
-        model.pack()
-    assert model.rope_packed is not None
+    assert model.eager().rope_packed is not None
     rope = model.rope_packed[b.positions]  # [N, P]
     x = F.embedding(ids, model.embed_tokens.weight)  # [N, d]
     for i, blk in enumerate(model.layers):
@@ -88,7 +86,7 @@ def mtp_pass(
     """Pairs (h_j [N, d], token j+1 [N]) -> the module's states [N, d], through its one-layer slab."""
     if steps is not None:
         return steps.batch(ids, h, slab, b)[1]
-    assert mtp.proj_t is not None and target.rope_packed is not None, "pack() first"
+    assert mtp.proj_t is not None and target.eager().rope_packed is not None, "pack() first"
     d = mtp.cfg.dim
     table = mtp.token_table(target.embed_tokens.weight)
     x = torch.addmm(F.embedding(ids, table), unit_rms(h, mtp.cfg.norm_eps), mtp.proj_t[:d])

@@ -156,7 +156,7 @@ class ModelProposer:
 
     def __init__(self, model: Transformer | MTPModule, pool: PagePool, head: Head, backend: Backend) -> None:
         self.pool, self.head = pool, head
-        self.slab = slab_for(model, pool.n_pages * pool.page_size, head.w.device)
+        self.slab = slab_for(model, pool.n_pages * pool.page_size, head.device)
         self.steps = backend.steps(model)  # None: eager
         self.state: dict[int, _State] = {}
 
@@ -227,7 +227,7 @@ class ModelProposer:
         base = first * self.pool.page_size
         view = self.slab[:, :, :, base : base + end]
         h = st.pending_h if self.reads_states else None
-        sampled = () if s.warp is None else (1.0 / s.warp.temperature, uniforms((k,), s.gen, self.head.w))
+        sampled = () if s.warp is None else (1.0 / s.warp.temperature, uniforms((k,), s.gen, self.slab))
         tokens, q = steps.chain(self.head.ids, k, view, L, (st.pending, h), *sampled, penalty=penalty_of(s))
         st.length = end
         return tokens, None if s.warp is None else self.head.expand(q)

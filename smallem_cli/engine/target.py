@@ -42,7 +42,7 @@ class TargetRunner:
     def verify_pass(self, seqs: list[Seq], ids: Tensor, counts: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
         """ids [N] (counts[b] new tokens of seqs[b], from its cached length) -> logits [N, V], hidden
         [N, d], and from a native step each row's argmax and the finite flag [N + 1] (else None)."""
-        if (got := self.one_pass(seqs, ids, counts, head=True)) is not None:
+        if (got := self.one_pass(seqs, ids, counts, heads=counts[0])) is not None:
             return got
         if self.steps is not None:  # the argmaxes and the finite flag computed in the pass
             top = torch.empty(int(ids.shape[0]) + 1, dtype=torch.long)
@@ -51,9 +51,10 @@ class TargetRunner:
         return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), "all"), None
 
     def one_pass(
-        self, seqs: list[Seq], ids: Tensor, counts: list[int], head: bool
+        self, seqs: list[Seq], ids: Tensor, counts: list[int], heads: int
     ) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """`verify_pass` through the native step, for a sequence alone whose pages lie in order; else None."""
+        """`verify_pass` through the native step, for a sequence alone whose pages lie in order, logits of its last
+        `heads` rows; else None."""
         if len(seqs) != 1 or self.steps is None:
             return None
         s, T = seqs[0], counts[0]
@@ -63,7 +64,7 @@ class TargetRunner:
             return None
         base = page * self.pool.page_size
         past = self.slab[:, :, :, base : base + s.cached]  # [L, K or V, Hkv, start, D]: a view
-        logits, hidden, _, top = self.steps.step(ids.contiguous(), past, head)
+        logits, hidden, _, top = self.steps.step(ids.contiguous(), past, heads)
         return logits, hidden, top
 
     def tree_pass(self, seqs: list[Seq], ids: Tensor, parents: list[list[int]]) -> tuple[Tensor, Tensor]:
@@ -109,10 +110,9 @@ def prefill(t: TargetRunner, proposer: Proposer, seqs: list[Seq]) -> list[int | 
         for s, f in zip(seqs, fresh, strict=True)
     ]
     counts = [x.shape[0] for x in fed]
-    got = t.one_pass(seqs, torch.cat(fed), counts, head=False)  # a prompt alone: the model's step
+    got = t.one_pass(seqs, torch.cat(fed), counts, heads=1)  # a prompt alone: the model's step
     if got is not None:
-        hidden = got[1]  # [N, d]
-        logits = t.model.logits(hidden[-1:])  # [1, V]: the last position's alone
+        logits, hidden = got[0], got[1]  # [1, V]: the last position's alone; [N, d]
     else:  # logits [B, V] of each sequence's last position, hidden [N, d]
         logits, hidden = transformer_pass(t.model, t.slab, torch.cat(fed), t.step(seqs, counts), "last", t.steps)
     firsts = []

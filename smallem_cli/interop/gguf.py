@@ -2,8 +2,9 @@
 included), and a llama.cpp file as a smallem Transformer, tokenizer and chat format (the TYPES to their exact values;
 anything smallem would compute differently refused with one line naming it). Beyond renaming, one change: for `llama`
 llama.cpp ropes adjacent pairs (x_2i, x_2i+1) where smallem pairs x_i with x_{i+D/2}, so the rows of Wq and Wk are
-reordered within each head (outputs unchanged); its Qwen files keep Hugging Face's order, as smallem. The tokenizer
-is byte-level BPE, llama.cpp's `gpt2`, with `<|endoftext|>` both BOS and EOS."""
+reordered within each head (outputs unchanged); its Qwen files keep Hugging Face's order, as smallem. An export's
+tokenizer is byte-level BPE, llama.cpp's `gpt2`, with `<|endoftext|>` both BOS and EOS; a file's is read as it says
+(`gguf_vocab`: byte-level BPE or SentencePiece)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
 from .. import atomic
 from ..config import ModelConfig
-from ..model import checkpoint, quant
+from ..model import checkpoint
 from ..model.chat import ChatFormat, check_template
-from ..model.llama import Transformer, permute_rope
+from ..model.llama import Transformer
 from ..model.tokenizer import EOT
-from .gguf_file import MAGIC, READ_ERRORS, GGUFReadError, Meta, gguf_package, open_gguf
+from ..model.weights import Stored, Weights, permute_rope
+from .gguf_file import MAGIC, GGUFFile, GGUFReadError, Meta, gguf_package, open_gguf
+from .gguf_vocab import CONTROL, UNUSED, USER, tokenizer
 from .hf import load_for_export, orphans, sigterm_raises
 from .hf_config import ExportError
 
@@ -38,12 +41,7 @@ ARCHS = ("llama", "qwen2", "qwen3")  # Qwen2: Llama with q/k/v biases; Qwen3: wi
 _TOP = {  # lm_head: an untied head only (llama.cpp reuses token_embd when output.weight is absent)
     "embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
 }  # fmt: skip
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")  # read to their exact values
-PRE = {"gpt2": "gpt2", "gpt-2": "gpt2", "smollm": "smollm", "qwen2": "qwen2"}  # tokenizer.ggml.pre -> how text is split
-# llama.cpp's (and Qwen's tokenizer.json's) split for `qwen2`: digits one by one, letters with one sign before them
-QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
-_CONTROL, _USER, _UNUSED = 3, 4, 5  # llama.cpp's token types (1 normal, 2 unknown, 6 byte)
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # read exactly
 
 
 def gguf_name(key: str) -> str:
@@ -68,7 +66,7 @@ def gguf_tensors(model: Transformer, dtype: str = "f32") -> dict[str, np.ndarray
     in `dtype` (f32 or f16), norm weights and biases in float32 as llama.cpp wants them, Wq and Wk `permute_rope`d
     for llama."""
     out, llama = {}, arch_of(model.cfg) == "llama"
-    for key, v in model.state_dict().items():
+    for key, v in model.materialize().state_dict().items():
         w = v.detach().to("cpu", torch.float32)
         if llama and key.endswith(("q_proj.weight", "k_proj.weight")):
             w = permute_rope(w, model.cfg.n_heads if key.endswith("q_proj.weight") else model.cfg.n_kv_heads)
@@ -97,11 +95,11 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> Vocab:
     types = dict.fromkeys(ids, 1)  # normal
     for added in tok.get("added_tokens") or []:
         i = added["id"]
-        ids[i], types[i] = added["content"], _CONTROL if added.get("special") else _USER
+        ids[i], types[i] = added["content"], CONTROL if added.get("special") else USER
     if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
         raise ExportError(f"{path}: its token ids do not fit the model's vocabulary of {vocab_size}")
     tokens = [ids.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    kinds = [types.get(i, _UNUSED) for i in range(vocab_size)]
+    kinds = [types.get(i, UNUSED) for i in range(vocab_size)]
     pairs = [m if isinstance(m, str) else " ".join(m) for m in merges]
     eot = next((i for i, t in ids.items() if t == EOT), None)
     return tokens, kinds, pairs, eot
@@ -116,6 +114,9 @@ def add_llama_metadata(w: Any, cfg: ModelConfig, vocab: Vocab, pre: str = "gpt-2
     w.add_head_count(cfg.n_heads)
     w.add_head_count_kv(cfg.n_kv_heads)
     w.add_rope_dimension_count(cfg.head_dim)
+    if cfg.head_dim * cfg.n_heads != cfg.dim:  # llama.cpp derives it from these two otherwise
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_tokenizer_model("gpt2")
@@ -200,7 +201,7 @@ def export_gguf(
 
 @dataclass
 class GGUFModel:
-    model: Transformer  # float32, eval, not packed
+    model: Transformer  # its weights in the file until used (`Transformer.stored`)
     tokenizer: Tokenizer
     fingerprint: str  # checkpoint.vocab_fingerprint: equal to its tokenizer.json's when exported by smallem
     chat: ChatFormat
@@ -221,7 +222,7 @@ def is_gguf(path: str | Path) -> bool:
         return False
 
 
-def _rope_freqs(meta: Meta, reader: Any, pairs: int, a: str) -> tuple[float, ...]:
+def _rope_freqs(meta: Meta, file: GGUFFile, pairs: int, a: str) -> tuple[float, ...]:
     """`ModelConfig.rope_freqs`: the tensor rope_freqs.weight (llama.cpp's form of llama3 scaling), times the factor
     of linear scaling (llama.cpp scales positions by its inverse); () for plain rotary positions."""
     if (kind := meta.text(f"{a}rope.scaling.type") or "none") not in ("none", "linear"):
@@ -230,15 +231,16 @@ def _rope_freqs(meta: Meta, reader: Any, pairs: int, a: str) -> tuple[float, ...
     if extra := [k for k in meta if k.startswith(f"{a}rope.scaling.") and k not in scaling]:
         raise GGUFReadError(f"{meta.path}: unsupported metadata {extra[0]}={meta.get(extra[0])!r}")
     linear = meta.num(f"{a}rope.scaling.factor", float, 1.0)
-    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if t is not None and (len(t.shape) != 1 or t.tensor_type.name != "F32"):
-        raise GGUFReadError(f"{meta.path}: tensor rope_freqs.weight must be one F32 row, not {t.tensor_type.name} "
-                            f"{tuple(t.shape.tolist())}")  # fmt: skip
-    freqs = [1.0] * pairs * (linear != 1) if t is None else np.asarray(t.data, dtype=np.float64).tolist()
+    t = next((t for t in file.tensors if t.name == "rope_freqs.weight"), None)
+    if t is not None and (len(t.dims) != 1 or t.kind != "F32"):
+        raise GGUFReadError(f"{meta.path}: tensor rope_freqs.weight must be one F32 row, not {t.kind} {t.dims}")
+    freqs = [1.0] * pairs * (linear != 1)
+    if t is not None:
+        freqs = np.fromfile(file.path, dtype="<f4", count=t.dims[0], offset=t.offset).astype(np.float64).tolist()
     return tuple(f * linear for f in freqs)
 
 
-def _config(meta: Meta, reader: Any, n_vocab: int, tied: bool) -> ModelConfig:
+def _config(meta: Meta, file: GGUFFile, n_vocab: int, tied: bool) -> ModelConfig:
     path = meta.path
     if (arch := meta.text("general.architecture")) not in ARCHS:
         raise GGUFReadError(f"{path}: architecture {arch!r}: smallem reads {', '.join(ARCHS)} only")
@@ -247,120 +249,56 @@ def _config(meta: Meta, reader: Any, n_vocab: int, tied: bool) -> ModelConfig:
         raise GGUFReadError(f"{path}: {a}expert_count={meta.get(f'{a}expert_count')!r}: mixture of experts")
     dim, heads = meta.num(f"{a}embedding_length"), meta.num(f"{a}attention.head_count")
     kv = meta.num(f"{a}attention.head_count_kv", default=heads)
-    if dim % heads:  # before the head width is derived from them: every head is dim / heads wide
+    if f"{a}attention.key_length" in meta:  # a head width of its own (Qwen3's), else embedding_length / head_count
+        head_dim = meta.num(f"{a}attention.key_length")
+    elif dim % heads:
         raise GGUFReadError(
-            f"{path}: {a}embedding_length {dim} is not divisible by {a}attention.head_count {heads}: "
-            "smallem needs heads of equal width"
+            f"{path}: {a}embedding_length {dim} is not divisible by {a}attention.head_count {heads} "
+            "and no attention.key_length gives the head width"
         )
-    head_dim = dim // heads
-    for key in (f"{a}rope.dimension_count", f"{a}attention.key_length", f"{a}attention.value_length"):
+    else:
+        head_dim = dim // heads
+    for key in (f"{a}rope.dimension_count", f"{a}attention.value_length"):  # rope over whole heads, v as wide as k
         if key in meta and meta.get(key) != head_dim:
-            raise GGUFReadError(
-                f"{path}: metadata {key}={meta.get(key)!r}: smallem needs the head width {head_dim} "
-                f"(embedding_length {dim} / head_count {heads})"
-            )
+            raise GGUFReadError(f"{path}: metadata {key}={meta.get(key)!r}: smallem needs the head width {head_dim}")
     if f"{a}vocab_size" in meta and meta.get(f"{a}vocab_size") != n_vocab:
         raise GGUFReadError(f"{path}: {a}vocab_size={meta.get(f'{a}vocab_size')!r}, the token list has {n_vocab}")
     if meta.get(f"{a}attention.sliding_window"):
         raise GGUFReadError(f"{path}: {a}attention.sliding_window: smallem attends to the whole context")
-    rope_freqs = _rope_freqs(meta, reader, head_dim // 2, a)
+    rope_freqs = _rope_freqs(meta, file, head_dim // 2, a)
     try:
         return ModelConfig(
             vocab_size=n_vocab, dim=dim, n_layers=meta.num(f"{a}block_count"), n_heads=heads, n_kv_heads=kv,
             hidden_dim=meta.num(f"{a}feed_forward_length"), max_seq_len=meta.num(f"{a}context_length"),
             norm_eps=meta.num(f"{a}attention.layer_norm_rms_epsilon", float),
             rope_theta=meta.num(f"{a}rope.freq_base", float, 10000.0), tie_embeddings=tied, mtp=False,
-            rope_freqs=rope_freqs, attn_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+            rope_freqs=rope_freqs, attn_bias=arch == "qwen2", qk_norm=arch == "qwen3", head_dim=head_dim,
         )  # fmt: skip
     except ValueError as e:  # ModelConfig's own checks
         raise GGUFReadError(f"{path}: its hyperparameters do not fit smallem: {e}") from None
 
 
-def _weights(
-    reader: Any, cfg: ModelConfig, path: Path
-) -> tuple[dict[str, torch.Tensor], dict[str, quant.Blocked], tuple[str, ...]]:
-    """smallem name -> float32 tensor, and -> its blocks where the file quantizes it (`model.quant`);
-    names, shapes and types all checked before a weight is copied."""
-    from gguf.quants import dequantize
-
+def _weights(file: GGUFFile, cfg: ModelConfig, device: torch.device | str) -> Weights:
+    """Where each smallem parameter lies in the file, names, shapes, types and extents all checked; nothing is read."""
     expected = checkpoint.expected_shapes(cfg)  # a tied model's has no lm_head
     ours = {gguf_name(k): k for k in expected}
-    found = {t.name: t for t in reader.tensors if t.name != "rope_freqs.weight"}  # read with the config
+    path = file.path
+    found = {t.name: t for t in file.tensors if t.name != "rope_freqs.weight"}  # read with the config
     missing, extra = sorted(set(ours) - set(found)), sorted(set(found) - set(ours))
     if missing or extra:
         raise GGUFReadError(f"{path}: tensors do not fit its metadata: missing {missing[:3]}, unexpected {extra[:3]}")
+    stored = {}
     for name, t in found.items():
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists ggml's dims, innermost first
-        if shape != expected[ours[name]]:
-            raise GGUFReadError(f"{path}: tensor {name} has shape {shape}, its metadata says {expected[ours[name]]}")
-        if t.tensor_type.name not in TYPES:
-            raise GGUFReadError(f"{path}: tensor {name} has type {t.tensor_type.name}: only {', '.join(TYPES)}")
-    out, blocks = {}, {}
-    for name, t in found.items():
-        key, kind = ours[name], t.tensor_type.name
+        key, kind = ours[name], t.kind
+        shape = tuple(reversed(t.dims))  # GGUF lists ggml's dims, innermost first
+        if shape != expected[key]:
+            raise GGUFReadError(f"{path}: tensor {name} has shape {shape}, its metadata says {expected[key]}")
+        if kind not in TYPES:
+            raise GGUFReadError(f"{path}: tensor {name} has type {kind}: only {', '.join(TYPES)}")
         heads = cfg.n_heads if key.endswith("q_proj.weight") else cfg.n_kv_heads if key.endswith("k_proj.weight") else 0
         heads *= arch_of(cfg) == "llama"  # llama.cpp's converter permutes Wq, Wk for llama alone
-        try:  # a copy out of the memory map; F16 and F32 as they are, exactly
-            if kind in quant.KINDS:
-                b = quant.from_gguf(t.data, kind, expected[key])
-                blocks[key] = b = b.rows(lambda r, h=heads: permute_rope(r, h, inverse=True)) if heads else b
-                w = b.values()
-            else:
-                w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-                w = permute_rope(w.reshape(expected[key]), heads, inverse=True) if heads else w.reshape(expected[key])
-        except READ_ERRORS as e:
-            raise GGUFReadError(f"{path}: tensor {name} is unreadable ({type(e).__name__}: {e})"[:300]) from None
-        out[key] = w.contiguous()
-    checkpoint.check_finite(out, str(path))
-    return out, blocks, tuple(sorted({t.tensor_type.name for t in found.values()}))
-
-
-def _tokenizer(meta: Meta, tokens: list[str], ids: dict[str, int]) -> Tokenizer:
-    """tokenizer.ggml.* -> a byte-level BPE `tokenizers` object: control tokens special (decoded as nothing),
-    user-defined ones plain, unused ones left out; BOS / EOS added where the file says llama.cpp adds them."""
-    path = meta.path
-    if (kind := meta.text("tokenizer.ggml.model")) != "gpt2":
-        raise GGUFReadError(f"{path}: tokenizer.ggml.model {kind!r}: only gpt2 (byte-level BPE) is read")
-    pre = meta.text("tokenizer.ggml.pre") or "default"
-    if pre not in PRE:
-        raise GGUFReadError(f"{path}: tokenizer.ggml.pre {pre!r}: only {', '.join(PRE)} are read")
-    merges = meta.strings("tokenizer.ggml.merges")
-    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
-        raise GGUFReadError(f"{path}: tokenizer.ggml.token_type does not list one type per token")
-    vocab: dict[str, int] = {}
-    added: list[tuple[int, str, bool]] = []
-    for i, (text, t) in enumerate(zip(tokens, types, strict=True)):
-        if t != _UNUSED:
-            vocab.setdefault(text, i)  # added tokens too: `add_tokens` then keeps their ids
-        if t in (_CONTROL, _USER):
-            added.append((i, text, t == _CONTROL))
-    try:
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))  # type: ignore[arg-type]
-        split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=PRE[pre] != "qwen2")
-        if PRE[pre] == "smollm":  # digits one by one, then the byte-level split
-            split = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), split])
-        elif PRE[pre] == "qwen2":  # its own split, then bytes as they are
-            split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated"), split])
-        tok.pre_tokenizer = split
-        tok.decoder = decoders.ByteLevel()
-        for i, text, special in sorted(added):  # in id order: each gets its own id, as the file says
-            tok.add_tokens([AddedToken(text, special=special, normalized=False)])
-            if tok.token_to_id(text) != i:
-                raise GGUFReadError(f"{path}: token {text!r} is listed twice (ids {tok.token_to_id(text)} and {i})")
-        ends = {w: ids[w] for w in ("bos", "eos") if w in ids and meta.get(f"tokenizer.ggml.add_{w}_token") is True}
-        texts = {w: tok.id_to_token(i) for w, i in ends.items()}
-        if None in texts.values():
-            raise GGUFReadError(f"{path}: tokenizer.ggml.add_*_token names a token that is not in its list")
-        if ends:
-            single = [texts[w] for w in ("bos",) if w in ends] + ["$A"] + [texts[w] for w in ("eos",) if w in ends]
-            specials = [(texts[w], i) for w, i in ends.items()]
-            tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
-    except GGUFReadError:
-        raise
-    except Exception as e:  # tokenizers raises bare Exceptions on a bad vocabulary or merge
-        raise GGUFReadError(f"{path}: its tokenizer cannot be built: {str(e).splitlines()[0][:200]}") from None
-    return tok
+        stored[key] = Stored(path, t.offset, t.nbytes, kind, shape, heads, name)
+    return Weights(stored, device)
 
 
 def load_gguf(path: str | Path, device: torch.device | str = "cpu", check_chat: bool = False) -> GGUFModel:
@@ -368,23 +306,21 @@ def load_gguf(path: str | Path, device: torch.device | str = "cpu", check_chat: 
     GGUFReadError; `check_chat`: its chat template is checked (`check_template`) before the weights, ChatError where
     it is broken."""
     path = Path(path)
-    reader = open_gguf(path)
-    meta = Meta(reader, path)
+    file = open_gguf(path)
+    meta = Meta(file)
     tokens = meta.strings("tokenizer.ggml.tokens")
     if not tokens:
         raise GGUFReadError(f"{path}: metadata tokenizer.ggml.tokens is missing or empty")
-    cfg = _config(meta, reader, len(tokens), tied=not any(t.name == "output.weight" for t in reader.tensors))
+    cfg = _config(meta, file, len(tokens), tied=not any(t.name == "output.weight" for t in file.tensors))
     ids = {n: v for n in ("bos", "eos", "eot", "eom") if (v := meta.get(f"tokenizer.ggml.{n}_token_id")) is not None}
     for name, v in ids.items():
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(tokens):
             raise GGUFReadError(f"{path}: tokenizer.ggml.{name}_token_id={v!r} is not a token id")
-    tok = _tokenizer(meta, tokens, ids)  # before the weights: a refusal costs no memory
+    tok = tokenizer(meta, tokens, ids)  # before the weights: a refusal costs no memory
     ends = tuple(dict.fromkeys(ids[n] for n in ("eos", "eot", "eom") if n in ids))  # any of them ends a generation
     bos, eos = (tokens[ids[n]] if n in ids else "" for n in ("bos", "eos"))
     chat = ChatFormat(ends, meta.text("tokenizer.chat_template"), bos, eos)
     if check_chat:
         check_template(chat, str(path))
-    weights, blocks, types = _weights(reader, cfg, path)
-    model = checkpoint.build(Transformer(cfg), weights, device)
-    model.quantized = blocks
-    return GGUFModel(model, tok, checkpoint.vocab_fingerprint(tok), chat, types)
+    weights = _weights(file, cfg, device)
+    return GGUFModel(Transformer.stored(cfg, weights), tok, checkpoint.vocab_fingerprint(tok), chat, weights.kinds)

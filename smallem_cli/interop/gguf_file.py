@@ -1,10 +1,11 @@
-"""A GGUF file's header walked before `gguf`'s reader trusts it, its metadata checked where read; `gguf` (the
-`gguf` extra) imported only when it is used."""
+"""A GGUF file's header read by us, every length and count checked against the bytes left as it is read, its metadata
+checked where used; `gguf` (the `gguf` extra) imported only for its tables of types, and to write files."""
 
 from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ from ..model.checkpoint import CheckpointError
 
 MAGIC = b"GGUF"
 READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError, OSError)
-_FLOAT32, _STRING, _ARRAY = 6, 8, 9  # GGUFValueType
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_FLOAT32, _BOOL, _STRING, _ARRAY = 6, 7, 8, 9  # GGUFValueType
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}  # -> struct
 
 
 class GGUFReadError(CheckpointError):
@@ -30,9 +31,99 @@ def gguf_package(error: type[Exception] = ImportError, what: str = "GGUF export"
     return gguf
 
 
-def open_gguf(path: Path) -> Any:
-    """gguf's GGUFReader on `path`, memory-mapped: the header is parsed, no tensor is copied."""
-    gguf = gguf_package(GGUFReadError, "reading a GGUF file")
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file: its dims in ggml's order (innermost first), its type's name (`F16`, `Q4_K`, ...),
+    and where its bytes lie in the file (`offset`, absolute, and `nbytes`, both checked to fit the file)."""
+
+    name: str
+    dims: tuple[int, ...]
+    kind: str
+    offset: int
+    nbytes: int
+
+
+class GGUFFile:
+    """A GGUF file's header, read once and checked as read: its metadata (`fields`, arrays as lists, float32 values
+    as the shortest decimal that is them: 1e-05) and its tensors; no tensor's data is read."""
+
+    def __init__(self, path: Path) -> None:
+        gguf = gguf_package(GGUFReadError, "reading a GGUF file")  # its tables of types and block sizes
+        self.path = path
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            self._m, self._pos, self._size = m, 0, len(m)
+            if self._take("I") != int.from_bytes(MAGIC, "little") or self._take("I") not in (2, 3):
+                raise ValueError("not a GGUF file of version 2 or 3")
+            n_tensors, n_kv = self._take("Q"), self._take("Q")
+            if (n_tensors + n_kv) * 12 > self._size:
+                raise ValueError(f"{n_tensors} tensors and {n_kv} metadata entries cannot fit {self._size} bytes")
+            self.fields: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = self._string()
+                self.fields[key] = self._value(self._take("I"))
+            infos = []
+            for _ in range(n_tensors):
+                name, n_dims = self._string(), self._take("I")
+                if n_dims > 4:
+                    raise ValueError(f"tensor {name} has {n_dims} dimensions")
+                dims = tuple(self._take("Q") for _ in range(n_dims))
+                infos.append((name, dims, self._take("I"), self._take("Q")))
+            align = self.fields.get("general.alignment", 32)
+            if not isinstance(align, int) or isinstance(align, bool) or not 0 < align <= 1 << 16:
+                raise ValueError(f"general.alignment={align!r}")
+            start = -(-self._pos // align) * align
+        self.tensors: list[TensorInfo] = []
+        for name, dims, kind, offset in infos:
+            try:
+                qtype = gguf.GGMLQuantizationType(kind)
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise ValueError(f"tensor {name} has an unknown type {kind}") from None
+            n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            if n % block or not 0 <= start + offset <= start + offset + n // block * size <= self._size:
+                raise ValueError(f"tensor {name} lies past the end of the file")
+            self.tensors.append(TensorInfo(name, dims, qtype.name, start + offset, n // block * size))
+
+    def _skip(self, n: int) -> int:
+        if n < 0 or self._pos + n > self._size:
+            raise ValueError(f"{n} bytes at {self._pos} run past the end of the file ({self._size} bytes)")
+        self._pos += n
+        return self._pos - n
+
+    def _take(self, fmt: str) -> Any:
+        return struct.unpack_from("<" + fmt, self._m, self._skip(struct.calcsize(fmt)))[0]
+
+    def _string(self) -> str:
+        n = self._take("Q")
+        at = self._skip(n)
+        return bytes(self._m[at : at + n]).decode("utf-8")
+
+    def _value(self, kind: int, depth: int = 0) -> Any:
+        if kind in _SCALARS:
+            v = self._take(_SCALARS[kind])
+            return (
+                bool(v)
+                if kind == _BOOL
+                else float(np.format_float_scientific(np.float32(v), unique=True))
+                if kind == _FLOAT32
+                else v
+            )
+        if kind == _STRING:
+            return self._string()
+        if kind != _ARRAY or depth:
+            raise ValueError(f"unknown metadata type {kind}")
+        item, count = self._take("I"), self._take("Q")
+        if item in _SCALARS and item != _BOOL:  # numbers at once (a vocabulary's types and scores)
+            width = struct.calcsize(_SCALARS[item])
+            at = self._skip(count * width)
+            return np.frombuffer(self._m, dtype="<" + _SCALARS[item], count=count, offset=at).tolist()
+        if count * (8 if item in (_STRING, _ARRAY) else 1) > self._size - self._pos:
+            raise ValueError(f"an array of {count} items cannot fit the {self._size - self._pos} bytes left")
+        return [self._value(item, depth + 1) for _ in range(count)]
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """`path`'s header, parsed and checked (`GGUFFile`), or one GGUFReadError line."""
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -41,71 +132,18 @@ def open_gguf(path: Path) -> Any:
     if magic != MAGIC:
         raise GGUFReadError(f"{path} is not a GGUF file: it starts with {magic!r}, not {MAGIC!r}")
     try:
-        _walk_header(path)  # every count fits the file: gguf's reader trusts them (a huge one never ends)
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except READ_ERRORS as e:
         why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise GGUFReadError(f"{path}: truncated or corrupt GGUF file ({why})") from None
 
 
-def _walk_header(path: Path) -> None:
-    """Every length and count of the header checked against the bytes left; ValueError where one does not fit."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        size, pos = len(m), 0
-
-        def skip(n: int) -> int:  # where the n bytes skipped start
-            nonlocal pos
-            if n < 0 or pos + n > size:
-                raise ValueError(f"{n} bytes at {pos} run past the end of the file ({size} bytes)")
-            pos += n
-            return pos - n
-
-        def take(fmt: str) -> int:
-            return struct.unpack_from("<" + fmt, m, skip(struct.calcsize(fmt)))[0]
-
-        def value(kind: int, depth: int = 0) -> None:
-            if kind in _SCALAR:
-                skip(_SCALAR[kind])
-            elif kind == _STRING:
-                skip(take("Q"))
-            elif kind == _ARRAY and depth < 2:
-                item, count = take("I"), take("Q")
-                if item in _SCALAR:
-                    skip(count * _SCALAR[item])
-                elif count * 8 > size - pos:  # a string or an array is 8 bytes at least
-                    raise ValueError(f"an array of {count} items cannot fit the {size - pos} bytes left")
-                else:
-                    for _ in range(count):
-                        value(item, depth + 1)
-            else:
-                raise ValueError(f"unknown metadata type {kind}")
-
-        skip(8)  # magic, version (gguf's reader checks both)
-        n_tensors, n_kv = take("Q"), take("Q")
-        if (n_tensors + n_kv) * 12 > size:
-            raise ValueError(f"{n_tensors} tensors and {n_kv} metadata entries cannot fit {size} bytes")
-        for _ in range(n_kv):
-            skip(take("Q"))
-            value(take("I"))
-        for _ in range(n_tensors):
-            skip(take("Q"))
-            if (dims := take("I")) > 4:
-                raise ValueError(f"a tensor of {dims} dimensions")
-            skip(8 * dims + 12)  # its dims, type and offset
-
-
 class Meta(dict):
-    """A GGUF file's metadata, checked where read; a float32 as the shortest decimal that is it (1e-05)."""
+    """A GGUF file's metadata, checked where read."""
 
-    def __init__(self, reader: Any, path: Path) -> None:
-        super().__init__()
-        self.path = path
-        for key, f in reader.fields.items():
-            try:
-                v = f.contents()
-            except READ_ERRORS as e:
-                raise GGUFReadError(f"{path}: unreadable metadata {key} ({type(e).__name__})") from None
-            self[key] = float(np.format_float_scientific(np.float32(v), unique=True)) if f.types == [_FLOAT32] else v
+    def __init__(self, file: GGUFFile) -> None:
+        super().__init__(file.fields)
+        self.path = file.path
 
     def num(self, key: str, kind: type = int, default: Any = None) -> Any:
         if (v := self.get(key, default)) is None:

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from .. import atomic
 from ..model import checkpoint
 from ..model.llama import Transformer
 from ..model.tokenizer import EOT, load_tokenizer
+from ..model.weights import Stored, Weights, WeightsError, safetensors_header
 from .hf_config import ExportError, HFFormatError, config_from_hf, hf_jsons
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -60,8 +60,8 @@ def _tokenizer(path: Path, vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _declared(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """HF name -> (file, dtype, shape) of every tensor of the folder's weights, from the headers alone."""
+def _declared(folder: Path) -> dict[str, Stored]:
+    """HF name -> where each tensor of the folder's weights lies, from the headers alone."""
     if (index := folder / "model.safetensors.index.json").is_file():  # sharded: it names every shard
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
@@ -77,16 +77,19 @@ def _declared(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     out = {}
     for path in files:  # a shard named in the index but absent fails to open, named here
         try:
-            for name, (dtype, shape) in checkpoint.header(path).items():
+            for name, (dtype, shape, offset, nbytes) in safetensors_header(path)[0].items():
                 if not name.endswith("rotary_emb.inv_freq"):  # old transformers saved this derived buffer
-                    out[name] = (path, dtype, shape)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise HFFormatError(f"{path}: unreadable safetensors file: {e}") from None
+                    out[name] = Stored(path, offset, nbytes, dtype, shape, name=name)
+        except WeightsError as e:
+            raise HFFormatError(str(e)) from None
+        except OSError as e:
+            raise HFFormatError(f"{path}: unreadable safetensors file: {e.strerror or e}") from None
     return out
 
 
 def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Transformer, str]:
-    """A LlamaForCausalLM folder -> (float32 eval Transformer, its tokenizer.json's fingerprint), checked first."""
+    """A LlamaForCausalLM folder -> (its Transformer, the weights left in their files until used, and its
+    tokenizer.json's fingerprint), every name, shape, type and extent checked first."""
     folder = Path(folder)
     if not is_hf_dir(folder):
         raise HFFormatError(f"{folder} is not a Hugging Face model folder (no config.json)")
@@ -105,23 +108,21 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
     missing, extra = sorted(set(ours) - set(declared)), sorted(set(declared) - set(ours))
     if missing or extra:
         raise HFFormatError(f"{folder}: weights do not fit config.json: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, (_, dtype, shape) in declared.items():
-        if shape != expected[ours[name]]:
-            raise HFFormatError(f"{folder}: {name} has shape {shape}, not {expected[ours[name]]}")
-        if dtype not in checkpoint.FLOAT_DTYPES:
-            raise HFFormatError(f"{folder}: {name} has dtype {dtype}: only {', '.join(checkpoint.FLOAT_DTYPES)}")
-    found: dict[str, torch.Tensor] = {}
-    for path in dict.fromkeys(p for p, _, _ in declared.values()):
+    for name, t in declared.items():
+        if t.shape != expected[ours[name]]:
+            raise HFFormatError(f"{folder}: {name} has shape {t.shape}, not {expected[ours[name]]}")
+        if t.kind not in checkpoint.FLOAT_DTYPES:
+            raise HFFormatError(f"{folder}: {name} has dtype {t.kind}: only {', '.join(checkpoint.FLOAT_DTYPES)}")
+    weights = Weights({ours[name]: t for name, t in declared.items()}, device)
+    if tied_head:  # read once here, to be left out
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in (n for n, (p, _, _) in declared.items() if p == path):
-                    found[ours[name]] = f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise HFFormatError(f"{path}: unreadable safetensors file: {e}") from None
-    checkpoint.check_finite(found, str(folder))
-    if tied_head and not torch.equal(found.pop("lm_head.weight"), found["embed_tokens.weight"]):
-        raise HFFormatError(f"{folder}: tie_word_embeddings is true but lm_head.weight differs from embed_tokens")
-    return checkpoint.build(Transformer(cfg), found, device), checkpoint.vocab_fingerprint(tok)
+            same = torch.equal(weights["lm_head.weight"].read(), weights["embed_tokens.weight"].read())  # type: ignore[arg-type]
+        except (WeightsError, OSError) as e:
+            raise HFFormatError(str(e)) from None
+        if not same:
+            raise HFFormatError(f"{folder}: tie_word_embeddings is true but lm_head.weight differs from embed_tokens")
+        weights = Weights({k: v for k, v in weights.items() if k != "lm_head.weight"}, device)
+    return Transformer.stored(cfg, weights), checkpoint.vocab_fingerprint(tok)
 
 
 def load_for_export(ckpt: Path, tokenizer_json: Path, mtp_refusal: str) -> tuple[Transformer, int | None, torch.dtype]:

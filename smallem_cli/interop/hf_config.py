@@ -113,20 +113,24 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise _refuse("tie_word_embeddings", tie, "expected true or false")
     dim, heads = _num(hf, "hidden_size"), _num(hf, "num_attention_heads")
     kv = heads if hf.get("num_key_value_heads") is None else _num(hf, "num_key_value_heads")  # None: MHA
-    if dim % heads:
-        raise _refuse("num_attention_heads", heads, f"hidden_size {dim} is not a multiple of it")
     if heads % kv:
         raise _refuse("num_key_value_heads", kv, f"num_attention_heads {heads} is not a multiple of it")
-    if (head_dim := hf.get("head_dim", 128 if kind == "qwen3" else None)) is not None and head_dim != dim // heads:
-        raise _refuse("head_dim", head_dim, f"smallem needs hidden_size / num_attention_heads = {dim // heads}")
-    theta, freqs = _rope(hf, dim // heads)
+    if hf.get("head_dim") is not None:
+        head_dim = _num(hf, "head_dim")
+    elif kind == "qwen3":  # Qwen3Config's default
+        head_dim = 128
+    elif dim % heads:
+        raise _refuse("num_attention_heads", heads, f"hidden_size {dim} is not a multiple of it (and no head_dim)")
+    else:
+        head_dim = dim // heads
+    theta, freqs = _rope(hf, head_dim)
     try:
         return ModelConfig(
             vocab_size=_num(hf, "vocab_size"), dim=dim, n_layers=_num(hf, "num_hidden_layers"), n_heads=heads,
             n_kv_heads=kv, hidden_dim=_num(hf, "intermediate_size"),
             max_seq_len=_num(hf, "max_position_embeddings", 2048),  # LlamaConfig's defaults
             norm_eps=_num(hf, "rms_norm_eps", 1e-6, float), rope_theta=theta, rope_freqs=freqs, tie_embeddings=tie,
-            attn_bias=kind == "qwen2", qk_norm=kind == "qwen3", mtp=False,
+            attn_bias=kind == "qwen2", qk_norm=kind == "qwen3", mtp=False, head_dim=head_dim,
         )  # fmt: skip
     except ValueError as e:  # ModelConfig's own checks (e.g. an odd head_dim)
         raise HFFormatError(f"HF config does not fit smallem: {e}") from None

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
         @functools.cache
         def ours(name: str, k: int) -> tuple[int, int]:  # the proposer's head over the whole vocabulary, as vLLM's
-            proposer = family.load_proposer(name, target, target.model.embed_tokens.weight.device, 0)
+            proposer = family.load_proposer(name, target, target.model.device, 0)
             counts = [generate(target.model, proposer, p, n, k)[1] for p in prompts]
             return sum(c.accepted for c in counts), sum(c.proposed for c in counts)
 

@@ -17,15 +17,12 @@ from tokenizers import Tokenizer
 
 from .. import atomic
 from ..config import ConfigError, ModelConfig
+from ..errors import CheckpointError
 from .llama import MTPModule, Transformer
 from .tokenizer import load_tokenizer
 
 M = TypeVar("M", Transformer, MTPModule)
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes weights may have (float32 on load)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, or does not fit what it is used for."""
 
 
 def tokenizer_fingerprint(tokenizer_json: str | Path) -> str:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .quant import Blocked
+from .weights import Weights, interleave_halves
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,20 +66,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def interleave_halves(head_dim: int) -> torch.Tensor:
-    """Column order [0, D/2, 1, D/2+1, ...] within a head: with the pairs Llama's rope turns adjacent, one
-    complex multiply ropes every head; q's and k's dims permuted alike leave q·k unchanged."""
-    half = head_dim // 2
-    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
-
-
-def permute_rope(w: torch.Tensor, n_heads: int, inverse: bool = False) -> torch.Tensor:
-    """Rows of Wq or Wk [n_heads*D, in], rotate-half -> `interleave_halves` (llama.cpp's, native's); `inverse`: back."""
-    d = w.shape[0] // n_heads
-    order = torch.argsort(interleave_halves(d)) if inverse else interleave_halves(d)
-    return w.reshape(n_heads, d, *w.shape[1:])[:, order].reshape(w.shape)
 
 
 class Block(nn.Module):
@@ -189,16 +175,49 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # a parameter -> its blocks where a quantized file stored it so (`model.quant`); it holds their float32 values
-        self.quantized: dict[str, Blocked] = {}
+        self.source: Weights | None = None  # the files its weights lie in, read from there (`stored`)
+        self.pack_on_load = False  # `pack` was asked for before `materialize`: it packs once they are read
         cos, sin = rope_tables(cfg)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.head_t: torch.Tensor | None = None  # [dim, vocab], set by pack()
         self.head_rows: torch.Tensor | None = None  # [vocab, dim], set by pack() (`head_matmul`)
         self.rope_packed: torch.Tensor | None = None  # complex [max_seq_len, (H+2Hkv)*D/2]
-        self.rope_cos: torch.Tensor | None = None  # its real and imaginary parts, for the native steps
-        self.rope_sin: torch.Tensor | None = None
+
+    @classmethod
+    def stored(cls, cfg: ModelConfig, weights: Weights) -> Transformer:
+        """A model whose parameters stay in their files (`weights`, in their own bytes), read a tensor at a time by
+        the native backend; the eager path loads them in float32 the first time it runs (`materialize`)."""
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            model = cls(cfg)
+        model.cos, model.sin = rope_tables(cfg)
+        model.source = weights
+        return model.eval()
+
+    @property
+    def lazy(self) -> bool:
+        """Its parameters are still in their files (`stored`, before `materialize`)."""
+        return self.embed_tokens.weight.is_meta
+
+    @property
+    def device(self) -> torch.device:
+        return self.source.device if self.lazy and self.source is not None else self.embed_tokens.weight.device
+
+    def materialize(self) -> Transformer:
+        """The parameters read from `source` in float32 (4 bytes a weight: the eager path's reference, and what
+        training and export read); a model already in memory as it is."""
+        if self.lazy:
+            assert self.source is not None
+            with torch.no_grad():
+                self.load_state_dict({n: self.source.floats(n) for n in self.source}, assign=True)
+            self.to(self.source.device)
+            if self.pack_on_load:
+                self.pack()
+        return self
+
+    def eager(self) -> Transformer:
+        """`materialize`d and `pack`ed: what the eager passes run."""
+        return self if self.materialize().rope_packed is not None else self.pack()
 
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 style init; residual projections scaled down with depth."""
@@ -216,6 +235,11 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack(self) -> Transformer:
+        """The eager path's layout (`Block.pack`, the head with the final norm folded in, the rotary table); a `lazy`
+        model's waits for `materialize`."""
+        if self.lazy:
+            self.pack_on_load = True
+            return self
         for blk in self.layers:
             blk.pack()  # type: ignore[operator]
         # [dim, vocab], the final norm folded in
@@ -226,11 +250,11 @@ class Transformer(nn.Module):
         turn = torch.complex(self.cos[:, :half], self.sin[:, :half])  # [max_seq_len, D/2]
         ones = torch.ones_like(turn).repeat(1, c.n_kv_heads)
         self.rope_packed = torch.cat([turn.repeat(1, c.n_heads + c.n_kv_heads), ones], dim=1)
-        self.rope_cos, self.rope_sin = self.rope_packed.real.contiguous(), self.rope_packed.imag.contiguous()
         return self
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and output head: [..., dim] -> [..., vocab]. The MTP module shares it."""
+        self.materialize()
         if self.head_t is not None and self.head_rows is not None:
             return head_matmul(unit_rms(h, self.cfg.norm_eps), self.head_t, self.head_rows)
         return F.linear(self.norm(h), self.head_weight)
@@ -238,7 +262,7 @@ class Transformer(nn.Module):
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """Training trunk: tokens [B, T] -> final hidden states [B, T, dim] (before the final norm)."""
         T = tokens.shape[1]
-        x = self.embed_tokens(tokens)
+        x = self.materialize().embed_tokens(tokens)
         for blk in self.layers:
             x = blk(x, self.cos[:T], self.sin[:T])
         return x

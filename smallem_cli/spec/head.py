@@ -13,11 +13,25 @@ class Head:
     biggest matrix, and verification keeps the output exact whatever the proposer computes."""
 
     def __init__(self, model: Transformer, vocab: torch.Tensor | None = None) -> None:
-        assert model.head_t is not None, "pack() the model first"
+        self.model, self.device = model, model.device
         self.eps, self.size = model.cfg.norm_eps, model.cfg.vocab_size
         self.ids = None if vocab is None or vocab.numel() == self.size else vocab  # all: no cut (q in token order)
-        self.w = model.head_t if self.ids is None else model.head_t[:, self.ids].contiguous()  # [d, V or N]
-        self.rows = self.w.t().contiguous()  # [V or N, d]: for a few rows at once (`model.head_matmul`)
+        self._w: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def w(self) -> torch.Tensor:
+        """The rows in float32 [d, V or N], the final norm folded in: built when the eager path first picks (a
+        native chain reads its own), from the model's `head_t`."""
+        if self._w is None:
+            head_t = self.model.eager().head_t
+            assert head_t is not None, "pack() the model first"
+            w = head_t if self.ids is None else head_t[:, self.ids].contiguous()
+            self._w = w, w.t().contiguous()  # and [V or N, d]: for a few rows at once (`model.head_matmul`)
+        return self._w[0]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.w.t() if self._w is None else self._w[1]
 
     def pick(
         self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None, penalty: Penalty | None = None

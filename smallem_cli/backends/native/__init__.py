@@ -1,8 +1,10 @@
-"""The native engine (`--engine native`): a decode pass in C++ over the model's own weights. A one-token pass is
-bound by reading the weights, so `step.cpp` reads each matrix in panels, in the narrowest of float16, bfloat16 and
-float32 that holds its values exactly (`narrowest`), or as a quantized file's blocks (`model.quant`), accumulating in
-float32: the model is computed as it is. A proposer's may be int8 (`--proposer-weights int8`, `panels8`); the
-target's never are, so the text is the target's. A failure leaves the model eager."""
+"""The native engine (`--engine native`): a decode pass in C++ over the model's own weights, read from its files a
+tensor at a time (`model.weights`) into the kernels' layout. A one-token pass is bound by reading the weights, so
+`step.cpp` reads each matrix in panels, in the narrowest of float16, bfloat16 and float32 that holds its values exactly
+(`narrowest`), accumulating in float32: such a model is computed as it is. A quantized file's matrices are read as its
+blocks (`blocks.py`, `qmatmul.h`), in integer dot products against the inputs quantized to int8 per block of 32, as
+llama.cpp computes them: the eager pass's to the inputs' rounding. A proposer's may be int8 (`--proposer-weights int8`,
+`panels8`); the target's never are, so the text is the target's. A failure leaves the model eager."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from torch import Tensor
 
 from ...kv.step import BatchStep, visible
 from ...model import quant
-from ...model.llama import MTPModule, Transformer, interleave_halves, permute_rope
+from ...model.llama import MTPModule, Transformer
+from ...model.weights import interleave_halves, permute_rope
 from ...spec.verify import Penalty, Warper, uniforms
+from . import blocks as qblocks
 from . import kernels
 from .kernels import ENGINES, Log, NativeUnavailable, library, ptr
 
@@ -25,9 +29,9 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 class _Mat(ctypes.Structure):
     """A matrix in panels (`matmul.h`'s `Mat`): float16, bfloat16 or float32, int8 with its rows'
-    scales, or a quantized file's blocks (W_Q: int8 with its blocks' scales and offsets)."""
+    scales, or a quantized file's blocks (W_Q: `nseg` segments of rows, `blocks.QSeg`)."""
 
-    _fields_ = [("w", _P), ("scale", _P), ("kind", _I), ("d", _P), ("m", _P)]
+    _fields_ = [("w", _P), ("scale", _P), ("kind", _I), ("seg", _P), ("nseg", _I)]
 
 
 class _LayerW(ctypes.Structure):
@@ -38,7 +42,7 @@ class _ModelW(ctypes.Structure):
     _fields_ = [
         *[(n, _I) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")], ("eps", _F),
         ("layers", _P), ("embed", _P), ("head", _Mat), ("g_final", _P), ("table", _P), ("wh", _Mat), ("g_h", _P),
-        ("embed_kind", _I),
+        ("embed_kind", _I), ("embed_panels", _I),
     ]  # fmt: skip
 
 
@@ -61,6 +65,8 @@ W_Q = 3  # matmul.h's blocks (`model.quant`)
 
 def narrowest(w: Tensor) -> Tensor:
     """w in the narrowest of float16, bfloat16 and float32 that holds every value exactly."""
+    if w.dtype in (torch.float16, torch.bfloat16):  # as a file stores it: nothing narrower holds it
+        return w.detach().contiguous()
     w = w.detach().float()
     for dtype in (torch.float16, torch.bfloat16):
         if torch.equal((t := w.to(dtype)).float(), w):
@@ -101,67 +107,74 @@ class NativeSteps:
             raise NativeUnavailable("the model's widths are not multiples of 8")
         self.mtp = isinstance(model, MTPModule)
         own = target if self.mtp else model  # the MTP module turns (and drafts) as its target
-        assert own.rope_cos is not None and own.rope_sin is not None, "pack() the model first"
-        self.rope = (own.rope_cos, own.rope_sin)  # cos, sin [context, P] of the packed QKV row's pairs
+        half = c.head_dim // 2  # cos, sin [context, D/2]: each head's pairs turn alike
+        self.rope = (own.cos[:, :half].contiguous(), own.sin[:, :half].contiguous())
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
+        self.model = model
         self.keep: list[Tensor] = []  # every tensor the C structs point at, alive as long as they
         self.kinds: set[str] = set()  # what its matrices are read as (int8 aside): f16, ..., q4_1
-        # a parameter's blocks, where a quantized file stored it so (never the MTP module's): read as they are
-        blocked = model.quantized if isinstance(model, Transformer) else {}
-        self.stored = {id(p): b for n, p in model.named_parameters() if (b := blocked.get(n))}
-        blocks = [model.block] if self.mtp else list(model.layers)
-        self.layers_c = (_LayerW * len(blocks))()
-        for i, b in enumerate(blocks):
-            qkv = [(b.q_proj.weight, b.n_heads), (b.k_proj.weight, b.n_kv_heads), (b.v_proj.weight, 0)]
-            gate_up = [(b.gate_proj.weight, 0), (b.up_proj.weight, 0)]
-            mats = [qkv, [(b.o_proj.weight, 0)], gate_up, [(b.down_proj.weight, 0)]]
-            norms = [self._held(_floats(w.weight)) for w in (b.input_layernorm, b.post_attention_layernorm)]
+        # the head first: the largest matrix, read while little else is held, so that its read does not set the peak
+        head = None if isinstance(model, MTPModule) else self._rows([(head_name(model), 0)])
+        names = ["block"] if self.mtp else [f"layers.{i}" for i in range(c.n_layers)]
+        self.layers_c = (_LayerW * len(names))()
+        for i, at in enumerate(names):
+            qkv = [(f"{at}.{n}_proj.weight", heads) for n, heads in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", 0))]
+            gate_up = [(f"{at}.gate_proj.weight", 0), (f"{at}.up_proj.weight", 0)]
+            mats = [qkv, [(f"{at}.o_proj.weight", 0)], gate_up, [(f"{at}.down_proj.weight", 0)]]
+            norms = [self._held(floats(model, f"{at}.{n}_layernorm.weight")) for n in ("input", "post_attention")]
             bias = gq = gk = None  # Qwen2's q/k/v biases, Qwen3's q/k norms: in the packed row's order, or none
-            if b.q_proj.bias is not None and b.k_proj.bias is not None and b.v_proj.bias is not None:
-                bq, bk = permute_rope(b.q_proj.bias, b.n_heads), permute_rope(b.k_proj.bias, b.n_kv_heads)
-                bias = self._held(_floats(torch.cat([bq, bk, b.v_proj.bias])))
-            if b.q_norm is not None and b.k_norm is not None:
+            if c.attn_bias:
+                bq, bk, bv = (floats(model, f"{at}.{n}_proj.bias") for n in "qkv")
+                bias = self._held(torch.cat([permute_rope(bq, c.n_heads), permute_rope(bk, c.n_kv_heads), bv]))
+            if c.qk_norm:
                 order = interleave_halves(c.head_dim)
-                gq, gk = (self._held(_floats(n.weight[order])) for n in (b.q_norm, b.k_norm))
+                gq, gk = (self._held(floats(model, f"{at}.{n}_norm.weight")[order].contiguous()) for n in "qk")
             self.layers_c[i] = _LayerW(*[self._rows(m) for m in mats], *norms, bias, gq, gk)
-        self.mw = mw = _ModelW(len(blocks), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
+        self.mw = mw = _ModelW(len(names), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
         mw.eps, mw.layers = c.norm_eps, ctypes.cast(self.layers_c, ctypes.c_void_p)
         # a chain's head rows in panels, by id(ids) (ids held, so that their id stays theirs)
         self._heads: dict[int, tuple[Tensor | None, _Mat]] = {}
-        if self.mtp:
+        if isinstance(model, MTPModule):
             mw.wh = self._mat(model.eh_proj.weight[:, : c.dim].contiguous())  # [d, d]: the h half
-            mw.table = self._held(model.token_table(target.embed_tokens.weight).detach().contiguous())
-            mw.g_h = self._held(_floats(model.hnorm.weight))
+            table = model.token_table(floats(target, "embed_tokens.weight"))
+            mw.table = self._held(table.detach().contiguous())
+            mw.g_h = self._held(floats(model, "hnorm.weight"))
         else:
-            mw.head = self._rows([(model.head_weight, 0)])
-            embed = narrowest(model.embed_tokens.weight)
-            mw.embed, mw.embed_kind = self._held(embed), KINDS[embed.dtype]
-            self.kinds.add(KIND_NAMES[embed.dtype])
-            mw.g_final = self._held(_floats(model.norm.weight))
+            assert head is not None
+            mw.head = head
+            if c.tie_embeddings and mw.head.kind in KINDS.values() and not mw.head.scale:  # the head's rows are it
+                mw.embed, mw.embed_kind, mw.embed_panels = mw.head.w, mw.head.kind, 1
+            else:
+                embed = own_bytes(model, "embed_tokens.weight")
+                embed = narrowest(embed.values() if isinstance(embed, quant.Blocked) else embed)
+                mw.embed, mw.embed_kind = self._held(embed), KINDS[embed.dtype]
+                self.kinds.add(KIND_NAMES[embed.dtype])
+            mw.g_final = self._held(floats(model, "norm.weight"))
             self._heads[id(None)] = (None, mw.head)
         self._scratch = torch.empty(0)  # the C code's, for the largest pass so far
         # what a chain reads: the target's head and norm for the MTP module, a draft's own
-        self.head_src = own.head_weight.detach()
-        self.g_final = _floats(own.norm.weight)
+        self.own = own
+        self.g_final = floats(own, "norm.weight")
 
     def _held(self, t: Tensor) -> int:
         self.keep.append(t)
         return t.data_ptr()
 
-    def _rows(self, parts: list[tuple[Tensor, int]]) -> _Mat:
-        """These matrices' rows one below the other (a part with heads > 0 in the rope's pairs, `permute_rope`), in
+    def _rows(self, parts: list[tuple[str, int]]) -> _Mat:
+        """These parameters' rows one below the other (a part with heads > 0 in the rope's pairs, `permute_rope`), in
         panels, held: as a quantized file stored them where it stored every part so (`model.quant`), else as `_mat`."""
 
         def pairs(w: Tensor, heads: int) -> Tensor:
             return permute_rope(w, heads) if heads else w
 
-        blocks = [self.stored.get(id(w)) for w, _ in parts]
-        if self.int8 or any(b is None for b in blocks):
-            return self._mat(torch.cat([pairs(w, h) for w, h in parts]))
-        b = quant.cat([x.rows(lambda r, h=h: pairs(r, h)) for x, (_, h) in zip(blocks, parts, strict=True)])  # type: ignore[union-attr]
-        self.kinds.update(k.lower() for k in b.kinds)
-        m = None if b.m is None else self._held(panels(b.m, self.width))
-        return _Mat(self._held(panels(b.q, self.width)), None, W_Q, self._held(panels(b.d, self.width)), m)
+        blocks = [own_bytes(self.model, name) for name, _ in parts]
+        if self.int8 or not all(isinstance(b, quant.Blocked) for b in blocks):
+            values = [b.values() if isinstance(b, quant.Blocked) else b for b in blocks]
+            return self._mat(torch.cat([pairs(w, h) for w, (_, h) in zip(values, parts, strict=True)]))
+        turned = [x.rows(lambda r, h=h: pairs(r, h)) for x, (_, h) in zip(blocks, parts, strict=True)]  # type: ignore[union-attr]
+        segs = [qblocks.pack(b, self.width, self._held) for b in qblocks.segments(turned)]
+        self.kinds.update(k.lower() for b in turned for k in b.kinds)
+        return _Mat(segs[0].w, None, W_Q, self._held(qblocks.held_array(segs)), len(segs))
 
     def _mat(self, w: Tensor) -> _Mat:
         if self.int8:
@@ -194,7 +207,8 @@ class NativeSteps:
         probabilities [k]); sampled (1/T, float64 uniforms u [k]) -> (tokens [k], q [k, V])."""
         assert k >= 1 and fed[0].shape[0] >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
-            self._heads[id(ids)] = (ids, self._mat(self.head_src if ids is None else self.head_src[ids]))
+            rows = floats(self.own, head_name(self.own))
+            self._heads[id(ids)] = (ids, self._mat(rows if ids is None else rows[ids]))
         ids_t, rows = self._heads[id(ids)]
         c, threads = self.cfg, torch.get_num_threads()
         N = c.vocab_size if ids_t is None else ids_t.numel()
@@ -256,9 +270,10 @@ class NativeSteps:
         )  # fmt: skip
         return logits, x
 
-    def step(self, tokens: Tensor, past: Tensor, head: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """The target's pass (`smallem_step`) over tokens [T] after `past` [L, 2, Hkv, S, D], a view of the
-        slab -> (logits [T or 0, V], hidden [T, d], the new K/V after the past, argmaxes + finite flag [T+1])."""
+    def step(self, tokens: Tensor, past: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """The target's pass (`smallem_step`) over tokens [T] after `past` [L, 2, Hkv, S, D], a view of the slab ->
+        (logits of the last `heads` rows [heads, V], hidden [T, d], the new K/V after the past, their argmaxes and
+        the finite flag [heads + 1], or None without heads)."""
         c, T, S, threads = self.cfg, tokens.shape[0], past.shape[3], torch.get_num_threads()
         scratch, _ = self._scratch_for(T, threads)
         x = torch.empty(T, c.dim)
@@ -269,9 +284,9 @@ class NativeSteps:
         if reach > past.untyped_storage().nbytes() // past.element_size():  # the C code would write past the slab
             raise ValueError(f"no room in the slab for {T} positions after a past of {S}")
         new = past.as_strided((c.n_layers, 2, c.n_kv_heads, T, c.head_dim), past.stride(), at)
-        t_head = T if head else 0
+        t_head = min(heads, T)
         logits = torch.empty(t_head, c.vocab_size)
-        top = torch.empty(t_head + 1, dtype=torch.long) if head else None  # each row's argmax, the finite flag
+        top = torch.empty(t_head + 1, dtype=torch.long) if t_head else None  # each row's argmax, the finite flag
         cos, sin = self.rope[0][S : S + T], self.rope[1][S : S + T]  # [T, P]
         assert past.stride(-1) == 1 and past.dtype == KV_DTYPE and tokens.is_contiguous()
         assert cos.is_contiguous() and sin.is_contiguous()
@@ -284,8 +299,21 @@ class NativeSteps:
         return logits, x, new, top
 
 
-def _floats(w: Tensor) -> Tensor:
-    return w.detach().float().contiguous()
+def own_bytes(model: Transformer | MTPModule, name: str) -> Tensor | quant.Blocked:
+    """A parameter as its file stores it (float16 stays float16, blocks stay blocks), read now, where the model's
+    weights lie in files (`Transformer.stored`); else the one in memory."""
+    source = model.source if isinstance(model, Transformer) else None
+    return source[name].read() if source is not None else model.get_parameter(name).detach()
+
+
+def floats(model: Transformer | MTPModule, name: str) -> Tensor:
+    """A parameter's values in float32 (a vector's, or a matrix read once to be laid out)."""
+    w = own_bytes(model, name)
+    return (w.values() if isinstance(w, quant.Blocked) else w.float()).contiguous()
+
+
+def head_name(model: Transformer) -> str:
+    return "embed_tokens.weight" if model.cfg.tie_embeddings else "lm_head.weight"
 
 
 def verify_sample(

@@ -22,7 +22,8 @@ import torch
 Log = Callable[[str], None]
 HERE = Path(__file__).parent
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f"]}
+# torch's AVX512 is AVX512F with BW, VL and DQ; VNNI (`qmatmul.h`'s integer products) only where the CPU has it
+ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw"]}
 # The engines (`--engine`) and their builds: the widest this CPU runs (None), and the AVX2 one.
 ENGINES = {"native": None, "native-avx2": "avx2"}
 _LIBS: dict[str, ctypes.CDLL] = {}  # by ISA, loaded once a process
@@ -41,14 +42,30 @@ class NativeUnavailable(RuntimeError):
     """The native engine cannot serve this machine or this model (the message says why)."""
 
 
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def prefetch_rows(cpuinfo: str | None = None) -> int:
     """`matmul.h`'s PREFETCH_ROWS by the CPU's maker: 5 on AMD, 8 elsewhere, as measured (docs/decisions.md)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            cpuinfo = ""
-    return 5 if "AuthenticAMD" in cpuinfo else 8
+    return 5 if "AuthenticAMD" in (_cpuinfo() if cpuinfo is None else cpuinfo) else 8
+
+
+def vnni(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU has AVX-512 VNNI (`avx512_vnni` among /proc/cpuinfo's flags): the AVX-512 build's integer
+    products use it, else the same sums without it (`qmatmul.h`)."""
+    return any(
+        line.startswith("flags") and "avx512_vnni" in line.split()
+        for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines()
+    )
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler's flags for `isa`'s build on this CPU."""
+    return ISA_FLAGS[isa] + (["-mavx512vnni"] if isa == "avx512" and vnni() else [])
 
 
 def best_isa() -> str:
@@ -181,7 +198,7 @@ def library(root: Path, log: Log, isa: str | None = None) -> ctypes.CDLL:
         raise NativeUnavailable(f"this CPU does not run the {isa} build")
     if isa in _LIBS:
         return _LIBS[isa]
-    flags = FLAGS + ISA_FLAGS[isa] + [f"-DPREFETCH_ROWS={prefetch_rows()}"]
+    flags = FLAGS + isa_flags(isa) + [f"-DPREFETCH_ROWS={prefetch_rows()}"]
     cxx = os.environ.get("CXX", "g++")
     code = b"".join(f.name.encode() + f.read_bytes() for f in sorted([*HERE.glob("*.cpp"), *HERE.glob("*.h")]))
     key = hashlib.sha256(code + repr((flags, cxx)).encode()).hexdigest()[:24]

@@ -2,8 +2,6 @@
 // proposer's int8), and the RMSNorm rows.
 #pragma once
 
-#include <vector>
-
 #include "vec.h"
 
 // A panel is one vector register of output rows: sixteen where the library is built for
@@ -50,16 +48,17 @@ static inline vec load8(const int8_t *p) {
 // `native.panels8`). A proposer's numbers change only how often its draft tokens are accepted; a
 // greedy output is the target's whatever they are, and a sampled draft token is verified against
 // the q it was drawn from.
-// Or a GGUF file's blocks as it stores them (W_Q: Q8_0, Q4_0, Q4_1): int8 q in panels, and per
-// 32 weights along k a float16 scale d and offset m, W[n, k] = d[n, k/32] q[n, k] + m[n, k/32]
-// (`model.quant.Blocked`), read at a byte a weight, not dequantized to float32's four.
+// Or a GGUF file's blocks as it stores them (W_Q: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
+// segments of rows of one type each, unsigned q in 8 or 4 bits with their blocks' scales
+// (`qmatmul.h`, `native/blocks.py`), multiplied in integers, not dequantized to float32's four bytes.
 enum { W_F16 = 0, W_BF16 = 1, W_F32 = 2, W_Q = 3 };
+struct QSeg;
 struct Mat {
-    const void *w;
-    const float *scale;  // [panels * PANEL] (the last panel's padding included): int8; null: `kind`
-    int kind;            // W_F16, W_BF16, W_F32 or W_Q
-    const uint16_t *d;   // W_Q: [panels, K / 32, PANEL] float16 scales
-    const uint16_t *m;   // W_Q: the same for the offsets, or null (Q8_0, Q4_0)
+    const void *w;          // the panels (W_Q: the first segment's)
+    const float *scale;     // [panels * PANEL] (the last panel's padding included): int8; null: `kind`
+    int kind;               // W_F16, W_BF16, W_F32 or W_Q
+    const QSeg *seg;        // W_Q: the segments, one below the other
+    int nseg;
 };
 struct F16 {
     using T = uint16_t;
@@ -217,99 +216,7 @@ static void matmul_of(const float *x, int M, int ldx, const typename W::T *wp, c
 #pragma omp barrier
 }
 
-// The blocks' product, as `tile` but summing each block of 32 k apart before its scale:
-// c += d (sum_k x q) + m (sum_k x). Twice the accumulators, so half the rows x panels a tile.
-#define QB 32
-#define Q_ACC (ACC / 2)
-template <int MR, int NV>
-static inline void qtile(const float *x, int ldx, const float *xs, const int8_t *wp, const uint16_t *dp,
-                         const uint16_t *mp, int K, float *y, int ldy, int n, int N, bool add) {
-    static_assert(MR * NV <= Q_ACC && MR >= 1 && NV >= 1, "too many accumulators");
-    const int nb = K / QB;
-    const size_t vk = (size_t)K * PANEL, vb = (size_t)nb * PANEL;
-    const int8_t *p = wp + (size_t)(n / PANEL) * vk;
-    const uint16_t *d = dp + (size_t)(n / PANEL) * vb, *m = mp ? mp + (size_t)(n / PANEL) * vb : nullptr;
-    vec c[MR * NV], t[MR * NV];
-#pragma GCC unroll 16
-    for (int i = 0; i < MR * NV; i++) c[i] = v_zero();
-    for (int b = 0; b < nb; b++, d += PANEL, m = m ? m + PANEL : nullptr) {
-#pragma GCC unroll 16
-        for (int i = 0; i < MR * NV; i++) t[i] = v_zero();
-        for (int k = b * QB; k < (b + 1) * QB; k++, p += PANEL) {
-#pragma GCC unroll 16
-            for (int v = 0; v < NV; v++) {
-                const vec w = load8(p + v * vk);
-#pragma GCC unroll 16
-                for (int r = 0; r < MR; r++) t[r * NV + v] = v_fma(v_bcast(x + (size_t)r * ldx + k), w, t[r * NV + v]);
-            }
-        }
-#pragma GCC unroll 16
-        for (int v = 0; v < NV; v++) {
-            const vec dv = load16(d + v * vb);
-#pragma GCC unroll 16
-            for (int r = 0; r < MR; r++) c[r * NV + v] = v_fma(t[r * NV + v], dv, c[r * NV + v]);
-            if (m) {
-                const vec mv = load16(m + v * vb);
-#pragma GCC unroll 16
-                for (int r = 0; r < MR; r++) c[r * NV + v] = v_fma(v_bcast(xs + (size_t)r * nb + b), mv, c[r * NV + v]);
-            }
-        }
-    }
-    for (int i = 0; i < MR * NV; i++) {
-        const int col = n + PANEL * (i % NV);
-        store_panel(y + (size_t)(i / NV) * ldy + col, c[i], col, N, add);
-    }
-}
-
-template <int MR, int NV>
-static inline void qtiles(const float *x, int ldx, const float *xs, Mat w, int K, float *y, int ldy, int n0, int np,
-                          int N, bool add) {
-    int v = 0;
-    for (; v + NV <= np; v += NV)
-        qtile<MR, NV>(x, ldx, xs, (const int8_t *)w.w, w.d, w.m, K, y, ldy, n0 + PANEL * v, N, add);
-    if constexpr (NV > 1)
-        if (np - v > 0) qtiles<MR, NV - 1>(x, ldx, xs, w, K, y, ldy, n0 + PANEL * v, np - v, N, add);
-}
-
-static constexpr int qnv_for(int mr) { return Q_ACC / mr; }
-
-// `matmul_of` for blocks: each thread its share of the panels, every row group in tiles of at
-// most Q_ACC accumulators, after the rows' block sums (xs, for the offsets) in its own scratch.
-static void matmul_q(const float *x, int M, int ldx, Mat w, int N, int K, float *y, int ldy, bool add) {
-    const int nb = K / QB;
-    static thread_local std::vector<float> sums;
-    if (w.m) {
-        if (sums.size() < (size_t)M * nb) sums.resize((size_t)M * nb);
-        float *xs = sums.data();
-        for (int r = 0; r < M; r++)
-            for (int b = 0; b < nb; b++) {
-                __m256 s = _mm256_setzero_ps();
-                for (int k = b * QB; k < (b + 1) * QB; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + (size_t)r * ldx + k));
-                xs[(size_t)r * nb + b] = hsum(s);
-            }
-    }
-    int v0, v1;
-    panel_share((N + PANEL - 1) / PANEL, &v0, &v1);
-    for (int c = v0; c < v1; c += 12) {
-        const int np = v1 - c < 12 ? v1 - c : 12;
-        Mat wc = w;
-        wc.w = (const int8_t *)w.w + (size_t)c * K * PANEL;
-        wc.d = w.d + (size_t)c * nb * PANEL;
-        wc.m = w.m ? w.m + (size_t)c * nb * PANEL : nullptr;
-        for (int r0 = 0, groups = (M + Q_ACC - 1) / Q_ACC; r0 < M; groups--) {
-            const int r = (M - r0 + groups - 1) / groups;
-            const float *xr = x + (size_t)r0 * ldx, *xsr = w.m ? sums.data() + (size_t)r0 * nb : nullptr;
-            float *yr = y + (size_t)r0 * ldy + PANEL * c;
-            switch (r) {
-#define QROWS(R) case R: if constexpr (R <= Q_ACC) qtiles<R, qnv_for(R)>(xr, ldx, xsr, wc, K, yr, ldy, 0, np, N - PANEL * c, add); break;
-            QROWS(1) QROWS(2) QROWS(3) QROWS(4) QROWS(5) QROWS(6) QROWS(7) QROWS(8) QROWS(9) QROWS(10) QROWS(11) QROWS(12)
-#undef QROWS
-            }
-            r0 += r;
-        }
-    }
-#pragma omp barrier
-}
+#include "qmatmul.h"  // the blocks' products, over the panels above
 
 static void matmul(const float *x, int M, int ldx, Mat w, int N, int K, float *y, int ldy, bool add) {
     if (w.kind == W_Q)
@@ -322,6 +229,12 @@ static void matmul(const float *x, int M, int ldx, Mat w, int N, int K, float *y
         matmul_of<F32>(x, M, ldx, (const float *)w.w, nullptr, N, K, y, ldy, add);
     else
         matmul_of<F16>(x, M, ldx, (const uint16_t *)w.w, nullptr, N, K, y, ldy, add);
+}
+
+// One product, y [M, N] = x [M, K] W^T, for the tests of the kernels alone (not in kernels.SIGNATURES).
+extern "C" void smallem_matmul(const Mat *w, const float *x, int M, int N, int K, float *y, int threads) {
+#pragma omp parallel num_threads(threads)
+    matmul(x, M, K, *w, N, K, y, N, false);
 }
 
 // out[t] = x[t] / rms(x[t]) * g, for rows t shared out between the threads.

@@ -7,6 +7,8 @@
 // matrix is read in the narrowest type that holds its values exactly (float16, bfloat16, else
 // float32: `native.narrowest`), converted to float32 in registers and accumulated in float32:
 // the same model, with no rounding of its own but the K/V cache's float16 (vec.h), as the eager path's.
+// A quantized file's matrices are the exception: integer products against inputs rounded to int8
+// per block (qmatmul.h), as llama.cpp computes them.
 //
 // The past is read as a strided view of the slab;
 // the new K/V go to `out_new` [L, 2, Hkv, T, D]: the slab itself, right after the past (the
@@ -15,7 +17,7 @@
 // that held it.
 //
 // Layout: weights in panels of PANEL output rows (below, matmul.h), rows of Wq/Wk permuted so that each
-// rotary pair is two adjacent columns (`model.interleave_halves`), as the eager path's cache.
+// rotary pair is two adjacent columns (`weights.interleave_halves`), as the eager path's cache.
 // One OpenMP region per pass; each product is split over output rows between the threads.
 
 #include "attention.h"
@@ -56,7 +58,8 @@ struct ModelW {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
     float eps;
     const LayerW *layers;
-    const void *embed;     // [V, d] row-major, `embed_kind` (a Transformer's token embedding; not the MTP module's)
+    const void *embed;     // [V, d] row-major, or in panels [V / PANEL, d, PANEL] (`embed_panels`), `embed_kind`
+                           // (a Transformer's token embedding; not the MTP module's)
     Mat head;              // [V, d] output head, or w null (no head: the MTP module)
     const float *g_final;  // [d] final norm, or null
     // The MTP module's prologue: x = table[token] + (unit_rms(h) * g_h) @ Wh^T
@@ -64,6 +67,7 @@ struct ModelW {
     Mat wh;                // [d, d] the h half of eh_proj
     const float *g_h;      // [d]
     int embed_kind;        // W_F16, W_BF16 or W_F32 (matmul.h)
+    int embed_panels;      // 1: `embed` is a tied head's own panels (one copy of the matrix, not two)
 };
 
 // Where a pass's new K/V go, and which keys each of its rows sees.
@@ -111,8 +115,8 @@ struct Paged {
 // Scratch: sized by the caller (`NativeSteps._need`).
 //   xn [T, d], y [T, (H+2Hkv) D], att [T, H D], gu [T, 2F], hf [T, F], scores [threads, ROWS_AT_ONCE, kv.keys(T) + 8]
 //
-// cos, sin [rows, P] with P = (H + 2Hkv) D / 2: each adjacent column pair of the QKV row turns, row
-// t by row kv.turn(t) (a batch's rows read theirs by position: no gathered copy a pass).
+// cos, sin [rows, P] with P = D / 2: each adjacent column pair p of a q or k head turns by column p of
+// row kv.turn(t) (a batch's rows read theirs by position: no gathered copy a pass); v does not turn.
 // tokens [T]; h [T, d] (the MTP module's input, else null); x [T, d] output: the hidden states
 // (every row; the caller keeps the last one for `last`); logits [T_head, V] of the rows
 // head_rows[0 .. T_head) (null: the last T_head rows) when the model has a head and T_head > 0;
@@ -124,7 +128,7 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                  float *scratch, int threads, int64_t *top) {
     int finite = 1;
     const int d = mw->dim, H = mw->n_heads, Hkv = mw->n_kv_heads, D = mw->head_dim, F = mw->hidden;
-    const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = Q / 2, lds = kv.keys(T) + 8, nb = (T + KV::rows - 1) / KV::rows;
+    const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = D / 2, lds = kv.keys(T) + 8, nb = (T + KV::rows - 1) / KV::rows;
     float *xn = scratch, *y = xn + (size_t)T * d, *att = y + (size_t)T * Q, *gu = att + (size_t)T * H * D;
     float *hf = gu + (size_t)T * 2 * F, *scores = hf + (size_t)T * F;
     const float qscale = 1.0f / sqrtf((float)D);
@@ -143,7 +147,14 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                 const size_t row = (size_t)tokens[t] * d;
                 float *xt = x + (size_t)t * d;
                 const uint16_t *e = (const uint16_t *)mw->embed + row;
-                if (mw->embed_kind == W_F32)
+                if (mw->embed_panels) {  // row v: column v % PANEL of panel v / PANEL, a value every PANEL
+                    const size_t at = (size_t)(tokens[t] / PANEL) * d * PANEL + tokens[t] % PANEL;
+                    const uint16_t *h = (const uint16_t *)mw->embed + at;
+                    for (int i = 0; i < d; i++)
+                        xt[i] = mw->embed_kind == W_F32 ? ((const float *)mw->embed)[at + (size_t)i * PANEL]
+                                : mw->embed_kind == W_BF16 ? bf16_float(h[(size_t)i * PANEL])
+                                                           : _cvtsh_ss(h[(size_t)i * PANEL]);
+                } else if (mw->embed_kind == W_F32)
                     memcpy(xt, (const float *)mw->embed + row, d * sizeof(float));
                 else
                     for (int i = 0; i < d; i += 8)
@@ -154,7 +165,7 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
             const LayerW &L = mw->layers[l];
             rms_rows(x, T, d, mw->eps, L.g1, xn);
             matmul(xn, T, d, L.qkv, Q, d, y, Q, false);
-            // biases and q/k norms where the model has them, rotary turn of each adjacent pair (v's pairs turn by 0),
+            // biases and q/k norms where the model has them, rotary turn of each adjacent pair of q and k,
             // the attention scale on q,
             // and the new K/V out: [2, Hkv, T, D] of this layer
 #pragma omp for schedule(static)
@@ -165,11 +176,12 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                     for (int i = 0; i < Q; i++) r[i] += L.bias[i];
                 if (L.gq)
                     for (int hh = 0; hh < H + Hkv; hh++) head_norm(r + hh * D, D, mw->eps, hh < H ? L.gq : L.gk);
-                for (int p = 0; p < P; p++) {
-                    float a = r[2 * p], b = r[2 * p + 1];
-                    r[2 * p] = a * c[p] - b * sn[p];
-                    r[2 * p + 1] = a * sn[p] + b * c[p];
-                }
+                for (int hh = 0; hh < H + Hkv; hh++)  // q's heads and k's: every head turns alike
+                    for (int p = 0; p < P; p++) {
+                        float *rp = r + hh * D + 2 * p, a = rp[0], b = rp[1];
+                        rp[0] = a * c[p] - b * sn[p];
+                        rp[1] = a * sn[p] + b * c[p];
+                    }
                 for (int i = 0; i < H * D; i++) r[i] *= qscale;
                 for (int c = 0; c < 2; c++)
                     for (int g = 0; g < Hkv; g++)
@@ -290,7 +302,7 @@ struct Chain {
 };
 
 extern "C" void smallem_chain(const ModelW *mw, const Chain *c) {
-    const int d = mw->dim, P = (mw->n_heads + 2 * mw->n_kv_heads) * mw->head_dim / 2, N = c->N, k = c->k;
+    const int d = mw->dim, P = mw->head_dim / 2, N = c->N, k = c->k;
     const int64_t *ids = c->ids, *st = c->st;
     const uint8_t *seen = c->seen;
     uint8_t *mark = c->mark;

@@ -79,6 +79,12 @@ static inline __m256 load_h(const uint16_t *p) { return _mm256_cvtph_ps(_mm_load
 static inline __m256 load_b(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+static inline float bf16_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 // The K/V cache holds float16 (`native.KV_DTYPE`): half the bytes a batch's attention
 // streams through, which bounds it once many sequences each read their own keys (every row's

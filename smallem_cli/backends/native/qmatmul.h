@@ -1,0 +1,322 @@
+// The products of a quantized file's matrices (`native/blocks.py`), as integer dot products.
+//
+// Why: converting each int8 weight to float and multiplying it by each input row in float32 made
+// a quantized file's pass compute-bound; an integer product takes 64 weight-input pairs an
+// instruction (AVX-512 VNNI's vpdpbusd: bytes of a register times bytes of another, four at a time
+// into each 32-bit lane), and a 4-bit weight is read in 4 bits.
+//
+// Each input row's blocks of 32 are quantized first (`quantize_row`): xq = round(x / sx), sx =
+// max|x| / 127, kept with the sums of xq over each 16 and 32. A block b of B = 16 or 32 weights
+// of output n is d[n, b] q[n, k] + m[n, b], q = u - bias with u the stored unsigned byte; then
+//   y[r, n] = sum over b in order of  (sx[r, b] d[n, b]) * float(dot_b) + m[n, b] * (sx[r, b] sum_b xq)
+// where dot_b = sum_k u[n, k] xq[r, k] - bias sum_b xq, an exact integer (the bias taken off in
+// integers, so no float cancels it), each term one fused multiply-add in float32. Every output is
+// that one sequence of float operations whatever the tile, the number of rows, or the build
+// (AVX-512 with or without VNNI, AVX2: the integer sums are exact either way), so a row's numbers
+// do not depend on the rows beside it. They are the eager pass's to the inputs' int8 rounding.
+#pragma once
+
+#include <vector>
+
+#define W_FACTORS 4  // QSeg.skind: a K-quant's scales as the file factors them (`quant.Factors`)
+
+// One segment of a matrix: `rows` output rows of one GGUF type (`blocks.QSeg`). A panel's bytes
+// are one stream, unit after unit (a block, or a K-quant's 256 weights): the unit's scales, then
+// its weights u = q + bias, [unit/4, PANEL, 4] bytes, or in nibbles [unit/8, PANEL, 4] (`blocks.py`).
+struct QSeg {
+    int rows, block, bias, nibbles;
+    int skind;    // the scales: W_F16 or W_F32 (d, m [PANEL]), or W_FACTORS (d, dmin [PANEL] float16, sc, mn [blocks, PANEL] int8)
+    int offsets;  // whether there are m (or dmin and mn)
+    const uint8_t *w;
+};
+
+// The integer vectors: a panel's PANEL rows of 4 weights each, and a dot product of 4 pairs a lane.
+// Without VNNI the same sums come from widening to int16 and vpmaddwd (pairs of products, exact:
+// 255 * 128 * 2 is far from overflowing int32): even bytes, then odd ones.
+#if defined(__AVX512F__)
+typedef __m512i ivec;
+static inline ivec i_zero() { return _mm512_setzero_si512(); }
+static inline ivec i_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline ivec i_set(int32_t v) { return _mm512_set1_epi32(v); }
+static inline ivec i_low(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+static inline ivec i_high(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+static inline ivec i_sub(ivec a, int32_t c) { return _mm512_sub_epi32(a, _mm512_set1_epi32(c)); }
+static inline vec i_float(ivec a) { return _mm512_cvtepi32_ps(a); }
+#if defined(__AVX512VNNI__)
+struct WB { ivec v; };
+struct XB { ivec v; };
+static inline WB w_prep(ivec w) { return {w}; }
+static inline XB x_prep(ivec x) { return {x}; }
+static inline ivec dot4(ivec a, const WB &w, const XB &x) { return _mm512_dpbusd_epi32(a, w.v, x.v); }
+#else
+struct WB { ivec e, o; };
+struct XB { ivec e, o; };
+static inline WB w_prep(ivec w) { return {_mm512_and_si512(w, _mm512_set1_epi16(0xFF)), _mm512_srli_epi16(w, 8)}; }
+static inline XB x_prep(ivec x) { return {_mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8), _mm512_srai_epi16(x, 8)}; }
+static inline ivec dot4(ivec a, const WB &w, const XB &x) {
+    return _mm512_add_epi32(a, _mm512_add_epi32(_mm512_madd_epi16(w.e, x.e), _mm512_madd_epi16(w.o, x.o)));
+}
+#endif
+#else
+typedef __m256i ivec;
+static inline ivec i_zero() { return _mm256_setzero_si256(); }
+static inline ivec i_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline ivec i_set(int32_t v) { return _mm256_set1_epi32(v); }
+static inline ivec i_low(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+static inline ivec i_high(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+static inline ivec i_sub(ivec a, int32_t c) { return _mm256_sub_epi32(a, _mm256_set1_epi32(c)); }
+static inline vec i_float(ivec a) { return _mm256_cvtepi32_ps(a); }
+struct WB { ivec e, o; };
+struct XB { ivec e, o; };
+static inline WB w_prep(ivec w) { return {_mm256_and_si256(w, _mm256_set1_epi16(0xFF)), _mm256_srli_epi16(w, 8)}; }
+static inline XB x_prep(ivec x) { return {_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8), _mm256_srai_epi16(x, 8)}; }
+static inline ivec dot4(ivec a, const WB &w, const XB &x) {
+    return _mm256_add_epi32(a, _mm256_add_epi32(_mm256_madd_epi16(w.e, x.e), _mm256_madd_epi16(w.o, x.o)));
+}
+#endif
+// Four int8 inputs, in every lane.
+static inline XB x_at(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return x_prep(i_set(v));
+}
+
+// The quantized input rows: xq [M, K], and per row sx [K/32], the sums of xq over each 16 and 32
+// (s16 [K/16], s32 [K/32]) and sx times them (mx16, mx32: the offsets' inputs).
+struct QX {
+    int8_t *q;
+    float *sx, *mx16, *mx32;
+    int32_t *s16, *s32;
+    int K;
+};
+struct QXBuf {
+    std::vector<int8_t> q;
+    std::vector<float> f;
+    std::vector<int32_t> s;
+};
+
+static inline int32_t hsum_i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// One row's K inputs -> xq, sx and the sums (QX). A block of zeros has sx = 0 and xq = 0; one with a
+// NaN has sx = NaN, so that the outputs are NaN as the float path's (a block with an infinity: sx
+// infinite, its outputs not finite either).
+static void quantize_row(const float *x, int K, int8_t *q, float *sx, int32_t *s16, int32_t *s32, float *mx16,
+                         float *mx32) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs work within 128-bit lanes
+    for (int b = 0; b < K / 32; b++) {
+        __m256 v[4], top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+        }
+        const float s = _mm256_movemask_ps(nan) ? NAN : hmax(top) / 127.0f;
+        __m256i t[4];
+        for (int i = 0; i < 4; i++)  // round half to even (the default rounding mode), within +-127
+            t[i] = s > 0.0f ? _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_div_ps(v[i], _mm256_set1_ps(s)))))
+                            : _mm256_setzero_si256();
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(t[0], t[1]), _mm256_packs_epi32(t[2], t[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(bytes, order));
+        const int32_t a = hsum_i(_mm256_add_epi32(t[0], t[1])), c = hsum_i(_mm256_add_epi32(t[2], t[3]));
+        sx[b] = s;
+        s16[2 * b] = a, s16[2 * b + 1] = c, s32[b] = a + c;
+        mx16[2 * b] = s * (float)a, mx16[2 * b + 1] = s * (float)c, mx32[b] = s * (float)(a + c);
+    }
+}
+
+// The scratch grown for M rows of K, and where each part of it lies.
+static QX qx_of(QXBuf &buf, int M, int K) {
+    const size_t n32 = (size_t)M * (K / 32);
+    if (buf.q.size() < (size_t)M * K) buf.q.resize((size_t)M * K);
+    if (buf.f.size() < 4 * n32) buf.f.resize(4 * n32);
+    if (buf.s.size() < 3 * n32) buf.s.resize(3 * n32);
+    return QX{buf.q.data(), buf.f.data(), buf.f.data() + n32, buf.f.data() + 3 * n32, buf.s.data(), buf.s.data() + 2 * n32, K};
+}
+static void quantize_into(const QX &qx, const float *x, int r, int ldx) {
+    const int K = qx.K;
+    const size_t at = (size_t)r * (K / 32);
+    quantize_row(x + (size_t)r * ldx, K, qx.q + (size_t)r * K, qx.sx + at, qx.s16 + 2 * at, qx.s32 + at, qx.mx16 + 2 * at,
+                 qx.mx32 + at);
+}
+
+// The rows quantized, the same numbers however it is shared out. A few rows: by every thread into
+// its own scratch (no barrier; they cost far less than the product). More: shared out between the
+// threads, into the scratch of the one thread that grows it (`single` hands its address to all).
+#ifndef QX_SHARED_ROWS
+#define QX_SHARED_ROWS 4
+#endif
+static QX quantize_rows(const float *x, int M, int ldx, int K) {
+    static thread_local QXBuf buf;
+    if (M < QX_SHARED_ROWS) {
+        const QX qx = qx_of(buf, M, K);
+        for (int r = 0; r < M; r++) quantize_into(qx, x, r, ldx);
+        return qx;
+    }
+    QXBuf *shared;
+#pragma omp single copyprivate(shared)
+    {
+        qx_of(buf, M, K);
+        shared = &buf;
+    }
+    const QX qx = qx_of(*shared, M, K);  // grown already: the same addresses in every thread
+#pragma omp for schedule(static)
+    for (int r = 0; r < M; r++) quantize_into(qx, x, r, ldx);
+    return qx;
+}
+
+// A panel's PANEL scales (m: offsets) of block j of the unit whose scales are at h: float16, float32,
+// or the file's factors (an int8 times a float16: exact in float32).
+static inline vec unit_scale(const uint8_t *h, int skind, int offsets, int per, int j, bool m) {
+    if (skind == W_FACTORS) {
+        const int8_t *sub = (const int8_t *)(h + 2 * PANEL * (1 + offsets)) + (size_t)((m ? per : 0) + j) * PANEL;
+        return v_mul(load8(sub), load16((const uint16_t *)h + (m ? PANEL : 0)));
+    }
+    return skind == W_F32 ? v_load((const float *)h + (m ? PANEL : 0)) : load16((const uint16_t *)h + (m ? PANEL : 0));
+}
+
+// MR input rows (from r0) x NV panels (from column n of the segment): the formula above. The
+// integer sums of a block in MR x NV registers, the float ones in as many again.
+#define Q_ACC (ACC / 2)
+template <bool NIB, int QB, int MR, int NV>
+static inline void qtile(const QX &x, int r0, const QSeg &s, float *y, int ldy, int n, int N, bool add) {
+    static_assert(MR * NV <= Q_ACC && MR >= 1 && NV >= 1, "too many accumulators");
+    constexpr int STEP = NIB ? 8 : 4;  // the k one load of a panel's 4 * PANEL bytes holds
+    const int K = x.K, nb = K / QB, unit = s.skind == W_FACTORS ? 256 : QB, per = unit / QB;
+    const size_t scales = s.skind == W_FACTORS ? (size_t)(2 + per) * PANEL * (1 + s.offsets)
+                                               : (size_t)(s.skind == W_F32 ? 4 : 2) * PANEL * (1 + s.offsets);
+    const size_t vq = (size_t)(K / unit) * (scales + (size_t)unit * PANEL / (NIB ? 2 : 1));  // a panel's bytes
+    const uint8_t *p = s.w + (size_t)(n / PANEL) * vq, *h = p;
+    const int8_t *xq = x.q + (size_t)r0 * K;
+    const int32_t *sums = (QB == 16 ? x.s16 : x.s32) + (size_t)r0 * nb;
+    const float *mx = (QB == 16 ? x.mx16 : x.mx32) + (size_t)r0 * nb, *sx = x.sx + (size_t)r0 * (K / 32);
+    vec c[MR * NV];
+    ivec a[MR * NV];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR * NV; i++) c[i] = v_zero();
+    for (int b = 0; b < nb; b++) {
+        if (b % per == 0) h = p, p += scales;  // a unit's scales, then its weights
+#pragma GCC unroll 16
+        for (int i = 0; i < MR * NV; i++) a[i] = i_zero();
+#pragma GCC unroll 8
+        for (int g = b * QB; g < (b + 1) * QB; g += STEP, p += 4 * PANEL) {
+            if constexpr (MR >= 4) {  // NV panels in registers, one row's inputs at a time
+                WB w[NV], w2[NIB ? NV : 1];
+#pragma GCC unroll 16
+                for (int v = 0; v < NV; v++) {
+                    const ivec u = i_load(p + v * vq);
+                    w[v] = w_prep(NIB ? i_low(u) : u);
+                    if constexpr (NIB) w2[v] = w_prep(i_high(u));
+                }
+#pragma GCC unroll 16
+                for (int r = 0; r < MR; r++) {
+                    const XB xb = x_at(xq + (size_t)r * K + g);
+#pragma GCC unroll 16
+                    for (int v = 0; v < NV; v++) a[r * NV + v] = dot4(a[r * NV + v], w[v], xb);
+                    if constexpr (NIB) {
+                        const XB xb2 = x_at(xq + (size_t)r * K + g + 4);
+#pragma GCC unroll 16
+                        for (int v = 0; v < NV; v++) a[r * NV + v] = dot4(a[r * NV + v], w2[v], xb2);
+                    }
+                }
+            } else {  // MR <= 3 rows' inputs in registers, one panel at a time
+                XB xb[MR], xb2[NIB ? MR : 1];
+#pragma GCC unroll 4
+                for (int r = 0; r < MR; r++) {
+                    xb[r] = x_at(xq + (size_t)r * K + g);
+                    if constexpr (NIB) xb2[r] = x_at(xq + (size_t)r * K + g + 4);
+                }
+#pragma GCC unroll 16
+                for (int v = 0; v < NV; v++) {
+                    const ivec u = i_load(p + v * vq);
+                    const WB w = w_prep(NIB ? i_low(u) : u);
+#pragma GCC unroll 4
+                    for (int r = 0; r < MR; r++) a[r * NV + v] = dot4(a[r * NV + v], w, xb[r]);
+                    if constexpr (NIB) {
+                        const WB w2 = w_prep(i_high(u));
+#pragma GCC unroll 4
+                        for (int r = 0; r < MR; r++) a[r * NV + v] = dot4(a[r * NV + v], w2, xb2[r]);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; v++) {
+            const vec dv = unit_scale(h + v * vq, s.skind, s.offsets, per, b % per, false);
+            const vec mv = s.offsets ? unit_scale(h + v * vq, s.skind, s.offsets, per, b % per, true) : dv;
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; r++) {
+                const ivec dot = s.bias ? i_sub(a[r * NV + v], s.bias * sums[(size_t)r * nb + b]) : a[r * NV + v];
+                const vec scale = v_mul(dv, v_bcast(sx + (size_t)r * (K / 32) + b * QB / 32));
+                c[r * NV + v] = v_fma(i_float(dot), scale, c[r * NV + v]);
+                if (s.offsets) c[r * NV + v] = v_fma(mv, v_bcast(mx + (size_t)r * nb + b), c[r * NV + v]);
+            }
+        }
+    }
+    for (int i = 0; i < MR * NV; i++) {
+        const int col = n + PANEL * (i % NV);
+        store_panel(y + (size_t)(r0 + i / NV) * ldy + col, c[i], col, N, add);
+    }
+}
+
+template <bool NIB, int QB, int MR, int NV>
+static inline void qtiles(const QX &x, int r0, const QSeg &s, float *y, int ldy, int n0, int np, int N, bool add) {
+    int v = 0;
+    for (; v + NV <= np; v += NV) qtile<NIB, QB, MR, NV>(x, r0, s, y, ldy, n0 + PANEL * v, N, add);
+    if constexpr (NV > 1)
+        if (np - v > 0) qtiles<NIB, QB, MR, NV - 1>(x, r0, s, y, ldy, n0 + PANEL * v, np - v, N, add);
+}
+
+static constexpr int qnv_for(int mr) { return Q_ACC / mr; }
+
+// Every input row against np panels of a segment from column n0 (y: the segment's first column):
+// the rows in groups of at most Q_ACC, of sizes as equal as can be, each reading the panels once.
+template <bool NIB, int QB>
+static void qrows(const QX &x, int M, const QSeg &s, float *y, int ldy, int n0, int np, bool add) {
+    for (int r0 = 0, groups = (M + Q_ACC - 1) / Q_ACC; r0 < M; groups--) {
+        const int r = (M - r0 + groups - 1) / groups;
+        switch (r) {
+#define QROWS(R) case R: if constexpr (R <= Q_ACC) qtiles<NIB, QB, R, qnv_for(R)>(x, r0, s, y, ldy, n0, np, s.rows, add); break;
+        QROWS(1) QROWS(2) QROWS(3) QROWS(4) QROWS(5) QROWS(6) QROWS(7) QROWS(8) QROWS(9) QROWS(10) QROWS(11) QROWS(12)
+#undef QROWS
+        }
+        r0 += r;
+    }
+}
+
+// Called inside the parallel region by every thread: the rows quantized, then each segment's
+// panels shared out as `matmul_of` shares a matrix's, in chunks of 12 that every row group reads
+// while they sit in L2; one barrier at the end.
+static void matmul_q(const float *x, int M, int ldx, Mat w, int N, int K, float *y, int ldy, bool add) {
+    const QX qx = quantize_rows(x, M, ldx, K);
+    int at = 0;
+    for (int i = 0; i < w.nseg; i++) {
+        const QSeg &s = w.seg[i];
+        int v0, v1;
+        panel_share((s.rows + PANEL - 1) / PANEL, &v0, &v1);
+        for (int c = v0; c < v1; c += 12) {
+            const int np = v1 - c < 12 ? v1 - c : 12;
+            if (s.nibbles)
+                qrows<true, 32>(qx, M, s, y + at, ldy, PANEL * c, np, add);
+            else if (s.block == 16)
+                qrows<false, 16>(qx, M, s, y + at, ldy, PANEL * c, np, add);
+            else
+                qrows<false, 32>(qx, M, s, y + at, ldy, PANEL * c, np, add);
+        }
+        at += s.rows;
+    }
+    (void)N;  // the segments' rows, together
+#pragma omp barrier
+}
