@@ -35,6 +35,8 @@ class Backend:
         self.name = self.label = name
         self._steps: dict[int, tuple[object, NativeSteps]] = {}  # id(model) -> (model, its steps)
         self._refused: set[int] = set()
+        # the target's passes give the eager ones' tokens: no quantized file's matrix in integer products
+        self.exact = True
 
     def steps(self, model: object) -> NativeSteps | None:
         got = self._steps.get(id(model))
@@ -72,6 +74,8 @@ class Backend:
         ready = [s for m in every if (s := self.steps(m)) is not None]
         self.label = self.name if len(ready) == len(every) else "eager" if not ready else f"partly {self.name}"
         kinds = sorted({k for s in ready for k in s.kinds})
+        target_steps = self.steps(target)
+        self.exact = target_steps is None or not any(k.startswith("q") for k in target_steps.kinds)
         if kinds not in ([], ["f16"]):  # what the weights are read as, where not the family's float16
             self.label += f" ({'+'.join(kinds)})"
         return self.label

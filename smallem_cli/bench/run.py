@@ -69,7 +69,7 @@ class Row:
     cost_v: float  # a round's other seconds (verification, bookkeeping), in rounds of the target alone
     predicted_speedup: float
     measured_over_predicted: float
-    identical: str | None  # "8/8" for greedy rows: same tokens as the eager target alone
+    identical: str | None  # "8/8" for greedy rows: same tokens as the target alone (`run_bench` says which)
     runs: int
     tokens_per_s_runs: list[float] = field(default_factory=list)
     engine: str = "eager"
@@ -189,9 +189,12 @@ def run_bench(target: Transformer, prompts: list[list[int]], plan: Plan,
             # each run over the target alone's run of the same round: a slow spell spans both sides
             speed = statistics.median(a / b for a, b in zip(tps[j], tps[base[engine]], strict=True))
             vs_eager = statistics.median(a / b for a, b in zip(tps[j], tps[0], strict=True))
-            outs = runs[j][0][1]
-            same = sum(a == b for a, b in zip(outs, runs[0][0][1], strict=True))
-            identical = f"{same}/{len(outs)}" if mode == "greedy" else None
+            # greedy tokens against the target alone's: of the same engine for a proposer's row (what speculation
+            # guarantees), of the eager engine for an engine's own (unless it rounds its inputs: a quantized file)
+            ref = base["eager"] if name == "none" else base[engine]
+            outs, compared = runs[j][0][1], mode == "greedy" and (name != "none" or backends[engine].exact)
+            same = sum(a == b for a, b in zip(outs, runs[ref][0][1], strict=True))
+            identical = f"{same}/{len(outs)}" if compared else None
             per = [a / max(1, rounds) for a in st.accepted_at]
             rows.append(Row(
                 name, k, mode, statistics.median(tps[j]), speed, st.acceptance_rate, st.tokens_per_pass, per,
