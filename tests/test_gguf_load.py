@@ -295,8 +295,8 @@ def test_backend_is_named_honestly(family: Family, tmp_path: Path) -> None:
         return json.loads(res.stdout)["stats"]["backend"]
 
     assert backend("--target", str(f16)) == "native"
-    assert backend("--target", str(q8)) == "native (f32+q8_0)"  # the embedding's rows as float32
-    assert backend("--target", str(q8), "--proposer", str(family.draft)) == "native (f16+f32+q8_0)"
+    assert backend("--target", str(q8)) == "native (q8_0)"  # the embedding too: its rows dequantized as read
+    assert backend("--target", str(q8), "--proposer", str(family.draft)) == "native (f16+q8_0)"
 
 
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_0", "Q4_1"])
@@ -308,7 +308,7 @@ def test_native_reads_the_blocks_as_stored(family: Family, tmp_path: Path, quant
     write(tmp_path / "q.gguf", family, quant=quant)
     model = load_gguf(tmp_path / "q.gguf").model.materialize().pack()
     backend = Backend("native")
-    assert backend.prepare(model, []) == f"native (f32+{quant.lower()})"  # the embedding's rows: float32
+    assert backend.prepare(model, []) == f"native ({quant.lower()})"  # the embedding's rows too
     steps = backend.steps(model)
     assert steps is not None
     L = model.cfg.n_layers  # products deep: the logits 4 L + 1, the hidden states 4 L, the last layer's K/V 4 L - 3

@@ -42,7 +42,7 @@ class _ModelW(ctypes.Structure):
     _fields_ = [
         *[(n, _I) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")], ("eps", _F),
         ("layers", _P), ("embed", _P), ("head", _Mat), ("g_final", _P), ("table", _P), ("wh", _Mat), ("g_h", _P),
-        ("embed_kind", _I), ("embed_panels", _I),
+        ("embed_kind", _I), ("embed_panels", _I), ("embed_d", _P), ("embed_m", _P), ("embed_block", _I),
     ]  # fmt: skip
 
 
@@ -144,9 +144,13 @@ class NativeSteps:
             mw.head = head
             if c.tie_embeddings and mw.head.kind in KINDS.values() and not mw.head.scale:  # the head's rows are it
                 mw.embed, mw.embed_kind, mw.embed_panels = mw.head.w, mw.head.kind, 1
+            elif isinstance(embed := own_bytes(model, "embed_tokens.weight"), quant.Blocked):  # a byte a weight
+                mw.embed, mw.embed_kind, mw.embed_block = self._held(embed.q.contiguous()), W_Q, embed.block
+                mw.embed_d = self._held(embed.d.float().contiguous())
+                mw.embed_m = None if embed.m is None else self._held(embed.m.float().contiguous())
+                self.kinds.update(k.lower() for k in embed.kinds)
             else:
-                embed = own_bytes(model, "embed_tokens.weight")
-                embed = narrowest(embed.values() if isinstance(embed, quant.Blocked) else embed)
+                embed = narrowest(embed)
                 mw.embed, mw.embed_kind = self._held(embed), KINDS[embed.dtype]
                 self.kinds.add(KIND_NAMES[embed.dtype])
             mw.g_final = self._held(floats(model, "norm.weight"))

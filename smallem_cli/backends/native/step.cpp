@@ -66,8 +66,11 @@ struct ModelW {
     const float *table;    // [V, d] float32 (the token's half, `MTPModule.token_table`), or null
     Mat wh;                // [d, d] the h half of eh_proj
     const float *g_h;      // [d]
-    int embed_kind;        // W_F16, W_BF16 or W_F32 (matmul.h)
+    int embed_kind;        // W_F16, W_BF16, W_F32, or W_Q: a quantized file's rows, int8 q [V, d] with
+                           // embed_d (and embed_m) [V, d / embed_block] float32, a value d q (+ m)
     int embed_panels;      // 1: `embed` is a tied head's own panels (one copy of the matrix, not two)
+    const float *embed_d, *embed_m;
+    int embed_block;
 };
 
 // Where a pass's new K/V go, and which keys each of its rows sees.
@@ -154,6 +157,18 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                         xt[i] = mw->embed_kind == W_F32 ? ((const float *)mw->embed)[at + (size_t)i * PANEL]
                                 : mw->embed_kind == W_BF16 ? bf16_float(h[(size_t)i * PANEL])
                                                            : _cvtsh_ss(h[(size_t)i * PANEL]);
+                } else if (mw->embed_kind == W_Q) {  // d q, then + m: two roundings, as `Blocked.values`
+                    const int nb = d / mw->embed_block;
+                    const int8_t *q = (const int8_t *)mw->embed + row;
+                    const float *ds = mw->embed_d + (size_t)tokens[t] * nb;
+                    const float *ms = mw->embed_m ? mw->embed_m + (size_t)tokens[t] * nb : nullptr;
+                    for (int i = 0; i < d; i += 8) {
+                        const int b = i / mw->embed_block;
+                        const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))));
+                        __m256 v = _mm256_mul_ps(_mm256_set1_ps(ds[b]), qf);
+                        if (ms) v = _mm256_add_ps(v, _mm256_set1_ps(ms[b]));
+                        _mm256_storeu_ps(xt + i, v);
+                    }
                 } else if (mw->embed_kind == W_F32)
                     memcpy(xt, (const float *)mw->embed + row, d * sizeof(float));
                 else
