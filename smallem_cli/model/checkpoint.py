@@ -20,6 +20,7 @@ from ..config import ConfigError, ModelConfig
 from ..errors import CheckpointError
 from .llama import MTPModule, Transformer
 from .tokenizer import load_tokenizer
+from .weights import safetensors_header
 
 M = TypeVar("M", Transformer, MTPModule)
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes weights may have (float32 on load)
@@ -99,9 +100,7 @@ def read_meta(path: str | Path) -> dict[str, str]:
 
 def header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape) of every tensor, read from the header alone (nothing is allocated)."""
-    with safe_open(str(path), framework="pt") as f:
-        slices = {k: f.get_slice(k) for k in f.keys()}
-        return {k: (s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
+    return {k: (dtype, shape) for k, (dtype, shape, _, _) in safetensors_header(Path(path))[0].items()}
 
 
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
