@@ -104,8 +104,9 @@ class Stored:
     heads: int = 0
     name: str = ""  # the file's name for it, for messages
 
-    def read(self) -> torch.Tensor | Blocked:
-        """The tensor in its own type (a float tensor, or `Blocked`), checked finite: WeightsError names it."""
+    def read(self, pairs: int = 0) -> torch.Tensor | Blocked:
+        """The tensor in its own type (a float tensor, or `Blocked`), checked finite: WeightsError names it. With
+        `pairs` heads, its rows in rope pair order (`permute_rope`): a llama GGUF file's order, kept as it is."""
         raw = np.empty(self.nbytes, dtype=np.uint8)
         with open(self.path, "rb", buffering=0) as f:
             got = f.readinto(memoryview(raw)) if f.seek(self.offset) == self.offset else 0
@@ -115,11 +116,18 @@ class Stored:
             t = torch.from_numpy(raw).view(FLOATS[self.kind]).reshape(self.shape)
             if not finite(t):
                 raise WeightsError(f"{self.path}: weights contain NaN or infinity ({self.name})")
-            return permute_rope(t, self.heads, inverse=True) if self.heads else t
+            return self._order(t, pairs)
         b = quant.from_gguf(raw, self.kind, (self.shape[0], self.shape[1]))
         if not all(finite(x) for x in (b.d, b.m) if x is not None):
             raise WeightsError(f"{self.path}: weights contain NaN or infinity ({self.name})")
-        return b.rows(lambda r: permute_rope(r, self.heads, inverse=True)) if self.heads else b
+        return b if self.heads == pairs else b.rows(lambda r: self._order(r, pairs))
+
+    def _order(self, t: torch.Tensor, pairs: int) -> torch.Tensor:
+        """Rows stored in `self.heads`' pair order (0: none) -> in `pairs`' (0: Hugging Face's)."""
+        if self.heads == pairs:
+            return t
+        t = permute_rope(t, self.heads, inverse=True) if self.heads else t
+        return permute_rope(t, pairs) if pairs else t
 
 
 class Weights(Mapping[str, Stored]):

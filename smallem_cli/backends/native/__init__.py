@@ -168,14 +168,10 @@ class NativeSteps:
         """These parameters' rows one below the other (a part with heads > 0 in the rope's pairs, `permute_rope`), in
         panels, held: as a quantized file stored them where it stored every part so (`model.quant`), else as `_mat`."""
 
-        def pairs(w: Tensor, heads: int) -> Tensor:
-            return permute_rope(w, heads) if heads else w
-
-        blocks = [own_bytes(self.model, name) for name, _ in parts]
-        if self.int8 or not all(isinstance(b, quant.Blocked) for b in blocks):
-            values = [b.values() if isinstance(b, quant.Blocked) else b for b in blocks]
-            return self._mat(torch.cat([pairs(w, h) for w, (_, h) in zip(values, parts, strict=True)]))
-        turned = [x.rows(lambda r, h=h: pairs(r, h)) for x, (_, h) in zip(blocks, parts, strict=True)]  # type: ignore[union-attr]
+        got = [own_bytes(self.model, name, heads) for name, heads in parts]
+        turned = [b for b in got if isinstance(b, quant.Blocked)]
+        if self.int8 or len(turned) < len(got):
+            return self._mat(torch.cat([b.values() if isinstance(b, quant.Blocked) else b for b in got]))
         segs = [qblocks.pack(b, self.width, self._held) for b in qblocks.segments(turned)]
         self.kinds.update(k.lower() for b in turned for k in b.kinds)
         return _Mat(segs[0].w, None, W_Q, self._held(qblocks.held_array(segs)), len(segs))
@@ -303,11 +299,15 @@ class NativeSteps:
         return logits, x, new, top
 
 
-def own_bytes(model: Transformer | MTPModule, name: str) -> Tensor | quant.Blocked:
+def own_bytes(model: Transformer | MTPModule, name: str, pairs: int = 0) -> Tensor | quant.Blocked:
     """A parameter as its file stores it (float16 stays float16, blocks stay blocks), read now, where the model's
-    weights lie in files (`Transformer.stored`); else the one in memory."""
+    weights lie in files (`Transformer.stored`); else the one in memory. With `pairs` heads, its rows in rope pair
+    order (`permute_rope`)."""
     source = model.source if isinstance(model, Transformer) else None
-    return source[name].read() if source is not None else model.get_parameter(name).detach()
+    if source is not None:
+        return source[name].read(pairs)
+    w = model.get_parameter(name).detach()
+    return permute_rope(w, pairs) if pairs else w
 
 
 def floats(model: Transformer | MTPModule, name: str) -> Tensor:
