@@ -93,8 +93,8 @@ class WeightsError(CheckpointError):
 @dataclass(frozen=True)
 class Stored:
     """One tensor in a file: `nbytes` at `offset`, of `kind` (a float type of FLOATS or a quantized type of
-    `quant.KINDS`), shape [out, in] as smallem orders it; `heads` > 0: its rows are in llama.cpp's rope pair order,
-    turned back on read (`permute_rope`)."""
+    `quant.KINDS`), shape [out, in] as smallem orders it; `heads` > 0: its rows are in llama.cpp's rope pair order
+    (`permute_rope`), read in the order asked for."""
 
     path: Path
     offset: int
