@@ -20,7 +20,7 @@ from ..config import ConfigError, ModelConfig
 from ..errors import CheckpointError
 from .llama import MTPModule, Transformer
 from .tokenizer import load_tokenizer
-from .weights import safetensors_header
+from .weights import finite, safetensors_header
 
 M = TypeVar("M", Transformer, MTPModule)
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes weights may have (float32 on load)
@@ -105,7 +105,7 @@ def header(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
     for name, t in tensors.items():
-        if not bool(torch.isfinite(t).all()):
+        if not finite(t):
             raise CheckpointError(f"{where}: weights contain NaN or infinity ({name})")
 
 

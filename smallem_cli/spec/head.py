@@ -31,7 +31,10 @@ class Head:
 
     @property
     def rows(self) -> torch.Tensor:
-        return self.w.t() if self._w is None else self._w[1]
+        """`w` as [V or N, d], contiguous: for a few rows at once."""
+        self.w  # noqa: B018 (builds both on first use)
+        assert self._w is not None
+        return self._w[1]
 
     def pick(
         self, h: torch.Tensor, warp: Warp | None, gen: torch.Generator | None, penalty: Penalty | None = None
