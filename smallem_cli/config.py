@@ -11,7 +11,7 @@ from dataclasses import dataclass
 # Bounds on a config read from a file, checked before anything is allocated (a ~2B Llama fits).
 LIMITS = {"vocab_size": 1 << 20, "dim": 1 << 14, "n_layers": 256, "n_heads": 1 << 10, "n_kv_heads": 1 << 10}
 # max_seq_len: the rotary tables hold a row per position
-LIMITS |= {"hidden_dim": 1 << 16, "max_seq_len": 1 << 17, "head_dim": 1 << 10}
+LIMITS |= {"hidden_dim": 1 << 16, "max_seq_len": 1 << 17, "head_dim": 1 << 10, "sliding_window": 1 << 17}
 MAX_PARAMS = 1 << 31  # 8 GiB of float32 weights
 MAX_ROPE = 1 << 25  # entries of the rotary tables (max_seq_len x head_dim), built whatever the file holds
 
@@ -38,12 +38,25 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm of head_dim weights on each head of q and of k, before rope (Qwen3's)
     mtp: bool = False  # a multi-token-prediction module (DeepSeek-V3 style) is trained with this model
     head_dim: int = 0  # each attention head's width; 0: dim / n_heads (Qwen3's and Gemma's are their own)
+    # Gemma 3's parts (each off by default):
+    embed_scale: float = 1.0  # the token embedding times this on the way in (Gemma's sqrt(dim)), not on the head
+    output_norms: bool = False  # an RMSNorm on the attention's output and on the MLP's, before each residual add
+    geglu: bool = False  # the MLP's gate through gelu (tanh approximation) in place of silu
+    attn_scale: float = 0.0  # the scores' scale; 0: head_dim ** -0.5
+    sliding_window: int = 0  # the keys a local layer sees, its own position included; 0: no local layers
+    local_layers: tuple[int, ...] = ()  # the layers that attend within sliding_window, turning by rope_local_theta
+    rope_local_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if not (f.name == "head_dim" and self.head_dim == 0):
+            if not (f.name in _ZERO_IS_NONE and getattr(self, f.name) == 0):
                 _check_field(f.name, f.type, getattr(self, f.name))
         object.__setattr__(self, "rope_freqs", tuple(map(float, self.rope_freqs)))  # JSON gives a list
+        object.__setattr__(self, "local_layers", tuple(self.local_layers))
+        if any(i >= self.n_layers for i in self.local_layers) or len(set(self.local_layers)) < len(self.local_layers):
+            raise ConfigError(f"local_layers {self.local_layers} must name distinct layers below {self.n_layers}")
+        if bool(self.local_layers) != bool(self.sliding_window):
+            raise ConfigError("sliding_window and local_layers go together: a window, and the layers that use it")
         if self.head_dim == 0:
             if self.dim % self.n_heads:
                 raise ConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
@@ -67,7 +80,7 @@ class ModelConfig:
         """Parameters of the model (an MTP module adds about one layer), from the config alone."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         layer = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.hidden_dim + 2 * self.dim
-        layer += (q + 2 * kv) * self.attn_bias + 2 * self.head_dim * self.qk_norm
+        layer += (q + 2 * kv) * self.attn_bias + 2 * self.head_dim * self.qk_norm + 2 * self.dim * self.output_norms
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + head + (self.n_layers + 2) * layer
 
@@ -88,9 +101,17 @@ class ModelConfig:
         return cls(**raw)
 
 
+_ZERO_IS_NONE = ("head_dim", "attn_scale", "sliding_window")  # 0: the field's rule is off
+
+
 def _check_field(name: str, kind: object, value: object) -> None:
     """One field's type and range (int fields positive and bounded, floats finite and positive)."""
-    if kind in (bool, "bool"):
+    if kind == "tuple[int, ...]":  # layer indices, bounded by the caller
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        ):
+            raise ConfigError(f"config field {name} must be a list of layer indices, got {_show(value)}")
+    elif kind in (bool, "bool"):
         if not isinstance(value, bool):
             raise ConfigError(f"config field {name} must be true or false, got {_show(value)}")
     elif kind == "tuple[float, ...]":

@@ -303,7 +303,7 @@ def test_backend_is_named_honestly(family: Family, tmp_path: Path) -> None:
 def test_native_reads_the_blocks_as_stored(family: Family, tmp_path: Path, quant: str) -> None:
     """A quantized file's matrices run native as its blocks (`model.quant`), not as float32: the
     pass over T tokens, one sequence's step and the flat batch's, is the eager pass over the
-    dequantized values to the int8 rounding of each product's inputs (`test_kquants.quant_close`),
+    dequantized values to the int16 rounding of each product's inputs (`test_kquants.quant_close`),
     with more rows than a tile of blocks holds (12)."""
     write(tmp_path / "q.gguf", family, quant=quant)
     model = load_gguf(tmp_path / "q.gguf").model.materialize().pack()
@@ -361,8 +361,8 @@ def test_refusals_one_line_each(family: Family, tmp_path: Path, monkeypatch: pyt
     magic = tmp_path / "magic.gguf"
     magic.write_bytes(b"GGUX" + good.read_bytes()[4:])
     refused(gen(magic), "not a GGUF file")
-    write(tmp_path / "gemma.gguf", family, arch="gemma3")
-    refused(gen(tmp_path / "gemma.gguf"), "architecture 'gemma3'")
+    write(tmp_path / "phi.gguf", family, arch="phi3")
+    refused(gen(tmp_path / "phi.gguf"), "architecture 'phi3'")
 
     def scaled(w: Any) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)

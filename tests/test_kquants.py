@@ -3,8 +3,8 @@
 What is checked: each type's `values` are `gguf.quants.dequantize`'s bit for bit, on random raw blocks (any finite
 float16 scales: subnormals, both signs, the largest); `cat` joins rows of different types (a Q4_K_M file's fused
 q/k/v mixes Q4_K and Q6_K) to the same values; a K-quant's factored scales are its d and m bit for bit; and a tiny
-model written as a GGUF file of such blocks runs native as its blocks, its passes the eager ones to the int8 rounding of
-each product's inputs (`quant_close`), a row's logits the same bits whatever the number of rows in the pass and in
+model written as a GGUF file of such blocks runs native as its blocks, its passes the eager ones to the int16 rounding
+of each product's inputs (`quant_close`), a row's logits the same bits whatever the number of rows in the pass and in
 either build (the verification pass and a one-token pass agree: speculation's greedy tokens are the target's alone).
 The integer products themselves, to the bit: test_qmatmul.py.
 """
@@ -143,15 +143,15 @@ MIXES = {
     },
 }  # fmt: skip
 STD = 0.1  # about the weights' spread
-# Each quantized product's inputs are rounded to int8 a block of 32 (`qmatmul.h`): an error uniform within +-sx/2, sx
-# = max|x| / 127, so an rms error of max|x| / (127 sqrt 12); for normal-like inputs max|x| is about 2.37 times their rms
-# (the mean largest of 32 normal magnitudes), so each product's output is off by about DELTA of its rms. A pass's
-# outputs lie P products deep (4 a layer, then the head); their errors at most add: P DELTA.
-DELTA = 2.37 / (127 * 12**0.5)
+# Each quantized product's inputs are rounded to int16 a block of 32 (`qmatmul.h`): an error uniform within +-sx/2,
+# sx = max|x| / 32767, so an rms error of max|x| / (32767 sqrt 12); for normal-like inputs max|x| is about 2.37 times
+# their rms (the mean largest of 32 normal magnitudes), so each product's output is off by about DELTA of its rms. A
+# pass's outputs lie P products deep (4 a layer, then the head); their errors at most add: P DELTA.
+DELTA = 2.37 / (32767 * 12**0.5)
 
 
 def quant_close(a: torch.Tensor, b: torch.Tensor, products: int) -> bool:
-    """b equal to a to the int8 rounding of the inputs of `products` quantized products in a row (relative rms)."""
+    """b equal to a to the int16 rounding of the inputs of `products` quantized products in a row (relative rms)."""
     return a.shape == b.shape and float((a.float() - b.float()).norm()) <= products * DELTA * float(a.float().norm())
 
 
@@ -202,7 +202,7 @@ def loaded(request: pytest.FixtureRequest, family: Family, tmp_path_factory: pyt
 @pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
 def test_native_passes_are_the_eager_ones(loaded: Any) -> None:
     """The one-sequence step and the flat pass over T tokens, with more rows than a tile of blocks holds, match the
-    eager pass over the dequantized values to the int8 rounding of each product's inputs (`quant_close`: the logits
+    eager pass over the dequantized values to the int16 rounding of each product's inputs (`quant_close`: the logits
     4 L + 1 products deep, the hidden states 4 L, the deepest layer's K/V 4 (L - 1) + 1)."""
     model, backend, _ = loaded
     steps = backend.steps(model)

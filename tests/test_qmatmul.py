@@ -2,7 +2,7 @@
 
 What is checked: for every block type, and for fused matrices of segments of different types (a Q4_K_M file's
 q/k/v), the product of a few input rows is exactly the formula qmatmul.h states: each row's blocks of 32 rounded to
-int8 (xq = round(x / sx), sx = max|x| / 127, a block of zeros all zero), each weight block's exact integer dot
+int16 (xq = round(x / sx), sx = max|x| / 32767, a block of zeros all zero), each weight block's exact integer dot
 product, then in block order c = fma(float(dot), d * sx, c) and, with offsets, c = fma(m, sx * sum(xq), c), every
 rounding float32's. Computed here in torch, each fused multiply-add in float64 rounded to odd (exact for the product,
 a single float32 rounding at the end); the same bits from the AVX-512 build with VNNI and without it, and from the
@@ -46,8 +46,8 @@ def expected(parts: list[quant.Blocked], x: torch.Tensor) -> torch.Tensor:
     """y [M, N] as qmatmul.h computes it, the parts' rows one below the other."""
     M, K = x.shape
     blocks32 = x.view(M, K // 32, 32)
-    sx = blocks32.abs().amax(-1) / 127
-    xq = torch.where(sx[..., None] > 0, torch.round(blocks32 / sx[..., None]).clamp(-127, 127), 0).long()
+    sx = blocks32.abs().amax(-1) / 32767
+    xq = torch.where(sx[..., None] > 0, torch.round(blocks32 / sx[..., None]).clamp(-32767, 32767), 0).long()
     outs = []
     for b in parts:
         B, N = b.block, b.q.shape[0]

@@ -9,7 +9,7 @@ import typer
 
 from .. import defaults
 
-Target = Annotated[Path, typer.Option(help="target: a smallem checkpoint, a Hugging Face Llama folder or a GGUF file")]
+Target = Annotated[Path, typer.Option(help="target: a smallem checkpoint, a Hugging Face model folder or a GGUF file")]
 Proposer = Annotated[str | None, typer.Option(help=defaults.PROPOSER_HELP)]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")]
 Threads = Annotated[int | None, typer.Option(help="torch CPU threads")]

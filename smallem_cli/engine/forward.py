@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..backends.native import KV_DTYPE, NativeSteps
 from ..kv.step import BatchStep
-from ..model.llama import Block, MTPModule, Transformer, unit_rms
+from ..model.llama import Block, MTPModule, Transformer, gated, unit_rms
 
 
 def slab_for(model: Transformer | MTPModule, n_slots: int, device: torch.device) -> Tensor:
@@ -37,31 +37,39 @@ def attend(q: Tensor, kv: Tensor, bias: Tensor | None, Hkv: int, G: int) -> Tens
 
 
 def block_pass(blk: Block, x: Tensor, rope: Tensor, kv: Tensor, b: BatchStep) -> Tensor:
-    """x [N, d] -> [N, d] through one block; kv: this layer's slab, written at b.slots (a row sees its own key)."""
+    """x [N, d] -> [N, d] through one block; kv: this layer's slab, written at b.slots (a row sees its own key, and
+    in a local layer the `blk.window` keys up to it)."""
     p = blk.packed
     assert p is not None, "call pack() before decoding"
     N = x.shape[0]
     H, Hkv, D = blk.n_heads, blk.n_kv_heads, blk.head_dim
     G = H // Hkv
-    B, Tm, S = b.bias.shape
+    bias = b.bias if not blk.window else b.window_bias(blk.window)
+    B, Tm, S = bias.shape
     y = blk.project(x)  # [N, (H+2Hkv)*D]
     qkv = torch.view_as_real(torch.view_as_complex(y.view(N, -1, 2)) * rope).view(N, -1)
     kv.index_copy_(2, b.slots, qkv[:, H * D :].view(N, 2, Hkv, D).permute(1, 2, 0, 3).to(kv.dtype))
     if b.base is not None:  # one sequence, its pages in order: its keys are one view of the slab,
         # attended without a gather (one token sees every key: no mask)
-        att = attend(qkv[:, : H * D], kv[:, :, b.base : b.base + S], b.bias[0] if N > 1 else None, Hkv, G)
+        one = N == 1 and not blk.window  # one token sees every key: no mask
+        att = attend(qkv[:, : H * D], kv[:, :, b.base : b.base + S], None if one else bias[0], Hkv, G)
     else:
         keys = kv.index_select(2, b.kv_slots.flatten()).to(x.dtype)  # [2, Hkv, B * S, D]
         keys = keys.view(2, Hkv, B, S, D).transpose(1, 2)  # [2, B, Hkv, S, D]
         q = qkv[:, : H * D][b.q_rows]  # [B, Tm, H*D]: rows (g, t) per kv head, grouped per kv head
         q = q.view(B, Tm, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tm, D)
-        s = (q @ keys[0].transpose(-1, -2)).view(B, Hkv, G, Tm, S) + b.bias[:, None, None]  # [B, Hkv, G, Tm, S]
+        s = (q @ keys[0].transpose(-1, -2)).view(B, Hkv, G, Tm, S) + bias[:, None, None]  # [B, Hkv, G, Tm, S]
         o = torch.softmax(s, dim=-1).view(B, Hkv, G * Tm, S) @ keys[1]  # [B, Hkv, G*Tm, D]
         att = o.view(B, Hkv, G, Tm, D).permute(0, 3, 1, 2, 4).reshape(B * Tm, H * D)[b.out_rows]  # [N, H*D]
-    x = torch.addmm(x, att, p["o"])
-    gu = unit_rms(x, blk.eps) @ p["gu"]  # [N, 2F]
+    if "ao" not in p:
+        x = torch.addmm(x, att, p["o"])
+        gu = unit_rms(x, blk.eps) @ p["gu"]  # [N, 2F]
+        f = gu.shape[-1] // 2
+        return torch.addmm(x, gated(gu[:, :f], gu[:, f:], blk.geglu), p["down"])
+    x = blk.residual(x, att @ p["o"], "ao")  # the outputs normed before the residual adds (Gemma's)
+    gu = unit_rms(x, blk.eps) @ p["gu"]
     f = gu.shape[-1] // 2
-    return torch.addmm(x, F.silu(gu[:, :f]) * gu[:, f:], p["down"])
+    return blk.residual(x, gated(gu[:, :f], gu[:, f:], blk.geglu) @ p["down"], "mo")
 
 
 def transformer_pass(
@@ -71,10 +79,11 @@ def transformer_pass(
     if steps is not None:
         return steps.batch(ids, None, slab, b, head)
     assert model.eager().rope_packed is not None
-    rope = model.rope_packed[b.positions]  # [N, P]
-    x = F.embedding(ids, model.embed_tokens.weight)  # [N, d]
+    assert model.rope_packed_local is not None
+    rope, local = model.rope_packed[b.positions], model.rope_packed_local[b.positions]  # [N, P]
+    x = model.embed(ids)  # [N, d]
     for i, blk in enumerate(model.layers):
-        x = block_pass(blk, x, rope, slab[i], b)  # type: ignore[arg-type]
+        x = block_pass(blk, x, local if blk.window else rope, slab[i], b)  # type: ignore[arg-type]
     if head == "none":
         return x.new_empty(0, model.cfg.vocab_size), x
     return model.logits(x[b.last] if head == "last" else x), x

@@ -35,9 +35,10 @@ _MATRICES = {  # smallem name in a layer -> llama.cpp's
     "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
     "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "q_norm": "attn_q_norm",
-    "k_norm": "attn_k_norm",
+    "k_norm": "attn_k_norm", "attn_output_norm": "post_attention_norm", "mlp_output_norm": "post_ffw_norm",
 }  # fmt: skip
-ARCHS = ("llama", "qwen2", "qwen3")  # Qwen2: Llama with q/k/v biases; Qwen3: with q/k norms
+# Qwen2: Llama with q/k/v biases; Qwen3: with q/k norms; Gemma 3: `_gemma3`
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 _TOP = {  # lm_head: an untied head only (llama.cpp reuses token_embd when output.weight is absent)
     "embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
 }  # fmt: skip
@@ -55,7 +56,10 @@ def gguf_name(key: str) -> str:
 
 
 def arch_of(cfg: ModelConfig) -> str:
-    """llama.cpp's architecture for `cfg`: qwen2 with q/k/v biases, qwen3 with q/k norms, else llama."""
+    """llama.cpp's architecture for `cfg`: gemma3 with output norms, qwen2 with q/k/v biases, qwen3 with q/k norms,
+    else llama."""
+    if cfg.output_norms:
+        return "gemma3"
     if cfg.attn_bias and cfg.qk_norm:
         raise ExportError("q/k/v biases and q/k norms together: no llama.cpp architecture holds both")
     return "qwen2" if cfg.attn_bias else "qwen3" if cfg.qk_norm else "llama"
@@ -208,6 +212,10 @@ class GGUFModel:
     types: tuple[str, ...]  # the tensor types the file holds
 
 
+# tokens that end a generation wherever a file has them, as llama.cpp's vocabulary takes them
+_END_TEXTS = frozenset(("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"))
+
+
 def is_gguf(path: str | Path) -> bool:
     """A file named *.gguf, or any file that starts with GGUF's magic."""
     p = Path(path)
@@ -240,6 +248,21 @@ def _rope_freqs(meta: Meta, file: GGUFFile, pairs: int, a: str) -> tuple[float, 
     return tuple(f * linear for f in freqs)
 
 
+def _gemma3(meta: Meta, a: str, dim: int, heads: int, head_dim: int, n_layers: int) -> dict[str, Any]:
+    """`ModelConfig`'s Gemma 3 fields as llama.cpp computes a gemma3 file: its norm weights hold 1 + w already (the
+    converter adds it), every 6th layer global, the local layers' rope base 10000, the scores scaled by
+    1/sqrt(head_dim) except in the 27B (62 layers: 1/sqrt(dim / heads))."""
+    if f"{a}final_logit_softcapping" in meta:
+        raise GGUFReadError(f"{meta.path}: {a}final_logit_softcapping: smallem computes no soft-capping")
+    window = meta.num(f"{a}attention.sliding_window") if f"{a}attention.sliding_window" in meta else 0
+    local = tuple(i for i in range(n_layers) if i % 6 < 5) if window else ()
+    return {
+        "embed_scale": dim**0.5, "output_norms": True, "geglu": True, "qk_norm": True, "sliding_window": window,
+        "local_layers": local, "rope_local_theta": meta.num(f"{a}rope.freq_base_swa", float, 10000.0),
+        "attn_scale": (dim // heads if n_layers == 62 else head_dim) ** -0.5,
+    }  # fmt: skip
+
+
 def _config(meta: Meta, file: GGUFFile, n_vocab: int, tied: bool) -> ModelConfig:
     path = meta.path
     if (arch := meta.text("general.architecture")) not in ARCHS:
@@ -263,16 +286,18 @@ def _config(meta: Meta, file: GGUFFile, n_vocab: int, tied: bool) -> ModelConfig
             raise GGUFReadError(f"{path}: metadata {key}={meta.get(key)!r}: smallem needs the head width {head_dim}")
     if f"{a}vocab_size" in meta and meta.get(f"{a}vocab_size") != n_vocab:
         raise GGUFReadError(f"{path}: {a}vocab_size={meta.get(f'{a}vocab_size')!r}, the token list has {n_vocab}")
-    if meta.get(f"{a}attention.sliding_window"):
+    if arch != "gemma3" and meta.get(f"{a}attention.sliding_window"):
         raise GGUFReadError(f"{path}: {a}attention.sliding_window: smallem attends to the whole context")
     rope_freqs = _rope_freqs(meta, file, head_dim // 2, a)
+    n_layers = meta.num(f"{a}block_count")
+    parts = _gemma3(meta, a, dim, heads, head_dim, n_layers) if arch == "gemma3" else {"qk_norm": arch == "qwen3"}
     try:
         return ModelConfig(
-            vocab_size=n_vocab, dim=dim, n_layers=meta.num(f"{a}block_count"), n_heads=heads, n_kv_heads=kv,
+            vocab_size=n_vocab, dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=kv,
             hidden_dim=meta.num(f"{a}feed_forward_length"), max_seq_len=meta.num(f"{a}context_length"),
             norm_eps=meta.num(f"{a}attention.layer_norm_rms_epsilon", float),
             rope_theta=meta.num(f"{a}rope.freq_base", float, 10000.0), tie_embeddings=tied, mtp=False,
-            rope_freqs=rope_freqs, attn_bias=arch == "qwen2", qk_norm=arch == "qwen3", head_dim=head_dim,
+            rope_freqs=rope_freqs, attn_bias=arch == "qwen2", head_dim=head_dim, **parts,
         )  # fmt: skip
     except ValueError as e:  # ModelConfig's own checks
         raise GGUFReadError(f"{path}: its hyperparameters do not fit smallem: {e}") from None
@@ -302,8 +327,8 @@ def _weights(file: GGUFFile, cfg: ModelConfig, device: torch.device | str) -> We
 
 
 def load_gguf(path: str | Path, device: torch.device | str = "cpu", check_chat: bool = False) -> GGUFModel:
-    """A llama, qwen2 or qwen3 GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format, or
-    GGUFReadError; `check_chat`: its chat template is checked (`check_template`) before the weights, ChatError where
+    """A llama, qwen2, qwen3 or gemma3 GGUF file -> its model (float32, eval), tokenizer, fingerprint and chat format,
+    or GGUFReadError; `check_chat`: its chat template is checked (`check_template`) before the weights, ChatError where
     it is broken."""
     path = Path(path)
     file = open_gguf(path)
@@ -317,7 +342,9 @@ def load_gguf(path: str | Path, device: torch.device | str = "cpu", check_chat: 
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < len(tokens):
             raise GGUFReadError(f"{path}: tokenizer.ggml.{name}_token_id={v!r} is not a token id")
     tok = tokenizer(meta, tokens, ids)  # before the weights: a refusal costs no memory
-    ends = tuple(dict.fromkeys(ids[n] for n in ("eos", "eot", "eom") if n in ids))  # any of them ends a generation
+    # any of them ends a generation: the file's, and the tokens llama.cpp ends on by their text (Gemma's end of turn)
+    named = (i for i, text in enumerate(tokens) if text in _END_TEXTS)
+    ends = tuple(dict.fromkeys([*(ids[n] for n in ("eos", "eot", "eom") if n in ids), *named]))
     bos, eos = (tokens[ids[n]] if n in ids else "" for n in ("bos", "eos"))
     chat = ChatFormat(ends, meta.text("tokenizer.chat_template"), bos, eos)
     if check_chat:

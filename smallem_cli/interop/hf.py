@@ -1,6 +1,7 @@
-"""Hugging Face interchange, Llama, Qwen2 and Qwen3 folders in and out (and MiMo's, for vLLM): a renaming (smallem's
-Transformer is Llama without `model.`, `self_attn.`, `mlp.`) plus a config translation (`hf_config`, which refuses by
-field what smallem would compute otherwise: yarn or dynamic rotary positions, an o_proj bias, sliding windows, ...)."""
+"""Hugging Face interchange, Llama, Qwen2 and Qwen3 folders in and out, Gemma 3's in (and MiMo's, for vLLM): a renaming
+(smallem's Transformer is Llama without `model.`, `self_attn.`, `mlp.`; Gemma 3 names its norms its own way) plus a
+config translation (`hf_config`, which refuses by field what smallem would compute otherwise: yarn or dynamic rotary
+positions, an o_proj bias, soft-capping, ...)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +37,23 @@ def in_group(rest: str) -> str:
     return ("mlp." if sub in _MLP else "self_attn." if attn else "") + rest  # the other norms sit in the layer
 
 
-def hf_name(key: str) -> str:
-    """smallem parameter name -> HF Llama name: `layers.3.q_proj.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+# Gemma 3's names for the norms: its post_attention_layernorm norms the attention's output, where Llama's (and
+# smallem's) is the MLP's input norm
+_GEMMA_NORMS = {
+    "post_attention_layernorm": "pre_feedforward_layernorm", "attn_output_norm": "post_attention_layernorm",
+    "mlp_output_norm": "post_feedforward_layernorm",
+}  # fmt: skip
+
+
+def hf_name(key: str, gemma: bool = False) -> str:
+    """smallem parameter name -> HF Llama name: `layers.3.q_proj.weight` -> `model.layers.3.self_attn.q_proj.weight`;
+    `gemma`: Gemma 3's."""
     if key == "lm_head.weight":
         return key
     if key.startswith("layers."):
         _, i, rest = key.split(".", 2)
+        if gemma and (norm := rest.removesuffix(".weight")) in _GEMMA_NORMS:
+            rest = f"{_GEMMA_NORMS[norm]}.weight"
         return f"model.layers.{i}.{in_group(rest)}"
     return "model." + key
 
@@ -104,7 +117,7 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
     tied_head = cfg.tie_embeddings and "lm_head.weight" in declared  # redundant: checked equal to the embedding
     if tied_head:
         expected["lm_head.weight"] = expected["embed_tokens.weight"]
-    ours = {hf_name(k): k for k in expected}
+    ours = {hf_name(k, cfg.output_norms): k for k in expected}
     missing, extra = sorted(set(ours) - set(declared)), sorted(set(declared) - set(ours))
     if missing or extra:
         raise HFFormatError(f"{folder}: weights do not fit config.json: missing {missing[:5]}, unexpected {extra[:5]}")
@@ -113,6 +126,8 @@ def load_hf(folder: str | Path, device: torch.device | str = "cpu") -> tuple[Tra
             raise HFFormatError(f"{folder}: {name} has shape {t.shape}, not {expected[ours[name]]}")
         if t.kind not in checkpoint.FLOAT_DTYPES:
             raise HFFormatError(f"{folder}: {name} has dtype {t.kind}: only {', '.join(checkpoint.FLOAT_DTYPES)}")
+    if cfg.output_norms:  # Gemma's RMSNorm multiplies by 1 + w: read as the weights it multiplies by, as llama.cpp's
+        declared = {n: replace(t, shift=1.0) if n.endswith("norm.weight") else t for n, t in declared.items()}
     weights = Weights({ours[name]: t for name, t in declared.items()}, device)
     if tied_head:  # read once here, to be left out
         try:

@@ -1,5 +1,5 @@
-"""An HF folder's config.json both ways: a Llama's, Qwen2's or Qwen3's read into a ModelConfig, refusing by field
-what smallem would compute otherwise, and the config files an export writes."""
+"""An HF folder's config.json both ways: a Llama's, Qwen2's, Qwen3's or Gemma 3's read into a ModelConfig, refusing by
+field what smallem would compute otherwise, and the config files an export writes."""
 
 from __future__ import annotations
 
@@ -20,10 +20,14 @@ class HFFormatError(ExportError):
     """A Hugging Face folder or config that smallem cannot read or write faithfully."""
 
 
-# model_type -> its architecture; Qwen2 is Llama with q/k/v biases, Qwen3 Llama with q/k norms
-_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# model_type -> its architecture; Qwen2 is Llama with q/k/v biases, Qwen3 Llama with q/k norms, Gemma 3 (its text
+# model) with q/k norms and the parts `_gemma3` reads
+_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
 _MISSING = {"mixtral": "mixture-of-experts layers", "qwen2_moe": "mixture-of-experts layers",
-            "qwen3_moe": "mixture-of-experts layers", "mamba": "state-space (Mamba) layers"}  # fmt: skip
+            "qwen3_moe": "mixture-of-experts layers", "mamba": "state-space (Mamba) layers",
+            "gemma3": "Gemma 3's vision tower (its text model, gemma3_text, is read)",
+            "gemma2": "Gemma 2's logit soft-capping"}  # fmt: skip
 
 
 def _refuse(name: str, value: Any, why: str) -> HFFormatError:
@@ -89,6 +93,37 @@ def _rope_export(cfg: ModelConfig) -> dict[str, Any]:
     return {"rope_type": "llama3", **dict(zip(keys, found, strict=True))}
 
 
+def _gemma3(hf: dict[str, Any], n_layers: int, head_dim: int) -> dict[str, Any]:
+    """`ModelConfig`'s Gemma 3 fields (and its global rope) from a gemma3_text config: √d embedding scale, norms on
+    both outputs, GeGLU, the query_pre_attn_scalar, local layers over a sliding window with their own rope base."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+        if hf.get(name):
+            raise _refuse(name, hf[name], "smallem computes Gemma 3's causal attention without soft-capping")
+    if (act := hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))) != "gelu_pytorch_tanh":
+        raise _refuse("hidden_activation", act, "smallem's Gemma MLP is GeGLU with gelu (tanh approximation)")
+    types = hf.get("layer_types")
+    if types is None:  # transformers 4's spelling: every n-th layer global
+        every = _num(hf, "sliding_window_pattern", 6)
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise _refuse("layer_types", types, f"one of full_attention or sliding_attention for each of {n_layers} layers")
+    rope = dict(hf)
+    local_theta = _num(hf, "rope_local_base_freq", 10000.0, float)
+    if isinstance(rp := hf.get("rope_parameters"), dict) and "full_attention" in rp:  # transformers 5: one per kind
+        rope["rope_parameters"], local = rp["full_attention"], rp.get("sliding_attention") or {}
+        if not isinstance(local, dict) or local.get("rope_type", "default") != "default":
+            raise _refuse("rope_parameters", rp, "smallem turns local layers by plain rotary positions only")
+        local_theta = _num(local, "rope_theta", 10000.0, float)
+    theta, freqs = _rope(rope, head_dim)
+    local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return {
+        "rope_theta": theta, "rope_freqs": freqs, "embed_scale": _num(hf, "hidden_size") ** 0.5, "output_norms": True,
+        "geglu": True, "attn_scale": _num(hf, "query_pre_attn_scalar", 256, float) ** -0.5, "qk_norm": True,
+        "sliding_window": _num(hf, "sliding_window") if local else 0, "local_layers": local,
+        "rope_local_theta": local_theta,
+    }  # fmt: skip
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Translate a LlamaForCausalLM config.json dict; HFFormatError for anything smallem does not compute."""
     if not isinstance(hf, dict):
@@ -98,17 +133,18 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise _refuse("model_type", kind, f"{missing}smallem reads {', '.join(_FAMILIES)} models")
     if (archs := hf.get("architectures")) is not None and archs != [_FAMILIES[kind]]:
         raise _refuse("architectures", archs, f"a {kind} model is a {_FAMILIES[kind]}")
-    if hf.get("hidden_act", "silu") != "silu":
+    gemma = kind == "gemma3_text"
+    if not gemma and hf.get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", hf["hidden_act"], "smallem's MLP is SwiGLU with silu")
     for name in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases go without saying
         if hf.get(name, False) is not False:
             raise _refuse(name, hf[name], "smallem computes no o_proj or MLP bias (q/k/v biases: Qwen2's)")
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
+    if not gemma and (hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ())):
         field = "use_sliding_window" if hf.get("use_sliding_window") else "layer_types"
         raise _refuse(field, hf[field], "smallem attends to the whole context in every layer (no sliding window)")
     if hf.get("quantization_config") is not None:
         raise _refuse("quantization_config", hf["quantization_config"], "quantized weights are not supported")
-    tie = hf.get("tie_word_embeddings", False)  # HF Llama's default: untied
+    tie = hf.get("tie_word_embeddings", gemma)  # HF Llama's default: untied; Gemma's: tied
     if not isinstance(tie, bool):
         raise _refuse("tie_word_embeddings", tie, "expected true or false")
     dim, heads = _num(hf, "hidden_size"), _num(hf, "num_attention_heads")
@@ -117,20 +153,25 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise _refuse("num_key_value_heads", kv, f"num_attention_heads {heads} is not a multiple of it")
     if hf.get("head_dim") is not None:
         head_dim = _num(hf, "head_dim")
-    elif kind == "qwen3":  # Qwen3Config's default
-        head_dim = 128
+    elif kind in ("qwen3", "gemma3_text"):  # their configs' defaults
+        head_dim = 128 if kind == "qwen3" else 256
     elif dim % heads:
         raise _refuse("num_attention_heads", heads, f"hidden_size {dim} is not a multiple of it (and no head_dim)")
     else:
         head_dim = dim // heads
-    theta, freqs = _rope(hf, head_dim)
+    layers = _num(hf, "num_hidden_layers")
+    if gemma:
+        parts = _gemma3(hf, layers, head_dim)
+    else:
+        theta, freqs = _rope(hf, head_dim)
+        parts = {"rope_theta": theta, "rope_freqs": freqs, "qk_norm": kind == "qwen3"}
     try:
         return ModelConfig(
-            vocab_size=_num(hf, "vocab_size"), dim=dim, n_layers=_num(hf, "num_hidden_layers"), n_heads=heads,
+            vocab_size=_num(hf, "vocab_size"), dim=dim, n_layers=layers, n_heads=heads,
             n_kv_heads=kv, hidden_dim=_num(hf, "intermediate_size"),
             max_seq_len=_num(hf, "max_position_embeddings", 2048),  # LlamaConfig's defaults
-            norm_eps=_num(hf, "rms_norm_eps", 1e-6, float), rope_theta=theta, rope_freqs=freqs, tie_embeddings=tie,
-            attn_bias=kind == "qwen2", qk_norm=kind == "qwen3", mtp=False, head_dim=head_dim,
+            norm_eps=_num(hf, "rms_norm_eps", 1e-6, float), tie_embeddings=tie,
+            attn_bias=kind == "qwen2", mtp=False, head_dim=head_dim, **parts,
         )  # fmt: skip
     except ValueError as e:  # ModelConfig's own checks (e.g. an odd head_dim)
         raise HFFormatError(f"HF config does not fit smallem: {e}") from None
@@ -138,6 +179,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def hf_jsons(cfg: ModelConfig, dtype: torch.dtype, eot: int | None) -> dict[str, Any]:
     """config.json (a Llama's, Qwen2's or Qwen3's), generation_config.json and tokenizer_config.json of an export."""
+    if cfg.output_norms or cfg.local_layers or cfg.geglu or cfg.embed_scale != 1.0 or cfg.attn_scale:
+        raise ExportError("a Gemma 3 model is not exported (smallem writes Llama, Qwen2 and Qwen3 folders)")
     name, rope = str(dtype).removeprefix("torch."), _rope_export(cfg)
     if cfg.attn_bias and cfg.qk_norm:
         raise ExportError("q/k/v biases and q/k norms together: no HF model type holds both")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -30,6 +30,7 @@ class BatchStep:
     masks: Callable[[], Masks]
     base: int | None = None  # one sequence whose pages lie in order: the slot of its position 0 (no gather)
     prefix: bool = True  # row i sees its sequence's positions 0 .. positions[i] (a tree's rows do not)
+    windows: dict[int, torch.Tensor] = field(default_factory=dict)  # `window_bias` by window
 
     @cached_property
     def _masks(self) -> Masks:
@@ -46,6 +47,17 @@ class BatchStep:
     @property
     def out_rows(self) -> torch.Tensor:  # [N] where each flat row sits in the padded [B * Tm] layout
         return self._masks[2]
+
+    def window_bias(self, window: int) -> torch.Tensor:
+        """`bias` of a local layer: the keys of entries `window` or more before a row's position masked too. A tree's
+        entries past its prefix are its nodes, nearer than any window (a window wider than the tree is deep)."""
+        if window not in self.windows:
+            B, Tm, S = self.bias.shape
+            pos = torch.full((B * Tm,), S - 1, dtype=torch.long, device=self.bias.device)  # padding: the last keys
+            pos[self.out_rows] = self.positions
+            old = torch.arange(S, device=pos.device) <= pos.view(B, Tm, 1) - window
+            self.windows[window] = self.bias.masked_fill(old, float("-inf"))
+        return self.windows[window]
 
 
 def visible(b: BatchStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -121,6 +121,8 @@ def expected_shapes(cfg: ModelConfig, mtp: bool = False) -> dict[str, tuple[int,
             out |= {f"{prefix}.{n}.bias": (mats[n][0],) for n in ("q_proj", "k_proj", "v_proj")}
         if cfg.qk_norm:
             out |= {f"{prefix}.{n}.weight": (cfg.head_dim,) for n in ("q_norm", "k_norm")}
+        if cfg.output_norms:
+            out |= {f"{prefix}.{n}.weight": (d,) for n in ("attn_output_norm", "mlp_output_norm")}
         return out | {f"{prefix}.{n}.weight": shape for n, shape in mats.items()}
 
     if mtp:

@@ -13,10 +13,12 @@ from ..config import ModelConfig
 from .weights import Weights, interleave_halves
 
 
-def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_seq_len, head_dim], Llama's non-interleaved (rotate-half) layout."""
-    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    if cfg.rope_freqs:  # scaled: each pair's frequency divided by its factor (linear: all alike; llama3: by band)
+def rope_tables(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_seq_len, head_dim], Llama's non-interleaved (rotate-half) layout; `local`: the local layers'
+    (their own base, unscaled, as Gemma 3's)."""
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    if cfg.rope_freqs and not local:  # each pair's frequency divided by its factor (linear: all alike; llama3: by band)
         inv = inv / torch.tensor(cfg.rope_freqs, dtype=torch.float64)
     ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv).repeat(1, 2)
     return ang.cos().float(), ang.sin().float()
@@ -68,15 +70,26 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-class Block(nn.Module):
-    """Pre-norm attention + SwiGLU MLP. `pack` folds all it can into single [in, out] matmuls (F.linear takes a
-    slow small-M path) and one complex multiply for rope: every op of a small model costs microseconds."""
+def attn_scale(cfg: ModelConfig) -> float:
+    return cfg.attn_scale or cfg.head_dim**-0.5
 
-    def __init__(self, cfg: ModelConfig) -> None:
+
+def gated(gate: torch.Tensor, up: torch.Tensor, geglu: bool) -> torch.Tensor:
+    """The MLP's inner rows: silu(gate) * up, or Gemma's gelu (tanh approximation) * up."""
+    return (F.gelu(gate, approximate="tanh") if geglu else F.silu(gate)) * up
+
+
+class Block(nn.Module):
+    """Pre-norm attention + gated MLP (SwiGLU, or Gemma's GeGLU with norms on both outputs). `pack` folds all it can
+    into single [in, out] matmuls (F.linear takes a slow small-M path) and one complex multiply for rope: every op of
+    a small model costs microseconds. A local layer (`ModelConfig.local_layers`) sees the last `window` keys only."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         d, hd = cfg.dim, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
-        self.eps = cfg.norm_eps
+        self.eps, self.scale, self.geglu = cfg.norm_eps, attn_scale(cfg), cfg.geglu
+        self.window = cfg.sliding_window if index in cfg.local_layers else 0  # 0: every key
         self.input_layernorm = RMSNorm(d, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
         self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=cfg.attn_bias)
@@ -89,6 +102,8 @@ class Block(nn.Module):
         self.gate_proj = nn.Linear(d, cfg.hidden_dim, bias=False)
         self.up_proj = nn.Linear(d, cfg.hidden_dim, bias=False)
         self.down_proj = nn.Linear(cfg.hidden_dim, d, bias=False)
+        self.attn_output_norm = RMSNorm(d, cfg.norm_eps) if cfg.output_norms else None
+        self.mlp_output_norm = RMSNorm(d, cfg.norm_eps) if cfg.output_norms else None
         self.packed: dict[str, torch.Tensor] | None = None
 
     def pack(self) -> None:
@@ -98,7 +113,7 @@ class Block(nn.Module):
             ln1 = self.input_layernorm.weight[:, None]  # norm weights fold into the next matmul
             ln2 = self.post_attention_layernorm.weight[:, None]
             # the attention scale goes into Wq, or into q's norm weights (a norm undoes any scale before it)
-            qs = 1.0 if self.q_norm is not None else D**-0.5
+            qs = 1.0 if self.q_norm is not None else self.scale
             wq = (self.q_proj.weight.t() * ln1 * qs).unflatten(1, (-1, D))[..., order]
             wk = (self.k_proj.weight.t() * ln1).unflatten(1, (-1, D))[..., order]
             wv = self.v_proj.weight.t() * ln1  # [d, Hkv*D]
@@ -107,7 +122,9 @@ class Block(nn.Module):
                 bq, bk = (p.bias.view(-1, D)[:, order].flatten() for p in (self.q_proj, self.k_proj))
                 extra["bias"] = torch.cat([bq * qs, bk, self.v_proj.bias]).contiguous()
             if self.q_norm is not None and self.k_norm is not None:
-                extra["qn"], extra["kn"] = self.q_norm.weight[order] * D**-0.5, self.k_norm.weight[order]
+                extra["qn"], extra["kn"] = self.q_norm.weight[order] * self.scale, self.k_norm.weight[order]
+            if self.attn_output_norm is not None and self.mlp_output_norm is not None:
+                extra["ao"], extra["mo"] = self.attn_output_norm.weight, self.mlp_output_norm.weight
             self.packed = extra | {
                 "qkv": torch.cat([wq.flatten(1), wk.flatten(1), wv], dim=1).contiguous(),  # [d, (H+2Hkv)*D]
                 "o": self.o_proj.weight.t().contiguous(),  # [H*D, d]
@@ -128,8 +145,16 @@ class Block(nn.Module):
         k = unit_rms(y[:, H * D : (H + Hkv) * D].view(N, Hkv, D), self.eps) * p["kn"]
         return torch.cat([q.view(N, -1), k.view(N, -1), y[:, (H + Hkv) * D :]], dim=1)
 
+    def residual(self, x: torch.Tensor, out: torch.Tensor, which: str) -> torch.Tensor:
+        """x + a sub-layer's output (`which`: "ao" the attention's, "mo" the MLP's), normed first where the model
+        norms them (Gemma's)."""
+        p = self.packed
+        assert p is not None
+        return x + F.rms_norm(out, (out.shape[-1],), p[which], self.eps) if which in p else x + out
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Training: x [B, T, dim] -> [B, T, dim], causal attention over the whole sequence."""
+        """Training: x [B, T, dim] -> [B, T, dim], causal attention over the sequence (a local layer's, over its
+        window)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         h = self.input_layernorm(x)
@@ -138,12 +163,19 @@ class Block(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(h).view(B, T, Hkv, D)
+        mask = None
+        if self.window:  # key j seen from position i when i - window < j <= i
+            i = torch.arange(T, device=x.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.window)
         att = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=H != Hkv
-        )
-        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, H * D))
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
+            enable_gqa=H != Hkv, scale=self.scale,
+        )  # fmt: skip
+        att = self.o_proj(att.transpose(1, 2).reshape(B, T, H * D))
+        x = x + (att if self.attn_output_norm is None else self.attn_output_norm(att))
         h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        mlp = self.down_proj(gated(self.gate_proj(h), self.up_proj(h), self.geglu))
+        return x + (mlp if self.mlp_output_norm is None else self.mlp_output_norm(mlp))
 
 
 _EPS: dict[tuple[float, torch.device, torch.dtype], torch.Tensor] = {}  # `unit_rms`'s eps, as tensors
@@ -172,17 +204,19 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.source: Weights | None = None  # the files its weights lie in, read from there (`stored`)
         self.pack_on_load = False  # `pack` was asked for before `materialize`: it packs once they are read
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        for tag, local in (("", False), ("_local", True)):  # the local layers' tables: their own base
+            cos, sin = rope_tables(cfg, local)
+            self.register_buffer(f"cos{tag}", cos, persistent=False)
+            self.register_buffer(f"sin{tag}", sin, persistent=False)
         self.head_t: torch.Tensor | None = None  # [dim, vocab], set by pack()
         self.head_rows: torch.Tensor | None = None  # [vocab, dim], set by pack() (`head_matmul`)
         self.rope_packed: torch.Tensor | None = None  # complex [max_seq_len, (H+2Hkv)*D/2]
+        self.rope_packed_local: torch.Tensor | None = None  # the local layers' (`ModelConfig.local_layers`)
 
     @classmethod
     def stored(cls, cfg: ModelConfig, weights: Weights) -> Transformer:
@@ -191,6 +225,7 @@ class Transformer(nn.Module):
         with torch.device("meta"):  # shapes only: nothing is allocated
             model = cls(cfg)
         model.cos, model.sin = rope_tables(cfg)
+        model.cos_local, model.sin_local = rope_tables(cfg, local=True)
         model.source = weights
         return model.eval()
 
@@ -246,11 +281,20 @@ class Transformer(nn.Module):
         self.head_t = (self.head_weight.detach().t() * self.norm.weight.detach()[:, None]).contiguous()
         self.head_rows = self.head_t.t().contiguous()  # [vocab, dim]: the same, for passes over a few rows
         # e^{jθ} per (position, column pair) of a packed QKV row: q's and k's pairs (i, i + D/2), v's 1 + 0j
-        c, half = self.cfg, self.cfg.head_dim // 2
-        turn = torch.complex(self.cos[:, :half], self.sin[:, :half])  # [max_seq_len, D/2]
-        ones = torch.ones_like(turn).repeat(1, c.n_kv_heads)
-        self.rope_packed = torch.cat([turn.repeat(1, c.n_heads + c.n_kv_heads), ones], dim=1)
+        self.rope_packed, self.rope_packed_local = self._rope_rows(False), self._rope_rows(True)
         return self
+
+    def _rope_rows(self, local: bool) -> torch.Tensor:
+        c, half = self.cfg, self.cfg.head_dim // 2
+        cos, sin = (self.cos_local, self.sin_local) if local else (self.cos, self.sin)
+        turn = torch.complex(cos[:, :half], sin[:, :half])  # [max_seq_len, D/2]
+        ones = torch.ones_like(turn).repeat(1, c.n_kv_heads)
+        return torch.cat([turn.repeat(1, c.n_heads + c.n_kv_heads), ones], dim=1)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding rows, times `ModelConfig.embed_scale` where the model scales them (Gemma's)."""
+        x = F.embedding(tokens, self.materialize().embed_tokens.weight)
+        return x if self.cfg.embed_scale == 1.0 else x * self.cfg.embed_scale
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and output head: [..., dim] -> [..., vocab]. The MTP module shares it."""
@@ -262,9 +306,10 @@ class Transformer(nn.Module):
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """Training trunk: tokens [B, T] -> final hidden states [B, T, dim] (before the final norm)."""
         T = tokens.shape[1]
-        x = self.materialize().embed_tokens(tokens)
+        x = self.embed(tokens)
         for blk in self.layers:
-            x = blk(x, self.cos[:T], self.sin[:T])
+            local = blk.window > 0  # type: ignore[operator]
+            x = blk(x, (self.cos_local if local else self.cos)[:T], (self.sin_local if local else self.sin)[:T])
         return x
 
 

@@ -103,6 +103,7 @@ class Stored:
     shape: tuple[int, ...]
     heads: int = 0
     name: str = ""  # the file's name for it, for messages
+    shift: float = 0.0  # added to the values read (Gemma's norm weights, stored as w where it multiplies by 1 + w)
 
     def read(self, pairs: int = 0) -> torch.Tensor | Blocked:
         """The tensor in its own type (a float tensor, or `Blocked`), checked finite: WeightsError names it. With
@@ -116,7 +117,7 @@ class Stored:
             t = torch.from_numpy(raw).view(FLOATS[self.kind]).reshape(self.shape)
             if not finite(t):
                 raise WeightsError(f"{self.path}: weights contain NaN or infinity ({self.name})")
-            return self._order(t, pairs)
+            return self._order(t if not self.shift else t.float() + self.shift, pairs)
         b = quant.from_gguf(raw, self.kind, (self.shape[0], self.shape[1]))
         if not all(finite(x) for x in (b.d, b.m) if x is not None):
             raise WeightsError(f"{self.path}: weights contain NaN or infinity ({self.name})")

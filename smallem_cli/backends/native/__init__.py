@@ -2,8 +2,8 @@
 tensor at a time (`model.weights`) into the kernels' layout. A one-token pass is bound by reading the weights, so
 `step.cpp` reads each matrix in panels, in the narrowest of float16, bfloat16 and float32 that holds its values exactly
 (`narrowest`), accumulating in float32: such a model is computed as it is. A quantized file's matrices are read as its
-blocks (`blocks.py`, `qmatmul.h`), in integer dot products against the inputs quantized to int8 per block of 32, as
-llama.cpp computes them: the eager pass's to the inputs' rounding. A proposer's may be int8 (`--proposer-weights int8`,
+blocks (`blocks.py`, `qmatmul.h`), in integer dot products against the inputs quantized to int16 per block of 32
+(llama.cpp: to int8): the eager pass's to the inputs' rounding. A proposer's may be int8 (`--proposer-weights int8`,
 `panels8`); the target's never are, so the text is the target's. A failure leaves the model eager."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ...kv.step import BatchStep, visible
 from ...model import quant
-from ...model.llama import MTPModule, Transformer
+from ...model.llama import MTPModule, Transformer, attn_scale
 from ...model.weights import interleave_halves, permute_rope
 from ...spec.verify import Penalty, Warper, uniforms
 from . import blocks as qblocks
@@ -35,7 +35,10 @@ class _Mat(ctypes.Structure):
 
 
 class _LayerW(ctypes.Structure):
-    _fields_ = [*[(n, _Mat) for n in ("qkv", "o", "gu", "down")], *[(n, _P) for n in ("g1", "g2", "bias", "gq", "gk")]]
+    _fields_ = [
+        *[(n, _Mat) for n in ("qkv", "o", "gu", "down")],
+        *[(n, _P) for n in ("g1", "g2", "bias", "gq", "gk", "g3", "g4")], ("window", _I),
+    ]  # fmt: skip
 
 
 class _ModelW(ctypes.Structure):
@@ -43,6 +46,7 @@ class _ModelW(ctypes.Structure):
         *[(n, _I) for n in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden", "vocab")], ("eps", _F),
         ("layers", _P), ("embed", _P), ("head", _Mat), ("g_final", _P), ("table", _P), ("wh", _Mat), ("g_h", _P),
         ("embed_kind", _I), ("embed_panels", _I), ("embed_d", _P), ("embed_m", _P), ("embed_block", _I),
+        ("embed_scale", _F), ("qscale", _F), ("geglu", _I), ("rope_local", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -107,8 +111,10 @@ class NativeSteps:
             raise NativeUnavailable("the model's widths are not multiples of 8")
         self.mtp = isinstance(model, MTPModule)
         own = target if self.mtp else model  # the MTP module turns (and drafts) as its target
-        half = c.head_dim // 2  # cos, sin [context, D/2]: each head's pairs turn alike
-        self.rope = (own.cos[:, :half].contiguous(), own.sin[:, :half].contiguous())
+        half = c.head_dim // 2  # cos, sin [context, D/2]: each head's pairs turn alike; the local layers' below them
+        tables = ((own.cos, own.cos_local), (own.sin, own.sin_local)) if c.local_layers else ((own.cos,), (own.sin,))
+        cos, sin = (torch.cat([t[:, :half] for t in ts]).contiguous() for ts in tables)
+        self.rope = (cos, sin)
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
         self.model = model
         self.keep: list[Tensor] = []  # every tensor the C structs point at, alive as long as they
@@ -129,9 +135,15 @@ class NativeSteps:
             if c.qk_norm:
                 order = interleave_halves(c.head_dim)
                 gq, gk = (self._held(floats(model, f"{at}.{n}_norm.weight")[order].contiguous()) for n in "qk")
-            self.layers_c[i] = _LayerW(*[self._rows(m) for m in mats], *norms, bias, gq, gk)
+            outs = [None, None]  # Gemma's norms of the attention's output and the MLP's
+            if c.output_norms:
+                outs = [self._held(floats(model, f"{at}.{n}_output_norm.weight")) for n in ("attn", "mlp")]
+            window = c.sliding_window if not self.mtp and i in c.local_layers else 0
+            self.layers_c[i] = _LayerW(*[self._rows(m) for m in mats], *norms, bias, gq, gk, *outs, window)
         self.mw = mw = _ModelW(len(names), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
         mw.eps, mw.layers = c.norm_eps, ctypes.cast(self.layers_c, ctypes.c_void_p)
+        mw.embed_scale, mw.qscale, mw.geglu = c.embed_scale, attn_scale(c), int(c.geglu)
+        mw.rope_local = own.cos.shape[0] * half if c.local_layers else 0  # the local tables' offset
         # a chain's head rows in panels, by id(ids) (ids held, so that their id stays theirs)
         self._heads: dict[int, tuple[Tensor | None, _Mat]] = {}
         if isinstance(model, MTPModule):

@@ -291,13 +291,20 @@ static void attend_rows(const float *q, long ldq, const int *n, int nq, Key key,
 
 // Query rows t0 .. t0+nq-1 of a pass over one sequence: S past keys (a strided view of the slab,
 // rows ps apart) and the pass's new keys 0 .. t (causal, rows ns apart): a token at position P
-// always sees P + 1 keys.
+// always sees P + 1 keys, or in a local layer (window > 0) the last `window` of them. A row whose
+// window leaves keys out is attended alone, from its first key: the same keys in the same order
+// whatever pass holds it, so the same numbers.
 static void attend_seq(const float *q, long ldq, const kv_t *pk, const kv_t *pv, long ps, const kv_t *nk,
                        const kv_t *nv, long ns, int S, int t0, int nq, int D, float *scores, long lds, float *out,
-                       long ldo) {
+                       long ldo, int window) {
     auto key = [=](int s) { return s < S ? pk + (size_t)s * ps : nk + (size_t)(s - S) * ns; };
     auto val = [=](int s) { return s < S ? pv + (size_t)s * ps : nv + (size_t)(s - S) * ns; };
     int n[ROWS_AT_ONCE];
     for (int r = 0; r < nq; r++) n[r] = S + t0 + r + 1;
-    attend_rows(q, ldq, n, nq, key, val, D, scores, lds, out, ldo);
+    if (!window || n[nq - 1] <= window) return attend_rows(q, ldq, n, nq, key, val, D, scores, lds, out, ldo);
+    for (int r = 0; r < nq; r++) {
+        const int lo = n[r] > window ? n[r] - window : 0;
+        attend_keys(q + r * ldq, [=](int s) { return key(s + lo); }, [=](int s) { return val(s + lo); }, n[r] - lo, D,
+                    scores + r * lds, out + r * ldo);
+    }
 }

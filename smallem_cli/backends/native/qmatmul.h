@@ -1,19 +1,22 @@
 // The products of a quantized file's matrices (`native/blocks.py`), as integer dot products.
 //
-// Why: converting each int8 weight to float and multiplying it by each input row in float32 made
-// a quantized file's pass compute-bound; an integer product takes 64 weight-input pairs an
-// instruction (AVX-512 VNNI's vpdpbusd: bytes of a register times bytes of another, four at a time
-// into each 32-bit lane), and a 4-bit weight is read in 4 bits.
+// Why: converting each weight to float and multiplying it by each input row in float32 made a
+// quantized file's pass compute-bound; an integer product takes 32 weight-input pairs an
+// instruction (vpmaddwd, or AVX-512 VNNI's vpdpwssd: 16-bit pairs summed into 32-bit lanes), and
+// a 4-bit weight is read in 4 bits.
 //
 // Each input row's blocks of 32 are quantized first (`quantize_row`): xq = round(x / sx), sx =
-// max|x| / 127, kept with the sums of xq over each 16 and 32. A block b of B = 16 or 32 weights
+// max|x| / 32767, kept with the sums of xq over each 16 and 32. Sixteen bits, not llama.cpp's
+// eight: an input rounded to int8 moves the logits by about 1e-2, enough to turn a greedy choice
+// that float32 makes by a wider margin; to 16 bits, about 1e-4. A block b of B = 16 or 32 weights
 // of output n is d[n, b] q[n, k] + m[n, b], q = u - bias with u the stored unsigned byte; then
 //   y[r, n] = sum over b in order of  (sx[r, b] d[n, b]) * float(dot_b) + m[n, b] * (sx[r, b] sum_b xq)
 // where dot_b = sum_k u[n, k] xq[r, k] - bias sum_b xq, an exact integer (the bias taken off in
 // integers, so no float cancels it), each term one fused multiply-add in float32. Every output is
 // that one sequence of float operations whatever the tile, the number of rows, or the build
-// (AVX-512 with or without VNNI, AVX2: the integer sums are exact either way), so a row's numbers
-// do not depend on the rows beside it. They are the eager pass's to the inputs' int8 rounding.
+// (AVX-512 with or without VNNI, AVX2: the integer sums are exact either way; |dot_b| < 32 * 255 *
+// 32767 < 2^31), so a row's numbers do not depend on the rows beside it. They are the eager pass's
+// to the inputs' 16-bit rounding.
 #pragma once
 
 #include <vector>
@@ -30,9 +33,10 @@ struct QSeg {
     const uint8_t *w;
 };
 
-// The integer vectors: a panel's PANEL rows of 4 weights each, and a dot product of 4 pairs a lane.
-// Without VNNI the same sums come from widening to int16 and vpmaddwd (pairs of products, exact:
-// 255 * 128 * 2 is far from overflowing int32): even bytes, then odd ones.
+// The integer vectors: a panel's PANEL rows of 4 weights each, and a dot product of 4 pairs a lane:
+// the weights' even bytes widened to 16 bits against the inputs k, k+2, the odd ones against k+1,
+// k+3 (the inputs stored in that order: `quantize_row`), pairs of products summed into each 32-bit
+// lane (exact: 255 * 32767 * 2 < 2^31).
 #if defined(__AVX512F__)
 typedef __m512i ivec;
 static inline ivec i_zero() { return _mm512_setzero_si512(); }
@@ -42,17 +46,15 @@ static inline ivec i_low(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0
 static inline ivec i_high(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 static inline ivec i_sub(ivec a, int32_t c) { return _mm512_sub_epi32(a, _mm512_set1_epi32(c)); }
 static inline vec i_float(ivec a) { return _mm512_cvtepi32_ps(a); }
-#if defined(__AVX512VNNI__)
-struct WB { ivec v; };
-struct XB { ivec v; };
-static inline WB w_prep(ivec w) { return {w}; }
-static inline XB x_prep(ivec x) { return {x}; }
-static inline ivec dot4(ivec a, const WB &w, const XB &x) { return _mm512_dpbusd_epi32(a, w.v, x.v); }
-#else
 struct WB { ivec e, o; };
 struct XB { ivec e, o; };
 static inline WB w_prep(ivec w) { return {_mm512_and_si512(w, _mm512_set1_epi16(0xFF)), _mm512_srli_epi16(w, 8)}; }
-static inline XB x_prep(ivec x) { return {_mm512_srai_epi16(_mm512_slli_epi16(x, 8), 8), _mm512_srai_epi16(x, 8)}; }
+static inline XB x_prep(int32_t e, int32_t o) { return {_mm512_set1_epi32(e), _mm512_set1_epi32(o)}; }
+#if defined(__AVX512VNNI__)
+static inline ivec dot4(ivec a, const WB &w, const XB &x) {
+    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a, w.e, x.e), w.o, x.o);
+}
+#else
 static inline ivec dot4(ivec a, const WB &w, const XB &x) {
     return _mm512_add_epi32(a, _mm512_add_epi32(_mm512_madd_epi16(w.e, x.e), _mm512_madd_epi16(w.o, x.o)));
 }
@@ -69,28 +71,28 @@ static inline vec i_float(ivec a) { return _mm256_cvtepi32_ps(a); }
 struct WB { ivec e, o; };
 struct XB { ivec e, o; };
 static inline WB w_prep(ivec w) { return {_mm256_and_si256(w, _mm256_set1_epi16(0xFF)), _mm256_srli_epi16(w, 8)}; }
-static inline XB x_prep(ivec x) { return {_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8), _mm256_srai_epi16(x, 8)}; }
+static inline XB x_prep(int32_t e, int32_t o) { return {_mm256_set1_epi32(e), _mm256_set1_epi32(o)}; }
 static inline ivec dot4(ivec a, const WB &w, const XB &x) {
     return _mm256_add_epi32(a, _mm256_add_epi32(_mm256_madd_epi16(w.e, x.e), _mm256_madd_epi16(w.o, x.o)));
 }
 #endif
-// Four int8 inputs, in every lane.
-static inline XB x_at(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return x_prep(i_set(v));
+// Four 16-bit inputs (stored k, k+2, k+1, k+3), in every lane.
+static inline XB x_at(const int16_t *p) {
+    int32_t v[2];
+    memcpy(v, p, 8);
+    return x_prep(v[0], v[1]);
 }
 
 // The quantized input rows: xq [M, K], and per row sx [K/32], the sums of xq over each 16 and 32
 // (s16 [K/16], s32 [K/32]) and sx times them (mx16, mx32: the offsets' inputs).
 struct QX {
-    int8_t *q;
+    int16_t *q;
     float *sx, *mx16, *mx32;
     int32_t *s16, *s32;
     int K;
 };
 struct QXBuf {
-    std::vector<int8_t> q;
+    std::vector<int16_t> q;
     std::vector<float> f;
     std::vector<int32_t> s;
 };
@@ -111,11 +113,10 @@ static inline float hmax(__m256 v) {
 // One row's K inputs -> xq, sx and the sums (QX). A block of zeros has sx = 0 and xq = 0; one with a
 // NaN has sx = NaN, so that the outputs are NaN as the float path's (a block with an infinity: sx
 // infinite, its outputs not finite either).
-static void quantize_row(const float *x, int K, int8_t *q, float *sx, int32_t *s16, int32_t *s32, float *mx16,
+static void quantize_row(const float *x, int K, int16_t *q, float *sx, int32_t *s16, int32_t *s32, float *mx16,
                          float *mx32) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs work within 128-bit lanes
+    const __m256i lo = _mm256_set1_epi32(-32767), hi = _mm256_set1_epi32(32767);
     for (int b = 0; b < K / 32; b++) {
         __m256 v[4], top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
@@ -123,13 +124,16 @@ static void quantize_row(const float *x, int K, int8_t *q, float *sx, int32_t *s
             top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
         }
-        const float s = _mm256_movemask_ps(nan) ? NAN : hmax(top) / 127.0f;
+        const float s = _mm256_movemask_ps(nan) ? NAN : hmax(top) / 32767.0f;
         __m256i t[4];
-        for (int i = 0; i < 4; i++)  // round half to even (the default rounding mode), within +-127
+        for (int i = 0; i < 4; i++)  // round half to even (the default rounding mode), within +-32767
             t[i] = s > 0.0f ? _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_div_ps(v[i], _mm256_set1_ps(s)))))
                             : _mm256_setzero_si256();
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(t[0], t[1]), _mm256_packs_epi32(t[2], t[3]));
-        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(bytes, order));
+        int32_t all[32];
+        for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(all + 8 * i), t[i]);
+        for (int g = 0; g < 32; g += 4)  // each 4 as x_at reads them: k, k+2, then k+1, k+3
+            q[32 * b + g] = (int16_t)all[g], q[32 * b + g + 1] = (int16_t)all[g + 2],
+            q[32 * b + g + 2] = (int16_t)all[g + 1], q[32 * b + g + 3] = (int16_t)all[g + 3];
         const int32_t a = hsum_i(_mm256_add_epi32(t[0], t[1])), c = hsum_i(_mm256_add_epi32(t[2], t[3]));
         sx[b] = s;
         s16[2 * b] = a, s16[2 * b + 1] = c, s32[b] = a + c;
@@ -200,7 +204,7 @@ static inline void qtile(const QX &x, int r0, const QSeg &s, float *y, int ldy, 
                                                : (size_t)(s.skind == W_F32 ? 4 : 2) * PANEL * (1 + s.offsets);
     const size_t vq = (size_t)(K / unit) * (scales + (size_t)unit * PANEL / (NIB ? 2 : 1));  // a panel's bytes
     const uint8_t *p = s.w + (size_t)(n / PANEL) * vq, *h = p;
-    const int8_t *xq = x.q + (size_t)r0 * K;
+    const int16_t *xq = x.q + (size_t)r0 * K;
     const int32_t *sums = (QB == 16 ? x.s16 : x.s32) + (size_t)r0 * nb;
     const float *mx = (QB == 16 ? x.mx16 : x.mx32) + (size_t)r0 * nb, *sx = x.sx + (size_t)r0 * (K / 32);
     vec c[MR * NV];

@@ -7,8 +7,8 @@
 // matrix is read in the narrowest type that holds its values exactly (float16, bfloat16, else
 // float32: `native.narrowest`), converted to float32 in registers and accumulated in float32:
 // the same model, with no rounding of its own but the K/V cache's float16 (vec.h), as the eager path's.
-// A quantized file's matrices are the exception: integer products against inputs rounded to int8
-// per block (qmatmul.h), as llama.cpp computes them.
+// A quantized file's matrices are the exception: integer products against inputs rounded to int16
+// per block (qmatmul.h).
 //
 // The past is read as a strided view of the slab;
 // the new K/V go to `out_new` [L, 2, Hkv, T, D]: the slab itself, right after the past (the
@@ -41,6 +41,9 @@ struct LayerW {
     const float *g1, *g2; // RMSNorm weights before attention and before the MLP [d]
     const float *bias;    // [(H + 2Hkv) D] q, k, v biases in the row's order (Qwen2's), or null
     const float *gq, *gk; // [D] RMSNorm weights of each q head and each k head before rope (Qwen3's), or null
+    const float *g3, *g4; // [d] RMSNorm weights of the attention's output and the MLP's (Gemma's), or null
+    int window;           // a local layer's keys, its own included (Gemma's sliding window), or 0: all; it turns by
+                          // the local rotary tables (`ModelW.rope_local`)
 };
 
 // A head's RMSNorm in place (`Block.project`'s q and k norms): r [D] times g [D].
@@ -71,7 +74,19 @@ struct ModelW {
     int embed_panels;      // 1: `embed` is a tied head's own panels (one copy of the matrix, not two)
     const float *embed_d, *embed_m;
     int embed_block;
+    float embed_scale;     // the embedding rows times this (Gemma's sqrt(d)), or 1
+    float qscale;          // the attention scores' scale
+    int geglu;             // 1: the MLP's gate through gelu (tanh approximation), else silu
+    int64_t rope_local;    // floats from a row of cos, sin to the local layers' same row (0: the same tables)
 };
+
+// x [T, d] += (rms(y) * g) row by row: a sub-layer's output normed before the residual add (Gemma's).
+static void add_normed(float *x, float *y, int T, int d, float eps, const float *g) {
+    rms_rows(y, T, d, eps, g, y);
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < d; i++) x[(size_t)t * d + i] += y[(size_t)t * d + i];
+}
 
 // Where a pass's new K/V go, and which keys each of its rows sees.
 //   Strided: one sequence. The past [L, 2, Hkv, S, D] is a strided view of the slab (element
@@ -91,9 +106,9 @@ struct Strided {
     kv_t *dst(int l, int kv, int g, int t) const { return out_new + l * ns[0] + kv * ns[1] + g * ns[2] + t * ns[3]; }
     static constexpr int rows = ROWS_AT_ONCE;  // rows of one head attended in one call
     void attend(int l, int g, int t0, int nq, const float *q, long ldq, int D, float *scores, long lds, float *out,
-                long ldo) const {
+                long ldo, int window) const {
         const kv_t *pk = past + (size_t)l * st[0] + g * st[2], *nk = out_new + l * ns[0] + g * ns[2];
-        attend_seq(q, ldq, pk, pk + st[1], st[3], nk, nk + ns[1], ns[3], S, t0, nq, D, scores, lds, out, ldo);
+        attend_seq(q, ldq, pk, pk + st[1], st[3], nk, nk + ns[1], ns[3], S, t0, nq, D, scores, lds, out, ldo, window);
     }
 };
 
@@ -105,12 +120,15 @@ struct Paged {
     int64_t turn(int t) const { return positions[t]; }  // row t's rotation: cos, sin's row of its position
     kv_t *dst(int l, int kv, int g, int t) const { return slab + l * st[0] + kv * st[1] + g * st[2] + slots[t] * st[3]; }
     static constexpr int rows = 1;  // each row its own keys
-    void attend(int l, int g, int t, int, const float *q, long, int D, float *scores, long, float *out, long) const {
+    void attend(int l, int g, int t, int, const float *q, long, int D, float *scores, long, float *out, long,
+                int window) const {
+        // a local layer's row: the last `window` of its keys (a tree node's are its prefix, then its ancestors)
+        const int n = (int)count[t], lo = window && n > window ? n - window : 0;
         const kv_t *k = slab + (size_t)l * st[0] + g * st[2], *v = k + st[1];
-        const int64_t *seen = vis + start[t], ps = st[3];
+        const int64_t *seen = vis + start[t] + lo, ps = st[3];
         auto key = [=](int j) { return k + seen[j] * ps; };
         auto val = [=](int j) { return v + seen[j] * ps; };
-        attend_keys(q, key, val, (int)count[t], D, scores, out);
+        attend_keys(q, key, val, n - lo, D, scores, out);
     }
 };
 
@@ -134,7 +152,7 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
     const int G = H / Hkv, Q = (H + 2 * Hkv) * D, P = D / 2, lds = kv.keys(T) + 8, nb = (T + KV::rows - 1) / KV::rows;
     float *xn = scratch, *y = xn + (size_t)T * d, *att = y + (size_t)T * Q, *gu = att + (size_t)T * H * D;
     float *hf = gu + (size_t)T * 2 * F, *scores = hf + (size_t)T * F;
-    const float qscale = 1.0f / sqrtf((float)D);
+    const float qscale = mw->qscale;
 
 #pragma omp parallel num_threads(threads)
     {
@@ -174,6 +192,8 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                 else
                     for (int i = 0; i < d; i += 8)
                         _mm256_storeu_ps(xt + i, mw->embed_kind == W_BF16 ? load_b(e + i) : load_h(e + i));
+                if (mw->embed_scale != 1.0f)
+                    for (int i = 0; i < d; i++) xt[i] *= mw->embed_scale;
             }
         }
         for (int l = 0; l < mw->n_layers; l++) {
@@ -186,7 +206,8 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) {
                 float *r = y + (size_t)t * Q;
-                const float *c = cos_t + (size_t)kv.turn(t) * P, *sn = sin_t + (size_t)kv.turn(t) * P;
+                const size_t at = (size_t)kv.turn(t) * P + (L.window ? mw->rope_local : 0);
+                const float *c = cos_t + at, *sn = sin_t + at;
                 if (L.bias)
                     for (int i = 0; i < Q; i++) r[i] += L.bias[i];
                 if (L.gq)
@@ -208,9 +229,14 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                 const int hh = i / nb, b = i % nb, t0 = T * b / nb, nq = T * (b + 1) / nb - t0;
                 kv.attend(l, hh / G, t0, nq, y + (size_t)t0 * Q + hh * D, Q, D,
                           scores + (size_t)omp_get_thread_num() * ROWS_AT_ONCE * lds, lds,
-                          att + (size_t)t0 * H * D + hh * D, H * D);
+                          att + (size_t)t0 * H * D + hh * D, H * D, L.window);
             }
-            matmul(att, T, H * D, L.o, d, H * D, x, d, true);
+            if (L.g3) {  // the attention's output normed, then added
+                matmul(att, T, H * D, L.o, d, H * D, xn, d, false);
+                add_normed(x, xn, T, d, mw->eps, L.g3);
+            } else {
+                matmul(att, T, H * D, L.o, d, H * D, x, d, true);
+            }
             rms_rows(x, T, d, mw->eps, L.g2, xn);
             matmul(xn, T, d, L.gu, 2 * F, d, gu, 2 * F, false);
 #pragma omp for schedule(static)
@@ -218,13 +244,21 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                 const float *a = gu + (size_t)t * 2 * F, *b = a + F;
                 float *o = hf + (size_t)t * F;
                 for (int i = 0; i < F; i += 8) {
-                    __m256 av = _mm256_loadu_ps(a + i);
+                    __m256 av = _mm256_loadu_ps(a + i), z = av;
+                    if (mw->geglu)  // gelu(a) = a sigmoid(2 sqrt(2/pi) (a + 0.044715 a^3)), its tanh form
+                        z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
+                                          _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), av), _mm256_mul_ps(av, av), av));
                     __m256 sg = _mm256_div_ps(_mm256_set1_ps(1.0f),
-                                              _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), av))));
+                                              _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
                     _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(av, sg), _mm256_loadu_ps(b + i)));
                 }
             }
-            matmul(hf, T, F, L.down, d, F, x, d, true);
+            if (L.g4) {  // the MLP's output normed, then added
+                matmul(hf, T, F, L.down, d, F, xn, d, false);
+                add_normed(x, xn, T, d, mw->eps, L.g4);
+            } else {
+                matmul(hf, T, F, L.down, d, F, x, d, true);
+            }
         }
         if (mw->head.w && T_head > 0) {
             if (head_rows) {  // the rows asked for, gathered (a batch's last rows)
