@@ -20,17 +20,22 @@ BENCH_PROPOSERS_HELP = (
     "folder or a GGUF file: ngram and any MTP module for it found beside it)"
 )
 PROPOSER_HELP = (
-    f"none|ngram|draft-2l|draft-4l|mtp|PATH|ngram+P (default: {PROPOSER['greedy']} greedy, "
+    f"none|ngram|suffix|draft-2l|draft-4l|mtp|PATH|ngram+P|suffix+P (default: {PROPOSER['greedy']} greedy, "
     f"{PROPOSER['sample']} sampled; HF: none)"
 )
 # Default k per proposer, (greedy, sampled): the best of `bench --sweep-k` (docs/benchmarks.md, "The default k").
-K = {"draft-2l": (4, 3), "draft-4l": (4, 2), "mtp": (4, 3), "ngram": (4, 4)}
+K = {"draft-2l": (4, 3), "draft-4l": (4, 2), "mtp": (4, 3), "ngram": (4, 4), "suffix": (12, 8)}
 K_OTHER = 3  # a proposer given by path
 # The n-gram lookup: the last NGRAM_MAX..NGRAM_MIN tokens, longest first (a 1-gram drafts badly).
 NGRAM = "ngram"
 NGRAM_MIN = 2
 NGRAM_MAX = 4
 NGRAM_DRAFT_COST = 0.16  # one more token's cost in a verify pass, in one-token passes (docs/benchmarks.md)
+# The suffix lookup (`spec.suffix`): the n-gram lookup, and the texts this process wrote before, at most SUFFIX_TOKENS
+# of them (the oldest evicted first; about a hundred bytes of index a token).
+SUFFIX = "suffix"
+SUFFIX_TOKENS = 1 << 18
+LOOKUPS = (NGRAM, SUFFIX)  # the model-free proposers, alone or before a model's (`ngram+P`, `suffix+P`)
 # Token trees (`--tree N`, MTP only; 0: the chain): N draft tokens from each node's and level's TREE_WIDTH best;
 # a sampled request's nodes get TREE_DRAWS children drawn from q (SpecInfer's rule).
 TREE = 0
@@ -41,12 +46,14 @@ MAX_TREE = 64
 
 
 def default_k(proposer: str, greedy: bool, k: int | None = None) -> int:
-    """The user's k, else the proposer's default (`ngram+P` and `P@tree12` as P); `none` proposes nothing (0)."""
+    """The user's k, else the proposer's default (`ngram+P`, `suffix+P` and `P@tree12` as P); `none` proposes nothing
+    (0)."""
     if proposer == "none":
         return 0
     if k is not None:
         return k
-    name = proposer.removeprefix(NGRAM + "+").split("@")[0]
+    name = next((proposer.removeprefix(f"{x}+") for x in LOOKUPS if proposer.startswith(f"{x}+")), proposer)
+    name = name.split("@")[0]
     return K[name][0 if greedy else 1] if name in K else K_OTHER
 
 
@@ -117,7 +124,7 @@ SPECULATE_UP_TO = 2
 
 def load_cap(proposer: str, batch: int) -> int:
     """The most draft tokens per round a greedy sequence gets among `batch`: no cap for the n-gram lookup alone."""
-    return MAX_K if proposer == NGRAM or batch <= SPECULATE_UP_TO else 0
+    return MAX_K if proposer in LOOKUPS or batch <= SPECULATE_UP_TO else 0
 
 
 # `smallem data --continuations`: bench-prompt-long contexts continued to a 256-token window; one in 3 sampled.

@@ -195,6 +195,24 @@ def read_prompts(path: Path, cfg: ModelConfig, max_new: int, ks: dict[str, list[
     return prompts
 
 
+def conversation(value: object) -> list[dict[str, str]]:
+    """A request's "messages" -> the conversation [{"role", "content"}], a content given as OpenAI's text parts
+    joined; BadField naming the fault."""
+    if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
+        raise BadField('"messages" must be a list of {"role": ..., "content": ...} objects, not empty')
+    out = []
+    for i, m in enumerate(value, 1):
+        content = m.get("content")
+        if isinstance(content, list):  # parts: text ones only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and type(p.get("text")) is str for p in content):
+                raise BadField(f"message {i}: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise BadField(f'message {i}: its "role" and "content" must be strings')
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
 def json_value(text: str) -> object:
     try:
         return json.loads(text)
@@ -222,14 +240,10 @@ def _line_ids(obj: object, where: str, vocab_size: int, tok: Tokenizer | None, c
         if not obj["text"].strip():
             raise UsageError(f'{where}: "text" is empty')
     else:
-        conv = obj["messages"]
-        if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
-            raise UsageError(
-                f'{where}: "messages" must be a list of {{"role": ..., "content": ...}} objects, not empty'
-            )
-        for i, m in enumerate(conv, 1):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise UsageError(f'{where}: message {i}: its "role" and "content" must be strings')
+        try:
+            obj = {"messages": conversation(obj["messages"])}
+        except BadField as e:
+            raise UsageError(f"{where}: {e}") from None
         if chat is None or chat.template is None:
             raise UsageError(f'{where}: the target has no chat template: give this prompt as "text" or "tokens"')
     if tok is None:

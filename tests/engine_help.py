@@ -30,17 +30,17 @@ def proposer(
     "ngram+draft" / "ngram+mtp": the loaded proposer, as `family.load_proposer` makes it."""
     if kind == "none":
         return NONE
-    ngram = kind.startswith("ngram")
+    lookup = "ngram" if kind.startswith("ngram") else ""
     base = kind.removeprefix("ngram").removeprefix("+")
     if not base:
-        return LoadedProposer("ngram", ngram=True)
+        return LoadedProposer("ngram", lookup="ngram")
     assert model is not None
     model.pack()
     if base == "mtp":
         assert target is not None and isinstance(model, MTPModule)
-        return LoadedProposer(kind, model, Head(target.pack(), vocab), ngram=ngram)
+        return LoadedProposer(kind, model, Head(target.pack(), vocab), lookup=lookup)
     assert isinstance(model, Transformer)
-    return LoadedProposer(kind, model, Head(model, vocab), ngram=ngram)
+    return LoadedProposer(kind, model, Head(model, vocab), lookup=lookup)
 
 
 def backend(name: str, target: Transformer, *models: Transformer | MTPModule, int8: bool = False) -> Backend:

@@ -139,6 +139,8 @@ def test_json_fields_default_to_the_options() -> None:
         ("{" * 100_000, "invalid JSON object"),
         ('{"prompt": "hi", "max_tokens": 5}', r'unknown field "max_tokens" \(fields: id, prompt, max_new_tokens'),
         ('{"seed": 3}', 'no prompt: a JSON request needs a "prompt" string'),
+        ('{"prompt": "a", "messages": []}', 'gives "prompt" or "messages", not both'),
+        ('{"messages": [{"role": "user"}]}', 'message 1: its "role" and "content" must be strings'),
         ('{"prompt": 5}', "prompt must be a string, got 5"),
         ('{"prompt": ["hi"]}', r'prompt must be a string, got \["hi"\]'),
         ('{"prompt": "hi", "max_new_tokens": 0}', "max_new_tokens must be >= 1, got 0"),

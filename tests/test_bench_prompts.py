@@ -116,7 +116,7 @@ USER = {"role": "user", "content": "hi"}
         ({"messages": ["hi"]}, r'"messages" must be a list'),
         ({"messages": [{"role": "user"}]}, r'message 1: its "role" and "content" must be strings'),
         ({"messages": [USER, {"role": 2, "content": "b"}]}, r'message 2: its "role" and "content" must be strings'),
-        ({"messages": [{"role": "user", "content": ["a"]}]}, r'message 1: its "role" and "content"'),
+        ({"messages": [{"role": "user", "content": ["a"]}]}, r"message 1: only text parts are supported"),
         ({"text": "a", "messages": [USER]}, r'a prompt is "text" or "messages", not both'),
         ({"prompt": "a"}, r'not a prompt \(a JSON object with "tokens" \(ids in 0\.\.299\), "text"'),
         ('{"text": "a\\ud800"}', r"the tokenizer refused the prompt"),  # a lone surrogate

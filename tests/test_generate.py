@@ -287,8 +287,8 @@ def watch(monkeypatch: pytest.MonkeyPatch):
         made: list = []
         real = build.proposer_for
 
-        def wrapped(p, target, pool, b):
-            made.append(wrap(real(p, target, pool, b)))
+        def wrapped(p, target, pool, b, *suffix):
+            made.append(wrap(real(p, target, pool, b, *suffix)))
             return made[-1]
 
         monkeypatch.setattr(build, "proposer_for", wrapped)

@@ -40,17 +40,17 @@ def index(tokens: list[int], lo: int = 1, hi: int = 3) -> NgramIndex:
 def test_lookup_takes_the_longest_then_the_latest_match() -> None:
     # suffix [1, 2]: as a 2-gram it last occurred at 4..5 (followed by 9), as a 1-gram [2] too;
     # the 3-gram [5, 1, 2] occurred at 0..2, followed by 7: the longest wins.
-    assert index([5, 1, 2, 7, 1, 2, 9, 5, 1, 2]).lookup(2) == [7, 1]
-    assert index([3, 1, 2, 7, 1, 2, 9, 5, 1, 2]).lookup(2) == [9, 5]  # no 3-gram: the latest 2-gram
-    assert index([1, 2, 3, 4]).lookup(3) == []  # nothing repeats
-    assert index([4, 8, 4], lo=2).lookup(3) == []  # a 1-gram match is below min_n
+    assert index([5, 1, 2, 7, 1, 2, 9, 5, 1, 2]).match(2)[1] == [7, 1]
+    assert index([3, 1, 2, 7, 1, 2, 9, 5, 1, 2]).match(2)[1] == [9, 5]  # no 3-gram: the latest 2-gram
+    assert index([1, 2, 3, 4]).match(3)[1] == []  # nothing repeats
+    assert index([4, 8, 4], lo=2).match(3)[1] == []  # a 1-gram match is below min_n
 
 
 def test_lookup_never_matches_the_suffix_itself_and_copies_past_the_end() -> None:
-    assert index([7]).lookup(4) == []
+    assert index([7]).match(4)[1] == []
     # [7, 8] last occurred at 0..1: what followed is 7, 8, then the copy of the copy
-    assert index([7, 8, 7, 8]).lookup(5) == [7, 8, 7, 8, 7]
-    assert index([9, 9]).lookup(3) == [9, 9, 9]
+    assert index([7, 8, 7, 8]).match(5)[1] == [7, 8, 7, 8, 7]
+    assert index([9, 9]).match(3)[1] == [9, 9, 9]
 
 
 def test_index_grows_incrementally_like_built_at_once() -> None:
@@ -59,7 +59,7 @@ def test_index_grows_incrementally_like_built_at_once() -> None:
     whole, parts = index(toks, 2, 4), NgramIndex(2, 4)
     for i in range(0, 300, 7):
         parts.extend(toks[i : i + 7])
-    assert whole.last == parts.last and whole.lookup(5) == parts.lookup(5) != []
+    assert whole.last == parts.last and whole.match(5)[1] == parts.match(5)[1] != []
 
 
 def test_bad_sizes_are_refused() -> None:
@@ -151,8 +151,8 @@ def test_fallback_guesses_by_lookup_where_it_matches_and_by_the_model_elsewhere(
     made: list[FallbackProposer] = []
     real = build.proposer_for
 
-    def counted(p, target, pool, bk):
-        fb = real(p, target, pool, bk)
+    def counted(p, target, pool, bk, *suffix):
+        fb = real(p, target, pool, bk, *suffix)
         assert isinstance(fb, FallbackProposer) and isinstance(fb.first, NgramProposer)
         fb.first, fb.other = Counting(fb.first), Counting(fb.other)  # type: ignore[assignment]
         made.append(fb)
@@ -225,8 +225,8 @@ def test_ngram_sampled_q_is_one_hot_in_the_engine(models, monkeypatch) -> None:
     seen: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     real = build.proposer_for
 
-    def spied(p, target, pool, bk):
-        bp = real(p, target, pool, bk)
+    def spied(p, target, pool, bk, *suffix):
+        bp = real(p, target, pool, bk, *suffix)
         assert isinstance(bp, NgramProposer)
         inner = bp.propose
 
@@ -271,7 +271,7 @@ def test_ngram_depth_follows_the_acceptance_it_measures() -> None:
     toks, _ = p.propose(4, None, None)
     assert toks.shape[0] == 0 and p.rates[0] < 0.2
     for _ in range(6):  # now the lookup would have been right, offered or not
-        looked = p.index.lookup(4)
+        looked = p.index.match(4)[1]
         p.propose(4, None, None)
         p.accept(torch.tensor(looked[:1]))
     toks, _ = p.propose(4, None, None)

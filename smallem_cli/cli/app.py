@@ -58,10 +58,11 @@ def bad_input(*more: type[Exception]) -> Iterator[None]:
 
 def load_run(target: Path, proposer: str, device: str, tokenizer: Path | None, vocab: int, tree: tuple[int, int] | None,
              weights: str, engine: str, threads: int | None, quiet: bool, k: int | None, chat: bool = False,
-             max_batch: int = 1, share: bool = True) -> tuple[Model, Engine]:  # fmt: skip
+             max_batch: int = 1, share: bool = True, suffix_shared: bool = True) -> tuple[Model, Engine]:  # fmt: skip
     """What a command that runs the engine loads: the target (`chat`: its chat template checked first), the proposer
     (`vocab`: its head's cut), the backend with every model's native steps built, the threads (`share`: fewer while
-    other processes run) -> the target and its engine. INPUT_ERRORS on bad input."""
+    other processes run) -> the target and its engine (`suffix_shared`: the suffix lookup reads every text it wrote
+    before). INPUT_ERRORS on bad input."""
     import torch
 
     from ..backends.engines import Backend, chosen, engine_mode
@@ -79,7 +80,10 @@ def load_run(target: Path, proposer: str, device: str, tokenizer: Path | None, v
         torch.set_num_threads(n)
     # every model the run may use, given its native steps (built once) before the clock starts
     backend.prepare(tgt.model, loaded.models, None if quiet else err.print, loaded.models if loaded.int8 else ())
-    config = EngineConfig(tgt.model, loaded, backend, k, max_batch, end_ids=tgt.chat.end_ids, decode=tgt.tok.decode)
+    config = EngineConfig(
+        tgt.model, loaded, backend, k, max_batch, end_ids=tgt.chat.end_ids, decode=tgt.tok.decode,
+        suffix_shared=suffix_shared,
+    )  # fmt: skip
     return tgt, build(config)
 
 

@@ -148,8 +148,9 @@ def batch(
 ) -> None:
     """Answer many requests, one a line of FILE (or stdin), decoded together: a JSON line each on stdout.
 
-    A line is a prompt, or a JSON object: {"prompt": "...", "id": ..., "max_new_tokens": 50, ...}, whose other
-    fields are "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed" and "stop" (a string or a list).
+    A line is a prompt, or a JSON object: {"prompt": "...", "id": ..., "max_new_tokens": 50, ...}, or "messages"
+    ([{"role": ..., "content": ...}], through the target's chat template) in place of "prompt"; its other fields are
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed" and "stop" (a string or a list).
 
     Fields left out take the options below. A line's id, unless it gives one, is its number in the input.
 
@@ -180,7 +181,12 @@ def batch(
         shown = Display(show=not quiet and err.is_terminal)
 
         def requests() -> Iterator[Request]:
-            lines = batch_io.parse_lines(source, asked, lambda text: tgt.tok.encode(text).ids, eng.context, slack)
+            def encode(prompt: str | list[dict[str, str]]) -> list[int]:
+                if isinstance(prompt, str):
+                    return tgt.tok.encode(prompt).ids
+                return options.prompt_ids(tgt.tok, None, tgt.chat, prompt)  # UsageError: the line's error
+
+            lines = batch_io.parse_lines(source, asked, encode, eng.context, slack)
             for item in lines:
                 if isinstance(item, batch_io.Rejected):
                     writer.put(item.index, {"id": item.id, "error": item.error})

@@ -17,7 +17,7 @@ from ..errors import BadField, UsageError
 from ..options import READERS
 from ..spec.sampling import Sampling
 
-Encode = Callable[[str], Sequence[int]]  # text -> token ids
+Encode = Callable[[str | list[dict[str, str]]], Sequence[int]]  # a text, or a conversation (its template's) -> ids
 Record = dict[str, object]
 
 
@@ -44,7 +44,7 @@ class Rejected:
     error: str
 
 
-FIELDS = ("id", "prompt", *READERS)
+FIELDS = ("id", "prompt", *READERS, "messages")
 _OFF = ("top_k", "top_p", "min_p")  # `null` turns these off
 
 
@@ -66,10 +66,13 @@ def parse_line(
                 rid = obj["id"]
             if unknown := sorted(set(obj) - set(FIELDS)):
                 raise BadField(f"unknown field {options.shown(unknown[0])} (fields: {', '.join(FIELDS)})")
-            if "prompt" not in obj:
-                raise BadField('no prompt: a JSON request needs a "prompt" string')
-            prompt = obj["prompt"]
-            if not isinstance(prompt, str):
+            if "prompt" in obj and "messages" in obj:
+                raise BadField('a JSON request gives "prompt" or "messages", not both')
+            if "messages" in obj:  # a conversation, through the target's chat template
+                prompt = options.conversation(obj["messages"])
+            elif "prompt" not in obj:
+                raise BadField('no prompt: a JSON request needs a "prompt" string (or "messages")')
+            elif not isinstance(prompt := obj["prompt"], str):
                 raise BadField(f"prompt must be a string, got {options.shown(prompt)}")
             given = {
                 n: None if obj[n] is None and n in _OFF else read(n, obj[n]) for n, read in READERS.items() if n in obj
@@ -77,12 +80,13 @@ def parse_line(
             opts = replace(defaults, **given)  # the fields given override the options'
         sampling = Sampling(opts.temperature, opts.top_k, opts.top_p, opts.seed, opts.min_p, opts.repetition_penalty)
         options.check_sampling(**asdict(sampling), max_new_tokens=opts.max_new_tokens)
-        if not prompt.strip():
-            raise BadField("empty prompt")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON's "\ud800": no text a tokenizer takes
-            raise BadField(f"prompt is not valid Unicode (a lone surrogate at character {e.start})") from None
+        for text in [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]:
+            if isinstance(prompt, str) and not text.strip():
+                raise BadField("empty prompt")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON's "\ud800": no text a tokenizer takes
+                raise BadField(f"prompt is not valid Unicode (a lone surrogate at character {e.start})") from None
         ids = tuple(encode(prompt))
         if not ids:
             raise BadField("empty prompt")

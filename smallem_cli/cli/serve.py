@@ -49,6 +49,9 @@ def serve(
     engine: args.Engine = defaults.ENGINE,
     tokenizer: args.Tokenizer = None,
     weights: args.Weights = defaults.PROPOSER_WEIGHTS,
+    suffix_shared: Annotated[
+        bool, typer.Option(help="`--proposer suffix` looks up every answer served before, not its request's text alone")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no access log")] = False,
 ) -> None:
     """Serve the target over HTTP: OpenAI's /v1/completions, /v1/chat/completions (streamed or whole) and
@@ -84,7 +87,7 @@ def serve(
         vocab = defaults.proposer_vocab(True)  # a batch mixes modes: the greedy head, the default
         load = functools.partial(
             load_run, target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, k,
-            max_batch=max_batch, share=False,
+            max_batch=max_batch, share=False, suffix_shared=suffix_shared,
         )  # fmt: skip
         try:
             try:  # the chat template is tried before the weights load

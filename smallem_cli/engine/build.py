@@ -11,6 +11,7 @@ from .. import defaults
 from ..backends.engines import Backend
 from ..kv.pool import PagePool
 from ..model.llama import MTPModule, Transformer
+from ..spec.suffix import SuffixCache
 from .config import EngineConfig, cache_budget, plan_pool
 from .family import LoadedProposer
 from .forward import slab_for
@@ -28,7 +29,8 @@ def build(config: EngineConfig) -> Engine:
     plan = plan_pool(config, 0 if config.pages else cache_budget(device))  # measured with the models loaded
     pool = PagePool(plan.pages, defaults.PAGE_SIZE)
     runner = TargetRunner(target, slab_for(target, pool.n_pages * pool.page_size, device), pool, backend.steps(target))
-    proposer = proposer_for(p, target, pool, backend)
+    cache = SuffixCache(config.suffix_tokens) if p.lookup == defaults.SUFFIX else None
+    proposer = proposer_for(p, target, pool, backend, cache, config.suffix_shared)
     trees = None
     if p.tree is not None:
         if not isinstance(proposer, MTPProposer):
@@ -38,18 +40,23 @@ def build(config: EngineConfig) -> Engine:
     return Engine(config, plan, runner, proposer, trees, grow)
 
 
-def proposer_for(p: LoadedProposer, target: Transformer, pool: PagePool, backend: Backend) -> Proposer:
-    """The engine's proposer for a loaded one, its slab (a model's) over `pool`."""
+def proposer_for(
+    p: LoadedProposer, target: Transformer, pool: PagePool, backend: Backend, cache: SuffixCache | None = None,
+    share: bool = True,
+) -> Proposer:  # fmt: skip
+    """The engine's proposer for a loaded one, its slab (a model's) over `pool`; the suffix lookup's texts in
+    `cache`, added to it where `share`."""
     model: DraftProposer | MTPProposer | None = None
     if isinstance(p.model, MTPModule):
         assert p.head is not None
         model = MTPProposer(target, p.model, pool, p.head, backend)
     elif p.model is not None:
         assert p.head is not None
-        model = DraftProposer(p.model, pool, p.head, p.name.removeprefix(defaults.NGRAM + "+"), backend)
-    if not p.ngram:
+        model = DraftProposer(p.model, pool, p.head, p.name.removeprefix(f"{p.lookup}+"), backend)
+    if not p.lookup:
         return model or NoProposer()
-    lookup = NgramProposer(target.cfg.vocab_size, defaults.NGRAM_MIN, defaults.NGRAM_MAX, defaults.NGRAM_DRAFT_COST)
+    args = target.cfg.vocab_size, defaults.NGRAM_MIN, defaults.NGRAM_MAX, defaults.NGRAM_DRAFT_COST
+    lookup = NgramProposer(*args, cache, share)
     return lookup if model is None else FallbackProposer(lookup, model)
 
 

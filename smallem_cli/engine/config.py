@@ -36,6 +36,8 @@ class EngineConfig:
     decode: Callable[[list[int]], str] | None = None  # an answer's text; stop strings need it
     strict: bool = False  # a max_batch the memory cannot hold is refused (bench), not lowered
     pages: int | None = None  # a pool of this many pages, never grown; None: `plan_pool`'s
+    suffix_tokens: int = defaults.SUFFIX_TOKENS  # the suffix lookup's texts, at most
+    suffix_shared: bool = True  # each text the engine writes goes to the suffix lookup of the texts after it
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

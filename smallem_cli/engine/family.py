@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from .. import defaults
-from ..defaults import NGRAM
+from ..defaults import LOOKUPS, NGRAM
 from ..interop import gguf, hf
 from ..model import checkpoint
 from ..model.chat import ChatFormat, check_template, hf_format, hf_template, own_format
@@ -105,7 +105,7 @@ class LoadedProposer:
     name: str
     model: Transformer | MTPModule | None = None
     head: Head | None = None
-    ngram: bool = False
+    lookup: str = ""  # the model-free one before it, or alone: ngram or suffix ("": none)
     tree: tuple[int, int] | None = None  # (draft tokens, width): the MTP module grows token trees
     int8: bool = False  # the native backend reads the model's matrices as int8
     spec: str = ""  # what it was loaded as, which picks its default k (`defaults.default_k`); "": its name
@@ -147,14 +147,16 @@ def load_proposer(
         raise CheckpointError(f"--tree needs the MTP module as proposer, not {spec!r}")
     if spec == "none":
         return NONE
-    if spec == NGRAM:
-        return LoadedProposer(NGRAM, ngram=True)
-    if spec.startswith(NGRAM + "+"):
-        rest = spec.removeprefix(NGRAM + "+")
-        if rest in ("none", NGRAM) or rest.startswith(NGRAM + "+"):
-            raise CheckpointError(f"proposer {spec!r}: {NGRAM}+ takes a model proposer (a draft or an MTP module)")
+    if spec in LOOKUPS:
+        return LoadedProposer(spec, lookup=spec)
+    if (lookup := next((x for x in LOOKUPS if spec.startswith(x + "+")), None)) is not None:
+        rest = spec.removeprefix(lookup + "+")
+        if rest == "none" or rest in LOOKUPS or any(rest.startswith(x + "+") for x in LOOKUPS):
+            raise CheckpointError(f"proposer {spec!r}: {lookup}+ takes a model proposer (a draft or an MTP module)")
         other = load_proposer(rest, target, device, vocab, weights=weights)
-        return LoadedProposer(f"{NGRAM}+{other.name}", other.model, other.head, ngram=True, int8=other.int8, spec=spec)
+        return LoadedProposer(
+            f"{lookup}+{other.name}", other.model, other.head, lookup=lookup, int8=other.int8, spec=spec
+        )
     path = _proposer_path(spec, target)
     name = path.stem or str(path)
     int8 = weights == "int8"
@@ -178,7 +180,7 @@ def load_proposer(
 
 def _is_mtp(spec: str, target: Target) -> bool:
     """Whether `spec` names an MTP module's checkpoint (read from its header alone)."""
-    if spec in ("none", NGRAM) or spec.startswith(NGRAM + "+"):
+    if spec == "none" or spec in LOOKUPS or any(spec.startswith(x + "+") for x in LOOKUPS):
         return False
     path = _proposer_path(spec, target)
     return not foreign(path) and checkpoint.read_meta(path).get("kind") == "mtp"

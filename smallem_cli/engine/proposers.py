@@ -25,6 +25,7 @@ from ..kv.step import BatchStep, build, in_order
 from ..model.llama import MTPModule, Transformer, head_matmul
 from ..spec.head import Head
 from ..spec.ngram import NgramLookup
+from ..spec.suffix import SuffixCache, SuffixLookup
 from ..spec.verify import Penalty, Warper, uniforms
 from .forward import mtp_pass, slab_for, transformer_pass
 from .sequence import Seq
@@ -61,17 +62,26 @@ def penalty_of(s: Seq) -> Penalty | None:
 
 
 class NgramProposer:
-    """The prompt lookup (`ngram.NgramLookup`), one per sequence: nothing to batch."""
+    """The prompt lookup (`ngram.NgramLookup`), one per sequence: nothing to batch. With a `cache`, the suffix lookup
+    (`suffix.SuffixLookup`) over every text written into it, each sequence's as it grows; without `share`, each
+    sequence's over a cache of its own (its text alone)."""
 
-    name = "ngram"
-
-    def __init__(self, vocab_size: int, min_n: int, max_n: int, draft_cost: float) -> None:
+    def __init__(
+        self, vocab_size: int, min_n: int, max_n: int, draft_cost: float, cache: SuffixCache | None = None,
+        share: bool = True,
+    ) -> None:  # fmt: skip
         self.args = vocab_size, min_n, max_n, draft_cost
+        self.cache, self.share = cache, share
+        self.name = "ngram" if cache is None else "suffix"
         self.each: dict[int, NgramLookup] = {}
 
     def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None:
         for s, f in zip(seqs, fed, strict=True):
-            self.each[s.uid] = lookup = NgramLookup(*self.args)
+            if self.cache is None:
+                lookup = NgramLookup(*self.args)
+            else:
+                lookup = SuffixLookup(self.cache if self.share else SuffixCache(self.cache.max_tokens), *self.args)
+            self.each[s.uid] = lookup
             lookup.start(f, s.last)
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Draft]:
@@ -289,11 +299,11 @@ class MTPProposer(ModelProposer):
 
 
 class FallbackProposer:
-    """The n-gram lookup where it matches, the model proposer for the other sequences."""
+    """The n-gram (or suffix) lookup where it matches, the model proposer for the other sequences."""
 
     def __init__(self, first: NgramProposer, other: ModelProposer) -> None:
         self.first, self.other = first, other
-        self.name = f"ngram+{other.name}"
+        self.name = f"{first.name}+{other.name}"
 
     def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None:
         self.first.start(seqs, fed, hidden)

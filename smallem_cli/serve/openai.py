@@ -150,19 +150,7 @@ def _prompt_ids(body: Body, served: Served) -> list[int]:
 
 
 def _chat_ids(body: Body, served: Served) -> list[int]:
-    conv = body.get("messages")
-    if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) for m in conv):
-        raise BadField('messages must be a list of {"role": ..., "content": ...} objects, not empty')
-    messages = []
-    for i, m in enumerate(conv):
-        content = m.get("content")
-        if isinstance(content, list):  # parts: text ones only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and type(p.get("text")) is str for p in content):
-                raise BadField(f"messages[{i}].content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(m.get("role"), str) or not isinstance(content, str):
-            raise BadField(f"messages[{i}]: its role and content must be strings")
-        messages.append({"role": m["role"], "content": content})
+    messages = options.conversation(body.get("messages"))
     if served.chat.template is None:
         raise BadField(f"the model {served.model!r} has no chat template: use /v1/completions")
     _check_chars([m["content"] for m in messages], served)  # its tokens are at least its messages' (as text)

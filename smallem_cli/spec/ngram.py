@@ -30,8 +30,9 @@ class NgramIndex:
                 self.last[tuple(self.tokens[end - n + 1 : end + 1])] = end
             self.tokens.append(t)
 
-    def lookup(self, k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix seen before (its latest occurrence)."""
+    def match(self, k: int) -> tuple[int, list[int]]:
+        """(n, up to k tokens that followed the longest suffix seen before, n tokens, at its latest occurrence);
+        (0, []) where none."""
         toks, size = self.tokens, len(self.tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             if (end := self.last.get(tuple(toks[size - n :]))) is not None:
@@ -39,8 +40,8 @@ class NgramIndex:
                 out: list[int] = []
                 for j in range(end + 1, end + 1 + k):
                     out.append(toks[j] if j < size else out[j - size])
-                return out
-        return []
+                return n, out
+        return 0, []
 
 
 def best_depth(first: float, then: float, k: int, draft_cost: float) -> int:
@@ -82,10 +83,17 @@ class NgramLookup:
             self.index.extend(torch.cat(self.backlog).tolist())
             self.backlog.clear()
         self.asked = True
-        self.looked = self.index.lookup(k)
-        m = best_depth(*self.rates, k, self.draft_cost) if self.draft_cost else k
-        tokens = torch.tensor(self.looked[:m], dtype=torch.long, device=self.device)  # [m]
+        self.looked = self.find(k)
+        tokens = torch.tensor(self.looked[: self.depth(k)], dtype=torch.long, device=self.device)  # [m]
         return tokens, None if warp is None or not tokens.shape[0] else F.one_hot(tokens, self.vocab_size).float()
+
+    def depth(self, k: int) -> int:
+        """How many of the draft tokens found to offer: as deep as the measured acceptance is worth."""
+        return best_depth(*self.rates, k, self.draft_cost) if self.draft_cost else k
+
+    def find(self, k: int) -> list[int]:
+        """Up to k draft tokens: what followed the longest suffix of the text seen before."""
+        return self.index.match(k)[1]
 
     def accept(self, emitted: torch.Tensor) -> None:
         """A round's tokens taken in, and what the lookup would have had accepted counted."""
