@@ -131,6 +131,11 @@ CFG = ModelConfig(  # widths multiples of 256 (a k-quant's super-block), the fam
 # a type by llama.cpp name (its last part, or the whole name): Q4_K_M's mix, and one of the 5-bit types with the
 # older ones, rows of different types and block lengths in each fused matrix
 MIXES = {
+    # no output.weight: the head is the embedding's blocks, read back as its rows too (`qmatmul.h`'s `q_row`)
+    "tied": {
+        "attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "attn_v.weight": "Q8_0", "attn_output.weight": "Q6_K",
+        "ffn_gate.weight": "Q5_K", "ffn_up.weight": "Q5_1", "ffn_down.weight": "Q5_0", "token_embd.weight": "Q4_K",
+    },
     "q4_k_m": {
         "attn_q.weight": "Q4_K", "attn_k.weight": "Q4_K", "attn_v.weight": "Q6_K", "attn_output.weight": "Q4_K",
         "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q4_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K",
@@ -146,12 +151,15 @@ STD = 0.1  # about the weights' spread
 # Each quantized product's inputs are rounded to int16 a block of 32 (`qmatmul.h`): an error uniform within +-sx/2,
 # sx = max|x| / 32767, so an rms error of max|x| / (32767 sqrt 12); for normal-like inputs max|x| is about 2.37 times
 # their rms (the mean largest of 32 normal magnitudes), so each product's output is off by about DELTA of its rms. A
-# pass's outputs lie P products deep (4 a layer, then the head); their errors at most add: P DELTA.
-DELTA = 2.37 / (32767 * 12**0.5)
+# pass's outputs lie P products deep (4 a layer, then the head); their errors at most add: P DELTA. That rounding is
+# now smaller than the two engines' own: float32 sums in another order, over random weights whose products cancel
+# (an error of about K 2^-24 of a product's rms, 3e-5 at K = 512), and the K/V cache's float16, where two near values
+# may round either side (up to half an ulp, 2^-12): each product is allowed both.
+DELTA = 2.37 / (32767 * 12**0.5) + 2**-12
 
 
 def quant_close(a: torch.Tensor, b: torch.Tensor, products: int) -> bool:
-    """b equal to a to the int16 rounding of the inputs of `products` quantized products in a row (relative rms)."""
+    """b equal to a to the rounding of `products` quantized products in a row (relative rms; DELTA each)."""
     return a.shape == b.shape and float((a.float() - b.float()).norm()) <= products * DELTA * float(a.float().norm())
 
 
@@ -164,9 +172,11 @@ def sizes(kind: str) -> tuple[float, ...]:
 
 def write_mix(path: Path, family: Family, mix: dict[str, str]) -> set[str]:
     """A GGUF file of CFG: every matrix random blocks of its type in `mix`, norms as a fresh model's -> the types of
-    the matrices it multiplies by (the embedding aside)."""
+    the matrices it multiplies by (the embedding aside, but for a tied head's)."""
     gguf = need()
     arrays = gguf_tensors(Transformer(CFG), "f32")
+    if "output.weight" not in mix:  # tied: the embedding is the head
+        del arrays["output.weight"]
     w = gguf.GGUFWriter(str(path), "llama")
     add_llama_metadata(w, CFG, gguf_vocab(family.tokenizer, CFG.vocab_size))
     rng, kinds = np.random.default_rng(7), set()
@@ -175,7 +185,7 @@ def write_mix(path: Path, family: Family, mix: dict[str, str]) -> set[str]:
             kind = mix[name] if name in mix else mix[name.split(".", 2)[2]]  # blk.N.attn_q.weight
             raw = raw_blocks(kind, arr.shape[0], arr.shape[1], rng, sizes(kind))
             w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
-            if name != "token_embd.weight":
+            if name != "token_embd.weight" or "output.weight" not in arrays:
                 kinds.add(kind)
         else:
             w.add_tensor(name, arr)

@@ -14,14 +14,23 @@ from .weights import Weights, interleave_halves
 
 
 def rope_tables(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_seq_len, head_dim], Llama's non-interleaved (rotate-half) layout; `local`: the local layers'
-    (their own base, unscaled, as Gemma 3's)."""
+    """cos, sin: [max_seq_len, head_dim / 2], the angle of each pair (i, i + D/2) of Llama's rotate-half layout;
+    `local`: the local layers' (their own base, unscaled, as Gemma 3's)."""
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     inv = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
     if cfg.rope_freqs and not local:  # each pair's frequency divided by its factor (linear: all alike; llama3: by band)
         inv = inv / torch.tensor(cfg.rope_freqs, dtype=torch.float64)
-    ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv).repeat(1, 2)
+    ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv)
     return ang.cos().float(), ang.sin().float()
+
+
+def rope_rows(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's cos, sin [max_seq_len, D/2], the local layers' below them where it has some (one table each, which
+    the native engine reads as it is)."""
+    if not cfg.local_layers:
+        return rope_tables(cfg)
+    (c, s), (cl, sl) = rope_tables(cfg), rope_tables(cfg, local=True)
+    return torch.cat([c, cl]), torch.cat([s, sl])
 
 
 def llama3_freqs(
@@ -54,10 +63,10 @@ def llama3_params(cfg: ModelConfig) -> tuple[float, float, float, int] | None:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos, sin: [T, D] for the tokens' positions."""
+    """x: [B, T, H, D]; cos, sin: [T, D/2] for the tokens' positions."""
     half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
+    x1, x2, c, s = x[..., :half], x[..., half:], cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -209,10 +218,9 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.source: Weights | None = None  # the files its weights lie in, read from there (`stored`)
         self.pack_on_load = False  # `pack` was asked for before `materialize`: it packs once they are read
-        for tag, local in (("", False), ("_local", True)):  # the local layers' tables: their own base
-            cos, sin = rope_tables(cfg, local)
-            self.register_buffer(f"cos{tag}", cos, persistent=False)
-            self.register_buffer(f"sin{tag}", sin, persistent=False)
+        rope_cos, rope_sin = rope_rows(cfg)
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
         self.head_t: torch.Tensor | None = None  # [dim, vocab], set by pack()
         self.head_rows: torch.Tensor | None = None  # [vocab, dim], set by pack() (`head_matmul`)
         self.rope_packed: torch.Tensor | None = None  # complex [max_seq_len, (H+2Hkv)*D/2]
@@ -224,10 +232,25 @@ class Transformer(nn.Module):
         the native backend; the eager path loads them in float32 the first time it runs (`materialize`)."""
         with torch.device("meta"):  # shapes only: nothing is allocated
             model = cls(cfg)
-        model.cos, model.sin = rope_tables(cfg)
-        model.cos_local, model.sin_local = rope_tables(cfg, local=True)
+        model.rope_cos, model.rope_sin = rope_rows(cfg)
         model.source = weights
         return model.eval()
+
+    @property
+    def cos(self) -> torch.Tensor:  # [max_seq_len, D/2]; the local layers': `cos_local`
+        return self.rope_cos[: self.cfg.max_seq_len]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.rope_sin[: self.cfg.max_seq_len]
+
+    @property
+    def cos_local(self) -> torch.Tensor:
+        return self.rope_cos[-self.cfg.max_seq_len :]
+
+    @property
+    def sin_local(self) -> torch.Tensor:
+        return self.rope_sin[-self.cfg.max_seq_len :]
 
     @property
     def lazy(self) -> bool:
@@ -285,9 +308,9 @@ class Transformer(nn.Module):
         return self
 
     def _rope_rows(self, local: bool) -> torch.Tensor:
-        c, half = self.cfg, self.cfg.head_dim // 2
+        c = self.cfg
         cos, sin = (self.cos_local, self.sin_local) if local else (self.cos, self.sin)
-        turn = torch.complex(cos[:, :half], sin[:, :half])  # [max_seq_len, D/2]
+        turn = torch.complex(cos, sin)  # [max_seq_len, D/2]
         ones = torch.ones_like(turn).repeat(1, c.n_kv_heads)
         return torch.cat([turn.repeat(1, c.n_heads + c.n_kv_heads), ones], dim=1)
 

@@ -111,10 +111,8 @@ class NativeSteps:
             raise NativeUnavailable("the model's widths are not multiples of 8")
         self.mtp = isinstance(model, MTPModule)
         own = target if self.mtp else model  # the MTP module turns (and drafts) as its target
-        half = c.head_dim // 2  # cos, sin [context, D/2]: each head's pairs turn alike; the local layers' below them
-        tables = ((own.cos, own.cos_local), (own.sin, own.sin_local)) if c.local_layers else ((own.cos,), (own.sin,))
-        cos, sin = (torch.cat([t[:, :half] for t in ts]).contiguous() for ts in tables)
-        self.rope = (cos, sin)
+        # cos, sin [context, D/2] (each head's pairs turn alike), the local layers' below them: the model's own tables
+        self.rope = (own.rope_cos.contiguous(), own.rope_sin.contiguous())
         self.positions = min(c.max_seq_len, target.cfg.max_seq_len)
         self.model = model
         self.keep: list[Tensor] = []  # every tensor the C structs point at, alive as long as they
@@ -143,7 +141,7 @@ class NativeSteps:
         self.mw = mw = _ModelW(len(names), c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim, c.vocab_size)
         mw.eps, mw.layers = c.norm_eps, ctypes.cast(self.layers_c, ctypes.c_void_p)
         mw.embed_scale, mw.qscale, mw.geglu = c.embed_scale, attn_scale(c), int(c.geglu)
-        mw.rope_local = own.cos.shape[0] * half if c.local_layers else 0  # the local tables' offset
+        mw.rope_local = own.cos.numel() if c.local_layers else 0  # the local tables' offset, in floats
         # a chain's head rows in panels, by id(ids) (ids held, so that their id stays theirs)
         self._heads: dict[int, tuple[Tensor | None, _Mat]] = {}
         if isinstance(model, MTPModule):
@@ -154,7 +152,7 @@ class NativeSteps:
         else:
             assert head is not None
             mw.head = head
-            if c.tie_embeddings and mw.head.kind in KINDS.values() and not mw.head.scale:  # the head's rows are it
+            if c.tie_embeddings and mw.head.kind in (*KINDS.values(), W_Q) and not mw.head.scale:  # the head's rows
                 mw.embed, mw.embed_kind, mw.embed_panels = mw.head.w, mw.head.kind, 1
             elif isinstance(embed := own_bytes(model, "embed_tokens.weight"), quant.Blocked):  # a byte a weight
                 mw.embed, mw.embed_kind, mw.embed_block = self._held(embed.q.contiguous()), W_Q, embed.block

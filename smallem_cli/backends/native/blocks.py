@@ -54,7 +54,7 @@ def by_panel(t: Tensor, width: int) -> Tensor:
 def unsigned(q: Tensor, bias: int, nibbles: bool, width: int) -> Tensor:
     """int8 q [N, K] -> q + bias as uint8 in the kernels' groups of 4 (module doc), the padding rows zero."""
     N, K = q.shape
-    u = (q.to(torch.int16) + bias).to(torch.uint8)
+    u = q.view(torch.uint8) + bias  # modulo 256: q + bias itself, which lies in 0..255
     if pad := -N % width:
         u = torch.cat([u, u.new_zeros(pad, K)])
     if nibbles:  # groups 2j and 2j+1 of a row in the low and high nibbles of one group's bytes
@@ -63,25 +63,40 @@ def unsigned(q: Tensor, bias: int, nibbles: bool, width: int) -> Tensor:
     return u.reshape(-1, width, K // (8 if nibbles else 4), 4).transpose(1, 2).contiguous()
 
 
-def pack(b: quant.Blocked, width: int, hold: Callable[[Tensor], int]) -> QSeg:
-    """One segment (rows of one type) in the kernels' layout (module doc), kept alive by `hold` (-> its address)."""
+def pack(b: quant.Blocked, width: int, hold: Callable[[Tensor], int], chunk: int = 1 << 14) -> QSeg:
+    """One segment (rows of one type) in the kernels' layout (module doc), kept alive by `hold` (-> its address); laid
+    out `chunk` rows at a time into the one tensor kept, so that the copies on the way (a 262k-row head's) take a
+    chunk's memory, not the matrix's."""
     (kind,) = b.kinds
     bias, nibbles = quant.BIAS[kind], kind in quant.NIBBLES
     assert int(b.q.min()) + bias >= 0 and int(b.q.max()) + bias < (16 if nibbles else 256), kind
     assert b.block == 32 or not nibbles
+    N, step = b.q.shape[0], max(width, chunk - chunk % width)
+    out: Tensor | None = None
+    for r in range(0, N, step):
+        part = _panels(b.rows(lambda t, r=r: t[r : r + step]), width, bias, nibbles)  # [panels, units, bytes]
+        if out is None:
+            out = torch.empty(-(-N // width), *part.shape[1:], dtype=torch.uint8)
+        out[r // width : r // width + part.shape[0]] = part
+    assert out is not None
+    skind = W_FACTORS if b.factors is not None else W_F32 if b.d.dtype == torch.float32 else W_F16
+    return QSeg(N, b.block, bias, int(nibbles), skind, int(b.m is not None), hold(out))
+
+
+def _panels(b: quant.Blocked, width: int, bias: int, nibbles: bool) -> Tensor:
+    """`pack`'s layout of some rows: [panels, units, a unit's scales then its weights] bytes."""
     f = b.factors
     if f is not None:  # units of 256 weights: d, dmin [width] float16, then sc, mn [blocks, width] int8
         units, per = b.q.shape[1] // quant.SUPER, quant.SUPER // b.block
         head = [by_panel(t, width) for t in (f.d, f.dmin) if t is not None]
         head += [by_panel(t, width).view(-1, units, per * width) for t in (f.sc, f.mn) if t is not None]
-        skind, unit = W_FACTORS, quant.SUPER
+        unit = quant.SUPER
     else:  # units of a block: its d, m [width]
         head = [by_panel(t, width) for t in (b.d, b.m) if t is not None]
-        skind, unit = (W_F32 if b.d.dtype == torch.float32 else W_F16), b.block
+        unit = b.block
     units = b.q.shape[1] // unit
     weights = unsigned(b.q, bias, nibbles, width).view(-1, units, unit * width // (2 if nibbles else 1))
-    w = torch.cat([t.contiguous().view(torch.uint8) for t in head] + [weights], dim=2)
-    return QSeg(b.q.shape[0], b.block, bias, int(nibbles), skind, int(b.m is not None), hold(w.contiguous()))
+    return torch.cat([t.contiguous().view(torch.uint8) for t in head] + [weights], dim=2)
 
 
 def held_array(segs: list[QSeg]) -> Tensor:

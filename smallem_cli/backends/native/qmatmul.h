@@ -289,6 +289,38 @@ static inline void qtiles(const QX &x, int r0, const QSeg &s, float *y, int ldy,
         if (np - v > 0) qtiles<NIB, QB, MR, NV - 1>(x, r0, s, y, ldy, n0 + PANEL * v, np - v, N, add);
 }
 
+// Row r of a quantized matrix's segments, its values d q (+ m) into out [K], rounded as `Blocked.values`
+// (d q, then + m): a tied head's blocks read back as the token embedding, one copy of the matrix.
+static void q_row(const QSeg *s, int64_t r, int K, float *out) {
+    while (r >= s->rows) r -= s->rows, s++;
+    const int unit = s->skind == W_FACTORS ? 256 : s->block, per = unit / s->block, c = (int)(r % PANEL);
+    const size_t scales = s->skind == W_FACTORS ? (size_t)(2 + per) * PANEL * (1 + s->offsets)
+                                                : (size_t)(s->skind == W_F32 ? 4 : 2) * PANEL * (1 + s->offsets);
+    const size_t bytes = (size_t)unit * PANEL / (s->nibbles ? 2 : 1), vq = (size_t)(K / unit) * (scales + bytes);
+    const uint8_t *p = s->w + (size_t)(r / PANEL) * vq;
+    for (int u = 0; u < K / unit; u++, p += scales + bytes)
+        for (int j = 0; j < per; j++) {
+            float d, m = 0.0f;
+            if (s->skind == W_FACTORS) {  // an int8 times a float16, as `unit_scale`
+                const int8_t *sub = (const int8_t *)(p + 2 * PANEL * (1 + s->offsets));
+                d = (float)sub[j * PANEL + c] * _cvtsh_ss(((const uint16_t *)p)[c]);
+                if (s->offsets) m = (float)sub[(per + j) * PANEL + c] * _cvtsh_ss(((const uint16_t *)p)[PANEL + c]);
+            } else if (s->skind == W_F32) {
+                d = ((const float *)p)[c], m = s->offsets ? ((const float *)p)[PANEL + c] : 0.0f;
+            } else {
+                d = _cvtsh_ss(((const uint16_t *)p)[c]);
+                m = s->offsets ? _cvtsh_ss(((const uint16_t *)p)[PANEL + c]) : 0.0f;
+            }
+            for (int k = j * s->block; k < (j + 1) * s->block; k++) {  // k within the unit
+                const int g = k / 4;  // its group of 4; with nibbles, groups 2i and 2i+1 share one group's bytes
+                const uint8_t b = p[scales + (size_t)(s->nibbles ? g / 2 : g) * PANEL * 4 + c * 4 + k % 4];
+                const int q = (s->nibbles ? (g % 2 ? b >> 4 : b & 15) : b) - s->bias;
+                const float v = d * (float)q;
+                out[u * unit + k] = s->offsets ? v + m : v;
+            }
+        }
+}
+
 static constexpr int qnv_for(int mr) { return Q_ACC / mr; }
 
 // Every input row against np panels of a segment from column n0 (y: the segment's first column):

@@ -71,7 +71,8 @@ struct ModelW {
     const float *g_h;      // [d]
     int embed_kind;        // W_F16, W_BF16, W_F32, or W_Q: a quantized file's rows, int8 q [V, d] with
                            // embed_d (and embed_m) [V, d / embed_block] float32, a value d q (+ m)
-    int embed_panels;      // 1: `embed` is a tied head's own panels (one copy of the matrix, not two)
+    int embed_panels;      // 1: the embedding is a tied head's own panels (one copy of the matrix, not two): `embed`,
+                           // or with W_Q the head's blocks (`q_row`)
     const float *embed_d, *embed_m;
     int embed_block;
     float embed_scale;     // the embedding rows times this (Gemma's sqrt(d)), or 1
@@ -168,7 +169,9 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
                 const size_t row = (size_t)tokens[t] * d;
                 float *xt = x + (size_t)t * d;
                 const uint16_t *e = (const uint16_t *)mw->embed + row;
-                if (mw->embed_panels) {  // row v: column v % PANEL of panel v / PANEL, a value every PANEL
+                if (mw->embed_panels && mw->embed_kind == W_Q) {  // a tied head's blocks: row v of them
+                    q_row(mw->head.seg, tokens[t], d, xt);
+                } else if (mw->embed_panels) {  // row v: column v % PANEL of panel v / PANEL, a value every PANEL
                     const size_t at = (size_t)(tokens[t] / PANEL) * d * PANEL + tokens[t] % PANEL;
                     const uint16_t *h = (const uint16_t *)mw->embed + at;
                     for (int i = 0; i < d; i++)
