@@ -17,10 +17,11 @@ def rope_tables(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tensor, to
     """cos, sin: [max_seq_len, head_dim / 2], the angle of each pair (i, i + D/2) of Llama's rotate-half layout;
     `local`: the local layers' (their own base, unscaled, as Gemma 3's)."""
     theta = cfg.rope_local_theta if local else cfg.rope_theta
-    inv = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    # on the CPU whatever the default device: a model built on the meta device (`stored`) gets its real tables
+    inv = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device="cpu") / cfg.head_dim)
     if cfg.rope_freqs and not local:  # each pair's frequency divided by its factor (linear: all alike; llama3: by band)
-        inv = inv / torch.tensor(cfg.rope_freqs, dtype=torch.float64)
-    ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv)
+        inv = inv / torch.tensor(cfg.rope_freqs, dtype=torch.float64, device="cpu")
+    ang = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64, device="cpu"), inv)
     return ang.cos().float(), ang.sin().float()
 
 
@@ -212,7 +213,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # built on the meta device (`stored`), no init: normal_'s meta kernel imports torch._dynamo, a second or more
+        shape = (cfg.vocab_size, cfg.dim)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape) if torch.empty(0).is_meta else None)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -232,7 +235,6 @@ class Transformer(nn.Module):
         the native backend; the eager path loads them in float32 the first time it runs (`materialize`)."""
         with torch.device("meta"):  # shapes only: nothing is allocated
             model = cls(cfg)
-        model.rope_cos, model.rope_sin = rope_rows(cfg)
         model.source = weights
         return model.eval()
 
