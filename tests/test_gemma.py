@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import Family
-from test_hf import hf_logits, smallem_greedy, transformers
-from test_qwen import VOCAB, prompts, save
-from test_rope_scaling import greedy_ref, run, same_logits
+from test_hf import transformers
+from test_qwen import VOCAB, check_parity, save, write_converted
+from test_rope_scaling import greedy_ref, run
 from tokenizers import Tokenizer
 
-from smallem_cli.interop.gguf import add_llama_metadata, gguf_name, gguf_vocab, load_gguf
+from smallem_cli.interop.gguf import load_gguf
 from smallem_cli.interop.hf import HFFormatError, config_from_hf, load_hf
 
 NEW = 24  # new tokens: past the window of 8 from every prompt
@@ -51,17 +51,6 @@ def gemma() -> Any:
     return hf_gemma()
 
 
-def check_parity(m: Any, hf: Any) -> None:
-    """Logits close over 60 tokens (windows cut from the 9th on); greedy tokens equal over NEW on 3 prompts."""
-    x = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(9))
-    with torch.no_grad():
-        same_logits(m.logits(m.hidden(x[None]))[0], hf_logits(hf, x))
-    m.pack()
-    for p in prompts():
-        ref = greedy_ref(hf, p, NEW)
-        assert smallem_greedy(m, p, NEW) == ref and len(set(ref)) > 3
-
-
 def test_config_reads_gemmas_parts(gemma: Any) -> None:
     cfg = config_from_hf(gemma.config.to_dict())
     assert (cfg.output_norms, cfg.geglu, cfg.qk_norm, cfg.tie_embeddings) == (True, True, True, True)
@@ -72,7 +61,7 @@ def test_config_reads_gemmas_parts(gemma: Any) -> None:
 
 def test_folder_matches_transformers(gemma: Any, family: Family, tmp_path: Path) -> None:
     m, _ = load_hf(save(gemma, tmp_path / "hf", family.tokenizer))
-    check_parity(m.materialize(), gemma)
+    check_parity(m.materialize(), gemma, NEW)
 
 
 def test_a_window_leaves_keys_out(gemma: Any, family: Family, tmp_path: Path) -> None:
@@ -88,31 +77,15 @@ def test_a_window_leaves_keys_out(gemma: Any, family: Family, tmp_path: Path) ->
     assert (windowed[8:] - whole[8:]).abs().max() > 1e-2
 
 
-def write_converted(hf: Any, path: Path, tok: Path) -> None:
-    """The HF model as llama.cpp's converter writes a gemma3 file: norm weights as 1 + w, Wq and Wk as they are,
-    the window in the metadata (the local rope base and the global layers llama.cpp's own)."""
-    import gguf
-
-    m, _ = load_hf(save(hf, path.with_suffix(".src"), tok))  # its norms read as 1 + w, as the converter writes
-    m.materialize()
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    add_llama_metadata(w, m.cfg, gguf_vocab(tok, m.cfg.vocab_size))
-    w.add_sliding_window(m.cfg.sliding_window)
-    for key, v in m.state_dict().items():
-        w.add_tensor(gguf_name(key), v.contiguous().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_gguf_matches_transformers(family: Family, tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     hf = hf_gemma(seed=1, llama_cpp=True)
-    write_converted(hf, tmp_path / "m.gguf", family.tokenizer)
+    # as llama.cpp's converter writes a gemma3 file: norm weights as 1 + w (read so from the folder), the window in
+    # the metadata (the local rope base and the global layers llama.cpp's own)
+    write_converted(hf, "gemma3", tmp_path / "m.gguf", family.tokenizer, lambda w, cfg: w.add_sliding_window(8))
     g = load_gguf(tmp_path / "m.gguf").model
     assert g.cfg == config_from_hf(hf.config.to_dict())  # what llama.cpp assumes is what the folder says
-    check_parity(g.materialize(), hf)
+    check_parity(g.materialize(), hf, NEW)
 
 
 def _tokens(*args: str) -> list[int]:

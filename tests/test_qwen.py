@@ -6,6 +6,7 @@ native alike, and speculation must keep the target's greedy tokens."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +58,15 @@ def prompts() -> list[torch.Tensor]:
     ]
 
 
-def check_parity(m: Any, hf: Any) -> None:
-    """Logits close over 60 tokens; greedy tokens equal over NEW on 3 prompts."""
+def check_parity(m: Any, hf: Any, new: int = NEW) -> None:
+    """Logits close over 60 tokens; greedy tokens equal over `new` on 3 prompts."""
     x = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         same_logits(m.logits(m.hidden(x[None]))[0], hf_logits(hf, x))
     m.pack()
     for p in prompts():
-        ref = greedy_ref(hf, p, NEW)
-        assert smallem_greedy(m, p, NEW) == ref and len(set(ref)) > 3
+        ref = greedy_ref(hf, p, new)
+        assert smallem_greedy(m, p, new) == ref and len(set(ref)) > 3
 
 
 def test_folder_matches_transformers(qwen: tuple[str, Any], family: Family, tmp_path: Path) -> None:
@@ -76,15 +77,17 @@ def test_folder_matches_transformers(qwen: tuple[str, Any], family: Family, tmp_
     check_parity(m, hf)
 
 
-def write_converted(hf: Any, kind: str, path: Path, tok: Path) -> None:
-    """The HF model as llama.cpp's converter writes a qwen2 / qwen3 file: Wq and Wk as they are, biases and q/k
-    norm weights in float32, the `qwen2` pre-tokenizer."""
+def write_converted(hf: Any, kind: str, path: Path, tok: Path, more: Callable[[Any, Any], None] | None = None) -> None:
+    """The HF model as llama.cpp's converter writes a qwen2 / qwen3 (or gemma3) file: Wq and Wk as they are, biases
+    and q/k norm weights in float32, the `qwen2` pre-tokenizer; `more(writer, config)` adds metadata."""
     import gguf
 
     m, _ = load_hf(save(hf, path.with_suffix(".src"), tok))
     m.materialize()
     w = gguf.GGUFWriter(str(path), kind)
     add_llama_metadata(w, m.cfg, gguf_vocab(tok, m.cfg.vocab_size), pre="qwen2")
+    if more is not None:
+        more(w, m.cfg)
     for key, v in m.state_dict().items():
         w.add_tensor(gguf_name(key), v.contiguous().numpy())
     w.write_header_to_file()
