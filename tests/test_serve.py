@@ -342,3 +342,21 @@ def test_bench_serve_peer_vllm_rows_on_a_stand_in(monkeypatch: pytest.MonkeyPatc
     assert len(served) == 1 and all(r["identical"] == f"{r['requests']}/{r['requests']}" for r in rows)
     r = CliRunner().invoke(app, [*argv[:-2], "--peer", "hf", "--target", str(SHIPPED)])
     assert r.exit_code == 2 and "--peer vllm" in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_suffix_lookup_reads_other_requests_only_when_shared(shared: bool) -> None:
+    """The same request twice to `--proposer suffix`: with --suffix-shared the second drafts from the first's
+    answer, nearly every draft token accepted; without, its own text alone, far fewer. Both answers are the same."""
+    s = Server(SHIPPED, "--proposer", "suffix", *(["--suffix-shared"] if shared else []))
+    try:
+        body = {"prompt": "And God said", "max_tokens": 64, "temperature": 0}
+        first = s.post("/v1/completions", body).json()["choices"][0]["text"]
+        before = s.metrics()
+        second = s.post("/v1/completions", body).json()["choices"][0]["text"]
+        after = s.metrics()
+    finally:
+        s.close()
+    assert first == second
+    accepted = after["accepted_tokens_total"] - before["accepted_tokens_total"]
+    assert (accepted >= 48) if shared else (accepted < 48), accepted
