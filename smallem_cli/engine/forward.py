@@ -80,7 +80,8 @@ def transformer_pass(
         return steps.batch(ids, None, slab, b, head)
     assert model.eager().rope_packed is not None
     assert model.rope_packed_local is not None
-    rope, local = model.rope_packed[b.positions], model.rope_packed_local[b.positions]  # [N, P]
+    rope = model.rope_packed[b.positions]  # [N, P]
+    local = model.rope_packed_local[b.positions] if model.cfg.local_layers else rope
     x = model.embed(ids)  # [N, d]
     for i, blk in enumerate(model.layers):
         x = block_pass(blk, x, local if blk.window else rope, slab[i], b)  # type: ignore[arg-type]

@@ -306,7 +306,8 @@ class Transformer(nn.Module):
         self.head_t = (self.head_weight.detach().t() * self.norm.weight.detach()[:, None]).contiguous()
         self.head_rows = self.head_t.t().contiguous()  # [vocab, dim]: the same, for passes over a few rows
         # e^{jθ} per (position, column pair) of a packed QKV row: q's and k's pairs (i, i + D/2), v's 1 + 0j
-        self.rope_packed, self.rope_packed_local = self._rope_rows(False), self._rope_rows(True)
+        self.rope_packed = self._rope_rows(False)
+        self.rope_packed_local = self._rope_rows(True) if self.cfg.local_layers else self.rope_packed
         return self
 
     def _rope_rows(self, local: bool) -> torch.Tensor:
