@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import Family
 from test_batch_cli import answers, batch
-from test_bench_prompts import hf_dir, with_template  # noqa: F401  (a fixture)
+from test_bench_prompts import hf_dir  # noqa: F401  (a fixture)
 
 from smallem_cli.engine.build import build
 from smallem_cli.engine.config import EngineConfig
@@ -46,8 +47,6 @@ def test_the_oldest_texts_are_evicted_with_their_anchors() -> None:
 def test_a_lookup_takes_the_longer_of_its_text_and_the_cache() -> None:
     cache = SuffixCache(100)
     cache.add([1, 2, 3, 4, 5, 6, 7, 8])
-    import torch
-
     lookup = SuffixLookup(cache, 300, 2, 4)
     lookup.start(torch.tensor([9, 9, 9, 1, 2, 3, 4]), torch.tensor([5]))
     assert lookup.find(3) == [6, 7, 8]  # its own text has no 2-gram ending in `4 5` before: the cache's

@@ -61,15 +61,10 @@ def block_pass(blk: Block, x: Tensor, rope: Tensor, kv: Tensor, b: BatchStep) ->
         s = (q @ keys[0].transpose(-1, -2)).view(B, Hkv, G, Tm, S) + bias[:, None, None]  # [B, Hkv, G, Tm, S]
         o = torch.softmax(s, dim=-1).view(B, Hkv, G * Tm, S) @ keys[1]  # [B, Hkv, G*Tm, D]
         att = o.view(B, Hkv, G, Tm, D).permute(0, 3, 1, 2, 4).reshape(B * Tm, H * D)[b.out_rows]  # [N, H*D]
-    if "ao" not in p:
-        x = torch.addmm(x, att, p["o"])
-        gu = unit_rms(x, blk.eps) @ p["gu"]  # [N, 2F]
-        f = gu.shape[-1] // 2
-        return torch.addmm(x, gated(gu[:, :f], gu[:, f:], blk.geglu), p["down"])
-    x = blk.residual(x, att @ p["o"], "ao")  # the outputs normed before the residual adds (Gemma's)
-    gu = unit_rms(x, blk.eps) @ p["gu"]
+    x = blk.residual(x, att, "o", "ao")
+    gu = unit_rms(x, blk.eps) @ p["gu"]  # [N, 2F]
     f = gu.shape[-1] // 2
-    return blk.residual(x, gated(gu[:, :f], gu[:, f:], blk.geglu) @ p["down"], "mo")
+    return blk.residual(x, gated(gu[:, :f], gu[:, f:], blk.geglu), "down", "mo")
 
 
 def transformer_pass(

@@ -155,12 +155,15 @@ class Block(nn.Module):
         k = unit_rms(y[:, H * D : (H + Hkv) * D].view(N, Hkv, D), self.eps) * p["kn"]
         return torch.cat([q.view(N, -1), k.view(N, -1), y[:, (H + Hkv) * D :]], dim=1)
 
-    def residual(self, x: torch.Tensor, out: torch.Tensor, which: str) -> torch.Tensor:
-        """x + a sub-layer's output (`which`: "ao" the attention's, "mo" the MLP's), normed first where the model
-        norms them (Gemma's)."""
+    def residual(self, x: torch.Tensor, a: torch.Tensor, w: str, norm: str) -> torch.Tensor:
+        """x + a sub-layer's output a @ packed[w] (the attention's "o", the MLP's "down"), normed first by
+        packed[norm] where the model norms its outputs (Gemma's "ao", "mo"), else in one addmm."""
         p = self.packed
         assert p is not None
-        return x + F.rms_norm(out, (out.shape[-1],), p[which], self.eps) if which in p else x + out
+        if norm not in p:
+            return torch.addmm(x, a, p[w])
+        out = a @ p[w]
+        return x + F.rms_norm(out, (out.shape[-1],), p[norm], self.eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Training: x [B, T, dim] -> [B, T, dim], causal attention over the sequence (a local layer's, over its

@@ -37,51 +37,41 @@ struct QSeg {
 // the weights' even bytes widened to 16 bits against the inputs k, k+2, the odd ones against k+1,
 // k+3 (the inputs stored in that order: `quantize_row`), pairs of products summed into each 32-bit
 // lane (exact: 255 * 32767 * 2 < 2^31).
+// The register's operations, 512 or 256 bits wide; what is built on them below is the same for both.
 #if defined(__AVX512F__)
+#define I_(op) _mm512_##op
 typedef __m512i ivec;
-static inline ivec i_zero() { return _mm512_setzero_si512(); }
 static inline ivec i_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
-static inline ivec i_set(int32_t v) { return _mm512_set1_epi32(v); }
-static inline ivec i_low(ivec v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
-static inline ivec i_high(ivec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
-static inline ivec i_sub(ivec a, int32_t c) { return _mm512_sub_epi32(a, _mm512_set1_epi32(c)); }
-static inline vec i_float(ivec a) { return _mm512_cvtepi32_ps(a); }
-struct WB { ivec e, o; };
-struct XB { ivec e, o; };
-static inline WB w_prep(ivec w) { return {_mm512_and_si512(w, _mm512_set1_epi16(0xFF)), _mm512_srli_epi16(w, 8)}; }
-static inline XB x_prep(int32_t e, int32_t o) { return {_mm512_set1_epi32(e), _mm512_set1_epi32(o)}; }
-#if defined(__AVX512VNNI__)
-static inline ivec dot4(ivec a, const WB &w, const XB &x) {
-    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a, w.e, x.e), w.o, x.o);
-}
+static inline ivec i_zero() { return _mm512_setzero_si512(); }
+static inline ivec i_and(ivec a, ivec b) { return _mm512_and_si512(a, b); }
 #else
-static inline ivec dot4(ivec a, const WB &w, const XB &x) {
-    return _mm512_add_epi32(a, _mm512_add_epi32(_mm512_madd_epi16(w.e, x.e), _mm512_madd_epi16(w.o, x.o)));
-}
-#endif
-#else
+#define I_(op) _mm256_##op
 typedef __m256i ivec;
-static inline ivec i_zero() { return _mm256_setzero_si256(); }
 static inline ivec i_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline ivec i_set(int32_t v) { return _mm256_set1_epi32(v); }
-static inline ivec i_low(ivec v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
-static inline ivec i_high(ivec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-static inline ivec i_sub(ivec a, int32_t c) { return _mm256_sub_epi32(a, _mm256_set1_epi32(c)); }
-static inline vec i_float(ivec a) { return _mm256_cvtepi32_ps(a); }
-struct WB { ivec e, o; };
-struct XB { ivec e, o; };
-static inline WB w_prep(ivec w) { return {_mm256_and_si256(w, _mm256_set1_epi16(0xFF)), _mm256_srli_epi16(w, 8)}; }
-static inline XB x_prep(int32_t e, int32_t o) { return {_mm256_set1_epi32(e), _mm256_set1_epi32(o)}; }
-static inline ivec dot4(ivec a, const WB &w, const XB &x) {
-    return _mm256_add_epi32(a, _mm256_add_epi32(_mm256_madd_epi16(w.e, x.e), _mm256_madd_epi16(w.o, x.o)));
-}
+static inline ivec i_zero() { return _mm256_setzero_si256(); }
+static inline ivec i_and(ivec a, ivec b) { return _mm256_and_si256(a, b); }
 #endif
+static inline ivec i_low(ivec v) { return i_and(v, I_(set1_epi8)(0x0F)); }
+static inline ivec i_high(ivec v) { return i_and(I_(srli_epi16)(v, 4), I_(set1_epi8)(0x0F)); }
+static inline ivec i_sub(ivec a, int32_t c) { return I_(sub_epi32)(a, I_(set1_epi32)(c)); }
+static inline vec i_float(ivec a) { return I_(cvtepi32_ps)(a); }
+struct WB { ivec e, o; };  // a group's even weight bytes and odd ones, each widened to 16 bits
+struct XB { ivec e, o; };  // inputs k, k+2 and k+1, k+3, in every lane
+static inline WB w_prep(ivec w) { return {i_and(w, I_(set1_epi16)(0xFF)), I_(srli_epi16)(w, 8)}; }
+static inline ivec dot4(ivec a, const WB &w, const XB &x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a, w.e, x.e), w.o, x.o);
+#else
+    return I_(add_epi32)(a, I_(add_epi32)(I_(madd_epi16)(w.e, x.e), I_(madd_epi16)(w.o, x.o)));
+#endif
+}
 // Four 16-bit inputs (stored k, k+2, k+1, k+3), in every lane.
 static inline XB x_at(const int16_t *p) {
     int32_t v[2];
     memcpy(v, p, 8);
-    return x_prep(v[0], v[1]);
+    return {I_(set1_epi32)(v[0]), I_(set1_epi32)(v[1])};
 }
+#undef I_
 
 // The quantized input rows: xq [M, K], and per row sx [K/32], the sums of xq over each 16 and 32
 // (s16 [K/16], s32 [K/32]) and sx times them (mx16, mx32: the offsets' inputs).
