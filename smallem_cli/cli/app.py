@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,6 +55,36 @@ def bad_input(*more: type[Exception]) -> Iterator[None]:
         yield
     except (*INPUT_ERRORS, *more) as e:
         raise fail(str(e)) from None
+
+
+def new_file(path: Path, option: str, overwrite: bool) -> None:
+    """Refuse an output that is a folder, that exists without --overwrite (nothing is replaced unasked), that is
+    no regular file (a link, a device), or whose folder cannot be made or written in."""
+    from .. import atomic
+
+    if path.is_dir():
+        raise fail(f"{path} is a folder, not a file: choose another {option}")
+    if path.exists() and not overwrite:
+        raise fail(f"{path} exists: pass --overwrite to replace it, or {option} to write elsewhere")
+    writable(path, option)
+    try:
+        atomic.check_replaceable(path)
+    except OSError as e:
+        raise fail(f"{option}: {e}") from None
+
+
+def writable(path: Path, option: str, folder: bool = False) -> None:
+    """Refuse a destination that cannot be made, before any work: a file where a folder is needed, or a nearest
+    existing folder above it that is a file or cannot be written in (the folders between are made)."""
+    if folder and path.exists() and not path.is_dir():
+        raise fail(f"{option} {path} is a file, not a folder: give a folder")
+    above = path if folder else path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise fail(f"{option} {path}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise fail(f"{option} {path}: cannot write in {above}")
 
 
 def load_run(target: Path, proposer: str, device: str, tokenizer: Path | None, vocab: int, tree: tuple[int, int] | None,

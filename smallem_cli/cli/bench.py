@@ -92,6 +92,7 @@ def bench(
     from ..bench.batch import from_cli
     from ..bench.peer import peer_table, run_peer
     from ..engine import family
+    from ..engine.build import auto_k
     from ..interop.vllm_peer import VllmError, find_python
     from ..spec.sampling import Sampling
 
@@ -174,6 +175,11 @@ def bench(
         {m: loaded[vocab[m]] for m in mode_list}, ks, mode_list, max_new_tokens, repeats, engine_list, draws
     )
     bench_run.prepare_engines(tgt.model, plan, err.print)  # every pass the bench takes, before the clock
+    if not sweep and not extra:  # an EAGLE head's k: the cost model's on this machine, shown in its rows
+        fastest = plan.backends[engines.fastest(plan.engines)]
+        for n in rows_of:
+            if (auto := auto_k(tgt.model, plan.proposers[mode_list[0]][n], fastest)) is not None:
+                plan.ks[n] = [auto]
     head = {"device": str(dev), "threads": torch.get_num_threads()}
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("bench", total=bench_run.generations(plan, len(found)))

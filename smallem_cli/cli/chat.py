@@ -54,8 +54,9 @@ def chat(
         options.check_sampling(temperature, top_k, top_p, seed, min_p, penalty, [], max_new_tokens)
         vocab = defaults.proposer_vocab(temperature == 0)
         # one conversation's cache, grown up to the context or the memory
+        given = None if k is None else kk  # None: the proposer's default (an EAGLE head's, by this machine's costs)
         tgt, eng = load_run(
-            target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, kk, chat=True
+            target, proposer, device, tokenizer, vocab, None, weights, engine, threads, quiet, given, chat=True
         )
         if tgt.chat.template is None:
             raise UsageError(f"{target} has no chat template: `smallem generate` continues plain text")
@@ -79,7 +80,7 @@ def chat(
                 continue
             sampling = Sampling(temperature, top_k, top_p, seed + len(conversation) // 2, min_p, penalty)
             request = Request(0, 0, tuple(ids), max_new_tokens, sampling, session=0)
-            stats = Stats(proposer, kk, backend=eng.backend)
+            stats = Stats(proposer, eng.k if temperature == 0 else eng.k_sample, backend=eng.backend)
             out = StopPrinter(tgt.tok.decode, text_out(), [])  # streamed as it comes, until a Ctrl-C
             try:
                 with contextlib.closing(answer(eng, request, stats)) as chunks:

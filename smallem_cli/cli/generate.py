@@ -58,15 +58,16 @@ def generate(
         text = options.read_prompt(prompt)
         vocab = options.proposer_vocab(temperature == 0, proposer_vocab)
         chat = chat or system is not None
+        given = None if k is None else kk  # None: the proposer's default (an EAGLE head's, by this machine's costs)
         tgt, eng = load_run(
-            target, proposer, device, tokenizer, vocab, options.tree(tree), weights, engine, threads, quiet, kk, chat
+            target, proposer, device, tokenizer, vocab, options.tree(tree), weights, engine, threads, quiet, given, chat
         )
         tok = tgt.tok
         ids = chat_ids(tok, tgt.chat, messages(text, system)) if chat else encode(tok, text)
         options.check_context(len(ids), max_new_tokens, kk, eng.context)  # the model's, or what the memory holds
 
     request = Request(0, 0, tuple(ids), max_new_tokens, Sampling(temperature, top_k, top_p, seed, min_p, penalty))
-    stats = Stats(proposer, kk, backend=eng.backend)
+    stats = Stats(proposer, eng.k if temperature == 0 else eng.k_sample, backend=eng.backend)
     out = StopPrinter(tok.decode, None if json_out else text_out(), stops or [])
     try:
         for chunk in answer(eng, request, stats):

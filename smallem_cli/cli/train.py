@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -13,7 +12,7 @@ import typer
 from .. import defaults, options
 from ..config import PRESETS
 from ..errors import first_fault
-from .app import app, bad_input, err, fail
+from .app import app, bad_input, err, fail, new_file, writable
 from .args import DataDir, Threads
 from .console import progress_printer
 
@@ -58,7 +57,7 @@ def data(
 
     given = [o for o in CONTINUATION_ONLY if _typed(ctx, o)]
     _check_data(continuations, given, bool(files), context_tokens, new_tokens, sampled_every, seed)
-    _writable(out, "--out", folder=True)
+    writable(out, "--out", folder=True)
     if not continuations:
         with bad_input(subprocess.CalledProcessError):
             chunks = corpus.text_chunks(files) if files else corpus.kjv_chapters()
@@ -88,7 +87,7 @@ def data(
     if not target.exists():
         raise fail(f"--target {target}: no such checkpoint, HF folder or GGUF file")
     for path in (out / "train.txt", out / "val.txt"):  # what it will hold is not known yet: any counts
-        _new_file(path, "--out", overwrite)
+        new_file(path, "--out", overwrite)
     with bad_input():
         dev = family.pick_device("auto")
         tgt = family.load_target(target, dev)
@@ -152,22 +151,6 @@ def _check_data(n: int, given: list[str], files: bool, context_tokens: int, new_
         raise fail(f"--seed must be between 0 and 2^63-1 less twice --continuations, got {seed}")
 
 
-def _new_file(path: Path, option: str, overwrite: bool) -> None:
-    """Refuse an output that is a folder, that exists without --overwrite (nothing is replaced unasked), that is
-    no regular file (a link, a device), or whose folder cannot be made or written in."""
-    from .. import atomic
-
-    if path.is_dir():
-        raise fail(f"{path} is a folder, not a file: choose another {option}")
-    if path.exists() and not overwrite:
-        raise fail(f"{path} exists: pass --overwrite to replace it, or {option} to write elsewhere")
-    _writable(path, option)
-    try:
-        atomic.check_replaceable(path)
-    except OSError as e:
-        raise fail(f"{option}: {e}") from None
-
-
 def _write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str) -> tuple[Path, Path]:
     """Write train.txt and val.txt of `chunks`' split, unless that replaces another corpus unasked."""
     from ..train import data as corpus
@@ -180,25 +163,12 @@ def _write_corpus(out_dir: Path, chunks: list[str], overwrite: bool, option: str
     return corpus.write_parts(out_dir, parts)
 
 
-def _writable(path: Path, option: str, folder: bool = False) -> None:
-    """Refuse a destination that cannot be made, before any work: a file where a folder is needed, or a nearest
-    existing folder above it that is a file or cannot be written in (the folders between are made)."""
-    if folder and path.exists() and not path.is_dir():
-        raise fail(f"{option} {path} is a file, not a folder: give a folder")
-    above = path if folder else path.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
-    if not above.is_dir():
-        raise fail(f"{option} {path}: {above} is a file, not a folder")
-    if not os.access(above, os.W_OK | os.X_OK):
-        raise fail(f"{option} {path}: cannot write in {above}")
-
-
 class Kind(str, Enum):
     tokenizer = "tokenizer"
     target = "target"
     draft = "draft"
     mtp = "mtp"
+    eagle = "eagle"
 
 
 @app.command()
@@ -241,8 +211,25 @@ def train(
         str, typer.Option(help="fp32, or bf16: the loss's products in bfloat16 (for CPUs with bfloat16 instructions)")
     ] = defaults.TRAIN_PRECISION,
     text: Annotated[list[Path] | None, typer.Option(help="UTF-8 text files to train on (split into --data)")] = None,
+    head_vocab: Annotated[int, typer.Option(help="eagle: the head's tokens, the target's most frequent")] = (
+        defaults.EAGLE_VOCAB
+    ),
+    data_tokens: Annotated[
+        int, typer.Option(help="eagle: tokens of the target's answers and states to train on (generated first)")
+    ] = defaults.EAGLE_DATA_TOKENS,
 ) -> None:
-    """Train the tokenizer, a target (with its MTP module), a draft, or an MTP module."""
+    """Train the tokenizer, a target (with its MTP module), a draft, an MTP module, or an EAGLE head for any target
+    (`--target`: its own answers and states, generated first into --run-dir)."""
+    if kind is Kind.eagle:
+        from .eagle import train_eagle
+
+        with bad_input():
+            if options.threads(threads):
+                import torch
+
+                torch.set_num_threads(threads)
+        return train_eagle(target, out, overwrite, tokens, budget, run_dir, seed, lr, batch_size, head_vocab,
+                           data_tokens)  # fmt: skip
     import torch
 
     from ..model import checkpoint
@@ -303,14 +290,14 @@ def train(
         raise fail(f"the target and its MTP module would both be written to {dest}: give another --mtp-out")
     if job in ("mtp", "distill") and dest.resolve() == target.resolve():
         raise fail(f"{option} {dest} is the target it learns from: choose another file")
-    _new_file(dest, option, overwrite)
+    new_file(dest, option, overwrite)
     if mtp_dest is not None:
-        _new_file(mtp_dest, "--mtp-out", overwrite)
+        new_file(mtp_dest, "--mtp-out", overwrite)
     run = run_dir or Path("runs") / (f"{name}-distill" if distill else name)
     if kind is not Kind.tokenizer:
-        _writable(run, "--run-dir", folder=True)
+        writable(run, "--run-dir", folder=True)
     if text:
-        _writable(data_dir, "--data", folder=True)
+        writable(data_dir, "--data", folder=True)
     if compile_loss:  # the compiler torch.compile will call, found as it finds it
         from torch._inductor import cpp_builder, exc
 

@@ -9,9 +9,10 @@ import torch
 
 from .. import defaults
 from ..backends.engines import Backend
-from ..kv.pool import PagePool
+from ..kv.pool import PagePool, pages_for
 from ..model.llama import MTPModule, Transformer
 from ..spec.suffix import SuffixCache
+from . import cost
 from .config import EngineConfig, cache_budget, plan_pool
 from .family import LoadedProposer
 from .forward import slab_for
@@ -28,16 +29,41 @@ def build(config: EngineConfig) -> Engine:
     device = target.device
     plan = plan_pool(config, 0 if config.pages else cache_budget(device))  # measured with the models loaded
     pool = PagePool(plan.pages, defaults.PAGE_SIZE)
-    runner = TargetRunner(target, slab_for(target, pool.n_pages * pool.page_size, device), pool, backend.steps(target))
     cache = SuffixCache(config.suffix_tokens) if p.lookup == defaults.SUFFIX else None
     proposer = proposer_for(p, target, pool, backend, cache, config.suffix_shared)
+    slab = slab_for(target, pool.n_pages * pool.page_size, device)
+    runner = TargetRunner(target, slab, pool, backend.steps(target), proposer.taps)
     trees = None
     if p.tree is not None:
         if not isinstance(proposer, MTPProposer):
             raise ValueError(f"token trees need the MTP module as proposer, not {proposer.name!r}")
         trees = TreeProposer(proposer, *p.tree)
     grow = grower(runner, proposer) if plan.max_pages > plan.pages else None
-    return Engine(config, plan, runner, proposer, trees, grow)
+    engine = Engine(config, plan, runner, proposer, trees, grow)
+    if config.k is None and (k := measured_k(p, runner, proposer)) is not None:
+        engine.k = engine.k_sample = k
+    return engine
+
+
+def measured_k(p: LoadedProposer, runner: TargetRunner, proposer: Proposer) -> int | None:
+    """An EAGLE head's default k on the native engine: the best by the cost model on this machine's costs (measured
+    once a loaded head) and its acceptance (`engine.cost`); None for the others, whose defaults are `defaults.K`."""
+    head = proposer.other if isinstance(proposer, FallbackProposer) else proposer
+    if not p.acceptance or not isinstance(head, MTPProposer) or head.steps is None or runner.steps is None:
+        return None
+    if p.measured_k is None:
+        if (costs := cost.measure(runner, head, defaults.MAX_EAGLE_K)) is None:
+            return None
+        p.measured_k = cost.best_k(p.acceptance, costs[1], costs[0])
+    if isinstance(proposer, FallbackProposer):  # a lookup's long copies keep their own k
+        return max(p.measured_k, defaults.default_k(proposer.first.name, True))
+    return p.measured_k
+
+
+def auto_k(target: Transformer, p: LoadedProposer, backend: Backend) -> int | None:
+    """`measured_k` for `p` on `backend` (prepared), on an engine of its own."""
+    engine = build(EngineConfig(target, p, backend, k=None, pages=pages_for(1024, defaults.PAGE_SIZE)))
+    return measured_k(p, engine.t, engine.proposer)
 
 
 def proposer_for(

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from .. import defaults
 from ..defaults import LOOKUPS, NGRAM
 from ..interop import gguf, hf
-from ..model import checkpoint
+from ..model import checkpoint, eagle
 from ..model.chat import ChatFormat, check_template, hf_format, hf_template, own_format
 from ..model.checkpoint import CheckpointError
 from ..model.llama import MTPModule, Transformer
@@ -50,12 +50,18 @@ def default_proposer(target: Path, greedy: bool) -> str:
 
 def bench_proposers(target: Target) -> list[str]:
     """`bench`'s proposers when none are named: the shipped ones beside a smallem checkpoint (else the n-gram lookup);
-    for an HF folder or a GGUF file, the n-gram lookup and each `*mtp*.safetensors` beside it made for this target."""
+    for an HF folder or a GGUF file, the n-gram lookup, each `*mtp*.safetensors` beside it made for this target, and
+    the EAGLE head made for its weights if there is one."""
     if not target.ships_none:
         found = [n for n in defaults.BENCH_PROPOSERS if proposer_path(n, target.path.parent).is_file()]
         return found or [NGRAM]
     folder = target.path if target.hf else target.path.parent
-    return [NGRAM, *(str(p) for p in sorted(folder.glob("*mtp*.safetensors")) if _module_for(p, target))]
+    mtps = [str(p) for p in sorted(folder.glob("*mtp*.safetensors")) if _module_for(p, target)]
+    try:
+        heads = [defaults.EAGLE] if find_eagle(target) else []
+    except CheckpointError:
+        heads = []
+    return [NGRAM, *mtps, *heads]
 
 
 def _module_for(path: Path, target: Target) -> bool:
@@ -109,6 +115,9 @@ class LoadedProposer:
     tree: tuple[int, int] | None = None  # (draft tokens, width): the MTP module grows token trees
     int8: bool = False  # the native backend reads the model's matrices as int8
     spec: str = ""  # what it was loaded as, which picks its default k (`defaults.default_k`); "": its name
+    # an EAGLE head's measured acceptance at each draft position (its facts): its default k, by the cost model
+    acceptance: tuple[float, ...] = ()
+    measured_k: int | None = None  # its k by the cost model, once measured (`build.measured_k`)
 
     @property
     def models(self) -> list[Transformer | MTPModule]:
@@ -155,9 +164,10 @@ def load_proposer(
             raise CheckpointError(f"proposer {spec!r}: {lookup}+ takes a model proposer (a draft or an MTP module)")
         other = load_proposer(rest, target, device, vocab, weights=weights)
         return LoadedProposer(
-            f"{lookup}+{other.name}", other.model, other.head, lookup=lookup, int8=other.int8, spec=spec
-        )
-    path = _proposer_path(spec, target)
+            f"{lookup}+{other.name}", other.model, other.head, lookup=lookup, int8=other.int8, spec=spec,
+            acceptance=other.acceptance,
+        )  # fmt: skip
+    path = find_eagle(target) if spec == defaults.EAGLE else _proposer_path(spec, target)
     name = path.stem or str(path)
     int8 = weights == "int8"
     if foreign(path):  # a draft model of the target's family, as llama.cpp's -md: an HF folder or a GGUF file
@@ -166,6 +176,14 @@ def load_proposer(
         _fits(target, draft, path)
         return LoadedProposer(name, draft.pack(), Head(draft), int8=int8, spec=spec)
     meta = checkpoint.read_meta(path)  # the tensors load once, below
+    if meta.get("kind") == eagle.KIND:
+        head, _ = eagle.load(path, target.model, device)
+        _same_vocab(target, meta.get("tokenizer", ""), head.cfg.vocab_size, path)
+        facts, j = checkpoint.facts(meta), 1
+        while isinstance(facts.get(f"val_top1@{j}"), float):
+            j += 1
+        got = tuple(float(facts[f"val_top1@{i}"]) for i in range(1, j))
+        return LoadedProposer(defaults.EAGLE, head.pack(), Head(head, head.ids), int8=int8, acceptance=got)
     vocab_size = checkpoint.config_of(meta, path).vocab_size
     _same_vocab(target, meta.get("tokenizer", ""), vocab_size, path)
     rank = checkpoint.vocab_rank(meta, path, vocab_size)
@@ -178,9 +196,27 @@ def load_proposer(
     return LoadedProposer(name, draft.pack(), Head(draft, ids), int8=int8, spec=spec)
 
 
+def find_eagle(target: Target) -> Path:
+    """The EAGLE head made for `target`'s weights (`eagle.weights_fingerprint`), in the install's checkpoints/ or
+    beside the target, whatever the target's file is called."""
+    fp = eagle.weights_fingerprint(target.model)
+    folder = target.path if target.hf else target.path.parent
+    for path in [*sorted(defaults.CHECKPOINTS.glob("*.safetensors")), *sorted(folder.glob("*.safetensors"))]:
+        try:
+            meta = checkpoint.read_meta(path)
+        except (CheckpointError, OSError):
+            continue
+        if meta.get("kind") == eagle.KIND and meta.get("target") == fp:
+            return path
+    raise CheckpointError(
+        f"no EAGLE head for {target.path} (weights {fp}) in {defaults.CHECKPOINTS} or beside it: "
+        "make one with `smallem train eagle`, or give its path"
+    )
+
+
 def _is_mtp(spec: str, target: Target) -> bool:
     """Whether `spec` names an MTP module's checkpoint (read from its header alone)."""
-    if spec == "none" or spec in LOOKUPS or any(spec.startswith(x + "+") for x in LOOKUPS):
+    if spec in ("none", defaults.EAGLE) or spec in LOOKUPS or any(spec.startswith(x + "+") for x in LOOKUPS):
         return False
     path = _proposer_path(spec, target)
     return not foreign(path) and checkpoint.read_meta(path).get("kind") == "mtp"

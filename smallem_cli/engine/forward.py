@@ -68,21 +68,27 @@ def block_pass(blk: Block, x: Tensor, rope: Tensor, kv: Tensor, b: BatchStep) ->
 
 
 def transformer_pass(
-    model: Transformer, slab: Tensor, ids: Tensor, b: BatchStep, head: str = "all", steps: NativeSteps | None = None
-) -> tuple[Tensor, Tensor]:
-    """ids [N] -> (logits, hidden [N, d]). head: "all" logits [N, V], "last" [B, V], "none" [0, V]."""
+    model: Transformer, slab: Tensor, ids: Tensor, b: BatchStep, head: str = "all", steps: NativeSteps | None = None,
+    taps: tuple[int, ...] = (),
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """ids [N] -> (logits, hidden [N, d], or with `taps` those layers' outputs [N, len(taps) * d]). head: "all"
+    logits [N, V], "last" [B, V], "none" [0, V]."""
     if steps is not None:
-        return steps.batch(ids, None, slab, b, head)
+        return steps.batch(ids, None, slab, b, head, taps=taps)
     assert model.eager().rope_packed is not None
     assert model.rope_packed_local is not None
     rope = model.rope_packed[b.positions]  # [N, P]
     local = model.rope_packed_local[b.positions] if model.cfg.local_layers else rope
     x = model.embed(ids)  # [N, d]
+    tapped = {}
     for i, blk in enumerate(model.layers):
         x = block_pass(blk, x, local if blk.window else rope, slab[i], b)  # type: ignore[arg-type]
+        if i in taps:
+            tapped[i] = x
+    hidden = torch.cat([tapped[i] for i in taps], dim=1) if taps else x
     if head == "none":
-        return x.new_empty(0, model.cfg.vocab_size), x
-    return model.logits(x[b.last] if head == "last" else x), x
+        return x.new_empty(0, model.cfg.vocab_size), hidden
+    return model.logits(x[b.last] if head == "last" else x), hidden
 
 
 def mtp_pass(

@@ -7,7 +7,8 @@ The protocol, in a round's order (`seqs` are `sequence.Seq`, keyed by `seq.uid`)
   emitted, `hidden` [n+1, d] the target's states at [last, d_1..d_n]; the proposer rolls its own state back to
   match. Every round, also one it did not draft in (`ngram+P`, k 0): the tokens then wait for its next draft.
 - `drop(seq)`: the sequence finished or was preempted.
-A draft or the MTP module keeps a slab of its own over the pool's page tables."""
+`taps` names the target layers whose outputs are the states it reads (an EAGLE head's), () the last layer's.
+A draft, the MTP module or an EAGLE head keeps a slab of its own over the pool's page tables."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .. import defaults
 from ..backends.engines import Backend
 from ..backends.native import MAX_T
 from ..kv.pool import PagePool
 from ..kv.step import BatchStep, build, in_order
-from ..model.llama import MTPModule, Transformer, head_matmul
+from ..model.eagle import EagleHead
+from ..model.llama import MTPModule, Transformer, head_matmul, unit_rms
 from ..spec.head import Head
 from ..spec.ngram import NgramLookup
 from ..spec.suffix import SuffixCache, SuffixLookup
@@ -35,6 +38,7 @@ Draft = tuple[Tensor, Tensor | None]  # a sequence's draft tokens [m], and q [m,
 
 class Proposer(Protocol):
     name: str
+    taps: tuple[int, ...]
 
     def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None: ...
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Draft]: ...
@@ -46,6 +50,7 @@ class NoProposer(Proposer):
     """No draft: the target alone; the protocol's own start, accept and drop, which do nothing."""
 
     name = "none"
+    taps: tuple[int, ...] = ()
 
     def propose(self, seqs: list[Seq], ks: list[int]) -> list[Draft]:
         return [no_draft(seqs)] * len(seqs)
@@ -73,6 +78,7 @@ class NgramProposer:
         self.args = vocab_size, min_n, max_n, draft_cost
         self.cache, self.share = cache, share
         self.name = "ngram" if cache is None else "suffix"
+        self.taps: tuple[int, ...] = ()
         self.each: dict[int, NgramLookup] = {}
 
     def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None:
@@ -98,21 +104,30 @@ class NgramProposer:
         self.each.pop(seq.uid, None)
 
 
-def pick(head: Head, h: Tensor, seqs: list[Seq], penalties: list[Penalty | None]) -> tuple[Tensor, list[Tensor | None]]:
-    """Final states h [B, d] -> a draft token per sequence [B] and its q [1, V] or None, penalised as its target row."""
+def pick(
+    head: Head, h: Tensor, seqs: list[Seq], penalties: list[Penalty | None], tops: bool = False
+) -> tuple[Tensor, list[Tensor | None], Tensor | None]:
+    """Final states h [B, d] -> a draft token per sequence [B], its q [1, V] or None, penalised as its target row,
+    and with `tops` each one's top probability [B] (greedy: the head's softmax's; sampled: q's)."""
     logits = head_matmul(h, head.w, head.rows)  # [B, N]: the final norm scales a row, the argmax needs none
     for i, (s, pen) in enumerate(zip(seqs, penalties, strict=True)):
         if pen is not None and s.warp is None:
             logits[i : i + 1] = pen.apply(logits[i : i + 1], head.ids)
     best = logits.argmax(-1)  # [B]
     tokens = best if head.ids is None else head.ids[best]
+    top = None
+    if tops:
+        normed = head_matmul(unit_rms(h, head.eps), head.w, head.rows)
+        top = torch.softmax(normed, -1).gather(1, best[:, None])[:, 0]
     qs: list[Tensor | None] = [None] * len(seqs)
     for i, s in enumerate(seqs):
         if s.warp is not None:
             x, q = head.pick(h[i : i + 1], s.warp, s.gen, penalties[i])
             tokens = tokens.index_copy(0, torch.tensor([i], device=tokens.device), x.view(1))
             qs[i] = q
-    return tokens, qs
+            if top is not None:  # q's own confidence, not the drawn token's: a stop that read the draw would
+                top[i] = q.max()  # bias the law of the draft tokens kept
+    return tokens, qs, top
 
 
 @dataclass
@@ -163,6 +178,8 @@ class ModelProposer:
 
     name = "model"
     reads_states = False  # the MTP module reads the target's states (and keeps none of its chained entries)
+    taps: tuple[int, ...] = ()
+    min_top = 0.0  # a draft token less likely than this (to the proposer) ends its draft, dropped (EAGLE-2)
 
     def __init__(self, model: Transformer | MTPModule, pool: PagePool, head: Head, backend: Backend) -> None:
         self.pool, self.head = pool, head
@@ -196,6 +213,7 @@ class ModelProposer:
         tokens: list[list[Tensor]] = [[] for _ in seqs]
         qs: list[list[Tensor | None]] = [[] for _ in seqs]
         if live:
+            ks = list(ks)  # a sequence's, cut where its draft stops early
             group = [seqs[i] for i in live]
             # each sequence's penalty, on a copy that takes in its draft tokens as the next one's context
             pens = [None if k == 0 or (p := penalty_of(s)) is None else p.copy() for s, k in zip(seqs, ks, strict=True)]
@@ -204,12 +222,18 @@ class ModelProposer:
             for depth in range(max(ks)):
                 if depth:
                     still = [j for j, i in enumerate(live) if ks[i] > depth]
+                    if not still:  # every draft stopped early
+                        break
                     live = [live[j] for j in still]
                     group = [seqs[i] for i in live]
                     idx = torch.tensor(still, device=out.device)
                     out = self._feed_draft(group, out.index_select(0, idx), x.index_select(0, idx))
-                x, q = pick(self.head, out, group, [pens[i] for i in live])
+                x, q, top = pick(self.head, out, group, [pens[i] for i in live], self.min_top > 0)
+                low = [] if top is None else (top < self.min_top).tolist()
                 for j, i in enumerate(live):
+                    if low and low[j]:
+                        ks[i] = depth  # this token dropped, the draft ends
+                        continue
                     tokens[i].append(x[j : j + 1])
                     qs[i].append(q[j])
                     if (pen := pens[i]) is not None:
@@ -238,9 +262,12 @@ class ModelProposer:
         view = self.slab[:, :, :, base : base + end]
         h = st.pending_h if self.reads_states else None
         sampled = () if s.warp is None else (1.0 / s.warp.temperature, uniforms((k,), s.gen, self.slab))
-        tokens, q = steps.chain(self.head.ids, k, view, L, (st.pending, h), *sampled, penalty=penalty_of(s))
+        tokens, q = steps.chain(
+            self.head.ids, k, view, L, (st.pending, h), *sampled, penalty=penalty_of(s), min_top=self.min_top
+        )
         st.length = end
-        return tokens, None if s.warp is None else self.head.expand(q)
+        made = int((tokens >= 0).sum()) if self.min_top else k
+        return tokens[:made], None if s.warp is None else self.head.expand(q[:made])
 
     def accept(self, seq: Seq, n: int, tokens: Tensor, hidden: Tensor) -> None:
         self.state[seq.uid].rollback(n, tokens, hidden if self.reads_states else None)
@@ -272,7 +299,8 @@ class DraftProposer(ModelProposer):
 
 
 class MTPProposer(ModelProposer):
-    """The MTP module: pairs (target state h_j, token j+1) in, the target's head out."""
+    """The MTP module: pairs (target state h_j, token j+1) in, the target's head out. An EAGLE head: the same, its
+    state h_j fused from the target's `taps`, its own head out."""
 
     name = "mtp"
     reads_states = True
@@ -280,10 +308,20 @@ class MTPProposer(ModelProposer):
     def __init__(self, target: Transformer, mtp: MTPModule, pool: PagePool, head: Head, backend: Backend) -> None:
         super().__init__(mtp, pool, head, backend)
         self.target, self.mtp = target, mtp
+        self.eagle = mtp if isinstance(mtp, EagleHead) else None
+        if self.eagle is not None:
+            self.name, self.taps, self.min_top = "eagle", self.eagle.taps, defaults.EAGLE_MIN_TOP
+
+    def states(self, hidden: Tensor) -> Tensor:
+        """The target's states as handed on (an EAGLE head's taps: fused) -> the module's h [n, d]."""
+        return hidden if self.eagle is None else self.eagle.fuse(hidden)
 
     def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None:
         for s, f, h in zip(seqs, fed, hidden, strict=True):
-            self.state[s.uid] = _State(pending=torch.cat([f[1:], s.last.view(1)]), pending_h=h)
+            self.state[s.uid] = _State(pending=torch.cat([f[1:], s.last.view(1)]), pending_h=self.states(h))
+
+    def accept(self, seq: Seq, n: int, tokens: Tensor, hidden: Tensor) -> None:
+        self.state[seq.uid].rollback(n, tokens, self.states(hidden))
 
     def feed(self, b: BatchStep, h: Tensor, x: Tensor) -> Tensor:
         """Pairs (h [N, d], x [N]) through the module at `b` -> its states [N, d]."""
@@ -303,7 +341,7 @@ class FallbackProposer:
 
     def __init__(self, first: NgramProposer, other: ModelProposer) -> None:
         self.first, self.other = first, other
-        self.name = f"{first.name}+{other.name}"
+        self.name, self.taps = f"{first.name}+{other.name}", other.taps
 
     def start(self, seqs: list[Seq], fed: list[Tensor], hidden: list[Tensor]) -> None:
         self.first.start(seqs, fed, hidden)

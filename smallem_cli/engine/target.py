@@ -34,6 +34,8 @@ class TargetRunner:
     slab: Tensor  # its K/V, over the pool's pages
     pool: PagePool
     steps: native.NativeSteps | None = None  # None: eager
+    # the layers whose outputs its passes hand on as the states (the proposer's `taps`); (): the last layer's
+    taps: tuple[int, ...] = ()
 
     def step(self, seqs: list[Seq], counts: list[int]) -> BatchStep:
         tables = [self.pool.tables[s.uid] for s in seqs]
@@ -46,9 +48,9 @@ class TargetRunner:
             return got
         if self.steps is not None:  # the argmaxes and the finite flag computed in the pass
             top = torch.empty(int(ids.shape[0]) + 1, dtype=torch.long)
-            logits, hidden = self.steps.batch(ids, None, self.slab, self.step(seqs, counts), "all", top)
+            logits, hidden = self.steps.batch(ids, None, self.slab, self.step(seqs, counts), "all", top, self.taps)
             return logits, hidden, top
-        return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), "all"), None
+        return *transformer_pass(self.model, self.slab, ids, self.step(seqs, counts), "all", taps=self.taps), None
 
     def one_pass(
         self, seqs: list[Seq], ids: Tensor, counts: list[int], heads: int
@@ -64,7 +66,7 @@ class TargetRunner:
             return None
         base = page * self.pool.page_size
         past = self.slab[:, :, :, base : base + s.cached]  # [L, K or V, Hkv, start, D]: a view
-        logits, hidden, _, top = self.steps.step(ids.contiguous(), past, heads)
+        logits, hidden, _, top = self.steps.step(ids.contiguous(), past, heads, self.taps)
         return logits, hidden, top
 
     def tree_pass(self, seqs: list[Seq], ids: Tensor, parents: list[list[int]]) -> tuple[Tensor, Tensor]:
@@ -72,7 +74,7 @@ class TargetRunner:
         tables = [self.pool.tables[s.uid] for s in seqs]
         every = [list(range(len(p))) for p in parents]
         b = build_tree(tables, [s.cached for s in seqs], parents, every, self.pool.page_size, self.slab.device)
-        return transformer_pass(self.model, self.slab, ids, b, "all", self.steps)
+        return transformer_pass(self.model, self.slab, ids, b, "all", self.steps, self.taps)
 
     def move(self, s: Seq, src: list[int], dst: list[int]) -> None:
         """The K/V of `s`'s positions src moved to its positions dst (an accepted tree path follows the cache)."""
@@ -114,7 +116,9 @@ def prefill(t: TargetRunner, proposer: Proposer, seqs: list[Seq]) -> list[int | 
     if got is not None:
         logits, hidden = got[0], got[1]  # [1, V]: the last position's alone; [N, d]
     else:  # logits [B, V] of each sequence's last position, hidden [N, d]
-        logits, hidden = transformer_pass(t.model, t.slab, torch.cat(fed), t.step(seqs, counts), "last", t.steps)
+        logits, hidden = transformer_pass(
+            t.model, t.slab, torch.cat(fed), t.step(seqs, counts), "last", t.steps, t.taps
+        )
     firsts = []
     states = list(hidden.split(counts))
     for i, (s, f) in enumerate(zip(seqs, fresh, strict=True)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.eagle import EagleHead
 from ..model.llama import Transformer, unit_rms
 from .verify import Penalty, Warp, proposal, sample
 
@@ -12,7 +13,7 @@ class Head:
     """The model's output head, or its rows for the `vocab` most frequent tokens alone (FR-Spec): a small model's
     biggest matrix, and verification keeps the output exact whatever the proposer computes."""
 
-    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None) -> None:
+    def __init__(self, model: Transformer | EagleHead, vocab: torch.Tensor | None = None) -> None:
         self.model, self.device = model, model.device
         self.eps, self.size = model.cfg.norm_eps, model.cfg.vocab_size
         self.ids = None if vocab is None or vocab.numel() == self.size else vocab  # all: no cut (q in token order)
@@ -25,7 +26,8 @@ class Head:
         if self._w is None:
             head_t = self.model.eager().head_t
             assert head_t is not None, "pack() the model first"
-            w = head_t if self.ids is None else head_t[:, self.ids].contiguous()
+            whole = self.ids is None or head_t.shape[1] == self.ids.numel()  # an EAGLE head's are its own rows
+            w = head_t if whole else head_t[:, self.ids].contiguous()
             self._w = w, w.t().contiguous()  # and [V or N, d]: for a few rows at once (`model.head_matmul`)
         return self._w[0]
 

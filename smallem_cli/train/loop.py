@@ -97,13 +97,12 @@ def evaluate(model: Transformer, ids: np.ndarray, seq_len: int, mtp: MTPModule |
     return out
 
 
-def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], data: tuple[np.ndarray, np.ndarray],
-                settings: TrainSettings, run_dir: Path, on_progress: ProgressFn | None,
-                judged: tuple[Transformer, MTPModule | None]) -> dict[str, Any]:  # fmt: skip
-    """The optimisation loop, resumable, over every parameter of `modules` -> the training facts and the final
-    `evaluate` of `judged`. A model trained ("model") is also evaluated every `eval_every_s` (shown in the progress):
-    a frozen target's loss would not move."""
-    train_ids, val_ids = data
+def train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], draw: Callable[[int], torch.Tensor],
+               settings: TrainSettings, run_dir: Path, on_progress: ProgressFn | None, judge: Callable[[], dict],
+               check: Callable[[], float] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The optimisation loop, resumable, over every parameter of `modules`, on the batches `draw(step)` [B, T+2]
+    -> the training facts and `judge()`'s on the validation split. `check()`, if given, is a validation loss taken
+    every `eval_every_s` (shown in the progress): a model trained's, where a frozen target's would not move."""
     say = on_progress or (lambda line: None)
     torch.manual_seed(settings.seed)
     params = [p for m in modules.values() for p in m.parameters()]
@@ -134,7 +133,7 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], data: tupl
         while (done := spent(settings, tokens, elapsed)) < 1.0:
             for m in modules.values():
                 m.train()
-            x = batch(train_ids, settings, step)
+            x = draw(step)
             for g in opt.param_groups:
                 g["lr"] = lr_at(settings, step, done)
             # bf16: the loss's products in bfloat16; weights, gradients, optimiser and every loss's logits float32
@@ -151,8 +150,8 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], data: tupl
             now = time.perf_counter()
             dt, t_prev = now - t_prev, now
             elapsed += dt
-            if "model" in modules and elapsed - last_eval >= settings.eval_every_s:
-                val_loss = evaluate(judged[0], val_ids, settings.seq_len)["val_loss"]
+            if check is not None and elapsed - last_eval >= settings.eval_every_s:
+                val_loss = check()
                 last_eval = elapsed
                 t_prev = time.perf_counter()  # evaluation time is not training time
             if elapsed - last_save >= settings.save_every_s:
@@ -172,10 +171,10 @@ def _train_loop(loss_fn: LossFn, modules: dict[str, torch.nn.Module], data: tupl
         raise
     save_state()
     # said before the final evaluation: a large model takes minutes over a large validation split
-    say(f"trained; evaluating on the validation split ({len(val_ids):,} tokens)")
+    say("trained; evaluating on the validation split")
     facts = {"steps": step, "tokens_seen": tokens, "train_seconds": round(elapsed, 1)}
     facts |= {k: getattr(settings, k) for k in ("batch_size", "seq_len", "lr", "seed", "precision")}
-    return facts | evaluate(judged[0], val_ids, settings.seq_len, judged[1])
+    return facts | judge()
 
 
 def new_model(cfg: ModelConfig, seed: int) -> Transformer:
@@ -214,7 +213,11 @@ def train_model(
         aux = F.cross_entropy(model.logits(hm).float().flatten(0, 1), x[:, 2:].flatten())
         return loss + settings.mtp_weight * aux, {"mtp_loss": aux.detach()}
 
-    facts = _train_loop(loss_fn, modules, (train_ids, val_ids), settings, run_dir, on_progress, (model, mtp))
+    T = settings.seq_len
+    facts = train_loop(
+        loss_fn, modules, lambda step: batch(train_ids, settings, step), settings, run_dir, on_progress,
+        lambda: evaluate(model, val_ids, T, mtp), lambda: evaluate(model, val_ids, T)["val_loss"],
+    )  # fmt: skip
     if mtp is not None:
         facts["joint_weight"] = settings.mtp_weight  # both files: the trunk learnt under it too
     return model, mtp, facts
@@ -250,7 +253,15 @@ def distill(target: Transformer, student: Transformer | MTPModule, train_ids: np
         return loss + settings.feature_weight * feat, extra | {"feature": feat.detach()}
 
     modules, judged = ({"model": student}, (student, None)) if mtp is None else ({"mtp": mtp}, (target, mtp))
-    return _train_loop(loss_fn, modules, (train_ids, val_ids), settings, run_dir, on_progress, judged)
+
+    def check() -> float:
+        return evaluate(student, val_ids, T)["val_loss"]  # type: ignore[arg-type]
+
+    def draw(step: int) -> torch.Tensor:
+        return batch(train_ids, settings, step)
+
+    judge = lambda: evaluate(judged[0], val_ids, T, judged[1])  # noqa: E731
+    return train_loop(loss_fn, modules, draw, settings, run_dir, on_progress, judge, check if mtp is None else None)
 
 
 def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:

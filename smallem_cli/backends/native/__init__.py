@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ...kv.step import BatchStep, visible
 from ...model import quant
+from ...model.eagle import EagleHead
 from ...model.llama import MTPModule, Transformer, attn_scale
 from ...model.weights import interleave_halves, permute_rope
 from ...spec.verify import Penalty, Warper, uniforms
@@ -47,6 +48,7 @@ class _ModelW(ctypes.Structure):
         ("layers", _P), ("embed", _P), ("head", _Mat), ("g_final", _P), ("table", _P), ("wh", _Mat), ("g_h", _P),
         ("embed_kind", _I), ("embed_panels", _I), ("embed_d", _P), ("embed_m", _P), ("embed_block", _I),
         ("embed_scale", _F), ("qscale", _F), ("geglu", _I), ("rope_local", ctypes.c_int64),
+        ("taps", _P), ("n_taps", _I), ("tap_out", _P),
     ]  # fmt: skip
 
 
@@ -57,7 +59,7 @@ class _Chain(ctypes.Structure):
         ("head", _Mat), ("N", _I), ("g_final", _P), ("ids", _P), ("feed", _P), ("feed_h", _P), ("m", _I), ("k", _I),
         ("cos_t", _P), ("sin_t", _P), ("view", _P), ("st", _P), ("L", _I), ("u", _P), ("inv_t", _F), ("tokens", _P),
         ("tops", _P), ("q", _P), ("scratch", _P), ("step_scratch", _I), ("threads", _I), ("seen", _P),
-        ("penalty", _F), ("mark", _P),
+        ("penalty", _F), ("mark", _P), ("min_top", _F),
     ]  # fmt: skip
 
 
@@ -166,9 +168,10 @@ class NativeSteps:
             mw.g_final = self._held(floats(model, "norm.weight"))
             self._heads[id(None)] = (None, mw.head)
         self._scratch = torch.empty(0)  # the C code's, for the largest pass so far
-        # what a chain reads: the target's head and norm for the MTP module, a draft's own
-        self.own = own
-        self.g_final = floats(own, "norm.weight")
+        # what a chain reads: the target's head and norm for the MTP module, a draft's or an EAGLE head's own
+        self.head_of = (model, "lm_head.weight") if isinstance(model, EagleHead) else (own, head_name(own))
+        self.g_final = floats(self.head_of[0], "norm.weight")
+        self._taps: dict[tuple[int, ...], Tensor] = {}  # the layers a pass copies out, as the C code reads them
 
     def _held(self, t: Tensor) -> int:
         self.keep.append(t)
@@ -209,16 +212,18 @@ class NativeSteps:
 
     def chain(
         self, ids: Tensor | None, k: int, view: Tensor, L: int, fed: tuple[Tensor, Tensor | None],
-        inv_t: float | None = None, u: Tensor | None = None, penalty: Penalty | None = None,
+        inv_t: float | None = None, u: Tensor | None = None, penalty: Penalty | None = None, min_top: float = 0.0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """A proposer's chain (`smallem_chain`): the entries a round confirmed `fed` (tokens [m >= 1], the MTP
         module's target states [m, d] or None; their K/V written at L .. L+m-1), then k draft tokens, the head cut
         to `ids` (None: whole); `view` [layers, 2, Hkv, >= L+m+k-1, D]. Greedy -> (tokens [k], their
-        probabilities [k]); sampled (1/T, float64 uniforms u [k]) -> (tokens [k], q [k, V])."""
+        probabilities [k]); sampled (1/T, float64 uniforms u [k]) -> (tokens [k], q [k, V]). Where the head's top
+        probability for the next draft token is under `min_top`, the chain ends before it: it and those after, -1."""
         assert k >= 1 and fed[0].shape[0] >= 1
         if id(ids) not in self._heads:  # the cut head's rows, in panels, once per head
-            rows = floats(self.own, head_name(self.own))
-            self._heads[id(ids)] = (ids, self._mat(rows if ids is None else rows[ids]))
+            rows = floats(*self.head_of)  # an EAGLE head's own are already its N rows
+            cut = ids is not None and rows.shape[0] != ids.numel()
+            self._heads[id(ids)] = (ids, self._mat(rows[ids] if cut else rows))
         ids_t, rows = self._heads[id(ids)]
         c, threads = self.cfg, torch.get_num_threads()
         N = c.vocab_size if ids_t is None else ids_t.numel()
@@ -243,7 +248,7 @@ class NativeSteps:
             rows, N, self.g_final.data_ptr(), ptr(ids_t), ptr(feed), ptr(feed_h), m, k, self.rope[0].data_ptr() + at,
             self.rope[1].data_ptr() + at, view.data_ptr(), ctypes.addressof(strides), L, ptr(u),
             0.0 if inv_t is None else inv_t, tokens.data_ptr(), tops.data_ptr(), ptr(q), scratch.data_ptr(), need,
-            threads, ptr(seen), 1.0 if penalty is None else penalty.factor, ptr(mark),
+            threads, ptr(seen), 1.0 if penalty is None else penalty.factor, ptr(mark), min_top,
         )  # fmt: skip
         self.lib.smallem_chain(ctypes.addressof(self.mw), ctypes.addressof(args))
         return (tokens, q) if q is not None else (tokens, tops)
@@ -256,10 +261,12 @@ class NativeSteps:
         b: BatchStep,
         head: str = "none",
         top: Tensor | None = None,
+        taps: tuple[int, ...] = (),
     ) -> tuple[Tensor, Tensor]:
         """A pass over a flat batch (`smallem_batch_step`): tokens [N] (and the MTP module's states h [N, d]) at `b`'s
-        positions, K/V into `slab` [L, 2, Hkv, slots, D] -> (logits of `head`'s rows, hidden [N, d]); `top` [rows + 1]
-        long, if given, takes each logits row's argmax and the finite flag (no pass over them in torch afterwards)."""
+        positions, K/V into `slab` [L, 2, Hkv, slots, D] -> (logits of `head`'s rows, hidden [N, d], or with `taps`
+        the outputs of those layers [N, len(taps) * d]); `top` [rows + 1] long, if given, takes each logits row's
+        argmax and the finite flag (no pass over them in torch afterwards)."""
         c, threads, N = self.cfg, torch.get_num_threads(), tokens.shape[0]
         vis, first, count = (t.contiguous() for t in visible(b))
         keys = int(count.max())
@@ -272,18 +279,32 @@ class NativeSteps:
         assert slab.is_contiguous() and slab.dtype == KV_DTYPE and keys <= self.positions
         scratch, _ = self._scratch_for(N, threads)
         strides = (ctypes.c_int64 * 4)(*slab.stride()[:4])
+        tapped = self._tap(taps, N)
         self.lib.smallem_batch_step(
             ctypes.addressof(self.mw), tokens.data_ptr(), ptr(h), N, positions.data_ptr(), self.rope[0].data_ptr(),
             self.rope[1].data_ptr(), slab.data_ptr(),
             ctypes.addressof(strides), slots.data_ptr(), vis.data_ptr(), first.data_ptr(), count.data_ptr(), keys,
             x.data_ptr(), logits.data_ptr(), R, ptr(rows), scratch.data_ptr(), threads, ptr(top),
         )  # fmt: skip
-        return logits, x
+        self.mw.n_taps = 0
+        return logits, x if tapped is None else tapped
 
-    def step(self, tokens: Tensor, past: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    def _tap(self, taps: tuple[int, ...], T: int) -> Tensor | None:
+        """The next pass copies the outputs of layers `taps` out (() : none) -> their buffer [T, len(taps) * d]."""
+        if not taps:
+            return None
+        if taps not in self._taps:
+            self._taps[taps] = torch.tensor(taps, dtype=torch.int32)
+        out = torch.empty(T, len(taps) * self.cfg.dim)
+        self.mw.taps, self.mw.n_taps, self.mw.tap_out = self._taps[taps].data_ptr(), len(taps), out.data_ptr()
+        return out
+
+    def step(
+        self, tokens: Tensor, past: Tensor, heads: int, taps: tuple[int, ...] = ()
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """The target's pass (`smallem_step`) over tokens [T] after `past` [L, 2, Hkv, S, D], a view of the slab ->
-        (logits of the last `heads` rows [heads, V], hidden [T, d], the new K/V after the past, their argmaxes and
-        the finite flag [heads + 1], or None without heads)."""
+        (logits of the last `heads` rows [heads, V], hidden [T, d] (`batch`'s taps), the new K/V after the past,
+        their argmaxes and the finite flag [heads + 1], or None without heads)."""
         c, T, S, threads = self.cfg, tokens.shape[0], past.shape[3], torch.get_num_threads()
         scratch, _ = self._scratch_for(T, threads)
         x = torch.empty(T, c.dim)
@@ -301,12 +322,14 @@ class NativeSteps:
         assert past.stride(-1) == 1 and past.dtype == KV_DTYPE and tokens.is_contiguous()
         assert cos.is_contiguous() and sin.is_contiguous()
         strides = (ctypes.c_int64 * 4)(*past.stride()[:4])
+        tapped = self._tap(taps, T)
         self.lib.smallem_step(
             ctypes.addressof(self.mw), tokens.data_ptr(), None, T, cos.data_ptr(), sin.data_ptr(), past.data_ptr(),
             ctypes.addressof(strides), S, x.data_ptr(), logits.data_ptr(), t_head, new.data_ptr(),
             ctypes.addressof(strides), scratch.data_ptr(), threads, ptr(top),  # new's strides: the slab's too
         )  # fmt: skip
-        return logits, x, new, top
+        self.mw.n_taps = 0
+        return logits, x if tapped is None else tapped, new, top
 
 
 def own_bytes(model: Transformer | MTPModule, name: str, pairs: int = 0) -> Tensor | quant.Blocked:

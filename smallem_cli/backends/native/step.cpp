@@ -79,6 +79,11 @@ struct ModelW {
     float qscale;          // the attention scores' scale
     int geglu;             // 1: the MLP's gate through gelu (tanh approximation), else silu
     int64_t rope_local;    // floats from a row of cos, sin to the local layers' same row (0: the same tables)
+    // The layers whose outputs a pass also copies out (an EAGLE head's features), row t's j-th into
+    // tap_out [T, n_taps, d]: set by the caller for the pass at hand (n_taps 0: none).
+    const int *taps;
+    int n_taps;
+    float *tap_out;
 };
 
 // x [T, d] += (rms(y) * g) row by row: a sub-layer's output normed before the residual add (Gemma's).
@@ -262,6 +267,12 @@ static void pass(const ModelW *mw, const int64_t *tokens, const float *h, int T,
             } else {
                 matmul(hf, T, F, L.down, d, F, x, d, true);
             }
+            for (int j = 0; j < mw->n_taps; j++)
+                if (mw->taps[j] == l) {
+#pragma omp for schedule(static)
+                    for (int t = 0; t < T; t++)
+                        memcpy(mw->tap_out + ((size_t)t * mw->n_taps + j) * d, x + (size_t)t * d, d * sizeof(float));
+                }
         }
         if (mw->head.w && T_head > 0) {
             if (head_rows) {  // the rows asked for, gathered (a batch's last rows)
@@ -351,6 +362,10 @@ struct Chain {
     const uint8_t *seen;
     float penalty;
     uint8_t *mark;
+    // The chain stops where the head's top probability for the next draft token (at its temperature)
+    // falls under this, before drawing it: tokens from it on are -1 (0: never). That confidence tracks
+    // acceptance (EAGLE-2); decided before the draw, it leaves each drawn token's law q.
+    float min_top;
 };
 
 extern "C" void smallem_chain(const ModelW *mw, const Chain *c) {
@@ -391,6 +406,10 @@ extern "C" void smallem_chain(const ModelW *mw, const Chain *c) {
                 qj[col(i)] = logits[i] * inv;
                 total += qj[col(i)];
             }
+            if (qj[col(best)] < c->min_top) {  // q's own confidence, known before the draw: the law stays exact
+                for (int i = j; i < k; i++) c->tokens[i] = -1;
+                break;
+            }
             const double v = c->u[j] * total;
             double run = 0.0;
             best = N - 1;  // v rounded up to the total: the last
@@ -404,6 +423,10 @@ extern "C" void smallem_chain(const ModelW *mw, const Chain *c) {
             c->tops[j] = qj[col(best)];
         } else {
             c->tops[j] = 1.0f / exp_sum(logits, logits, N, 1.0f, logits[best]);
+        }
+        if (!c->u && c->tops[j] < c->min_top) {
+            for (int i = j; i < k; i++) c->tokens[i] = -1;
+            break;
         }
         c->tokens[j] = ids ? ids[best] : best;
         if (seen) mark[c->tokens[j]] = 1;
