@@ -180,6 +180,7 @@ class ReferenceProposer:
 
     def __init__(self, name: str, chain: Chain, penalty: bool = True) -> None:
         self.name, self.chain, self.penalty = name, chain, penalty
+        self.taps: tuple[int, ...] = ()
 
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:
         pass
@@ -205,7 +206,7 @@ class Spy:
     """A proposer's guesses, round by round, for each request."""
 
     def __init__(self, inner: Proposer) -> None:
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.taps = inner, inner.name, inner.taps
         self.guesses: dict[int, list[list[int]]] = defaultdict(list)
 
     def start(self, seqs: list[Seq], fed: list[torch.Tensor], hidden: list[torch.Tensor]) -> None:

@@ -263,7 +263,7 @@ class Wrapped:
     """A batched proposer (`engine.proposers.Proposer`) passed through, for a test to watch."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.taps = inner, inner.name, inner.taps
 
     def start(self, seqs, fed, hidden) -> None:
         self.inner.start(seqs, fed, hidden)

@@ -123,6 +123,7 @@ class Counting:
 
     def __init__(self, inner) -> None:
         self.inner, self.name, self.offered, self.rounds = inner, inner.name, 0, 0
+        self.taps = inner.taps
 
     def start(self, seqs, fed, hidden) -> None:
         self.inner.start(seqs, fed, hidden)
