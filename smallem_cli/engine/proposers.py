@@ -109,16 +109,15 @@ def pick(
 ) -> tuple[Tensor, list[Tensor | None], Tensor | None]:
     """Final states h [B, d] -> a draft token per sequence [B], its q [1, V] or None, penalised as its target row,
     and with `tops` each one's top probability [B] (greedy: the head's softmax's; sampled: q's)."""
-    logits = head_matmul(h, head.w, head.rows)  # [B, N]: the final norm scales a row, the argmax needs none
+    # [B, N]: the final norm scales a row by a positive number, which the argmax (and the penalty) need not see;
+    # the probabilities do
+    logits = head_matmul(unit_rms(h, head.eps) if tops else h, head.w, head.rows)
     for i, (s, pen) in enumerate(zip(seqs, penalties, strict=True)):
         if pen is not None and s.warp is None:
             logits[i : i + 1] = pen.apply(logits[i : i + 1], head.ids)
     best = logits.argmax(-1)  # [B]
     tokens = best if head.ids is None else head.ids[best]
-    top = None
-    if tops:
-        normed = head_matmul(unit_rms(h, head.eps), head.w, head.rows)
-        top = torch.softmax(normed, -1).gather(1, best[:, None])[:, 0]
+    top = torch.softmax(logits, -1).gather(1, best[:, None])[:, 0] if tops else None
     qs: list[Tensor | None] = [None] * len(seqs)
     for i, s in enumerate(seqs):
         if s.warp is not None:
