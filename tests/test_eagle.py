@@ -181,14 +181,15 @@ def test_the_fingerprint_is_the_folders_and_the_gguf_files(family, tmp_path: Pat
 
 
 def tiny_data(target, folder: Path, budget: int) -> int:
-    eng = build(EngineConfig(target, NONE, Backend(), None, 8))
     taps = data.record_taps(eagle.default_taps(target.cfg.n_layers), target.cfg.n_layers)
+    recorder = data.Recorder(taps)
+    eng = build(EngineConfig(target, NONE, Backend(), None, 8), recorder)
     meta = {"taps": json.dumps(list(taps)), "target": "t"}
 
     def prompt(text: str) -> list[int]:
         return [ord(c) % target.cfg.vocab_size for c in text[:12]]
 
-    return data.generate(eng, data.Recorder(taps), prompt, folder, budget, 16, 0, meta, lambda line: None)
+    return data.generate(eng, recorder, prompt, folder, budget, 16, 0, meta, lambda line: None)
 
 
 def test_the_data_is_the_engines_states_appended_and_resumed(target, tmp_path: Path, monkeypatch) -> None:

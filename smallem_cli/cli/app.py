@@ -17,7 +17,10 @@ from .. import options
 from ..errors import INPUT_ERRORS, UsageError, one_line
 
 if TYPE_CHECKING:
+    import torch
+
     from ..engine.family import Target as Model
+    from ..engine.proposers import Proposer
     from ..engine.scheduler import Engine
     from ..stats import Stats
 
@@ -116,6 +119,21 @@ def load_run(target: Path, proposer: str, device: str, tokenizer: Path | None, v
         suffix_shared=suffix_shared,
     )  # fmt: skip
     return tgt, build(config)
+
+
+def target_alone(tgt: Model, device: torch.device, proposer: Proposer | None = None) -> Engine:
+    """The batch engine of the target alone, `GEN_BATCH` sequences at once, for the text it writes to train on
+    (`proposer`: one that drafts nothing but keeps what it is handed, `eagle_data.Recorder`)."""
+    from .. import defaults
+    from ..backends.engines import Backend, chosen, engine_mode
+    from ..engine.build import build
+    from ..engine.config import EngineConfig
+    from ..engine.family import NONE
+
+    backend = Backend(engine_mode(chosen("auto"), device))
+    backend.prepare(tgt.model, [], err.print)
+    config = EngineConfig(tgt.model, NONE, backend, None, defaults.GEN_BATCH, tgt.chat.end_ids, tgt.tok.decode)
+    return build(config, proposer)
 
 
 def stats_line(stats: Stats) -> str:

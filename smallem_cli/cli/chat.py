@@ -80,7 +80,7 @@ def chat(
                 continue
             sampling = Sampling(temperature, top_k, top_p, seed + len(conversation) // 2, min_p, penalty)
             request = Request(0, 0, tuple(ids), max_new_tokens, sampling, session=0)
-            stats = Stats(proposer, eng.k if temperature == 0 else eng.k_sample, backend=eng.backend)
+            stats = Stats(proposer, eng.k_of(temperature == 0), backend=eng.backend)
             out = StopPrinter(tgt.tok.decode, text_out(), [])  # streamed as it comes, until a Ctrl-C
             try:
                 with contextlib.closing(answer(eng, request, stats)) as chunks:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import defaults
 from ..errors import first_fault
-from .app import bad_input, err, new_file, writable
+from .app import bad_input, err, new_file, target_alone, writable
 from .console import progress_printer
 
 
@@ -17,10 +17,7 @@ def train_eagle(target: Path, out: Path | None, overwrite: bool, tokens: int, bu
                 seed: int, lr: float, batch_size: int, head_vocab: int, data_tokens: int) -> None:  # fmt: skip
     import torch
 
-    from ..backends import engines
     from ..engine import family
-    from ..engine.build import build
-    from ..engine.config import EngineConfig
     from ..model import eagle
     from ..model.chat import chat_ids, messages
     from ..train import eagle as tr
@@ -51,17 +48,12 @@ def train_eagle(target: Path, out: Path | None, overwrite: bool, tokens: int, bu
         meta = {"taps": json.dumps(list(data.record_taps(taps, cfg.n_layers))), "target": weights_fp}
         shards_dir = run / "data"
         if data.shard_tokens(shards_dir) < data_tokens:
-            backend = engines.Backend(engines.engine_mode(engines.chosen("auto"), dev))
-            backend.prepare(model, [], say)
-            config = EngineConfig(
-                model, family.NONE, backend, None, defaults.GEN_BATCH, tgt.chat.end_ids, tgt.tok.decode
-            )
-            engine = build(config)
+            recorder = data.Recorder(data.record_taps(taps, cfg.n_layers))
 
             def prompt(text: str) -> list[int]:
                 return chat_ids(tgt.tok, tgt.chat, messages(text))
 
-            recorder = data.Recorder(data.record_taps(taps, cfg.n_layers))
+            engine = target_alone(tgt, dev, recorder)
             data.generate(engine, recorder, prompt, shards_dir, data_tokens, defaults.EAGLE_ANSWER, seed, meta, say)
         shards = data.read_shards(shards_dir)
         if shards.meta.get("target") != weights_fp:

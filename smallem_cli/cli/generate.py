@@ -67,7 +67,7 @@ def generate(
         options.check_context(len(ids), max_new_tokens, kk, eng.context)  # the model's, or what the memory holds
 
     request = Request(0, 0, tuple(ids), max_new_tokens, Sampling(temperature, top_k, top_p, seed, min_p, penalty))
-    stats = Stats(proposer, eng.k if temperature == 0 else eng.k_sample, backend=eng.backend)
+    stats = Stats(proposer, eng.k_of(temperature == 0), backend=eng.backend)
     out = StopPrinter(tok.decode, None if json_out else text_out(), stops or [])
     try:
         for chunk in answer(eng, request, stats):

@@ -12,7 +12,7 @@ import typer
 from .. import defaults, options
 from ..config import PRESETS
 from ..errors import first_fault
-from .app import app, bad_input, err, fail, new_file, writable
+from .app import app, bad_input, err, fail, new_file, target_alone, writable
 from .args import DataDir, Threads
 from .console import progress_printer
 
@@ -68,10 +68,7 @@ def data(
         )
         return
     # the target continues contexts of --source's train.txt into --out's; --source's val.txt is copied
-    from ..backends import engines
     from ..engine import family
-    from ..engine.build import build
-    from ..engine.config import EngineConfig
     from ..model.chat import chat_ids, messages
     from ..train.continuations import MAX_INSTRUCTIONS, contexts, documents, instructions, requests
 
@@ -102,10 +99,7 @@ def data(
             ids = corpus.token_file(None if tgt.ships_none else tgt.tokenizer, train_txt, tgt.tok)
             ctxs = contexts(ids, n, context_tokens, seed, tok.token_to_id(corpus.EOT))
         reqs = requests(ctxs, new_tokens, sampled_every, seed)
-        backend = engines.Backend(engines.engine_mode(engines.chosen("auto"), dev))
-        backend.prepare(tgt.model, [], err.print)
-        config = EngineConfig(tgt.model, family.NONE, backend, None, defaults.GEN_BATCH, tgt.chat.end_ids, tok.decode)
-        engine = build(config)
+        engine = target_alone(tgt, dev)
         val = [] if chat else corpus.read_documents(val_txt)
     t0 = time.perf_counter()
 

@@ -22,15 +22,16 @@ from .target import TargetRunner
 from .tree_proposer import TreeProposer
 
 
-def build(config: EngineConfig) -> Engine:
-    """An engine for `config`, backend prepared, pool allocated; UsageError where no sequence fits (strict: not all)."""
+def build(config: EngineConfig, proposer: Proposer | None = None) -> Engine:
+    """An engine for `config`, backend prepared, pool allocated; UsageError where no sequence fits (strict: not all).
+    `proposer`, if given, is the engine's instead of the loaded one's (a model-free one: `eagle_data.Recorder`)."""
     target, p, backend = config.target, config.proposer, config.backend
     backend.prepare(target, p.models, None, p.models if p.int8 else ())
     device = target.device
     plan = plan_pool(config, 0 if config.pages else cache_budget(device))  # measured with the models loaded
     pool = PagePool(plan.pages, defaults.PAGE_SIZE)
     cache = SuffixCache(config.suffix_tokens) if p.lookup == defaults.SUFFIX else None
-    proposer = proposer_for(p, target, pool, backend, cache, config.suffix_shared)
+    proposer = proposer or proposer_for(p, target, pool, backend, cache, config.suffix_shared)
     slab = slab_for(target, pool.n_pages * pool.page_size, device)
     runner = TargetRunner(target, slab, pool, backend.steps(target), proposer.taps)
     trees = None

@@ -179,10 +179,7 @@ def load_proposer(
     if meta.get("kind") == eagle.KIND:
         head, _ = eagle.load(path, target.model, device)
         _same_vocab(target, meta.get("tokenizer", ""), head.cfg.vocab_size, path)
-        facts, j = checkpoint.facts(meta), 1
-        while isinstance(facts.get(f"val_top1@{j}"), float):
-            j += 1
-        got = tuple(float(facts[f"val_top1@{i}"]) for i in range(1, j))
+        got = eagle.acceptance(checkpoint.facts(meta))
         return LoadedProposer(defaults.EAGLE, head.pack(), Head(head, head.ids), int8=int8, acceptance=got)
     vocab_size = checkpoint.config_of(meta, path).vocab_size
     _same_vocab(target, meta.get("tokenizer", ""), vocab_size, path)

@@ -92,9 +92,13 @@ class Engine:
     def pool(self) -> PagePool:
         return self.t.pool
 
+    def k_of(self, greedy: bool) -> int:
+        """Draft tokens a round for a greedy or a sampled request (before any cap under load)."""
+        return self.k if greedy else self.k_sample
+
     def sequence(self, req: Request) -> Seq:
         """The sequence that decodes `req` (a conversation's takes its session's cache over)."""
-        k = self.k if req.sampling.greedy else self.k_sample
+        k = self.k_of(req.sampling.greedy)
         gen = torch.Generator(device=self.t.slab.device).manual_seed(req.sampling.seed)
         st = Stats(self.proposer.name, k, backend=self.backend)
         if req.stop and self.decode is None:

@@ -58,7 +58,7 @@ class EagleHead(MTPModule):
     def take_rows(self, target: Transformer) -> None:
         """Its output rows: the target's own for its tokens (frozen: the file holds none)."""
         with torch.no_grad():
-            self.lm_head.weight.copy_(stored(target, target_head(target))[self.ids])
+            self.lm_head.weight.copy_(target.floats(target.head_name)[self.ids])
         self.lm_head.weight.requires_grad_(False)
 
     def eager(self) -> EagleHead:
@@ -72,17 +72,6 @@ class EagleHead(MTPModule):
         return F.linear(each.flatten(-2), self.fc.weight)
 
 
-def target_head(model: Transformer) -> str:
-    return "embed_tokens.weight" if model.cfg.tie_embeddings else "lm_head.weight"
-
-
-def stored(model: Transformer, name: str) -> torch.Tensor:
-    """A parameter's values in float32, from its file where the model's weights stay there."""
-    if model.lazy and model.source is not None:
-        return model.source.floats(name)
-    return model.get_parameter(name).detach().float()
-
-
 def weights_fingerprint(model: Transformer) -> str:
     """A short hash of the target's shape and norm weights (rounded to bfloat16): the same for its GGUF file, whatever
     its quantization (norms stay float32 there), and its HF folder; a trained model's norms are its own (an untrained
@@ -93,7 +82,7 @@ def weights_fingerprint(model: Transformer) -> str:
     ]
     h = hashlib.sha256(json.dumps([c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size]).encode())
     for name in names:
-        h.update(stored(model, name).cpu().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+        h.update(model.floats(name).cpu().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -107,6 +96,15 @@ def save(path: Path, head: EagleHead, *, tokenizer: str, target: str, facts: dic
     }  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.replace_with(path, lambda tmp: write_safetensors(tensors, tmp, meta))
+
+
+def acceptance(facts: dict[str, Any]) -> tuple[float, ...]:
+    """The head's held-out agreement with its target at depth 1, 2, ... (its training's `val_top1@j`), as far as the
+    facts give it."""
+    got: list[float] = []
+    while isinstance(a := facts.get(f"val_top1@{len(got) + 1}"), float):
+        got.append(a)
+    return tuple(got)
 
 
 def load(path: Path, target: Transformer, device: torch.device | str = "cpu") -> tuple[EagleHead, dict[str, str]]:

@@ -293,6 +293,17 @@ class Transformer(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
     @property
+    def head_name(self) -> str:
+        """The parameter its output head's rows are: the tied token embedding, or lm_head's."""
+        return "embed_tokens.weight" if self.cfg.tie_embeddings else "lm_head.weight"
+
+    def floats(self, name: str) -> torch.Tensor:
+        """A parameter's values in float32, read from its file where the weights stay there (`stored`)."""
+        if self.lazy and self.source is not None:
+            return self.source.floats(name)
+        return self.get_parameter(name).detach().float()
+
+    @property
     def head_weight(self) -> torch.Tensor:
         """The output head's rows [vocab, dim]: the tied token embedding, or lm_head's."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..model.eagle import EagleHead, stored, target_head
+from ..model.eagle import EagleHead
 from ..model.llama import Transformer, apply_rope, gated, unit_rms
 from .eagle_data import Shards
 from .loop import ProgressFn, TrainSettings, train_loop
@@ -36,8 +36,8 @@ class Teacher:
 
     @classmethod
     def of(cls, target: Transformer, ids: Tensor) -> Teacher:
-        rows = stored(target, target_head(target))[ids] * stored(target, "norm.weight")[None]
-        return cls(stored(target, "embed_tokens.weight"), rows.contiguous(), target.cfg.norm_eps)
+        rows = target.floats(target.head_name)[ids] * target.floats("norm.weight")[None]
+        return cls(target.floats("embed_tokens.weight"), rows.contiguous(), target.cfg.norm_eps)
 
     def log_p(self, state: Tensor) -> Tensor:
         """The target's last-layer states [..., d] -> its log-distribution over the head's tokens [..., N]."""
@@ -53,7 +53,7 @@ def new_head(target: Transformer, taps: tuple[int, ...], ids: Tensor, seed: int)
     d = target.cfg.dim
     head.take_rows(target)
     with torch.no_grad():
-        head.norm.weight.copy_(stored(target, "norm.weight"))
+        head.norm.weight.copy_(target.floats("norm.weight"))
         head.fc.weight.zero_()
         head.fc.weight[:, (len(taps) - 1) * d :].copy_(torch.eye(d))
     return head

@@ -102,9 +102,9 @@ def generate(
     engine: Engine, recorder: Recorder, prompt_ids: Callable[[str], list[int]], folder: Path, budget: int,
     new_tokens: int, seed: int, meta: dict[str, str], say: Callable[[str], None],
 ) -> int:  # fmt: skip
-    """Shards until the folder holds `budget` tokens (prompts and answers) -> the tokens it holds."""
+    """Shards until the folder holds `budget` tokens (prompts and answers), on `engine` built with `recorder` for
+    proposer -> the tokens it holds."""
     folder.mkdir(parents=True, exist_ok=True)
-    engine.proposer, engine.t.taps = recorder, recorder.taps  # the target alone, its states kept
     grid = len(TASKS) * len(TOPICS)
     while (have := shard_tokens(folder)) < budget:
         n = len(shard_paths(folder))

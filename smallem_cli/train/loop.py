@@ -254,14 +254,11 @@ def distill(target: Transformer, student: Transformer | MTPModule, train_ids: np
 
     modules, judged = ({"model": student}, (student, None)) if mtp is None else ({"mtp": mtp}, (target, mtp))
 
-    def check() -> float:
-        return evaluate(student, val_ids, T)["val_loss"]  # type: ignore[arg-type]
-
-    def draw(step: int) -> torch.Tensor:
-        return batch(train_ids, settings, step)
-
-    judge = lambda: evaluate(judged[0], val_ids, T, judged[1])  # noqa: E731
-    return train_loop(loss_fn, modules, draw, settings, run_dir, on_progress, judge, check if mtp is None else None)
+    check = None if mtp is not None else lambda: evaluate(student, val_ids, T)["val_loss"]  # type: ignore[arg-type]
+    return train_loop(
+        loss_fn, modules, lambda step: batch(train_ids, settings, step), settings, run_dir, on_progress,
+        lambda: evaluate(judged[0], val_ids, T, judged[1]), check,
+    )  # fmt: skip
 
 
 def vocab_rank(train_ids: np.ndarray, vocab_size: int) -> list[int]:

@@ -120,7 +120,7 @@ class NativeSteps:
         self.keep: list[Tensor] = []  # every tensor the C structs point at, alive as long as they
         self.kinds: set[str] = set()  # what its matrices are read as (int8 aside): f16, ..., q4_1
         # the head first: the largest matrix, read while little else is held, so that its read does not set the peak
-        head = None if isinstance(model, MTPModule) else self._rows([(head_name(model), 0)])
+        head = None if isinstance(model, MTPModule) else self._rows([(model.head_name, 0)])
         names = ["block"] if self.mtp else [f"layers.{i}" for i in range(c.n_layers)]
         self.layers_c = (_LayerW * len(names))()
         for i, at in enumerate(names):
@@ -169,7 +169,7 @@ class NativeSteps:
             self._heads[id(None)] = (None, mw.head)
         self._scratch = torch.empty(0)  # the C code's, for the largest pass so far
         # what a chain reads: the target's head and norm for the MTP module, a draft's or an EAGLE head's own
-        self.head_of = (model, "lm_head.weight") if isinstance(model, EagleHead) else (own, head_name(own))
+        self.head_of = (model, "lm_head.weight") if isinstance(model, EagleHead) else (own, own.head_name)
         self.g_final = floats(self.head_of[0], "norm.weight")
         self._taps: dict[tuple[int, ...], Tensor] = {}  # the layers a pass copies out, as the C code reads them
 
@@ -347,10 +347,6 @@ def floats(model: Transformer | MTPModule, name: str) -> Tensor:
     """A parameter's values in float32 (a vector's, or a matrix read once to be laid out)."""
     w = own_bytes(model, name)
     return (w.values() if isinstance(w, quant.Blocked) else w.float()).contiguous()
-
-
-def head_name(model: Transformer) -> str:
-    return "embed_tokens.weight" if model.cfg.tie_embeddings else "lm_head.weight"
 
 
 def verify_sample(
