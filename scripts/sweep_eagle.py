@@ -54,8 +54,9 @@ def main() -> None:
         defaults.EAGLE_MIN_TOP = mt
         for k in (int(x) for x in a.k.split(",")):
             tps, per, out = run(p, k)
-            same = sum(x == y for x, y in zip(out, ref))
-            print(f"min_top {mt} k {k}: {tps:.1f} tok/s x{tps / base:.2f}, {per:.2f} tokens/pass, {same}/{len(ref)} identical")
+            same = sum(x == y for x, y in zip(out, ref, strict=True))
+            print(f"min_top {mt} k {k}: {tps:.1f} tok/s x{tps / base:.2f}, {per:.2f} tokens/pass, "
+                  f"{same}/{len(ref)} identical")  # fmt: skip
 
 
 if __name__ == "__main__":

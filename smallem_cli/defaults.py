@@ -24,7 +24,7 @@ PROPOSER_HELP = (
     f"{PROPOSER['sample']} sampled; HF: none)"
 )
 # Default k per proposer, (greedy, sampled): the best of `bench --sweep-k` (docs/benchmarks.md, "The default k").
-K = {"draft-2l": (4, 3), "draft-4l": (4, 2), "mtp": (4, 3), "ngram": (4, 4), "suffix": (12, 8), "eagle": (8, 8)}
+K = {"draft-2l": (4, 3), "draft-4l": (4, 2), "mtp": (4, 3), "ngram": (4, 4), "suffix": (32, 8), "eagle": (8, 8)}
 K_OTHER = 3  # a proposer given by path
 # The n-gram lookup: the last NGRAM_MAX..NGRAM_MIN tokens, longest first (a 1-gram drafts badly).
 NGRAM = "ngram"
@@ -68,7 +68,7 @@ def default_k(proposer: str, greedy: bool, k: int | None = None) -> int:
     return K[name][0 if greedy else 1] if name in K else K_OTHER
 
 
-MAX_K = 16
+MAX_K = 64
 MIN_TEMPERATURE = 1e-3  # below it, logits / temperature overflow float32 (0 is greedy)
 MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
 MAX_NEW_TOKENS = 200

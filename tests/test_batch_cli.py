@@ -522,7 +522,7 @@ def test_an_empty_input_is_no_error(family: Family, fake: FakeEngine) -> None:
         (["--repetition-penalty", "0"], r"--repetition-penalty must be between 0\.001 and 1000 \(1 = off\), got 0\.0"),
         (["--repetition-penalty", "inf"], r"--repetition-penalty must be between 0\.001 and 1000 \(1 = off\), got inf"),
         (["--seed", "-1"], r"--seed must be between 0 and 2\^63-1, got -1"),
-        (["-k", "99"], r"k must be between 1 and 16, got 99"),
+        (["-k", "99"], r"k must be between 1 and 64, got 99"),
         (["--proposer-vocab", "-1"], r"--proposer-vocab must be >= 0, got -1"),
         (["--threads", "0"], r"--threads must be between 1 and \d+ .*, got 0"),
         (["--device", "tpu"], r"unknown device 'tpu'"),

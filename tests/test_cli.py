@@ -220,8 +220,8 @@ def bad(family: Family, tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
 @pytest.mark.parametrize(
     ("case", "args", "message"),
     [
-        ("k=0", ["-k", "0", "--proposer", "draft-2l"], r"k must be between 1 and 16, got 0"),
-        ("k=1000", ["-k", "1000", "--proposer", "mtp"], r"k must be between 1 and 16, got 1000"),
+        ("k=0", ["-k", "0", "--proposer", "draft-2l"], r"k must be between 1 and 64, got 0"),
+        ("k=1000", ["-k", "1000", "--proposer", "mtp"], r"k must be between 1 and 64, got 1000"),
         ("negative temperature", ["--temperature", "-0.5"], r"temperature must be >= 0, got -0\.5"),
         ("nan temperature", ["--temperature", "nan"], r"temperature must be >= 0"),
         ("top-p 0", ["--temperature", "1", "--top-p", "0"], r"top-p must be in \(0, 1\], got 0\.0"),

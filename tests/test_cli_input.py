@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
         (["--seed", "99999999999999999999"], r"--seed must be between 0 and 2\^63-1, got 99999999999999999999"),
         (["--seed", "99999999999999999999", "--temperature", "1"], r"--seed must be between 0 and 2\^63-1"),
         (["--seed", "-1"], r"--seed must be between 0 and 2\^63-1, got -1"),
-        (["--proposer", "none", "-k", "99"], r"k must be between 1 and 16, got 99"),
-        (["--proposer", "none", "-k", "-1"], r"k must be between 1 and 16, got -1"),
+        (["--proposer", "none", "-k", "99"], r"k must be between 1 and 64, got 99"),
+        (["--proposer", "none", "-k", "-1"], r"k must be between 1 and 64, got -1"),
     ],
 )
 def test_bad_sampling_options_are_refused(family: Family, args: list[str], message: str) -> None:
@@ -47,7 +47,7 @@ def test_bad_sampling_options_are_refused(family: Family, args: list[str], messa
 
 
 def test_a_k_with_no_proposer_is_ignored(family: Family) -> None:
-    """`none` proposes nothing: a k in 1..16 (or 0) is accepted and has no effect."""
+    """`none` proposes nothing: a k in 1..MAX_K (or 0) is accepted and has no effect."""
     ref = as_json(generate(family, "--proposer", "none", "-n", "8", "--json", "-q"))
     for k in ("0", "3", "16"):
         data = as_json(generate(family, "--proposer", "none", "-k", k, "-n", "8", "--json", "-q"))
@@ -214,7 +214,7 @@ def test_prompts_never_replace_a_file_without_overwrite(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--sweep-k", "1..100000000"], r"k values must be between 1 and 16"),  # refused before the range is built
+        (["--sweep-k", "1..100000000"], r"k values must be between 1 and 64"),  # refused before the range is built
         (["--sweep-k", "9..1"], r"bad k range '9\.\.1': the first k is larger than the last"),
         (["--threads", "1000"], r"--threads must be between 1 and \d+ \(the CPUs this process may use\)"),
         (["--batch", ""], r"--batch needs sizes such as 1,4,16,64"),

@@ -149,13 +149,13 @@ MIXES = {
 }  # fmt: skip
 STD = 0.1  # about the weights' spread
 # Each quantized product's inputs are rounded to int16 a block of 32 (`qmatmul.h`): an error uniform within +-sx/2,
-# sx = max|x| / 32767, so an rms error of max|x| / (32767 sqrt 12); for normal-like inputs max|x| is about 2.37 times
+# sx = max|x| / 32639, so an rms error of max|x| / (32639 sqrt 12); for normal-like inputs max|x| is about 2.37 times
 # their rms (the mean largest of 32 normal magnitudes), so each product's output is off by about DELTA of its rms. A
 # pass's outputs lie P products deep (4 a layer, then the head); their errors at most add: P DELTA. That rounding is
 # now smaller than the two engines' own: float32 sums in another order, over random weights whose products cancel
 # (an error of about K 2^-24 of a product's rms, 3e-5 at K = 512), and the K/V cache's float16, where two near values
 # may round either side (up to half an ulp, 2^-12): each product is allowed both.
-DELTA = 2.37 / (32767 * 12**0.5) + 2**-12
+DELTA = 2.37 / (32639 * 12**0.5) + 2**-12
 
 
 def quant_close(a: torch.Tensor, b: torch.Tensor, products: int) -> bool:

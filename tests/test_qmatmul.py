@@ -2,7 +2,7 @@
 
 What is checked: for every block type, and for fused matrices of segments of different types (a Q4_K_M file's
 q/k/v), the product of a few input rows is exactly the formula qmatmul.h states: each row's blocks of 32 rounded to
-int16 (xq = round(x / sx), sx = max|x| / 32767, a block of zeros all zero), each weight block's exact integer dot
+int16 (xq = round(x / sx), sx = max|x| / XQ_MAX, a block of zeros all zero), each weight block's exact integer dot
 product, then in block order c = fma(float(dot), d * sx, c) and, with offsets, c = fma(m, sx * sum(xq), c), every
 rounding float32's. Computed here in torch, each fused multiply-add in float64 rounded to odd (exact for the product,
 a single float32 rounding at the end); the same bits from the AVX-512 build with VNNI and without it, and from the
@@ -26,6 +26,7 @@ from smallem_cli.backends.native import blocks, kernels
 from smallem_cli.model import quant
 
 pytestmark = pytest.mark.skipif(no_native, reason="the native engine needs g++ and an AVX2 CPU")
+XQ_MAX = 127 * 256 + 127  # the largest |xq| (qmatmul.h): xq = 256 hi + lo in two signed bytes (amx.h)
 
 
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -46,8 +47,8 @@ def expected(parts: list[quant.Blocked], x: torch.Tensor) -> torch.Tensor:
     """y [M, N] as qmatmul.h computes it, the parts' rows one below the other."""
     M, K = x.shape
     blocks32 = x.view(M, K // 32, 32)
-    sx = blocks32.abs().amax(-1) / 32767
-    xq = torch.where(sx[..., None] > 0, torch.round(blocks32 / sx[..., None]).clamp(-32767, 32767), 0).long()
+    sx = blocks32.abs().amax(-1) / XQ_MAX
+    xq = torch.where(sx[..., None] > 0, torch.round(blocks32 / sx[..., None]).clamp(-XQ_MAX, XQ_MAX), 0).long()
     outs = []
     for b in parts:
         B, N = b.block, b.q.shape[0]
@@ -156,7 +157,33 @@ def test_bytes_a_weight() -> None:
     assert got == pytest.approx(want, abs=1e-9)
 
 
-def test_vnni_is_read_from_the_cpus_flags() -> None:
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_the_tile_units_product_is_the_same_formula(libraries: dict[str, ctypes.CDLL], kind: str) -> None:
+    """Where the CPU has AMX, products of several rows go to its tile unit (`amx.h`): the same bits as the formula,
+    for nibbles and bytes, blocks of 32 and of 16, in groups of rows and of panels of every size, and the registers'
+    path gives them too with the tile unit turned off."""
+    need()
+    lib = libraries[kernels.best_isa()]
+    if not lib.smallem_amx(1):
+        pytest.skip("this CPU (or Linux) offers no AMX tile unit")
+    rng = np.random.default_rng(7)
+    N, K = 16 * 14 + 3, 256  # 15 panels: each thread's 7 or 8 in fours, threes and ones, the last padded
+    parts = [quant.from_gguf(raw_blocks(kind, N, K, rng, sizes(kind)), kind, (N, K))]
+    try:
+        for M in (5, 8, 9, 16, 17):
+            x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+            want = expected(parts, x)
+            assert torch.equal(product(lib, parts, x), want), M
+            lib.smallem_amx(0)
+            assert torch.equal(product(lib, parts, x), want), M
+            lib.smallem_amx(1)
+    finally:
+        lib.smallem_amx(1)
+
+
+def test_cpu_features_are_read_from_the_cpus_flags() -> None:
     assert kernels.vnni("processor\t: 0\nflags\t\t: fpu avx512f avx512bw avx512_vnni\n")
     assert not kernels.vnni("flags\t\t: fpu avx512f avx512bw avx512vnni_like\nbugs\t\t: avx512_vnni\n")
+    assert kernels.amx("flags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
+    assert not kernels.amx("flags\t\t: fpu avx512f amx_tile\n")
     assert "-mavx512bw" in kernels.isa_flags("avx512") and kernels.isa_flags("avx2") == []

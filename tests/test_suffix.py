@@ -17,7 +17,7 @@ from smallem_cli.engine.build import build
 from smallem_cli.engine.config import EngineConfig
 from smallem_cli.engine.family import load_proposer, load_target
 from smallem_cli.engine.request import Request
-from smallem_cli.spec.suffix import ANCHOR, SuffixCache, SuffixLookup
+from smallem_cli.spec.suffix import ANCHOR, SURE, SuffixCache, SuffixLookup
 
 
 def test_the_longest_match_is_copied() -> None:
@@ -53,6 +53,24 @@ def test_a_lookup_takes_the_longer_of_its_text_and_the_cache() -> None:
     lookup = SuffixLookup(SuffixCache(100), 300, 2, 4)
     lookup.start(torch.tensor([4, 5, 6, 4]), torch.tensor([5]))
     assert lookup.find(2) == [6, 4]  # an empty cache: the n-gram lookup's own
+
+
+def test_a_repeat_is_drafted_as_deep_as_its_match() -> None:
+    """A match of SURE tokens or more is a repeat: its continuation offered as deep as the match (at most k), whatever
+    the acceptance so far; a shorter one is the n-gram lookup's, as deep as its measured acceptance is worth."""
+    past = list(range(1000, 1100))
+    for matched in (SURE, SURE + 7, 60):
+        cache = SuffixCache(1000)
+        cache.add(past)
+        lookup = SuffixLookup(cache, 2000, 2, 4, draft_cost=0.5)
+        lookup.start(torch.tensor([5, *past[: matched - 1]]), torch.tensor([past[matched - 1]]))
+        assert lookup.find(32) == past[matched : matched + 32]
+        assert lookup.depth(32) == min(32, matched) and lookup.depth(8) == 8
+    cache = SuffixCache(1000)
+    cache.add(past)
+    lookup = SuffixLookup(cache, 2000, 2, 4, draft_cost=0.5)
+    lookup.start(torch.tensor([5, *past[: SURE - 2]]), torch.tensor([past[SURE - 2]]))  # one token short of a repeat
+    assert lookup.find(32) == past[SURE - 1 : SURE + 31] and lookup.depth(32) == lookup.depth(5) < SURE
 
 
 def run_twice(family: Family, prompts: list[str], shared: bool, n: int = 24) -> list:

@@ -15,8 +15,8 @@ Device = Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N")]
 Threads = Annotated[int | None, typer.Option(help="torch CPU threads")]
 RunThreads = Annotated[int | None, typer.Option(help="CPU threads (default: all, fewer while other processes run)")]
 _K_HELP = (
-    "proposals per round, 1..16 (default: per proposer and mode); greedy requests get none while more than "
-    f"{defaults.SPECULATE_UP_TO} decode together"
+    f"proposals per round, 1..{defaults.MAX_K} (default: per proposer and mode); greedy requests get none while more "
+    f"than {defaults.SPECULATE_UP_TO} decode together (but a lookup's)"
 )
 K = Annotated[int | None, typer.Option("-k", "--k", help=_K_HELP)]
 MaxBatch = Annotated[int, typer.Option(help="requests decoded together, at most")]

@@ -15,7 +15,7 @@ from .ngram import NgramLookup
 ANCHOR = 4  # a past text is found by the last ANCHOR tokens of the context, then the match extended backwards
 LONGEST = 64  # the longest match measured: past it, every candidate is as good
 KEEP = 4  # the latest occurrences of an anchor kept: the candidates a lookup extends
-SURE = 16  # a match this long is a repeat: its continuation offered whole, whatever the acceptance so far
+SURE = 16  # a match this long is a repeat: its continuation offered as deep as the match, whatever the acceptance
 
 
 class SuffixCache:
@@ -82,7 +82,7 @@ class SuffixLookup(NgramLookup):
 
     def __init__(self, cache: SuffixCache, vocab_size: int, min_n: int, max_n: int, draft_cost: float = 0.0) -> None:
         super().__init__(vocab_size, min_n, max_n, draft_cost)
-        self.cache, self.tid, self.sure = cache, -1, False
+        self.cache, self.tid, self.sure = cache, -1, 0  # sure: the length of a repeat's match, else 0
 
     def start(self, prompt: torch.Tensor, first: torch.Tensor) -> None:
         super().start(prompt, first)
@@ -95,8 +95,10 @@ class SuffixLookup(NgramLookup):
     def find(self, k: int) -> list[int]:
         n, own = self.index.match(k)
         m, past = self.cache.match(self.index.tokens, k)
-        self.sure = m >= SURE
+        self.sure = m if m >= SURE else 0
         return past if m > n else own
 
     def depth(self, k: int) -> int:
-        return k if self.sure else super().depth(k)
+        """A repeat's continuation as deep as the match that found it (a longer one is likelier to go on: a
+        coincidence of SURE tokens risks a pass of SURE tokens, not of k), else the lookup's own depth."""
+        return min(k, self.sure) if self.sure else super().depth(k)

@@ -35,6 +35,7 @@ SIGNATURES = {
     "smallem_step": ("pppippppippipppip", False), "smallem_chain": ("pp", False),
     "smallem_batch_step": ("pppipppppppppippippip", False), "smallem_verify_sample": ("piifppppppiff", False),
     "smallem_penalize": ("piippfpp", False), "smallem_panel": ("", True), "smallem_score_rows": ("", True),
+    "smallem_amx": ("i", True),
 }  # fmt: skip
 
 
@@ -54,18 +55,31 @@ def prefetch_rows(cpuinfo: str | None = None) -> int:
     return 5 if "AuthenticAMD" in (_cpuinfo() if cpuinfo is None else cpuinfo) else 8
 
 
+def has_flags(names: tuple[str, ...], cpuinfo: str | None = None) -> bool:
+    """Whether every one of `names` is among /proc/cpuinfo's flags."""
+    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
+        if line.startswith("flags"):
+            return set(names) <= set(line.split())
+    return False
+
+
 def vnni(cpuinfo: str | None = None) -> bool:
-    """Whether the CPU has AVX-512 VNNI (`avx512_vnni` among /proc/cpuinfo's flags): the AVX-512 build's integer
-    products use it, else the same sums without it (`qmatmul.h`)."""
-    return any(
-        line.startswith("flags") and "avx512_vnni" in line.split()
-        for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines()
-    )
+    """Whether the CPU has AVX-512 VNNI: the AVX-512 build's integer products use it, else the same sums without it
+    (`qmatmul.h`)."""
+    return has_flags(("avx512_vnni",), cpuinfo)
+
+
+def amx(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU has AMX's tiles and their int8 products: the AVX-512 build takes the products of a few rows or
+    more there (`amx.h`), the same sums."""
+    return has_flags(("amx_tile", "amx_int8"), cpuinfo)
 
 
 def isa_flags(isa: str) -> list[str]:
     """The compiler's flags for `isa`'s build on this CPU."""
-    return ISA_FLAGS[isa] + (["-mavx512vnni"] if isa == "avx512" and vnni() else [])
+    if isa != "avx512":
+        return ISA_FLAGS[isa]
+    return ISA_FLAGS[isa] + (["-mavx512vnni"] if vnni() else []) + (["-mamx-tile", "-mamx-int8"] if amx() else [])
 
 
 def best_isa() -> str:
@@ -228,5 +242,6 @@ def _bind(isa: str, lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, (args, returns_int) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int if returns_int else None, [kinds[a] for a in args]
+    lib.smallem_amx(1)  # the tile unit where the build has it and Linux grants it
     _LIBS[isa] = lib
     return lib

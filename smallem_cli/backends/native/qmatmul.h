@@ -6,7 +6,7 @@
 // a 4-bit weight is read in 4 bits.
 //
 // Each input row's blocks of 32 are quantized first (`quantize_row`): xq = round(x / sx), sx =
-// max|x| / 32767, kept with the sums of xq over each 16 and 32. Sixteen bits, not llama.cpp's
+// max|x| / XQ_MAX, kept with the sums of xq over each 16 and 32. Sixteen bits, not llama.cpp's
 // eight: an input rounded to int8 moves the logits by about 1e-2, enough to turn a greedy choice
 // that float32 makes by a wider margin; to 16 bits, about 1e-4. A block b of B = 16 or 32 weights
 // of output n is d[n, b] q[n, k] + m[n, b], q = u - bias with u the stored unsigned byte; then
@@ -14,14 +14,16 @@
 // where dot_b = sum_k u[n, k] xq[r, k] - bias sum_b xq, an exact integer (the bias taken off in
 // integers, so no float cancels it), each term one fused multiply-add in float32. Every output is
 // that one sequence of float operations whatever the tile, the number of rows, or the build
-// (AVX-512 with or without VNNI, AVX2: the integer sums are exact either way; |dot_b| < 32 * 255 *
-// 32767 < 2^31), so a row's numbers do not depend on the rows beside it. They are the eager pass's
+// (AVX-512 with or without VNNI or AMX, AVX2: the integer sums are exact either way; |dot_b| < 32 *
+// 255 * XQ_MAX < 2^31), so a row's numbers do not depend on the rows beside it. They are the eager pass's
 // to the inputs' 16-bit rounding.
 #pragma once
 
 #include <vector>
 
 #define W_FACTORS 4  // QSeg.skind: a K-quant's scales as the file factors them (`quant.Factors`)
+// The largest |xq|: 127 * 256 + 127, so that xq = 256 hi + lo with hi and lo signed bytes (amx.h).
+#define XQ_MAX 32639
 
 // One segment of a matrix: `rows` output rows of one GGUF type (`blocks.QSeg`). A panel's bytes
 // are one stream, unit after unit (a block, or a K-quant's 256 weights): the unit's scales, then
@@ -36,7 +38,7 @@ struct QSeg {
 // The integer vectors: a panel's PANEL rows of 4 weights each, and a dot product of 4 pairs a lane:
 // the weights' even bytes widened to 16 bits against the inputs k, k+2, the odd ones against k+1,
 // k+3 (the inputs stored in that order: `quantize_row`), pairs of products summed into each 32-bit
-// lane (exact: 255 * 32767 * 2 < 2^31).
+// lane (exact: 255 * XQ_MAX * 2 < 2^31).
 // The register's operations, 512 or 256 bits wide; what is built on them below is the same for both.
 #if defined(__AVX512F__)
 #define I_(op) _mm512_##op
@@ -75,16 +77,20 @@ static inline XB x_at(const int16_t *p) {
 
 // The quantized input rows: xq [M, K], and per row sx [K/32], the sums of xq over each 16 and 32
 // (s16 [K/16], s32 [K/32]) and sx times them (mx16, mx32: the offsets' inputs).
+// For the tile unit (amx.h), or null: xq = 256 hi + lo, hi and lo signed bytes in the inputs' own order,
+// x8 [M, 2, K] (row r's hi, then its lo).
 struct QX {
     int16_t *q;
     float *sx, *mx16, *mx32;
     int32_t *s16, *s32;
     int K;
+    int8_t *x8;
 };
 struct QXBuf {
     std::vector<int16_t> q;
     std::vector<float> f;
     std::vector<int32_t> s;
+    std::vector<int8_t> b;
 };
 
 static inline int32_t hsum_i(__m256i v) {
@@ -104,9 +110,9 @@ static inline float hmax(__m256 v) {
 // NaN has sx = NaN, so that the outputs are NaN as the float path's (a block with an infinity: sx
 // infinite, its outputs not finite either).
 static void quantize_row(const float *x, int K, int16_t *q, float *sx, int32_t *s16, int32_t *s32, float *mx16,
-                         float *mx32) {
+                         float *mx32, int8_t *x8) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i lo = _mm256_set1_epi32(-32767), hi = _mm256_set1_epi32(32767);
+    const __m256i lo = _mm256_set1_epi32(-XQ_MAX), hi = _mm256_set1_epi32(XQ_MAX);
     for (int b = 0; b < K / 32; b++) {
         __m256 v[4], top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
@@ -114,9 +120,9 @@ static void quantize_row(const float *x, int K, int16_t *q, float *sx, int32_t *
             top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
         }
-        const float s = _mm256_movemask_ps(nan) ? NAN : hmax(top) / 32767.0f;
+        const float s = _mm256_movemask_ps(nan) ? NAN : hmax(top) / (float)XQ_MAX;
         __m256i t[4];
-        for (int i = 0; i < 4; i++)  // round half to even (the default rounding mode), within +-32767
+        for (int i = 0; i < 4; i++)  // round half to even (the default rounding mode), within +-XQ_MAX
             t[i] = s > 0.0f ? _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_div_ps(v[i], _mm256_set1_ps(s)))))
                             : _mm256_setzero_si256();
         int32_t all[32];
@@ -124,6 +130,11 @@ static void quantize_row(const float *x, int K, int16_t *q, float *sx, int32_t *
         for (int g = 0; g < 32; g += 4)  // each 4 as x_at reads them: k, k+2, then k+1, k+3
             q[32 * b + g] = (int16_t)all[g], q[32 * b + g + 1] = (int16_t)all[g + 2],
             q[32 * b + g + 2] = (int16_t)all[g + 1], q[32 * b + g + 3] = (int16_t)all[g + 3];
+        if (x8)
+            for (int i = 0; i < 32; i++) {
+                const int h = (all[i] + 128) >> 8;  // within +-127, as |xq| <= XQ_MAX
+                x8[32 * b + i] = (int8_t)h, x8[K + 32 * b + i] = (int8_t)(all[i] - 256 * h);
+            }
         const int32_t a = hsum_i(_mm256_add_epi32(t[0], t[1])), c = hsum_i(_mm256_add_epi32(t[2], t[3]));
         sx[b] = s;
         s16[2 * b] = a, s16[2 * b + 1] = c, s32[b] = a + c;
@@ -131,19 +142,21 @@ static void quantize_row(const float *x, int K, int16_t *q, float *sx, int32_t *
     }
 }
 
-// The scratch grown for M rows of K, and where each part of it lies.
-static QX qx_of(QXBuf &buf, int M, int K) {
-    const size_t n32 = (size_t)M * (K / 32);
-    if (buf.q.size() < (size_t)M * K) buf.q.resize((size_t)M * K);
+// The scratch grown for M rows of K (and their bytes, where `bytes`), and where each part of it lies.
+static QX qx_of(QXBuf &buf, int M, int K, bool bytes) {
+    const size_t n32 = (size_t)M * (K / 32), n = (size_t)M * K;
+    if (buf.q.size() < n) buf.q.resize(n);
     if (buf.f.size() < 4 * n32) buf.f.resize(4 * n32);
     if (buf.s.size() < 3 * n32) buf.s.resize(3 * n32);
-    return QX{buf.q.data(), buf.f.data(), buf.f.data() + n32, buf.f.data() + 3 * n32, buf.s.data(), buf.s.data() + 2 * n32, K};
+    if (bytes && buf.b.size() < 2 * n) buf.b.resize(2 * n);
+    return QX{buf.q.data(), buf.f.data(), buf.f.data() + n32, buf.f.data() + 3 * n32, buf.s.data(), buf.s.data() + 2 * n32,
+              K, bytes ? buf.b.data() : nullptr};
 }
 static void quantize_into(const QX &qx, const float *x, int r, int ldx) {
     const int K = qx.K;
     const size_t at = (size_t)r * (K / 32);
     quantize_row(x + (size_t)r * ldx, K, qx.q + (size_t)r * K, qx.sx + at, qx.s16 + 2 * at, qx.s32 + at, qx.mx16 + 2 * at,
-                 qx.mx32 + at);
+                 qx.mx32 + at, qx.x8 ? qx.x8 + (size_t)2 * r * K : nullptr);
 }
 
 // The rows quantized, the same numbers however it is shared out. A few rows: by every thread into
@@ -152,20 +165,20 @@ static void quantize_into(const QX &qx, const float *x, int r, int ldx) {
 #ifndef QX_SHARED_ROWS
 #define QX_SHARED_ROWS 4
 #endif
-static QX quantize_rows(const float *x, int M, int ldx, int K) {
+static QX quantize_rows(const float *x, int M, int ldx, int K, bool bytes) {
     static thread_local QXBuf buf;
     if (M < QX_SHARED_ROWS) {
-        const QX qx = qx_of(buf, M, K);
+        const QX qx = qx_of(buf, M, K, bytes);
         for (int r = 0; r < M; r++) quantize_into(qx, x, r, ldx);
         return qx;
     }
     QXBuf *shared;
 #pragma omp single copyprivate(shared)
     {
-        qx_of(buf, M, K);
+        qx_of(buf, M, K, bytes);
         shared = &buf;
     }
-    const QX qx = qx_of(*shared, M, K);  // grown already: the same addresses in every thread
+    const QX qx = qx_of(*shared, M, K, bytes);  // grown already: the same addresses in every thread
 #pragma omp for schedule(static)
     for (int r = 0; r < M; r++) quantize_into(qx, x, r, ldx);
     return qx;
@@ -313,10 +326,15 @@ static void q_row(const QSeg *s, int64_t r, int K, float *out) {
 
 static constexpr int qnv_for(int mr) { return Q_ACC / mr; }
 
+#include "amx.h"  // the same products on the tile unit
+
 // Every input row against np panels of a segment from column n0 (y: the segment's first column):
 // the rows in groups of at most Q_ACC, of sizes as equal as can be, each reading the panels once.
 template <bool NIB, int QB>
 static void qrows(const QX &x, int M, const QSeg &s, float *y, int ldy, int n0, int np, bool add) {
+#if HAVE_AMX
+    if (x.x8) return amx_rows<NIB, QB>(x, M, s, y, ldy, n0, np, add);
+#endif
     for (int r0 = 0, groups = (M + Q_ACC - 1) / Q_ACC; r0 < M; groups--) {
         const int r = (M - r0 + groups - 1) / groups;
         switch (r) {
@@ -332,7 +350,7 @@ static void qrows(const QX &x, int M, const QSeg &s, float *y, int ldy, int n0, 
 // panels shared out as `matmul_of` shares a matrix's, in chunks of 12 that every row group reads
 // while they sit in L2; one barrier at the end.
 static void matmul_q(const float *x, int M, int ldx, Mat w, int N, int K, float *y, int ldy, bool add) {
-    const QX qx = quantize_rows(x, M, ldx, K);
+    const QX qx = quantize_rows(x, M, ldx, K, amx_on && M >= AMX_ROWS);
     int at = 0;
     for (int i = 0; i < w.nseg; i++) {
         const QSeg &s = w.seg[i];
