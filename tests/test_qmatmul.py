@@ -169,11 +169,16 @@ def test_the_tile_units_product_is_the_same_formula(libraries: dict[str, ctypes.
     rng = np.random.default_rng(7)
     N, K = 16 * 14 + 3, 256  # 15 panels: each thread's 7 or 8 in fours, threes and ones, the last padded
     parts = [quant.from_gguf(raw_blocks(kind, N, K, rng, sizes(kind)), kind, (N, K))]
+    # another build in this process with the tile unit (the tiles' configuration is the thread's, not a library's)
+    other = next((b for name, b in libraries.items() if b is not lib and b.smallem_amx(1)), None)
     try:
         for M in (5, 8, 9, 16, 17):
             x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
             want = expected(parts, x)
             assert torch.equal(product(lib, parts, x), want), M
+            if other is not None:  # tiles of other shapes configured in between
+                assert torch.equal(product(other, parts, x[:6]), want[:6])
+                assert torch.equal(product(lib, parts, x), want), M
             lib.smallem_amx(0)
             assert torch.equal(product(lib, parts, x), want), M
             lib.smallem_amx(1)

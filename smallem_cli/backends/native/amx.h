@@ -34,17 +34,16 @@ struct TileConfig {
 };
 
 // Tiles 0 and 3: the inputs (2m rows of QB bytes, one block after another); 1, 2: weights (QB/4 rows
-// of 64 bytes); 4-7: the sums (2m rows of 16 int32). A thread's configuration, loaded for each (m, QB).
+// of 64 bytes); 4-7: the sums (2m rows of 16 int32). The configuration is the thread's, whoever loaded it
+// (another library in this process may have), so it is read back and loaded only where it differs.
 static inline void amx_configure(int m, int QB) {
-    static thread_local int loaded = -1;
-    if (loaded == m * 64 + QB) return;
-    TileConfig c{};
-    c.palette = 1;
-    for (int t : {0, 3}) c.rows[t] = (uint8_t)(2 * m), c.colsb[t] = (uint16_t)QB;
-    for (int t : {1, 2}) c.rows[t] = (uint8_t)(QB / 4), c.colsb[t] = 64;
-    for (int t = 4; t < 8; t++) c.rows[t] = (uint8_t)(2 * m), c.colsb[t] = 64;
-    _tile_loadconfig(&c);
-    loaded = m * 64 + QB;
+    alignas(64) TileConfig want{}, have;
+    want.palette = 1;
+    for (int t : {0, 3}) want.rows[t] = (uint8_t)(2 * m), want.colsb[t] = (uint16_t)QB;
+    for (int t : {1, 2}) want.rows[t] = (uint8_t)(QB / 4), want.colsb[t] = 64;
+    for (int t = 4; t < 8; t++) want.rows[t] = (uint8_t)(2 * m), want.colsb[t] = 64;
+    _tile_storeconfig(&have);
+    if (memcmp(&have, &want, sizeof want) != 0) _tile_loadconfig(&want);
 }
 
 // Linux hands the tile registers' state to a process only when it asks (arch_prctl); true where it did.
@@ -77,8 +76,8 @@ static inline void amx_block(bool odd, const int8_t *x8, int K, const uint8_t *c
 #undef AMX_BLOCK
 #undef AMX_PANEL
 
-// m <= 8 input rows (from r0) x NV panels (from column n): `qtile`'s sums on the tile unit, then its
-// float epilogue, the accumulators in memory.
+// m <= 8 input rows (from r0) x NV panels (from column n), the tiles configured for m: `qtile`'s sums on
+// the tile unit, then its float epilogue, the accumulators in memory.
 template <bool NIB, int QB, int NV>
 static void amx_tile(const QX &x, int r0, int m, const QSeg &s, float *y, int ldy, int n, int N, bool add) {
     const int K = x.K, nb = K / QB, unit = s.skind == W_FACTORS ? 256 : QB, per = unit / QB;
@@ -94,7 +93,6 @@ static void amx_tile(const QX &x, int r0, int m, const QSeg &s, float *y, int ld
     alignas(64) int32_t dots[AMX_CHUNK][NV][16 * PANEL];
     alignas(64) uint8_t spread[NIB ? AMX_CHUNK : 1][NV][QB * PANEL];
     for (int i = 0; i < m * NV * PANEL; i++) c[i] = 0.0f;
-    amx_configure(m, QB);
     for (int b0 = 0; b0 < nb; b0 += AMX_CHUNK) {
         const int nc = nb - b0 < AMX_CHUNK ? nb - b0 : AMX_CHUNK;
         const uint8_t *w[AMX_CHUNK][NV];
@@ -151,6 +149,7 @@ template <bool NIB, int QB>
 static void amx_rows(const QX &x, int M, const QSeg &s, float *y, int ldy, int n0, int np, bool add) {
     for (int r0 = 0, groups = (M + 7) / 8; r0 < M; groups--) {
         const int m = (M - r0 + groups - 1) / groups;
+        amx_configure(m, QB);
         int v = 0;
         for (; v + AMX_NV <= np; v += AMX_NV) amx_tile<NIB, QB, AMX_NV>(x, r0, m, s, y, ldy, n0 + PANEL * v, s.rows, add);
         const int left = np - v, at = n0 + PANEL * v;
