@@ -78,7 +78,7 @@ static inline XB x_at(const int16_t *p) {
 // The quantized input rows: xq [M, K], and per row sx [K/32], the sums of xq over each 16 and 32
 // (s16 [K/16], s32 [K/32]) and sx times them (mx16, mx32: the offsets' inputs).
 // For the tile unit (amx.h), or null: xq = 256 hi + lo, hi and lo signed bytes in the inputs' own order,
-// x8 [M, 2, K] (row r's hi, then its lo).
+// x8 [M, 2, K] (row r's hi, then its lo), in place of q.
 struct QX {
     int16_t *q;
     float *sx, *mx16, *mx32;
@@ -127,14 +127,15 @@ static void quantize_row(const float *x, int K, int16_t *q, float *sx, int32_t *
                             : _mm256_setzero_si256();
         int32_t all[32];
         for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(all + 8 * i), t[i]);
-        for (int g = 0; g < 32; g += 4)  // each 4 as x_at reads them: k, k+2, then k+1, k+3
-            q[32 * b + g] = (int16_t)all[g], q[32 * b + g + 1] = (int16_t)all[g + 2],
-            q[32 * b + g + 2] = (int16_t)all[g + 1], q[32 * b + g + 3] = (int16_t)all[g + 3];
-        if (x8)
+        if (x8)  // for the tile unit: hi and lo, the registers' order unused
             for (int i = 0; i < 32; i++) {
                 const int h = (all[i] + 128) >> 8;  // within +-127, as |xq| <= XQ_MAX
                 x8[32 * b + i] = (int8_t)h, x8[K + 32 * b + i] = (int8_t)(all[i] - 256 * h);
             }
+        else
+            for (int g = 0; g < 32; g += 4)  // each 4 as x_at reads them: k, k+2, then k+1, k+3
+                q[32 * b + g] = (int16_t)all[g], q[32 * b + g + 1] = (int16_t)all[g + 2],
+                q[32 * b + g + 2] = (int16_t)all[g + 1], q[32 * b + g + 3] = (int16_t)all[g + 3];
         const int32_t a = hsum_i(_mm256_add_epi32(t[0], t[1])), c = hsum_i(_mm256_add_epi32(t[2], t[3]));
         sx[b] = s;
         s16[2 * b] = a, s16[2 * b + 1] = c, s32[b] = a + c;
